@@ -1,0 +1,91 @@
+"""ModelParallelConfig: the parallel layout and numerics every core module shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core import parallel_state
+
+
+def require_positive(name: str, value: object) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a positive integer."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
+def require_divisible(name: str, value: int, by_name: str, by: int) -> None:
+    """Raise a ValueError unless ``value`` (setting ``name``) is divisible by ``by``."""
+    if value % by:
+        raise ValueError(f"{name}={value} must be divisible by {by_name}={by}")
+
+
+@dataclass
+class ModelParallelConfig:
+    """Parallel sizes and precision settings (Megatron field names).
+
+    Flags that only pick a kernel or overlap strategy on GPUs are accepted as
+    fields and have no effect where the result is mathematically the same.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    timers: Optional[object] = None
+
+    # GPU-only performance switches: accepted, no numerical effect.
+    gradient_accumulation_fusion: bool = False
+    async_tensor_model_parallel_allreduce: bool = False
+    tp_comm_overlap: bool = False
+
+    # Pipeline communication.
+    pipeline_dtype: Optional[torch.dtype] = None
+    variable_seq_lengths: bool = False
+    deallocate_pipeline_outputs: bool = False
+    batch_p2p_comm: bool = True
+    finalize_model_grads_func: Optional[object] = None
+    grad_scale_func: Optional[object] = None
+    no_sync_func: Optional[object] = None
+    grad_sync_func: Optional[object] = None
+    param_sync_func: Optional[object] = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size"):
+            require_positive(name, getattr(self, name))
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16=True and bf16=True: choose at most one")
+        self.sequence_parallel = parallel_state.warn_sequence_parallel_without_tp(
+            self.tensor_model_parallel_size, self.sequence_parallel)
+        if self.pipeline_dtype is None:
+            self.pipeline_dtype = self.params_dtype
+
+    def check_against(self, groups: "parallel_state.ProcessGroupCollection") -> None:
+        """Raise if the configured sizes differ from the groups' actual sizes."""
+        actual = {
+            "tensor_model_parallel_size": groups.size_of("tp"),
+            "pipeline_model_parallel_size": groups.size_of("pp"),
+            "context_parallel_size": groups.size_of("cp"),
+            "expert_model_parallel_size": groups.size_of("ep"),
+        }
+        for name, size in actual.items():
+            if getattr(self, name) != size:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} in the config, but the process groups have {size}: "
+                    "initialize_model_parallel and the config must agree"
+                )

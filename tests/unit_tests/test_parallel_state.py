@@ -1,0 +1,103 @@
+"""Rank grid arithmetic (pure) and the process groups built from it (gloo ranks)."""
+
+import pytest
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.core.rank_grid import RankGrid
+from tests.dist_harness import run_distributed
+
+
+def _grid(tp=1, cp=1, ep=1, dp=1, pp=1, order="tp-cp-ep-dp-pp"):
+    return RankGrid({"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}, order)
+
+
+def test_tp_ranks_adjacent_pp_slowest():
+    grid = _grid(tp=2, dp=2, pp=2)
+    assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.groups("tp-pp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_every_rank_in_exactly_one_group_of_each_kind():
+    grid = _grid(tp=2, cp=2, dp=2, pp=2)
+    for token in ("tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-cp-ep-dp-pp"):
+        flat = sorted(r for g in grid.groups(token) for r in g)
+        assert flat == list(range(16)), token
+
+
+def test_coordinates_follow_order():
+    grid = _grid(tp=2, cp=2, dp=2, pp=2)
+    # rank = tp + 2*cp + 4*dp + 8*pp
+    assert [grid.coordinate(13, d) for d in ("tp", "cp", "dp", "pp")] == [1, 0, 1, 1]
+
+
+def test_custom_order_moves_dp_fastest():
+    grid = _grid(tp=2, dp=2, order="dp-tp-cp-ep-pp")
+    assert grid.groups("dp") == [[0, 1], [2, 3]]
+    assert grid.groups("tp") == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(world_size=6, tensor_model_parallel_size=4), ["world size 6", "tensor_model_parallel_size (4)"]),
+    (dict(world_size=8, pipeline_model_parallel_size=3), ["pipeline_model_parallel_size (3)"]),
+    (dict(world_size=4, expert_model_parallel_size=3), ["expert_model_parallel_size (3)"]),
+    (dict(world_size=4, tensor_model_parallel_size=0), ["tensor_model_parallel_size=0"]),
+    (dict(world_size=4, virtual_pipeline_model_parallel_size=2), ["virtual_pipeline_model_parallel_size=2"]),
+])
+def test_impossible_layouts_name_the_setting(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        ps.ParallelLayout(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_order_is_rejected():
+    with pytest.raises(ValueError, match="order"):
+        _grid(order="tp-dp-pp")
+
+
+def _check_groups_on_eight_ranks(rank, world_size):
+    pgs = ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                       expert_model_parallel_size=2)
+    out = {}
+    # facade and explicit object agree, and the groups really communicate over those ranks
+    for name in ("tp", "pp", "dp", "mp", "embd", "ep", "expt_dp"):
+        group = getattr(pgs, name)
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, rank, group=group)
+        out[name] = gathered
+        assert gathered == pgs.ranks[name]
+    out["tp_rank"] = ps.get_tensor_model_parallel_rank()
+    out["pp_rank"] = ps.get_pipeline_model_parallel_rank()
+    out["dp_size"] = ps.get_data_parallel_world_size()
+    out["first"] = ps.is_pipeline_first_stage()
+    out["last"] = ps.is_pipeline_last_stage()
+    out["next"] = ps.get_pipeline_model_parallel_next_rank()
+    with pytest.raises(RuntimeError, match="already initialized"):
+        ps.initialize_model_parallel(2, 2)
+    ps.destroy_model_parallel()
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        ps.get_tensor_model_parallel_group()
+    with pytest.raises(ValueError, match="not divisible"):
+        ps.initialize_model_parallel(tensor_model_parallel_size=3)
+    return out
+
+
+def test_groups_on_eight_ranks():
+    res = run_distributed(_check_groups_on_eight_ranks, 8)
+    grid = _grid(tp=2, dp=2, pp=2)
+    for rank, out in enumerate(res):
+        for token, name in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("tp-pp", "mp")):
+            expected = next(g for g in grid.groups(token) if rank in g)
+            assert out[name] == expected, (rank, name)
+        pp_group = next(g for g in grid.groups("pp") if rank in g)
+        assert out["embd"] == [pp_group[0], pp_group[-1]]
+        assert out["tp_rank"] == rank % 2 and out["pp_rank"] == rank // 4 and out["dp_size"] == 2
+        assert out["first"] == (rank < 4) and out["last"] == (rank >= 4)
+        assert out["next"] == (rank + 4) % 8
+        # expert grid: etp=2 (defaults to tp), ep=2, edp=1, pp=2
+        assert out["ep"] == [r for r in range(8) if r // 4 == rank // 4 and r % 2 == rank % 2]
+        assert out["expt_dp"] == [rank]
