@@ -1,0 +1,58 @@
+"""Tensor and sequence parallelism: communication primitives, split layers, loss, RNG.
+
+``from megatron.core import tensor_parallel; tensor_parallel.ColumnParallelLinear(...)``
+works as in Megatron Core.
+"""
+
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_tensor_model_parallel_attributes,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_last_dim_to_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import (
+    CheckpointFunction,
+    CudaRNGStatesTracker,
+    checkpoint,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
+from megatron.core.tensor_parallel.utils import (
+    VocabUtility,
+    divide,
+    gather_split_1d_tensor,
+    split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
+)
+
+__all__ = [
+    "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
+    "all_gather_last_dim_from_tensor_parallel_region", "copy_to_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region", "reduce_scatter_last_dim_to_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "get_cuda_rng_tracker", "get_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+    "VocabUtility", "divide", "gather_split_1d_tensor", "split_tensor_along_last_dim",
+    "split_tensor_into_1d_equal_chunks",
+]

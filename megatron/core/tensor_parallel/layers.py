@@ -1,0 +1,290 @@
+"""Tensor-parallel layers: column- and row-split linear layers and a vocab-split embedding.
+
+Every parameter carries three attributes that checkpointing, gradient clipping
+and the optimizer read: ``tensor_model_parallel`` (is it a shard?),
+``partition_dim`` (which dim is split) and ``partition_stride``. With a TP group
+of one rank each layer is exactly ``torch.nn.functional.linear`` / ``embedding``.
+
+Layer forwards return ``(output, output_bias)``: ``output_bias`` is the bias when
+``skip_bias_add`` is set (the caller fuses it into a later op), else None.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.utils import VocabUtility, divide
+
+InitMethod = Callable[[torch.Tensor], object]
+
+_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Mark ``tensor`` as a TP shard split along ``dim`` (or as replicated)."""
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the 'replicated' attributes unless it already has them."""
+    for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the TP attributes of ``source`` (defaults where it has none) onto ``destination``."""
+    for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
+        setattr(destination, name, getattr(source, name, value))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True for shards and, for replicated parameters, only on TP rank 0 (count each once)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def _resolve_group(tp_group: Optional[dist.ProcessGroup], is_expert: bool) -> dist.ProcessGroup:
+    """``tp_group``, or the default (expert-)TP group."""
+    if tp_group is not None:
+        return tp_group
+    groups = parallel_state.default_process_groups()
+    return groups.expt_tp if is_expert else groups.tp
+
+
+def _param_device(config: ModelParallelConfig) -> torch.device:
+    if torch.cuda.is_available() and not config.use_cpu_initialization:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _shard_of_master(master: torch.Tensor, per_partition: int, dim: int, stride: int,
+                     rank: int, world: int) -> torch.Tensor:
+    """This rank's shard of ``master``: with stride k, every world-th of the k*world blocks."""
+    blocks = torch.split(master, divide(per_partition, stride), dim=dim)
+    return torch.cat(blocks[rank::world], dim=dim)
+
+
+def _make_weight(shape: Tuple[int, int], full_shape: Tuple[int, int], partition_dim: int, stride: int,
+                 init_method: InitMethod, config: ModelParallelConfig, group: dist.ProcessGroup,
+                 rng_stream: str) -> torch.nn.Parameter:
+    """Allocate a sharded weight and initialize it the way ``config`` asks.
+
+    ``use_cpu_initialization``: build the full ``full_shape`` weight with the
+    default generator (so the same seed gives the same model for any TP size) and
+    keep this rank's shard. Otherwise each rank fills its own shard under the
+    tracked per-TP-rank stream ``rng_stream``.
+    """
+    device = _param_device(config)
+    weight = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    if not config.perform_initialization:
+        return weight
+    with torch.no_grad():
+        if config.use_cpu_initialization:
+            master = torch.empty(full_shape, dtype=torch.float32)
+            init_method(master)
+            shard = _shard_of_master(master, shape[partition_dim], partition_dim, stride,
+                                     dist.get_rank(group), dist.get_world_size(group))
+            weight.copy_(shard.to(config.params_dtype))
+        else:
+            with get_cuda_rng_tracker().fork(rng_stream):
+                init_method(weight)
+    if torch.cuda.is_available() and weight.device.type != "cuda":
+        weight.data = weight.data.cuda()
+    return weight
+
+
+def _make_bias(size: int, config: ModelParallelConfig, device: torch.device) -> torch.nn.Parameter:
+    """Zero-initialized bias (Megatron starts every linear bias at zero)."""
+    return torch.nn.Parameter(torch.zeros(size, dtype=config.params_dtype, device=device))
+
+
+def _rng_stream(is_expert: bool) -> str:
+    return "expert-parallel-rng" if is_expert else "model-parallel-rng"
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its output dim: rank i holds ``A[i*o/tp:(i+1)*o/tp]``.
+
+    Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism, all-gathered
+    here); output ``[s, b, o/tp]``, or ``[s, b, o]`` with ``gather_output``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: InitMethod, bias: bool = True, gather_output: bool = False, stride: int = 1,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
+                 is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
+                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        if gather_output and config.sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
+                             "config.sequence_parallel=True (the output would be gathered twice)")
+        self.config = config
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.skip_bias_add, self.is_expert = gather_output, skip_bias_add, is_expert
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
+        self.tp_group = _resolve_group(tp_group, is_expert)
+        world = dist.get_world_size(self.tp_group)
+        self.output_size_per_partition = divide(output_size, world)
+        shape = (self.output_size_per_partition, input_size)
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = _make_weight(shape, (output_size, input_size), 0, stride, init_method, config,
+                                       self.tp_group, _rng_stream(is_expert))
+            self.weight.allreduce = not is_expert
+        if bias:
+            device = self.weight.device if self.weight is not None else _param_device(config)
+            self.bias = _make_bias(self.output_size_per_partition, config, device)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            self.bias.allreduce = not is_expert
+        else:
+            self.register_parameter("bias", None)
+
+    def _check_weight(self, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True: "
+                                 "pass weight= to forward")
+            return self.weight
+        expected = (self.output_size_per_partition, self.input_size)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"ColumnParallelLinear: weight has shape {tuple(weight.shape)}, expected {expected}")
+        return weight
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Apply the layer.
+
+        Args:
+            input_: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).
+            weight: shard to use instead of ``self.weight`` (tied output layers).
+            runtime_gather_output: overrides ``gather_output`` for this call.
+        """
+        weight = self._check_weight(weight)
+        if self.sequence_parallel:
+            total_input = gather_from_sequence_parallel_region(input_, True, self.tp_group)  # [s, b, h]
+        else:
+            total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h]
+        bias = None if self.skip_bias_add else self.bias
+        output_parallel = F.linear(total_input, weight, bias)  # [s, b, o/tp]
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            if self.sequence_parallel:
+                raise ValueError("ColumnParallelLinear: cannot gather the output under sequence parallelism")
+            output = gather_from_tensor_model_parallel_region(output_parallel, self.tp_group)  # [s, b, o]
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its input dim: rank i holds ``A[:, i*h/tp:(i+1)*h/tp]``.
+
+    Input ``[s, b, h/tp]`` (``input_is_parallel``) or ``[s, b, h]`` (scattered
+    here); the partial products are summed over TP (all-reduce, or reduce-scatter
+    along the sequence dim to ``[s/tp, b, o]`` under sequence parallelism). The bias
+    is replicated and added after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: InitMethod, bias: bool = True, input_is_parallel: bool = False,
+                 skip_bias_add: bool = False, stride: int = 1, is_expert: bool = False,
+                 tp_comm_buffer_name: Optional[str] = None,
+                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        if config.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: config.sequence_parallel=True requires input_is_parallel=True")
+        self.config = config
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add, self.is_expert = input_is_parallel, skip_bias_add, is_expert
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
+        self.tp_group = _resolve_group(tp_group, is_expert)
+        self.input_size_per_partition = divide(input_size, dist.get_world_size(self.tp_group))
+        self.weight = _make_weight((output_size, self.input_size_per_partition), (output_size, input_size), 1,
+                                   stride, init_method, config, self.tp_group, _rng_stream(is_expert))
+        self.weight.allreduce = not is_expert
+        if bias:
+            self.bias = _make_bias(output_size, config, self.weight.device)
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            # Under SP each rank's bias grad covers only its sequence piece: training must all-reduce it.
+            self.bias.sequence_parallel = config.sequence_parallel
+            self.bias.allreduce = not is_expert
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Apply the layer to ``[s, b, h/tp]`` (or ``[s, b, h]`` unless ``input_is_parallel``)."""
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h/tp]
+        output_parallel = F.linear(input_parallel, self.weight)  # [s, b, o] partial sum
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)  # [s/tp, b, o]
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)  # [s, b, o]
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output if self.bias is None else output + self.bias), None
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split along the vocabulary: rank i holds rows ``[i*V/tp, (i+1)*V/tp)``.
+
+    Input token ids ``[b, s]``. Each rank looks up the ids it owns (zeros for the
+    others) and the partial results are summed over TP. Output ``[b, s, h]``; with
+    ``reduce_scatter_embeddings`` the output is first transposed to ``[s, b, h]``
+    and reduce-scattered along the sequence dim (dim 0), giving ``[s/tp, b, h]``
+    for a sequence-parallel model.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod,
+                 config: ModelParallelConfig, reduce_scatter_embeddings: bool = False,
+                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.tp_group = _resolve_group(tp_group, False)
+        rank, world = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, rank, world)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = _make_weight((self.num_embeddings_per_partition, embedding_dim),
+                                   (num_embeddings, embedding_dim), 0, 1, init_method, config,
+                                   self.tp_group, _rng_stream(False))
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """Embed ``[b, s]`` ids; returns ``[b, s, h]`` or ``[s/tp, b, h]`` (see class doc)."""
+        parallel = dist.get_world_size(self.tp_group) > 1
+        if parallel:
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)  # [b, s]
+            local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+        else:
+            local_ids = input_
+        output_parallel = F.embedding(local_ids, self.weight)  # [b, s, h]
+        if parallel:
+            output_parallel = output_parallel.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            output_parallel = output_parallel.transpose(0, 1).contiguous()  # [s, b, h]
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)  # [s/tp, b, h]
+        return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)  # [b, s, h]

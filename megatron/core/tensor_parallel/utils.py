@@ -1,0 +1,70 @@
+"""Small arithmetic and tensor-splitting helpers shared by the tensor-parallel layers."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Exact integer division.
+
+    Raises:
+        ValueError: ``numerator`` is not a multiple of ``denominator`` (both are named).
+    """
+    if denominator == 0 or numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
+                                contiguous_split_chunks: bool = False) -> Tuple[torch.Tensor, ...]:
+    """Cut ``tensor`` into ``num_partitions`` equal pieces along its last dimension.
+
+    Args:
+        tensor: any tensor whose last dimension is divisible by ``num_partitions``.
+        num_partitions: number of pieces.
+        contiguous_split_chunks: return contiguous copies instead of views.
+    """
+    last = divide(tensor.size(-1), num_partitions)
+    chunks = torch.split(tensor, last, dim=-1)
+    if contiguous_split_chunks:
+        return tuple(chunk.contiguous() for chunk in chunks)
+    return chunks
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's equal slice of ``tensor`` flattened (numel must divide by the group size)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    per_rank = divide(tensor.numel(), world)
+    return tensor.reshape(-1)[rank * per_rank:(rank + 1) * per_rank].clone()
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of ``split_tensor_into_1d_equal_chunks``: the flat tensor of all ranks' slices."""
+    world = dist.get_world_size(group)
+    out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    return out
+
+
+class VocabUtility:
+    """Which contiguous slice ``[first, last)`` of the vocabulary a TP rank owns."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> Tuple[int, int]:
+        """Range of rank ``rank`` when every rank holds ``per_partition_vocab_size`` entries."""
+        del world_size  # every partition has the same size; kept for Megatron's signature
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
+                                           world_size: int) -> Tuple[int, int]:
+        """Range of rank ``rank`` when ``global_vocab_size`` is split over ``world_size`` ranks."""
+        per_partition = divide(global_vocab_size, world_size)
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)
+
