@@ -102,10 +102,10 @@ class CudaRNGStatesTracker:
         """Draw from stream ``name`` inside the block; the outer stream resumes afterwards.
 
         Raises:
-            KeyError: no stream named ``name`` (call ``model_parallel_cuda_manual_seed``).
+            RuntimeError: no stream named ``name`` (call ``model_parallel_cuda_manual_seed``).
         """
         if name not in self.states_:
-            raise KeyError(f"RNG stream {name!r} is not tracked; call model_parallel_cuda_manual_seed first")
+            raise RuntimeError(f"RNG stream {name!r} is not tracked; call model_parallel_cuda_manual_seed first")
         outer = _get_device_rng_state()
         _set_device_rng_state(self.states_[name])
         try:
