@@ -368,6 +368,10 @@ class IndexedDatasetBuilder:
         with open(get_bin_path(path_prefix), "rb") as f:
             shutil.copyfileobj(f, self._data_file, 16 * 1024 * 1024)
 
+    def close(self) -> None:
+        """Close the ``.bin`` without writing an index (an abandoned build)."""
+        self._data_file.close()
+
     def finalize(self, idx_path: str) -> None:
         """Close the ``.bin`` and write the ``.idx`` atomically (temporary name, then rename)."""
         self._data_file.close()

@@ -1,0 +1,592 @@
+"""Tokenize a JSON-lines corpus into Megatron indexed datasets (``.bin`` + ``.idx``).
+
+Output: ``{output_prefix}_{json_key}_{document|sentence}.{bin,idx}`` per ``--json-keys`` entry
+(``sentence`` with ``--split-sentences``). One JSON line is one document.
+
+Pipeline: the parent cuts the input into blocks of whole lines; a pool of ``--workers``
+processes parses and tokenizes each block with the tokenizer's batch encoder and returns NumPy
+arrays; the parent appends them to the datasets in input order with one bulk write per block.
+``--partitions N`` runs N such pipelines on N byte ranges of the input at once, then concatenates
+their outputs, which are therefore identical to a single-partition run.
+
+Bad lines (invalid JSON or UTF-8, missing key, non-string or empty text) are skipped and
+summarised at the end, or stop the run with ``--strict``. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import itertools
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.core.datasets.indexed_dataset import (  # noqa: E402
+    DType,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from tools.merge_datasets import merge_datasets  # noqa: E402
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+    "HuggingFaceTokenizer", "TikTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "NullTokenizer",
+)
+# Which flag must name a file for each tokenizer type (NullTokenizer needs --vocab-size instead).
+_REQUIRED_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+}
+BAD_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "non_string", "empty_text")
+MAX_REPORTED = 10
+BLOCK_BYTES = 1 << 20  # lines per task: large enough to amortise IPC, small enough to balance
+PUNKT_SAMPLE_BYTES = 512 * 1024  # Punkt training costs ~2 s per MB
+
+
+class UsageError(Exception):
+    """A problem with the command line or the environment, found before any work starts."""
+
+
+class BadInputError(Exception):
+    """A bad input line under ``--strict``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse Megatron's preprocessing flags (plus ``--strict``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSON-lines file, a directory of them, or a glob")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
+    g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (NLTK Punkt)")
+    g.add_argument("--keep-newlines", action="store_true", help="keep the newlines between split sentences")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece/TikToken model or HF directory")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None, help="BPE merge file")
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (NullTokenizer)")
+    g.add_argument("--vocab-extra-ids", type=int, default=0)
+    g.add_argument("--tiktoken-pattern", default=None)
+    g.add_argument("--append-eod", action="store_true", help="append an end-of-document token to each document")
+    g.add_argument("--lang", default="english", help="language of the NLTK Punkt sentence splitter")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="path prefix of the output files")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (in total, over all partitions)")
+    g.add_argument("--partitions", type=int, default=1, help="process the input in this many parts, then merge")
+    g.add_argument("--log-interval", type=int, default=1000, help="report progress every this many documents")
+    g.add_argument("--strict", action="store_true", help="stop at the first bad input line")
+    args = p.parse_args(argv)
+    for flag in ("workers", "partitions", "log_interval"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be at least 1")
+    return args
+
+
+def resolve_inputs(spec: str) -> List[str]:
+    """The input files named by ``--input``: a file, every ``*.json``/``*.jsonl`` of a directory, or a glob."""
+    if os.path.isdir(spec):
+        files = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.endswith((".json", ".jsonl")))
+        if not files:
+            raise UsageError(f"--input {spec}: directory has no *.json or *.jsonl files")
+        return files
+    if os.path.isfile(spec):
+        return [spec]
+    files = sorted(f for f in glob.glob(spec) if os.path.isfile(f))
+    if not files:
+        raise UsageError(f"--input {spec}: no such file")
+    return files
+
+
+def check_output_prefix(prefix: str) -> None:
+    """Fail early when the output directory is missing or not writable."""
+    out_dir = os.path.dirname(os.path.abspath(prefix))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--output-prefix {prefix}: directory {out_dir} does not exist")
+    try:  # os.access is not enough: it says yes to root on read-only mounts
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as e:
+        raise UsageError(f"--output-prefix {prefix}: cannot write to {out_dir} ({e.strerror})") from None
+
+
+def tokenizer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """Keyword arguments of ``build_tokenizer`` after checking the files the type needs."""
+    for name in _REQUIRED_FILES.get(args.tokenizer_type, ()):
+        flag, path = "--" + name.replace("_", "-"), getattr(args, name)
+        if path is None:
+            raise UsageError(f"--tokenizer-type {args.tokenizer_type} needs {flag}")
+        if not os.path.isfile(path):
+            raise UsageError(f"{flag} {path}: no such file")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
+        raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+    return dict(vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                vocab_size=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids,
+                tiktoken_pattern=args.tiktoken_pattern)
+
+
+def build_tokenizer(tokenizer_type: str, kwargs: Dict[str, Any]) -> Any:
+    """Build the tokenizer; any failure becomes a ``UsageError`` (imported lazily: start-up time)."""
+    from megatron.core.tokenizers import build_tokenizer as _build
+
+    try:
+        return _build(tokenizer_type, **kwargs)
+    except Exception as e:  # any library's loading error: report it as a usage problem
+        raise UsageError(f"cannot build {tokenizer_type}: {type(e).__name__}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Sentence splitting
+# --------------------------------------------------------------------------------------------
+def punkt_params(lang: str, sample: str) -> Tuple[Any, str]:
+    """Punkt parameters for ``lang`` from local NLTK data, else trained on ``sample`` (no download)."""
+    from nltk.tokenize import punkt
+
+    try:
+        return punkt.PunktTokenizer(lang)._params, f"NLTK punkt_tab data for {lang}"
+    except (LookupError, OSError, ValueError):
+        trainer = punkt.PunktTrainer()
+        trainer.train(sample, finalize=True)
+        return trainer.get_params(), f"Punkt trained on {len(sample) // 1024} KiB of the input"
+
+
+def read_text_sample(files: Sequence[str], keys: Sequence[str], limit: int) -> str:
+    """Up to ``limit`` characters of the keys' texts from the first lines of the input."""
+    parts: List[str] = []
+    size = 0
+    for path in files:
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    continue
+                texts = [obj.get(k) for k in keys] if isinstance(obj, dict) else []
+                for t in texts:
+                    if isinstance(t, str):
+                        parts.append(t)
+                        size += len(t)
+                if size >= limit:
+                    return "\n\n".join(parts)
+    return "\n\n".join(parts)
+
+
+class SentenceSplitter:
+    """Punkt sentence splitter; with ``keep_newlines`` the text between sentences stays attached."""
+
+    def __init__(self, params: Any, keep_newlines: bool) -> None:
+        from nltk.tokenize.punkt import PunktSentenceTokenizer
+
+        self._punkt = PunktSentenceTokenizer(params)
+        self.keep_newlines = keep_newlines
+
+    def __call__(self, text: str) -> List[str]:
+        if not self.keep_newlines:
+            return self._punkt.tokenize(text)
+        starts = [s for s, _ in self._punkt.span_tokenize(text)]
+        # Each sentence runs to the start of the next, so newlines after it are kept.
+        return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side: one block of lines -> arrays
+# --------------------------------------------------------------------------------------------
+@dataclass
+class EncodeConfig:
+    """Everything a worker needs; pickled to each worker process."""
+
+    json_keys: List[str]
+    tokenizer_type: str
+    tokenizer_kwargs: Dict[str, Any]
+    dtype: Any
+    append_eod: bool
+    strict: bool
+    splitter_params: Any = None
+    keep_newlines: bool = False
+    quiet_threads: bool = False
+
+
+_WORKER: Dict[str, Any] = {}
+
+
+def init_worker(cfg: EncodeConfig, tokenizer: Any = None) -> None:
+    """Set up the tokenizer and sentence splitter of this process."""
+    if cfg.quiet_threads:  # one process per core is the parallelism; no nested thread pools
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER["cfg"] = cfg
+    _WORKER["tok"] = tokenizer if tokenizer is not None else build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_kwargs)
+    _WORKER["split"] = SentenceSplitter(cfg.splitter_params, cfg.keep_newlines) if cfg.splitter_params else None
+    _WORKER["eod"] = _WORKER["tok"].eod if cfg.append_eod else None
+
+
+def parse_line(raw: bytes, keys: Sequence[str]) -> Tuple[Optional[List[str]], Optional[Tuple[str, str]]]:
+    """The texts of one line, or ``(None, (reason, message))`` for a bad line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, ("invalid_utf8", f"invalid UTF-8 at byte {e.start}")
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        return None, ("invalid_json", f"invalid JSON: {e}")
+    if not isinstance(obj, dict):
+        return None, ("invalid_json", f"a JSON {type(obj).__name__}, not an object")
+    texts = []
+    for key in keys:
+        if key not in obj:
+            return None, ("missing_key", f"no key {key!r}")
+        value = obj[key]
+        if not isinstance(value, str):
+            return None, ("non_string", f"key {key!r} holds a {type(value).__name__}, not a string")
+        if not value:
+            return None, ("empty_text", f"key {key!r} is empty")
+        texts.append(value)
+    return texts, None
+
+
+def encode_texts(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens, sequence lengths and cumulative sequences per document for one key's texts."""
+    tok, split, eod = _WORKER["tok"], _WORKER["split"], _WORKER["eod"]
+    docs = [split(t) for t in texts] if split else [[t] for t in texts]
+    ids = tok.batch_tokenize([s for d in docs for s in d]) if texts else []
+    seqs: List[List[int]] = []
+    doc_ends = np.empty(len(docs), dtype=np.int64)
+    pos = 0
+    for k, d in enumerate(docs):
+        doc_seqs = [x for x in ids[pos:pos + len(d)] if len(x)]  # Megatron drops empty sequences
+        pos += len(d)
+        if doc_seqs and eod is not None:
+            doc_seqs[-1] = list(doc_seqs[-1]) + [eod]
+        seqs.extend(doc_seqs)
+        doc_ends[k] = len(seqs)
+    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    tokens = np.fromiter(itertools.chain.from_iterable(seqs), dtype=_WORKER["cfg"].dtype, count=int(lengths.sum()))
+    return tokens, lengths, doc_ends
+
+
+def encode_block(task: Tuple[str, int, bytes]) -> Dict[str, Any]:
+    """Parse and tokenize one block of whole lines (runs in a worker)."""
+    path, first_line, block = task
+    keys = _WORKER["cfg"].json_keys
+    lines = block.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    per_key: List[List[str]] = [[] for _ in keys]
+    bad = []
+    for lineno, raw in enumerate(lines, first_line):
+        texts, problem = parse_line(raw, keys)
+        if problem:
+            bad.append((problem[0], f"{path}:{lineno}: {problem[1]}"))
+            if _WORKER["cfg"].strict:
+                break  # the parent stops here; the rest of the block is never written
+            continue
+        for bucket, text in zip(per_key, texts):
+            bucket.append(text)
+    return dict(encoded={k: encode_texts(t) for k, t in zip(keys, per_key)},
+                docs=len(per_key[0]), nbytes=len(block), bad=bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side: blocks in, datasets out
+# --------------------------------------------------------------------------------------------
+Range = Tuple[str, int, int]  # file, first byte, end byte (both at line starts)
+
+
+def split_ranges(files: Sequence[str], parts: int) -> List[List[Range]]:
+    """Cut the input into ``parts`` byte ranges of similar size, each made of whole lines."""
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    cuts = [total * k // parts for k in range(1, parts)]
+    result: List[List[Range]] = [[] for _ in range(parts)]
+    offset = 0
+    for path, size in zip(files, sizes):
+        inner = sorted({_line_start(path, c - offset) for c in cuts if offset < c < offset + size})
+        bounds = [0] + [b for b in inner if 0 < b < size] + [size]
+        for a, b in zip(bounds, bounds[1:]):
+            part = min(parts - 1, sum(1 for c in cuts if c <= offset + a))
+            result[part].append((path, a, b))
+        offset += size
+    return result
+
+
+def _line_start(path: str, pos: int) -> int:
+    """The first line start at or after byte ``pos``."""
+    with open(path, "rb") as f:
+        f.seek(pos - 1)
+        f.readline()
+        return f.tell()
+
+
+def iter_blocks(ranges: Sequence[Range], block_bytes: int = BLOCK_BYTES) -> Iterator[Tuple[str, int, bytes]]:
+    """Blocks of whole lines as ``(file, number of the first line, bytes)``."""
+    for path, start, end in ranges:
+        with open(path, "rb") as f:
+            lineno = 1 + _count_newlines(f, start)
+            f.seek(start)
+            pos, carry = start, b""
+            while pos < end:
+                data = f.read(min(block_bytes, end - pos))
+                pos += len(data)
+                data = carry + data
+                cut = len(data) if pos >= end else data.rfind(b"\n") + 1
+                if cut <= 0:  # a line longer than a block: keep reading
+                    carry = data
+                    continue
+                block, carry = data[:cut], data[cut:]
+                yield path, lineno, block
+                lineno += block.count(b"\n")
+
+
+def _count_newlines(f: Any, end: int, chunk: int = 1 << 24) -> int:
+    f.seek(0)
+    count, pos = 0, 0
+    while pos < end:
+        data = f.read(min(chunk, end - pos))
+        if not data:
+            break
+        count += data.count(b"\n")
+        pos += len(data)
+    return count
+
+
+@dataclass
+class Summary:
+    """Counts of one run (or one partition)."""
+
+    docs: int = 0
+    nbytes: int = 0
+    bad_counts: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in BAD_REASONS})
+    bad_examples: List[str] = field(default_factory=list)
+
+    def add_bad(self, reason: str, message: str) -> None:
+        self.bad_counts[reason] += 1
+        if len(self.bad_examples) < MAX_REPORTED:
+            self.bad_examples.append(f"{message} [{reason}]")
+
+    def merge(self, other: "Summary") -> None:
+        self.docs += other.docs
+        self.nbytes += other.nbytes
+        for reason, n in other.bad_counts.items():
+            self.bad_counts[reason] += n
+        self.bad_examples = (self.bad_examples + other.bad_examples)[:MAX_REPORTED]
+
+
+class Progress:
+    """Prints a progress line every ``interval`` documents."""
+
+    def __init__(self, interval: int, total_bytes: int, tag: str = "") -> None:
+        self.interval, self.total_bytes, self.tag = interval, total_bytes, tag
+        self.start = time.time()
+        self.next_at = interval
+
+    def update(self, docs: int, nbytes: int) -> None:
+        if docs < self.next_at:
+            return
+        self.next_at = (docs // self.interval + 1) * self.interval
+        elapsed = max(time.time() - self.start, 1e-9)
+        eta = elapsed * (self.total_bytes - nbytes) / nbytes if nbytes else float("nan")
+        print(f"{self.tag}processed {docs} documents ({docs / elapsed:.1f} docs/s, "
+              f"{nbytes / elapsed / 1e6:.2f} MB/s), elapsed {elapsed:.1f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+
+
+def output_prefix(prefix: str, key: str, split_sentences: bool) -> str:
+    """Megatron's output name of one JSON key."""
+    return f"{prefix}_{key}_{'sentence' if split_sentences else 'document'}"
+
+
+def _remove_outputs(prefixes: Sequence[str]) -> None:
+    # A stale .idx beside a new, partial .bin would look like a complete dataset.
+    for p in prefixes:
+        for path in (get_idx_path(p), get_bin_path(p)):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def _results(cfg: EncodeConfig, workers: int, tokenizer: Any, blocks: Iterator) -> Iterator[Dict[str, Any]]:
+    """Encoded blocks in input order; at most ``2 * workers`` in flight (bounded memory)."""
+    if workers == 1:
+        init_worker(cfg, tokenizer)
+        yield from map(encode_block, blocks)
+        return
+    with multiprocessing.Pool(workers, initializer=init_worker, initargs=(cfg,)) as pool:
+        pending: collections.deque = collections.deque()
+        for block in blocks:
+            pending.append(pool.apply_async(encode_block, (block,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def process_ranges(cfg: EncodeConfig, ranges: Sequence[Range], prefixes: Sequence[str], workers: int,
+                   log_interval: int, tokenizer: Any = None, tag: str = "") -> Summary:
+    """Tokenize ``ranges`` into one dataset per JSON key; partial outputs are removed on failure."""
+    _remove_outputs(prefixes)
+    builders = [IndexedDatasetBuilder(get_bin_path(p), dtype=cfg.dtype) for p in prefixes]
+    summary = Summary()
+    progress = Progress(log_interval, sum(e - s for _, s, e in ranges), tag)
+    try:
+        for res in _results(cfg, workers, tokenizer, iter_blocks(ranges)):
+            for reason, message in res["bad"]:
+                if cfg.strict:
+                    raise BadInputError(f"{message} [{reason}]")
+                summary.add_bad(reason, message)
+            for builder, key in zip(builders, cfg.json_keys):
+                builder.add_documents(*res["encoded"][key])
+            summary.docs += res["docs"]
+            summary.nbytes += res["nbytes"]
+            progress.update(summary.docs, summary.nbytes)
+        for builder, p in zip(builders, prefixes):
+            builder.finalize(get_idx_path(p))
+    except BaseException:
+        for builder in builders:
+            builder.close()
+        _remove_outputs(prefixes)
+        raise
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Partitions and the entry point
+# --------------------------------------------------------------------------------------------
+def _partition_child(conn: Any, cfg: EncodeConfig, ranges: List[Range], prefixes: List[str], workers: int,
+                     log_interval: int, tag: str) -> None:
+    try:
+        conn.send(("ok", process_ranges(cfg, ranges, prefixes, workers, log_interval, tag=tag)))
+    except BadInputError as e:
+        conn.send(("bad", str(e)))
+    except BaseException as e:  # report everything: the parent prints it and exits non-zero
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def run_partitions(cfg: EncodeConfig, parts: List[List[Range]], prefixes: List[str], workers: int,
+                   log_interval: int) -> Summary:
+    """Process the partitions at once in child processes, then concatenate their outputs."""
+    n = len(parts)
+    part_prefixes = [[f"{p}.partition{k}" for p in prefixes] for k in range(n)]
+    ctx = multiprocessing.get_context()
+    children, conns = [], []
+    for k in range(n):
+        recv, send = ctx.Pipe(duplex=False)
+        args = (send, cfg, parts[k], part_prefixes[k], max(1, workers // n), log_interval, f"[partition {k}] ")
+        child = ctx.Process(target=_partition_child, args=args)
+        child.start()
+        send.close()
+        children.append(child)
+        conns.append(recv)
+    try:
+        summaries = [_partition_result(c, conn) for c, conn in zip(children, conns)]
+        total = Summary()
+        for s in summaries:
+            total.merge(s)
+        for k, p in enumerate(prefixes):
+            merge_datasets([pp[k] for pp in part_prefixes], p)
+        return total
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+            child.join()
+        for pp in part_prefixes:
+            _remove_outputs(pp)
+
+
+def _partition_result(child: Any, conn: Any) -> Summary:
+    try:
+        status, value = conn.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"a partition process died (exit code {child.exitcode})") from None
+    if status == "bad":
+        raise BadInputError(value)
+    if status == "error":
+        raise RuntimeError(value)
+    return value
+
+
+def report(summary: Summary, elapsed: float, prefixes: Sequence[str]) -> None:
+    """Print the end-of-run summary: throughput, outputs and skipped lines."""
+    mb = summary.nbytes / 1e6
+    print(f"done: {summary.docs} documents, {mb:.2f} MB in {elapsed:.2f} s "
+          f"({summary.docs / max(elapsed, 1e-9):.1f} docs/s, {mb / max(elapsed, 1e-9):.2f} MB/s)", file=sys.stderr)
+    for p in prefixes:
+        print(f"wrote {get_bin_path(p)} and {get_idx_path(p)}", file=sys.stderr)
+    skipped = sum(summary.bad_counts.values())
+    if skipped:
+        counts = ", ".join(f"{r}={n}" for r, n in summary.bad_counts.items() if n)
+        print(f"skipped {skipped} bad lines: {counts}; the first {len(summary.bad_examples)}:", file=sys.stderr)
+        for line in summary.bad_examples:
+            print(f"  {line}", file=sys.stderr)
+
+
+def prepare(args: argparse.Namespace) -> Tuple[EncodeConfig, List[str], Any]:
+    """Check everything that can fail before the work starts; build the configuration."""
+    files = resolve_inputs(args.input)
+    check_output_prefix(args.output_prefix)
+    kwargs = tokenizer_kwargs(args)
+    tokenizer = build_tokenizer(args.tokenizer_type, kwargs)
+    if args.append_eod:
+        try:
+            tokenizer.eod
+        except Exception as e:
+            raise UsageError(f"--append-eod: {args.tokenizer_type} has no end-of-document token ({e})") from None
+    cfg = EncodeConfig(json_keys=list(args.json_keys), tokenizer_type=args.tokenizer_type, tokenizer_kwargs=kwargs,
+                       dtype=DType.optimal_dtype(tokenizer.vocab_size), append_eod=args.append_eod,
+                       strict=args.strict, keep_newlines=args.keep_newlines, quiet_threads=args.workers > 1)
+    if args.split_sentences:
+        sample = read_text_sample(files, args.json_keys, PUNKT_SAMPLE_BYTES)
+        cfg.splitter_params, source = punkt_params(args.lang, sample)
+        print(f"sentence splitter: {source}", file=sys.stderr)
+    return cfg, files, tokenizer
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the tool; returns the process exit status."""
+    args = get_args(argv)
+    start = time.time()
+    try:
+        cfg, files, tokenizer = prepare(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prefixes = [output_prefix(args.output_prefix, k, args.split_sentences) for k in args.json_keys]
+    parts = split_ranges(files, args.partitions)
+    try:
+        if args.partitions == 1:
+            summary = process_ranges(cfg, parts[0], prefixes, args.workers, args.log_interval, tokenizer)
+        else:
+            summary = run_partitions(cfg, parts, prefixes, args.workers, args.log_interval)
+    except BadInputError as e:
+        print(f"error: bad input (--strict): {e}", file=sys.stderr)
+        return 1
+    report(summary, time.time() - start, prefixes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
