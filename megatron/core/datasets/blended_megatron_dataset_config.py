@@ -1,0 +1,103 @@
+"""BlendedMegatronDatasetConfig: what every dataset of the blended-dataset stack needs to know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+from megatron.core.datasets.utils import (
+    Blend,
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+
+
+def _check_blend(name: str, blend: Blend) -> None:
+    """Validate one ``(prefixes, weights)`` pair; ``name`` is the field it came from."""
+    if not isinstance(blend, (tuple, list)) or len(blend) != 2:
+        raise ValueError(f"{name}={blend!r}: expected a (prefixes, weights) pair")
+    prefixes, weights = blend
+    if not prefixes:
+        raise ValueError(f"{name}={blend!r}: needs at least one path prefix")
+    if weights is not None:
+        if len(weights) != len(prefixes):
+            raise ValueError(f"{name}: {len(weights)} weights for {len(prefixes)} prefixes")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"{name}: weights={list(weights)} must be non-negative with a positive sum")
+
+
+@dataclass
+class BlendedMegatronDatasetConfig:
+    """Settings shared by all datasets (Megatron Core field names).
+
+    Exactly one of ``blend`` and ``blend_per_split`` is given, unless ``mock``.
+    """
+
+    random_seed: int
+    """Seed of the document and sample shuffles."""
+
+    sequence_length: int
+    """Input tokens per sample."""
+
+    blend: Optional[Blend] = None
+    """``(prefixes, weights)``: one data set split into train/valid/test by ``split``."""
+
+    blend_per_split: Optional[List[Optional[Blend]]] = None
+    """Separate ``(prefixes, weights)`` for train, valid and test (entries may be None)."""
+
+    split: Optional[str] = None
+    """Split of ``blend`` documents, e.g. ``"969,30,1"``; normalised to fractions."""
+
+    split_matrix: Optional[List[Optional[Tuple[float, float]]]] = field(init=False, default=None)
+    """Derived from ``split``: the ``(begin, end)`` fractions of each split."""
+
+    num_dataset_builder_threads: int = 1
+    """Accepted for compatibility; datasets are built one after another."""
+
+    path_to_cache: Optional[str] = None
+    """Where index arrays are cached; None means ``<data dir>/cache/<DatasetClass>_indices``."""
+
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files rather than reading them."""
+
+    mock: bool = False
+    """Synthetic data, no files (``--mock-data``)."""
+
+    tokenizer: Optional[Any] = None
+    """Tokenizer: supplies eod/pad ids and identifies the vocabulary in cache keys."""
+
+    mid_level_dataset_surplus: float = 0.005
+    """Extra samples each blended component is built with, so the blend never runs short."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sequence_length, int) or self.sequence_length < 1:
+            raise ValueError(f"sequence_length={self.sequence_length!r}: must be a positive integer")
+        if not isinstance(self.random_seed, int):
+            raise ValueError(f"random_seed={self.random_seed!r}: must be an integer")
+        if self.mid_level_dataset_surplus < 0:
+            raise ValueError(f"mid_level_dataset_surplus={self.mid_level_dataset_surplus}: must be >= 0")
+        self._check_sources()
+        if self.split is not None:
+            self.split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
+
+    def _check_sources(self) -> None:
+        """Exactly one of blend / blend_per_split (none with mock); split goes with blend."""
+        if self.mock:
+            if self.split is None:
+                self.split = "969,30,1"  # Megatron's default split when none is given
+            return
+        if (self.blend is None) == (self.blend_per_split is None):
+            raise ValueError("blend and blend_per_split: exactly one must be given (or mock=True), "
+                             f"got blend={self.blend!r}, blend_per_split={self.blend_per_split!r}")
+        if self.blend is not None:
+            _check_blend("blend", self.blend)
+            if self.split is None:
+                raise ValueError("split=None: a split is required with blend (e.g. '969,30,1')")
+            return
+        if len(self.blend_per_split) != 3:
+            raise ValueError(f"blend_per_split has {len(self.blend_per_split)} entries: need 3 (train, valid, test)")
+        for name, entry in zip(("train", "valid", "test"), self.blend_per_split):
+            if entry is not None:
+                _check_blend(f"blend_per_split[{name}]", entry)
+        if self.split is not None:
+            raise ValueError(f"split={self.split!r}: must be None with blend_per_split")
