@@ -1,0 +1,127 @@
+"""The interface every Megatron tokenizer implements.
+
+Only the standard library is imported here: preprocessing workers import this package before they
+know which tokenizer they need, and importing torch or a tokenizer library would cost seconds.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Dict, List, Optional, Sequence
+
+
+class MissingSpecialTokenError(NotImplementedError):
+    """Raised when a tokenizer's vocabulary has no token for a special role (pad, cls, ...).
+
+    A subclass of ``NotImplementedError`` because that is what Megatron's tokenizers raise, and
+    callers such as the GPT dataset catch it to fall back to a default.
+    """
+
+
+def check_file(path: Optional[str], flag: str, what: str) -> str:
+    """Returns ``path`` if it names an existing file, else raises an error naming ``flag``."""
+    if path is None:
+        raise ValueError(f"{flag} is required: give the {what}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}={path!r}: no such file ({what})")
+    return path
+
+
+def default_num_threads() -> int:
+    """Threads for a library's native batch encoding: one per core the process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class MegatronTokenizer(abc.ABC):
+    """A text tokenizer with Megatron's interface.
+
+    Ids are plain Python ints. Special-token properties (``eod``, ``pad``, ``bos``, ``eos``,
+    ``cls``, ``sep``, ``mask``) return an id, or raise :class:`MissingSpecialTokenError` when the
+    vocabulary has no such token; they never return a sentinel such as -1 or None.
+    """
+
+    #: Megatron's ``--tokenizer-type`` name of this tokenizer.
+    tokenizer_type: str = "MegatronTokenizer"
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, before padding for the embedding table."""
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        """Token string to id."""
+        raise NotImplementedError(f"{self.tokenizer_type} has no vocabulary mapping")
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        """Id to token string, built once from :attr:`vocab`."""
+        if getattr(self, "_inv_vocab_cache", None) is None:
+            self._inv_vocab_cache = {i: t for t, i in self.vocab.items()}
+        return self._inv_vocab_cache
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> List[int]:
+        """Encodes one text into ids."""
+
+    @abc.abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decodes ids back into text."""
+
+    def batch_tokenize(self, texts: List[str]) -> List[List[int]]:
+        """Encodes many texts; equal to ``[self.tokenize(t) for t in texts]``.
+
+        Subclasses backed by a library override this with the library's native batch encoder,
+        which is the hot path of preprocessing.
+        """
+        return [self.tokenize(t) for t in texts]
+
+    def _missing(self, role: str):
+        raise MissingSpecialTokenError(f"{self.tokenizer_type} has no {role} token")
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id, appended after each document by preprocessing."""
+        return self._missing("end-of-document (eod)")
+
+    @property
+    def pad(self) -> int:
+        """Padding id."""
+        return self._missing("padding (pad)")
+
+    @property
+    def bos(self) -> int:
+        """Beginning-of-sequence id."""
+        return self._missing("beginning-of-sequence (bos)")
+
+    @property
+    def eos(self) -> int:
+        """End-of-sequence id."""
+        return self._missing("end-of-sequence (eos)")
+
+    @property
+    def cls(self) -> int:
+        """Classification id (BERT's ``[CLS]``)."""
+        return self._missing("classification (cls)")
+
+    @property
+    def sep(self) -> int:
+        """Separator id (BERT's ``[SEP]``)."""
+        return self._missing("separator (sep)")
+
+    @property
+    def mask(self) -> int:
+        """Mask id for masked language modelling."""
+        return self._missing("mask")
+
+    @property
+    def additional_special_tokens_ids(self) -> List[int]:
+        """Ids of the T5 sentinels ``<extra_id_N>`` added by ``--vocab-extra-ids``; may be empty."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"

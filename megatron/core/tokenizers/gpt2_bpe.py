@@ -1,0 +1,62 @@
+"""GPT-2's byte-level BPE from ``vocab.json`` and ``merges.txt`` (``--tokenizer-type GPT2BPETokenizer``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Sequence
+
+from megatron.core.tokenizers.base import MegatronTokenizer, check_file
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+class GPT2BPETokenizer(MegatronTokenizer):
+    """GPT-2 byte-level BPE, run by the Rust ``tokenizers`` library.
+
+    As in Megatron, ``<|endoftext|>`` is only the eod id: the string inside a text is encoded as
+    ordinary characters, so a document cannot forge a document boundary.
+
+    Args:
+        vocab_file: GPT-2 ``vocab.json`` (token to id).
+        merge_file: GPT-2 ``merges.txt`` (one merge per line, optional ``#version`` header).
+    """
+
+    tokenizer_type = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        check_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
+        check_file(merge_file, "--merge-file", "GPT-2 merges.txt")
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        with open(vocab_file, encoding="utf-8") as f:
+            self._vocab: Dict[str, int] = json.load(f)
+        if EOD_TOKEN not in self._vocab:
+            raise ValueError(f"--vocab-file={vocab_file!r} has no {EOD_TOKEN} token (the eod)")
+        self._eod = self._vocab[EOD_TOKEN]
+        self._tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        # GPT-2's own split regex, no space added in front of the text.
+        self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tokenizer.decoder = decoders.ByteLevel()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def batch_tokenize(self, texts: List[str]) -> List[List[int]]:
+        # encode_batch_fast skips the character offsets, which preprocessing never reads.
+        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def eod(self) -> int:
+        return self._eod

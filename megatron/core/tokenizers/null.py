@@ -1,0 +1,39 @@
+"""A tokenizer for text that is already ids (``--tokenizer-type NullTokenizer``)."""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from megatron.core.tokenizers.base import MegatronTokenizer
+
+
+class NullTokenizer(MegatronTokenizer):
+    """Text is whitespace-separated integer ids; used for benchmarks and mock data.
+
+    As in Megatron, ``--vocab-size N`` gives ids ``0 .. N-1`` for text and one more id, ``N``,
+    for eod, so :attr:`vocab_size` is ``N + 1``.
+
+    Args:
+        vocab_size: number of text ids (``--vocab-size``).
+    """
+
+    tokenizer_type = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        if vocab_size is None or int(vocab_size) <= 0:
+            raise ValueError(f"--vocab-size={vocab_size} must be a positive integer for NullTokenizer")
+        self._text_vocab_size = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._text_vocab_size + 1
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+    @property
+    def eod(self) -> int:
+        return self._text_vocab_size
