@@ -88,7 +88,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--merge-file", default=None, help="BPE merge file")
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (NullTokenizer)")
     g.add_argument("--vocab-extra-ids", type=int, default=0)
-    g.add_argument("--tiktoken-pattern", default=None)
+    g.add_argument("--tiktoken-pattern", default=None, help="v1, v2 or a regular expression")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
     g.add_argument("--append-eod", action="store_true", help="append an end-of-document token to each document")
     g.add_argument("--lang", default="english", help="language of the NLTK Punkt sentence splitter")
     g = p.add_argument_group("output data")
@@ -145,7 +147,8 @@ def tokenizer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
         raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
     return dict(vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                 vocab_size=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids,
-                tiktoken_pattern=args.tiktoken_pattern)
+                tiktoken_pattern=args.tiktoken_pattern, tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                tiktoken_special_tokens=args.tiktoken_special_tokens)
 
 
 def build_tokenizer(tokenizer_type: str, kwargs: Dict[str, Any]) -> Any:
@@ -300,8 +303,8 @@ def encode_block(task: Tuple[str, int, bytes]) -> Dict[str, Any]:
         texts, problem = parse_line(raw, keys)
         if problem:
             bad.append((problem[0], f"{path}:{lineno}: {problem[1]}"))
-            if _WORKER["cfg"].strict:
-                break  # the parent stops here; the rest of the block is never written
+            if _WORKER["cfg"].strict:  # the parent stops at this line: nothing to encode
+                return dict(encoded=None, docs=0, nbytes=len(block), bad=bad)
             continue
         for bucket, text in zip(per_key, texts):
             bucket.append(text)

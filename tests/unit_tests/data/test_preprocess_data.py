@@ -1,0 +1,251 @@
+"""tools/preprocess_data.py and tools/merge_datasets.py end to end on tiny corpora.
+
+Expected token ids come from the tokenizer itself, applied to each document (or to each sentence,
+found here with a plain regular expression), never from a previous run of the tool.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.tokenizers import build_tokenizer
+from tests.tokenizer_files import make_tokenizer_files, megatron_flags
+from tools import merge_datasets, preprocess_data
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+# Sentences end with a period after a long word, so Punkt has no abbreviation to doubt.
+TEXTS = [
+    "Tokenizers split words into pieces. Datasets store their identifiers contiguously.",
+    "Único documento con acentos y comillas \"dobles\" también.",
+    "Pipelines overlap communication.\nGradients accumulate across microbatches. Checkpoints persist.",
+    "Short one without final period",
+    "Embedding tables grow with vocabulary.\n\nOptimizers update parameters afterwards.",
+]
+NUMBER_TEXTS = ["1 2 3", "4 5", "599 0 7 8 9", "42"]
+
+
+@pytest.fixture(scope="module")
+def tok_files(tmp_path_factory):
+    return make_tokenizer_files(tmp_path_factory.mktemp("tok"))
+
+
+def write_lines(path, lines):
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((json.dumps(line) if not isinstance(line, bytes) else line.decode("latin-1")).encode("utf-8")
+                    if not isinstance(line, bytes) else line)
+            f.write(b"\n")
+    return str(path)
+
+
+def sentences(text, keep_newlines):
+    """Independent sentence split of TEXTS: a sentence ends at a period followed by whitespace."""
+    pieces = re.findall(r".*?(?:\.(?=\s)|$)\s*", text, flags=re.S)
+    pieces = [p for p in pieces if p]
+    return pieces if keep_newlines else [p.strip() for p in pieces]
+
+
+def run_tool(tmp_path, input_path, tok_flags, *extra, name="out"):
+    prefix = str(tmp_path / name)
+    argv = ["--input", input_path, "--output-prefix", prefix, *tok_flags, "--log-interval", "2", *extra]
+    return preprocess_data.main(argv), prefix
+
+
+def expected_sequences(tok, texts, split, keep_newlines, append_eod):
+    """Per document, the list of sequences the tool must write."""
+    docs = []
+    for text in texts:
+        parts = sentences(text, keep_newlines) if split else [text]
+        seqs = [tok.tokenize(p) for p in parts]
+        seqs = [s for s in seqs if s]
+        if seqs and append_eod:
+            seqs[-1] = seqs[-1] + [tok.eod]
+        docs.append(seqs)
+    return docs
+
+
+def check_dataset(prefix, docs):
+    ds = IndexedDataset(prefix)
+    flat = [s for d in docs for s in d]
+    assert len(ds) == len(flat)
+    assert ds.document_indices.tolist() == np.cumsum([0] + [len(d) for d in docs]).tolist()
+    for i, seq in enumerate(flat):
+        assert ds[i].tolist() == seq, f"sequence {i}"
+    return ds
+
+
+# Every tokenizer type once; the modes are spread over the types to keep the file fast.
+CASES = [
+    ("GPT2BPETokenizer", False, False, True),
+    ("GPTSentencePieceTokenizer", True, False, True),
+    ("SentencePieceTokenizer", False, False, False),
+    ("Llama2Tokenizer", True, True, True),
+    ("BertWordPieceLowerCase", True, False, False),
+    ("BertWordPieceCase", False, False, False),  # BERT vocabularies have no eod token
+    ("TikTokenizer", True, True, False),
+    ("HuggingFaceTokenizer", False, False, True),
+]
+
+
+@pytest.mark.parametrize("tok_type, split, keep_newlines, eod", CASES)
+def test_every_tokenizer_round_trip(tmp_path, tok_files, tok_type, split, keep_newlines, eod):
+    tok = build_tokenizer(tok_type, **tok_files[tok_type])
+    src = write_lines(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    extra = (["--split-sentences"] if split else []) + (["--keep-newlines"] if keep_newlines else [])
+    extra += ["--append-eod"] if eod else []
+    rc, prefix = run_tool(tmp_path, src, megatron_flags(tok_type, tok_files[tok_type]), *extra)
+    assert rc == 0
+    level = "sentence" if split else "document"
+    ds = check_dataset(f"{prefix}_text_{level}", expected_sequences(tok, TEXTS, split, keep_newlines, eod))
+    assert ds.dtype == np.uint16  # vocabularies of the test tokenizers are far below 65500
+
+
+def test_null_tokenizer_and_two_keys(tmp_path, tok_files):
+    lines = [{"text": t, "ids": t[::-1]} for t in NUMBER_TEXTS]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
+    rc, prefix = run_tool(tmp_path, src, flags, "--json-keys", "text", "ids", "--append-eod")
+    assert rc == 0
+    eod = int(tok_files["NullTokenizer"]["vocab_size"])  # Megatron's null eod: one past the text ids
+    for key in ("text", "ids"):
+        want = [[[int(x) for x in line[key].split()] + [eod]] for line in lines]
+        check_dataset(f"{prefix}_{key}_document", want)
+
+
+def test_workers_and_partitions_match_single_process(tmp_path, tok_files, capsys):
+    tok_flags = megatron_flags("GPT2BPETokenizer", tok_files["GPT2BPETokenizer"])
+    tok = build_tokenizer("GPT2BPETokenizer", **tok_files["GPT2BPETokenizer"])
+    in_dir = tmp_path / "in"
+    in_dir.mkdir()
+    many = [f"{t} Number {i}." for i in range(12) for t in TEXTS]
+    write_lines(in_dir / "a.jsonl", [{"text": t} for t in many[:30]])
+    write_lines(in_dir / "b.jsonl", [{"text": t} for t in many[30:]] + [b"{broken"])
+    outputs = {}
+    for workers, parts in ((1, 1), (2, 1), (2, 2)):
+        rc, prefix = run_tool(tmp_path, str(in_dir), tok_flags, "--split-sentences", "--append-eod",
+                              "--workers", str(workers), "--partitions", str(parts), name=f"w{workers}p{parts}")
+        assert rc == 0
+        outputs[(workers, parts)] = [open(f"{prefix}_text_sentence{e}", "rb").read() for e in (".bin", ".idx")]
+        err = capsys.readouterr().err
+        assert "invalid_json=1" in err and f"b.jsonl:{len(many) - 30 + 1}:" in err
+    assert outputs[(2, 1)] == outputs[(1, 1)] and outputs[(2, 2)] == outputs[(1, 1)]
+    check_dataset(str(tmp_path / "w2p2_text_sentence"), expected_sequences(tok, many, True, False, True))
+    assert not [n for n in os.listdir(tmp_path) if "partition" in n]  # temporary parts removed
+
+
+BAD_LINES = [
+    {"text": "Valid first line."},
+    b"{not json",
+    {"other": "no text key"},
+    {"text": 7},
+    {"text": ""},
+    b'{"text": "bad \xff byte"}',
+    [1, 2],
+    {"text": "Valid last line."},
+]
+
+
+def test_bad_lines_skipped_counted_and_reported(tmp_path, tok_files, capsys):
+    src = write_lines(tmp_path / "in.jsonl", BAD_LINES)
+    tok_type = "GPT2BPETokenizer"
+    rc, prefix = run_tool(tmp_path, src, megatron_flags(tok_type, tok_files[tok_type]))
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "skipped 6 bad lines: invalid_utf8=1, invalid_json=2, missing_key=1, non_string=1, empty_text=1" in err
+    for lineno, reason in [(2, "invalid_json"), (3, "missing_key"), (4, "non_string"), (5, "empty_text"),
+                           (6, "invalid_utf8"), (7, "invalid_json")]:
+        assert re.search(rf"in\.jsonl:{lineno}: .*\[{reason}\]", err), (lineno, reason)
+    tok = build_tokenizer(tok_type, **tok_files[tok_type])
+    valid = [BAD_LINES[0]["text"], BAD_LINES[-1]["text"]]
+    check_dataset(f"{prefix}_text_document", expected_sequences(tok, valid, False, False, False))
+
+
+def test_strict_stops_with_message_and_no_output(tmp_path, tok_files, capsys):
+    src = write_lines(tmp_path / "in.jsonl", BAD_LINES)
+    flags = megatron_flags("GPT2BPETokenizer", tok_files["GPT2BPETokenizer"])
+    rc, prefix = run_tool(tmp_path, src, flags, "--strict")
+    assert rc == 1
+    assert "in.jsonl:2: invalid JSON" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("problem", ["missing_input", "output_dir", "vocab_file", "unknown_type"])
+def test_usage_errors_before_any_work(tmp_path, tok_files, capsys, problem):
+    src = write_lines(tmp_path / "in.jsonl", [{"text": "Hello there."}])
+    gpt2 = tok_files["GPT2BPETokenizer"]
+    flags = megatron_flags("GPT2BPETokenizer", gpt2)
+    argv = ["--input", src, "--output-prefix", str(tmp_path / "out"), *flags]
+    if problem == "missing_input":
+        argv[1], match = str(tmp_path / "nope.jsonl"), "nope.jsonl: no such file"
+    elif problem == "output_dir":
+        argv[3], match = str(tmp_path / "in.jsonl" / "out"), "does not exist"
+    elif problem == "vocab_file":
+        argv[argv.index(gpt2["vocab_file"])], match = str(tmp_path / "v.json"), "--vocab-file .*v.json: no such file"
+    else:
+        argv[argv.index("GPT2BPETokenizer")], match = "NoSuchTokenizer", "invalid choice"
+    if problem == "unknown_type":
+        with pytest.raises(SystemExit) as e:
+            preprocess_data.main(argv)
+        assert e.value.code == 2
+    else:
+        assert preprocess_data.main(argv) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_interrupted_run_leaves_no_index(tmp_path, tok_files, monkeypatch):
+    flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
+    src = write_lines(tmp_path / "in.jsonl", [{"text": t} for t in NUMBER_TEXTS])
+    assert run_tool(tmp_path, src, flags)[0] == 0  # an older, complete output is overwritten below
+
+    def interrupted(task):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preprocess_data, "encode_block", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_tool(tmp_path, src, flags)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_merge_datasets_tool(tmp_path, tok_files, capsys):
+    flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for k, texts in enumerate((NUMBER_TEXTS[:2], NUMBER_TEXTS[2:])):
+        src = write_lines(tmp_path / f"in{k}.jsonl", [{"text": t} for t in texts])
+        assert run_tool(parts, src, flags, name=f"p{k}")[0] == 0
+    out = str(tmp_path / "merged")
+    assert merge_datasets.main(["--input", str(parts), "--output-prefix", out]) == 0
+    check_dataset(out, [[[int(x) for x in t.split()]] for t in NUMBER_TEXTS])
+    wide = write_lines(tmp_path / "w.jsonl", [{"text": "1 2"}])
+    assert run_tool(tmp_path, wide, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70000"], name="w")[0] == 0
+    rc = merge_datasets.main(["--input", out, str(tmp_path / "w_text_document"), "--output-prefix", str(tmp_path / "x")])
+    assert rc == 1 and "different dtypes" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x.bin")
+
+
+def test_tools_start_without_torch():
+    code = ("import sys, time; t = time.time(); import tools.preprocess_data, tools.merge_datasets; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(time.time() - t)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    helped = subprocess.run([sys.executable, "tools/preprocess_data.py", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--split-sentences" in helped.stdout
+
+
+def test_full_run_imports_no_torch(tmp_path, tok_files):
+    src = write_lines(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    flags = megatron_flags("GPT2BPETokenizer", tok_files["GPT2BPETokenizer"])
+    argv = ["--input", src, "--output-prefix", str(tmp_path / "o"), *flags, "--split-sentences"]
+    code = (f"import sys; from tools import preprocess_data as p; rc = p.main({argv!r}); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
