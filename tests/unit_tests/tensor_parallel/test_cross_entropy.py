@@ -1,0 +1,94 @@
+"""Vocab-parallel cross entropy against torch.nn.functional.cross_entropy on the full logits.
+
+Megatron's label smoothing ``ls`` gives the target ``1 - ls`` and each other class
+``ls / (V - 1)``; the references are (a) that target distribution written out
+explicitly and (b) torch's ``label_smoothing=ls * V / (V - 1)``. Loss and logit
+gradients compared in fp32 with rtol 1e-5 / atol 1e-6.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel as tp
+from tests.dist_harness import run_distributed
+
+RTOL, ATOL = 1e-5, 1e-6
+S, B, V = 6, 3, 32
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def _piece(x, r, n):
+    size = x.size(-1) // n
+    return x.narrow(-1, r * size, size)
+
+
+def _torch_loss(logits, target, ls):
+    vocab = logits.size(-1)
+    flat = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
+                           label_smoothing=ls * vocab / (vocab - 1))
+    return flat.view(target.shape)
+
+
+def _explicit_loss(logits, target, ls):
+    vocab = logits.size(-1)
+    q = torch.full_like(logits, ls / (vocab - 1)).scatter(-1, target.unsqueeze(-1), 1.0 - ls)
+    return -(q * logits.log_softmax(-1)).sum(-1)
+
+
+def _check(r, n, ls, offset, dtype, label):
+    gen = torch.Generator().manual_seed(int(ls * 100) + offset)
+    full = (torch.randn(S, B, V, generator=gen) * 3 + offset).to(dtype)
+    target = torch.randint(0, V, (S, B), generator=gen)
+    upstream = torch.rand(S, B, generator=gen)
+    ref_logits = full.float().clone().requires_grad_(True)
+    ref_loss = _torch_loss(ref_logits, target, ls)
+    ref_loss.backward(upstream)
+    _close(_explicit_loss(full.float().double(), target, ls).float(), ref_loss.detach(), label + " explicit ref")
+
+    mine = _piece(full, r, n).clone().requires_grad_(True)
+    loss = tp.vocab_parallel_cross_entropy(mine, target, label_smoothing=ls)
+    loss.backward(upstream)
+    assert loss.dtype == torch.float32 and mine.grad.dtype == dtype, label
+    _close(loss, ref_loss.detach(), label + " loss")
+    expected_grad = _piece(ref_logits.grad, r, n)
+    if dtype == torch.float32:
+        _close(mine.grad, expected_grad, label + " grad")
+    else:  # the fp32 gradient is rounded once to the logits' dtype: allow one bf16 ulp (2**-8 relative)
+        torch.testing.assert_close(mine.grad.float(), expected_grad, rtol=2 ** -8, atol=1e-6)
+
+
+def _body(rank, world_size):
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    r = ps.get_tensor_model_parallel_rank()
+    for ls in (0.0, 0.1):
+        _check(r, world_size, ls, 0, torch.float32, f"ls={ls}")
+        _check(r, world_size, ls, 1000, torch.float32, f"ls={ls} logits around 1000 (stability)")
+        _check(r, world_size, ls, 0, torch.bfloat16, f"ls={ls} bf16 logits, fp32 math")
+    # [b, s] leading shape works the same way.
+    gen = torch.Generator().manual_seed(3)
+    logits, target = torch.randn(B, S, V, generator=gen), torch.randint(0, V, (B, S), generator=gen)
+    loss = tp.vocab_parallel_cross_entropy(_piece(logits, r, world_size), target)
+    _close(loss, _torch_loss(logits, target, 0.0), "[b, s] layout")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vocab_parallel_cross_entropy_matches_torch(world_size):
+    run_distributed(_body, world_size)
+
+
+def _single_body(rank, world_size):
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    _check(0, 1, 0.1, 0, torch.float32, "tp=1")
+    with pytest.raises(ValueError, match="label_smoothing=0.99"):
+        tp.vocab_parallel_cross_entropy(torch.randn(2, V), torch.zeros(2, dtype=torch.long), label_smoothing=0.99)
+    with pytest.raises(ValueError, match="target shape"):
+        tp.vocab_parallel_cross_entropy(torch.randn(2, V), torch.zeros(3, dtype=torch.long))
+
+
+def test_single_rank_and_bad_input():
+    run_distributed(_single_body, 1)
