@@ -93,6 +93,9 @@ class BlendedMegatronDatasetBuilder:
         ranges = split_document_ranges(num_documents, split_matrix)
         datasets: List[Optional[Any]] = [None, None, None]
         for i, split in enumerate(Split):
+            if wanted[i] and low_level is not None and ranges[i][0] == ranges[i][1]:
+                raise ValueError(f"split {split.name}: no documents ({ranges[i]} of {num_documents} in "
+                                 f"{prefix}) but {sizes[i]} samples requested; change --split")
             if wanted[i]:
                 indices = np.arange(ranges[i][0], ranges[i][1], dtype=np.int64) if low_level is not None else None
                 datasets[i] = self._build_on_ranks(self.cls, low_level, prefix, indices, sizes[i], split, self.config)

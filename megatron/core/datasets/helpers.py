@@ -51,8 +51,9 @@ def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, sequence_length:
     before_last = ((num_epochs - 1) * tokens_per_epoch - extra) // sequence_length
     from_last = num_samples - before_last
     per_epoch = (tokens_per_epoch - extra) // sequence_length
-    if not 0 <= from_last <= per_epoch:
-        raise RuntimeError(f"samples from the last epoch ({from_last}) outside [0, {per_epoch}]")
+    # The last epoch can hold one sample more than a lone epoch: it inherits the shared token.
+    if not 0 <= from_last <= per_epoch + 1:
+        raise RuntimeError(f"samples from the last epoch ({from_last}) outside [0, {per_epoch + 1}]")
     return from_last < int(SEPARATE_LAST_EPOCH_FRACTION * per_epoch), before_last
 
 
