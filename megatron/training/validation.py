@@ -1,0 +1,321 @@
+"""Checks and derived defaults of the parsed flags, run once before any heavy work.
+
+``validate_args`` is a list of small steps, each owning one concern; every
+error names the flags, their values and the rule. Errors are ``ArgumentsError``
+(a ``SystemExit`` with a message): a run with bad flags stops with that message
+and a non-zero exit code, and ``except Exception`` blocks do not swallow it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from megatron.training.flag_status import NOT_SUPPORTED_YET, AnyOf
+from megatron.training.flags_table import FlagSpec
+
+DEFAULT_SPLIT = "969, 30, 1"
+
+
+class ArgumentsError(SystemExit):
+    """Invalid flags; ``str(error)`` is the message, the exit code is non-zero."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UnsupportedFlagError(ArgumentsError):
+    """A flag whose feature is not implemented yet was given a non-default value."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentsError(message)
+
+
+def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
+    """Round the vocabulary up to a multiple of ``make_vocab_size_divisible_by x tp_size``
+    so every TP rank holds an equal, aligned slice of the embedding."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    return -(-orig_vocab_size // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------------
+# Flags we do not implement yet.
+# ----------------------------------------------------------------------------------
+def check_not_supported(args: argparse.Namespace, specs: Sequence[FlagSpec],
+                        table: Optional[Dict[str, Any]] = None) -> None:
+    """Stop on the first flag of ``table`` (default ``NOT_SUPPORTED_YET``) given a harmful value."""
+    names = {spec.dest: spec.name for spec in specs}
+    for dest, harmless in (NOT_SUPPORTED_YET if table is None else table).items():
+        value = getattr(args, dest, harmless)
+        ok = value in harmless if isinstance(harmless, AnyOf) else value == harmless
+        if not ok:
+            allowed = f" (supported: {', '.join(map(repr, harmless.values))})" if isinstance(harmless, AnyOf) else ""
+            raise UnsupportedFlagError(f"not supported yet: {names.get(dest, dest)}={value!r}{allowed}")
+
+
+def check_deprecated(args: argparse.Namespace) -> None:
+    """Flags Megatron removed: name the replacement instead of guessing."""
+    replaced = {
+        "batch_size": "--micro-batch-size", "warmup": "--lr-warmup-fraction",
+        "model_parallel_size": "--tensor-model-parallel-size",
+        "checkpoint_activations": "--recompute-activations or --recompute-granularity",
+        "dist_ckpt_format_deprecated": "--ckpt-format",
+    }
+    for dest, new in replaced.items():
+        value = getattr(args, dest)
+        _require(value in (None, False), f"--{dest.replace('_deprecated', '').replace('_', '-')}={value!r} "
+                                         f"is no longer valid: use {new}")
+    if args.use_dist_ckpt_deprecated:
+        args.ckpt_format = "torch_dist"
+
+
+def check_required(args: argparse.Namespace) -> None:
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length"):
+        _require(getattr(args, dest) is not None, f"--{dest.replace('_', '-')} is required")
+        _require(getattr(args, dest) > 0, f"--{dest.replace('_', '-')}={getattr(args, dest)} must be positive")
+
+
+# ----------------------------------------------------------------------------------
+# Parallel layout and batch sizes.
+# ----------------------------------------------------------------------------------
+def set_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
+    """World = TP x PP x CP x DP; sequence parallelism needs TP > 1."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp)):
+        _require(value >= 1, f"{name}={value} must be positive")
+    model = tp * pp * cp
+    _require(world_size % model == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model}")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // model
+    if args.sequence_parallel and tp == 1:
+        warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 has no effect: disabling it")
+        args.sequence_parallel = False
+
+
+def set_virtual_pipeline(args: argparse.Namespace) -> None:
+    """Virtual stages from --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank."""
+    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    args.virtual_pipeline_model_parallel_size = None
+    if per_stage is None and per_rank is None:
+        return
+    _require(per_stage is None or per_rank is None,
+             "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are exclusive")
+    pp = args.pipeline_model_parallel_size
+    _require(pp > 1, f"virtual pipeline stages need --pipeline-model-parallel-size > 1 (got {pp})")
+    if per_stage is not None:
+        layers_per_rank = args.num_layers // pp
+        _require(per_stage > 0 and layers_per_rank % per_stage == 0,
+                 f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) = {layers_per_rank} "
+                 f"layers per stage is not divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})")
+        per_rank = layers_per_rank // per_stage
+    args.virtual_pipeline_model_parallel_size = per_rank
+
+
+def check_pipeline_layers(args: argparse.Namespace) -> None:
+    """Layers split evenly over stages (after any uneven first / last stage) and virtual chunks."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    middle_layers, middle_stages = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
+    if first is not None or last is not None:
+        _require(pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        _require(middle_layers >= 0 and (middle_stages > 0 or middle_layers == 0),
+                 f"--num-layers ({layers}) does not cover --decoder-first-pipeline-num-layers ({first}) and "
+                 f"--decoder-last-pipeline-num-layers ({last}) on {pp} pipeline stages")
+    if middle_stages > 0:
+        _require(middle_layers % middle_stages == 0,
+                 f"--num-layers ({middle_layers} outside uneven stages) is not divisible by the "
+                 f"{middle_stages} pipeline stages of --pipeline-model-parallel-size ({pp})")
+    vp = args.virtual_pipeline_model_parallel_size
+    if vp is not None and middle_stages > 0:
+        _require((middle_layers // middle_stages) % vp == 0,
+                 f"{middle_layers // middle_stages} layers per pipeline stage are not divisible by {vp} "
+                 "virtual stages per pipeline rank")
+
+
+def set_batch_sizes(args: argparse.Namespace) -> None:
+    """Global batch defaults to micro batch x DP and must be a multiple of it."""
+    step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = step
+    _require(args.global_batch_size > 0, f"--global-batch-size={args.global_batch_size} must be positive")
+    if args.rampup_batch_size is None and not args.decrease_batch_size_if_needed:
+        _require(args.global_batch_size % step == 0,
+                 f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
+                 f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {step}")
+    vp = args.virtual_pipeline_model_parallel_size
+    if vp is not None and args.rampup_batch_size is None:
+        num_micro = args.global_batch_size // step
+        pp = args.pipeline_model_parallel_size
+        _require(num_micro % pp == 0,
+                 f"the interleaved schedule needs the number of microbatches ({num_micro} = --global-batch-size "
+                 f"{args.global_batch_size} / ({args.micro_batch_size} x DP {args.data_parallel_size})) to be a "
+                 f"multiple of --pipeline-model-parallel-size ({pp})")
+
+
+# ----------------------------------------------------------------------------------
+# Model shape, precision, recomputation.
+# ----------------------------------------------------------------------------------
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron's SwiGLU width: 2/3 of 4h (same parameter count as a 4h GeLU MLP), down to a multiple of 64."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def set_model_shape(args: argparse.Namespace) -> None:
+    """FFN size, head size, query groups and position embeddings; heads split over TP."""
+    h, heads, tp = args.hidden_size, args.num_attention_heads, args.tensor_model_parallel_size
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = swiglu_ffn_hidden_size(h) if args.swiglu else 4 * h
+    if args.kv_channels is None:
+        _require(h % heads == 0, f"--hidden-size ({h}) is not divisible by --num-attention-heads ({heads}); "
+                                 "set --kv-channels explicitly")
+        args.kv_channels = h // heads
+    _require(heads % tp == 0,
+             f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(groups > 0 and heads % groups == 0,
+                 f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({groups})")
+        _require(groups % tp == 0,
+                 f"--num-query-groups ({groups}) is not divisible by --tensor-model-parallel-size ({tp})")
+    else:
+        args.num_query_groups = heads
+    set_position_embeddings(args)
+
+
+def set_position_embeddings(args: argparse.Namespace) -> None:
+    """Legacy position flags, and a learned table long enough for --seq-length."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _require(args.max_position_embeddings >= args.seq_length,
+                 f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
+                 f"({args.seq_length})")
+
+
+def set_precision(args: argparse.Namespace) -> None:
+    """fp16 or bf16 (not both) decide the parameter dtype."""
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: choose one")
+    args.params_dtype = torch.float32
+    if args.fp16:
+        args.params_dtype = torch.float16
+        if args.loss_scale is None:
+            # Dynamic loss scaling skips steps with inf/nan grads itself.
+            args.check_for_nan_in_loss_and_grad = False
+    if args.bf16:
+        args.params_dtype = torch.bfloat16
+        # bf16 gradients are accumulated and all-reduced in fp32 (Megatron's rule).
+        args.accumulate_allreduce_grads_in_fp32 = True
+
+
+def set_recompute(args: argparse.Namespace) -> None:
+    """--recompute-activations means selective; full recomputation needs a method and a layer count."""
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    granularity, method = args.recompute_granularity, args.recompute_method
+    if granularity == "full":
+        _require(method is not None, "--recompute-granularity full needs --recompute-method (uniform or block)")
+        _require(args.recompute_num_layers is not None and args.recompute_num_layers > 0,
+                 f"--recompute-granularity full needs a positive --recompute-num-layers "
+                 f"(got {args.recompute_num_layers})")
+    else:
+        _require(method is None, f"--recompute-method {method} needs --recompute-granularity full "
+                                 f"(got {granularity})")
+    if args.distribute_saved_activations:
+        _require(granularity == "full" and args.tensor_model_parallel_size > 1,
+                 "--distribute-saved-activations needs --recompute-granularity full and "
+                 "--tensor-model-parallel-size > 1")
+
+
+# ----------------------------------------------------------------------------------
+# Training length, learning rate, weight decay, data.
+# ----------------------------------------------------------------------------------
+def check_training_length(args: argparse.Namespace) -> None:
+    """Exactly one of --train-iters / --train-samples, with matching lr units."""
+    iters, samples = args.train_iters, args.train_samples
+    _require(iters is None or samples is None, "--train-iters and --train-samples are exclusive: give one")
+    _require(iters is not None or samples is not None or args.skip_train,
+             "give --train-iters or --train-samples (or --skip-train)")
+    if iters is not None:
+        for dest, unset in (("lr_decay_samples", None), ("lr_warmup_samples", 0), ("lr_wsd_decay_samples", None),
+                            ("rampup_batch_size", None)):
+            _require(getattr(args, dest) == unset, f"--{dest.replace('_', '-')}={getattr(args, dest)!r} needs "
+                                                   "sample-based training (--train-samples), not --train-iters")
+    if samples is not None:
+        for dest, unset in (("lr_decay_iters", None), ("lr_warmup_iters", 0), ("lr_wsd_decay_iters", None)):
+            _require(getattr(args, dest) == unset, f"--{dest.replace('_', '-')}={getattr(args, dest)!r} needs "
+                                                   "iteration-based training (--train-iters), not --train-samples")
+
+
+def set_learning_rate(args: argparse.Namespace) -> None:
+    """Warmup given one way only; decay length defaults to the training length."""
+    if args.lr_warmup_fraction is not None:
+        _require(args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
+                 f"--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-iters "
+                 f"({args.lr_warmup_iters}) / --lr-warmup-samples ({args.lr_warmup_samples}) are exclusive")
+        _require(0.0 <= args.lr_warmup_fraction <= 1.0,
+                 f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1]")
+    if not args.skip_train:
+        _require(args.lr is not None, "--lr is required for training")
+        _require(0.0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr ({args.lr})]")
+    if args.train_iters is not None and args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.train_samples is not None and args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+    if args.lr_decay_style == "WSD":
+        _require(args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
+
+
+def set_weight_decay(args: argparse.Namespace) -> None:
+    """Constant style uses --weight-decay; a schedule needs --start- and --end-weight-decay."""
+    if args.weight_decay_incr_style == "constant":
+        _require(args.start_weight_decay is None and args.end_weight_decay is None,
+                 "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    else:
+        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
+                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+                 "--end-weight-decay")
+
+
+def set_data(args: argparse.Namespace) -> None:
+    """Default split for a single --data-path; one way of naming the data."""
+    per_split = args.train_data_path or args.valid_data_path or args.test_data_path
+    _require(not (args.data_path and per_split),
+             "--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive")
+    if args.data_path and args.split is None:
+        args.split = DEFAULT_SPLIT
+
+
+STEPS: List[Callable[[argparse.Namespace], None]] = [
+    check_deprecated, check_required, set_virtual_pipeline, check_pipeline_layers, set_batch_sizes,
+    set_model_shape, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
+    set_data,
+]
+
+
+def validate_args(args: argparse.Namespace, world_size: int, specs: Sequence[FlagSpec]) -> argparse.Namespace:
+    """Refuse unsupported flags, fill derived defaults and check every cross-flag rule, in place."""
+    check_not_supported(args, specs)
+    set_parallel_sizes(args, world_size)
+    for step in STEPS:
+        step(args)
+    return args

@@ -1,0 +1,303 @@
+"""Flag table conformance, unsupported flags, derived defaults, validation and config mapping."""
+
+import argparse
+import ast
+import dataclasses
+import enum
+import filecmp
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import arguments as A
+from megatron.training.flag_status import NO_OP_FLAGS, NOT_SUPPORTED_YET, AnyOf
+from megatron.training.flags_table import FLAGS_TSV
+
+SHARED_TSV = "/work/shared/docs/megatron-flags.tsv"
+ENTRY_POINTS = ("gpt", "bert", "t5")
+ACTION_KIND = {"storetrue": argparse._StoreTrueAction, "storefalse": argparse._StoreFalseAction,
+               "store": argparse._StoreAction}
+
+
+def _shared_rows():
+    """The shared table, read here independently of the package's loader."""
+    if not os.path.exists(SHARED_TSV):
+        pytest.skip(f"{SHARED_TSV} not present on this machine")
+    with open(SHARED_TSV) as f:
+        lines = [l.rstrip("\n").split("\t") for l in f if l.strip() and not l.startswith("#")]
+    header, rows = lines[0], lines[1:]
+    return [dict(zip(header, row)) for row in rows]
+
+
+def _sample_words(row):
+    """A valid command-line value for a row: its first choice, else '1', repeated per nargs."""
+    if row["action"] != "store":
+        return []
+    word = ast.literal_eval(row["choices"])[0] if row["choices"] else "1"
+    count = int(row["nargs"]) if row["nargs"].isdigit() else 1
+    return [word] * count
+
+
+def _as_table_text(value):
+    return str(int(value)) if isinstance(value, enum.IntEnum) else str(value)
+
+
+def _check_parsed(row, value):
+    if row["action"] == "storetrue":
+        assert value is True, row
+        return
+    if row["action"] == "storefalse":
+        assert value is False, row
+        return
+    values = value if isinstance(value, list) else [value]
+    for v, word in zip(values, _sample_words(row)):
+        if row["choices"]:
+            assert _as_table_text(v) == word, (row["dest"], v)
+        else:
+            assert v == 1 or v == "1", (row["dest"], v)
+
+
+def test_repo_table_is_a_copy_of_the_shared_table():
+    _shared_rows()
+    assert os.path.dirname(FLAGS_TSV).endswith(os.path.join("megatron", "training"))
+    assert filecmp.cmp(FLAGS_TSV, SHARED_TSV, shallow=False)
+
+
+def test_parser_matches_table_option_dest_default_choices_nargs_action():
+    parser = A.build_megatron_parser()
+    by_option = {opt: act for act in parser._actions for opt in act.option_strings}
+    for row in _shared_rows():
+        options = row["flags"].split()
+        action = by_option[options[0]]
+        assert sorted(action.option_strings) == sorted(options), row
+        assert action.dest == row["dest"]
+        assert repr(action.default) == row["default"], (row["dest"], action.default)
+        assert type(action) is ACTION_KIND[row["action"]], row["dest"]
+        if row["choices"]:
+            assert [str(c) for c in action.choices] == ast.literal_eval(row["choices"]), row["dest"]
+        else:
+            assert action.choices is None
+        if row["action"] == "store":  # store_true/false carry argparse's nargs=0
+            assert str(action.nargs) == (row["nargs"] or "None"), row["dest"]
+
+
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_every_option_string_parses(entry_point):
+    rows = _shared_rows()
+    parser = A.build_megatron_parser(entry_point)
+    for row in rows:
+        for option in row["flags"].split():
+            ns = parser.parse_args([option, *_sample_words(row)])
+            _check_parsed(row, getattr(ns, row["dest"]))
+    # All flags at once through the public entry, as a launch script would pass them.
+    argv = [w for row in rows for w in (row["flags"].split()[-1], *_sample_words(row))]
+    ns = A.parse_args(argv, entry_point=entry_point)
+    for row in rows:
+        _check_parsed(row, getattr(ns, row["dest"]))
+
+
+def test_help_lists_megatron_groups_and_exits_cleanly():
+    out = subprocess.run([sys.executable, "-c", "from megatron.training.arguments import parse_args; "
+                          "parse_args(['--help'])"], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert out.returncode == 0, out.stderr
+    for group in {row["group"] for row in _shared_rows()}:
+        assert f"\n{group}:\n" in out.stdout
+    assert "not supported yet" in out.stdout and "no effect here" in out.stdout
+
+
+# ----------------------------------------------------------------------------------
+# Unsupported and no-op flag tables.
+# ----------------------------------------------------------------------------------
+def test_status_tables_name_real_flags_with_default_as_harmless():
+    rows = {row["dest"]: row for row in _shared_rows()}
+    for dest, harmless in NOT_SUPPORTED_YET.items():
+        assert dest in rows, dest
+        default = ast.literal_eval(rows[dest]["default"])
+        assert default in harmless if isinstance(harmless, AnyOf) else default == harmless, dest
+    assert NO_OP_FLAGS <= set(rows)
+    assert not NO_OP_FLAGS & set(NOT_SUPPORTED_YET)
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "2",
+        "--seq-length", "32", "--train-iters", "10", "--lr", "1e-3"]
+
+
+def _validated(extra=(), world_size=1, entry_point="gpt"):
+    args = A.parse_args(BASE + list(extra), entry_point=entry_point)
+    return A.validate_args(args, world_size)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--num-experts", "8"], "--num-experts"),
+    (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--optimizer", "muon"], "--optimizer"),
+    (["--multi-latent-attention"], "--multi-latent-attention"),
+    (["--fp8-format", "hybrid"], "--fp8-format"),
+    (["--position-embedding-type", "relative"], "--position-embedding-type"),
+])
+def test_unsupported_flag_is_refused_not_ignored(extra, flag):
+    with pytest.raises(A.UnsupportedFlagError) as err:
+        _validated(extra, world_size=2)
+    assert f"not supported yet: {flag}=" in str(err.value)
+    assert isinstance(err.value, SystemExit) and err.value.code  # a non-zero exit for the launcher
+
+
+def test_supported_alternatives_and_no_op_flags_are_accepted():
+    args = _validated(["--optimizer", "sgd", "--position-embedding-type", "rope", "--no-masked-softmax-fusion",
+                       "--attention-backend", "flash", "--tp-comm-overlap", "--use-flash-attn"])
+    assert args.optimizer == "sgd" and args.position_embedding_type == "rope"
+
+
+# ----------------------------------------------------------------------------------
+# Derived defaults.
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("h", [64, 1000, 4096, 5120])
+def test_ffn_hidden_size_defaults(h):
+    plain = _validated(["--hidden-size", str(h), "--num-attention-heads", "8"])
+    assert plain.ffn_hidden_size == 4 * h
+    glu = _validated(["--hidden-size", str(h), "--num-attention-heads", "8", "--swiglu"])
+    assert glu.ffn_hidden_size == (8 * h // 3) // 64 * 64  # largest multiple of 64 <= 2/3 of 4h
+    assert glu.ffn_hidden_size % 64 == 0 and 0 <= 8 * h / 3 - glu.ffn_hidden_size < 64
+
+
+def test_kv_channels_split_tokenizer_and_batch_defaults():
+    args = _validated(["--data-path", "corpus_text_document"], world_size=8)
+    assert args.kv_channels == 64 // 4
+    assert args.split == "969, 30, 1"
+    assert args.data_parallel_size == 8 and args.global_batch_size == 2 * 8
+    assert args.max_position_embeddings == 32
+    assert _validated(["--split", "1,0,0", "--data-path", "x"]).split == "1,0,0"
+    assert _validated().split is None
+    assert A.parse_args(BASE, entry_point="gpt").tokenizer_type == "GPT2BPETokenizer"
+    for ep in ("bert", "t5"):
+        assert A.parse_args(BASE, entry_point=ep).tokenizer_type == "BertWordPieceLowerCase"
+    assert A.parse_args(BASE + ["--tokenizer-type", "NullTokenizer"], entry_point="bert").tokenizer_type == \
+        "NullTokenizer"
+
+
+def test_data_parallel_size_from_world_and_model_sizes():
+    args = _validated(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], world_size=12)
+    assert args.data_parallel_size * 2 * 2 == 12
+
+
+@pytest.mark.parametrize("vocab, div, tp", [(50257, 128, 1), (50257, 128, 8), (32000, 128, 2), (256, 128, 2),
+                                            (1, 1, 1), (30522, 64, 3)])
+def test_vocab_padding(vocab, div, tp):
+    padded = A.vocab_size_with_padding(vocab, div, tp)
+    multiple = div * tp
+    assert padded % multiple == 0 and vocab <= padded < vocab + multiple
+
+
+def test_defaults_argument_fills_only_unset_flags():
+    args = A.parse_args(BASE, defaults={"tokenizer_type": "NullTokenizer", "num_layers": 99})
+    assert args.tokenizer_type == "NullTokenizer" and args.num_layers == 4
+
+
+def test_extra_args_provider_and_unknown_args():
+    def extra(parser):
+        parser.add_argument_group("mine").add_argument("--my-flag", type=int, default=3)
+        return parser
+
+    assert A.parse_args(BASE + ["--my-flag", "5"], extra_args_provider=extra).my_flag == 5
+    with pytest.raises(SystemExit):
+        A.parse_args(BASE + ["--not-a-flag"])
+    assert A.parse_args(BASE + ["--not-a-flag"], ignore_unknown_args=True).num_layers == 4
+
+
+# ----------------------------------------------------------------------------------
+# Validation errors name their flags.
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, world, pattern", [
+    (["--global-batch-size", "6"], 2, r"--global-batch-size \(6\).*--micro-batch-size \(2\).*\(2\)"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, r"--lr-warmup-fraction.*--lr-warmup-iters"),
+    (["--train-samples", "100"], 1, r"--train-iters and --train-samples"),
+    (["--tensor-model-parallel-size", "2"], 3, r"world size 3.*--tensor-model-parallel-size \(2\)"),
+    (["--tensor-model-parallel-size", "8"], 8, r"--num-attention-heads \(4\).*--tensor-model-parallel-size \(8\)"),
+    (["--fp16", "--bf16"], 1, r"--fp16 and --bf16"),
+    (["--pipeline-model-parallel-size", "3"], 3, r"--num-layers.*--pipeline-model-parallel-size \(3\)"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     r"--num-layers-per-virtual-pipeline-stage \(3\)"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "6"], 2, r"number of microbatches \(3.*--pipeline-model-parallel-size \(2\)"),
+    (["--group-query-attention", "--num-query-groups", "3"], 1, r"--num-query-groups \(3\)"),
+    (["--batch-size", "4"], 1, r"--batch-size.*--micro-batch-size"),
+    (["--recompute-granularity", "full"], 1, r"--recompute-method"),
+    (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
+])
+def test_validation_errors_name_flags_and_values(extra, world, pattern):
+    with pytest.raises(A.ArgumentsError, match=pattern):
+        _validated(extra, world_size=world)
+
+
+def test_train_length_required():
+    argv = [w for w in BASE if w not in ("--train-iters", "10")]
+    with pytest.raises(A.ArgumentsError, match="--train-iters or --train-samples"):
+        A.validate_args(A.parse_args(argv), 1)
+
+
+def test_sequence_parallel_with_tp1_warns_and_disables():
+    with pytest.warns(UserWarning, match="--sequence-parallel"):
+        args = _validated(["--sequence-parallel"])
+    assert args.sequence_parallel is False
+    assert _validated(["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2).sequence_parallel
+
+
+def test_virtual_pipeline_and_uneven_stages():
+    args = _validated(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                       "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"], world_size=2)
+    assert args.virtual_pipeline_model_parallel_size == 8 // 2 // 2
+    ok = _validated(["--num-layers", "7", "--pipeline-model-parallel-size", "3",
+                     "--decoder-first-pipeline-num-layers", "1"], world_size=3)
+    assert ok.decoder_first_pipeline_num_layers == 1
+
+
+# ----------------------------------------------------------------------------------
+# Flags -> configs.
+# ----------------------------------------------------------------------------------
+def test_every_transformer_config_field_is_mapped_once():
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    tables = [set(A.TRANSFORMER_SAME_NAME), set(A.TRANSFORMER_DERIVED), set(A.TRANSFORMER_NOT_FROM_FLAGS)]
+    assert set.union(*tables) == fields
+    assert sum(len(t) for t in tables) == len(fields)
+
+
+def test_transformer_config_from_args():
+    args = _validated(["--swiglu", "--disable-bias-linear", "--add-qkv-bias", "--group-query-attention",
+                       "--num-query-groups", "2", "--normalization", "RMSNorm", "--bf16", "--hidden-dropout", "0.0",
+                       "--attention-dropout", "0.05", "--init-method-std", "0.01", "--qk-layernorm",
+                       "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations",
+                       "--calculate-per-token-loss", "--apply-layernorm-1p", "--norm-epsilon", "1e-6"],
+                      world_size=2)
+    cfg = A.core_transformer_config_from_args(args)
+    assert cfg.gated_linear_unit and cfg.activation_func is F.silu
+    assert cfg.add_bias_linear is False and cfg.add_qkv_bias is True
+    assert cfg.num_query_groups == 2 and cfg.normalization == "RMSNorm"
+    assert cfg.params_dtype is torch.bfloat16 and cfg.pipeline_dtype is torch.bfloat16
+    assert (cfg.hidden_dropout, cfg.attention_dropout, cfg.init_method_std) == (0.0, 0.05, 0.01)
+    assert cfg.qk_layernorm and cfg.sequence_parallel and cfg.tensor_model_parallel_size == 2
+    assert cfg.recompute_granularity == "selective" and cfg.calculate_per_token_loss
+    assert cfg.layernorm_zero_centered_gamma and cfg.layernorm_epsilon == 1e-6
+    assert cfg.ffn_hidden_size == args.ffn_hidden_size and cfg.num_attention_heads == 4
+    plain = A.core_transformer_config_from_args(_validated())
+    assert plain.activation_func is F.gelu and plain.num_query_groups == 4 and plain.params_dtype is torch.float32
+
+
+def test_scheduler_kwargs_count_samples():
+    args = _validated(["--global-batch-size", "8", "--train-iters", "100", "--lr-warmup-iters", "10",
+                       "--lr-decay-style", "cosine", "--min-lr", "1e-5"])
+    kw = A.optimizer_param_scheduler_kwargs(args)
+    assert (kw["lr_warmup_steps"], kw["lr_decay_steps"], kw["wd_incr_steps"]) == (10 * 8, 100 * 8, 100 * 8)
+    model = torch.nn.Linear(2, 2)
+    sched = OptimizerParamScheduler(torch.optim.SGD(model.parameters(), lr=0.0), **kw)
+    sched.step(10 * 8)
+    assert sched.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    frac = _validated(["--train-iters", "100", "--lr-warmup-fraction", "0.25", "--lr-decay-iters", "40"])
+    kw = A.optimizer_param_scheduler_kwargs(frac)
+    assert kw["lr_warmup_steps"] == pytest.approx(0.25 * 40 * frac.global_batch_size)
