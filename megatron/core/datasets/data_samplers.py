@@ -112,7 +112,8 @@ class MegatronPretrainingRandomSampler:
             order = torch.randperm(bucket, generator=g).tolist()
             first = self.data_parallel_rank * bucket
             return [first + x for x in order[done_in_epoch // self.data_parallel_size:]]
-        full = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
+        # Whole global steps only, so every rank gets the same number of micro batches.
+        full = (self.total_samples // self.step) * self.step
         order = torch.randperm(full, generator=g).tolist()[done_in_epoch:]
         return order[self.data_parallel_rank::self.data_parallel_size]
 
