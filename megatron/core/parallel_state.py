@@ -246,6 +246,11 @@ def default_process_groups() -> ProcessGroupCollection:
     return _DEFAULT
 
 
+def resolve_process_groups(groups: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
+    """``groups`` itself, or the default collection when a caller passed none."""
+    return groups if groups is not None else default_process_groups()
+
+
 def destroy_model_parallel() -> None:
     """Forget the default groups (the groups themselves are left to torch)."""
     global _DEFAULT, _VIRTUAL_PIPELINE_RANK

@@ -1,0 +1,5 @@
+"""Model families built from the transformer blocks."""
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+__all__ = ["GPTModel"]

@@ -1,0 +1,61 @@
+"""Rotary position embeddings (RoPE), applied to queries and keys inside attention."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotation angles for the first ``rotary_percent`` of each head's channels.
+
+    Args:
+        kv_channels: channels per attention head.
+        rotary_percent: fraction of channels that rotate (the rest pass through).
+        rotary_interleaved: rotate adjacent pairs (x0,x1),(x2,x3)... instead of halves.
+        seq_len_interpolation_factor: divide positions by this (linear position interpolation).
+        rotary_base: base of the geometric frequency progression.
+    """
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: float = 10000.0) -> None:
+        super().__init__()
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent={rotary_percent}: must be in (0, 1]")
+        dim = int(kv_channels * rotary_percent)
+        if dim % 2:
+            raise ValueError(f"rotary dimension kv_channels x rotary_percent = {dim} must be even")
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim/2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        """Angles for positions ``offset .. offset+max_seq_len-1``, shaped ``[s, 1, 1, dim]``."""
+        pos = torch.arange(max_seq_len, dtype=torch.float32, device=self.inv_freq.device) + offset  # [s]
+        if self.seq_len_interpolation_factor is not None:
+            pos = pos / self.seq_len_interpolation_factor
+        freqs = torch.outer(pos, self.inv_freq)  # [s, dim/2]
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # [s, dim]: f0 f0 f1 f1 ...
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [s, dim]: f0 f1 ... f0 f1 ...
+        return emb[:, None, None, :]  # [s, 1, 1, dim]
+
+
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the leading ``freqs.shape[-1]`` channels of ``t`` ``[s, b, n, d]`` by ``freqs`` ``[s, 1, 1, r]``."""
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
+    return torch.cat((t_rot, t_pass), dim=-1)

@@ -1,0 +1,3 @@
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+__all__ = ["GPTModel"]

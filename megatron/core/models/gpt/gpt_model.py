@@ -1,0 +1,133 @@
+"""GPTModel: embeddings, decoder block, output layer and vocab-parallel loss."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.tensor_parallel import (ColumnParallelLinear, gather_from_tensor_model_parallel_region,
+                                           vocab_parallel_cross_entropy)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# Defaults of the short keyword form only (GPT-2's vocabulary padded to 128, its context).
+SHORT_FORM_VOCAB_SIZE = 50304
+SHORT_FORM_MAX_SEQUENCE_LENGTH = 1024
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def _config_from_keywords(config: Optional[TransformerConfig], fields: dict) -> TransformerConfig:
+    unknown = set(fields) - _CONFIG_FIELDS
+    if unknown:
+        raise TypeError(f"GPTModel got unexpected keyword argument(s) {sorted(unknown)}")
+    if config is not None:
+        if fields:
+            raise TypeError(f"pass either config= or TransformerConfig fields, not both (got {sorted(fields)})")
+        return config
+    return TransformerConfig(**fields)
+
+
+class GPTModel(MegatronModule):
+    """A decoder-only language model split over tensor- and pipeline-parallel ranks.
+
+    Built either Megatron's way, ``GPTModel(config=..., transformer_layer_spec=...,
+    vocab_size=..., max_sequence_length=...)``, or in the short form
+    ``GPTModel(num_layers=..., hidden_size=..., num_attention_heads=...,
+    tensor_model_parallel_size=..., ...)`` where any TransformerConfig field may be given.
+
+    ``forward(input_ids [b, s], position_ids [b, s], attention_mask, labels=None)`` returns
+    logits ``[b, s, vocab/tp]`` (``[b, s, vocab]`` with ``parallel_output=False``), or the
+    per-token loss ``[b, s]`` when labels are given. On a non-last pipeline stage it returns
+    the hidden states ``[s, b, h]``.
+    """
+
+    def __init__(self, config: Optional[TransformerConfig] = None,
+                 transformer_layer_spec: Optional[ModuleSpec] = None,
+                 vocab_size: Optional[int] = None, max_sequence_length: Optional[int] = None,
+                 pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
+                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
+                 position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
+                 rotary_base: int = 10000, seq_len_interpolation_factor: Optional[float] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None, vp_stage: Optional[int] = None,
+                 **config_fields: Any) -> None:
+        config = _config_from_keywords(config, config_fields)
+        super().__init__(config)
+        groups = resolve_process_groups(pg_collection)
+        config.check_against(groups)
+        self.pg_collection = groups
+        self.vocab_size = vocab_size if vocab_size is not None else SHORT_FORM_VOCAB_SIZE
+        self.max_sequence_length = max_sequence_length or SHORT_FORM_MAX_SEQUENCE_LENGTH
+        self.pre_process, self.post_process = pre_process, post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.vp_stage = vp_stage
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
+                                                    position_embedding_type, pg_collection=groups)
+        self.rotary_pos_emb = None
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent, config.rotary_interleaved,
+                                                  seq_len_interpolation_factor, rotary_base)
+        self.decoder = TransformerBlock(config, transformer_layer_spec or get_gpt_layer_local_spec(),
+                                        pre_process=pre_process, post_process=post_process,
+                                        pg_collection=groups, vp_stage=vp_stage)
+        if post_process:
+            tied = share_embeddings_and_output_weights and pre_process
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.vocab_size, config=config, init_method=config.init_method, bias=False,
+                gather_output=False, skip_weight_param_allocation=tied, tp_group=groups.tp)
+            if share_embeddings_and_output_weights and not pre_process:
+                # The last stage's copy; the training code keeps it equal to the first stage's.
+                self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Activation from the previous pipeline stage (a tensor or a one-element list)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The word-embedding weight on the first stage, the output weight on the last."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, **unused: Any) -> torch.Tensor:
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids, position_ids)  # [s(/tp), b, h]
+        rotary = None
+        if self.rotary_pos_emb is not None:
+            rotary = self.rotary_pos_emb(input_ids.shape[1] if input_ids is not None else decoder_input.shape[0])
+        hidden = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary)  # [s(/tp), b, h]
+        if not self.post_process:
+            return hidden
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/tp]
+        if labels is None:
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+            return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
+        return self.compute_language_model_loss(labels, logits)
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` from labels ``[b, s]`` and logits ``[s, b, vocab/tp]``."""
+        if not self.fp16_lm_cross_entropy:
+            logits = logits.float()
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
+                                            tp_group=self.pg_collection.tp)  # [s, b]
+        return loss.transpose(0, 1).contiguous()  # [b, s]

@@ -1,0 +1,138 @@
+"""Self-attention: fused QKV projection (column parallel), core attention, output projection (row parallel)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_SDPA_BACKENDS = ("auto", "flash", "fused")
+
+
+def _dropout_rng(active: bool):
+    """Fork the model-parallel RNG: attention heads differ per TP rank, so must their masks."""
+    return get_cuda_rng_tracker().fork() if active else contextlib.nullcontext()
+
+
+class DotProductAttention(MegatronModule):
+    """softmax(q k^T * scale + mask) v for this rank's heads.
+
+    Inputs are ``[s, b, heads, d]``; keys and values may have fewer heads (grouped-query
+    attention) and are repeated to match. ``attention_mask`` is boolean with True where
+    attention is NOT allowed (Megatron's convention); None means plain causal.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
+        super().__init__(config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        backend = getattr(config.attention_backend, "name", config.attention_backend)
+        self.use_sdpa = backend in _SDPA_BACKENDS and not config.apply_query_key_layer_scaling
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        s, b, heads, d = query.shape
+        repeat = heads // key.shape[2]
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=2)  # [s, b, heads, d]
+            value = value.repeat_interleave(repeat, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        with _dropout_rng(dropout_p > 0):
+            if self.use_sdpa:
+                keep = None if attention_mask is None else ~attention_mask
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
+                                                     is_causal=causal, scale=self.softmax_scale)
+            else:
+                ctx = self._unfused(q, k, v, attention_mask, causal, dropout_p)
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads*d]
+
+    def _unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                 causal: bool, dropout_p: float) -> torch.Tensor:
+        # Query-key layer scaling divides by the layer number before the matmul and
+        # multiplies back inside the fp32 softmax: the same result, smaller fp16 scores.
+        coeff = float(self.layer_number) if self.config.apply_query_key_layer_scaling else 1.0
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (self.softmax_scale / coeff)  # [b, heads, s, s]
+        if self.config.attention_softmax_in_fp32:
+            scores = scores.float()
+        scores = scores * coeff
+        if causal:
+            sq, sk = scores.shape[-2:]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+        if mask is not None:
+            scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+        return torch.matmul(probs, v)  # [b, heads, s, d]
+
+
+class SelfAttention(MegatronModule):
+    """Multi-head / grouped-query self-attention split over tensor-parallel ranks by query group.
+
+    The fused QKV weight is laid out per query group: for each group, its query heads,
+    then one key head, then one value head. A column split therefore hands each TP rank
+    whole groups, and no communication is needed until the output projection.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int = 1,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__(config)
+        groups = resolve_process_groups(pg_collection)
+        tp = groups.size_of("tp")
+        self.heads_per_rank = config.num_attention_heads // tp
+        self.groups_per_rank = config.num_query_groups // tp
+        d = config.kv_channels
+        qkv_size = d * (config.num_attention_heads + 2 * config.num_query_groups)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, config=config, init_method=config.init_method,
+            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False, tp_group=groups.tp)
+        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type)
+        self.linear_proj = RowParallelLinear(
+            d * config.num_attention_heads, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, tp_group=groups.tp)
+        self.q_layernorm = build_norm(config, d) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, d) if config.qk_layernorm else None
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+
+    def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, groups/tp * (q_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
+        s, b, _ = mixed.shape
+        d = self.config.kv_channels
+        q_per_group = self.heads_per_rank // self.groups_per_rank
+        mixed = mixed.view(s, b, self.groups_per_rank, (q_per_group + 2) * d)
+        q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=-1)
+        return q.reshape(s, b, self.heads_per_rank, d), k, v
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``[s(/tp with SP), b, h]`` -> (output ``[s(/tp), b, h]``, output bias or None)."""
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, qkv/tp]
+        query, key, value = self.split_qkv(mixed)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
+        if rotary_pos_emb is not None:
+            interleaved = self.config.rotary_interleaved
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+        if self.recompute_core_attention and self.training:
+            context = checkpoint(lambda q, k, v: self.core_attention(q, k, v, attention_mask), False,
+                                 query, key, value)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)  # [s, b, heads/tp*d]
+        return self.linear_proj(context)

@@ -1,0 +1,30 @@
+"""Enumerations shared by transformer modules (Megatron's names)."""
+
+import enum
+
+
+class AttnMaskType(enum.Enum):
+    """How attention is masked: ``causal`` builds the mask itself, ``padding``/``arbitrary`` take one."""
+
+    padding = 1
+    causal = 2
+    no_mask = 3
+    padding_causal = 4
+    arbitrary = 5
+
+
+class AttnBackend(enum.Enum):
+    """Attention kernel choice. flash/fused/auto use PyTorch SDPA; unfused/local use explicit softmax."""
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5
+
+
+class ModelType(enum.Enum):
+    """Model families, as the pipeline schedules need to know them."""
+
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2

@@ -1,0 +1,58 @@
+"""LayerNorm and RMSNorm with Megatron's options (zero-centred gamma, sequence-parallel marking)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class _Norm(torch.nn.Module):
+    """Shared parameters of both norms.
+
+    With ``zero_centered_gamma`` the stored weight is ``gamma - 1`` (starts at 0), so
+    weight decay pulls the effective gain towards 1 rather than 0.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, with_bias: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)) if with_bias else None
+        # With sequence parallelism every TP rank sees a different part of the sequence,
+        # so the gradients of these replicated weights must be summed over TP.
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+    def gamma(self) -> torch.Tensor:
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
+
+
+class LayerNorm(_Norm):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dimension."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(config, hidden_size, eps, with_bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.gamma(), self.bias, self.eps)
+
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x^2) + eps) * gamma over the last dimension, computed in fp32."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(config, hidden_size, eps, with_bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.gamma()
+
+
+def build_norm(config: TransformerConfig, hidden_size: int, eps: float | None = None) -> torch.nn.Module:
+    """The norm named by ``config.normalization``."""
+    cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+    return cls(config, hidden_size, config.layernorm_epsilon if eps is None else eps)

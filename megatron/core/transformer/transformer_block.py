@@ -1,0 +1,86 @@
+"""A stack of transformer layers (this pipeline stage's share) with the final norm on the last stage."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
+from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def layer_numbers_to_build(config: TransformerConfig, pp_rank: int, pp_size: int,
+                           vp_stage: Optional[int] = None) -> List[int]:
+    """Global 1-based numbers of the layers that ``(pp_rank, vp_stage)`` holds."""
+    layout = pipeline_layer_assignment(
+        config.num_layers, pp_size, config.virtual_pipeline_model_parallel_size,
+        config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage)
+    return layout[pp_rank][vp_stage or 0]
+
+
+class TransformerBlock(MegatronModule):
+    """Runs this stage's layers. On non-first stages the input comes from ``set_input_tensor``."""
+
+    def __init__(self, config: TransformerConfig, spec: ModuleSpec, post_layer_norm: bool = True,
+                 pre_process: bool = True, post_process: bool = True,
+                 pg_collection: Optional[ProcessGroupCollection] = None, vp_stage: Optional[int] = None) -> None:
+        super().__init__(config)
+        if config.fp32_residual_connection:
+            raise ValueError("fp32_residual_connection=True is not supported yet")
+        groups = resolve_process_groups(pg_collection)
+        self.pre_process, self.post_process = pre_process, post_process
+        numbers = layer_numbers_to_build(config, groups.rank_in("pp"), groups.size_of("pp"), vp_stage)
+        self.layers = torch.nn.ModuleList(
+            build_module(spec, config, layer_number=n, pg_collection=groups) for n in numbers)
+        self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """Activation received from the previous pipeline stage."""
+        self.input_tensor = input_tensor
+
+    def _run_layers(self, hidden: torch.Tensor, start: int, end: int, attention_mask: Optional[torch.Tensor],
+                    rotary_pos_emb: Optional[torch.Tensor]) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb)
+        return hidden
+
+    def _recomputed(self, start: int) -> bool:
+        """Whether the layers starting at local index ``start`` are run under full recomputation."""
+        c = self.config
+        if c.recompute_granularity != "full" or not self.training:
+            return False
+        return c.recompute_method == "uniform" or start < c.recompute_num_layers
+
+    def forward(self, hidden_states: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[s(/tp with SP), b, h]`` -> same shape."""
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        # With sequence parallelism each TP rank holds different tokens, so dropout there must
+        # draw different masks: run the layers under the model-parallel RNG.
+        dropout = self.training and (self.config.hidden_dropout > 0 or self.config.attention_dropout > 0)
+        forked = self.config.sequence_parallel and dropout
+        rng = get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext()
+        step = self.config.recompute_num_layers if self.config.recompute_method == "uniform" else 1
+        with rng:
+            start = 0
+            while start < len(self.layers):
+                end = min(start + (step or 1), len(self.layers))
+                if self._recomputed(start):
+                    hidden_states = checkpoint(
+                        lambda h, s=start, e=end: self._run_layers(h, s, e, attention_mask, rotary_pos_emb),
+                        bool(self.config.distribute_saved_activations), hidden_states)
+                else:
+                    hidden_states = self._run_layers(hidden_states, start, end, attention_mask, rotary_pos_emb)
+                start = end
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

@@ -1,0 +1,57 @@
+"""A pre-LN transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    """Classes (or specs) for each part of a layer."""
+
+    input_layernorm: Union[ModuleSpec, type, None] = None
+    self_attention: Union[ModuleSpec, type, None] = None
+    pre_mlp_layernorm: Union[ModuleSpec, type, None] = None
+    mlp: Union[ModuleSpec, type, None] = None
+
+
+class TransformerLayer(MegatronModule):
+    """One decoder layer. ``layer_number`` is global and 1-based."""
+
+    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int = 1,
+                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__(config)
+        self.layer_number = layer_number
+        h = config.hidden_size
+        self.input_layernorm = build_module(submodules.input_layernorm, config, h, config.layernorm_epsilon)
+        self.self_attention = build_module(submodules.self_attention, config, layer_number=layer_number,
+                                           pg_collection=pg_collection)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, h, config.layernorm_epsilon)
+        self.mlp = build_module(submodules.mlp, config, pg_collection=pg_collection)
+
+    def _bias_dropout_add(self, out: torch.Tensor, bias: Optional[torch.Tensor],
+                          residual: torch.Tensor) -> torch.Tensor:
+        if bias is not None:
+            out = out + bias
+        return residual + F.dropout(out, p=self.config.hidden_dropout, training=self.training)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, None]:
+        """``[s(/tp with SP), b, h]`` -> (same shape, None); the None stands for cross-attention context."""
+        post_ln_residual = self.config.apply_residual_connection_post_layernorm
+        normed = self.input_layernorm(hidden_states)
+        attn_out, attn_bias = self.self_attention(normed, attention_mask, rotary_pos_emb=rotary_pos_emb)
+        hidden_states = self._bias_dropout_add(attn_out, attn_bias, normed if post_ln_residual else hidden_states)
+        normed = self.pre_mlp_layernorm(hidden_states)
+        mlp_out, mlp_bias = self.mlp(normed)
+        hidden_states = self._bias_dropout_add(mlp_out, mlp_bias, normed if post_ln_residual else hidden_states)
+        return hidden_states, None

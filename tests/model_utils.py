@@ -1,0 +1,69 @@
+"""Tiny GPT configurations and helpers shared by model, pipeline and data-parallel tests."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.models import GPTModel
+from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
+
+VOCAB = 128
+SEQ = 16
+
+
+def gpt2_style(**overrides) -> Dict:
+    """GPT-2 shape: LayerNorm, GeLU, learned positions, biases, tied embeddings."""
+    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+              use_cpu_initialization=True, position_embedding_type="learned_absolute",
+              share_embeddings_and_output_weights=True, vocab_size=VOCAB, max_sequence_length=SEQ)
+    kw.update(overrides)
+    return kw
+
+
+def llama_style(**overrides) -> Dict:
+    """Llama shape: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied."""
+    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128,
+              normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+              hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+              position_embedding_type="rope", share_embeddings_and_output_weights=False,
+              vocab_size=VOCAB, max_sequence_length=SEQ)
+    kw.update(overrides)
+    return kw
+
+
+def single_rank_groups() -> ProcessGroupCollection:
+    """Groups in which every rank is alone: for building a TP=1 reference on every rank."""
+    return build_process_groups(ParallelLayout(world_size=dist.get_world_size(),
+                                               tensor_model_parallel_size=1))
+
+
+def build_gpt(kwargs: Dict, groups: ProcessGroupCollection, seed: int = 1234, **extra) -> GPTModel:
+    """A GPTModel from ``kwargs``, initialized from ``seed`` (CPU init: same weights for any TP)."""
+    torch.manual_seed(seed)
+    kw = dict(kwargs, tensor_model_parallel_size=groups.size_of("tp"),
+              pipeline_model_parallel_size=groups.size_of("pp"))
+    kw.update(extra)
+    return GPTModel(pg_collection=groups, **kw)
+
+
+def gather_tp(tensor: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tensor:
+    """Reassemble the full tensor from every TP rank's shard of ``param`` (stride aware)."""
+    world = dist.get_world_size(tp_group)
+    if world == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    shards: List[torch.Tensor] = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+    dim, stride = param.partition_dim, param.partition_stride
+    pieces = [torch.chunk(s, stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][j] for j in range(stride) for r in range(world)], dim=dim)
+
+
+def batch(seed: int = 0, b: int = 2, s: int = SEQ, vocab: int = VOCAB):
+    """Random token ids and next-token labels ``[b, s]``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
