@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import json
 import os
 import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
