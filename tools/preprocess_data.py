@@ -273,20 +273,21 @@ def parse_line(raw: bytes, keys: Sequence[str]) -> Tuple[Optional[List[str]], Op
 def encode_texts(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tokens, sequence lengths and cumulative sequences per document for one key's texts."""
     tok, split, eod = _WORKER["tok"], _WORKER["split"], _WORKER["eod"]
-    docs = [split(t) for t in texts] if split else [[t] for t in texts]
-    ids = tok.batch_tokenize([s for d in docs for s in d]) if texts else []
-    seqs: List[List[int]] = []
-    doc_ends = np.empty(len(docs), dtype=np.int64)
-    pos = 0
-    for k, d in enumerate(docs):
-        doc_seqs = [x for x in ids[pos:pos + len(d)] if len(x)]  # Megatron drops empty sequences
-        pos += len(d)
-        if doc_seqs and eod is not None:
-            doc_seqs[-1] = list(doc_seqs[-1]) + [eod]
-        seqs.extend(doc_seqs)
-        doc_ends[k] = len(seqs)
-    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    tokens = np.fromiter(itertools.chain.from_iterable(seqs), dtype=_WORKER["cfg"].dtype, count=int(lengths.sum()))
+    parts = [split(t) for t in texts] if split else [[t] for t in texts]
+    ids = tok.batch_tokenize([s for d in parts for s in d]) if texts else []
+    # Per-token work stays in NumPy: one flat array, then vectorised bookkeeping per sequence.
+    raw_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=_WORKER["cfg"].dtype, count=int(raw_lengths.sum()))
+    kept = raw_lengths > 0  # Megatron drops sequences that tokenize to nothing
+    kept_before = np.concatenate([[0], np.cumsum(kept)])
+    sentence_ends = np.cumsum([len(d) for d in parts], dtype=np.int64)
+    doc_ends = kept_before[sentence_ends] if len(parts) else np.zeros(0, np.int64)
+    lengths = raw_lengths[kept]
+    if eod is not None and len(lengths):
+        starts = np.concatenate([[0], doc_ends[:-1]])
+        last = doc_ends[doc_ends > starts] - 1  # last sequence of each non-empty document
+        tokens = np.insert(tokens, np.cumsum(lengths)[last], np.asarray(eod, dtype=tokens.dtype))
+        lengths[last] += 1
     return tokens, lengths, doc_ends
 
 
@@ -412,7 +413,8 @@ class Progress:
         elapsed = max(time.time() - self.start, 1e-9)
         eta = elapsed * (self.total_bytes - nbytes) / nbytes if nbytes else float("nan")
         print(f"{self.tag}processed {docs} documents ({docs / elapsed:.1f} docs/s, "
-              f"{nbytes / elapsed / 1e6:.2f} MB/s), elapsed {elapsed:.1f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+              f"{nbytes / elapsed / 1e6:.2f} MB/s), elapsed {elapsed:.1f} s, ETA {eta:.0f} s",
+              file=sys.stderr, flush=True)
 
 
 def output_prefix(prefix: str, key: str, split_sentences: bool) -> str:

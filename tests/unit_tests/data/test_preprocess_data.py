@@ -108,14 +108,15 @@ def test_every_tokenizer_round_trip(tmp_path, tok_files, tok_type, split, keep_n
 
 
 def test_null_tokenizer_and_two_keys(tmp_path, tok_files):
-    lines = [{"text": t, "ids": t[::-1]} for t in NUMBER_TEXTS]
+    # "  " has no ids: its document holds no sequence and, as in Megatron, no eod either.
+    lines = [{"text": t, "ids": t[::-1]} for t in NUMBER_TEXTS + ["  "]]
     src = write_lines(tmp_path / "in.jsonl", lines)
     flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
     rc, prefix = run_tool(tmp_path, src, flags, "--json-keys", "text", "ids", "--append-eod")
     assert rc == 0
     eod = int(tok_files["NullTokenizer"]["vocab_size"])  # Megatron's null eod: one past the text ids
     for key in ("text", "ids"):
-        want = [[[int(x) for x in line[key].split()] + [eod]] for line in lines]
+        want = [[[int(x) for x in line[key].split()] + [eod]] for line in lines[:-1]] + [[]]
         check_dataset(f"{prefix}_{key}_document", want)
 
 
@@ -226,7 +227,8 @@ def test_merge_datasets_tool(tmp_path, tok_files, capsys):
     check_dataset(out, [[[int(x) for x in t.split()]] for t in NUMBER_TEXTS])
     wide = write_lines(tmp_path / "w.jsonl", [{"text": "1 2"}])
     assert run_tool(tmp_path, wide, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70000"], name="w")[0] == 0
-    rc = merge_datasets.main(["--input", out, str(tmp_path / "w_text_document"), "--output-prefix", str(tmp_path / "x")])
+    argv = ["--input", out, str(tmp_path / "w_text_document"), "--output-prefix", str(tmp_path / "x")]
+    rc = merge_datasets.main(argv)
     assert rc == 1 and "different dtypes" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x.bin")
 
