@@ -1,0 +1,245 @@
+"""Process start-up: torch.distributed from the launcher's environment, groups, seeds.
+
+``read_launch_env`` is a pure function of the environment: torchrun's
+variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win; without
+them, Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the first host of
+SLURM_NODELIST as master) describe a job started by ``srun`` directly.
+``initialize_distributed`` then creates the default process group (unless one
+exists already), sets the CUDA device from the local rank, and builds the model
+parallel groups from the validated args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import re
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, List, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MASTER_PORT = 6000
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+SLURM_NODELIST_VARS = ("SLURM_NODELIST", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST")
+
+
+class LaunchEnvError(RuntimeError):
+    """The environment does not describe a torchrun or Slurm launch completely."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, and where to rendezvous."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" or "slurm"
+
+
+# ----------------------------------------------------------------------------------
+# Slurm host lists: "node[01-04,07],login1" -> node01 node02 node03 node04 node07 login1
+# ----------------------------------------------------------------------------------
+def _split_top_level(text: str) -> List[str]:
+    """Split on commas that are not inside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in (s.strip() for s in parts) if p]
+
+
+def _expand_range(spec: str) -> List[str]:
+    """'01-03' -> ['01', '02', '03'] keeping zero padding; '7' -> ['7']."""
+    if "-" not in spec:
+        return [spec]
+    lo, hi = spec.split("-", 1)
+    return [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+
+
+def expand_nodelist(nodelist: str) -> List[str]:
+    """All host names of a Slurm node list, in order (several bracket groups multiply)."""
+    hosts: List[str] = []
+    for item in _split_top_level(nodelist):
+        match = re.search(r"\[([^\]]*)\]", item)
+        if match is None:
+            hosts.append(item)
+            continue
+        head, tail = item[:match.start()], item[match.end():]
+        for spec in match.group(1).split(","):
+            for number in _expand_range(spec.strip()):
+                hosts.extend(expand_nodelist(head + number + tail))
+    return hosts
+
+
+def first_host(nodelist: str) -> str:
+    hosts = expand_nodelist(nodelist)
+    if not hosts:
+        raise LaunchEnvError(f"empty Slurm node list {nodelist!r}")
+    return hosts[0]
+
+
+# ----------------------------------------------------------------------------------
+# Launch environment.
+# ----------------------------------------------------------------------------------
+def _int_var(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise LaunchEnvError(f"{name}={environ[name]!r} is not an integer") from None
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
+    return LaunchEnv(rank=_int_var(environ, "RANK"), world_size=_int_var(environ, "WORLD_SIZE"),
+                     local_rank=_int_var(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+                     master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT"),
+                     source="torchrun")
+
+
+def _from_slurm(environ: Mapping[str, str], nodelist_var: Optional[str]) -> LaunchEnv:
+    addr = environ.get("MASTER_ADDR") or first_host(environ[nodelist_var])
+    port = _int_var(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_MASTER_PORT
+    return LaunchEnv(rank=_int_var(environ, "SLURM_PROCID"), world_size=_int_var(environ, "SLURM_NTASKS"),
+                     local_rank=_int_var(environ, "SLURM_LOCALID"), master_addr=addr, master_port=port,
+                     source="slurm")
+
+
+def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
+    """This process's rank and rendezvous point from torchrun's or Slurm's variables.
+
+    Raises:
+        LaunchEnvError: neither set of variables is complete; the message lists what is missing.
+    """
+    environ = os.environ if environ is None else environ
+    missing_torchrun = [v for v in TORCHRUN_VARS if v not in environ]
+    if not missing_torchrun:
+        env = _from_torchrun(environ)
+    else:
+        missing_slurm = [v for v in SLURM_VARS if v not in environ]
+        nodelist_var = next((v for v in SLURM_NODELIST_VARS if v in environ), None)
+        if nodelist_var is None and "MASTER_ADDR" not in environ:
+            missing_slurm.append("SLURM_NODELIST")
+        if missing_slurm:
+            raise LaunchEnvError(
+                "cannot tell this process's rank: start it with torchrun (missing "
+                f"{', '.join(missing_torchrun)}) or with srun (missing {', '.join(missing_slurm)}); "
+                "for one process: torchrun --nproc-per-node 1 ..."
+            )
+        env = _from_slurm(environ, nodelist_var)
+    if not 0 <= env.rank < env.world_size:
+        raise LaunchEnvError(f"rank {env.rank} is outside world size {env.world_size} ({env.source})")
+    return env
+
+
+def choose_backend(requested: Optional[str], cuda_available: bool) -> str:
+    """nccl with GPUs, gloo without; nccl cannot run without GPUs, so it falls back."""
+    if not cuda_available:
+        if requested not in (None, "nccl", "gloo"):
+            raise ValueError(f"--distributed-backend {requested}: only gloo works without CUDA")
+        return "gloo"
+    return requested or "nccl"
+
+
+# ----------------------------------------------------------------------------------
+# Distributed start-up.
+# ----------------------------------------------------------------------------------
+def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str, str]]) -> None:
+    env = read_launch_env(environ)
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() > 0:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    backend = choose_backend(getattr(args, "distributed_backend", None), cuda)
+    dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                            rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    args.local_rank = env.local_rank
+    logger.info("torch.distributed up: rank %d of %d (%s, %s)", env.rank, env.world_size, env.source, backend)
+
+
+def initialize_distributed(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None
+                           ) -> parallel_state.ProcessGroupCollection:
+    """Create the default process group if needed, then the model-parallel groups from ``args``.
+
+    A process group created beforehand (e.g. by a test harness) is kept as is.
+    Returns the process-group collection, also installed as the default.
+    """
+    if not dist.is_initialized():
+        _start_process_group(args, environ)
+    elif torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        local = int((environ or os.environ).get("LOCAL_RANK", dist.get_rank()))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+    if parallel_state.model_parallel_is_initialized():
+        warnings.warn("model parallel groups are already initialized; keeping them")
+        return parallel_state.default_process_groups()
+    return parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+
+
+def set_random_seed(seed: int, data_parallel_random_init: bool = False,
+                    groups: Optional[parallel_state.ProcessGroupCollection] = None) -> int:
+    """Seed python, numpy and torch; returns the seed this rank used.
+
+    Megatron's rule: pipeline stages get different streams (seed + 100 x pp rank),
+    data-parallel replicas the same one unless ``data_parallel_random_init``
+    (then + 10 x dp rank). Tensor-parallel ranks share the default stream and
+    differ only inside the tracked model-parallel stream.
+    """
+    if seed is None or seed <= 0:
+        raise ValueError(f"--seed={seed}: must be a positive integer")
+    groups = parallel_state.default_process_groups() if groups is None else groups
+    seed = seed + 100 * groups.rank_in("pp")
+    if data_parallel_random_init:
+        seed += 10 * groups.rank_in("dp")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    from megatron.core import tensor_parallel  # imported here: it depends on the groups built above
+
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, tp_rank=groups.rank_in("tp"), ep_rank=groups.rank_in("ep"), etp_rank=groups.rank_in("expt_tp"))
+    return seed
+
+
+def initialize_megatron(argv: Optional[Sequence[str]] = None,
+                        extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None,
+                        args_defaults: Optional[Mapping[str, Any]] = None, entry_point: str = "gpt",
+                        environ: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
+    """Parse and validate flags, start torch.distributed, build groups, seed, set up microbatches."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(argv, extra_args_provider, defaults=args_defaults, entry_point=entry_point)
+    world_size = dist.get_world_size() if dist.is_initialized() else read_launch_env(environ).world_size
+    validate_args(args, world_size)  # once, before any process group exists
+    groups = initialize_distributed(args, environ)
+    set_random_seed(args.seed, args.data_parallel_random_init, groups)
+    init_num_microbatches_calculator(args.rank, args.rampup_batch_size, args.global_batch_size,
+                                     args.micro_batch_size, args.data_parallel_size,
+                                     args.decrease_batch_size_if_needed)
+    return args

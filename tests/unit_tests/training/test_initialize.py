@@ -1,0 +1,130 @@
+"""Launch-environment parsing, backend choice, and start-up on two gloo ranks."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.training import initialize as init
+from tests.dist_harness import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NODELIST": "gpu[07-09,12]"}
+
+
+def test_torchrun_environment():
+    env = init.read_launch_env(TORCHRUN)
+    assert env == init.LaunchEnv(3, 8, 1, "10.0.0.1", 29500, "torchrun")
+
+
+def test_torchrun_wins_over_slurm():
+    assert init.read_launch_env({**SLURM, **TORCHRUN}).source == "torchrun"
+
+
+def test_slurm_environment_first_host_and_default_port():
+    env = init.read_launch_env(SLURM)
+    assert env == init.LaunchEnv(5, 16, 1, "gpu07", 6000, "slurm")
+    env = init.read_launch_env({**SLURM, "MASTER_PORT": "7777", "SLURM_NODELIST": "login,gpu[1-2]"})
+    assert (env.master_addr, env.master_port) == ("login", 7777)
+    assert init.read_launch_env({**SLURM, "MASTER_ADDR": "head"}).master_addr == "head"
+    job = {k: v for k, v in SLURM.items() if k != "SLURM_NODELIST"}
+    assert init.read_launch_env({**job, "SLURM_JOB_NODELIST": "n[3-4]"}).master_addr == "n3"
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("a[8-11],b", ["a8", "a9", "a10", "a11", "b"]),
+    ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
+    ("x[001,010-011].cluster,y", ["x001.cluster", "x010.cluster", "x011.cluster", "y"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert init.expand_nodelist(nodelist) == hosts
+    assert init.first_host(nodelist) == hosts[0]
+
+
+def test_incomplete_environment_names_missing_variables():
+    with pytest.raises(init.LaunchEnvError) as err:
+        init.read_launch_env({"RANK": "0", "WORLD_SIZE": "2"})
+    msg = str(err.value)
+    assert "MASTER_ADDR" in msg and "MASTER_PORT" in msg and "SLURM_PROCID" in msg and "torchrun" in msg
+    with pytest.raises(init.LaunchEnvError, match="SLURM_NODELIST"):
+        init.read_launch_env({k: v for k, v in SLURM.items() if k != "SLURM_NODELIST"})
+    with pytest.raises(init.LaunchEnvError, match="not an integer"):
+        init.read_launch_env({**TORCHRUN, "RANK": "x"})
+    with pytest.raises(init.LaunchEnvError, match="outside world size"):
+        init.read_launch_env({**TORCHRUN, "RANK": "8"})
+
+
+def test_backend_choice():
+    assert init.choose_backend("nccl", cuda_available=False) == "gloo"
+    assert init.choose_backend("gloo", cuda_available=True) == "gloo"
+    assert init.choose_backend("nccl", cuda_available=True) == "nccl"
+    assert init.choose_backend(None, cuda_available=True) == "nccl"
+
+
+# ----------------------------------------------------------------------------------
+# Start-up on real processes.
+# ----------------------------------------------------------------------------------
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "1",
+        "--seq-length", "8", "--train-iters", "2", "--lr", "1e-3", "--seed", "77"]
+
+
+def _layout_and_seeds(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.training.arguments import parse_args, validate_args
+
+    out = {}
+    for name, extra in (("pp", ["--pipeline-model-parallel-size", "2"]),
+                        ("tp", ["--tensor-model-parallel-size", "2"]),
+                        ("dp", ["--data-parallel-random-init"])):
+        args = validate_args(parse_args(BASE + extra), world_size)
+        groups = init.initialize_distributed(args)
+        used = init.set_random_seed(args.seed, args.data_parallel_random_init)
+        out[name] = dict(seed=used, torch=torch.rand(3).tolist(), numpy=np.random.rand(2).tolist(),
+                         tp=groups.size_of("tp"), pp=groups.size_of("pp"), dp=groups.size_of("dp"),
+                         rank=args.rank, world=args.world_size)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_initialize_on_two_ranks():
+    results = run_distributed(_layout_and_seeds, 2, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["pp"]["seed"] == 77 + 100 * rank  # PP rank == global rank with TP=1, PP=2
+        assert (res["pp"]["pp"], res["tp"]["tp"], res["dp"]["dp"]) == (2, 2, 2)
+        assert res["tp"]["seed"] == 77
+        assert res["dp"]["seed"] == 77 + 10 * rank
+        assert res["tp"]["rank"] == rank and res["tp"]["world"] == 2
+        gen = torch.Generator().manual_seed(res["pp"]["seed"])
+        assert res["pp"]["torch"] == torch.rand(3, generator=gen).tolist()
+        assert res["dp"]["numpy"] == np.random.RandomState(res["dp"]["seed"]).rand(2).tolist()
+    # TP ranks draw the same default stream; PP stages different ones.
+    assert results[0]["tp"]["torch"] == results[1]["tp"]["torch"]
+    assert results[0]["pp"]["torch"] != results[1]["pp"]["torch"]
+
+
+def test_initialize_megatron_creates_process_group_from_torchrun_env():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import torch.distributed as dist\n"
+        "from megatron.training.initialize import initialize_megatron\n"
+        "from megatron.core.num_microbatches_calculator import get_num_microbatches\n"
+        f"args = initialize_megatron({BASE!r} + ['--global-batch-size', '4'])\n"
+        "print(dist.get_backend(), dist.get_world_size(), args.data_parallel_size, get_num_microbatches())\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["gloo", "1", "1", str(4 // 1)]
