@@ -68,8 +68,9 @@ def _resolve_group(tp_group: Optional[dist.ProcessGroup], is_expert: bool) -> di
     return groups.expt_tp if is_expert else groups.tp
 
 
-def _param_device(config: ModelParallelConfig) -> torch.device:
-    if torch.cuda.is_available() and not config.use_cpu_initialization:
+def _home_device() -> torch.device:
+    """Where parameters live: the current CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -91,29 +92,28 @@ def _make_weight(shape: Tuple[int, int], full_shape: Tuple[int, int], partition_
     keep this rank's shard. Otherwise each rank fills its own shard under the
     tracked per-TP-rank stream ``rng_stream``.
     """
-    device = _param_device(config)
+    # CPU initialization builds on the CPU and moves the shard afterwards.
+    device = torch.device("cpu") if config.use_cpu_initialization else _home_device()
     weight = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
-    if not config.perform_initialization:
-        return weight
-    with torch.no_grad():
-        if config.use_cpu_initialization:
-            master = torch.empty(full_shape, dtype=torch.float32)
-            init_method(master)
-            shard = _shard_of_master(master, shape[partition_dim], partition_dim, stride,
-                                     dist.get_rank(group), dist.get_world_size(group))
-            weight.copy_(shard.to(config.params_dtype))
-        else:
-            with get_cuda_rng_tracker().fork(rng_stream):
-                init_method(weight)
-    if torch.cuda.is_available() and weight.device.type != "cuda":
-        weight.data = weight.data.cuda()
+    if config.perform_initialization:
+        with torch.no_grad():
+            if config.use_cpu_initialization:
+                master = torch.empty(full_shape, dtype=torch.float32)
+                init_method(master)
+                shard = _shard_of_master(master, shape[partition_dim], partition_dim, stride,
+                                         dist.get_rank(group), dist.get_world_size(group))
+                weight.copy_(shard.to(config.params_dtype))
+            else:
+                with get_cuda_rng_tracker().fork(rng_stream):
+                    init_method(weight)
+    weight.data = weight.data.to(_home_device())
     return weight
 
 
-def _make_bias(size: int, config: ModelParallelConfig, device: torch.device) -> torch.nn.Parameter:
+def _make_bias(size: int, config: ModelParallelConfig) -> torch.nn.Parameter:
     """Zero-initialized bias (Megatron starts every linear bias at zero)."""
-    return torch.nn.Parameter(torch.zeros(size, dtype=config.params_dtype, device=device))
+    return torch.nn.Parameter(torch.zeros(size, dtype=config.params_dtype, device=_home_device()))
 
 
 def _rng_stream(is_expert: bool) -> str:
@@ -152,8 +152,7 @@ class ColumnParallelLinear(torch.nn.Module):
                                        self.tp_group, _rng_stream(is_expert))
             self.weight.allreduce = not is_expert
         if bias:
-            device = self.weight.device if self.weight is not None else _param_device(config)
-            self.bias = _make_bias(self.output_size_per_partition, config, device)
+            self.bias = _make_bias(self.output_size_per_partition, config)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
             self.bias.allreduce = not is_expert
         else:
@@ -224,7 +223,7 @@ class RowParallelLinear(torch.nn.Module):
                                    stride, init_method, config, self.tp_group, _rng_stream(is_expert))
         self.weight.allreduce = not is_expert
         if bias:
-            self.bias = _make_bias(output_size, config, self.weight.device)
+            self.bias = _make_bias(output_size, config)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
             # Under SP each rank's bias grad covers only its sequence piece: training must all-reduce it.
             self.bias.sequence_parallel = config.sequence_parallel
