@@ -7,6 +7,7 @@ setup(
     version="0.1.0",
     description="A from-scratch, Megatron-LM compatible framework for large transformer training.",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    package_data={"megatron.training": ["megatron_flags.tsv"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy>=1.26"],
     extras_require={

@@ -1,0 +1,104 @@
+"""Map full (TP=1) GPTModel state dicts to and from Hugging Face GPT-2 and Llama names.
+
+Our fused QKV weight is laid out per query group ``[q heads of the group, k, v]``; GPT-2
+stacks ``[all q, all k, all v]`` in a Conv1D (``[in, out]``) weight, Llama keeps three
+separate ``[out, in]`` projections. SwiGLU's first projection is ``[gate; up]``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+StateDict = Dict[str, torch.Tensor]
+
+
+def split_qkv(qkv: torch.Tensor, config: TransformerConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``[(heads + 2*groups) * d, ...]`` -> q ``[heads*d, ...]``, k and v ``[groups*d, ...]``."""
+    groups, d = config.num_query_groups, config.kv_channels
+    per_group = config.num_attention_heads // groups
+    grouped = qkv.reshape(groups, per_group + 2, d, *qkv.shape[1:])
+    q = grouped[:, :per_group].reshape(groups * per_group * d, *qkv.shape[1:])
+    return q, grouped[:, per_group].reshape(groups * d, *qkv.shape[1:]), grouped[:, per_group + 1].reshape(
+        groups * d, *qkv.shape[1:])
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """Inverse of ``split_qkv``."""
+    groups, d = config.num_query_groups, config.kv_channels
+    per_group = config.num_attention_heads // groups
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, per_group, d, *rest), k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _layer_map_gpt2(i: int) -> Dict[str, str]:
+    ours, hf = f"decoder.layers.{i}.", f"transformer.h.{i}."
+    return {ours + "input_layernorm.weight": hf + "ln_1.weight", ours + "input_layernorm.bias": hf + "ln_1.bias",
+            ours + "pre_mlp_layernorm.weight": hf + "ln_2.weight", ours + "pre_mlp_layernorm.bias": hf + "ln_2.bias",
+            ours + "self_attention.linear_proj.bias": hf + "attn.c_proj.bias",
+            ours + "mlp.linear_fc1.bias": hf + "mlp.c_fc.bias", ours + "mlp.linear_fc2.bias": hf + "mlp.c_proj.bias"}
+
+
+def to_hf_gpt2(sd: StateDict, config: TransformerConfig) -> StateDict:
+    """Our GPT-2-style state dict -> ``transformers.GPT2LMHeadModel`` names (Conv1D weights are ``[in, out]``)."""
+    out = {"transformer.wte.weight": sd["embedding.word_embeddings.weight"],
+           "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
+           "transformer.ln_f.weight": sd["decoder.final_layernorm.weight"],
+           "transformer.ln_f.bias": sd["decoder.final_layernorm.bias"]}
+    out["lm_head.weight"] = sd.get("output_layer.weight", out["transformer.wte.weight"])
+    for i in range(config.num_layers):
+        ours, hf = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        out.update({h: sd[o] for o, h in _layer_map_gpt2(i).items()})
+        for kind in ("weight", "bias"):
+            q, k, v = split_qkv(sd[ours + f"self_attention.linear_qkv.{kind}"], config)
+            fused = torch.cat([q, k, v], dim=0)
+            out[hf + f"attn.c_attn.{kind}"] = fused.t().contiguous() if kind == "weight" else fused
+        out[hf + "attn.c_proj.weight"] = sd[ours + "self_attention.linear_proj.weight"].t().contiguous()
+        out[hf + "mlp.c_fc.weight"] = sd[ours + "mlp.linear_fc1.weight"].t().contiguous()
+        out[hf + "mlp.c_proj.weight"] = sd[ours + "mlp.linear_fc2.weight"].t().contiguous()
+    return out
+
+
+def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
+    """Our Llama-style state dict -> ``transformers.LlamaForCausalLM`` names."""
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    out["lm_head.weight"] = sd.get("output_layer.weight", out["model.embed_tokens.weight"])
+    ffn = config.ffn_hidden_size
+    for i in range(config.num_layers):
+        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        q, k, v = split_qkv(sd[ours + "self_attention.linear_qkv.weight"], config)
+        fc1 = sd[ours + "mlp.linear_fc1.weight"]
+        out.update({
+            hf + "input_layernorm.weight": sd[ours + "input_layernorm.weight"],
+            hf + "post_attention_layernorm.weight": sd[ours + "pre_mlp_layernorm.weight"],
+            hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
+            hf + "self_attn.o_proj.weight": sd[ours + "self_attention.linear_proj.weight"],
+            hf + "mlp.gate_proj.weight": fc1[:ffn], hf + "mlp.up_proj.weight": fc1[ffn:],
+            hf + "mlp.down_proj.weight": sd[ours + "mlp.linear_fc2.weight"],
+        })
+    return out
+
+
+def from_hf_llama(hf: StateDict, config: TransformerConfig) -> StateDict:
+    """``transformers.LlamaForCausalLM`` state dict -> our names (TP=1)."""
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+    for i in range(config.num_layers):
+        ours, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out.update({
+            ours + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
+            ours + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
+            ours + "self_attention.linear_qkv.weight": fuse_qkv(
+                hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
+                hf[h + "self_attn.v_proj.weight"], config),
+            ours + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
+            ours + "mlp.linear_fc1.weight": torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]),
+            ours + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
+        })
+    return out
