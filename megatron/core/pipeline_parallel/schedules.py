@@ -1,0 +1,212 @@
+"""Forward-backward schedules over microbatches, with Megatron's keyword interface.
+
+``get_forward_backward_func()`` picks one of:
+
+* ``forward_backward_no_pipelining``: one stage; microbatches run one after another.
+* ``forward_backward_pipelining_without_interleaving``: 1F1B (warm-up, steady state, cool-down).
+* ``forward_backward_pipelining_with_interleaving``: interleaved 1F1B over virtual chunks.
+
+The pipelined schedules are data first (``schedule_table.schedule_table``: the ordered
+(forward|backward, microbatch, chunk) list of each rank) and then run by
+``executor.run_schedule``. The per-microbatch pieces shared by all of them live here:
+``forward_step`` (model + loss scaling) and ``backward_step``.
+
+Loss convention (Megatron's): ``forward_step_func(data_iterator, model)`` returns
+``(output_tensor, loss_func)``; on the last stage ``loss_func(output_tensor)`` returns
+``(loss_sum, num_tokens, reporting_dict)`` or ``(mean_loss, reporting_dict)``. Unless
+``config.calculate_per_token_loss``, the loss is divided by ``num_tokens`` and by the
+number of microbatches before backward, so gradients are those of the batch mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from megatron.core import parallel_state
+
+ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+
+
+# ----------------------------------------------------------------------------------
+# Small helpers.
+# ----------------------------------------------------------------------------------
+def as_chunk_list(model: ModelArg) -> List[torch.nn.Module]:
+    """``model`` as a list of chunks (one chunk without virtual pipelining)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def unwrap_model(module: torch.nn.Module, attr: str) -> torch.nn.Module:
+    """The innermost module of ``module.module.module...`` that has ``attr``."""
+    inner = module
+    while not hasattr(inner, attr) and hasattr(inner, "module"):
+        inner = inner.module
+    if not hasattr(inner, attr):
+        raise AttributeError(f"{type(module).__name__} (and any .module it wraps) has no attribute {attr!r}")
+    return inner
+
+
+def get_model_config(model: ModelArg) -> Any:
+    """The config of the (first) model chunk, looking through wrappers' ``.module``."""
+    return unwrap_model(as_chunk_list(model)[0], "config").config
+
+
+def _as_iterator_list(data_iterator: Any, num_chunks: int) -> List[Optional[Iterator]]:
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != num_chunks:
+            raise ValueError(f"got {len(data_iterator)} data iterators for {num_chunks} model chunks")
+        return list(data_iterator)
+    return [data_iterator] * num_chunks
+
+
+def _no_sync_context(config: Any) -> contextlib.AbstractContextManager:
+    """``config.no_sync_func()`` (or every function of a per-chunk list), else a no-op."""
+    funcs = config.no_sync_func
+    if funcs is None:
+        return contextlib.nullcontext()
+    if not isinstance(funcs, (list, tuple)):
+        return funcs()
+    stack = contextlib.ExitStack()
+    for func in funcs:
+        stack.enter_context(func())
+    return stack
+
+
+def finalize_grads(config: Any, model_chunks: List[torch.nn.Module], total_num_tokens: torch.Tensor) -> None:
+    """Call ``config.finalize_model_grads_func`` (DP / tied-embedding reductions) if set."""
+    if config.finalize_model_grads_func is None:
+        return
+    per_token = getattr(config, "calculate_per_token_loss", False)
+    config.finalize_model_grads_func(model_chunks, total_num_tokens if per_token else None)
+
+
+# ----------------------------------------------------------------------------------
+# One microbatch forward / backward.
+# ----------------------------------------------------------------------------------
+def _scaled_loss(outputs: tuple, num_microbatches: int, per_token: bool) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+    """(loss to back-propagate, num_tokens, reporting) from a ``loss_func`` result.
+
+    A 3-tuple carries a loss summed over ``num_tokens`` tokens; a 2-tuple an averaged loss.
+    """
+    if len(outputs) == 3:
+        loss, num_tokens, reporting = outputs
+        num_tokens = torch.as_tensor(num_tokens).detach()
+        if not per_token:
+            loss = loss / num_tokens / num_microbatches
+        return loss, num_tokens, reporting
+    if len(outputs) == 2:
+        if per_token:
+            raise ValueError("calculate_per_token_loss=True needs loss_func to return "
+                             "(loss_sum, num_tokens, reporting_dict), got a 2-tuple")
+        loss, reporting = outputs
+        return loss / num_microbatches, torch.tensor(0, dtype=torch.int), reporting
+    raise ValueError(f"loss_func must return 2 or 3 values, got {len(outputs)}")
+
+
+def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: torch.nn.Module,
+                 num_microbatches: int, input_tensor: Optional[torch.Tensor], forward_data_store: List[Any],
+                 config: Any, is_last_stage: bool = True,
+                 collect_non_loss_data: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run one microbatch through ``model``; on the last stage apply the loss function.
+
+    Returns:
+        ``(output, num_tokens)``: the activation to send on (non-last stages) or the loss
+        scaled for backward (last stage); ``num_tokens`` is 0 off the last stage.
+    """
+    unwrap_model(model, "set_input_tensor").set_input_tensor([input_tensor])
+    output_tensor, loss_func = forward_step_func(data_iterator, model)
+    zero = torch.tensor(0, dtype=torch.int)
+    if not is_last_stage:
+        return output_tensor, zero
+    if collect_non_loss_data:
+        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        return output_tensor, zero
+    per_token = getattr(config, "calculate_per_token_loss", False)
+    loss, num_tokens, reporting = _scaled_loss(loss_func(output_tensor), num_microbatches, per_token)
+    forward_data_store.append(reporting)
+    return loss, num_tokens
+
+
+def backward_step(input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
+                  output_tensor_grad: Optional[torch.Tensor], config: Any) -> Optional[torch.Tensor]:
+    """Back-propagate one microbatch; return the gradient of its input activation.
+
+    On the last stage ``output_tensor`` is the loss (scaled by ``config.grad_scale_func``
+    for fp16 loss scaling) and ``output_tensor_grad`` is None.
+    """
+    if input_tensor is not None:
+        input_tensor.retain_grad()
+    if output_tensor_grad is None and config.grad_scale_func is not None:
+        output_tensor = config.grad_scale_func(output_tensor)
+    torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    return input_tensor.grad if input_tensor is not None else None
+
+
+# ----------------------------------------------------------------------------------
+# No pipelining.
+# ----------------------------------------------------------------------------------
+def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Any, model: ModelArg,
+                                   num_microbatches: int, seq_length: int, micro_batch_size: int,
+                                   decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+                                   collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
+                                   pg_collection: Optional[parallel_state.ProcessGroupCollection] = None
+                                   ) -> List[Any]:
+    """Forward (and backward) every microbatch in turn on a single pipeline stage.
+
+    Gradients of all but the last microbatch accumulate under ``config.no_sync_func``.
+
+    Returns:
+        The reporting dicts of ``loss_func``, one per microbatch.
+    """
+    chunks = as_chunk_list(model)
+    if len(chunks) != 1:
+        raise ValueError(f"no-pipelining schedule takes one model chunk, got {len(chunks)}")
+    iterator = _as_iterator_list(data_iterator, 1)[0]
+    config = get_model_config(chunks)
+    store: List[Any] = []
+    total_tokens = torch.tensor(0, dtype=torch.int)
+
+    def one(grad_enabled: bool) -> None:
+        nonlocal total_tokens
+        with torch.set_grad_enabled(grad_enabled):
+            output, tokens = forward_step(forward_step_func, iterator, chunks[0], num_microbatches, None, store,
+                                          config, collect_non_loss_data=collect_non_loss_data)
+        total_tokens = total_tokens + tokens
+        if not forward_only:
+            backward_step(None, output, None, config)
+
+    if forward_only:
+        for _ in range(num_microbatches):
+            one(False)
+        return store
+    with _no_sync_context(config):
+        for _ in range(num_microbatches - 1):
+            one(True)
+    one(True)
+    finalize_grads(config, chunks, total_tokens)
+    return store
+
+
+# ----------------------------------------------------------------------------------
+# Selection.
+# ----------------------------------------------------------------------------------
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
+    """The schedule for ``pp_size`` stages and ``vp_size`` virtual chunks per stage.
+
+    Without arguments the sizes come from the groups built by ``initialize_model_parallel``
+    (one stage if none were built).
+    """
+    if pp_size is None:
+        initialized = parallel_state.model_parallel_is_initialized()
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
+        if vp_size is None and initialized:
+            vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        return forward_backward_no_pipelining
+    from megatron.core.pipeline_parallel import executor  # the pipelined schedules need p2p
+
+    if vp_size is not None and vp_size > 1:
+        return executor.forward_backward_pipelining_with_interleaving
+    return executor.forward_backward_pipelining_without_interleaving
