@@ -17,44 +17,22 @@ no download). Training every kind takes about 1.5 s.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
-import pathlib
-import sysconfig
-from typing import Dict, Iterator, List
+from typing import Dict, List
 
 from megatron.core.tokenizers.training import megatron_flags, train_tokenizer
+from tools import make_sample_corpus as sample_corpus
 
 __all__ = ["corpus_texts", "make_tokenizer_files", "megatron_flags", "write_jsonl"]
 
 DEFAULT_VOCAB_SIZE = 600
 _MANIFEST = "tokenizer_files.json"
-_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
-
-def _stdlib_docstrings() -> Iterator[str]:
-    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, _DOC_NODES):
-                doc = ast.get_docstring(node)
-                if doc:
-                    yield doc
 
 
 def corpus_texts(max_chars: int = 300_000) -> List[str]:
     """Standard-library docstrings, one per text, in a fixed order, about ``max_chars`` long."""
-    texts, total = [], 0
-    for doc in _stdlib_docstrings():
-        texts.append(doc)
-        total += len(doc)
-        if total >= max_chars:
-            break
-    return texts
+    return sample_corpus.corpus_texts(max_chars)
 
 
 def write_jsonl(path: str, texts: List[str], key: str = "text") -> str:
