@@ -1,0 +1,164 @@
+"""Save and load sharded state dicts with torch.distributed.checkpoint.
+
+A checkpoint directory holds DCP's ``.metadata`` and ``__{rank}_0.distcp`` files
+and, written last by rank 0 after every rank has finished, ``metadata.json``
+(``{"sharded_backend": "torch_dist", "sharded_backend_version": 1}``). A directory
+without ``metadata.json`` is incomplete and is never loaded.
+
+Both functions are collective over ``process_group`` (default: the world). Every
+check that could fail on some ranks only is agreed on by all ranks before DCP's
+own collectives start, so a bad checkpoint raises everywhere instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
+
+METADATA_FILE = "metadata.json"
+BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+
+
+class CheckpointingError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model; names the path."""
+
+
+def write_json_atomic(path: str, data: object) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename (never half-written)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: str, what: str) -> dict:
+    """Parse a JSON object; missing or unreadable files raise CheckpointingError naming ``path``."""
+    if not os.path.isfile(path):
+        raise CheckpointingError(f"{what} not found: {path}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointingError(f"{what} is corrupt: {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointingError(f"{what} is corrupt: {path}: expected a JSON object")
+    return data
+
+
+def _agree(error: Optional[str], process_group: Optional[dist.ProcessGroup]) -> None:
+    """Raise on every rank if any rank found an error (each rank's message is kept)."""
+    if not dist.is_initialized():
+        if error:
+            raise CheckpointingError(error)
+        return
+    messages: List[Optional[str]] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(messages, error, group=process_group)
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg]
+    if failed:
+        raise CheckpointingError(error or f"rank {failed[0][0]} of the group failed: {failed[0][1]}")
+
+
+def _check_values(sharded_sd: ShardedStateDict) -> None:
+    for key, value in sharded_sd.items():
+        if not isinstance(value, ShardedTensor):
+            raise TypeError(f"sharded state dict entry {key!r} is a {type(value).__name__}, not a ShardedTensor")
+        if value.key != key:
+            raise ValueError(f"sharded state dict entry {key!r} holds a ShardedTensor with key {value.key!r}")
+
+
+def save(sharded_sd: ShardedStateDict, checkpoint_dir: str,
+         process_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Write ``sharded_sd`` (each rank its own pieces) into ``checkpoint_dir``; ``metadata.json`` last."""
+    _check_values(sharded_sd)
+    rank = dist.get_rank(process_group)
+    if rank == 0:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        # Overwriting: the directory must not look complete while it is rewritten.
+        if os.path.exists(os.path.join(checkpoint_dir, METADATA_FILE)):
+            os.remove(os.path.join(checkpoint_dir, METADATA_FILE))
+    dist.barrier(group=process_group)
+    dcp.save(sharded_sd, storage_writer=FileSystemWriter(checkpoint_dir), planner=ShardedSavePlanner(),
+             process_group=process_group)
+    dist.barrier(group=process_group)
+    if rank == 0:
+        write_json_atomic(os.path.join(checkpoint_dir, METADATA_FILE), BACKEND_METADATA)
+    dist.barrier(group=process_group)
+
+
+def check_sharded_checkpoint(checkpoint_dir: str) -> None:
+    """Raise CheckpointingError unless ``checkpoint_dir`` is a complete torch_dist checkpoint."""
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointingError(f"checkpoint directory not found: {checkpoint_dir}")
+    info = read_json(os.path.join(checkpoint_dir, METADATA_FILE), "sharded checkpoint metadata "
+                     "(missing: the checkpoint is incomplete or not a torch_dist checkpoint)")
+    if info.get("sharded_backend") != "torch_dist":
+        raise CheckpointingError(f"{os.path.join(checkpoint_dir, METADATA_FILE)}: sharded_backend "
+                                 f"{info.get('sharded_backend')!r} is not supported (expected 'torch_dist')")
+
+
+def read_metadata(checkpoint_dir: str) -> Metadata:
+    """DCP's metadata of a complete checkpoint; checks every data file is there and long enough."""
+    check_sharded_checkpoint(checkpoint_dir)
+    try:
+        metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is the same user error
+        raise CheckpointingError(f"cannot read {os.path.join(checkpoint_dir, '.metadata')}: {e}") from e
+    ends: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointingError(f"checkpoint data file missing: {path}")
+        if os.path.getsize(path) < end:
+            raise CheckpointingError(f"checkpoint data file truncated: {path} has {os.path.getsize(path)} bytes, "
+                                     f"the metadata needs {end}")
+    return metadata
+
+
+def check_against_metadata(sharded_sd: ShardedStateDict, metadata: Metadata, checkpoint_dir: str) -> None:
+    """Every key must be saved as a tensor of the same global shape."""
+    saved = metadata.state_dict_metadata
+    for key, spec in sharded_sd.items():
+        if key not in saved:
+            raise CheckpointingError(f"key {key!r} is not in the checkpoint {checkpoint_dir}")
+        md = saved[key]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointingError(f"key {key!r} in {checkpoint_dir} is not a tensor")
+        if tuple(md.size) != spec.global_shape:
+            raise CheckpointingError(f"shape mismatch for key {key!r}: checkpoint {checkpoint_dir} has "
+                                     f"{tuple(md.size)}, the model expects {spec.global_shape}")
+
+
+def load(sharded_sd: ShardedStateDict, checkpoint_dir: str,
+         process_group: Optional[dist.ProcessGroup] = None) -> ShardedStateDict:
+    """Fill every ShardedTensor's ``data`` in place from ``checkpoint_dir``; returns ``sharded_sd``.
+
+    Raises:
+        CheckpointingError: on every rank, if any rank finds the directory missing,
+            incomplete, corrupt, or without a key / with another shape for a key.
+    """
+    _check_values(sharded_sd)
+    error = None
+    try:
+        check_against_metadata(sharded_sd, read_metadata(checkpoint_dir), checkpoint_dir)
+    except CheckpointingError as e:
+        error = str(e)
+    _agree(error, process_group)
+    try:
+        dcp.load(sharded_sd, storage_reader=FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(),
+                 process_group=process_group)
+    except Exception as e:  # noqa: BLE001 - DCP raises on every rank; name the checkpoint
+        raise CheckpointingError(f"failed to read checkpoint {checkpoint_dir}: {e}") from e
+    return sharded_sd

@@ -1,0 +1,146 @@
+"""Sharded state dicts of model chunks and of their optimizer state.
+
+Keys are layout-free: a transformer layer is named by its global 0-based index
+(``decoder.layers.{layer_number - 1}``), not by its position on this pipeline
+stage, and the last stage's copy of a tied word embedding is read from the first
+stage's key (``embedding.word_embeddings.weight``) and never written.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, sharded_tensor_for
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+OPTIMIZER_STATE_PREFIX = "optimizer.state."
+
+
+def unwrap_model(model_chunk: torch.nn.Module) -> torch.nn.Module:
+    """Strip wrappers that hold the real model as ``.module`` (DDP, precision wrappers)."""
+    while isinstance(getattr(model_chunk, "module", None), torch.nn.Module):
+        model_chunk = model_chunk.module
+    return model_chunk
+
+
+def _groups_of(model: torch.nn.Module, pg_collection: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
+    """The explicit collection, else the one the model was built with, else the default (raises if none)."""
+    return resolve_process_groups(pg_collection or getattr(model, "pg_collection", None))
+
+
+def _layer_prefixes(model: torch.nn.Module) -> Dict[str, str]:
+    """Local module prefix of each transformer layer -> the prefix with its global index."""
+    table = {}
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerLayer):
+            parent, _, _ = name.rpartition(".")
+            index = str(module.layer_number - 1)
+            table[name + "."] = f"{parent}.{index}." if parent else f"{index}."
+    return table
+
+
+def _global_name(name: str, prefixes: Mapping[str, str]) -> str:
+    for local, global_ in prefixes.items():
+        if name.startswith(local):
+            return global_ + name[len(local):]
+    return name
+
+
+def _entries(model_chunk: torch.nn.Module, prefix: str,
+             groups: ProcessGroupCollection) -> List[Tuple[torch.Tensor, ShardedTensor]]:
+    """(original tensor, its ShardedTensor) for every parameter and persistent buffer."""
+    model = unwrap_model(model_chunk)
+    prefixes = _layer_prefixes(model)
+    tp_rank, tp_size, dp_rank = groups.rank_in("tp"), groups.size_of("tp"), groups.rank_in("dp_cp")
+    entries = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if getattr(tensor, "allreduce", True) is False:
+            raise NotImplementedError(f"{name}: expert-parallel parameters are not supported by sharded "
+                                      "checkpoints yet")
+        if getattr(tensor, "shared_embedding", False):
+            spec = sharded_tensor_for(prefix + TIED_EMBEDDING_KEY, tensor, tp_rank, tp_size, dp_rank)
+            spec.replica_id = 1 + spec.replica_id  # read from the first stage's key, never written here
+        else:
+            spec = sharded_tensor_for(prefix + _global_name(name, prefixes), tensor, tp_rank, tp_size, dp_rank)
+        entries.append((tensor, spec))
+    return entries
+
+
+def sharded_state_dict(model_chunk: torch.nn.Module, prefix: str = "",
+                       pg_collection: Optional[ProcessGroupCollection] = None) -> ShardedStateDict:
+    """Every parameter and persistent buffer of ``model_chunk`` as a ShardedTensor, by global key.
+
+    The ShardedTensors view the parameters' storage: loading into this dict loads the model.
+    """
+    groups = _groups_of(unwrap_model(model_chunk), pg_collection)
+    out: ShardedStateDict = {}
+    for _, spec in _entries(model_chunk, prefix, groups):
+        if spec.key in out:
+            raise ValueError(f"two tensors of one model chunk map to checkpoint key {spec.key!r}")
+        out[spec.key] = spec
+    return out
+
+
+def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], prefix: str = "",
+                             pg_collection: Optional[ProcessGroupCollection] = None) -> ShardedStateDict:
+    """The union over the chunks of one rank (virtual pipeline stages); keys must not repeat."""
+    out: ShardedStateDict = {}
+    for chunk in model_chunks:
+        for key, spec in sharded_state_dict(chunk, prefix, pg_collection).items():
+            if key in out:
+                raise ValueError(f"checkpoint key {key!r} appears in two model chunks of this rank")
+            out[key] = spec
+    return out
+
+
+def sharded_tensors_by_param_name(model_chunks: Sequence[torch.nn.Module],
+                                  pg_collection: Optional[ProcessGroupCollection] = None
+                                  ) -> Dict[str, ShardedTensor]:
+    """Parameter name (as in ``chunk.named_parameters()``) -> the parameter's ShardedTensor.
+
+    With several chunks the names must be unique across them.
+    """
+    table: Dict[str, ShardedTensor] = {}
+    for chunk in model_chunks:
+        groups = _groups_of(unwrap_model(chunk), pg_collection)
+        by_id = {id(tensor): spec for tensor, spec in _entries(chunk, "", groups)}
+        for name, param in chunk.named_parameters():
+            if name in table:
+                raise ValueError(f"parameter name {name!r} occurs in several model chunks; optimizer state "
+                                 "keyed by parameter name is ambiguous")
+            table[name] = by_id[id(param)]
+    return table
+
+
+def optimizer_state_key(param_key: str, state_name: str) -> str:
+    """Checkpoint key of one per-parameter optimizer tensor."""
+    return f"{OPTIMIZER_STATE_PREFIX}{param_key}.{state_name}"
+
+
+def split_optimizer_state(state: Mapping[str, object], param_names: Iterable[str]
+                          ) -> Tuple[Dict[str, Dict[str, torch.Tensor]], Dict[str, object]]:
+    """Split ``state_dict_by_param_name`` output into (per-parameter tensors, everything else)."""
+    names = set(param_names)
+    per_param = {k: dict(v) for k, v in state.items() if k in names}
+    scalars = {k: v for k, v in state.items() if k not in names}
+    return per_param, scalars
+
+
+def optimizer_sharded_state_dict(per_param: Mapping[str, Mapping[str, torch.Tensor]],
+                                 param_specs: Mapping[str, ShardedTensor]) -> ShardedStateDict:
+    """Shard each per-parameter optimizer tensor exactly like its parameter."""
+    out: ShardedStateDict = {}
+    for name, states in per_param.items():
+        spec = param_specs[name]
+        for state_name, tensor in states.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"optimizer state {name}.{state_name} is a {type(tensor).__name__}, not a tensor")
+            key = optimizer_state_key(spec.key, state_name)
+            out[key] = spec.with_data(key, tensor)
+    return out
