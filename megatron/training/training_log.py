@@ -1,0 +1,474 @@
+"""Training logs: Megatron's log line, model FLOPs, and TensorBoard / W&B scalars.
+
+Three layers, each usable alone:
+
+* ``num_floating_point_operations`` counts a GPT's model FLOPs per iteration;
+* ``format_log_line`` / ``parse_log_line`` write and read Megatron's ``|``-separated
+  line (the shape log scrapers expect), ``format_evaluation_block`` the validation block;
+* ``TrainingLogger`` is what the training loop calls: it accumulates an interval of
+  iterations, prints the line on the last rank every ``log_interval`` iterations and
+  writes scalars through ``ScalarWriters`` (TensorBoard and W&B, last rank only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from megatron.training.log_writers import ScalarWriters, device_memory_scalars, open_tensorboard, open_wandb
+
+# ====================================================================== FLOPs
+
+
+@dataclass(frozen=True)
+class FlopsConfig:
+    """The shape of a GPT that determines its matmul FLOPs."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_length: int
+    padded_vocab_size: int
+    num_query_groups: Optional[int] = None  # None: one key/value head per query head
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    swiglu: bool = False
+
+
+def flops_config_from_args(args: argparse.Namespace) -> FlopsConfig:
+    """A ``FlopsConfig`` from validated args (``padded_vocab_size`` must be set by then)."""
+    if getattr(args, "padded_vocab_size", None) is None:
+        raise ValueError("padded_vocab_size is not set: build the tokenizer (which pads the vocabulary) first")
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+    return FlopsConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
+        padded_vocab_size=args.padded_vocab_size, num_query_groups=groups or args.num_query_groups,
+        kv_channels=args.kv_channels, swiglu=bool(args.swiglu))
+
+
+def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) over ``batch_size`` sequences.
+
+    Only matrix multiplications are counted, at 2 FLOPs per multiply-add. With
+    T = batch_size * s tokens, h hidden, L layers, q = heads * kv_channels (query
+    width), k = groups * kv_channels (key/value width), f the FFN width, V the
+    padded vocabulary, the forward pass costs per token:
+
+    * attention projections: Q (h x q), K and V (h x k each), output (q x h):
+      2 * (2*h*q + 2*h*k) = 4*h*q*(1 + k/q);
+    * attention scores Q K^T and the weighted sum of V: 2 * 2*s*q = 4*s*q
+      (the full s x s square: the causal mask's skipped half is counted too);
+    * MLP: h -> f and f -> h: 4*h*f; with SwiGLU the first projection is
+      h -> 2f (gate and up): 6*h*f;
+    * logits (once, not per layer): 2*h*V.
+
+    The backward pass costs twice the forward (a gradient for the input and one
+    for the weight of every matmul), so the iteration costs 3x the forward:
+
+        3 * T * [ L * (4hq(1 + k/q) + 4sq + 4hf * g) + 2hV ],   g = 3/2 with SwiGLU else 1,
+
+    which is Megatron's ``12 * T * L * h^2 * (...)`` expression written out. Not counted:
+    norms, softmax, activations, embeddings lookup, loss, optimizer, and the extra
+    forward of activation recomputation (model FLOPs, not hardware FLOPs).
+    """
+    h, s = cfg.hidden_size, cfg.seq_length
+    d = cfg.kv_channels or h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * d
+    k = (cfg.num_query_groups or cfg.num_attention_heads) * d
+    gated = 1.5 if cfg.swiglu else 1.0
+    per_layer = 4 * h * q * (1 + k / q) + 4 * s * q + 4 * h * cfg.ffn_hidden_size * gated
+    forward_per_token = cfg.num_layers * per_layer + 2 * h * cfg.padded_vocab_size
+    return 3.0 * batch_size * s * forward_per_token
+
+
+# ====================================================================== the log line
+
+
+def _format_fields(fields: List[Tuple[str, str]]) -> str:
+    return "".join(f" {name}: {value} |" for name, value in fields)
+
+
+def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms_per_iter: float,
+                    learning_rate: float, global_batch_size: int, losses: Mapping[str, float],
+                    loss_scale: float, grad_norm: Optional[float] = None, skipped_iters: int = 0,
+                    nan_iters: int = 0, tflops_per_gpu: Optional[float] = None,
+                    tokens_per_sec_per_gpu: Optional[float] = None, decoupled_lr: Optional[float] = None,
+                    params_norm: Optional[float] = None, num_zeros: Optional[float] = None,
+                    timestamp: Optional[datetime] = None) -> str:
+    """Megatron's training line; optional fields appear only when given (not None).
+
+    Example: ``[2026-01-01 12:00:00] iteration      100/   10000 | consumed samples:         3200 |
+    elapsed time per iteration (ms): 812.3 | ... | number of nan iterations:   0 |``
+    """
+    stamp = (timestamp or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
+    fields: List[Tuple[str, str]] = [("consumed samples", f"{consumed_samples:12d}"),
+                                     ("elapsed time per iteration (ms)", f"{elapsed_ms_per_iter:.1f}")]
+    if tflops_per_gpu is not None:
+        fields.append(("throughput per GPU (TFLOP/s/GPU)", f"{tflops_per_gpu:.1f}"))
+    if tokens_per_sec_per_gpu is not None:
+        fields.append(("tokens per second per GPU", f"{tokens_per_sec_per_gpu:.1f}"))
+    fields.append(("learning rate", f"{learning_rate:.6E}"))
+    if decoupled_lr is not None:
+        fields.append(("decoupled learning rate", f"{decoupled_lr:.6E}"))
+    fields.append(("global batch size", f"{global_batch_size:5d}"))
+    fields += [(name, f"{value:.6E}") for name, value in losses.items()]
+    fields.append(("loss scale", f"{loss_scale:.1f}"))
+    if grad_norm is not None:
+        fields.append(("grad norm", f"{grad_norm:.3f}"))
+    if num_zeros is not None:
+        fields.append(("num zeros", f"{int(num_zeros)}"))
+    if params_norm is not None:
+        fields.append(("params norm", f"{params_norm:.3f}"))
+    fields += [("number of skipped iterations", f"{skipped_iters:3d}"),
+               ("number of nan iterations", f"{nan_iters:3d}")]
+    return f"[{stamp}] iteration {iteration:8d}/{train_iters:8d} |" + _format_fields(fields)
+
+
+_LINE_HEAD = re.compile(r"^\s*\[(?P<time>[^\]]+)\]\s+iteration\s+(?P<it>\d+)/\s*(?P<total>\d+)\s*\|(?P<rest>.*)$")
+_INT = re.compile(r"^[+-]?\d+$")
+
+
+def _value(text: str) -> Any:
+    """'  3200' -> 3200, '6.5E+00' -> 6.5, 'nan' -> nan; anything else stays text."""
+    text = text.strip()
+    if _INT.match(text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _parse_fields(rest: str) -> Dict[str, Any]:
+    result: Dict[str, Any] = {}
+    for piece in rest.split("|"):
+        if ":" in piece:
+            name, _, value = piece.rpartition(":")
+            result[name.strip()] = _value(value)
+    return result
+
+
+def parse_log_line(line: str) -> Optional[Dict[str, Any]]:
+    """Fields of a training line keyed as printed (``'lm loss'``, ``'grad norm'`` ...).
+
+    Adds ``'timestamp'``, ``'iteration'`` and ``'train_iters'``; None when ``line``
+    is not a training line (so a whole log can be filtered through it).
+    """
+    match = _LINE_HEAD.match(line.rstrip("\n"))
+    if match is None:
+        return None
+    result = _parse_fields(match["rest"])
+    result.update(timestamp=match["time"], iteration=int(match["it"]), train_iters=int(match["total"]))
+    return result
+
+
+def format_evaluation_block(prefix: str, label: str, losses: Mapping[str, float]) -> str:
+    """Megatron's evaluation report: a ``{prefix} loss at {label}`` line framed by dashes.
+
+    Perplexity is ``exp(min(20, loss))``: the cap keeps a diverged run's PPL finite.
+    """
+    line = f" {prefix} loss at {label} | "
+    for name, value in losses.items():
+        line += f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.6E} | "
+    rule = "-" * (len(line) + 1)
+    return "\n".join([rule, line, rule])
+
+
+_EVAL_HEAD = re.compile(r"^\s*(?P<prefix>.+?) loss at (?P<label>[^|]+?)\s*\|(?P<rest>.*)$")
+
+
+def parse_evaluation_line(line: str) -> Optional[Dict[str, Any]]:
+    """Fields of an evaluation line (``'lm loss value'``, ``'lm loss PPL'``, plus ``'prefix'``,
+    ``'label'`` and ``'iteration'`` when the label is ``iteration N``); None otherwise."""
+    match = _EVAL_HEAD.match(line.rstrip("\n"))
+    if match is None or parse_log_line(line) is not None:
+        return None
+    result = _parse_fields(match["rest"])
+    result.update(prefix=match["prefix"].strip(), label=match["label"])
+    number = re.fullmatch(r"iteration (\d+)", match["label"])
+    if number:
+        result["iteration"] = int(number[1])
+    return result
+
+
+# ====================================================================== configuration
+
+# Megatron's timer names reported after the line (those a run never creates are skipped).
+DEFAULT_TIMERS_TO_LOG: Tuple[str, ...] = (
+    "forward-backward", "forward-compute", "backward-compute", "batch-generator", "forward-recv",
+    "forward-send", "backward-recv", "backward-send", "forward-send-forward-recv", "forward-send-backward-recv",
+    "backward-send-forward-recv", "backward-send-backward-recv", "forward-backward-send-forward-backward-recv",
+    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync", "params-all-gather",
+    "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad",
+    "optimizer-count-zeros", "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer",
+)
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class LoggingConfig:
+    """What the training logger prints and writes; one field per Megatron logging flag."""
+
+    log_interval: int = 100
+    log_throughput: bool = False  # adds tokens/s per GPU to the line
+    log_params_norm: bool = False  # the loop computes the norm; the line shows it
+    log_num_zeros_in_grad: bool = False
+    timing_log_level: int = 0
+    timing_log_option: str = "minmax"
+    tensorboard_dir: Optional[str] = None
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    log_world_size_to_tensorboard: bool = False
+    log_loss_scale_to_tensorboard: bool = True
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    wandb_entity: Optional[str] = None
+    wandb_mode: str = "offline"  # this project's machines have no network; WANDB_MODE=online opts in
+    timers_to_log: Tuple[str, ...] = field(default=DEFAULT_TIMERS_TO_LOG)
+
+    def __post_init__(self) -> None:
+        for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
+        if self.timing_log_level not in (0, 1, 2):
+            raise ValueError(f"--timing-log-level={self.timing_log_level} must be 0, 1 or 2")
+        if self.timing_log_option not in ("max", "minmax", "all"):
+            raise ValueError(f"--timing-log-option={self.timing_log_option!r} must be max, minmax or all")
+        if self.wandb_project and not self.wandb_exp_name:
+            raise ValueError(f"--wandb-project={self.wandb_project!r} needs --wandb-exp-name")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb mode {self.wandb_mode!r} (WANDB_MODE) must be one of {WANDB_MODES}")
+
+
+def logging_config_from_args(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> LoggingConfig:
+    """The one mapping from Megatron's logging flags to ``LoggingConfig``.
+
+    W&B files default to ``<--save>/wandb`` as in Megatron (``./wandb`` without
+    ``--save``); the W&B mode is ``WANDB_MODE`` when set, else offline.
+    """
+    env = os.environ if environ is None else environ
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if getattr(args, "save", None) else "wandb")
+    same = ("log_interval", "log_throughput", "log_params_norm", "log_num_zeros_in_grad", "tensorboard_dir",
+            "tensorboard_log_interval", "tensorboard_queue_size", "log_timers_to_tensorboard",
+            "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard", "log_world_size_to_tensorboard",
+            "log_loss_scale_to_tensorboard", "wandb_exp_name", "wandb_entity", "timing_log_option")
+    kwargs = {name: getattr(args, name) for name in same}
+    return LoggingConfig(**kwargs, timing_log_level=int(args.timing_log_level),
+                         wandb_project=args.wandb_project or None, wandb_save_dir=save_dir,
+                         wandb_mode=env.get("WANDB_MODE", "offline"))
+
+
+# ====================================================================== the logger
+
+
+@dataclass
+class _Interval:
+    """Totals since the last printed line."""
+
+    loss_sums: Dict[str, float] = field(default_factory=dict)
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+    elapsed_ms: float = 0.0
+    flops: float = 0.0
+    tokens: int = 0
+    flops_known: bool = True
+
+    @property
+    def iterations(self) -> int:
+        return self.advanced + self.skipped
+
+
+def _to_float(value: Any) -> float:
+    # Loss values may arrive as 0-d tensors; .item() would work too, float() covers both.
+    return float(value)
+
+
+class TrainingLogger:
+    """Prints Megatron's training and evaluation logs and writes TensorBoard / W&B scalars.
+
+    Call ``training_log`` on every rank after every iteration: the timer report it
+    makes every ``log_interval`` iterations is a collective. The line is printed and
+    scalars written on the last rank only (it holds the last pipeline stage, so the loss).
+
+    Interval semantics follow Megatron: the printed losses average the iterations that
+    were not skipped since the last line; skipped and NaN counts are totals since the
+    last line; elapsed time and throughput average every iteration of the interval.
+    """
+
+    def __init__(self, config: LoggingConfig, rank: int, world_size: int,
+                 run_config: Optional[Mapping[str, Any]] = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.is_logging_rank = rank == world_size - 1
+        self._interval = _Interval()
+        self.writers = ScalarWriters()
+        if self.is_logging_rank:
+            self.writers = self._open_writers(run_config)
+
+    def _open_writers(self, run_config: Optional[Mapping[str, Any]]) -> ScalarWriters:
+        cfg = self.config
+        tensorboard = open_tensorboard(cfg.tensorboard_dir, cfg.tensorboard_queue_size) \
+            if cfg.tensorboard_dir else None
+        wandb_run = None
+        if cfg.wandb_project and cfg.wandb_mode != "disabled":
+            wandb_run = open_wandb(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_save_dir or "wandb",
+                                   cfg.wandb_entity, cfg.wandb_mode, run_config)
+        writers = ScalarWriters(tensorboard, wandb_run)
+        for key, value in (run_config or {}).items():
+            writers.add_text(str(key), str(value))
+        return writers
+
+    # ------------------------------------------------------------------ training
+    def training_log(self, iteration: int, *, train_iters: int, loss_dict: Mapping[str, Any],
+                     learning_rate: float, consumed_samples: int, global_batch_size: int,
+                     elapsed_ms_per_iter: float, seq_length: int, loss_scale: float = 1.0,
+                     decoupled_lr: Optional[float] = None, grad_norm: Optional[float] = None,
+                     params_norm: Optional[float] = None, num_zeros: Optional[float] = None,
+                     skipped: bool = False, nan: Optional[bool] = None, flops_per_iter: Optional[float] = None,
+                     timers: Any = None, memory: Optional[Mapping[str, float]] = None) -> Optional[str]:
+        """Account one iteration; every ``log_interval`` iterations print the line (returned there).
+
+        ``elapsed_ms_per_iter`` is this iteration's wall time; ``flops_per_iter`` its model
+        FLOPs (``num_floating_point_operations``; None leaves throughput out). ``nan`` None
+        counts a NaN iteration as Megatron does: a skipped one whose loss is not finite.
+        """
+        losses = {name: _to_float(value) for name, value in loss_dict.items()}
+        self._accumulate(losses, skipped, nan, elapsed_ms_per_iter, flops_per_iter,
+                         global_batch_size * seq_length)
+        if self.writers.active and iteration % self.config.tensorboard_log_interval == 0:
+            self._write_iteration_scalars(iteration, losses, learning_rate, decoupled_lr, consumed_samples,
+                                          global_batch_size, loss_scale, grad_norm, params_norm, num_zeros, memory)
+        if iteration % self.config.log_interval != 0:
+            self.writers.commit()
+            return None
+        line = self._log_interval(iteration, train_iters, learning_rate, decoupled_lr, consumed_samples,
+                                  global_batch_size, loss_scale, grad_norm, params_norm, num_zeros, timers)
+        self.writers.commit()
+        return line
+
+    def _accumulate(self, losses: Dict[str, float], skipped: bool, nan: Optional[bool], elapsed_ms: float,
+                    flops: Optional[float], tokens: int) -> None:
+        acc = self._interval
+        if skipped:
+            acc.skipped += 1
+        else:
+            acc.advanced += 1
+            for name, value in losses.items():
+                acc.loss_sums[name] = acc.loss_sums.get(name, 0.0) + value
+        if nan is None:
+            nan = skipped and any(not math.isfinite(v) for v in losses.values())
+        acc.nan += int(bool(nan))
+        acc.elapsed_ms += elapsed_ms
+        acc.tokens += tokens
+        acc.flops_known = acc.flops_known and flops is not None
+        acc.flops += flops or 0.0
+
+    def _write_iteration_scalars(self, iteration: int, losses: Dict[str, float], learning_rate: float,
+                                 decoupled_lr: Optional[float], samples: int, global_batch_size: int,
+                                 loss_scale: float, grad_norm: Optional[float], params_norm: Optional[float],
+                                 num_zeros: Optional[float], memory: Optional[Mapping[str, float]]) -> None:
+        cfg, w = self.config, self.writers
+        w.add_scalar("learning-rate", learning_rate, iteration, samples)
+        if decoupled_lr is not None:
+            w.add_scalar("decoupled-learning-rate", decoupled_lr, iteration, samples)
+        w.add_scalar("batch-size", global_batch_size, iteration, samples)
+        for name, value in losses.items():
+            w.add_scalar(name, value, iteration, samples)
+        optional = {"loss-scale": loss_scale if cfg.log_loss_scale_to_tensorboard else None,
+                    "world-size": self.world_size if cfg.log_world_size_to_tensorboard else None,
+                    "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm}
+        for tag, value in optional.items():
+            if value is not None:
+                w.add_scalar(tag, value, iteration, samples)
+        if cfg.log_memory_to_tensorboard:
+            for tag, value in (memory if memory is not None else device_memory_scalars()).items():
+                w.add_scalar(tag, value, iteration)
+
+    def _log_interval(self, iteration: int, train_iters: int, learning_rate: float, decoupled_lr: Optional[float],
+                      samples: int, global_batch_size: int, loss_scale: float, grad_norm: Optional[float],
+                      params_norm: Optional[float], num_zeros: Optional[float], timers: Any) -> Optional[str]:
+        acc, self._interval = self._interval, _Interval()
+        iterations = max(1, acc.iterations)
+        elapsed_s = acc.elapsed_ms / 1000.0
+        tflops = acc.flops / (elapsed_s * self.world_size * 1e12) if acc.flops_known and elapsed_s > 0 else None
+        tokens_per_s = acc.tokens / (elapsed_s * self.world_size) \
+            if self.config.log_throughput and elapsed_s > 0 else None
+        self._write_interval_scalars(iteration, elapsed_s / iterations, tflops, tokens_per_s, timers, iterations)
+        line = None
+        if self.is_logging_rank:
+            line = format_log_line(
+                iteration=iteration, train_iters=train_iters, consumed_samples=samples,
+                elapsed_ms_per_iter=acc.elapsed_ms / iterations, learning_rate=learning_rate,
+                global_batch_size=global_batch_size,
+                losses={name: total / max(1, acc.advanced) for name, total in acc.loss_sums.items()},
+                loss_scale=loss_scale, grad_norm=grad_norm, skipped_iters=acc.skipped, nan_iters=acc.nan,
+                tflops_per_gpu=tflops, tokens_per_sec_per_gpu=tokens_per_s, decoupled_lr=decoupled_lr,
+                params_norm=params_norm if self.config.log_params_norm else None,
+                num_zeros=num_zeros if self.config.log_num_zeros_in_grad else None)
+            print(line, flush=True)
+        if timers is not None:
+            timers.log(self.config.timers_to_log, normalizer=iterations)
+        return line
+
+    def _write_interval_scalars(self, iteration: int, seconds_per_iter: float, tflops: Optional[float],
+                                tokens_per_s: Optional[float], timers: Any, iterations: int) -> None:
+        cfg, w = self.config, self.writers
+        if timers is not None and cfg.log_timers_to_tensorboard:
+            # A collective: every rank gathers, only the logging rank has a writer.
+            timers.write(cfg.timers_to_log, w if w.active else None, iteration, normalizer=iterations)
+        if not w.active:
+            return
+        if cfg.log_timers_to_tensorboard:
+            w.add_scalar("iteration-time", seconds_per_iter, iteration)
+        if tflops is not None:
+            w.add_scalar("throughput", tflops, iteration)
+        if tokens_per_s is not None:
+            w.add_scalar("tokens-per-second-per-gpu", tokens_per_s, iteration)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluation_log(self, iteration: int, prefix: str, loss_dict: Mapping[str, Any],
+                       consumed_samples: Optional[int] = None, label: Optional[str] = None) -> Optional[str]:
+        """Print the ``{prefix} loss at iteration N`` block (last rank) and write its scalars.
+
+        ``prefix`` is ``"validation"`` or ``"test"``; tags are ``<loss> <prefix>`` and, with
+        ``--log-validation-ppl-to-tensorboard``, ``<loss> <prefix> ppl``. ``label``
+        replaces ``iteration N`` in the text (e.g. the end-of-training report).
+        """
+        if not self.is_logging_rank:
+            return None
+        losses = {name: _to_float(value) for name, value in loss_dict.items()}
+        block = format_evaluation_block(prefix, label or f"iteration {iteration}", losses)
+        print(block, flush=True)
+        for name, value in losses.items():
+            self.writers.add_scalar(f"{name} {prefix}", value, iteration, consumed_samples)
+            if self.config.log_validation_ppl_to_tensorboard:
+                ppl = math.exp(min(20.0, value))
+                self.writers.add_scalar(f"{name} {prefix} ppl", ppl, iteration, consumed_samples)
+        self.writers.commit()
+        return block
+
+    # ------------------------------------------------------------------ lifetime
+    def flush(self) -> None:
+        self.writers.flush()
+
+    def close(self) -> None:
+        """Flush and close the writers (W&B's ``finish``); safe to call twice."""
+        self.writers.close()
+
+    def __enter__(self) -> "TrainingLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
