@@ -1,17 +1,36 @@
-"""Gradient reductions a step needs beyond data parallelism."""
+"""Gradient reductions at the end of a step: data parallel, sequence parallel, tied embeddings, tokens.
+
+``finalize_model_grads(model_chunks, num_tokens, pg_collection)`` is what the pipeline
+schedule calls (as ``config.finalize_model_grads_func``) after the last backward:
+
+1. each DDP-wrapped chunk finishes its data-parallel reduction;
+2. sequence-parallel replicated weights (norms, row-parallel biases) are summed over TP;
+3. with pipeline parallelism and tied embeddings, the word-embedding grad of the first stage
+   and the output-layer grad of the last stage are summed over the embedding group;
+4. with ``num_tokens`` (``calculate_per_token_loss``) the token count is taken from the last
+   pipeline stage, summed over DP, and every gradient is divided by it.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
     # The data-parallel wrapper accumulates into ``main_grad``; plain modules use ``grad``.
     return getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while getattr(chunk, "is_ddp_wrapper", False):
+        chunk = chunk.module
+    return chunk
 
 
 def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], tp_group: dist.ProcessGroup) -> None:
@@ -34,3 +53,58 @@ def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], t
     dist.all_reduce(flat, group=tp_group)
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
+
+
+def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection) -> None:
+    """Sum the tied word-embedding / output-layer grads of the first and last pipeline stage."""
+    if groups.size_of("pp") == 1 or groups.embd is None or groups.size_of("embd") == 1:
+        return
+    pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
+    chunk = None
+    if pp_rank == 0:
+        chunk = _unwrap(model_chunks[0])
+    elif pp_rank == pp_size - 1:
+        chunk = _unwrap(model_chunks[-1])
+    if chunk is None or not getattr(chunk, "share_embeddings_and_output_weights", False):
+        return
+    weight = chunk.shared_embedding_or_output_weight()
+    grad = _grad_of(weight)
+    dist.all_reduce(grad, group=groups.embd)
+
+
+def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection) -> torch.Tensor:
+    """The global token count: broadcast from the last pipeline stage, summed over DP."""
+    num_tokens = num_tokens.detach().clone().to(torch.float64)
+    if groups.size_of("pp") > 1:
+        dist.broadcast(num_tokens, src=groups.ranks["pp"][-1], group=groups.pp)
+    if groups.size_of("dp_cp") > 1:
+        dist.all_reduce(num_tokens, group=groups.dp_cp)
+    return num_tokens
+
+
+def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
+                         pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+    """All reductions a step needs after backward (see the module docstring).
+
+    Raises:
+        ValueError: a chunk is not DDP-wrapped while data parallelism is > 1.
+    """
+    groups = resolve_process_groups(pg_collection)
+    for chunk in model_chunks:
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
+        elif groups.size_of("dp_cp") > 1:
+            raise ValueError("finalize_model_grads: data-parallel size "
+                             f"{groups.size_of('dp_cp')} needs DistributedDataParallel-wrapped model chunks")
+    allreduce_sequence_parallel_grads(model_chunks, groups.tp)
+    allreduce_embedding_grads(model_chunks, groups)
+    if num_tokens is not None:
+        total = _reduce_num_tokens(num_tokens, groups)
+        scale = 1.0 / max(float(total.item()), 1.0)
+        for chunk in model_chunks:
+            if hasattr(chunk, "scale_gradients"):
+                chunk.scale_gradients(scale)
+            else:
+                for param in chunk.parameters():
+                    if _grad_of(param) is not None:
+                        _grad_of(param).mul_(scale)

@@ -1,0 +1,201 @@
+"""DistributedDataParallel: a model chunk whose gradients live in bucketed flat buffers.
+
+Backward accumulates each ``param.grad`` into ``param.main_grad`` (a view of the flat
+buffer) and frees ``param.grad``. Gradients are averaged over the data-parallel group
+(``dp_cp``: context-parallel ranks hold the same parameters too):
+
+* without ``overlap_grad_reduce`` everything is reduced in ``finish_grad_sync()``;
+* with it, a bucket's collective starts (asynchronously) as soon as the last of its
+  gradients is accumulated during the last microbatch's backward, and
+  ``finish_grad_sync()`` waits for the handles. Buckets are always dispatched in index
+  order so that every rank issues the same sequence of collectives.
+
+Earlier microbatches run inside ``no_sync()``. With ``use_distributed_optimizer`` the
+buffers are reduce-scattered (each DP rank gets its slice summed) instead of all-reduced,
+and parameters live in a flat buffer that the optimizer all-gathers after its step.
+Averaging: gradients are scaled by 1/dp, except with ``calculate_per_token_loss`` (the
+loss is a sum; ``finalize_model_grads`` divides by the global token count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _default_bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> Optional[int]:
+    if not ddp_config.overlap_grad_reduce:
+        return None  # one bucket: nothing to overlap with
+    return ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps ``module``; ``forward`` and ``state_dict`` delegate to it.
+
+    Args:
+        config: the model's TransformerConfig (``calculate_per_token_loss`` is read).
+        ddp_config: buffer and reduction settings.
+        module: the model chunk.
+        disable_bucketing: one bucket whatever ``bucket_size`` says.
+        pg_collection: groups; gradients are reduced over ``pg_collection.dp_cp``.
+    """
+
+    is_ddp_wrapper = True
+
+    def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 disable_bucketing: bool = False, pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__()
+        self.config, self.ddp_config, self.module = config, ddp_config, module
+        self.pg_collection = resolve_process_groups(pg_collection)
+        self.dp_group = self.pg_collection.dp_cp
+        self.dp_size = dist.get_world_size(self.dp_group)
+        bucket_size = None if disable_bucketing else _default_bucket_size(ddp_config, self.dp_size)
+        self.bucket_size = bucket_size
+        # Pre-scale by 1/dp unless the loss is a token sum or the division happens after the sum.
+        self.pre_scale = 1.0 if config.calculate_per_token_loss or ddp_config.average_in_collective \
+            else 1.0 / self.dp_size
+        self.post_scale = 1.0 / self.dp_size if ddp_config.average_in_collective \
+            and not config.calculate_per_token_loss else 1.0
+        self.buffers = self._build_buffers(bucket_size)
+        self._buffer_of: Dict[int, ParamAndGradBuffer] = {id(p): b for b in self.buffers for p in b.params}
+        self.is_last_microbatch = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook)
+                       for b in self.buffers for p in b.params]
+
+    def _build_buffers(self, bucket_size: Optional[int]) -> List[ParamAndGradBuffer]:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        shared = self._shared_embedding_ids()
+        by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
+        for param in reversed(params):
+            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        buffers = []
+        for (_, grad_dtype), group in by_dtype.items():
+            own = {i for i, p in enumerate(group) if id(p) in shared}
+            buffers.append(ParamAndGradBuffer(group, grad_dtype, bucket_size, self.dp_group,
+                                              with_param_data=self.ddp_config.use_distributed_optimizer,
+                                              own_bucket=own))
+        return buffers
+
+    def _shared_embedding_ids(self) -> set:
+        # Under the distributed optimizer the tied embedding is summed across pipeline stages after
+        # the reduce-scatter; alone in its bucket, its DP shard ranges agree on both stages.
+        if not self.ddp_config.use_distributed_optimizer or self.pg_collection.size_of("pp") == 1:
+            return set()
+        getter = getattr(self.module, "shared_embedding_or_output_weight", None)
+        if not getattr(self.module, "share_embeddings_and_output_weights", False) or getter is None:
+            return set()
+        weight = getter()
+        return {id(weight)} if weight is not None else set()
+
+    # --- backward hook ----------------------------------------------------------------
+    def _accumulate_hook(self, param: torch.nn.Parameter) -> None:
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
+            buffer = self._buffer_of[id(param)]
+            bucket = buffer.bucket_of[id(param)]
+            bucket.pending.discard(id(param))
+            self._dispatch_ready(buffer)
+
+    def _dispatch_ready(self, buffer: ParamAndGradBuffer) -> None:
+        """Start, in index order, every bucket whose gradients are all accumulated."""
+        for bucket in buffer.buckets:
+            if bucket.dispatched:
+                continue
+            if bucket.pending:
+                return
+            self._start_bucket(buffer, bucket, async_op=True)
+
+    # --- communication ----------------------------------------------------------------
+    def _check_finite(self, bucket: Bucket) -> None:
+        norm = bucket.grad_data.float().norm()
+        if not torch.isfinite(norm):
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: found {norm.item()} in the local gradient norm of bucket {bucket.index} "
+                "before the data-parallel reduction (check_for_nan_in_grad)")
+
+    def _start_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket, async_op: bool) -> None:
+        if self.ddp_config.check_for_nan_in_grad:
+            self._check_finite(bucket)
+        if self.pre_scale != 1.0:
+            bucket.grad_data.mul_(self.pre_scale)
+        bucket.dispatched = True
+        if self.dp_size == 1:
+            return
+        if self.ddp_config.use_distributed_optimizer:
+            shard = bucket.shard(bucket.grad_data, buffer.dp_rank, self.dp_size)
+            bucket.handle = dist.reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group,
+                                                       async_op=async_op)
+        else:
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=async_op)
+
+    def start_grad_sync(self) -> None:
+        """Dispatch every bucket not yet dispatched (asynchronously)."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                if not bucket.dispatched:
+                    self._start_bucket(buffer, bucket, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Complete the data-parallel reduction of every bucket (blocking)."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                if not bucket.dispatched:
+                    # Without overlap, or a bucket with a parameter that got no gradient.
+                    self._start_bucket(buffer, bucket, async_op=False)
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                    bucket.handle = None
+            if self.post_scale != 1.0:
+                buffer.scale_gradients(self.post_scale)
+            buffer.reset()
+
+    # --- public API -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (earlier microbatches of a step)."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all main grads and reset bucket state; call at the start of each iteration."""
+        for param in self.module.parameters():
+            param.grad = None
+        for buffer in self.buffers:
+            buffer.grad_data.zero_()
+            buffer.reset()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for buffer in self.buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def broadcast_params(self) -> None:
+        """Make every DP rank's parameters equal to DP rank 0's."""
+        src = self.pg_collection.ranks["dp_cp"][0]
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.dp_group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.sharded_state_dict(*args, **kwargs)

@@ -1,0 +1,108 @@
+"""Optimizers for Megatron models: param groups, mixed precision, the distributed optimizer.
+
+Entry point: ``get_megatron_optimizer(config, model_chunks, pg_collection)``. See
+``optimizer.py`` for the step and the by-name checkpoint contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.optimizer import (FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer,
+                                               unwrap_model)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+
+ParamCond = Callable[[str, torch.nn.Parameter], bool]
+
+__all__ = ["OptimizerConfig", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
+           "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler", "get_megatron_optimizer",
+           "get_param_groups"]
+
+
+def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    # Biases and norm weights (all 1-D) are not decayed.
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def _embedding_or_output_params(chunk: torch.nn.Module) -> set:
+    """Ids of the word-embedding and output-layer weights (``decoupled_lr`` applies to them)."""
+    ids = {id(p) for p in chunk.parameters() if getattr(p, "is_embedding_or_output_parameter", False)}
+    model = unwrap_model(chunk)
+    embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    output = getattr(model, "output_layer", None)
+    for module in (embedding, output):
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            ids.add(id(weight))
+    return ids
+
+
+def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerConfig,
+                     no_weight_decay_cond: Optional[ParamCond] = None, scale_lr_cond: Optional[ParamCond] = None,
+                     lr_mult: float = 1.0) -> List[Dict[str, Any]]:
+    """Group trainable params by (wd_mult, lr_mult, is_decoupled_lr), with the scheduler's keys.
+
+    Each group carries ``wd_mult``, ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``,
+    ``max_lr``, ``min_lr`` (read by ``OptimizerParamScheduler``) and a starting ``lr`` /
+    ``weight_decay`` so that the optimizer also works without a scheduler.
+    """
+    no_wd = no_weight_decay_cond or _default_no_weight_decay
+    buckets: Dict[Tuple[float, float, bool], List[torch.nn.Parameter]] = {}
+    seen = set()
+    for chunk in model_chunks:
+        decoupled_ids = _embedding_or_output_params(chunk) if config.decoupled_lr is not None else set()
+        for name, param in unwrap_model(chunk).named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            wd_mult = 0.0 if no_wd(name, param) else 1.0
+            group_lr_mult = lr_mult if scale_lr_cond is not None and scale_lr_cond(name, param) else 1.0
+            key = (wd_mult, group_lr_mult, id(param) in decoupled_ids)
+            buckets.setdefault(key, []).append(param)
+    groups = []
+    for (wd_mult, group_lr_mult, decoupled), params in buckets.items():
+        max_lr = config.decoupled_lr if decoupled else config.lr
+        min_lr = config.decoupled_min_lr if decoupled and config.decoupled_min_lr is not None else config.min_lr
+        groups.append({"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+                       "is_expert_parallel": False, "is_decoupled_lr": decoupled,
+                       "max_lr": max_lr, "min_lr": min_lr,
+                       "lr": (max_lr or 0.0) * group_lr_mult, "weight_decay": config.weight_decay * wd_mult})
+    return groups
+
+
+def _grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
+    if not config.fp16:
+        return None  # bf16 has fp32's range: no loss scaling (Megatron's choice)
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                             growth_factor=2.0, backoff_factor=0.5, growth_interval=int(config.loss_scale_window),
+                             hysteresis=config.hysteresis)
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: Sequence[torch.nn.Module],
+                           pg_collection: Optional[ProcessGroupCollection] = None,
+                           no_weight_decay_cond: Optional[ParamCond] = None,
+                           scale_lr_cond: Optional[ParamCond] = None, lr_mult: float = 1.0) -> MegatronOptimizer:
+    """Build the optimizer for ``model_chunks`` (DDP-wrapped chunks for the distributed optimizer).
+
+    fp32 -> ``FP32Optimizer``; bf16/fp16 -> ``Float16OptimizerWithFloat16Params`` (fp16 with a
+    loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision).
+    Gradient statistics are summed over the model-parallel group (plus DP for the distributed
+    optimizer, whose ranks hold different slices).
+    """
+    groups = resolve_process_groups(pg_collection)
+    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    tp_rank = groups.rank_in("tp")
+    scaler = _grad_scaler(config)
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(config, param_groups, tp_rank, [groups.dp_cp, groups.mp], scaler,
+                                    model_chunks=model_chunks, dp_group=groups.dp_cp)
+    if config.fp16 or config.bf16:
+        return Float16OptimizerWithFloat16Params(config, param_groups, tp_rank, [groups.mp], scaler)
+    return FP32Optimizer(config, param_groups, tp_rank, [groups.mp], None)

@@ -1,0 +1,85 @@
+"""Global gradient norm, clipping and zero counting over model-parallel (and DP-shard) ranks.
+
+Every rank holds a piece of the model: TP shards, a pipeline stage, and with the
+distributed optimizer a 1/d slice of the flattened gradients. The global L2 norm is
+the square root of the sum of squares over the distinct pieces, so a tensor that is
+replicated must be counted exactly once:
+
+* replicated across TP (``tensor_model_parallel`` False: norms, biases of row-parallel
+  layers, position embeddings): only TP rank 0 contributes;
+* the output-layer copy of tied embeddings on the last pipeline stage (``shared`` or
+  ``shared_embedding`` set on it): never counted, the first stage's copy is.
+
+The per-rank sums are then all-reduced over each group in ``groups`` in turn (sums of
+sums, so the order is irrelevant): the model-parallel group, and also the data-parallel
+group when each DP rank holds different shards.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """False for the last stage's copy of a tied embedding (it is counted on the first stage)."""
+    return not (getattr(param, "shared", False) or getattr(param, "shared_embedding", False))
+
+
+def counts_for_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` contributes to global gradient statistics."""
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, tp_rank)
+
+
+def _all_reduce(value: torch.Tensor, groups: Sequence[dist.ProcessGroup], op=dist.ReduceOp.SUM) -> torch.Tensor:
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=op, group=group)
+    return value
+
+
+def get_grad_norm_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> float:
+    """L2 norm of all ``grads`` on all ranks of ``groups`` (each rank passes only what it counts)."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for grad in grads:
+        # float64 accumulation: the sum of squares of millions of elements loses bits in fp32.
+        total += grad.detach().double().pow(2).sum()
+    _all_reduce(total, groups)
+    return float(total.sqrt().item())
+
+
+def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for grad in grads:
+            grad.mul_(coeff)
+
+
+def count_zeros_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> int:
+    """Number of exactly-zero gradient elements over all ranks of ``groups``."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for grad in grads:
+        total += grad.numel() - torch.count_nonzero(grad).item()
+    _all_reduce(total, groups)
+    return int(total.item())
+
+
+def any_nonfinite(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> bool:
+    """Whether any rank of ``groups`` holds an inf or NaN in ``grads``."""
+    found = torch.zeros(1, dtype=torch.float32)
+    for grad in grads:
+        if not torch.isfinite(grad).all():
+            found.fill_(1.0)
+            break
+    _all_reduce(found, groups, op=dist.ReduceOp.MAX)
+    return bool(found.item() > 0)
+
+
+def nonempty(grads: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """Drop missing gradients (parameters that took no part in the step)."""
+    return [g for g in grads if g is not None]

@@ -1,0 +1,316 @@
+"""Megatron optimizers: a torch optimizer over fp32 main parameters, with loss scaling and clipping.
+
+``MegatronOptimizer.step()`` does, in order: collect the model gradients into the fp32
+main gradients (``param.main_grad`` from the data-parallel wrapper when present, else
+``param.grad``), unscale them and look for inf/NaN when a loss scaler is active (a hit
+skips the step), compute the global gradient norm over the ranks named in
+``clip_grads``, clip by it, step the torch optimizer, and write the main parameters
+back into the model.
+
+Each main parameter is linked to the model parameter it updates (``MainLink``):
+
+* ``FP32Optimizer``: the main parameter *is* the fp32 model parameter.
+* ``Float16OptimizerWithFloat16Params``: an fp32 copy of each bf16/fp16 parameter
+  (fp32 model parameters are used directly).
+* ``DistributedOptimizer`` (``distrib_optimizer.py``): an fp32 slice of the flattened
+  parameter covering only this data-parallel rank's shard.
+
+Checkpoint contract (``state_dict_by_param_name``)::
+
+    {
+      "<param name>": {"exp_avg": T, "exp_avg_sq": T,      # Adam
+                       "momentum_buffer": T,               # SGD with momentum
+                       "main_param": T},                   # only for bf16/fp16 params (fp32 copy)
+      ...,
+      "param_groups": [{"lr", "weight_decay", "wd_mult", "lr_mult", "is_decoupled_lr",
+                        "max_lr", "min_lr", "betas", "eps", "momentum"...}],   # plain scalars
+      "step": int,                                         # optimizer steps taken
+      "loss_scaler": {"scale": float, ...} or None,
+    }
+
+``<param name>`` is the name in ``unwrap(chunk).named_parameters()`` (data-parallel wrappers
+removed); with several model chunks (virtual pipeline) it is prefixed ``"chunk{i}."``.
+Every tensor has the parameter's *local* shape (this rank's TP shard, fp32), so the
+checkpoint code shards it exactly like the parameter (same global shape, same slice).
+The distributed optimizer gathers its DP slices so that it honours the same contract.
+Entries are absent for parameters without state yet (before the first step).
+``load_state_dict_by_param_name(model_chunks, state)`` restores from the same structure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.clip_grads import (any_nonfinite, clip_grad_by_total_norm_fp32, count_zeros_fp32,
+                                                counts_for_norm, get_grad_norm_fp32)
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+# Keys of a param group that describe it (kept in state dicts); 'params' is not one.
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "max_lr", "min_lr")
+_RESERVED = ("param_groups", "step", "loss_scaler")
+
+
+@dataclass
+class MainLink:
+    """One fp32 tensor the torch optimizer updates, and the model parameter it belongs to.
+
+    ``flat_range`` is ``(start, end)`` into ``model.view(-1)`` when the main tensor covers
+    only a slice (distributed optimizer), else None. ``is_copy`` says the main tensor has
+    its own storage and must be written back into the model after each step.
+    """
+
+    main: torch.Tensor
+    model: torch.nn.Parameter
+    flat_range: Optional[Tuple[int, int]] = None
+    is_copy: bool = False
+
+    def model_grad(self) -> Optional[torch.Tensor]:
+        """The model's gradient for the covered elements (``main_grad`` preferred)."""
+        grad = getattr(self.model, "main_grad", None)
+        if grad is None:
+            grad = self.model.grad
+        if grad is None or self.flat_range is None:
+            return grad
+        return grad.view(-1)[self.flat_range[0]:self.flat_range[1]]
+
+    def model_data(self) -> torch.Tensor:
+        data = self.model.data
+        return data if self.flat_range is None else data.view(-1)[self.flat_range[0]:self.flat_range[1]]
+
+
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """Strip data-parallel wrappers (anything exposing ``.module`` and ``is_ddp_wrapper``)."""
+    while getattr(chunk, "is_ddp_wrapper", False):
+        chunk = chunk.module
+    return chunk
+
+
+def named_model_params(model_chunks: Sequence[torch.nn.Module]) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """(checkpoint name, parameter) for every parameter of every chunk (see module docstring)."""
+    for i, chunk in enumerate(model_chunks):
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        for name, param in unwrap_model(chunk).named_parameters():
+            yield prefix + name, param
+
+
+def make_torch_optimizer(config: OptimizerConfig, groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay) or SGD with momentum over ``groups``."""
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
+                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    return torch.optim.SGD(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
+                           momentum=config.sgd_momentum)
+
+
+class MegatronOptimizer:
+    """Base: links, the torch optimizer, and the shared step / clip / state logic.
+
+    Args:
+        config: optimizer settings.
+        param_groups: groups of *model* parameters with Megatron's keys (``GROUP_KEYS``).
+        tp_rank: this rank's tensor-parallel rank (replicated params count on rank 0 only).
+        stat_groups: process groups the gradient norm, zero count and inf check are summed over.
+        grad_scaler: loss scaler, or None (fp32 and bf16).
+    """
+
+    def __init__(self, config: OptimizerConfig, param_groups: List[Dict[str, Any]], tp_rank: int,
+                 stat_groups: Sequence[dist.ProcessGroup], grad_scaler: Optional[MegatronGradScaler] = None) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.stat_groups = list(stat_groups)
+        self.grad_scaler = grad_scaler
+        self.links: List[MainLink] = []
+        main_groups = []
+        for group in param_groups:
+            links = [link for p in group["params"] for link in self._links_for(p)]
+            self.links.extend(links)
+            main_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                "params": [link.main for link in links]})
+        self.optimizer = make_torch_optimizer(config, main_groups)
+        self._link_of_main = {id(link.main): link for link in self.links}
+
+    # --- what subclasses decide -------------------------------------------------------
+    def _links_for(self, param: torch.nn.Parameter) -> List[MainLink]:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        """Write updated main params back into the model (and gather them, if sharded)."""
+        with torch.no_grad():
+            for link in self.links:
+                if link.is_copy:
+                    link.model_data().copy_(link.main)
+
+    # --- public API -----------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Dict[str, Any]]:
+        return self.optimizer.state
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.grad_scaler.scale if self.grad_scaler is not None else torch.ones(1)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``: the training loop sets ``config.grad_scale_func`` to this."""
+        return loss * self.get_loss_scale().to(loss.device)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear model ``.grad`` and main-param grads (the DDP buffer is zeroed by the wrapper)."""
+        for link in self.links:
+            for tensor in (link.model, link.main):
+                if tensor.grad is not None:
+                    if set_to_none:
+                        tensor.grad = None
+                    else:
+                        tensor.grad.detach_().zero_()
+
+    def main_grads(self) -> List[torch.Tensor]:
+        return [link.main.grad for link in self.links if link.main.grad is not None]
+
+    def grads_for_norm(self) -> List[torch.Tensor]:
+        return [link.main.grad for link in self.links
+                if link.main.grad is not None and counts_for_norm(link.model, self.tp_rank)]
+
+    def get_grad_norm(self) -> float:
+        return get_grad_norm_fp32(self.grads_for_norm(), self.stat_groups)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Global L2 norm of the gradients; clip them in place to ``clip_grad`` (if > 0)."""
+        norm = self.get_grad_norm()
+        if clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(self.main_grads(), clip_grad, norm)
+        return norm
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(self.grads_for_norm(), self.stat_groups)
+
+    def prepare_grads(self) -> bool:
+        """Point main grads at the model grads, unscale; return True if an inf/NaN was found."""
+        for link in self.links:
+            grad = link.model_grad()
+            link.main.grad = None if grad is None else grad.to(torch.float32)
+        if self.grad_scaler is None:
+            return False
+        inv_scale = self.grad_scaler.inv_scale
+        grads = self.main_grads()
+        for grad in grads:
+            grad.mul_(inv_scale)
+        found_inf = any_nonfinite(grads, self.stat_groups)
+        self.grad_scaler.update(found_inf)
+        return found_inf
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """One update. Returns (update_successful, grad_norm, num_zeros_in_grad)."""
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        self._after_step()
+        return True, grad_norm, num_zeros
+
+    # --- state ------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Positional state (same layout only); checkpoints should use the by-name form."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+                "main_params": [link.main.detach().clone() for link in self.links if link.is_copy]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        copies = [link for link in self.links if link.is_copy]
+        with torch.no_grad():
+            for link, saved in zip(copies, state_dict.get("main_params", [])):
+                link.main.copy_(saved)
+
+    def _param_state(self, link: MainLink) -> Dict[str, torch.Tensor]:
+        """This link's tensors for the by-name contract (``main_param`` only for copies)."""
+        state = {k: v for k, v in self.optimizer.state.get(link.main, {}).items()
+                 if torch.is_tensor(v) and v.shape == link.main.shape}
+        if link.is_copy and state:
+            state["main_param"] = link.main
+        return state
+
+    def _step_count(self) -> int:
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
+
+    def _scalars(self) -> Dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        scaler = None if self.grad_scaler is None else self.grad_scaler.state_dict()
+        return {"param_groups": groups, "step": self._step_count(), "loss_scaler": scaler}
+
+    def state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module]) -> Dict[str, Any]:
+        """Optimizer state keyed by parameter name, local (TP-shard) shapes; see the module docstring."""
+        full = self._full_param_states()
+        out: Dict[str, Any] = {}
+        for name, param in named_model_params(model_chunks):
+            if full.get(id(param)):
+                out[name] = full[id(param)]
+        out.update(self._scalars())
+        return out
+
+    def _full_param_states(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        """id(model param) -> its state tensors in the parameter's local shape."""
+        return {id(link.model): {k: v.detach().clone() for k, v in self._param_state(link).items()}
+                for link in self.links}
+
+    def load_state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module], state: Dict[str, Any]) -> None:
+        """Restore what ``state_dict_by_param_name`` produced (any DP size; same TP/PP shapes)."""
+        by_model = {}
+        for link in self.links:
+            by_model.setdefault(id(link.model), []).append(link)
+        step = int(state.get("step", 0))
+        with torch.no_grad():
+            for name, param in named_model_params(model_chunks):
+                if name in state and name not in _RESERVED:
+                    for link in by_model.get(id(param), []):
+                        self._load_link(link, state[name], step)
+        for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if self.grad_scaler is not None and state.get("loss_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["loss_scaler"])
+
+    def _load_link(self, link: MainLink, saved: Dict[str, torch.Tensor], step: int) -> None:
+        def piece(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor.to(torch.float32)
+            if link.flat_range is None:
+                return tensor.reshape(link.main.shape).clone()
+            return tensor.reshape(-1)[link.flat_range[0]:link.flat_range[1]].clone()
+
+        entry = {k: piece(v) for k, v in saved.items() if k != "main_param"}
+        if entry:
+            entry["step"] = torch.tensor(float(step))
+            self.optimizer.state[link.main] = entry
+        if link.is_copy:
+            source = saved["main_param"] if "main_param" in saved else link.model_data()
+            link.main.copy_(piece(source) if "main_param" in saved else source.float())
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 model parameters updated in place; no loss scaling."""
+
+    def _links_for(self, param: torch.nn.Parameter) -> List[MainLink]:
+        return [MainLink(main=param, model=param)]
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """bf16/fp16 model parameters with fp32 main copies (fp32 parameters used directly)."""
+
+    def _links_for(self, param: torch.nn.Parameter) -> List[MainLink]:
+        if param.dtype == torch.float32:
+            return [MainLink(main=param, model=param)]
+        main = torch.nn.Parameter(param.detach().clone().float())
+        return [MainLink(main=main, model=param, is_copy=True)]
