@@ -1,0 +1,170 @@
+"""Runs a pipeline schedule table: the ops of ``schedule_table.rank_slots`` with the
+point-to-point batches of ``schedule_table.comm_plan`` between them.
+
+``forward_backward_pipelining_without_interleaving`` (1F1B) and
+``forward_backward_pipelining_with_interleaving`` (one model chunk per virtual stage)
+are the same executor on different tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.pipeline_parallel import schedule_table as st
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
+from megatron.core.pipeline_parallel.schedules import (ModelArg, _as_iterator_list, as_chunk_list, backward_step,
+                                                       finalize_grads, forward_step, get_model_config)
+
+Key = Tuple[str, int, int]
+
+
+class _GradSyncGate:
+    """Holds ``config.no_sync_func`` open until a chunk's last backward.
+
+    A list of functions (one per chunk) is released chunk by chunk; a single function
+    for all chunks is released before the rank's last backward.
+    """
+
+    def __init__(self, config: Any, num_chunks: int, enabled: bool) -> None:
+        funcs = config.no_sync_func if enabled else None
+        if funcs is None:
+            funcs = []
+        elif not isinstance(funcs, (list, tuple)):
+            funcs = [funcs]
+        self.per_chunk = len(funcs) == num_chunks and num_chunks > 1
+        self.stacks = [contextlib.ExitStack() for _ in funcs]
+        for stack, func in zip(self.stacks, funcs):
+            stack.enter_context(func())
+
+    def before_last_backward(self, chunk: int, last_on_rank: bool) -> None:
+        for index, stack in enumerate(self.stacks):
+            if (index == chunk) if self.per_chunk else last_on_rank:
+                stack.close()
+
+
+class _PipelineRun:
+    """State of one call: tensors in flight, saved activations, reporting store."""
+
+    def __init__(self, chunks: List[torch.nn.Module], iterators: List[Any], config: Any, comm: P2PCommunicator,
+                 forward_step_func: Callable, num_microbatches: int, forward_only: bool,
+                 collect_non_loss_data: bool) -> None:
+        self.chunks, self.iterators, self.config, self.comm = chunks, iterators, config, comm
+        self.forward_step_func, self.num_microbatches = forward_step_func, num_microbatches
+        self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
+        self.pp_size, self.rank = len(comm.ranks), comm.rank_in_group
+        self.vp_size = len(chunks)
+        self.outbox: Dict[Key, torch.Tensor] = {}
+        self.inbox: Dict[Key, torch.Tensor] = {}
+        self.saved: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self.store: List[Any] = []
+        self.total_tokens = torch.tensor(0, dtype=torch.int)
+
+    def exchange(self, batch: List[st.Msg]) -> None:
+        """Post one batch of the communication plan and file the received tensors."""
+        sends = [(self.outbox.pop(m.key), self.comm.global_rank(m.peer)) for m in batch if m.action == "send"]
+        recv_msgs = [m for m in batch if m.action == "recv"]
+        received = self.comm.exchange(sends, [(self.comm.global_rank(m.peer), None) for m in recv_msgs])
+        for msg, tensor in zip(recv_msgs, received):
+            self.inbox[msg.key] = tensor
+
+    def _stage(self, op: st.Op) -> Tuple[int, bool, bool]:
+        stage = op.chunk * self.pp_size + self.rank
+        return stage, stage == 0, stage == self.pp_size * self.vp_size - 1
+
+    def forward(self, op: st.Op) -> None:
+        stage, first, last = self._stage(op)
+        input_tensor = None
+        if not first:
+            input_tensor = self.inbox.pop((st.FORWARD, op.microbatch, stage - 1))  # [s, b, h]
+            input_tensor.requires_grad_(not self.forward_only)
+        if self.vp_size > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(op.chunk)
+        with torch.set_grad_enabled(not self.forward_only):
+            output, tokens = forward_step(self.forward_step_func, self.iterators[op.chunk], self.chunks[op.chunk],
+                                          self.num_microbatches, input_tensor, self.store, self.config,
+                                          is_last_stage=last, collect_non_loss_data=self.collect_non_loss_data)
+        self.total_tokens = self.total_tokens + tokens
+        if not last:
+            self.outbox[(st.FORWARD, op.microbatch, stage)] = output
+        if not self.forward_only:
+            self.saved[(op.microbatch, op.chunk)] = (input_tensor, output)
+
+    def backward(self, op: st.Op) -> None:
+        stage, first, last = self._stage(op)
+        input_tensor, output = self.saved.pop((op.microbatch, op.chunk))
+        grad = None if last else self.inbox.pop((st.BACKWARD, op.microbatch, stage + 1))
+        input_grad = backward_step(input_tensor, output, grad, self.config)
+        if not first:
+            self.outbox[(st.BACKWARD, op.microbatch, stage)] = input_grad
+
+
+def _last_backward_per_chunk(slots: List[List[st.Op]]) -> Dict[st.Op, bool]:
+    """Each chunk's last backward op on this rank -> whether it is the rank's last backward."""
+    backwards = [op for slot in slots for op in slot if op.kind == st.BACKWARD]
+    last: Dict[int, st.Op] = {op.chunk: op for op in backwards}
+    return {op: op == backwards[-1] for op in last.values()}
+
+
+def run_schedule(*, forward_step_func: Callable, data_iterator: Any, model: ModelArg, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, forward_only: bool = False,
+                 collect_non_loss_data: bool = False,
+                 pg_collection: Optional[ProcessGroupCollection] = None) -> List[Any]:
+    """Execute this rank's slots of the (interleaved) 1F1B table with p2p transfers between them.
+
+    Returns:
+        The reporting dicts of ``loss_func`` (one per microbatch) on the last stage, ``[]`` elsewhere.
+    """
+    chunks = as_chunk_list(model)
+    groups = resolve_process_groups(pg_collection)
+    config = get_model_config(chunks)
+    if getattr(config, "variable_seq_lengths", False):
+        raise NotImplementedError("variable_seq_lengths=True is not supported by the pipeline schedules yet")
+    pp_size, rank = groups.size_of("pp"), groups.rank_in("pp")
+    comm = P2PCommunicator(groups.pp, groups.ranks["pp"], activation_shape(seq_length, micro_batch_size, config,
+                                                                             groups), config.pipeline_dtype)
+    run = _PipelineRun(chunks, _as_iterator_list(data_iterator, len(chunks)), config, comm, forward_step_func,
+                       num_microbatches, forward_only, collect_non_loss_data)
+    slots = st.rank_slots(rank, pp_size, num_microbatches, len(chunks), forward_only)
+    plan = st.comm_plan(slots, rank, pp_size, len(chunks))
+    gate = _GradSyncGate(config, len(chunks), enabled=not forward_only)
+    last_backward = _last_backward_per_chunk(slots) if not forward_only else {}
+    for batch, slot in zip(plan, slots):
+        run.exchange(batch)
+        for op in slot:
+            if op.kind == st.FORWARD:
+                run.forward(op)
+                continue
+            if op in last_backward:
+                gate.before_last_backward(op.chunk, last_backward[op])
+            run.backward(op)
+    run.exchange(plan[-1])
+    if len(chunks) > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    if not forward_only:
+        finalize_grads(config, chunks, run.total_tokens)
+    return run.store if rank == pp_size - 1 else []
+
+
+def forward_backward_pipelining_without_interleaving(**kwargs: Any) -> List[Any]:
+    """1F1B: ``p - rank - 1`` warm-up forwards, then one forward and one backward at a time."""
+    if len(as_chunk_list(kwargs["model"])) != 1:
+        raise ValueError("the 1F1B schedule without interleaving takes one model chunk")
+    return _call(kwargs)
+
+
+def forward_backward_pipelining_with_interleaving(**kwargs: Any) -> List[Any]:
+    """Interleaved 1F1B over the model chunks (virtual stages) of each rank; m must be a multiple of p."""
+    return _call(kwargs)
+
+
+def _call(kwargs: Dict[str, Any]) -> List[Any]:
+    # Megatron's keyword interface; decoder_seq_length (encoder-decoder) and first_val_step
+    # (fp8 weight caching) do not change what a GPT pipeline computes.
+    kwargs.pop("decoder_seq_length", None)
+    kwargs.pop("first_val_step", None)
+    return run_schedule(**kwargs)
