@@ -290,7 +290,7 @@ class _Interval:
 
 
 def _to_float(value: Any) -> float:
-    # Loss values may arrive as 0-d tensors; .item() would work too, float() covers both.
+    # Losses may arrive as 0-d tensors or numbers; the line and the writers need numbers.
     return float(value)
 
 
@@ -340,8 +340,9 @@ class TrainingLogger:
                      timers: Any = None, memory: Optional[Mapping[str, float]] = None) -> Optional[str]:
         """Account one iteration; every ``log_interval`` iterations print the line (returned there).
 
-        ``elapsed_ms_per_iter`` is this iteration's wall time; ``flops_per_iter`` its model
-        FLOPs (``num_floating_point_operations``; None leaves throughput out). ``nan`` None
+        ``elapsed_ms_per_iter`` is this iteration's wall time; ``flops_per_iter`` the model
+        FLOPs of its whole global batch, summed over all ranks (``num_floating_point_operations``;
+        None leaves the TFLOP/s field out), divided by ``world_size`` for the per-GPU figure. ``nan`` None
         counts a NaN iteration as Megatron does: a skipped one whose loss is not finite.
         """
         losses = {name: _to_float(value) for name, value in loss_dict.items()}

@@ -280,3 +280,27 @@ def test_wandb_offline_run_directory(tmp_path, monkeypatch, capsys):
     assert records and os.path.getsize(records[0]) > 0
     assert os.environ["WANDB_CACHE_DIR"].startswith(str(tmp_path))
     assert _service_children() == before
+
+
+def _two_rank_logger(rank, world_size):
+    import io
+    from contextlib import redirect_stdout
+
+    timers = Timers(log_level=1, log_option="minmax")
+    logger = TrainingLogger(LoggingConfig(log_interval=2), rank=rank, world_size=world_size)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        for iteration in (1, 2):
+            timers("forward-backward", log_level=1).start()
+            timers("forward-backward").stop()
+            step(logger, iteration, 1.0 + rank, timers=timers)
+    logger.close()
+    return out.getvalue()
+
+
+def test_two_ranks_print_once_from_the_last_rank():
+    rank0, rank1 = run_distributed(_two_rank_logger, 2, timeout=120)
+    assert rank0 == ""
+    lines = rank1.splitlines()
+    assert parse_log_line(lines[0])["lm loss"] == pytest.approx(2.0)  # the last rank's own loss
+    assert lines[1] == "(min, max) time across ranks (ms):" and "forward-backward" in lines[2]
