@@ -165,7 +165,8 @@ def simulate(table: List[List[Op]], vp_size: int = 1, t_forward: float = 1.0,
             while pointer[rank] < len(table[rank]):
                 op = table[rank][pointer[rank]]
                 dep = producer(op, rank, pp_size, vp_size)
-                if dep is not None and dep not in done:
+                own_forward = (rank, Op(FORWARD, op.microbatch, op.chunk))
+                if (dep is not None and dep not in done) or (op.kind == BACKWARD and own_forward not in done):
                     break
                 start = max(clock[rank], done[dep] if dep is not None else 0.0)
                 clock[rank] = done[(rank, op)] = start + cost[op.kind]
