@@ -20,7 +20,7 @@ loss is a sum; ``finalize_model_grads`` divides by the global token count).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.buffers = self._build_buffers(bucket_size)
         self._buffer_of: Dict[int, ParamAndGradBuffer] = {id(p): b for b in self.buffers for p in b.params}
         self.is_last_microbatch = True
+        self._param_sync_waiters: List[Callable[[], None]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook)
                        for b in self.buffers for p in b.params]
 
@@ -188,14 +189,27 @@ class DistributedDataParallel(torch.nn.Module):
         for param in self.module.parameters():
             dist.broadcast(param.data, src=src, group=self.dp_group)
 
+    def register_param_sync_waiter(self, waiter: Callable[[], None]) -> None:
+        """``waiter()`` completes pending parameter all-gathers (distributed optimizer with
+        ``overlap_param_gather``); it runs before every forward and state_dict."""
+        self._param_sync_waiters.append(waiter)
+
+    def finish_param_sync(self) -> None:
+        """Wait until parameters are current; call before reading them outside forward."""
+        for waiter in self._param_sync_waiters:
+            waiter()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.finish_param_sync()
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.finish_param_sync()
         return self.module.sharded_state_dict(*args, **kwargs)

@@ -8,8 +8,8 @@ that slice: an fp32 main tensor (a view of the parameter itself when it is fp32,
 copy otherwise) and the Adam moments of the same size, i.e. 1/d of the state per rank.
 After the step the updated slices are written into the parameter buffer and all-gathered
 bucket by bucket. With ``overlap_param_gather`` the all-gathers are left running and the
-next forward of each chunk waits for them (a pre-forward hook), as does
-``finish_param_sync()``.
+next forward (or ``state_dict``) of each DDP chunk waits for them; code that reads the
+parameters otherwise calls ``chunk.finish_param_sync()`` first.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class DistributedOptimizer(MegatronOptimizer):
         self._buffer_of = {id(p): b for b in self.buffers for p in b.params}
         self._gather_handles: List[dist.Work] = []
         super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler)
-        self._hooks = [chunk.register_forward_pre_hook(lambda *_: self.finish_param_sync())
-                       for chunk in self.model_chunks]
+        for chunk in self.model_chunks:
+            chunk.register_param_sync_waiter(self.finish_param_sync)
 
     def _links_for(self, param: torch.nn.Parameter) -> List[MainLink]:
         buffer = self._buffer_of.get(id(param))
