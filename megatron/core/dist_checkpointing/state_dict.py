@@ -27,7 +27,8 @@ def unwrap_model(model_chunk: torch.nn.Module) -> torch.nn.Module:
     return model_chunk
 
 
-def _groups_of(model: torch.nn.Module, pg_collection: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
+def model_process_groups(model: torch.nn.Module,
+                         pg_collection: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
     """The explicit collection, else the one the model was built with, else the default (raises if none)."""
     return resolve_process_groups(pg_collection or getattr(model, "pg_collection", None))
 
@@ -78,7 +79,7 @@ def sharded_state_dict(model_chunk: torch.nn.Module, prefix: str = "",
 
     The ShardedTensors view the parameters' storage: loading into this dict loads the model.
     """
-    groups = _groups_of(unwrap_model(model_chunk), pg_collection)
+    groups = model_process_groups(unwrap_model(model_chunk), pg_collection)
     out: ShardedStateDict = {}
     for _, spec in _entries(model_chunk, prefix, groups):
         if spec.key in out:
@@ -108,7 +109,7 @@ def sharded_tensors_by_param_name(model_chunks: Sequence[torch.nn.Module],
     """
     table: Dict[str, ShardedTensor] = {}
     for chunk in model_chunks:
-        groups = _groups_of(unwrap_model(chunk), pg_collection)
+        groups = model_process_groups(unwrap_model(chunk), pg_collection)
         by_id = {id(tensor): spec for tensor, spec in _entries(chunk, "", groups)}
         for name, param in chunk.named_parameters():
             if name in table:

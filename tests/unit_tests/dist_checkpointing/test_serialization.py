@@ -88,12 +88,46 @@ def _resharding_body(rank, world, tmp):
     # PP=1 -> PP=2: the last stage's tied copy is filled from the embedding key.
     saved = _save("gpt2", 1, 1, os.path.join(tmp, "gpt2_pp1"))
     assert_same_weights(saved, _load("gpt2", 2, 2, os.path.join(tmp, "gpt2_pp1")))
+    _virtual_pipeline_checks(tmp)
     if rank == 0:
         files = sorted(os.listdir(os.path.join(tmp, "gpt2_pp2")))
         assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world)] + ["metadata.json"], files
         with open(os.path.join(tmp, "gpt2_pp2", "metadata.json")) as f:
             assert json.load(f) == {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
     return True
+
+
+def _vp_chunks(groups, seed, layers=4):
+    """Chunks of a gated model with 4 layers; PP=2 x VP=2 puts layers 1,3 on stage 0 and 2,4 on stage 1."""
+    from tests.model_utils import build_gpt
+    from tests.unit_tests.dist_checkpointing.ckpt_utils import tiny_kwargs
+
+    pp_rank, pp = groups.rank_in("pp"), groups.size_of("pp")
+    vp = 2 if pp > 1 else 1
+    kw = dict(tiny_kwargs("llama"), num_layers=layers, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    return [build_gpt(kw, groups, seed=seed + v, vp_stage=v if vp > 1 else None,
+                      pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1)
+            for v in range(vp)]
+
+
+def _merged(chunks, groups):
+    out = {}
+    for chunk in chunks:
+        out.update(full_weights_by_key(chunk, groups))
+    return out
+
+
+def _virtual_pipeline_checks(tmp):
+    path = os.path.join(tmp, "vp")
+    groups = groups_for(2, 2)
+    chunks = _vp_chunks(groups, 1)
+    assert [layer.layer_number for c in chunks for layer in c.decoder.layers] in ([1, 3], [2, 4])
+    dcp_mc.save(dcp_mc.model_sharded_state_dict(chunks, pg_collection=groups), path)
+    saved = _merged(chunks, groups)
+    groups = groups_for(1, 1)
+    chunks = _vp_chunks(groups, 2)
+    dcp_mc.load(dcp_mc.model_sharded_state_dict(chunks, pg_collection=groups), path)
+    assert_same_weights(saved, _merged(chunks, groups))
 
 
 def test_resharding_across_tp_pp_dp(tmp_path):

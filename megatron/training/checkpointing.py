@@ -1,0 +1,411 @@
+"""Checkpoint save and resume for the training application, in Megatron's directory layout.
+
+```
+SAVE/latest_checkpointed_iteration.txt     "1000" or "release"; replaced atomically, after the checkpoint is complete
+SAVE/iter_0001000/                         --ckpt-format torch_dist (default)
+    .metadata, __{rank}_0.distcp           model and optimizer tensors (torch.distributed.checkpoint)
+    common.json                            iteration, train state, scheduler, args, optimizer scalars (plain JSON)
+    rng/rank_{rank:05d}.json               each rank's RNG states
+    metadata.json                          written last: the directory is complete
+SAVE/iter_0001000/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt     --ckpt-format torch (legacy)
+```
+
+Nothing is pickled except tensors in legacy ``.pt`` files, which are read with
+``torch.load(weights_only=True)``. A torch_dist checkpoint loads under any TP/PP/DP
+layout; RNG states are restored only under the layout that saved them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import CheckpointingError, plain_data
+from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
+from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+COMMON_FILE = "common.json"
+RNG_DIR = "rng"
+LEGACY_FILE = "model_optim_rng.pt"
+SUPPORTED_FORMATS = ("torch_dist", "torch")
+_MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
+_FLAGS = ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and what to save and load (Megatron's checkpointing flags).
+
+    Attributes:
+        save: directory to save to (``--save``); None disables saving.
+        load: directory to resume from (``--load``); None starts from scratch.
+        save_interval: iterations between saves (``--save-interval``).
+        no_save_optim / no_save_rng: leave optimizer / RNG state out of saves.
+        no_load_optim / no_load_rng: ignore optimizer (and scheduler) / RNG state on load.
+        finetune: load the model only and start at iteration 0 with a fresh train state.
+        ckpt_format: ``torch_dist`` (sharded, any layout) or ``torch`` (legacy, per TP/PP rank).
+        exit_on_missing_checkpoint: a ``load`` without a checkpoint is an error, not a fresh start.
+        ckpt_step: load this iteration instead of the tracker's (``--ckpt-step``).
+    """
+
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    ckpt_format: str = "torch_dist"
+    exit_on_missing_checkpoint: bool = False
+    ckpt_step: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in _FLAGS:
+            value = getattr(self, name)
+            if value is None:  # Megatron's store_true flags default to None
+                setattr(self, name, False)
+            elif not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: must be True or False")
+        if self.ckpt_format in _MEGATRON_ONLY_FORMATS:
+            raise ValueError(f"ckpt_format={self.ckpt_format!r}: not supported yet: --ckpt-format "
+                             f"{self.ckpt_format} (use one of {SUPPORTED_FORMATS})")
+        if self.ckpt_format not in SUPPORTED_FORMATS:
+            raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {SUPPORTED_FORMATS}")
+        for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):
+                raise ValueError(f"{name}={value!r}: must be an integer >= {lowest} or None")
+
+
+# ---------------------------------------------------------------- paths and tracker
+def checkpoint_dir(root: str, iteration: int, release: bool = False) -> str:
+    """``root/iter_{iteration:07d}`` (or ``root/release``)."""
+    return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[Tuple[int, bool]]:
+    """(iteration, release) from the tracker file, None if there is none."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointingError(f"corrupt tracker file {path}: {text[:40]!r} is neither an iteration nor "
+                                 "'release'") from None
+    if iteration < 0:
+        raise CheckpointingError(f"corrupt tracker file {path}: negative iteration {iteration}")
+    return iteration, False
+
+
+def _update_tracker(root: str, iteration: int) -> None:
+    """Point the tracker at ``iteration`` (temporary file + rename: never half-written)."""
+    path = os.path.join(root, TRACKER_FILE)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def detect_format(iter_dir: str) -> str:
+    """``torch_dist`` if ``metadata.json`` is there, ``torch`` if ``mp_rank_*`` folders are."""
+    if not os.path.isdir(iter_dir):
+        raise CheckpointingError(f"checkpoint directory not found: {iter_dir}")
+    names = os.listdir(iter_dir)
+    if dc.METADATA_FILE in names:
+        return "torch_dist"
+    if any(name.startswith("mp_rank_") for name in names):
+        return "torch"
+    raise CheckpointingError(f"{iter_dir} holds neither {dc.METADATA_FILE} (torch_dist) nor mp_rank_* (torch): "
+                             "the checkpoint is incomplete (interrupted save?) or not a checkpoint")
+
+
+# ---------------------------------------------------------------- plain data
+def args_to_plain_data(args: Any) -> Dict[str, Any]:
+    """An argparse namespace (or dict) as JSON-able data: dtypes and callables by name, others by str."""
+    items = vars(args) if not isinstance(args, dict) else args
+
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, torch.dtype):
+            return str(value)
+        return getattr(value, "__name__", None) or str(value)
+
+    return {str(k): plain(v) for k, v in items.items()}
+
+
+def _require_plain(name: str, value: Any) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be plain data (JSON: dict, list, str, numbers, bool, None): {e}") from e
+
+
+# ---------------------------------------------------------------- RNG
+def collect_rng_state() -> Dict[str, Any]:
+    """This rank's generator states as plain data: python, numpy, torch CPU, CUDA, TP tracker."""
+    np_state = np.random.get_state()
+    state = {
+        "random": random.getstate(),
+        "numpy": {"keys": np_state[1].tolist(), "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                  "cached_gaussian": float(np_state[4])},
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    return plain_data.encode(state, "rng_state")
+
+
+def restore_rng_state(encoded: Dict[str, Any]) -> None:
+    """Inverse of ``collect_rng_state``."""
+    state = plain_data.decode(encoded)
+    random.setstate(state["random"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np.array(np_state["keys"], dtype=np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch_cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout(groups: ProcessGroupCollection) -> Dict[str, int]:
+    return {"world_size": dist.get_world_size(), "tp": groups.size_of("tp"), "pp": groups.size_of("pp"),
+            "dp": groups.size_of("dp"), "cp": groups.size_of("cp")}
+
+
+# ---------------------------------------------------------------- save
+def save_checkpoint(iteration: int, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
+                    opt_param_scheduler: Any, ckpt_config: CheckpointConfig, train_state: Dict[str, Any],
+                    args_dict: Dict[str, Any], pg_collection: Optional[ProcessGroupCollection] = None) -> str:
+    """Write ``SAVE/iter_{iteration:07d}`` on every rank, then point the tracker at it; returns the dir.
+
+    Collective over the world. ``train_state`` (consumed samples, FLOPs so far, ...) and
+    ``args_dict`` must be plain data (see ``args_to_plain_data``).
+    """
+    if ckpt_config.save is None:
+        raise ValueError("save_checkpoint needs CheckpointConfig.save (--save)")
+    _require_plain("train_state", train_state)
+    _require_plain("args_dict", args_dict)
+    groups = dc.model_process_groups(dc.unwrap_model(model_chunks[0]), pg_collection)
+    iter_dir = checkpoint_dir(ckpt_config.save, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(iter_dir, exist_ok=True)
+        stale = os.path.join(iter_dir, dc.METADATA_FILE)
+        if os.path.exists(stale):  # rewriting: the directory must not look complete meanwhile
+            os.remove(stale)
+    dist.barrier()
+    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "train_state": train_state,
+              "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+              "args": args_dict, "layout": _layout(groups), "ckpt_format": ckpt_config.ckpt_format}
+    _require_plain("opt_param_scheduler.state_dict()", common["opt_param_scheduler"])
+    save_optim = optimizer is not None and not ckpt_config.no_save_optim
+    if ckpt_config.ckpt_format == "torch_dist":
+        _save_sharded(iter_dir, model_chunks, optimizer if save_optim else None, groups, ckpt_config, common)
+    else:
+        _save_legacy(iter_dir, model_chunks, optimizer if save_optim else None, groups, ckpt_config, common)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _update_tracker(ckpt_config.save, iteration)
+    dist.barrier()
+    logger.info("saved checkpoint at iteration %d to %s (%s)", iteration, ckpt_config.save, ckpt_config.ckpt_format)
+    return iter_dir
+
+
+def _save_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
+                  groups: ProcessGroupCollection, cfg: CheckpointConfig, common: Dict[str, Any]) -> None:
+    sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
+    common["optimizer"] = None
+    if optimizer is not None:
+        specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
+        per_param, scalars = dc.split_optimizer_state(optimizer.state_dict_by_param_name(model_chunks), specs)
+        sharded.update(dc.optimizer_sharded_state_dict(per_param, specs))
+        common["optimizer"] = plain_data.encode(scalars, "optimizer")
+    if dist.get_rank() == 0:
+        write_json_atomic(os.path.join(iter_dir, COMMON_FILE), common)
+    if not cfg.no_save_rng:
+        os.makedirs(os.path.join(iter_dir, RNG_DIR), exist_ok=True)
+        write_json_atomic(_rng_path(iter_dir, dist.get_rank()), collect_rng_state())
+    dc.save(sharded, iter_dir)  # barrier, then metadata.json last
+
+
+def _rng_path(iter_dir: str, rank: int) -> str:
+    return os.path.join(iter_dir, RNG_DIR, f"rank_{rank:05d}.json")
+
+
+def legacy_file(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """``mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` (the pp suffix only when PP > 1)."""
+    folder = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return os.path.join(iter_dir, folder, LEGACY_FILE)
+
+
+def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
+                 groups: ProcessGroupCollection, cfg: CheckpointConfig, common: Dict[str, Any]) -> None:
+    rng: List[Any] = [None] * groups.size_of("dp")
+    if not cfg.no_save_rng:
+        dist.all_gather_object(rng, collect_rng_state(), group=groups.dp)
+    if groups.rank_in("dp") == 0 and groups.rank_in("cp") == 0:
+        state = dict(common, num_floating_point_operations_so_far=common["train_state"].get(
+            "num_floating_point_operations_so_far", 0))
+        if not cfg.no_save_rng:
+            state["rng_state"] = rng
+        for i, chunk in enumerate(model_chunks):
+            state["model" if len(model_chunks) == 1 else f"model{i}"] = dc.unwrap_model(chunk).state_dict()
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict_by_param_name(model_chunks)
+        path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------- load
+def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
+    """(iteration, release) to load, or None when there is no checkpoint (fresh start)."""
+    if cfg.ckpt_step is not None:
+        return cfg.ckpt_step, False
+    found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
+    if found is None:
+        message = (f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found"
+                   + ("" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"))
+        if cfg.exit_on_missing_checkpoint:
+            raise CheckpointingError(message + " and --exit-on-missing-checkpoint is set")
+        logger.warning("%s; starting from random initialization", message)
+    return found
+
+
+def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt_param_scheduler: Any,
+                    ckpt_config: CheckpointConfig,
+                    pg_collection: Optional[ProcessGroupCollection] = None) -> Tuple[int, Dict[str, Any]]:
+    """Restore from ``ckpt_config.load``; returns (iteration, train_state).
+
+    Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release;
+    RNG unless ``no_load_rng``/``finetune``/release. With ``finetune`` or a release
+    checkpoint the iteration is 0 and the train state empty. Without a checkpoint,
+    returns (0, {}) (or raises with ``exit_on_missing_checkpoint``).
+    """
+    if ckpt_config.load is None:
+        return 0, {}
+    found = _iteration_to_load(ckpt_config)
+    if found is None:
+        return 0, {}
+    iteration, release = found
+    iter_dir = checkpoint_dir(ckpt_config.load, iteration, release)
+    groups = dc.model_process_groups(dc.unwrap_model(model_chunks[0]), pg_collection)
+    fresh = ckpt_config.finetune or release
+    load_optim = optimizer is not None and not ckpt_config.no_load_optim and not fresh
+    load_rng = not ckpt_config.no_load_rng and not fresh
+    fmt = detect_format(iter_dir)
+    loader = _load_sharded if fmt == "torch_dist" else _load_legacy
+    common, rng = loader(iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng)
+    if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if rng is not None:
+        restore_rng_state(rng)
+    logger.info("loaded checkpoint %s (%s)", iter_dir, fmt)
+    if fresh:
+        return 0, {}
+    return int(common["iteration"]), dict(common.get("train_state") or {})
+
+
+def _optimizer_template(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection,
+                        metadata: Any, iter_dir: str) -> Tuple[dc.ShardedStateDict, Dict[str, Dict[str, torch.Tensor]]]:
+    """Empty per-parameter tensors for every optimizer state the checkpoint holds, and their sharding."""
+    saved: Dict[str, Dict[str, torch.dtype]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(dc.OPTIMIZER_STATE_PREFIX):
+            param_key, _, state_name = key[len(dc.OPTIMIZER_STATE_PREFIX):].rpartition(".")
+            saved.setdefault(param_key, {})[state_name] = md.properties.dtype
+    if not saved:
+        raise CheckpointingError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
+                                 "load with --no-load-optim or --finetune")
+    params = {name: p for chunk in model_chunks for name, p in chunk.named_parameters()}
+    specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
+    per_param = {name: {state: torch.empty(params[name].shape, dtype=dtype, device=params[name].device)
+                        for state, dtype in saved.get(spec.key, {}).items()}
+                 for name, spec in specs.items()}
+    return dc.optimizer_sharded_state_dict(per_param, specs), per_param
+
+
+def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
+                  groups: ProcessGroupCollection, load_rng: bool) -> Tuple[Dict[str, Any], Optional[Dict]]:
+    common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
+    sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
+    per_param = None
+    if optimizer is not None:
+        template, per_param = _optimizer_template(model_chunks, groups, dc.read_metadata(iter_dir), iter_dir)
+        sharded.update(template)
+    dc.load(sharded, iter_dir)
+    if optimizer is not None:
+        state: Dict[str, Any] = dict(plain_data.decode(common.get("optimizer") or {}))
+        state.update(per_param)
+        optimizer.load_state_dict_by_param_name(model_chunks, state)
+    rng = None
+    if load_rng and _same_layout(common, groups, iter_dir):
+        rng = read_json(_rng_path(iter_dir, dist.get_rank()),
+                        "RNG state (saved with --no-save-rng? load with --no-load-rng)")
+    return common, rng
+
+
+def _same_layout(common: Dict[str, Any], groups: ProcessGroupCollection, where: str) -> bool:
+    if common.get("layout") == _layout(groups):
+        return True
+    logger.warning("%s was saved with layout %s, this run is %s: RNG states are not restored", where,
+                   common.get("layout"), _layout(groups))
+    return False
+
+
+def _load_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
+                 groups: ProcessGroupCollection, load_rng: bool) -> Tuple[Dict[str, Any], Optional[Dict]]:
+    path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
+    if not os.path.isfile(path):
+        raise CheckpointingError(f"legacy checkpoint file not found: {path} (a torch-format checkpoint loads only "
+                                 "under the TP/PP layout that saved it)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt or holding non-plain objects
+        raise CheckpointingError(f"cannot read legacy checkpoint {path}: {e}") from e
+    for i, chunk in enumerate(model_chunks):
+        key = "model" if len(model_chunks) == 1 else f"model{i}"
+        try:
+            dc.unwrap_model(chunk).load_state_dict(state[key], strict=True)
+        except (KeyError, RuntimeError) as e:
+            raise CheckpointingError(f"{path}: model state does not fit: {e}") from e
+    if optimizer is not None:
+        if "optimizer" not in state:
+            raise CheckpointingError(f"{path} has no optimizer state (saved with --no-save-optim?); load with "
+                                     "--no-load-optim or --finetune")
+        optimizer.load_state_dict_by_param_name(model_chunks, state["optimizer"])
+    rng = None
+    if load_rng:
+        if "rng_state" not in state:
+            raise CheckpointingError(f"{path} has no RNG state (saved with --no-save-rng?); load with --no-load-rng")
+        if _same_layout(state, groups, path):
+            rng = state["rng_state"][groups.rank_in("dp")]
+    return state, rng
