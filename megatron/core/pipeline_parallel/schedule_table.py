@@ -70,10 +70,13 @@ def num_warmup_forwards(rank: int, pp_size: int, num_microbatches: int, vp_size:
 
 def rank_slots(rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1,
                forward_only: bool = False) -> List[List[Op]]:
-    """One rank's ops in communication slots: warm-up forwards one by one, steady-state
-    (forward, backward) pairs, cool-down backwards one by one.
+    """One rank's ops in communication slots; a slot's inputs are received, and the
+    previous slot's outputs sent, in one batch.
 
-    A slot's inputs are received, and the previous slot's outputs sent, in one batch.
+    1F1B: one op per slot, so a forward's output leaves before the backward that follows
+    it (Megatron's send_forward_recv_backward). Interleaved: warm-up forwards one by one,
+    steady-state (forward, backward) pairs, cool-down backwards one by one; per-op slots
+    would deadlock there (see the tests).
     """
     validate_schedule_args(pp_size, num_microbatches, vp_size)
     total = num_microbatches * vp_size
@@ -82,9 +85,10 @@ def rank_slots(rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1,
         return [[op] for op in fwd]
     bwd = [_virtual_op(BACKWARD, k, pp_size, vp_size) for k in range(total)]
     warmup = num_warmup_forwards(rank, pp_size, num_microbatches, vp_size)
-    slots = [[op] for op in fwd[:warmup]]
-    slots += [[fwd[warmup + k], bwd[k]] for k in range(total - warmup)]
-    return slots + [[op] for op in bwd[total - warmup:]]
+    steady = [[fwd[warmup + k], bwd[k]] for k in range(total - warmup)]
+    if vp_size == 1:
+        steady = [[op] for pair in steady for op in pair]
+    return [[op] for op in fwd[:warmup]] + steady + [[op] for op in bwd[total - warmup:]]
 
 
 def rank_schedule(rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1,
