@@ -270,6 +270,8 @@ def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimiz
     rng: List[Any] = [None] * groups.size_of("dp")
     if not cfg.no_save_rng:
         dist.all_gather_object(rng, collect_rng_state(), group=groups.dp)
+    # On every rank: the distributed optimizer gathers its DP slices collectively.
+    optim_state = optimizer.state_dict_by_param_name(model_chunks) if optimizer is not None else None
     if groups.rank_in("dp") == 0 and groups.rank_in("cp") == 0:
         state = dict(common, num_floating_point_operations_so_far=common["train_state"].get(
             "num_floating_point_operations_so_far", 0))
@@ -277,8 +279,8 @@ def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimiz
             state["rng_state"] = rng
         for i, chunk in enumerate(model_chunks):
             state["model" if len(model_chunks) == 1 else f"model{i}"] = dc.unwrap_model(chunk).state_dict()
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict_by_param_name(model_chunks)
+        if optim_state is not None:
+            state["optimizer"] = optim_state
         path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(state, path + ".tmp")
@@ -335,21 +337,18 @@ def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt
 
 
 def _optimizer_template(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection,
-                        metadata: Any, iter_dir: str) -> Tuple[dc.ShardedStateDict, Dict[str, Dict[str, torch.Tensor]]]:
+                        metadata: Any) -> Tuple[dc.ShardedStateDict, Dict[str, Dict[str, torch.Tensor]]]:
     """Empty per-parameter tensors for every optimizer state the checkpoint holds, and their sharding."""
     saved: Dict[str, Dict[str, torch.dtype]] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(dc.OPTIMIZER_STATE_PREFIX):
             param_key, _, state_name = key[len(dc.OPTIMIZER_STATE_PREFIX):].rpartition(".")
             saved.setdefault(param_key, {})[state_name] = md.properties.dtype
-    if not saved:
-        raise CheckpointingError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
-                                 "load with --no-load-optim or --finetune")
-    params = {name: p for chunk in model_chunks for name, p in chunk.named_parameters()}
+    params = dict(dc.param_names(model_chunks))
     specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
     per_param = {name: {state: torch.empty(params[name].shape, dtype=dtype, device=params[name].device)
-                        for state, dtype in saved.get(spec.key, {}).items()}
-                 for name, spec in specs.items()}
+                        for state, dtype in saved[spec.key].items()}
+                 for name, spec in specs.items() if spec.key in saved}  # no entry: no state saved yet
     return dc.optimizer_sharded_state_dict(per_param, specs), per_param
 
 
@@ -359,7 +358,10 @@ def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimi
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     per_param = None
     if optimizer is not None:
-        template, per_param = _optimizer_template(model_chunks, groups, dc.read_metadata(iter_dir), iter_dir)
+        if common.get("optimizer") is None:
+            raise CheckpointingError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
+                                     "load with --no-load-optim or --finetune")
+        template, per_param = _optimizer_template(model_chunks, groups, dc.read_metadata(iter_dir))
         sharded.update(template)
     dc.load(sharded, iter_dir)
     if optimizer is not None:

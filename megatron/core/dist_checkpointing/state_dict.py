@@ -100,23 +100,25 @@ def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], prefix: st
     return out
 
 
+def param_names(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) as the optimizer's by-name state uses them: names of the unwrapped
+    chunk, prefixed ``chunk{i}.`` when there are several chunks (virtual pipeline)."""
+    named = []
+    for i, chunk in enumerate(model_chunks):
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        named += [(prefix + name, param) for name, param in unwrap_model(chunk).named_parameters()]
+    return named
+
+
 def sharded_tensors_by_param_name(model_chunks: Sequence[torch.nn.Module],
                                   pg_collection: Optional[ProcessGroupCollection] = None
                                   ) -> Dict[str, ShardedTensor]:
-    """Parameter name (as in ``chunk.named_parameters()``) -> the parameter's ShardedTensor.
-
-    With several chunks the names must be unique across them.
-    """
-    table: Dict[str, ShardedTensor] = {}
+    """Parameter name (see ``param_names``) -> the parameter's ShardedTensor."""
+    by_id: Dict[int, ShardedTensor] = {}
     for chunk in model_chunks:
         groups = model_process_groups(unwrap_model(chunk), pg_collection)
-        by_id = {id(tensor): spec for tensor, spec in _entries(chunk, "", groups)}
-        for name, param in chunk.named_parameters():
-            if name in table:
-                raise ValueError(f"parameter name {name!r} occurs in several model chunks; optimizer state "
-                                 "keyed by parameter name is ambiguous")
-            table[name] = by_id[id(param)]
-    return table
+        by_id.update({id(tensor): spec for tensor, spec in _entries(chunk, "", groups)})
+    return {name: by_id[id(param)] for name, param in param_names(model_chunks)}
 
 
 def optimizer_state_key(param_key: str, state_name: str) -> str:
