@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -44,36 +44,16 @@ def reference_run(kwargs: Dict, global_batch: int, iters: int = ITERS, optimizer
 def parallel_run(groups, kwargs: Dict, ddp_kwargs: Dict, opt_kwargs: Dict, iters: int = ITERS,
                  per_token: bool = False):
     """TP x DP training with DDP + finalize_model_grads + the Megatron optimizer."""
-    dp, dp_rank = groups.size_of("dp"), groups.rank_in("dp")
     model = build_gpt(dict(kwargs, calculate_per_token_loss=per_token), groups)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**ddp_kwargs), model,
                                   pg_collection=groups)
     config = OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=CLIP, adam_eps=EPS,
                              **opt_kwargs)
     opt = get_megatron_optimizer(config, [ddp], groups)
-    local = MICRO_BATCH * NUM_MICRO
     losses, norms = [], []
     for it in range(iters):
-        tokens, labels = batch(seed=it, b=local * dp)
-        tokens, labels = tokens[dp_rank * local:(dp_rank + 1) * local], labels[dp_rank * local:(dp_rank + 1) * local]
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        total = torch.zeros(1, dtype=torch.float64)
-        num_tokens = torch.zeros(1)
-        for m in range(NUM_MICRO):
-            rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
-            ctx = ddp.no_sync() if m < NUM_MICRO - 1 else contextlib.nullcontext()
-            with ctx:
-                per_tok = ddp(tokens[rows], None, None, labels=labels[rows])  # [b, s]
-                loss = per_tok.sum() if per_token else per_tok.mean() / NUM_MICRO
-                opt.scale_loss(loss).backward()
-            total += per_tok.detach().sum().double()
-            num_tokens += per_tok.numel()
-        finalize_model_grads([ddp], num_tokens if per_token else None, groups)
-        ok, norm, _ = opt.step()
-        assert ok
-        dist.all_reduce(total, group=groups.dp)
-        losses.append(float(total) / (per_tok.numel() * NUM_MICRO * dp))
+        loss, norm = train_step(ddp, opt, groups, it, per_token)
+        losses.append(loss)
         norms.append(norm)
     ddp.finish_param_sync()
     weights = {n: gather_tp(p.detach(), p, groups.tp) for n, p in model.named_parameters()}
@@ -83,6 +63,32 @@ def parallel_run(groups, kwargs: Dict, ddp_kwargs: Dict, opt_kwargs: Dict, iters
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| (elementwise relative error is meaningless for Adam near zero grads)."""
     return float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def train_step(ddp, opt, groups, it: int, per_token: bool = False):
+    """One iteration on this DP rank's slice of global batch ``it``: (global mean loss, grad norm)."""
+    dp, dp_rank = groups.size_of("dp"), groups.rank_in("dp")
+    local = MICRO_BATCH * NUM_MICRO
+    tokens, labels = batch(seed=it, b=local * dp)
+    tokens, labels = tokens[dp_rank * local:(dp_rank + 1) * local], labels[dp_rank * local:(dp_rank + 1) * local]
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    total = torch.zeros(1, dtype=torch.float64)
+    num_tokens = torch.zeros(1)
+    for m in range(NUM_MICRO):
+        rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
+        ctx = ddp.no_sync() if m < NUM_MICRO - 1 else contextlib.nullcontext()
+        with ctx:
+            per_tok = ddp(tokens[rows], None, None, labels=labels[rows])  # [b, s]
+            loss = per_tok.sum() if per_token else per_tok.mean() / NUM_MICRO
+            opt.scale_loss(loss).backward()
+        total += per_tok.detach().sum().double()
+        num_tokens += per_tok.numel()
+    finalize_model_grads([ddp], num_tokens if per_token else None, groups)
+    ok, norm, _ = opt.step()
+    assert ok
+    dist.all_reduce(total, group=groups.dp)
+    return float(total) / (num_tokens.item() * dp), norm
 
 
 def assert_matches(where: str, got, ref, rtol: float) -> None:
