@@ -17,6 +17,7 @@ layout; RNG states are restored only under the layout that saved them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -90,6 +91,12 @@ class CheckpointConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):
                 raise ValueError(f"{name}={value!r}: must be an integer >= {lowest} or None")
+
+
+def checkpoint_config_from_args(args: Any) -> CheckpointConfig:
+    """The config from parsed Megatron flags (field names are the flags' destinations)."""
+    names = [f.name for f in dataclasses.fields(CheckpointConfig)]
+    return CheckpointConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 # ---------------------------------------------------------------- paths and tracker

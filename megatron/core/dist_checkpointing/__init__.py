@@ -18,7 +18,8 @@ from megatron.core.dist_checkpointing.state_dict import (OPTIMIZER_STATE_PREFIX,
 __all__ = [
     "BACKEND_METADATA", "METADATA_FILE", "OPTIMIZER_STATE_PREFIX", "TIED_EMBEDDING_KEY", "CheckpointingError",
     "ShardedStateDict", "ShardedTensor", "check_sharded_checkpoint", "load", "model_process_groups",
-    "model_sharded_state_dict", "optimizer_sharded_state_dict", "optimizer_state_key", "param_names", "read_metadata", "save",
+    "model_sharded_state_dict", "optimizer_sharded_state_dict", "optimizer_state_key", "param_names",
+    "read_metadata", "save",
     "sharded_state_dict", "sharded_tensor_for", "sharded_tensors_by_param_name", "split_optimizer_state",
     "tensor_parallel_geometry", "unwrap_model",
 ]

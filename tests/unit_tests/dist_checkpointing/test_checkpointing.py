@@ -36,6 +36,16 @@ def test_config_validation():
         CheckpointConfig(save_interval=0)
 
 
+def test_config_from_megatron_flags():
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(["--save", "/s", "--load", "/l", "--save-interval", "5", "--no-load-rng", "--ckpt-format",
+                       "torch"])
+    cfg = ckpt.checkpoint_config_from_args(args)
+    assert (cfg.save, cfg.load, cfg.save_interval, cfg.no_load_rng, cfg.no_save_optim, cfg.ckpt_format) == (
+        "/s", "/l", 5, True, False, "torch")
+
+
 def test_args_to_plain_data():
     import argparse
 
@@ -203,6 +213,18 @@ def _error_checks(rank, tmp):
     with pytest.raises(CheckpointingError, match="no optimizer state.*--no-load-optim"):
         load_checkpoint([model], opt, None, CheckpointConfig(load=no_opt))
     assert load_checkpoint([model], opt, None, CheckpointConfig(load=no_opt, no_load_optim=True))[0] == 3
+    # A release checkpoint: weights only, iteration 0.
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(os.path.join(tmp, "iter_0000005"), os.path.join(tmp, "rel", "release"))
+        with open(os.path.join(tmp, "rel", ckpt.TRACKER_FILE), "w") as f:
+            f.write("release")
+    dist.barrier()
+    before = dict(opt.state)
+    assert load_checkpoint([model], opt, None, CheckpointConfig(load=os.path.join(tmp, "rel"))) == (0, {})
+    assert opt.state == before
     # Corrupt files name their path.
     dist.barrier()
     if rank == 0:
