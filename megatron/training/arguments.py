@@ -139,6 +139,8 @@ TRANSFORMER_DERIVED: Dict[str, Callable[[argparse.Namespace], Any]] = {
     "deallocate_pipeline_outputs": lambda a: True,
     "attention_backend": lambda a: getattr(a.attention_backend, "name", a.attention_backend),
     "num_layers_in_first_pipeline_stage": lambda a: a.decoder_first_pipeline_num_layers,
+    # CPU initialization seeds each layer from (--seed, layer name): every layout starts equal.
+    "initialization_seed": lambda a: a.seed if a.use_cpu_initialization else None,
     "num_layers_in_last_pipeline_stage": lambda a: a.decoder_last_pipeline_num_layers,
 }
 

@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel.random import (
     checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
+    initialization_rng,
     model_parallel_cuda_manual_seed,
 )
 from megatron.core.tensor_parallel.utils import (
@@ -52,6 +53,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "get_cuda_rng_tracker", "get_rng_tracker",
+    "initialization_rng",
     "model_parallel_cuda_manual_seed",
     "VocabUtility", "divide", "gather_split_1d_tensor", "split_tensor_along_last_dim",
     "split_tensor_into_1d_equal_chunks",

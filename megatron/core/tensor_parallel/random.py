@@ -17,6 +17,7 @@ Seeds set by ``model_parallel_cuda_manual_seed(seed)``:
 from __future__ import annotations
 
 import contextlib
+import zlib
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -146,6 +147,24 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: Optional[int] = None, ep
 # ----------------------------------------------------------------------------------
 # Activation checkpointing.
 # ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def initialization_rng(seed: Optional[int], component: str) -> Iterator[None]:
+    """Draw a component's initial weights from a CPU generator seeded by (seed, component).
+
+    With CPU initialization this makes a layer's weights depend only on the seed and the
+    layer's global name, not on which pipeline stage, virtual chunk or TP rank builds it,
+    nor on what was built before. ``seed=None`` leaves the default generator as it is.
+    The default generator's state is restored afterwards.
+    """
+    if seed is None:
+        yield
+        return
+    derived = zlib.crc32(f"{seed}/{component}".encode()) ^ (seed & 0xFFFFFFFF)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derived)
+        yield
+
+
 def _capture_rng() -> Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, torch.Tensor]]:
     cuda_state = torch.cuda.get_rng_state() if _on_cuda() else None
     return torch.get_rng_state(), cuda_state, _RNG_TRACKER.get_states()

@@ -9,7 +9,7 @@ import torch
 
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
-from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
+from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -37,10 +37,13 @@ class TransformerBlock(MegatronModule):
         groups = resolve_process_groups(pg_collection)
         self.pre_process, self.post_process = pre_process, post_process
         numbers = layer_numbers_to_build(config, groups.rank_in("pp"), groups.size_of("pp"), vp_stage)
-        self.layers = torch.nn.ModuleList(
-            build_module(spec, config, layer_number=n, pg_collection=groups) for n in numbers)
+        self.layers = torch.nn.ModuleList(self._build_layer(spec, n, groups) for n in numbers)
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
+
+    def _build_layer(self, spec: ModuleSpec, number: int, groups: ProcessGroupCollection) -> torch.nn.Module:
+        with initialization_rng(self.config.initialization_seed, f"decoder.layers.{number - 1}"):
+            return build_module(spec, self.config, layer_number=number, pg_collection=groups)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Activation received from the previous pipeline stage."""

@@ -59,6 +59,9 @@ class TransformerConfig(ModelParallelConfig):
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
     init_method_std: float = 0.02
+    initialization_seed: Optional[int] = None
+    """With use_cpu_initialization: seed each layer, the embeddings and the output layer from
+    (this seed, their global name), so any TP/PP/VP layout starts from the same model."""
 
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = True
@@ -108,6 +111,9 @@ class TransformerConfig(ModelParallelConfig):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
         self._check_recompute()
+        if self.initialization_seed is not None and not self.use_cpu_initialization:
+            raise ValueError(f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
+                             "(per-rank initialization draws from the model-parallel RNG instead)")
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:

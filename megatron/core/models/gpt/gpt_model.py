@@ -12,7 +12,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.tensor_parallel import (ColumnParallelLinear, gather_from_tensor_model_parallel_region,
-                                           vocab_parallel_cross_entropy)
+                                           initialization_rng, vocab_parallel_cross_entropy)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -73,8 +73,9 @@ class GPTModel(MegatronModule):
         self.vp_stage = vp_stage
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
-                                                    position_embedding_type, pg_collection=groups)
+            with initialization_rng(config.initialization_seed, "embedding"):
+                self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
+                                                        position_embedding_type, pg_collection=groups)
         self.rotary_pos_emb = None
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent, config.rotary_interleaved,
@@ -84,9 +85,10 @@ class GPTModel(MegatronModule):
                                         pg_collection=groups, vp_stage=vp_stage)
         if post_process:
             tied = share_embeddings_and_output_weights and pre_process
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size, self.vocab_size, config=config, init_method=config.init_method, bias=False,
-                gather_output=False, skip_weight_param_allocation=tied, tp_group=groups.tp)
+            with initialization_rng(config.initialization_seed, "output_layer"):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, self.vocab_size, config=config, init_method=config.init_method, bias=False,
+                    gather_output=False, skip_weight_param_allocation=tied, tp_group=groups.tp)
             if share_embeddings_and_output_weights and not pre_process:
                 # The last stage's copy; the training code keeps it equal to the first stage's.
                 self.output_layer.weight.shared_embedding = True
