@@ -24,6 +24,18 @@ _NO_PAD_ID = -1
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 
+def special_token(tokenizer: Any, name: str) -> Optional[int]:
+    """The tokenizer's ``name`` token id, or None when it has none.
+
+    Our tokenizers raise (NotImplementedError) for a missing special token rather than
+    return a sentinel; a dataset treats both the same way.
+    """
+    try:
+        return getattr(tokenizer, name, None)
+    except NotImplementedError:
+        return None
+
+
 @dataclass
 class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     """GPT-specific settings on top of the shared dataset config (Megatron field names)."""
@@ -49,7 +61,7 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         needs_eod = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
-        if needs_eod and getattr(self.tokenizer, "eod", None) is None:
+        if needs_eod and special_token(self.tokenizer, "eod") is None:
             raise ValueError("tokenizer: reset_position_ids, reset_attention_mask and eod_mask_loss "
                              f"need a tokenizer with an eod id, got {self.tokenizer!r}")
 
@@ -105,8 +117,8 @@ class GPTDataset(MegatronDataset):
                  num_samples: Optional[int], index_split: Split, config: GPTDatasetConfig) -> None:
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
         tokenizer = config.tokenizer
-        self._eod = getattr(tokenizer, "eod", None)
-        pad = getattr(tokenizer, "pad", None)
+        self._eod = special_token(tokenizer, "eod")
+        pad = special_token(tokenizer, "pad")
         self._pad = _NO_PAD_ID if pad is None else int(pad)
         self._extra = int(config.add_extra_token_to_sequence)
         self._causal_mask: Optional[torch.Tensor] = None
@@ -254,6 +266,6 @@ class MockGPTDataset(GPTDataset):
     def build_low_level_dataset(dataset_path: Optional[str], config: GPTDatasetConfig) -> MockGPTLowLevelDataset:
         tokenizer = config.tokenizer
         vocab = getattr(tokenizer, "vocab_size", None) or 256
-        eod = getattr(tokenizer, "eod", None)
+        eod = special_token(tokenizer, "eod")
         return MockGPTLowLevelDataset(seed=config.random_seed, vocab_size=vocab, eod=0 if eod is None else eod,
                                       max_sequence_length=max(2 * config.sequence_length, 8))

@@ -1,0 +1,111 @@
+"""Model chunks, data-parallel wrapping, optimizer and LR schedule from the flags."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from dataclasses import dataclass, fields
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embeddings
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.arguments import optimizer_param_scheduler_kwargs
+
+
+@dataclass
+class ModelAndOptimizer:
+    """The model chunks (DDP-wrapped), their optimizer and its LR/WD schedule."""
+
+    model: List[DistributedDataParallel]
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+
+
+def _from_args(cls: type, args: argparse.Namespace, renamed: dict, **fixed: Any) -> Any:
+    """Build dataclass ``cls`` from same-named flags, ``renamed`` {field: flag dest}, and ``fixed``."""
+    kwargs = {}
+    for f in fields(cls):
+        if not f.init:
+            continue
+        dest = renamed.get(f.name, f.name)
+        if f.name in fixed:
+            kwargs[f.name] = fixed[f.name]
+        elif hasattr(args, dest):
+            kwargs[f.name] = getattr(args, dest)
+    return cls(**kwargs)
+
+
+def optimizer_config_from_args(args: argparse.Namespace, config: TransformerConfig) -> OptimizerConfig:
+    return _from_args(OptimizerConfig, args, {}, params_dtype=config.params_dtype, timers=None)
+
+
+def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    return _from_args(DistributedDataParallelConfig, args, {
+        "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
+        "check_for_nan_in_grad": "check_for_nan_in_loss_and_grad",
+        "bucket_size": "ddp_bucket_size",
+        "average_in_collective": "ddp_average_in_collective",
+    })
+
+
+def _call_provider(provider: Callable, **kwargs: Any) -> torch.nn.Module:
+    params = inspect.signature(provider).parameters
+    accepts_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return provider(**{k: v for k, v in kwargs.items() if accepts_all or k in params})
+
+
+def build_model_chunks(model_provider: Callable, model_type: ModelType, args: argparse.Namespace,
+                       config: TransformerConfig, groups: ProcessGroupCollection) -> List[torch.nn.Module]:
+    """One model per virtual pipeline chunk held by this rank (one chunk without interleaving)."""
+    vp = args.virtual_pipeline_model_parallel_size
+    pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
+    chunks = []
+    for stage in range(vp or 1):
+        model = _call_provider(
+            model_provider, pre_process=pp_rank == 0 and stage == 0,
+            post_process=pp_rank == pp_size - 1 and stage == (vp or 1) - 1,
+            vp_stage=stage if vp else None, config=config, args=args, pg_collection=groups)
+        model.model_type = model_type
+        chunks.append(model)
+    return chunks
+
+
+def _report_parameters(chunks: List[torch.nn.Module], groups: ProcessGroupCollection) -> None:
+    if groups.rank_in("dp") == 0:
+        count = sum(p.numel() for c in chunks for p in c.parameters())
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({groups.rank_in('tp')}, {groups.rank_in('pp')}): {count}", flush=True)
+
+
+def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType, args: argparse.Namespace,
+                              config: TransformerConfig, groups: ProcessGroupCollection) -> ModelAndOptimizer:
+    """Build, tie, wrap and hand over the model chunks with an optimizer and a schedule.
+
+    The chunks' config gets the hooks the pipeline schedule calls: loss scaling, no-sync
+    for all but the last micro batch, and ``finalize_model_grads`` after the last backward.
+    """
+    chunks = build_model_chunks(model_provider, model_type, args, config, groups)
+    _report_parameters(chunks, groups)
+    sync_tied_embeddings(chunks, groups)
+    ddp_config = ddp_config_from_args(args)
+    wrapped = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
+               for i, chunk in enumerate(chunks)]
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args, config), wrapped, groups)
+    scheduler = OptimizerParamScheduler(optimizer, **optimizer_param_scheduler_kwargs(args))
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = lambda model_chunks, num_tokens=None: finalize_model_grads(
+        model_chunks, num_tokens, pg_collection=groups)
+    config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    dist.barrier()
+    return ModelAndOptimizer(wrapped, optimizer, scheduler)

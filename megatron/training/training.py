@@ -1,0 +1,250 @@
+"""``pretrain()``: the one training loop every entry point shares.
+
+Build (model chunks, optimizer, LR schedule, data), optionally resume, then per
+iteration: one call of the pipeline schedule returned by ``get_forward_backward_func``
+(no pipelining when PP=1), one optimizer step, logging, evaluation, checkpoints and
+exit checks. The loop always holds a list of model chunks, so pipeline and virtual
+pipeline layouts change nothing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
+                                                       update_num_microbatches)
+from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.timers import Timers
+from megatron.core.transformer.enums import ModelType
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.checkpointing import (args_to_plain_data, checkpoint_config_from_args, load_checkpoint,
+                                            save_checkpoint)
+from megatron.training.data import DataIterators, build_data_iterators
+from megatron.training.global_vars import set_global_variables
+from megatron.training.initialize import initialize_megatron
+from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
+from megatron.training.signal_handler import DistributedSignalHandler
+from megatron.training.tokenizer import build_tokenizer_from_args
+from megatron.training.training_log import (TrainingLogger, flops_config_from_args, logging_config_from_args,
+                                            num_floating_point_operations)
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint carries and a resumed run continues from."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
+
+
+def call_with_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with only the keyword arguments its signature accepts.
+
+    Providers written for Megatron-LM take ``(pre_process, post_process)`` and read
+    ``get_args()``; ours also accept ``config``, ``args`` and ``pg_collection``.
+    """
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kwargs)
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def reduce_losses(per_microbatch: List[Dict[str, torch.Tensor]], groups: ProcessGroupCollection) -> Dict[str, float]:
+    """Average each reported loss over micro batches and data-parallel ranks, per token.
+
+    Entries are ``[sum, count]`` pairs (or already-averaged scalars, counted once); the
+    sums and counts are added over micro batches and over DP before dividing, so the
+    result equals the one-rank value for the same global batch.
+    """
+    if not per_microbatch:
+        return {}
+    totals: Dict[str, torch.Tensor] = {}
+    for entry in per_microbatch:
+        for key, value in entry.items():
+            value = value.detach().float().view(-1)
+            pair = value if value.numel() == 2 else torch.stack([value[0], torch.ones_like(value[0])])
+            totals[key] = totals.get(key, torch.zeros(2, device=pair.device)) + pair
+    keys = sorted(totals)
+    stacked = torch.stack([totals[k] for k in keys])  # [keys, 2]
+    dist.all_reduce(stacked, group=groups.dp_cp)
+    return {k: (stacked[i, 0] / stacked[i, 1]).item() for i, k in enumerate(keys)}
+
+
+def _train_iters(args: argparse.Namespace) -> int:
+    if args.train_iters is not None:
+        return args.train_iters
+    return args.train_samples // args.global_batch_size
+
+
+@dataclass
+class Loop:
+    """Everything one run's iterations need, bundled so helpers take one argument."""
+
+    args: argparse.Namespace
+    groups: ProcessGroupCollection
+    forward_step_func: Callable
+    built: ModelAndOptimizer
+    data: DataIterators
+    state: TrainState
+    logger: TrainingLogger
+    timers: Timers
+
+    def schedule(self, data_iterator: List, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
+        chunks = self.built.model
+        return get_forward_backward_func()(
+            forward_step_func=self.forward_step_func,
+            data_iterator=data_iterator if len(chunks) > 1 else data_iterator[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=get_num_microbatches(),
+            seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
+            decoder_seq_length=getattr(self.args, "decoder_seq_length", None), forward_only=forward_only)
+
+
+def train_step(loop: Loop) -> tuple:
+    """One iteration: zero grads, forward/backward over all micro batches, optimizer step."""
+    built = loop.built
+    for chunk in built.model:
+        chunk.zero_grad_buffer()
+    built.optimizer.zero_grad()
+    losses = loop.schedule(loop.data.train, forward_only=False)
+    success, grad_norm, num_zeros = built.optimizer.step()
+    if success:
+        built.scheduler.step(increment=get_current_global_batch_size())
+    return reduce_losses(losses, loop.groups), (0 if success else 1), grad_norm, num_zeros
+
+
+def evaluate(loop: Loop, iterators: List, num_iters: int) -> Dict[str, float]:
+    """Forward-only passes over ``num_iters`` global batches; per-token averaged losses."""
+    for chunk in loop.built.model:
+        chunk.eval()
+    collected: List[Dict[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for _ in range(num_iters):
+            collected.extend(loop.schedule(iterators, forward_only=True))
+    for chunk in loop.built.model:
+        chunk.train()
+    return reduce_losses(collected, loop.groups)
+
+
+def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> None:
+    if iterators is None or loop.args.eval_iters <= 0:
+        return
+    losses = evaluate(loop, iterators, loop.args.eval_iters)
+    if prefix == "validation":
+        loop.state.consumed_valid_samples += loop.args.eval_iters * get_current_global_batch_size()
+    loop.logger.evaluation_log(loop.state.iteration, prefix, losses)
+
+
+def _save(loop: Loop) -> None:
+    args, built = loop.args, loop.built
+    save_checkpoint(loop.state.iteration, built.model, built.optimizer, built.scheduler,
+                    checkpoint_config_from_args(args), train_state=asdict(loop.state),
+                    args_dict=args_to_plain_data(args), pg_collection=loop.groups)
+
+
+def _should_exit(loop: Loop, start_time: float, handler: Optional[DistributedSignalHandler]) -> Optional[str]:
+    """Why the run must stop after this iteration, agreed by all ranks (or None)."""
+    args, iteration = loop.args, loop.state.iteration
+    if handler is not None and handler.signals_received():
+        return "signal"
+    if args.exit_duration_in_mins:
+        over = torch.tensor([int((time.time() - start_time) / 60.0 > args.exit_duration_in_mins)])
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item():
+            return "duration"
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return "interval"
+    return None
+
+
+def _log_iteration(loop: Loop, losses: Dict[str, float], skipped: int, grad_norm: Optional[float],
+                   num_zeros: Optional[int], elapsed_ms: float) -> None:
+    args, state, built = loop.args, loop.state, loop.built
+    batch = get_current_global_batch_size()
+    loop.logger.training_log(
+        iteration=state.iteration, train_iters=_train_iters(args), loss_dict=losses,
+        learning_rate=built.optimizer.param_groups[0]["lr"], decoupled_lr=None,
+        loss_scale=float(built.optimizer.get_loss_scale()), grad_norm=grad_norm, params_norm=None,
+        num_zeros=num_zeros, skipped=bool(skipped), nan=None,
+        consumed_samples=state.consumed_train_samples, global_batch_size=batch, elapsed_ms_per_iter=elapsed_ms,
+        flops_per_iter=num_floating_point_operations(flops_config_from_args(args), batch),
+        seq_length=args.seq_length, timers=loop.timers)
+
+
+def train(loop: Loop) -> Optional[str]:
+    """Iterate until ``--train-iters``/``--train-samples`` or an exit condition; returns the exit reason."""
+    args, state = loop.args, loop.state
+    start_time = time.time()
+    handler_ctx = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else contextlib.nullcontext()
+    with handler_ctx as handler:
+        while state.iteration < _train_iters(args):
+            update_num_microbatches(state.consumed_train_samples, consistency_check=True)
+            t0 = time.time()
+            losses, skipped, grad_norm, num_zeros = train_step(loop)
+            state.iteration += 1
+            batch = get_current_global_batch_size()
+            state.consumed_train_samples += batch
+            state.floating_point_operations_so_far += num_floating_point_operations(
+                flops_config_from_args(args), batch)
+            _log_iteration(loop, losses, skipped, grad_norm, num_zeros, (time.time() - t0) * 1000.0)
+            if args.eval_interval and state.iteration % args.eval_interval == 0 and not args.skip_train:
+                _evaluate_and_log(loop, "validation", loop.data.valid)
+            saved = False
+            if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+                _save(loop)
+                saved = True
+            reason = _should_exit(loop, start_time, handler)
+            if reason is not None:
+                if args.save and not saved:
+                    _save(loop)
+                return reason
+    return None
+
+
+def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable,
+             model_type: ModelType, forward_step_func: Callable, process_non_loss_data_func: Optional[Callable] = None,
+             extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict[str, Any]] = None,
+             argv: Optional[List[str]] = None, entry_point: str = "gpt") -> TrainState:
+    """Parse flags, build everything, train, evaluate, save. Returns the final train state."""
+    args = initialize_megatron(argv, extra_args_provider, args_defaults or {}, entry_point)
+    groups = parallel_state.default_process_groups()
+    tokenizer = build_tokenizer_from_args(args)
+    set_global_variables(args, tokenizer)
+    config = core_transformer_config_from_args(args)
+    timers = Timers(args.timing_log_level, args.timing_log_option)
+    built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
+    state = TrainState()
+    if args.load:
+        iteration, saved_state = load_checkpoint(built.model, built.optimizer, built.scheduler,
+                                                 checkpoint_config_from_args(args), pg_collection=groups)
+        state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
+    provider = lambda sizes: call_with_supported(  # noqa: E731 - adapts Megatron's provider signature
+        train_valid_test_dataset_provider, sizes, args=args, tokenizer=tokenizer, pg_collection=groups)
+    data = build_data_iterators(provider, args, groups, len(built.model), state.consumed_train_samples,
+                                state.consumed_valid_samples)
+    logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
+    loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers)
+    try:
+        reason = None
+        if not args.skip_train and _train_iters(args) > state.iteration:
+            reason = train(loop)
+            saved_now = args.save_interval and state.iteration % args.save_interval == 0
+            if reason is None and args.save and not saved_now:
+                _save(loop)
+        if reason is None:
+            _evaluate_and_log(loop, "validation", data.valid)
+            _evaluate_and_log(loop, "test", data.test)
+    finally:
+        logger.close()
+    return state

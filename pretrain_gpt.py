@@ -1,0 +1,78 @@
+"""Pretrain a GPT model: ``torchrun --nproc-per-node N pretrain_gpt.py <Megatron flags>``.
+
+This file only wires three things into the shared loop (``megatron.training.pretrain``):
+a model provider, a dataset provider and a forward step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.training import pretrain
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, *,
+                   config: TransformerConfig, args: argparse.Namespace, pg_collection=None) -> GPTModel:
+    """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags."""
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        pg_collection=pg_collection, vp_stage=vp_stage)
+
+
+def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
+    """GPT dataset settings from the data flags."""
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    use_per_split = any(p is not None for p in per_split)
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length,
+        blend=None if use_per_split else get_blend_from_list(args.data_path),
+        blend_per_split=[get_blend_from_list(p) for p in per_split] if use_per_split else None,
+        split=None if use_per_split else args.split, path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        # Without document resets the mask is plain causal: the model builds it, no [s, s] tensor per sample.
+        create_attention_mask=args.reset_attention_mask, mock=args.mock_data)
+
+
+def train_valid_test_datasets_provider(num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer,
+                                       pg_collection=None) -> List:
+    """[train, valid, test] GPT datasets (mock data with ``--mock-data``)."""
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, dataset_config(args, tokenizer)).build()
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked sum of per-token losses, its token count, and the ``lm loss`` entry to report."""
+    losses = output_tensor.float().view(-1)  # [b*s]
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator: Iterator, model: GPTModel):
+    """Run one micro batch; returns the model output and the loss function to apply to it."""
+    batch = next(data_iterator)
+    attention_mask = batch.get("attention_mask")
+    output = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step)

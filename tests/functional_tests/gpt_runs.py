@@ -1,0 +1,91 @@
+"""Run ``pretrain_gpt.py`` under torchrun on CPU ranks and read back what it printed.
+
+Shared by the end-to-end tests: a tiny preprocessed corpus (built once per session from
+standard-library docstrings with a locally trained GPT-2 BPE), a base set of Megatron flags
+for a tiny model, and helpers that launch a run with a timeout and parse its log lines.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from megatron.training.training_log import parse_evaluation_line, parse_log_line
+from tests.tokenizer_files import corpus_texts, make_tokenizer_files, write_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN_TIMEOUT_S = 300
+
+
+@dataclass
+class RunResult:
+    """One finished run: exit code, full output and the parsed log lines."""
+
+    returncode: int
+    output: str
+    lines: List[Dict] = field(default_factory=list)
+    evaluations: List[Dict] = field(default_factory=list)
+
+    def losses(self) -> List[float]:
+        return [line["lm loss"] for line in self.lines]
+
+
+def build_corpus(tmp_dir: str) -> Dict[str, str]:
+    """Tokenizer files and a preprocessed dataset prefix under ``tmp_dir``."""
+    tok = make_tokenizer_files(os.path.join(tmp_dir, "tok"))["GPT2BPETokenizer"]
+    corpus = write_jsonl(os.path.join(tmp_dir, "corpus.jsonl"), corpus_texts(200_000))
+    prefix = os.path.join(tmp_dir, "data")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", corpus,
+           "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tok["vocab_file"],
+           "--merge-file", tok["merge_file"], "--append-eod", "--workers", "1"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
+    return {"vocab_file": tok["vocab_file"], "merge_file": tok["merge_file"], "data_prefix": prefix + "_text_document"}
+
+
+def tiny_gpt_flags(train_iters: int, seed: int = 1234) -> List[str]:
+    """A 2-layer, hidden-32 GPT with dropout off and CPU initialization (layout-invariant start)."""
+    return [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", str(train_iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "2", "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--use-cpu-initialization", "--seed", str(seed), "--log-interval", "1",
+        "--eval-interval", "1000", "--eval-iters", "1", "--num-workers", "0",
+        # 600-token vocabularies pad to 1024 for TP=1 and TP=2 alike, so the layouts share one model.
+        "--make-vocab-size-divisible-by", "512",
+    ]
+
+
+def data_flags(corpus: Dict[str, str]) -> List[str]:
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", corpus["vocab_file"],
+            "--merge-file", corpus["merge_file"], "--data-path", corpus["data_prefix"], "--split", "90,5,5"]
+
+
+def mock_flags() -> List[str]:
+    return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "600"]
+
+
+def run_gpt(nproc: int, flags: Sequence[str], cwd: str, timeout: float = RUN_TIMEOUT_S,
+            env: Optional[Dict[str, str]] = None) -> RunResult:
+    """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py flags`` with a hard timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(REPO, "pretrain_gpt.py"), *flags]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline",
+                    TOKENIZERS_PARALLELISM="false")
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"pretrain_gpt.py on {nproc} ranks did not finish in {timeout}s:\n"
+                             f"{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}") from err
+    output = proc.stdout + proc.stderr
+    lines = [p for p in map(parse_log_line, output.splitlines()) if p is not None]
+    evals = [p for p in map(parse_evaluation_line, output.splitlines()) if p is not None]
+    return RunResult(proc.returncode, output, lines, evals)
+
+
+def assert_ok(result: RunResult, what: str) -> None:
+    assert result.returncode == 0, f"{what} exited {result.returncode}:\n{result.output[-6000:]}"

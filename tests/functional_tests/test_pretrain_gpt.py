@@ -1,0 +1,119 @@
+"""pretrain_gpt.py end to end on CPU ranks: logging, layout invariance, bitwise resume.
+
+Each run is a real ``torchrun`` launch of the entry point with Megatron flags. The same
+global batch with CPU initialization and dropout off must print the same ``lm loss`` for
+TP=1/DP=1, TP=2 and DP=2 (equal to the printed 7 digits but for last-digit float noise:
+relative 2e-6). A run stopped after N iterations, saved and resumed for N more reproduces
+the straight run's losses bit for bit (fp32, same layout; compared through TensorBoard's
+float32 scalars and the printed lines).
+"""
+
+import glob
+import math
+import os
+
+import pytest
+
+from tests.functional_tests.gpt_runs import (assert_ok, build_corpus, data_flags, mock_flags, run_gpt,
+                                             tiny_gpt_flags)
+
+ITERS = 6
+REL_TOL = 2e-6
+LINE_FIELDS = ("lm loss", "elapsed time per iteration (ms)", "grad norm", "learning rate", "consumed samples",
+               "global batch size", "number of skipped iterations", "number of nan iterations")
+
+
+def _tb_losses(tb_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir)
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("lm loss")}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+@pytest.fixture(scope="module")
+def layout_runs(corpus, tmp_path_factory):
+    """The same tiny training on the preprocessed corpus as TP=1/DP=1, TP=2 and DP=2."""
+    work = tmp_path_factory.mktemp("runs")
+    base = tiny_gpt_flags(ITERS) + data_flags(corpus)
+    tb, wb = str(work / "tb"), str(work / "wandb")
+    runs = {
+        "single": run_gpt(1, base, str(work)),
+        "tp2": run_gpt(2, base + ["--tensor-model-parallel-size", "2", "--tensorboard-dir", tb,
+                                  "--wandb-project", "quick", "--wandb-exp-name", "tp2", "--wandb-save-dir", wb],
+                       str(work)),
+        "dp2": run_gpt(2, base + ["--tensorboard-dir", str(work / "tb_dp2")], str(work)),
+    }
+    for name, result in runs.items():
+        assert_ok(result, name)
+    return runs, {"tb": tb, "wandb": wb, "tb_dp2": str(work / "tb_dp2"), "work": work, "base": base}
+
+
+def _assert_same_losses(a, b, what):
+    la, lb = a.losses(), b.losses()
+    assert len(la) == len(lb) == ITERS, what
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert math.isclose(x, y, rel_tol=REL_TOL), f"{what}: iteration {i + 1}: {x} vs {y}"
+
+
+def test_runs_log_megatron_lines_and_learn(layout_runs):
+    runs, _ = layout_runs
+    for name, result in runs.items():
+        assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), name
+        for line in result.lines:
+            for key in LINE_FIELDS:
+                assert key in line, f"{name}: '{key}' missing in {line}"
+            assert math.isfinite(line["lm loss"])
+        assert result.losses()[-1] < result.losses()[0] - 0.1, f"{name}: loss did not fall: {result.losses()}"
+        prefixes = {e["prefix"] for e in result.evaluations}
+        assert {"validation", "test"} <= prefixes, f"{name}: final evaluations missing, got {prefixes}"
+
+
+def test_tp2_and_dp2_print_the_single_rank_losses(layout_runs):
+    runs, _ = layout_runs
+    _assert_same_losses(runs["single"], runs["tp2"], "TP=2 vs TP=1")
+    _assert_same_losses(runs["single"], runs["dp2"], "DP=2 vs TP=1")
+
+
+def test_tensorboard_and_offline_wandb_written(layout_runs):
+    runs, dirs = layout_runs
+    scalars = _tb_losses(dirs["tb"])
+    assert sorted(scalars) == list(range(1, ITERS + 1))
+    for step, value in scalars.items():
+        assert math.isclose(value, runs["tp2"].losses()[step - 1], rel_tol=1e-6)
+    assert glob.glob(os.path.join(dirs["wandb"], "wandb", "offline-run-*")), "no offline W&B run directory"
+
+
+def test_mock_data_layouts_agree(tmp_path):
+    base = tiny_gpt_flags(ITERS) + mock_flags()
+    single = run_gpt(1, base, str(tmp_path))
+    tp2 = run_gpt(2, base + ["--tensor-model-parallel-size", "2"], str(tmp_path))
+    dp2 = run_gpt(2, base, str(tmp_path))
+    for name, result in (("single", single), ("tp2", tp2), ("dp2", dp2)):
+        assert_ok(result, f"mock {name}")
+    _assert_same_losses(single, tp2, "mock TP=2 vs TP=1")
+    _assert_same_losses(single, dp2, "mock DP=2 vs TP=1")
+
+
+def test_resume_reproduces_the_straight_run_bitwise(layout_runs):
+    runs, dirs = layout_runs
+    work, base = dirs["work"], dirs["base"]
+    ckpt, tb = str(work / "ckpt"), str(work / "tb_resume")
+    first = run_gpt(2, base + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3",
+                               "--tensorboard-dir", tb], str(work))
+    assert_ok(first, "first half")
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    assert os.path.exists(os.path.join(ckpt, "iter_0000003", "metadata.json"))
+    second = run_gpt(2, base + ["--load", ckpt, "--save", ckpt, "--tensorboard-dir", tb], str(work))
+    assert_ok(second, "resumed half")
+    assert [line["iteration"] for line in second.lines] == [4, 5, 6]
+    straight = runs["dp2"]
+    assert first.losses() + second.losses() == straight.losses()  # printed values, exactly
+    assert _tb_losses(tb) == _tb_losses(dirs["tb_dp2"])  # float32 scalars, exactly
+    for a, b in zip(second.lines, straight.lines[3:]):
+        assert a["consumed samples"] == b["consumed samples"] and a["learning rate"] == b["learning rate"]
