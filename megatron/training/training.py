@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed import NonFiniteGradientError
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
 from megatron.core.parallel_state import ProcessGroupCollection
@@ -191,7 +192,10 @@ def train(loop: Loop) -> Optional[str]:
         while state.iteration < _train_iters(args):
             update_num_microbatches(state.consumed_train_samples, consistency_check=True)
             t0 = time.time()
-            losses, skipped, grad_norm, num_zeros = train_step(loop)
+            try:
+                losses, skipped, grad_norm, num_zeros = train_step(loop)
+            except NonFiniteGradientError as err:
+                raise NonFiniteGradientError(f"iteration {state.iteration + 1}: {err}") from err
             state.iteration += 1
             batch = get_current_global_batch_size()
             state.consumed_train_samples += batch

@@ -69,10 +69,14 @@ def mock_flags() -> List[str]:
 
 
 def run_gpt(nproc: int, flags: Sequence[str], cwd: str, timeout: float = RUN_TIMEOUT_S,
-            env: Optional[Dict[str, str]] = None) -> RunResult:
-    """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py flags`` with a hard timeout."""
+            env: Optional[Dict[str, str]] = None, script: Optional[Sequence[str]] = None) -> RunResult:
+    """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py flags`` with a hard timeout.
+
+    ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments).
+    """
+    entry = list(script) if script else [os.path.join(REPO, "pretrain_gpt.py")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(REPO, "pretrain_gpt.py"), *flags]
+           *entry, *flags]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline",
                     TOKENIZERS_PARALLELISM="false")
     full_env.update(env or {})

@@ -37,6 +37,10 @@ def _default_bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int
     return ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
 
 
+class NonFiniteGradientError(RuntimeError):
+    """A NaN gradient found by ``check_for_nan_in_grad``; the training loop adds the iteration."""
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wraps ``module``; ``forward`` and ``state_dict`` delegate to it.
 
@@ -118,16 +122,17 @@ class DistributedDataParallel(torch.nn.Module):
             self._start_bucket(buffer, bucket, async_op=True)
 
     # --- communication ----------------------------------------------------------------
-    def _check_finite(self, bucket: Bucket) -> None:
+    def _check_not_nan(self, bucket: Bucket) -> None:
+        # NaN only: an inf under fp16 loss scaling is the scaler's business (the step is skipped).
         norm = bucket.grad_data.float().norm()
-        if not torch.isfinite(norm):
-            raise RuntimeError(
-                f"rank {dist.get_rank()}: found {norm.item()} in the local gradient norm of bucket {bucket.index} "
+        if torch.isnan(norm):
+            raise NonFiniteGradientError(
+                f"rank {dist.get_rank()}: found NaN in the local gradient norm of bucket {bucket.index} "
                 "before the data-parallel reduction (check_for_nan_in_grad)")
 
     def _start_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket, async_op: bool) -> None:
         if self.ddp_config.check_for_nan_in_grad:
-            self._check_finite(bucket)
+            self._check_not_nan(bucket)
         if self.pre_scale != 1.0:
             bucket.grad_data.mul_(self.pre_scale)
         bucket.dispatched = True

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       NonFiniteGradientError, finalize_model_grads)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from tests.dist_harness import run_distributed
@@ -113,8 +114,13 @@ def _nan_check(rank, world_size):
                                   pg_collection=groups)
     tokens, labels = batch()
     ddp(tokens, None, None, labels=labels).mean().backward()
+    grad = next(model.parameters()).main_grad.view(-1)
+    grad[0] = float("inf")  # an inf alone is left to the loss scaler (fp16 skips the step)
+    finalize_model_grads([ddp], None, groups)
+    ddp.zero_grad_buffer()
+    ddp(tokens, None, None, labels=labels).mean().backward()
     next(model.parameters()).main_grad.view(-1)[0] = float("nan")
-    with pytest.raises(RuntimeError, match=f"rank {rank}: found nan"):
+    with pytest.raises(NonFiniteGradientError, match=f"rank {rank}: found NaN"):
         finalize_model_grads([ddp], None, groups)
 
 
