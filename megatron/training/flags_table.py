@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import argparse
 import ast
-import enum
 import os
 import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from megatron.core.transformer.enums import AttnBackend
+
 FLAGS_TSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_flags.tsv")
-
-
-class AttnBackend(enum.Enum):
-    """Attention implementation choice (a GPU kernel selection; all compute the same attention)."""
-
-    flash = 1
-    fused = 2
-    unfused = 3
-    local = 4
-    auto = 5
 
 
 # Defaults the table writes as reprs that are not Python literals.

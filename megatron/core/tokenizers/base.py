@@ -125,3 +125,29 @@ class MegatronTokenizer(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+class TokenizersLibraryMixin:
+    """Vocabulary and encoding for tokenizers backed by the ``tokenizers`` library.
+
+    Expects ``self._tokenizer`` (a ``tokenizers.Tokenizer``) and ``self._vocab`` (token -> id).
+    """
+
+    _tokenizer: object
+    _vocab: Dict[str, int]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def batch_tokenize(self, texts: List[str]) -> List[List[int]]:
+        # encode_batch_fast skips the character offsets, which nothing here reads.
+        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Sequence
 
-from megatron.core.tokenizers.base import MegatronTokenizer, check_file
+from megatron.core.tokenizers.base import MegatronTokenizer, TokenizersLibraryMixin, check_file
 
 EOD_TOKEN = "<|endoftext|>"
 
 
-class GPT2BPETokenizer(MegatronTokenizer):
+class GPT2BPETokenizer(TokenizersLibraryMixin, MegatronTokenizer):
     """GPT-2 byte-level BPE, run by the Rust ``tokenizers`` library.
 
     As in Megatron, ``<|endoftext|>`` is only the eod id: the string inside a text is encoded as
@@ -37,22 +37,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
         # GPT-2's own split regex, no space added in front of the text.
         self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tokenizer.decoder = decoders.ByteLevel()
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def batch_tokenize(self, texts: List[str]) -> List[List[int]]:
-        # encode_batch_fast skips the character offsets, which preprocessing never reads.
-        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        return [e.ids for e in encodings]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)

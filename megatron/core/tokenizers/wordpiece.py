@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from megatron.core.tokenizers.base import MegatronTokenizer, check_file
+from megatron.core.tokenizers.base import MegatronTokenizer, TokenizersLibraryMixin, check_file
 from megatron.core.tokenizers.sentencepiece_tokenizers import extra_id_tokens
 
 REQUIRED_TOKENS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")
@@ -18,7 +18,7 @@ def read_vocab_txt(path: str) -> Dict[str, int]:
         return {line.strip(): i for i, line in enumerate(f)}
 
 
-class BertWordPieceTokenizer(MegatronTokenizer):
+class BertWordPieceTokenizer(TokenizersLibraryMixin, MegatronTokenizer):
     """BERT's WordPiece, run by the Rust ``tokenizers`` library.
 
     As in Megatron, ``[BOS]``, ``[EOS]`` and ``vocab_extra_ids`` sentinels ``<extra_id_N>`` are
@@ -57,21 +57,6 @@ class BertWordPieceTokenizer(MegatronTokenizer):
         if token not in self._vocab:
             self._vocab[token] = len(self._vocab)
         return self._vocab[token]
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def batch_tokenize(self, texts: List[str]) -> List[List[int]]:
-        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        return [e.ids for e in encodings]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Joins word pieces (``##`` continues a word); ``[PAD]`` and ``[CLS]`` are dropped."""
