@@ -70,7 +70,6 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "rope_type": AnyOf(None, "rope"),
     "no_rope_freq": None,
     "mrope_section": None,
-    "rotary_seq_len_interpolation_factor": None,
     "init_method_xavier_uniform": False,
     "embedding_init_method_std": None,
     "init_model_with_meta_device": False,
@@ -80,15 +79,12 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "fp4": None,
     "fp4_param": False,
     "first_last_layers_bf16": False,
-    "grad_reduce_in_bf16": False,
-    "fp16_lm_cross_entropy": False,
     "te_precision_config_file": None,
     # T5 / BERT specifics.
     "encoder_num_layers": None,
     "decoder_num_layers": None,
     "encoder_seq_length": None,
     "decoder_seq_length": None,
-    "vocab_extra_ids": 0,
     "bert_binary_head": True,
     # Data sources and validation modes.
     "data_args_path": None,
@@ -140,7 +136,7 @@ inference_fuse_tp_communication symmetric_ar_type offload_modules min_offloaded_
 fine_grained_activation_offloading mlp_chunks_for_prefill masked_softmax_fusion bias_gelu_fusion
 bias_swiglu_fusion bias_dropout_fusion apply_rope_fusion use_flash_attn no_persist_layer_norm
 gradient_accumulation_fusion disable_jit_fuser high_priority_stream_groups te_rng_tracker inference_rng_tracker
-overlap_p2p_comm overlap_grad_reduce align_grad_reduce ddp_pad_buckets_for_high_nccl_busbw overlap_param_gather
+overlap_p2p_comm align_grad_reduce ddp_pad_buckets_for_high_nccl_busbw
 overlap_param_gather_with_optimizer_step align_param_gather scatter_gather_tensors_in_pipeline nccl_ub
 disable_symmetric_registration fsdp_manual_registration use_sharp sharp_enabled_group create_all_gather_group
 gradient_reduce_div_fusion fsdp_double_buffer keep_fp8_transpose_cache nccl_communicator_config_path

@@ -219,8 +219,9 @@ def set_precision(args: argparse.Namespace) -> None:
             args.check_for_nan_in_loss_and_grad = False
     if args.bf16:
         args.params_dtype = torch.bfloat16
-        # bf16 gradients are accumulated and all-reduced in fp32 (Megatron's rule).
-        args.accumulate_allreduce_grads_in_fp32 = True
+        # bf16 gradients are accumulated and all-reduced in fp32 (Megatron's rule), unless
+        # --grad-reduce-in-bf16 asks for half the communication volume.
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
 
 
 def set_recompute(args: argparse.Namespace) -> None:
