@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed import NonFiniteGradientError
+from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
 from megatron.core.parallel_state import ProcessGroupCollection
@@ -83,6 +84,16 @@ def reduce_losses(per_microbatch: List[Dict[str, torch.Tensor]], groups: Process
     return {k: (stacked[i, 0] / stacked[i, 1]).item() for i, k in enumerate(keys)}
 
 
+def params_l2_norm(model_chunks: List[torch.nn.Module], groups: ProcessGroupCollection) -> float:
+    """L2 norm of all parameters of the model, each counted once across TP replicas and tied copies."""
+    for chunk in model_chunks:
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()  # an overlapped all-gather may still be filling them
+    tp_rank = groups.rank_in("tp")
+    params = [p for chunk in model_chunks for p in chunk.parameters() if counts_for_norm(p, tp_rank)]
+    return get_grad_norm_fp32(params, [groups.mp])
+
+
 def _train_iters(args: argparse.Namespace) -> int:
     if args.train_iters is not None:
         return args.train_iters
@@ -114,12 +125,16 @@ class Loop:
 
 def train_step(loop: Loop) -> tuple:
     """One iteration: zero grads, forward/backward over all micro batches, optimizer step."""
-    built = loop.built
+    built, timers = loop.built, loop.timers
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.zero_grad()
+    timers("forward-backward", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     losses = loop.schedule(loop.data.train, forward_only=False)
+    timers("forward-backward").stop()
+    timers("optimizer", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     success, grad_norm, num_zeros = built.optimizer.step()
+    timers("optimizer").stop()
     if success:
         built.scheduler.step(increment=get_current_global_batch_size())
     return reduce_losses(losses, loop.groups), (0 if success else 1), grad_norm, num_zeros
@@ -176,7 +191,8 @@ def _log_iteration(loop: Loop, losses: Dict[str, float], skipped: int, grad_norm
     loop.logger.training_log(
         iteration=state.iteration, train_iters=_train_iters(args), loss_dict=losses,
         learning_rate=built.optimizer.param_groups[0]["lr"], decoupled_lr=None,
-        loss_scale=float(built.optimizer.get_loss_scale()), grad_norm=grad_norm, params_norm=None,
+        loss_scale=float(built.optimizer.get_loss_scale()), grad_norm=grad_norm,
+        params_norm=params_l2_norm(built.model, loop.groups) if args.log_params_norm else None,
         num_zeros=num_zeros, skipped=bool(skipped), nan=None,
         consumed_samples=state.consumed_train_samples, global_batch_size=batch, elapsed_ms_per_iter=elapsed_ms,
         flops_per_iter=num_floating_point_operations(flops_config_from_args(args), batch),

@@ -40,7 +40,7 @@ def corpus(tmp_path_factory):
 def layout_runs(corpus, tmp_path_factory):
     """The same tiny training on the preprocessed corpus as TP=1/DP=1, TP=2 and DP=2."""
     work = tmp_path_factory.mktemp("runs")
-    base = tiny_gpt_flags(ITERS) + data_flags(corpus)
+    base = tiny_gpt_flags(ITERS) + data_flags(corpus) + ["--log-params-norm", "--timing-log-level", "1"]
     tb, wb = str(work / "tb"), str(work / "wandb")
     runs = {
         "single": run_gpt(1, base, str(work)),
@@ -78,6 +78,16 @@ def test_tp2_and_dp2_print_the_single_rank_losses(layout_runs):
     runs, _ = layout_runs
     _assert_same_losses(runs["single"], runs["tp2"], "TP=2 vs TP=1")
     _assert_same_losses(runs["single"], runs["dp2"], "DP=2 vs TP=1")
+    # Norms count every parameter once, whatever the layout (printed with 3 decimals).
+    for name in ("tp2", "dp2"):
+        for key in ("params norm", "grad norm"):
+            assert [l[key] for l in runs[name].lines] == [l[key] for l in runs["single"].lines], (name, key)
+
+
+def test_timers_reported_at_level_one(layout_runs):
+    runs, _ = layout_runs
+    for name, result in runs.items():
+        assert "forward-backward" in result.output and "optimizer" in result.output, name
 
 
 def test_tensorboard_and_offline_wandb_written(layout_runs):
