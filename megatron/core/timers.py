@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import comm_device
+
 MAX_LOG_LEVEL = 2
 LOG_OPTIONS = ("max", "minmax", "all")
 NAME_WIDTH = 48  # names are padded with dots to this width in the report
@@ -152,8 +154,7 @@ class Timers:
         if world == 1:
             return mine.unsqueeze(0)
         # gloo and NCCL both gather; NCCL needs the tensor on this rank's device.
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(self._group) == "nccl" else torch.device("cpu")
+        device = comm_device(self._group)
         pieces = [torch.empty_like(mine, device=device) for _ in range(world)]
         dist.all_gather(pieces, mine.to(device), group=self._group)
         return torch.stack(pieces).cpu()

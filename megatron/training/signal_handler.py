@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import comm_device
+
 
 class DistributedSignalHandler:
     """Records ``sig`` while installed; ``signals_received()`` agrees on it across ranks."""
@@ -35,9 +37,7 @@ class DistributedSignalHandler:
 
     def signals_received(self) -> bool:
         """True on every rank if any rank received the signal (a collective call)."""
-        flag = torch.tensor([1 if self._received else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self._received else 0], dtype=torch.int32, device=comm_device())
         if dist.is_initialized():
-            if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
-                flag = flag.cuda()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -28,6 +28,7 @@ from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.timers import Timers
 from megatron.core.transformer.enums import ModelType
+from megatron.core.utils import comm_device
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import (args_to_plain_data, checkpoint_config_from_args, load_checkpoint,
                                             save_checkpoint)
@@ -175,7 +176,8 @@ def _should_exit(loop: Loop, start_time: float, handler: Optional[DistributedSig
     if handler is not None and handler.signals_received():
         return "signal"
     if args.exit_duration_in_mins:
-        over = torch.tensor([int((time.time() - start_time) / 60.0 > args.exit_duration_in_mins)])
+        over = torch.tensor([int((time.time() - start_time) / 60.0 > args.exit_duration_in_mins)],
+                            device=comm_device())
         dist.all_reduce(over, op=dist.ReduceOp.MAX)
         if over.item():
             return "duration"

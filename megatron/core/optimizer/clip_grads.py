@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.utils import comm_device
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
@@ -36,9 +37,12 @@ def counts_for_norm(param: torch.Tensor, tp_rank: int) -> bool:
 
 
 def _all_reduce(value: torch.Tensor, groups: Sequence[dist.ProcessGroup], op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce a CPU scalar over each group in turn (through the device NCCL needs); returns it on the CPU."""
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(value, op=op, group=group)
+            moved = value.to(comm_device(group))
+            dist.all_reduce(moved, op=op, group=group)
+            value = moved.cpu()
     return value
 
 
@@ -47,8 +51,9 @@ def get_grad_norm_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.Proc
     total = torch.zeros(1, dtype=torch.float64)
     for grad in grads:
         # float64 accumulation: the sum of squares of millions of elements loses bits in fp32.
-        total += grad.detach().double().pow(2).sum()
-    _all_reduce(total, groups)
+        # The partial sum lives on the gradients' device; one copy to the host at the end.
+        total = total.to(grad.device) + grad.detach().double().pow(2).sum()
+    total = _all_reduce(total.cpu(), groups)
     return float(total.sqrt().item())
 
 
@@ -65,7 +70,7 @@ def count_zeros_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.Proces
     total = torch.zeros(1, dtype=torch.float64)
     for grad in grads:
         total += grad.numel() - torch.count_nonzero(grad).item()
-    _all_reduce(total, groups)
+    total = _all_reduce(total, groups)
     return int(total.item())
 
 
@@ -76,7 +81,7 @@ def any_nonfinite(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGr
         if not torch.isfinite(grad).all():
             found.fill_(1.0)
             break
-    _all_reduce(found, groups, op=dist.ReduceOp.MAX)
+    found = _all_reduce(found, groups, op=dist.ReduceOp.MAX)
     return bool(found.item() > 0)
 
 
