@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import NonFiniteGradientError
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
-from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
+from megatron.core.num_microbatches_calculator import (build_num_microbatches_calculator,
+                                                       get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -96,9 +98,20 @@ def params_l2_norm(model_chunks: List[torch.nn.Module], groups: ProcessGroupColl
 
 
 def _train_iters(args: argparse.Namespace) -> int:
+    """``--train-iters``, or the iterations ``--train-samples`` takes (batch ramp-up included)."""
     if args.train_iters is not None:
         return args.train_iters
-    return args.train_samples // args.global_batch_size
+    if args.rampup_batch_size is None:
+        return math.ceil(args.train_samples / args.global_batch_size)
+    calculator = build_num_microbatches_calculator(0, args.rampup_batch_size, args.global_batch_size,
+                                                   args.micro_batch_size, args.data_parallel_size,
+                                                   args.decrease_batch_size_if_needed)
+    consumed = iterations = 0
+    while consumed < args.train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations
 
 
 @dataclass

@@ -127,3 +127,29 @@ def test_resume_reproduces_the_straight_run_bitwise(layout_runs):
     assert _tb_losses(tb) == _tb_losses(dirs["tb_dp2"])  # float32 scalars, exactly
     for a, b in zip(second.lines, straight.lines[3:]):
         assert a["consumed samples"] == b["consumed samples"] and a["learning rate"] == b["learning rate"]
+
+
+def test_train_samples_with_batch_rampup(tmp_path):
+    """--train-samples with --rampup-batch-size 2 2 8: Megatron's ramp, sample-based LR warmup."""
+    flags = tiny_gpt_flags(1) + mock_flags()
+    i = flags.index("--train-iters")
+    del flags[i:i + 2]
+    i = flags.index("--lr-warmup-iters")
+    del flags[i:i + 2]
+    flags += ["--train-samples", "48", "--rampup-batch-size", "2", "2", "8", "--lr-warmup-samples", "8",
+              "--lr-decay-samples", "40", "--lr-decay-style", "linear", "--min-lr", "0"]
+    result = run_gpt(1, flags, str(tmp_path))
+    assert_ok(result, "ramp-up")
+    # The batch grows by 2 every 8/3 samples from 2 to 8 (Megatron's rule), then stays.
+    consumed, expected_batches = 0, []
+    while consumed < 48:
+        batch = min(8, 2 + 2 * int(consumed // (8 / 3)))
+        expected_batches.append(batch)
+        consumed += batch
+    assert [line["global batch size"] for line in result.lines] == expected_batches
+    sums = [sum(expected_batches[:k + 1]) for k in range(len(expected_batches))]
+    assert [line["consumed samples"] for line in result.lines] == sums
+    # Linear warmup over 8 samples to 3e-3, then linear decay to 0 at 40 samples.
+    for line, done in zip(result.lines, sums):
+        want = 3e-3 * done / 8 if done <= 8 else 3e-3 * max(0.0, (40 - done) / 32)
+        assert math.isclose(line["learning rate"], want, rel_tol=1e-5, abs_tol=1e-12), (done, line["learning rate"])
