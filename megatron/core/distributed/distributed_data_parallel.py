@@ -29,6 +29,7 @@ from megatron.core.distributed.distributed_data_parallel_config import Distribut
 from megatron.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import reduce_scatter_tensor
 
 
 def _default_bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> Optional[int]:
@@ -140,7 +141,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         if self.ddp_config.use_distributed_optimizer:
             shard = bucket.shard(bucket.grad_data, buffer.dp_rank, self.dp_size)
-            bucket.handle = dist.reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group,
+            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group,
                                                        async_op=async_op)
         else:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=async_op)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.utils import all_gather_into_tensor
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -71,7 +72,7 @@ class DistributedOptimizer(MegatronOptimizer):
             for bucket in buffer.buckets:
                 shard = bucket.shard(bucket.param_data, buffer.dp_rank, buffer.dp_size)
                 self._gather_handles.append(
-                    dist.all_gather_into_tensor(bucket.param_data, shard, group=buffer.dp_group, async_op=True))
+                    all_gather_into_tensor(bucket.param_data, shard, group=buffer.dp_group, async_op=True))
 
     def finish_param_sync(self) -> None:
         """Wait for outstanding parameter all-gathers (no-op when none is running)."""
@@ -124,5 +125,5 @@ class DistributedOptimizer(MegatronOptimizer):
         full = torch.empty(size * buffer.dp_size, dtype=torch.float32)
         if buffer.dp_size == 1:
             return shard
-        dist.all_gather_into_tensor(full, shard, group=buffer.dp_group)
+        all_gather_into_tensor(full, shard, group=buffer.dp_group)
         return full

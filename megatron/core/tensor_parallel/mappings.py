@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
 
 ProcessGroup = dist.ProcessGroup
 
@@ -58,7 +59,7 @@ def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if world == 1:
         return x
     out = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
 
 
@@ -68,7 +69,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Ten
     if world == 1:
         return x
     out = torch.empty((divide(x.size(0), world),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
 
 

@@ -7,6 +7,8 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import all_gather_into_tensor
+
 
 def divide(numerator: int, denominator: int) -> int:
     """Exact integer division.
@@ -46,7 +48,7 @@ def gather_split_1d_tensor(tensor: torch.Tensor, group: dist.ProcessGroup) -> to
     """Inverse of ``split_tensor_into_1d_equal_chunks``: the flat tensor of all ranks' slices."""
     world = dist.get_world_size(group)
     out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    all_gather_into_tensor(out, tensor.contiguous(), group=group)
     return out
 
 
