@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -29,6 +31,14 @@ class _Norm(torch.nn.Module):
     def gamma(self) -> torch.Tensor:
         return self.weight + 1 if self.zero_centered_gamma else self.weight
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return self._normalize(x, self.gamma(), self.bias)
+        # An fp32 residual stream (fp32_residual_connection) under bf16/fp16 weights: normalise in
+        # fp32 and hand the layer after us its own dtype.
+        bias = None if self.bias is None else self.bias.float()
+        return self._normalize(x.float(), self.gamma().float(), bias).to(self.weight.dtype)
+
 
 class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dimension."""
@@ -36,8 +46,8 @@ class LayerNorm(_Norm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(config, hidden_size, eps, with_bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.gamma(), self.bias, self.eps)
+    def _normalize(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], gamma, beta, self.eps)
 
 
 class RMSNorm(_Norm):
@@ -46,10 +56,10 @@ class RMSNorm(_Norm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(config, hidden_size, eps, with_bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _normalize(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor]) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.gamma()
+        return normed.to(x.dtype) * gamma
 
 
 def build_norm(config: TransformerConfig, hidden_size: int, eps: float | None = None) -> torch.nn.Module:

@@ -32,8 +32,6 @@ class TransformerBlock(MegatronModule):
                  pre_process: bool = True, post_process: bool = True,
                  pg_collection: Optional[ProcessGroupCollection] = None, vp_stage: Optional[int] = None) -> None:
         super().__init__(config)
-        if config.fp32_residual_connection:
-            raise ValueError("fp32_residual_connection=True is not supported yet")
         groups = resolve_process_groups(pg_collection)
         self.pre_process, self.post_process = pre_process, post_process
         numbers = layer_numbers_to_build(config, groups.rank_in("pp"), groups.size_of("pp"), vp_stage)

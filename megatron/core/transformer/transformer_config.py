@@ -120,6 +120,9 @@ class TransformerConfig(ModelParallelConfig):
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
+        if self.fp32_residual_connection:
+            # The residual stream, and so what pipeline stages exchange, stays in fp32.
+            self.pipeline_dtype = torch.float32
 
     def _check_recompute(self) -> None:
         if self.recompute_granularity not in (None, "full", "selective"):

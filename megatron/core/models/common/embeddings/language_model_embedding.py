@@ -63,4 +63,6 @@ class LanguageModelEmbedding(MegatronModule):
         # Sequence shards differ per TP rank, so their dropout masks must too.
         rng = get_cuda_rng_tracker().fork() if self.sequence_parallel and p > 0 else contextlib.nullcontext()
         with rng:
-            return F.dropout(words, p=p, training=p > 0)
+            words = F.dropout(words, p=p, training=p > 0)
+        # fp32_residual_connection: the residual stream starts here, in fp32.
+        return words.float() if self.config.fp32_residual_connection else words
