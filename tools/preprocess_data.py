@@ -40,22 +40,9 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     get_bin_path,
     get_idx_path,
 )
+from megatron.core.tokenizers import TOKENIZER_TYPES  # noqa: E402  (standard library only: fast start-up)
 from tools.merge_datasets import merge_datasets  # noqa: E402
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-    "HuggingFaceTokenizer", "TikTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "NullTokenizer",
-)
-# Which flag must name a file for each tokenizer type (NullTokenizer needs --vocab-size instead).
-_REQUIRED_FILES = {
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "BertWordPieceLowerCase": ("vocab_file",),
-    "BertWordPieceCase": ("vocab_file",),
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "GPTSentencePieceTokenizer": ("tokenizer_model",),
-    "Llama2Tokenizer": ("tokenizer_model",),
-    "TikTokenizer": ("tokenizer_model",),
-}
 BAD_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "non_string", "empty_text")
 MAX_REPORTED = 10
 BLOCK_BYTES = 1 << 20  # lines per task: large enough to amortise IPC, small enough to balance
@@ -134,17 +121,7 @@ def check_output_prefix(prefix: str) -> None:
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
-    """Keyword arguments of ``build_tokenizer`` after checking the files the type needs."""
-    for name in _REQUIRED_FILES.get(args.tokenizer_type, ()):
-        flag, path = "--" + name.replace("_", "-"), getattr(args, name)
-        if path is None:
-            raise UsageError(f"--tokenizer-type {args.tokenizer_type} needs {flag}")
-        if not os.path.isfile(path):
-            raise UsageError(f"{flag} {path}: no such file")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
-        raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+    """Keyword arguments of ``build_tokenizer``; it checks the files each type needs, naming the flag."""
     return dict(vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                 vocab_size=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids,
                 tiktoken_pattern=args.tiktoken_pattern, tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
