@@ -127,9 +127,12 @@ class GPTModel(MegatronModule):
         return self.compute_language_model_loss(labels, logits)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy ``[b, s]`` from labels ``[b, s]`` and logits ``[s, b, vocab/tp]``."""
-        if not self.fp16_lm_cross_entropy:
-            logits = logits.float()
+        """Per-token cross entropy ``[b, s]`` from labels ``[b, s]`` and logits ``[s, b, vocab/tp]``.
+
+        The logits go in their own dtype: the cross entropy computes in fp32 either way (bf16/fp16
+        logits block by block), so ``fp16_lm_cross_entropy`` changes no number, and an fp32 copy of
+        the whole ``[s, b, vocab/tp]`` tensor would only cost time and memory.
+        """
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
                                             tp_group=self.pg_collection.tp)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
