@@ -19,6 +19,8 @@ Measured once on the shared 2-core CPU machine (other jobs running; step times a
     gpt2-small step, median of 3, 2 threads (2026-11-30, after the bf16 cross entropy went
     blockwise): fp32 11.50 s, bf16 5.90 s wall (1.95x); CPU time 11.32 / 5.83 s (1.94x). The same
     alternating run on the previous code: fp32 12.3 s, bf16 7.8 s (1.57x). Issue 6 asks >= 2x.
+    With torch's fused AdamW for the fp32 main weights of mixed precision (same session, quiet
+    machine): fp32 12.31 s, bf16 6.18 s wall (1.99x); CPU time 11.97 / 6.04 s (1.98x).
     What is left: matmuls are ~63% of the bf16 step and run only ~2.2x faster than fp32 here
     (2048^2: 190 vs 420 GFLOP/s with 2 threads); torch's CPU flash attention costs ~1.0 s per
     step in bf16 and in fp32 alike; the fp32 Adam update and the float64 grad norm cost the same.

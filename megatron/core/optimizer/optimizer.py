@@ -98,11 +98,21 @@ def named_model_params(model_chunks: Sequence[torch.nn.Module]) -> Iterator[Tupl
             yield prefix + name, param
 
 
+def _fused_adam_available(groups: List[Dict[str, Any]]) -> bool:
+    """Torch's fused AdamW takes fp32 tensors on CPU or CUDA (torch >= 2.4)."""
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params)
+
+
 def make_torch_optimizer(config: OptimizerConfig, groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay) or SGD with momentum over ``groups``."""
     if config.optimizer == "adam":
+        # Mixed precision updates fp32 main copies: torch's fused kernel is 2-3x faster there and
+        # differs from the reference loop by at most an ulp; fp32 training keeps the reference loop.
+        fused = (config.bf16 or config.fp16) and _fused_adam_available(groups)
         return torch.optim.AdamW(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
-                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                 **({"fused": True} if fused else {}))
     return torch.optim.SGD(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
                            momentum=config.sgd_momentum)
 

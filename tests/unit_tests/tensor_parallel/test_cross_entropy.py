@@ -69,6 +69,12 @@ def _body(rank, world_size):
         _check(r, world_size, ls, 0, torch.float32, f"ls={ls}")
         _check(r, world_size, ls, 1000, torch.float32, f"ls={ls} logits around 1000 (stability)")
         _check(r, world_size, ls, 0, torch.bfloat16, f"ls={ls} bf16 logits, fp32 math")
+    # Half-precision logits are processed in row blocks: force blocks of two rows (several per call).
+    from megatron.core.tensor_parallel import cross_entropy
+    cross_entropy._BLOCK_BYTES = 2 * 4 * (V // world_size)
+    for ls in (0.0, 0.1):
+        _check(r, world_size, ls, 0, torch.bfloat16, f"ls={ls} bf16 logits, 2-row blocks")
+        _check(r, world_size, ls, 1000, torch.float16, f"ls={ls} fp16 logits around 1000, 2-row blocks")
     # [b, s] leading shape works the same way.
     gen = torch.Generator().manual_seed(3)
     logits, target = torch.randn(B, S, V, generator=gen), torch.randint(0, V, (B, S), generator=gen)
