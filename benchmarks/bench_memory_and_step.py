@@ -21,6 +21,9 @@ Measured once on the shared 2-core CPU machine (other jobs running; step times a
     alternating run on the previous code: fp32 12.3 s, bf16 7.8 s (1.57x). Issue 6 asks >= 2x.
     With torch's fused AdamW for the fp32 main weights of mixed precision (same session, quiet
     machine): fp32 12.31 s, bf16 6.18 s wall (1.99x); CPU time 11.97 / 6.04 s (1.98x).
+    With the gradient norm from fp32 chunk norms instead of a float64 copy (quiet machine,
+    --iters 4): fp32 12.29 s, bf16 5.71 s wall (2.15x); CPU time 11.93 / 5.65 s (2.11x).
+    A second run (--iters 3): 13.47 / 5.92 s (2.27x).
     What is left: matmuls are ~63% of the bf16 step and run only ~2.2x faster than fp32 here
     (2048^2: 190 vs 420 GFLOP/s with 2 threads); torch's CPU flash attention costs ~1.0 s per
     step in bf16 and in fp32 alike; the fp32 Adam update and the float64 grad norm cost the same.
