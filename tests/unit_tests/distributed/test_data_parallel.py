@@ -1,6 +1,6 @@
 """Data parallelism (with TP, overlap, buckets, the distributed optimizer) equals one rank.
 
-Each spawned group trains a tiny GPT-2-style model for 4 iterations of 2 microbatches per
+Each spawned group trains a tiny GPT-2-style model for 5 iterations of 2 microbatches per
 rank, and compares with a single-process reference (torch.optim.AdamW / SGD and
 clip_grad_norm_ on the whole global batch, same initial weights) built on every rank.
 Tolerance (fp32): losses and grad norms rtol 1e-6; every weight tensor within 1e-6 in
