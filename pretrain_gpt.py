@@ -69,6 +69,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator: Iterator, model: GPTModel):
     """Run one micro batch; returns the model output and the loss function to apply to it."""
     batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
     attention_mask = batch.get("attention_mask")
     output = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])

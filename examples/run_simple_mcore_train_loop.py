@@ -39,6 +39,8 @@ def build(groups):
     model = GPTModel(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1024,
                      max_sequence_length=SEQ, tensor_model_parallel_size=groups.size_of("tp"),
                      hidden_dropout=0.0, attention_dropout=0.0, pg_collection=groups)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=groups)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, clip_grad=1.0), [ddp], groups)
     model.config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups)
@@ -56,6 +58,8 @@ def data(groups):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
     losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
     mask = batch["loss_mask"].float()
 
@@ -67,6 +71,8 @@ def forward_step(data_iterator, model):
 
 
 def main() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     groups = parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     model_parallel_cuda_manual_seed(123)

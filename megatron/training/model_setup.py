@@ -75,6 +75,10 @@ def build_model_chunks(model_provider: Callable, model_type: ModelType, args: ar
             post_process=pp_rank == pp_size - 1 and stage == (vp or 1) - 1,
             vp_stage=stage if vp else None, config=config, args=args, pg_collection=groups)
         model.model_type = model_type
+        if torch.cuda.is_available():
+            # Parameters not created by the TP layers (norms, position embeddings, rotary
+            # buffers) start on the host; the whole chunk lives on this rank's GPU.
+            model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
 
