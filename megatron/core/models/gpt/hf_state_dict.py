@@ -102,3 +102,47 @@ def from_hf_llama(hf: StateDict, config: TransformerConfig) -> StateDict:
             ours + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
         })
     return out
+
+
+def from_hf_gpt2(hf: StateDict, config: TransformerConfig) -> StateDict:
+    """``transformers.GPT2LMHeadModel`` state dict -> our names (TP=1, tied embeddings: no output layer)."""
+    out = {"embedding.word_embeddings.weight": hf["transformer.wte.weight"],
+           "embedding.position_embeddings.weight": hf["transformer.wpe.weight"],
+           "decoder.final_layernorm.weight": hf["transformer.ln_f.weight"],
+           "decoder.final_layernorm.bias": hf["transformer.ln_f.bias"]}
+    hidden = config.hidden_size
+    for i in range(config.num_layers):
+        ours, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        out.update({o: hf[name] for o, name in _layer_map_gpt2(i).items()})
+        for kind in ("weight", "bias"):
+            fused = hf[h + f"attn.c_attn.{kind}"]
+            fused = fused.t() if kind == "weight" else fused  # Conv1D [in, 3h] -> [3h, in]
+            q, k, v = fused[:hidden], fused[hidden:2 * hidden], fused[2 * hidden:]
+            out[ours + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, config).contiguous()
+        out[ours + "self_attention.linear_proj.weight"] = hf[h + "attn.c_proj.weight"].t().contiguous()
+        out[ours + "mlp.linear_fc1.weight"] = hf[h + "mlp.c_fc.weight"].t().contiguous()
+        out[ours + "mlp.linear_fc2.weight"] = hf[h + "mlp.c_proj.weight"].t().contiguous()
+    return out
+
+
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def resize_vocab(sd: StateDict, rows: int) -> StateDict:
+    """Pad (with zero rows) or strip the vocabulary dimension of our embedding and output layer.
+
+    Our model pads the vocabulary to a multiple of ``make_vocab_size_divisible_by x TP``;
+    Hugging Face models hold exactly ``config.vocab_size`` rows. Zero rows give padded
+    ids a logit of 0, and they are never produced by the tokenizer.
+    """
+    out = dict(sd)
+    for key in VOCAB_KEYS:
+        if key not in sd:
+            continue
+        weight = sd[key]
+        if rows <= weight.shape[0]:
+            out[key] = weight[:rows].contiguous()
+        else:
+            pad = weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])
+            out[key] = torch.cat([weight, pad])
+    return out

@@ -1,0 +1,6 @@
+"""Converter tests never reach the Hugging Face Hub."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"

@@ -1,0 +1,269 @@
+"""Convert between Hugging Face GPT-2 / Llama directories and our torch_dist checkpoints, on one process.
+
+    python tools/checkpoint/convert.py --direction hf-to-megatron --hf-dir HF --save CKPT \
+        [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
+        [--make-vocab-size-divisible-by 128]
+    python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
+        --model-type gpt2|llama [--vocab-size V]
+
+hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
+``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it
+with ``--load CKPT`` (a release checkpoint starts at iteration 0) or ``--finetune``.
+
+Vocabulary: our model pads the vocabulary to a multiple of
+``--make-vocab-size-divisible-by x TP``. Converting in pads the embedding (and untied
+output) rows with zeros for the target TP; the checkpoint then loads under any layout
+whose flags give the same padded size. Converting out strips the padded rows to
+``--vocab-size`` (default: the HF vocabulary recorded by hf-to-megatron, else none
+stripped). The sharded format loads under any TP/PP, so the target sizes only set the
+padding and the printed flags; the checkpoint is always written from this one process.
+
+Nothing is unpickled: HF weights are read from safetensors (``pytorch_model.bin`` only
+with ``torch.load(weights_only=True)``), our checkpoints are plain JSON plus DCP tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.hf_state_dict import (StateDict, from_hf_gpt2, from_hf_llama, resize_vocab,
+                                                    to_hf_gpt2, to_hf_llama)
+from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
+from megatron.training.checkpointing import (CHECKPOINT_VERSION, COMMON_FILE, TRACKER_FILE, checkpoint_dir,
+                                             detect_format, read_tracker)
+from tools.checkpoint.hf_config import (Args, ConversionError, gpt_model_kwargs,
+                                        hf_config_from_args, megatron_args_from_hf, megatron_flags)
+
+HF_VOCAB_KEY = "hf_vocab_size"  # in common.json: the unpadded vocabulary of a converted model
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[ProcessGroupCollection]:
+    """Groups of a one-rank world: reuse an initialised world of size 1, else make a gloo one (file store)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConversionError(f"the converter runs on one process; this world has {dist.get_world_size()}")
+        yield build_process_groups(ParallelLayout(world_size=1))
+        return
+    with tempfile.TemporaryDirectory(prefix="convert_store_") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1,
+                                timeout=timedelta(minutes=30))
+        try:
+            yield build_process_groups(ParallelLayout(world_size=1))
+        finally:
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- Hugging Face side
+def read_hf_config(hf_dir: str) -> Dict[str, Any]:
+    """``hf_dir/config.json`` as a dict (plain JSON, no remote code)."""
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"Hugging Face directory not found: {hf_dir}")
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        return read_json(path, "Hugging Face config")
+    except CheckpointingError as e:
+        raise ConversionError(str(e)) from None
+
+
+def read_hf_weights(hf_dir: str) -> StateDict:
+    """All tensors of a ``save_pretrained`` directory (single or sharded safetensors, else weights-only .bin)."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(read_json(index, "safetensors index")["weight_map"].values()))
+        return {k: v for name in files for k, v in load_file(os.path.join(hf_dir, name)).items()}
+    if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        return load_file(os.path.join(hf_dir, "model.safetensors"))
+    if os.path.isfile(os.path.join(hf_dir, "pytorch_model.bin")):
+        return torch.load(os.path.join(hf_dir, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    raise ConversionError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str, where: str) -> None:
+    """Build the HF model of ``kind``, load ``sd`` strictly (buffers aside) and ``save_pretrained``."""
+    import transformers
+
+    config = hf_config_from_args(args, kind, vocab_size, where)
+    cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    model = cls(config)
+    result = model.load_state_dict(sd, strict=False)
+    # GPT-2 keeps its causal mask as (non-learned) buffers; anything else missing is a bug.
+    missing = [k for k in result.missing_keys if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    if missing or result.unexpected_keys:
+        raise ConversionError(f"state dict does not fit {cls.__name__}: missing {missing[:5]}, "
+                              f"unexpected {result.unexpected_keys[:5]}")
+    model.save_pretrained(out_dir)
+
+
+# ---------------------------------------------------------------- Megatron side
+def build_model(args: Args, groups: ProcessGroupCollection) -> GPTModel:
+    """Our TP=1 GPTModel for ``args`` (weights are overwritten right after)."""
+    return GPTModel(pg_collection=groups, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                    **gpt_model_kwargs(args))
+
+
+def _write_tracker_release(root: str) -> None:
+    path = os.path.join(root, TRACKER_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write("release")
+    os.replace(path + ".tmp", path)
+
+
+def save_release(model: GPTModel, args: Args, groups: ProcessGroupCollection, root: str,
+                 hf_vocab_size: int) -> str:
+    """``root/release``: common.json (the model flags), the model's tensors, then the tracker."""
+    iter_dir = checkpoint_dir(root, 0, release=True)
+    os.makedirs(iter_dir, exist_ok=True)
+    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "train_state": {},
+              "opt_param_scheduler": None, "optimizer": None, "args": args, HF_VOCAB_KEY: hf_vocab_size,
+              "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1}, "ckpt_format": "torch_dist"}
+    write_json_atomic(os.path.join(iter_dir, COMMON_FILE), common)
+    dc.save(dc.model_sharded_state_dict([model], pg_collection=groups), iter_dir)  # metadata.json last
+    _write_tracker_release(root)
+    return iter_dir
+
+
+def find_checkpoint(root: str) -> Tuple[str, Dict[str, Any]]:
+    """(iteration directory, common.json) of the latest torch_dist checkpoint under ``root``."""
+    if not os.path.isdir(root):
+        raise ConversionError(f"checkpoint directory not found: {root}")
+    found = read_tracker(root)
+    if found is None:
+        raise ConversionError(f"{root} is not a Megatron checkpoint directory: no {TRACKER_FILE}")
+    iter_dir = checkpoint_dir(root, found[0], release=found[1])
+    if detect_format(iter_dir) != "torch_dist":
+        raise ConversionError(f"{iter_dir} is a legacy --ckpt-format torch checkpoint; the converter reads "
+                              "torch_dist checkpoints only")
+    common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
+    if not isinstance(common.get("args"), dict):
+        raise ConversionError(f"{os.path.join(iter_dir, COMMON_FILE)} has no 'args': not written by this code")
+    return iter_dir, common
+
+
+def load_megatron(root: str, groups: ProcessGroupCollection) -> Tuple[StateDict, Args, Dict[str, Any]]:
+    """Full (TP=1) state dict, model flags and common.json of the checkpoint under ``root``."""
+    iter_dir, common = find_checkpoint(root)
+    args = dict(common["args"])
+    saved = dc.read_metadata(iter_dir).state_dict_metadata
+    if EMBEDDING_KEY not in saved:
+        raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT checkpoint")
+    args["padded_vocab_size"] = int(saved[EMBEDDING_KEY].size[0])  # whatever TP it was saved under
+    model = build_model(args, groups)
+    dc.load(dc.model_sharded_state_dict([model], pg_collection=groups), iter_dir)
+    return {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, args, common
+
+
+# ---------------------------------------------------------------- the two directions
+def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_by: int = 128) -> List[str]:
+    """Convert ``hf_dir`` into ``save/release``; returns the matching ``pretrain_gpt.py`` flags."""
+    where = os.path.join(hf_dir, "config.json")
+    hf_config = read_hf_config(hf_dir)
+    kind, args = megatron_args_from_hf(hf_config, where, tp, divisible_by)
+    if args["num_layers"] % pp:
+        raise ConversionError(f"--target-pipeline-model-parallel-size {pp} does not divide the "
+                              f"{args['num_layers']} layers of {where}")
+    hf_sd = read_hf_weights(hf_dir)
+    with single_process_group() as groups:
+        model = build_model(args, groups)
+        mapper = from_hf_gpt2 if kind == "gpt2" else from_hf_llama
+        try:
+            sd = resize_vocab(mapper(hf_sd, model.config), args["padded_vocab_size"])
+        except KeyError as e:
+            raise ConversionError(f"{hf_dir}: weight {e.args[0]!r} is missing") from None
+        if not args["untie_embeddings_and_output_weights"]:
+            sd.pop("output_layer.weight", None)  # tied: our output layer reads the embedding
+        model.load_state_dict(sd, strict=True)
+        save_release(model, args, groups, save, hf_config["vocab_size"])
+    return megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
+
+
+def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int] = None) -> int:
+    """Write ``out_dir`` (config.json + model.safetensors) from the checkpoint under ``load``; returns the vocab."""
+    with single_process_group() as groups:
+        sd, args, common = load_megatron(load, groups)
+    vocab = vocab_size or common.get(HF_VOCAB_KEY) or args["padded_vocab_size"]
+    if vocab > args["padded_vocab_size"]:
+        raise ConversionError(f"--vocab-size {vocab} exceeds the checkpoint's {args['padded_vocab_size']} rows")
+    config = gpt_model_kwargs(args)
+    model_config = _ConfigView(num_layers=config["num_layers"], num_attention_heads=config["num_attention_heads"],
+                               num_query_groups=config["num_query_groups"], hidden_size=config["hidden_size"],
+                               ffn_hidden_size=config["ffn_hidden_size"],
+                               kv_channels=config["kv_channels"] or config["hidden_size"] // config[
+                                   "num_attention_heads"])
+    mapper = to_hf_gpt2 if kind == "gpt2" else to_hf_llama
+    hf_sd = mapper(resize_vocab(sd, vocab), model_config)
+    write_hf(hf_sd, args, kind, vocab, out_dir, os.path.join(load, COMMON_FILE))
+    return vocab
+
+
+class _ConfigView:
+    """The few TransformerConfig fields the name mappings read (no full config needed to export)."""
+
+    def __init__(self, **fields: int) -> None:
+        self.__dict__.update(fields)
+
+
+# ---------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
+    p.add_argument("--hf-dir", help="hf-to-megatron: a save_pretrained directory (GPT-2 or Llama/Mistral)")
+    p.add_argument("--save", help="hf-to-megatron: checkpoint root to write (release/ and the tracker)")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                   help="TP the vocabulary is padded for (the checkpoint loads under any layout of that padding)")
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1,
+                   help="checked against the layer count and printed with the flags")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
+    p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
+    p.add_argument("--model-type", choices=["gpt2", "llama"], help="megatron-to-hf: the HF class to write")
+    p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
+    return p
+
+
+def _required(args: argparse.Namespace, names: Sequence[str]) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        raise ConversionError(f"--direction {args.direction} needs {', '.join(missing)}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "hf-to-megatron":
+            _required(args, ["hf_dir", "save"])
+            flags = hf_to_megatron(args.hf_dir, args.save, args.target_tensor_parallel_size,
+                                   args.target_pipeline_model_parallel_size, args.make_vocab_size_divisible_by)
+            print(f"wrote {checkpoint_dir(args.save, 0, release=True)}; train or evaluate with:")
+            print("  --load " + args.save + " --finetune " + " ".join(flags))
+        else:
+            _required(args, ["load", "hf_dir_out", "model_type"])
+            vocab = megatron_to_hf(args.load, args.hf_dir_out, args.model_type, args.vocab_size)
+            print(f"wrote {args.hf_dir_out} ({args.model_type}, vocabulary {vocab})")
+    except (ConversionError, CheckpointingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
