@@ -81,25 +81,30 @@ def check_dataset(prefix, docs):
     return ds
 
 
-# Every tokenizer type once; the modes are spread over the types to keep the file fast.
-CASES = [
-    ("GPT2BPETokenizer", False, False, True),
-    ("GPTSentencePieceTokenizer", True, False, True),
-    ("SentencePieceTokenizer", False, False, False),
-    ("Llama2Tokenizer", True, True, True),
-    ("BertWordPieceLowerCase", True, False, False),
-    ("BertWordPieceCase", False, False, False),  # BERT vocabularies have no eod token
-    ("TikTokenizer", True, True, False),
-    ("HuggingFaceTokenizer", False, False, True),
-]
+TYPES = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer",
+         "BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer", "HuggingFaceTokenizer")
+NO_EOD = ("BertWordPieceLowerCase", "BertWordPieceCase")  # BERT vocabularies have no eod token
 
 
-@pytest.mark.parametrize("tok_type, split, keep_newlines, eod", CASES)
-def test_every_tokenizer_round_trip(tmp_path, tok_files, tok_type, split, keep_newlines, eod):
+def _cases():
+    """Every type with and without sentence splitting and eod; the parallel modes rotate over them."""
+    cases = []
+    for i, tok_type in enumerate(TYPES):
+        for split in (False, True):
+            for eod in ((False,) if tok_type in NO_EOD else (False, True)):
+                keep_newlines = split and i % 2 == 1
+                parallel = ("workers", "partitions", "none")[len(cases) % 3]
+                cases.append((tok_type, split, keep_newlines, eod, parallel))
+    return cases
+
+
+@pytest.mark.parametrize("tok_type, split, keep_newlines, eod, parallel", _cases())
+def test_every_tokenizer_round_trip(tmp_path, tok_files, tok_type, split, keep_newlines, eod, parallel):
     tok = build_tokenizer(tok_type, **tok_files[tok_type])
     src = write_lines(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
     extra = (["--split-sentences"] if split else []) + (["--keep-newlines"] if keep_newlines else [])
     extra += ["--append-eod"] if eod else []
+    extra += {"workers": ["--workers", "2"], "partitions": ["--partitions", "2"], "none": []}[parallel]
     rc, prefix = run_tool(tmp_path, src, megatron_flags(tok_type, tok_files[tok_type]), *extra)
     assert rc == 0
     level = "sentence" if split else "document"
