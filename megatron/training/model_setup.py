@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Callable, List
 
@@ -19,6 +18,7 @@ from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embeddings
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import optimizer_param_scheduler_kwargs
+from megatron.training.utils import call_with_supported
 
 
 @dataclass
@@ -57,12 +57,6 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
     })
 
 
-def _call_provider(provider: Callable, **kwargs: Any) -> torch.nn.Module:
-    params = inspect.signature(provider).parameters
-    accepts_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return provider(**{k: v for k, v in kwargs.items() if accepts_all or k in params})
-
-
 def build_model_chunks(model_provider: Callable, model_type: ModelType, args: argparse.Namespace,
                        config: TransformerConfig, groups: ProcessGroupCollection) -> List[torch.nn.Module]:
     """One model per virtual pipeline chunk held by this rank (one chunk without interleaving)."""
@@ -70,7 +64,7 @@ def build_model_chunks(model_provider: Callable, model_type: ModelType, args: ar
     pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
     chunks = []
     for stage in range(vp or 1):
-        model = _call_provider(
+        model = call_with_supported(
             model_provider, pre_process=pp_rank == 0 and stage == 0,
             post_process=pp_rank == pp_size - 1 and stage == (vp or 1) - 1,
             vp_stage=stage if vp else None, config=config, args=args, pg_collection=groups)

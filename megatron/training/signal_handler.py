@@ -11,14 +11,9 @@ import signal
 from types import FrameType
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-
-from megatron.core.utils import comm_device
-
 
 class DistributedSignalHandler:
-    """Records ``sig`` while installed; ``signals_received()`` agrees on it across ranks."""
+    """Records ``sig`` while installed (this rank only; see ``received``)."""
 
     def __init__(self, sig: signal.Signals = signal.SIGTERM) -> None:
         self.sig = sig
@@ -35,9 +30,7 @@ class DistributedSignalHandler:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         self._received = True
 
-    def signals_received(self) -> bool:
-        """True on every rank if any rank received the signal (a collective call)."""
-        flag = torch.tensor([1 if self._received else 0], dtype=torch.int32, device=comm_device())
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    @property
+    def received(self) -> bool:
+        """Whether this rank got the signal; the loop agrees on it across ranks with its other exit checks."""
+        return self._received

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +39,7 @@ from megatron.training.initialize import initialize_megatron
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
+from megatron.training.utils import call_with_supported
 from megatron.training.training_log import (TrainingLogger, flops_config_from_args, logging_config_from_args,
                                             num_floating_point_operations)
 
@@ -52,18 +52,6 @@ class TrainState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     floating_point_operations_so_far: float = 0.0
-
-
-def call_with_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with only the keyword arguments its signature accepts.
-
-    Providers written for Megatron-LM take ``(pre_process, post_process)`` and read
-    ``get_args()``; ours also accept ``config``, ``args`` and ``pg_collection``.
-    """
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(*args, **kwargs)
-    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
 
 def reduce_losses(per_microbatch: List[Dict[str, torch.Tensor]], groups: ProcessGroupCollection) -> Dict[str, float]:
@@ -126,6 +114,7 @@ class Loop:
     state: TrainState
     logger: TrainingLogger
     timers: Timers
+    train_iters: int = 0  # --train-iters, or what --train-samples takes (computed once)
 
     def schedule(self, data_iterator: List, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
         chunks = self.built.model
@@ -184,19 +173,30 @@ def _save(loop: Loop) -> None:
 
 
 def _should_exit(loop: Loop, start_time: float, handler: Optional[DistributedSignalHandler]) -> Optional[str]:
-    """Why the run must stop after this iteration, agreed by all ranks (or None)."""
-    args, iteration = loop.args, loop.state.iteration
-    if handler is not None and handler.signals_received():
-        return "signal"
-    if args.exit_duration_in_mins:
-        over = torch.tensor([int((time.time() - start_time) / 60.0 > args.exit_duration_in_mins)],
-                            device=comm_device())
-        dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        if over.item():
-            return "duration"
-    if args.exit_interval and iteration % args.exit_interval == 0:
+    """Why the run must stop after this iteration, agreed by all ranks (or None).
+
+    A signal and the time limit may reach ranks at different steps: one MAX all-reduce
+    per iteration makes every rank take the same decision.
+    """
+    args = loop.args
+    if handler is not None or args.exit_duration_in_mins:  # the same on every rank: all or none reduce
+        reason = _agreed_stop(handler, args.exit_duration_in_mins, start_time)
+        if reason is not None:
+            return reason
+    if args.exit_interval and loop.state.iteration % args.exit_interval == 0:
         return "interval"
     return None
+
+
+def _agreed_stop(handler: Optional[DistributedSignalHandler], limit_mins: Optional[int],
+                 start_time: float) -> Optional[str]:
+    local = [handler is not None and handler.received,
+             bool(limit_mins) and (time.time() - start_time) / 60.0 > limit_mins]
+    flags = torch.tensor([int(f) for f in local], device=comm_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0].item():
+        return "signal"
+    return "duration" if flags[1].item() else None
 
 
 def _log_iteration(loop: Loop, losses: Dict[str, float], skipped: int, grad_norm: Optional[float],
@@ -204,7 +204,7 @@ def _log_iteration(loop: Loop, losses: Dict[str, float], skipped: int, grad_norm
     args, state, built = loop.args, loop.state, loop.built
     batch = get_current_global_batch_size()
     loop.logger.training_log(
-        iteration=state.iteration, train_iters=_train_iters(args), loss_dict=losses,
+        iteration=state.iteration, train_iters=loop.train_iters, loss_dict=losses,
         learning_rate=built.optimizer.param_groups[0]["lr"], decoupled_lr=None,
         loss_scale=float(built.optimizer.get_loss_scale()), grad_norm=grad_norm,
         params_norm=params_l2_norm(built.model, loop.groups) if args.log_params_norm else None,
@@ -220,7 +220,7 @@ def train(loop: Loop) -> Optional[str]:
     start_time = time.time()
     handler_ctx = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else contextlib.nullcontext()
     with handler_ctx as handler:
-        while state.iteration < _train_iters(args):
+        while state.iteration < loop.train_iters:
             update_num_microbatches(state.consumed_train_samples, consistency_check=True)
             t0 = time.time()
             try:
@@ -269,10 +269,10 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     data = build_data_iterators(provider, args, groups, len(built.model), state.consumed_train_samples,
                                 state.consumed_valid_samples)
     logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
-    loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers)
+    loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers, _train_iters(args))
     try:
         reason = None
-        if not args.skip_train and _train_iters(args) > state.iteration:
+        if not args.skip_train and loop.train_iters > state.iteration:
             reason = train(loop)
             saved_now = args.save_interval and state.iteration % args.save_interval == 0
             if reason is None and args.save and not saved_now:

@@ -1,8 +1,9 @@
-"""Small rank-aware printing helpers of the training application (Megatron's names)."""
+"""Small helpers of the training application: rank-aware printing (Megatron's names), provider calls."""
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -34,3 +35,15 @@ def print_rank_last(message: Any) -> None:
     """Print (flushed) on the last rank only."""
     if is_last_rank():
         print(message, flush=True)
+
+
+def call_with_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with only the keyword arguments its signature accepts.
+
+    Providers written for Megatron-LM take ``(pre_process, post_process)`` and read
+    ``get_args()``; ours also accept ``config``, ``args``, ``tokenizer`` and ``pg_collection``.
+    """
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kwargs)
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})

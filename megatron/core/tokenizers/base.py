@@ -80,48 +80,64 @@ class MegatronTokenizer(abc.ABC):
         """
         return [self.tokenize(t) for t in texts]
 
-    def _missing(self, role: str):
-        raise MissingSpecialTokenError(f"{self.tokenizer_type} has no {role} token")
+    #: Description of each special-token role, for error messages.
+    SPECIAL_ROLES = {"eod": "end-of-document (eod)", "pad": "padding (pad)",
+                     "bos": "beginning-of-sequence (bos)", "eos": "end-of-sequence (eos)",
+                     "cls": "classification (cls)", "sep": "separator (sep)", "mask": "mask"}
+
+    def special_id(self, role: str) -> Optional[int]:
+        """The id playing ``role`` (a key of ``SPECIAL_ROLES``), or None when there is none.
+
+        The default reads ``self._special_ids`` (role -> id), which most tokenizers fill in
+        their constructor; tokenizers that ask their library instead override this.
+        """
+        return getattr(self, "_special_ids", {}).get(role)
+
+    def _role(self, role: str) -> int:
+        found = self.special_id(role)
+        if found is None:
+            raise MissingSpecialTokenError(f"{self.tokenizer_type} has no {self.SPECIAL_ROLES[role]} token")
+        return found
 
     @property
     def eod(self) -> int:
         """End-of-document id, appended after each document by preprocessing."""
-        return self._missing("end-of-document (eod)")
+        return self._role("eod")
 
     @property
     def pad(self) -> int:
         """Padding id."""
-        return self._missing("padding (pad)")
+        return self._role("pad")
 
     @property
     def bos(self) -> int:
         """Beginning-of-sequence id."""
-        return self._missing("beginning-of-sequence (bos)")
+        return self._role("bos")
 
     @property
     def eos(self) -> int:
         """End-of-sequence id."""
-        return self._missing("end-of-sequence (eos)")
+        return self._role("eos")
 
     @property
     def cls(self) -> int:
         """Classification id (BERT's ``[CLS]``)."""
-        return self._missing("classification (cls)")
+        return self._role("cls")
 
     @property
     def sep(self) -> int:
         """Separator id (BERT's ``[SEP]``)."""
-        return self._missing("separator (sep)")
+        return self._role("sep")
 
     @property
     def mask(self) -> int:
         """Mask id for masked language modelling."""
-        return self._missing("mask")
+        return self._role("mask")
 
     @property
     def additional_special_tokens_ids(self) -> List[int]:
         """Ids of the T5 sentinels ``<extra_id_N>`` added by ``--vocab-extra-ids``; may be empty."""
-        return []
+        return list(getattr(self, "_extra_ids", []))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 from megatron.core.tokenizers.base import MegatronTokenizer, TokenizersLibraryMixin, check_file
 
@@ -32,7 +32,7 @@ class GPT2BPETokenizer(TokenizersLibraryMixin, MegatronTokenizer):
             self._vocab: Dict[str, int] = json.load(f)
         if EOD_TOKEN not in self._vocab:
             raise ValueError(f"--vocab-file={vocab_file!r} has no {EOD_TOKEN} token (the eod)")
-        self._eod = self._vocab[EOD_TOKEN]
+        self._special_ids = {"eod": self._vocab[EOD_TOKEN]}
         self._tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         # GPT-2's own split regex, no space added in front of the text.
         self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -40,7 +40,3 @@ class GPT2BPETokenizer(TokenizersLibraryMixin, MegatronTokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    @property
-    def eod(self) -> int:
-        return self._eod

@@ -77,37 +77,9 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids))
 
-    def _token_id(self, attr: str, role: str) -> int:
-        value = getattr(self._tokenizer, attr, None)
-        return value if value is not None else self._missing(role)
-
-    @property
-    def eod(self) -> int:
-        return self._token_id("eos_token_id", "end-of-document (eod = eos)")
-
-    @property
-    def eos(self) -> int:
-        return self._token_id("eos_token_id", "end-of-sequence (eos)")
-
-    @property
-    def bos(self) -> int:
-        return self._token_id("bos_token_id", "beginning-of-sequence (bos)")
-
-    @property
-    def pad(self) -> int:
-        return self._token_id("pad_token_id", "padding (pad)")
-
-    @property
-    def cls(self) -> int:
-        return self._token_id("cls_token_id", "classification (cls)")
-
-    @property
-    def sep(self) -> int:
-        return self._token_id("sep_token_id", "separator (sep)")
-
-    @property
-    def mask(self) -> int:
-        return self._token_id("mask_token_id", "mask")
+    def special_id(self, role: str) -> Optional[int]:
+        # The library knows its special tokens; Megatron's eod is the model's eos.
+        return getattr(self._tokenizer, f"{'eos' if role == 'eod' else role}_token_id", None)
 
     @property
     def additional_special_tokens_ids(self) -> List[int]:

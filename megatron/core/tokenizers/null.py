@@ -23,6 +23,7 @@ class NullTokenizer(MegatronTokenizer):
         if vocab_size is None or int(vocab_size) <= 0:
             raise ValueError(f"--vocab-size={vocab_size} must be a positive integer for NullTokenizer")
         self._text_vocab_size = int(vocab_size)
+        self._special_ids = {"eod": self._text_vocab_size}  # Megatron's null eod: one past the text ids
 
     @property
     def vocab_size(self) -> int:
@@ -33,7 +34,3 @@ class NullTokenizer(MegatronTokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(i) for i in ids)
-
-    @property
-    def eod(self) -> int:
-        return self._text_vocab_size

@@ -64,8 +64,6 @@ class _SentencePieceBase(MegatronTokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 
-    def _model_special(self, piece_id: int, role: str) -> int:
-        return piece_id if self._piece_or_none(piece_id) is not None else self._missing(role)
 
 
 class GPTSentencePieceTokenizer(_SentencePieceBase):
@@ -73,21 +71,12 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
 
     tokenizer_type = "GPTSentencePieceTokenizer"
 
-    @property
-    def eod(self) -> int:
-        return self.eos
-
-    @property
-    def bos(self) -> int:
-        return self._model_special(self._sp.bos_id(), "beginning-of-sequence (bos)")
-
-    @property
-    def eos(self) -> int:
-        return self._model_special(self._sp.eos_id(), "end-of-sequence (eos)")
-
-    @property
-    def pad(self) -> int:
-        return self._model_special(self._sp.pad_id(), "padding (pad)")
+    def special_id(self, role: str) -> Optional[int]:
+        # The model's own bos/eos/pad pieces (absent ones have id -1); eod is the eos.
+        model_ids = {"bos": self._sp.bos_id(), "eos": self._sp.eos_id(), "eod": self._sp.eos_id(),
+                     "pad": self._sp.pad_id()}
+        piece_id = model_ids.get(role, -1)
+        return piece_id if self._piece_or_none(piece_id) is not None else None
 
 
 class Llama2Tokenizer(GPTSentencePieceTokenizer):
@@ -115,11 +104,11 @@ class SentencePieceTokenizer(_SentencePieceBase):
         super().__init__(tokenizer_model, num_threads)
         self._vocab = self._model_vocab()
         self._special: Dict[str, int] = {}
-        self._cls, self._sep, self._eod, self._mask = (
-            self._add_special(t) for t in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"))
-        self._pad = self._add_special(self._piece_or_none(self._sp.pad_id()) or "<PAD>")
-        self._bos = self._add_special(self._piece_or_none(self._sp.bos_id()) or "<BOS>")
-        self._eos = self._add_special(self._piece_or_none(self._sp.eos_id()) or "<EOS>")
+        self._special_ids = {role: self._add_special(t) for role, t in
+                             (("cls", "<CLS>"), ("sep", "<SEP>"), ("eod", "<EOD>"), ("mask", "<MASK>"))}
+        for role, piece_id, default in (("pad", self._sp.pad_id(), "<PAD>"), ("bos", self._sp.bos_id(), "<BOS>"),
+                                        ("eos", self._sp.eos_id(), "<EOS>")):
+            self._special_ids[role] = self._add_special(self._piece_or_none(piece_id) or default)
         self._extra_ids = [self._add_special(t) for t in extra_id_tokens(vocab_extra_ids)]
         self._inv_special = {i: t for t, i in self._special.items()}
         # Longest first, so that at one position the longest special string wins.
@@ -175,35 +164,3 @@ class SentencePieceTokenizer(_SentencePieceBase):
                 run.append(i)
         parts.append(self._sp.decode(run))
         return "".join(parts)
-
-    @property
-    def cls(self) -> int:
-        return self._cls
-
-    @property
-    def sep(self) -> int:
-        return self._sep
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def mask(self) -> int:
-        return self._mask
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    @property
-    def bos(self) -> int:
-        return self._bos
-
-    @property
-    def eos(self) -> int:
-        return self._eos
-
-    @property
-    def additional_special_tokens_ids(self) -> List[int]:
-        return list(self._extra_ids)

@@ -113,6 +113,8 @@ class TikTokenizer(MegatronTokenizer):
         # Shifting every rank keeps the merge order and makes tiktoken emit final ids directly.
         shifted = {t: r + num_special_tokens for t, r in ranks.items() if r < inner}
         self._specials = {t: i for i, t in enumerate(specials)}
+        named = {"bos": "<s>", "eos": "</s>", "eod": "</s>", "pad": "<pad>", "mask": "<mask>"}
+        self._special_ids = {role: self._specials[t] for role, t in named.items() if t in self._specials}
         self._vocab_size = vocab_size
         self._num_threads = num_threads or default_num_threads()
         self._model = tiktoken.Encoding(name="megatron_tiktoken", pat_str=PATTERNS.get(pattern, pattern),
@@ -141,28 +143,3 @@ class TikTokenizer(MegatronTokenizer):
     def unk(self) -> int:
         """Id of ``<unk>``."""
         return self._specials["<unk>"]
-
-    @property
-    def bos(self) -> int:
-        return self._specials["<s>"]
-
-    @property
-    def eos(self) -> int:
-        return self._specials["</s>"]
-
-    @property
-    def eod(self) -> int:
-        return self.eos
-
-    def _named_special(self, token: str, role: str) -> int:
-        return self._specials[token] if token in self._specials else self._missing(role)
-
-    @property
-    def pad(self) -> int:
-        """Id of ``<pad>`` when it is among the special tokens."""
-        return self._named_special("<pad>", "padding (pad)")
-
-    @property
-    def mask(self) -> int:
-        """Id of ``<mask>`` when it is among the special tokens."""
-        return self._named_special("<mask>", "mask")

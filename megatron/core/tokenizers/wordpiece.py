@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 from megatron.core.tokenizers.base import MegatronTokenizer, TokenizersLibraryMixin, check_file
 from megatron.core.tokenizers.sentencepiece_tokenizers import extra_id_tokens
@@ -48,8 +48,9 @@ class BertWordPieceTokenizer(TokenizersLibraryMixin, MegatronTokenizer):
             lowercase=lower_case)
         self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self._tokenizer.decoder = decoders.WordPiece(prefix="##")
-        self._bos = self._add_token("[BOS]")
-        self._eos = self._add_token("[EOS]")
+        self._special_ids = {role: self._vocab[t] for role, t in
+                             (("cls", "[CLS]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("mask", "[MASK]"))}
+        self._special_ids.update(bos=self._add_token("[BOS]"), eos=self._add_token("[EOS]"))
         self._extra_ids = [self._add_token(t) for t in extra_id_tokens(vocab_extra_ids)]
 
     def _add_token(self, token: str) -> int:
@@ -63,31 +64,3 @@ class BertWordPieceTokenizer(TokenizersLibraryMixin, MegatronTokenizer):
         drop = (self.pad, self.cls)
         tokens = [self.inv_vocab[i] for i in ids if i not in drop]
         return self._tokenizer.decoder.decode(tokens)
-
-    @property
-    def cls(self) -> int:
-        return self._vocab["[CLS]"]
-
-    @property
-    def sep(self) -> int:
-        return self._vocab["[SEP]"]
-
-    @property
-    def pad(self) -> int:
-        return self._vocab["[PAD]"]
-
-    @property
-    def mask(self) -> int:
-        return self._vocab["[MASK]"]
-
-    @property
-    def bos(self) -> int:
-        return self._bos
-
-    @property
-    def eos(self) -> int:
-        return self._eos
-
-    @property
-    def additional_special_tokens_ids(self) -> List[int]:
-        return list(self._extra_ids)
