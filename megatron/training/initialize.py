@@ -27,6 +27,10 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+# True once initialize_distributed started torch.distributed itself; only then
+# does shutdown_distributed tear it down (a harness's own group is left alone).
+_OWNS_PROCESS_GROUP = False
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 6000
@@ -169,6 +173,8 @@ def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str
     dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                             rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    global _OWNS_PROCESS_GROUP
+    _OWNS_PROCESS_GROUP = True
     args.local_rank = env.local_rank
     logger.info("torch.distributed up: rank %d of %d (%s, %s)", env.rank, env.world_size, env.source, backend)
 
@@ -199,6 +205,20 @@ def initialize_distributed(args: argparse.Namespace, environ: Optional[Mapping[s
         order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process groups this process started, before the interpreter exits.
+
+    Left to interpreter teardown, gloo's worker threads can outlive Python and the
+    process dies with SIGABRT ("terminate called without an active exception")
+    after training already finished; NCCL warns and may leave peers waiting.
+    """
+    global _OWNS_PROCESS_GROUP
+    parallel_state.destroy_model_parallel()
+    if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNS_PROCESS_GROUP = False
 
 
 def set_random_seed(seed: int, data_parallel_random_init: bool = False,

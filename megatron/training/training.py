@@ -35,7 +35,7 @@ from megatron.training.checkpointing import (args_to_plain_data, checkpoint_conf
                                             save_checkpoint)
 from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
-from megatron.training.initialize import initialize_megatron
+from megatron.training.initialize import initialize_megatron, shutdown_distributed
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
@@ -282,4 +282,5 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
             _evaluate_and_log(loop, "test", data.test)
     finally:
         logger.close()
+    shutdown_distributed()  # on success only: after an error, peers may still hold in-flight work
     return state

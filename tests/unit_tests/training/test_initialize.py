@@ -90,7 +90,8 @@ def _layout_and_seeds(rank, world_size):
         out[name] = dict(seed=used, torch=torch.rand(3).tolist(), numpy=np.random.rand(2).tolist(),
                          tp=groups.size_of("tp"), pp=groups.size_of("pp"), dp=groups.size_of("dp"),
                          rank=args.rank, world=args.world_size)
-        parallel_state.destroy_model_parallel()
+        init.shutdown_distributed()  # forgets the groups, keeps the harness's own process group
+        out[name]["after"] = (torch.distributed.is_initialized(), parallel_state.model_parallel_is_initialized())
     return out
 
 
@@ -100,6 +101,7 @@ def test_initialize_on_two_ranks():
         assert res["pp"]["seed"] == 77 + 100 * rank  # PP rank == global rank with TP=1, PP=2
         assert (res["pp"]["pp"], res["tp"]["tp"], res["dp"]["dp"]) == (2, 2, 2)
         assert res["tp"]["seed"] == 77
+        assert all(res[name]["after"] == (True, False) for name in ("pp", "tp", "dp"))
         assert res["dp"]["seed"] == 77 + 10 * rank
         assert res["tp"]["rank"] == rank and res["tp"]["world"] == 2
         gen = torch.Generator().manual_seed(res["pp"]["seed"])
@@ -116,15 +118,18 @@ def test_initialize_megatron_creates_process_group_from_torchrun_env():
         port = s.getsockname()[1]
     code = (
         "import torch.distributed as dist\n"
-        "from megatron.training.initialize import initialize_megatron\n"
+        "from megatron.core import parallel_state\n"
+        "from megatron.training.initialize import initialize_megatron, shutdown_distributed\n"
         "from megatron.core.num_microbatches_calculator import get_num_microbatches\n"
         f"args = initialize_megatron({BASE!r} + ['--global-batch-size', '4'])\n"
         "print(dist.get_backend(), dist.get_world_size(), args.data_parallel_size, get_num_microbatches())\n"
-        "dist.destroy_process_group()\n"
+        "shutdown_distributed()\n"
+        "print(dist.is_initialized(), parallel_state.model_parallel_is_initialized())\n"
     )
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["gloo", "1", "1", str(4 // 1)]
+    # The group it started is destroyed again, so no gloo thread outlives the interpreter.
+    assert out.stdout.split() == ["gloo", "1", "1", str(4 // 1), "False", "False"]
