@@ -18,7 +18,8 @@ from megatron.core.parallel_state import ProcessGroupCollection, resolve_process
 from megatron.core.pipeline_parallel import schedule_table as st
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
 from megatron.core.pipeline_parallel.schedules import (ModelArg, _as_iterator_list, as_chunk_list, backward_step,
-                                                       finalize_grads, forward_step, get_model_config)
+                                                       deallocate_output, finalize_grads, forward_step,
+                                                       get_model_config)
 
 Key = Tuple[str, int, int]
 
@@ -63,14 +64,21 @@ class _PipelineRun:
         self.saved: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.store: List[Any] = []
         self.total_tokens = torch.tensor(0, dtype=torch.int)
+        self.released = 0  # stage outputs whose storage was freed after sending
 
     def exchange(self, batch: List[st.Msg]) -> None:
         """Post one batch of the communication plan and file the received tensors."""
-        sends = [(self.outbox.pop(m.key), self.comm.global_rank(m.peer)) for m in batch if m.action == "send"]
+        send_msgs = [m for m in batch if m.action == "send"]
+        sends = [(self.outbox.pop(m.key), self.comm.global_rank(m.peer)) for m in send_msgs]
         recv_msgs = [m for m in batch if m.action == "recv"]
         received = self.comm.exchange(sends, [(self.comm.global_rank(m.peer), None) for m in recv_msgs])
         for msg, tensor in zip(recv_msgs, received):
             self.inbox[msg.key] = tensor
+        if self.config.deallocate_pipeline_outputs and not self.forward_only:
+            # The sends have completed; backward only needs the outputs' graph nodes.
+            for msg, (tensor, _) in zip(send_msgs, sends):
+                if msg.key[0] == st.FORWARD:
+                    self.released += deallocate_output(tensor)
 
     def _stage(self, op: st.Op) -> Tuple[int, bool, bool]:
         stage = op.chunk * self.pp_size + self.rank

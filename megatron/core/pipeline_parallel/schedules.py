@@ -140,8 +140,31 @@ def backward_step(input_tensor: Optional[torch.Tensor], output_tensor: torch.Ten
         input_tensor.retain_grad()
     if output_tensor_grad is None and config.grad_scale_func is not None:
         output_tensor = config.grad_scale_func(output_tensor)
-    torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    target = output_tensor
+    if output_tensor_grad is not None and output_tensor.shape != output_tensor_grad.shape:
+        # The output's storage was released after it was sent (deallocate_output); the
+        # graph edge still knows the real shape, so backward starts from the edge.
+        target = torch.autograd.graph.get_gradient_edge(output_tensor)
+    torch.autograd.backward(target, grad_tensors=output_tensor_grad)
     return input_tensor.grad if input_tensor is not None else None
+
+
+def deallocate_output(output_tensor: torch.Tensor) -> bool:
+    """Release the storage of a stage output that has been sent to the next stage.
+
+    Only its autograd node is needed for backward (the next stage returns the gradient),
+    so its data is swapped for one element; ``backward_step`` then starts from the graph
+    edge. A view or a tensor without a graph node keeps its data. (If an autograd node
+    saved the output itself, that node keeps the old storage alive: still correct, but
+    nothing is saved.)
+
+    Returns:
+        Whether the storage was released.
+    """
+    if output_tensor._base is not None or output_tensor.grad_fn is None or output_tensor.numel() <= 1:
+        return False
+    output_tensor.data = torch.empty((1,), dtype=output_tensor.dtype, device=output_tensor.device)
+    return True
 
 
 # ----------------------------------------------------------------------------------

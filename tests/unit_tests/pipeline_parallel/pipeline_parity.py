@@ -77,9 +77,27 @@ def _loss_func(output: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Dict]:
     return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
 
 
+_STAGE_OUTPUTS: List[torch.Tensor] = []  # what non-last chunks returned (and the schedule sent)
+
+
 def _forward_step(data_iterator, model):
     tokens, labels = next(data_iterator)
-    return model(tokens, None, None, labels=labels), _loss_func
+    output = model(tokens, None, None, labels=labels)
+    if not model.post_process:
+        _STAGE_OUTPUTS.append(output)
+    return output, _loss_func
+
+
+def check_released(chunks: List[GPTModel], what: str) -> None:
+    """Sent stage outputs hold one element with ``deallocate_pipeline_outputs``, all of [s, b, h] without."""
+    sizes = {t.numel() for t in _STAGE_OUTPUTS}
+    _STAGE_OUTPUTS.clear()
+    if not sizes:
+        return
+    config = chunks[0].config
+    seq = SEQ // config.tensor_model_parallel_size if config.sequence_parallel else SEQ
+    expected = {1} if config.deallocate_pipeline_outputs else {seq * MICRO * config.hidden_size}
+    assert sizes == expected, f"{what}: sent stage outputs have {sorted(sizes)} elements, expected {expected}"
 
 
 def make_finalize(groups: ProcessGroupCollection) -> Callable:
@@ -131,7 +149,9 @@ def check_parity(kwargs: Dict, groups: ProcessGroupCollection, vp: int, num_mb: 
         tokens, labels = batch(seed=it, b=MICRO * num_mb * groups.size_of("dp"))
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
+        _STAGE_OUTPUTS.clear()
         loss = run_pipeline(chunks, groups, tokens, labels, num_mb)
+        check_released(chunks, f"{what} iteration {it}")
         ref_loss = reference(tokens, None, None, labels=labels).mean()
         ref_loss.backward()
         if loss is not None:
