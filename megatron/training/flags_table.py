@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import shlex
 import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -241,15 +242,33 @@ def add_flag(group: "argparse._ArgumentGroup", spec: FlagSpec, help_line: str) -
     group.add_argument(*spec.option_strings, **kwargs)
 
 
+class FlagFileParser(argparse.ArgumentParser):
+    """Reads ``@path`` arguments as flag files written like a launch script.
+
+    Each line holds any number of shell-quoted words; ``#`` starts a comment and a
+    trailing backslash is ignored, so the flag block of an existing ``torchrun ...``
+    script can be pasted as is. Flags after ``@path`` on the command line win.
+    """
+
+    def convert_arg_line_to_args(self, arg_line: str) -> List[str]:
+        line = arg_line.rstrip()
+        if line.endswith("\\"):
+            line = line[:-1]
+        try:
+            return shlex.split(line, comments=True)
+        except ValueError as err:
+            self.error(f"flags file line {arg_line.strip()!r}: {err}")
+
+
 def build_parser(specs: List[FlagSpec], no_op: frozenset, unsupported: Dict[str, Tuple[Any, ...]],
                  prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
     """An argparse parser with one argument group per Megatron group, in table order.
 
     ``unsupported`` maps a dest to the values still accepted, for the help text.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
-                                     usage="%(prog)s [options]  (see the groups below)",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = FlagFileParser(prog=prog, description=description, allow_abbrev=False,
+                            usage="%(prog)s [options | @flags-file]  (see the groups below)",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter, fromfile_prefix_chars="@")
     groups: Dict[str, argparse._ArgumentGroup] = {}
     for spec in specs:
         if spec.group not in groups:

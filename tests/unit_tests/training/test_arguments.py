@@ -212,6 +212,23 @@ def test_extra_args_provider_and_unknown_args():
     assert A.parse_args(BASE + ["--not-a-flag"], ignore_unknown_args=True).num_layers == 4
 
 
+def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
+    flags = tmp_path / "gpt.args"
+    flags.write_text("# model\n--num-layers 6 --hidden-size 64 \\\n  --num-attention-heads 4  # heads\n\n"
+                     "--data-path '/data/my corpus_text_document'\n")
+    args = A.parse_args(BASE + [f"@{flags}", "--hidden-size", "128"])
+    # The file overrides earlier flags, later command-line flags override the file.
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (6, 128, 4)
+    assert args.data_path == ["/data/my corpus_text_document"]
+    with pytest.raises(SystemExit):
+        A.parse_args(BASE + [f"@{tmp_path / 'missing.args'}"])
+    assert "missing.args" in capsys.readouterr().err
+    flags.write_text("--data-path 'unclosed\n")
+    with pytest.raises(SystemExit):
+        A.parse_args(BASE + [f"@{flags}"])
+    assert "flags file line" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------
 # Validation errors name their flags.
 # ----------------------------------------------------------------------------------
