@@ -99,8 +99,6 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     # Optimizer variants.
     "optimizer": AnyOf("adam", "sgd"),
     "optimizer_cpu_offload": False,
-    "decoupled_lr": None,
-    "decoupled_min_lr": None,
     "apply_wd_to_qk_layernorm": False,
     "no_weight_decay_cond_type": None,
     "dump_param_to_param_group_map": None,

@@ -199,13 +199,21 @@ def _agreed_stop(handler: Optional[DistributedSignalHandler], limit_mins: Option
     return "duration" if flags[1].item() else None
 
 
+def _group_lr(optimizer: Any, decoupled: bool) -> Optional[float]:
+    """Current LR of the first param group with (or without) ``--decoupled-lr``; None if there is none."""
+    for group in optimizer.param_groups:
+        if bool(group.get("is_decoupled_lr", False)) == decoupled:
+            return group["lr"]
+    return None
+
+
 def _log_iteration(loop: Loop, losses: Dict[str, float], skipped: int, grad_norm: Optional[float],
                    num_zeros: Optional[int], elapsed_ms: float) -> None:
     args, state, built = loop.args, loop.state, loop.built
     batch = get_current_global_batch_size()
     loop.logger.training_log(
         iteration=state.iteration, train_iters=loop.train_iters, loss_dict=losses,
-        learning_rate=built.optimizer.param_groups[0]["lr"], decoupled_lr=None,
+        learning_rate=_group_lr(built.optimizer, decoupled=False), decoupled_lr=_group_lr(built.optimizer, True),
         loss_scale=float(built.optimizer.get_loss_scale()), grad_norm=grad_norm,
         params_norm=params_l2_norm(built.model, loop.groups) if args.log_params_norm else None,
         num_zeros=num_zeros, skipped=bool(skipped), nan=None,

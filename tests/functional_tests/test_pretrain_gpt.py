@@ -130,14 +130,16 @@ def test_resume_reproduces_the_straight_run_bitwise(layout_runs):
 
 
 def test_train_samples_with_batch_rampup(tmp_path):
-    """--train-samples with --rampup-batch-size 2 2 8: Megatron's ramp, sample-based LR warmup."""
+    """--train-samples with --rampup-batch-size 2 2 8: Megatron's ramp, sample-based LR warmup;
+    --decoupled-lr gives the embedding and output weights their own schedule."""
     flags = tiny_gpt_flags(1) + mock_flags()
     i = flags.index("--train-iters")
     del flags[i:i + 2]
     i = flags.index("--lr-warmup-iters")
     del flags[i:i + 2]
     flags += ["--train-samples", "48", "--rampup-batch-size", "2", "2", "8", "--lr-warmup-samples", "8",
-              "--lr-decay-samples", "40", "--lr-decay-style", "linear", "--min-lr", "0"]
+              "--lr-decay-samples", "40", "--lr-decay-style", "linear", "--min-lr", "0",
+              "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
     result = run_gpt(1, flags, str(tmp_path))
     assert_ok(result, "ramp-up")
     # The batch grows by 2 every 8/3 samples from 2 to 8 (Megatron's rule), then stays.
@@ -151,5 +153,6 @@ def test_train_samples_with_batch_rampup(tmp_path):
     assert [line["consumed samples"] for line in result.lines] == sums
     # Linear warmup over 8 samples to 3e-3, then linear decay to 0 at 40 samples.
     for line, done in zip(result.lines, sums):
-        want = 3e-3 * done / 8 if done <= 8 else 3e-3 * max(0.0, (40 - done) / 32)
-        assert math.isclose(line["learning rate"], want, rel_tol=1e-5, abs_tol=1e-12), (done, line["learning rate"])
+        for key, top, bottom in (("learning rate", 3e-3, 0.0), ("decoupled learning rate", 1e-2, 1e-3)):
+            want = top * done / 8 if done <= 8 else bottom + (top - bottom) * max(0.0, (40 - done) / 32)
+            assert math.isclose(line[key], want, rel_tol=1e-5, abs_tol=1e-12), (key, done, line[key])
