@@ -32,6 +32,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
         pg_collection=pg_collection, vp_stage=vp_stage)
 
 

@@ -66,7 +66,6 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "quick_geglu": False,
     "use_fused_weighted_squared_relu": False,
     "position_embedding_type": AnyOf("learned_absolute", "rope", "none"),
-    "use_rope_scaling": False,
     "rope_type": AnyOf(None, "rope"),
     "no_rope_freq": None,
     "mrope_section": None,

@@ -24,12 +24,19 @@ def _gpt2_reference(config):
     return transformers.GPT2LMHeadModel(hf_config).eval()
 
 
-def _llama_reference(config, rope_base):
+# Llama 3.1's published RoPE scaling; Megatron's --use-rope-scaling fixes all but the factor.
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
+def _llama_reference(config, rope_base, scaled=False):
+    rope = dict(LLAMA31_SCALING, rope_theta=rope_base) if scaled else {"rope_type": "default", "rope_theta": rope_base}
     hf_config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, max_position_embeddings=16, rms_norm_eps=config.layernorm_epsilon,
-        rope_theta=rope_base, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+        num_key_value_heads=config.num_query_groups, max_position_embeddings=131072 if scaled else 16,
+        rms_norm_eps=config.layernorm_epsilon, rope_parameters=rope, tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False)
     return transformers.LlamaForCausalLM(hf_config).eval()
 
 
@@ -52,6 +59,16 @@ def _parity_body(rank, world_size):
     fresh = _llama_reference(ours.config, 500000.0)
     ours.load_state_dict(from_hf_llama(fresh.state_dict(), ours.config), strict=True)
     results["llama_from_hf"] = (ours(tokens) - fresh(tokens).logits).abs().max().item()
+
+    # Llama 3.1 RoPE scaling (--use-rope-scaling): the same frequencies as HF's "llama3" rope type.
+    scaled = build_gpt(llama_style(rotary_base=500000, rope_scaling=True), groups).eval()
+    hf = _llama_reference(scaled.config, 500000.0, scaled=True)
+    hf.load_state_dict(to_hf_llama(scaled.state_dict(), scaled.config), strict=True)
+    results["llama3_scaled"] = (scaled(tokens) - hf(tokens).logits).abs().max().item()
+    hf_inv_freq = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")[0]
+    results["llama3_inv_freq"] = (scaled.rotary_pos_emb.inv_freq - hf_inv_freq).abs().max().item()
+    unscaled = ours.rotary_pos_emb.inv_freq
+    assert (scaled.rotary_pos_emb.inv_freq - unscaled).abs().max() > 1e-4  # the scaling changed something
     return results
 
 

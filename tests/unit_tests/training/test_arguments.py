@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import arguments as A
 from megatron.training.flag_status import NO_OP_FLAGS, NOT_SUPPORTED_YET, AnyOf
 from megatron.training.flags_table import FLAGS_TSV
+from tests.dist_harness import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # The compatibility facts live beside the checkout (shared/docs); CI lays a copy there too.
@@ -305,6 +306,27 @@ def test_transformer_config_from_args():
     assert cfg.ffn_hidden_size == args.ffn_hidden_size and cfg.num_attention_heads == 4
     plain = A.core_transformer_config_from_args(_validated())
     assert plain.activation_func is F.gelu and plain.num_query_groups == 4 and plain.params_dtype is torch.float32
+
+
+def _entry_point_rotary(rank, world_size, extra):
+    import pretrain_gpt
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    args = _validated(extra)
+    model = pretrain_gpt.model_provider(config=A.core_transformer_config_from_args(args), args=args)
+    return model.rotary_pos_emb.inv_freq
+
+
+def test_rope_flags_reach_the_entry_point_model():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import llama3_scaled_frequencies
+
+    rope = ["--position-embedding-type", "rope", "--rotary-base", "500000"]
+    plain = run_distributed(_entry_point_rotary, 1, rope)[0]
+    scaled = run_distributed(_entry_point_rotary, 1, rope + ["--use-rope-scaling", "--rope-scaling-factor", "4"])[0]
+    assert torch.equal(plain, 1.0 / 500000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # kv_channels 16
+    assert torch.equal(scaled, llama3_scaled_frequencies(plain, factor=4.0))
 
 
 def test_scheduler_kwargs_count_samples():

@@ -56,6 +56,7 @@ class GPTModel(MegatronModule):
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
                  rotary_base: int = 10000, seq_len_interpolation_factor: Optional[float] = None,
+                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
                  pg_collection: Optional[ProcessGroupCollection] = None, vp_stage: Optional[int] = None,
                  **config_fields: Any) -> None:
         config = _config_from_keywords(config, config_fields)
@@ -79,7 +80,8 @@ class GPTModel(MegatronModule):
         self.rotary_pos_emb = None
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent, config.rotary_interleaved,
-                                                  seq_len_interpolation_factor, rotary_base)
+                                                  seq_len_interpolation_factor, rotary_base,
+                                                  rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor)
         self.decoder = TransformerBlock(config, transformer_layer_spec or get_gpt_layer_local_spec(),
                                         pre_process=pre_process, post_process=post_process,
                                         pg_collection=groups, vp_stage=vp_stage)
