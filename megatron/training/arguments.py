@@ -124,7 +124,7 @@ TRANSFORMER_SAME_NAME = (
     "add_qkv_bias", "rotary_interleaved", "init_method_std", "apply_query_key_layer_scaling",
     "attention_softmax_in_fp32", "calculate_per_token_loss", "masked_softmax_fusion", "bias_dropout_fusion",
     "apply_rope_fusion", "cross_entropy_loss_fusion", "recompute_granularity", "recompute_method",
-    "recompute_num_layers", "distribute_saved_activations",
+    "recompute_num_layers", "distribute_saved_activations", "window_size",
 )
 
 # Fields computed from one or more flags.
@@ -148,7 +148,7 @@ TRANSFORMER_DERIVED: Dict[str, Callable[[argparse.Namespace], Any]] = {
 TRANSFORMER_NOT_FROM_FLAGS = frozenset({
     "timers", "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
     "param_sync_func", "variable_seq_lengths", "init_method", "output_layer_init_method", "softmax_scale",
-    "window_size", "memory_efficient_layer_norm",
+    "memory_efficient_layer_norm",
 })
 
 

@@ -58,7 +58,7 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "qk_clip": False,
     "attention_output_gate": False,
     "softmax_type": "vanilla",
-    "window_size": None,
+    "window_attn_skip_freq": None,  # --window-size is implemented; mixing in full-attention layers is not
     "use_kitchen_attention": False,
     # Activations, positions and initialisations we do not implement.
     "glu_linear_offset": 0.0,

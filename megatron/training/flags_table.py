@@ -81,7 +81,19 @@ def exit_signal(text: str) -> signal.Signals:
     return signal.Signals(int(text))
 
 
-CUSTOM_TYPES: Dict[str, Callable[[str], Any]] = {"attention_backend": attn_backend, "exit_signal": exit_signal}
+def int_tuple(text: str) -> Tuple[int, ...]:
+    """'4096,0' or '(4096, 0)' -> (4096, 0): Megatron's tuple flags (``--window-size``).
+
+    The number of entries is checked where the value is used (``TransformerConfig``).
+    """
+    try:
+        return tuple(int(p) for p in text.strip().strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 4096,0, got {text!r}") from None
+
+
+CUSTOM_TYPES: Dict[str, Callable[[str], Any]] = {"attention_backend": attn_backend, "exit_signal": exit_signal,
+                                                 "window_size": int_tuple}
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,9 @@ def set_position_embeddings(args: argparse.Namespace) -> None:
         _require(args.max_position_embeddings >= args.seq_length,
                  f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
                  f"({args.seq_length})")
+    window = args.window_size
+    _require(window is None or (len(window) == 2 and min(window) >= -1),
+             f"--window-size {window}: give left,right (e.g. 4095,0), each >= 0 or -1 for unlimited")
 
 
 def set_precision(args: argparse.Namespace) -> None:

@@ -25,6 +25,21 @@ def _dropout_rng(active: bool):
     return get_cuda_rng_tracker().fork() if active else contextlib.nullcontext()
 
 
+def sliding_window_mask(sq: int, sk: int, window: Tuple[int, int], device: torch.device) -> torch.Tensor:
+    """``[sq, sk]`` boolean, True where query i may not see key j: outside ``i - left <= j <= i + right``.
+
+    ``window = (left, right)`` as Megatron's ``--window-size``; -1 means unlimited on that side.
+    """
+    left, right = window
+    offset = (torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None])  # j - i
+    blocked = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        blocked |= offset < -left
+    if right >= 0:
+        blocked |= offset > right
+    return blocked
+
+
 class DotProductAttention(MegatronModule):
     """softmax(q k^T * scale + mask) v for this rank's heads.
 
@@ -52,6 +67,9 @@ class DotProductAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         dropout_p = self.config.attention_dropout if self.training else 0.0
         causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if self.config.window_size is not None:
+            attention_mask = self._with_window(attention_mask, causal, q.shape[-2], k.shape[-2], q.device)
+            causal = False
         with _dropout_rng(dropout_p > 0):
             if self.use_sdpa:
                 keep = None if attention_mask is None else ~attention_mask
@@ -60,6 +78,14 @@ class DotProductAttention(MegatronModule):
             else:
                 ctx = self._unfused(q, k, v, attention_mask, causal, dropout_p)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads*d]
+
+    def _with_window(self, mask: Optional[torch.Tensor], causal: bool, sq: int, sk: int,
+                     device: torch.device) -> torch.Tensor:
+        """``mask`` (True = blocked) with the sliding window, and the causal mask, folded in."""
+        blocked = sliding_window_mask(sq, sk, self.config.window_size, device)  # [sq, sk]
+        if causal:
+            blocked = blocked | torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+        return blocked if mask is None else mask | blocked
 
     def _unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                  causal: bool, dropout_p: float) -> torch.Tensor:

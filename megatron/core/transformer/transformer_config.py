@@ -111,6 +111,7 @@ class TransformerConfig(ModelParallelConfig):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
         self._check_recompute()
+        self._check_window()
         if self.initialization_seed is not None and not self.use_cpu_initialization:
             raise ValueError(f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
                              "(per-rank initialization draws from the model-parallel RNG instead)")
@@ -123,6 +124,15 @@ class TransformerConfig(ModelParallelConfig):
         if self.fp32_residual_connection:
             # The residual stream, and so what pipeline stages exchange, stays in fp32.
             self.pipeline_dtype = torch.float32
+
+    def _check_window(self) -> None:
+        if self.window_size is None:
+            return
+        window = tuple(self.window_size)
+        if len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
+            raise ValueError(f"window_size={self.window_size!r} (--window-size): need (left, right) integers, "
+                             "each >= 0 or -1 for unlimited")
+        self.window_size = window
 
     def _check_recompute(self) -> None:
         if self.recompute_granularity not in (None, "full", "selective"):

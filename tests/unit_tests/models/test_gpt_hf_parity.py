@@ -40,6 +40,32 @@ def _llama_reference(config, rope_base, scaled=False):
     return transformers.LlamaForCausalLM(hf_config).eval()
 
 
+def _mistral_reference(config, sliding_window):
+    hf_config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, max_position_embeddings=16, rms_norm_eps=config.layernorm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=sliding_window,
+        tie_word_embeddings=False)
+    return transformers.MistralForCausalLM(hf_config).eval()
+
+
+def _sliding_window_body(rank, world_size):
+    """Mistral's sliding_window=W lets query i see keys i-W+1..i: Megatron's window_size=(W-1, 0)."""
+    groups = ps.initialize_model_parallel(1, 1)
+    tokens, _ = batch(b=2)
+    results, logits = {}, {}
+    for backend in ("auto", "unfused"):
+        ours = build_gpt(llama_style(window_size=(3, 0), attention_backend=backend), groups, seed=5).eval()
+        hf = _mistral_reference(ours.config, sliding_window=4)
+        hf.load_state_dict(to_hf_llama(ours.state_dict(), ours.config), strict=True)
+        logits[backend] = ours(tokens)
+        results[f"mistral_window_{backend}"] = (logits[backend] - hf(tokens).logits).abs().max().item()
+    full = build_gpt(llama_style(), groups, seed=5).eval()
+    assert (full(tokens) - logits["auto"]).abs().max() > 1e-2  # the window changes the result
+    return results
+
+
 def _parity_body(rank, world_size):
     groups = ps.initialize_model_parallel(1, 1)
     tokens, _ = batch(b=2)
@@ -72,7 +98,8 @@ def _parity_body(rank, world_size):
     return results
 
 
-def test_logits_match_hugging_face():
-    results = run_distributed(_parity_body, 1)[0]
+@pytest.mark.parametrize("body", [_parity_body, _sliding_window_body])
+def test_logits_match_hugging_face(body):
+    results = run_distributed(body, 1)[0]
     for name, diff in results.items():
         assert diff <= MAX_ABS, f"{name}: max |logits diff| = {diff:.3g} > {MAX_ABS}"

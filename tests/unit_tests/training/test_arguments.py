@@ -61,7 +61,7 @@ def _check_parsed(row, value):
         if row["choices"]:
             assert _as_table_text(v) == word, (row["dest"], v)
         else:
-            assert v == 1 or v == "1", (row["dest"], v)
+            assert v in (1, "1", (1,)), (row["dest"], v)  # (1,): a tuple flag (--window-size)
 
 
 def test_repo_table_is_a_copy_of_the_shared_table():
@@ -143,6 +143,7 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
     (["--multi-latent-attention"], "--multi-latent-attention"),
     (["--fp8-format", "hybrid"], "--fp8-format"),
     (["--position-embedding-type", "relative"], "--position-embedding-type"),
+    (["--window-size", "8,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq"),
 ])
 def test_unsupported_flag_is_refused_not_ignored(extra, flag):
     with pytest.raises(A.UnsupportedFlagError) as err:
@@ -248,6 +249,7 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
     (["--group-query-attention", "--num-query-groups", "3"], 1, r"--num-query-groups \(3\)"),
     (["--batch-size", "4"], 1, r"--batch-size.*--micro-batch-size"),
     (["--recompute-granularity", "full"], 1, r"--recompute-method"),
+    (["--window-size", "8"], 1, r"--window-size \(8,\): give left,right"),
     (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
 ])
 def test_validation_errors_name_flags_and_values(extra, world, pattern):
@@ -292,7 +294,8 @@ def test_transformer_config_from_args():
                        "--num-query-groups", "2", "--normalization", "RMSNorm", "--bf16", "--hidden-dropout", "0.0",
                        "--attention-dropout", "0.05", "--init-method-std", "0.01", "--qk-layernorm",
                        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations",
-                       "--calculate-per-token-loss", "--apply-layernorm-1p", "--norm-epsilon", "1e-6"],
+                       "--calculate-per-token-loss", "--apply-layernorm-1p", "--norm-epsilon", "1e-6",
+                       "--window-size", "(7, 0)"],
                       world_size=2)
     cfg = A.core_transformer_config_from_args(args)
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu
@@ -302,7 +305,7 @@ def test_transformer_config_from_args():
     assert (cfg.hidden_dropout, cfg.attention_dropout, cfg.init_method_std) == (0.0, 0.05, 0.01)
     assert cfg.qk_layernorm and cfg.sequence_parallel and cfg.tensor_model_parallel_size == 2
     assert cfg.recompute_granularity == "selective" and cfg.calculate_per_token_loss
-    assert cfg.layernorm_zero_centered_gamma and cfg.layernorm_epsilon == 1e-6
+    assert cfg.layernorm_zero_centered_gamma and cfg.layernorm_epsilon == 1e-6 and cfg.window_size == (7, 0)
     assert cfg.ffn_hidden_size == args.ffn_hidden_size and cfg.num_attention_heads == 4
     plain = A.core_transformer_config_from_args(_validated())
     assert plain.activation_func is F.gelu and plain.num_query_groups == 4 and plain.params_dtype is torch.float32
