@@ -130,11 +130,10 @@ def run_schedule(*, forward_step_func: Callable, data_iterator: Any, model: Mode
     chunks = as_chunk_list(model)
     groups = resolve_process_groups(pg_collection)
     config = get_model_config(chunks)
-    if getattr(config, "variable_seq_lengths", False):
-        raise NotImplementedError("variable_seq_lengths=True is not supported by the pipeline schedules yet")
     pp_size, rank = groups.size_of("pp"), groups.rank_in("pp")
     comm = P2PCommunicator(groups.pp, groups.ranks["pp"], activation_shape(seq_length, micro_batch_size, config,
-                                                                             groups), config.pipeline_dtype)
+                                                                             groups), config.pipeline_dtype,
+                           variable_shapes=bool(getattr(config, "variable_seq_lengths", False)))
     run = _PipelineRun(chunks, _as_iterator_list(data_iterator, len(chunks)), config, comm, forward_step_func,
                        num_microbatches, forward_only, collect_non_loss_data)
     slots = st.rank_slots(rank, pp_size, num_microbatches, len(chunks), forward_only)

@@ -6,6 +6,10 @@ activation shape and dtype. ``exchange`` posts any mix of sends and receives as 
 batches (see ``schedule_table.comm_plan``), which keeps gloo and NCCL free of deadlock.
 Megatron's helpers (``send_forward``, ``recv_backward``, ``send_forward_recv_backward``
 ...) are thin wrappers over ``exchange``.
+
+With ``variable_seq_lengths`` the shapes are not known in advance: every exchange is
+preceded by a batch of the same pattern carrying each tensor's shape (``SHAPE_RANK``
+int64 values), so receivers allocate buffers of the right size.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from megatron.core.parallel_state import ProcessGroupCollection
 
 Shape = Tuple[int, ...]
+SHAPE_RANK = 3  # activations between stages are [s, b, h]
 
 
 def activation_shape(seq_length: int, micro_batch_size: int, config: Any,
@@ -41,8 +46,9 @@ class P2PCommunicator:
     """
 
     def __init__(self, pp_group: dist.ProcessGroup, pp_ranks: Sequence[int], tensor_shape: Shape,
-                 dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
+                 dtype: torch.dtype, device: Optional[torch.device] = None, variable_shapes: bool = False) -> None:
         self.group, self.ranks = pp_group, list(pp_ranks)
+        self.variable_shapes = variable_shapes
         self.rank_in_group = self.ranks.index(dist.get_rank())
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
         self.device = device or (torch.device("cuda", torch.cuda.current_device())
@@ -71,19 +77,36 @@ class P2PCommunicator:
         Returns:
             The received tensors, in the order of ``recvs``.
         """
-        ops, received = [], []
-        for tensor, peer in sends:
+        for tensor, _ in sends:
             if tensor.dtype != self.dtype:
                 raise TypeError(f"pipeline send of dtype {tensor.dtype}, expected pipeline_dtype={self.dtype}")
-            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer, group=self.group))
-        for peer, shape in recvs:
-            buffer = self.empty(shape)
-            received.append(buffer)
-            ops.append(dist.P2POp(dist.irecv, buffer, peer, group=self.group))
+        if self.variable_shapes:
+            recvs = self._exchange_shapes(sends, recvs)
+        buffers = [self.empty(shape) for _, shape in recvs]
+        self._post([t.detach().contiguous() for t, _ in sends], [p for _, p in sends], buffers, [p for p, _ in recvs])
+        return buffers
+
+    def _exchange_shapes(self, sends: Sequence[Tuple[torch.Tensor, int]],
+                         recvs: Sequence[Tuple[int, Optional[Shape]]]) -> List[Tuple[int, Shape]]:
+        """Tell each receiver the shape of what follows; returns ``recvs`` with the shapes received."""
+        outgoing = []
+        for tensor, _ in sends:
+            if tensor.dim() != SHAPE_RANK:
+                raise ValueError(f"variable_seq_lengths: stage outputs must have {SHAPE_RANK} dims, "
+                                 f"got shape {tuple(tensor.shape)}")
+            outgoing.append(torch.tensor(tensor.shape, dtype=torch.int64, device=self.device))
+        incoming = [torch.empty(SHAPE_RANK, dtype=torch.int64, device=self.device) for _ in recvs]
+        self._post(outgoing, [p for _, p in sends], incoming, [p for p, _ in recvs])
+        return [(peer, tuple(int(v) for v in shape.tolist())) for (peer, _), shape in zip(recvs, incoming)]
+
+    def _post(self, send_tensors: Sequence[torch.Tensor], send_peers: Sequence[int],
+              recv_buffers: Sequence[torch.Tensor], recv_peers: Sequence[int]) -> None:
+        """One ``batch_isend_irecv`` of all sends then all receives; waits for every one."""
+        ops = [dist.P2POp(dist.isend, t, peer, group=self.group) for t, peer in zip(send_tensors, send_peers)]
+        ops += [dist.P2POp(dist.irecv, b, peer, group=self.group) for b, peer in zip(recv_buffers, recv_peers)]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        return received
 
     # Megatron's named helpers. ``None`` tensors (first / last stage) send nothing.
     def _exchange_optional(self, send: Optional[torch.Tensor], send_to: int,
