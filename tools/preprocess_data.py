@@ -87,6 +87,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--partitions", type=int, default=1, help="process the input in this many parts, then merge")
     g.add_argument("--log-interval", type=int, default=1000, help="report progress every this many documents")
     g.add_argument("--strict", action="store_true", help="stop at the first bad input line")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="Megatron's flag to keep input order with --partitions; the order is always kept here")
     args = p.parse_args(argv)
     for flag in ("workers", "partitions", "log_interval"):
         if getattr(args, flag) < 1:
