@@ -38,6 +38,16 @@ class FlopsConfig:
     num_query_groups: Optional[int] = None  # None: one key/value head per query head
     kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
     swiglu: bool = False
+    num_moe_layers: int = 0  # of num_layers, whose MLP runs moe_router_topk experts of moe_ffn_hidden_size
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+
+
+def _num_moe_layers(args: argparse.Namespace) -> int:
+    if not getattr(args, "num_experts", None):
+        return 0
+    freq = args.moe_layer_freq
+    return sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
 
 
 def flops_config_from_args(args: argparse.Namespace) -> FlopsConfig:
@@ -49,7 +59,9 @@ def flops_config_from_args(args: argparse.Namespace) -> FlopsConfig:
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
         padded_vocab_size=args.padded_vocab_size, num_query_groups=groups or args.num_query_groups,
-        kv_channels=args.kv_channels, swiglu=bool(args.swiglu))
+        kv_channels=args.kv_channels, swiglu=bool(args.swiglu), num_moe_layers=_num_moe_layers(args),
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or 0,
+        moe_router_topk=getattr(args, "moe_router_topk", 0) or 0)
 
 
 def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
@@ -67,6 +79,8 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     * MLP: h -> f and f -> h: 4*h*f; with SwiGLU the first projection is
       h -> 2f (gate and up): 6*h*f;
     * logits (once, not per layer): 2*h*V.
+    * MoE layers: the MLP term with f = topk * moe_ffn_hidden_size (each token runs k
+      experts; the router's 2*h*E is not counted).
 
     The backward pass costs twice the forward (a gradient for the input and one
     for the weight of every matmul), so the iteration costs 3x the forward:
@@ -82,8 +96,11 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     q = cfg.num_attention_heads * d
     k = (cfg.num_query_groups or cfg.num_attention_heads) * d
     gated = 1.5 if cfg.swiglu else 1.0
-    per_layer = 4 * h * q * (1 + k / q) + 4 * s * q + 4 * h * cfg.ffn_hidden_size * gated
-    forward_per_token = cfg.num_layers * per_layer + 2 * h * cfg.padded_vocab_size
+    attention = 4 * h * q * (1 + k / q) + 4 * s * q
+    dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
+    moe_ffn = cfg.num_moe_layers * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
+    forward_per_token = (cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated
+                         + 2 * h * cfg.padded_vocab_size)
     return 3.0 * batch_size * s * forward_per_token
 
 

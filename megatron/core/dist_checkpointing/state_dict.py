@@ -61,7 +61,8 @@ def _entries(model_chunk: torch.nn.Module, prefix: str,
     for name, tensor in model.state_dict(keep_vars=True).items():
         if not isinstance(tensor, torch.Tensor):
             continue
-        if getattr(tensor, "allreduce", True) is False:
+        if getattr(tensor, "allreduce", True) is False and groups.size_of("ep") > 1:
+            # With one expert-parallel rank, experts are sharded over TP like any layer.
             raise NotImplementedError(f"{name}: expert-parallel parameters are not supported by sharded "
                                       "checkpoints yet")
         if getattr(tensor, "shared_embedding", False):

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -105,6 +106,16 @@ def _scaled_loss(outputs: tuple, num_microbatches: int, per_token: bool) -> Tupl
     raise ValueError(f"loss_func must return 2 or 3 values, got {len(outputs)}")
 
 
+def set_aux_loss_scale(config: Any, num_microbatches: int) -> None:
+    """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token)."""
+    scale = torch.ones(1)
+    if config.grad_scale_func is not None:
+        scale = config.grad_scale_func(scale)
+    if not getattr(config, "calculate_per_token_loss", False):
+        scale = scale / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
 def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: torch.nn.Module,
                  num_microbatches: int, input_tensor: Optional[torch.Tensor], forward_data_store: List[Any],
                  config: Any, is_last_stage: bool = True,
@@ -116,6 +127,8 @@ def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
         scaled for backward (last stage); ``num_tokens`` is 0 off the last stage.
     """
     unwrap_model(model, "set_input_tensor").set_input_tensor([input_tensor])
+    if getattr(config, "num_moe_experts", None):
+        set_aux_loss_scale(config, num_microbatches)
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     zero = torch.tensor(0, dtype=torch.int)
     if not is_last_stage:

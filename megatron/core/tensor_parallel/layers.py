@@ -124,7 +124,9 @@ class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its output dim: rank i holds ``A[i*o/tp:(i+1)*o/tp]``.
 
     Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism, all-gathered
-    here); output ``[s, b, o/tp]``, or ``[s, b, o]`` with ``gather_output``.
+    here); output ``[s, b, o/tp]``, or ``[s, b, o]`` with ``gather_output``. An expert
+    layer (``is_expert``) on more than one rank communicates nothing: its MoE layer
+    hands it tokens present on every rank and reduces their gradient itself.
     """
 
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
@@ -143,6 +145,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
         self.tp_group = _resolve_group(tp_group, is_expert)
         world = dist.get_world_size(self.tp_group)
+        # Expert layers leave communication to the MoE layer, which gathers the tokens once.
+        self.explicit_expert_comm = is_expert and world > 1
         self.output_size_per_partition = divide(output_size, world)
         shape = (self.output_size_per_partition, input_size)
         if skip_weight_param_allocation:
@@ -179,7 +183,9 @@ class ColumnParallelLinear(torch.nn.Module):
             runtime_gather_output: overrides ``gather_output`` for this call.
         """
         weight = self._check_weight(weight)
-        if self.sequence_parallel:
+        if self.explicit_expert_comm:
+            total_input = input_  # [tokens, h], already on every rank of the group
+        elif self.sequence_parallel:
             total_input = gather_from_sequence_parallel_region(input_, True, self.tp_group)  # [s, b, h]
         else:
             total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h]
@@ -201,7 +207,9 @@ class RowParallelLinear(torch.nn.Module):
     Input ``[s, b, h/tp]`` (``input_is_parallel``) or ``[s, b, h]`` (scattered
     here); the partial products are summed over TP (all-reduce, or reduce-scatter
     along the sequence dim to ``[s/tp, b, o]`` under sequence parallelism). The bias
-    is replicated and added after the reduction.
+    is replicated and added after the reduction. An expert layer (``is_expert``) on more
+    than one rank returns the partial sums (its MoE layer reduces them) and its bias
+    separately (``skip_bias_add`` required).
     """
 
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
@@ -218,6 +226,10 @@ class RowParallelLinear(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
         self.tp_group = _resolve_group(tp_group, is_expert)
+        self.explicit_expert_comm = is_expert and dist.get_world_size(self.tp_group) > 1
+        if self.explicit_expert_comm and bias and not skip_bias_add:
+            raise ValueError("RowParallelLinear: an expert layer on several TP ranks needs skip_bias_add=True "
+                             "(the bias must be added after the MoE layer's reduction)")
         self.input_size_per_partition = divide(input_size, dist.get_world_size(self.tp_group))
         self.weight = _make_weight((output_size, self.input_size_per_partition), (output_size, input_size), 1,
                                    stride, init_method, config, self.tp_group, _rng_stream(is_expert))
@@ -226,7 +238,7 @@ class RowParallelLinear(torch.nn.Module):
             self.bias = _make_bias(output_size, config)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
             # Under SP each rank's bias grad covers only its sequence piece: training must all-reduce it.
-            self.bias.sequence_parallel = config.sequence_parallel
+            self.bias.sequence_parallel = config.sequence_parallel and not self.explicit_expert_comm
             self.bias.allreduce = not is_expert
         else:
             self.register_parameter("bias", None)
@@ -238,7 +250,9 @@ class RowParallelLinear(torch.nn.Module):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h/tp]
         output_parallel = F.linear(input_parallel, self.weight)  # [s, b, o] partial sum
-        if self.sequence_parallel:
+        if self.explicit_expert_comm:
+            output = output_parallel  # the MoE layer sums the partial outputs over TP
+        elif self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)  # [s/tp, b, o]
         else:
             output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)  # [s, b, o]

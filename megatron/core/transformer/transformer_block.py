@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
 
 import torch
 
@@ -14,6 +15,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """One layer spec per global layer (index ``layer_number - 1``), e.g. MoE and dense layers mixed."""
+
+    layer_specs: List[ModuleSpec] = field(default_factory=list)
 
 
 def layer_numbers_to_build(config: TransformerConfig, pp_rank: int, pp_size: int,
@@ -28,8 +36,8 @@ def layer_numbers_to_build(config: TransformerConfig, pp_rank: int, pp_size: int
 class TransformerBlock(MegatronModule):
     """Runs this stage's layers. On non-first stages the input comes from ``set_input_tensor``."""
 
-    def __init__(self, config: TransformerConfig, spec: ModuleSpec, post_layer_norm: bool = True,
-                 pre_process: bool = True, post_process: bool = True,
+    def __init__(self, config: TransformerConfig, spec: Union[ModuleSpec, TransformerBlockSubmodules],
+                 post_layer_norm: bool = True, pre_process: bool = True, post_process: bool = True,
                  pg_collection: Optional[ProcessGroupCollection] = None, vp_stage: Optional[int] = None) -> None:
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
@@ -39,7 +47,13 @@ class TransformerBlock(MegatronModule):
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
 
-    def _build_layer(self, spec: ModuleSpec, number: int, groups: ProcessGroupCollection) -> torch.nn.Module:
+    def _build_layer(self, spec: Union[ModuleSpec, TransformerBlockSubmodules], number: int,
+                     groups: ProcessGroupCollection) -> torch.nn.Module:
+        if isinstance(spec, TransformerBlockSubmodules):
+            if len(spec.layer_specs) != self.config.num_layers:
+                raise ValueError(f"TransformerBlockSubmodules has {len(spec.layer_specs)} layer specs for "
+                                 f"num_layers={self.config.num_layers}")
+            spec = spec.layer_specs[number - 1]
         with initialization_rng(self.config.initialization_seed, f"decoder.layers.{number - 1}"):
             return build_module(spec, self.config, layer_number=number, pg_collection=groups)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +88,23 @@ class TransformerConfig(ModelParallelConfig):
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
 
+    # Mixture of experts (dropless, expert_model_parallel_size=1; see moe/moe_layer.py).
+    num_moe_experts: Optional[int] = None
+    """Experts per MoE layer (--num-experts); None: dense MLPs."""
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    """Each expert's MLP width; default ffn_hidden_size."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_pre_softmax: bool = False
+    """True: softmax over all experts, then top-k. False: top-k logits, softmax over those k."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"
+    """'allgather' or 'alltoall': the same computation with one expert-parallel rank."""
+    moe_layer_freq: Union[int, List[int]] = 1
+    """N: layers 0, N, 2N... (0-based) are MoE; or one 0/1 entry per layer."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -112,6 +129,7 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
         self._check_recompute()
         self._check_window()
+        self._check_moe()
         if self.initialization_seed is not None and not self.use_cpu_initialization:
             raise ValueError(f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
                              "(per-rank initialization draws from the model-parallel RNG instead)")
@@ -133,6 +151,55 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"window_size={self.window_size!r} (--window-size): need (left, right) integers, "
                              "each >= 0 or -1 for unlimited")
         self.window_size = window
+
+    def _check_moe(self) -> None:
+        if self.num_moe_experts is None:
+            return
+        require_positive("num_moe_experts", self.num_moe_experts)
+        require_positive("moe_router_topk", self.moe_router_topk)
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} must be <= num_moe_experts="
+                             f"{self.num_moe_experts}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        require_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        require_divisible("moe_ffn_hidden_size", self.moe_ffn_hidden_size, "expert_tensor_parallel_size",
+                          self.expert_tensor_parallel_size)
+        choices = {"moe_router_load_balancing_type": ("aux_loss", "none"),
+                   "moe_token_dispatcher_type": ("allgather", "alltoall")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be one of {allowed}")
+        if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0):
+            raise ValueError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}, moe_z_loss_coeff="
+                             f"{self.moe_z_loss_coeff}: coefficients must be >= 0")
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"moe_router_topk_scaling_factor={factor}: must be > 0")
+        if self.expert_model_parallel_size != 1 or self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
+            raise ValueError(f"expert_model_parallel_size={self.expert_model_parallel_size}, "
+                             f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}: only 1 and "
+                             f"tensor_model_parallel_size={self.tensor_model_parallel_size} are supported yet")
+        self._check_moe_layer_freq()
+
+    def _check_moe_layer_freq(self) -> None:
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            require_positive("moe_layer_freq", freq)
+            return
+        pattern = list(freq)
+        if len(pattern) != self.num_layers or any(p not in (0, 1) for p in pattern):
+            raise ValueError(f"moe_layer_freq={freq!r}: a list needs one 0/1 entry per layer "
+                             f"(num_layers={self.num_layers})")
+        self.moe_layer_freq = pattern
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether the global 1-based ``layer_number`` holds a MoE layer (``moe_layer_freq``)."""
+        if self.num_moe_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return (layer_number - 1) % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer_number - 1])
 
     def _check_recompute(self) -> None:
         if self.recompute_granularity not in (None, "full", "selective"):

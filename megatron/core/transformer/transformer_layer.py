@@ -37,6 +37,8 @@ class TransformerLayer(MegatronModule):
                                            pg_collection=pg_collection)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, h, config.layernorm_epsilon)
         self.mlp = build_module(submodules.mlp, config, pg_collection=pg_collection)
+        if hasattr(self.mlp, "set_layer_number"):  # MoE: aux losses are tracked per layer
+            self.mlp.set_layer_number(layer_number)
 
     def _bias_dropout_add(self, out: torch.Tensor, bias: Optional[torch.Tensor],
                           residual: torch.Tensor) -> torch.Tensor:

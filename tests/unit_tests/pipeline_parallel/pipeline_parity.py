@@ -17,6 +17,7 @@ from megatron.core.models import GPTModel
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads, sync_tied_embeddings
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from tests.model_utils import SEQ, batch, build_gpt, single_rank_groups
 
 MICRO = 2
@@ -133,6 +134,27 @@ def run_pipeline(chunks, groups, tokens, labels, num_mb: int, forward_only: bool
     return loss
 
 
+def reference_loss_backward(reference: GPTModel, tokens: torch.Tensor, labels: torch.Tensor,
+                            num_micro: int) -> torch.Tensor:
+    """Back-propagate the reference's mean loss; returns it.
+
+    With MoE the aux losses depend on which tokens are routed together, so the reference runs
+    the pipeline's ``num_micro`` microbatches one by one, each weighted 1/num_micro like the
+    schedule weights them (main loss and aux losses alike).
+    """
+    if not reference.config.num_moe_experts:
+        loss = reference(tokens, None, None, labels=labels).mean()
+        loss.backward()
+        return loss.detach()
+    MoEAuxLossAutoScaler.set_loss_scale(1.0 / num_micro)
+    total = torch.zeros(())
+    for i in range(0, tokens.shape[0], MICRO):
+        loss = reference(tokens[i:i + MICRO], None, None, labels=labels[i:i + MICRO]).mean() / num_micro
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def check_parity(kwargs: Dict, groups: ProcessGroupCollection, vp: int, num_mb: int, what: str,
                  iterations: int = 3, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Train the stage chunks and the PP=1 reference side by side; compare loss, grads, weights."""
@@ -152,8 +174,7 @@ def check_parity(kwargs: Dict, groups: ProcessGroupCollection, vp: int, num_mb: 
         _STAGE_OUTPUTS.clear()
         loss = run_pipeline(chunks, groups, tokens, labels, num_mb)
         check_released(chunks, f"{what} iteration {it}")
-        ref_loss = reference(tokens, None, None, labels=labels).mean()
-        ref_loss.backward()
+        ref_loss = reference_loss_backward(reference, tokens, labels, num_mb * groups.size_of("dp"))
         if loss is not None:
             torch.testing.assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol,
                                        msg=lambda m: f"{what} iteration {it} loss: {m}")

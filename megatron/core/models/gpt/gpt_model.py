@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.tensor_parallel import (ColumnParallelLinear, gather_from_tensor_model_parallel_region,
                                            initialization_rng, vocab_parallel_cross_entropy)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # Defaults of the short keyword form only (GPT-2's vocabulary padded to 128, its context).
@@ -42,6 +42,8 @@ class GPTModel(MegatronModule):
     vocab_size=..., max_sequence_length=...)``, or in the short form
     ``GPTModel(num_layers=..., hidden_size=..., num_attention_heads=...,
     tensor_model_parallel_size=..., ...)`` where any TransformerConfig field may be given.
+    Without a spec the layers come from ``get_gpt_decoder_block_spec(config)`` (MoE layers
+    where ``num_moe_experts`` and ``moe_layer_freq`` put them, dense otherwise).
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, labels=None)`` returns
     logits ``[b, s, vocab/tp]`` (``[b, s, vocab]`` with ``parallel_output=False``), or the
@@ -50,7 +52,7 @@ class GPTModel(MegatronModule):
     """
 
     def __init__(self, config: Optional[TransformerConfig] = None,
-                 transformer_layer_spec: Optional[ModuleSpec] = None,
+                 transformer_layer_spec: Optional[Union[ModuleSpec, TransformerBlockSubmodules]] = None,
                  vocab_size: Optional[int] = None, max_sequence_length: Optional[int] = None,
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
@@ -82,7 +84,7 @@ class GPTModel(MegatronModule):
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent, config.rotary_interleaved,
                                                   seq_len_interpolation_factor, rotary_base,
                                                   rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor)
-        self.decoder = TransformerBlock(config, transformer_layer_spec or get_gpt_layer_local_spec(),
+        self.decoder = TransformerBlock(config, transformer_layer_spec or get_gpt_decoder_block_spec(config),
                                         pre_process=pre_process, post_process=post_process,
                                         pg_collection=groups, vp_stage=vp_stage)
         if post_process:

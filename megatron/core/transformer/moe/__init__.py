@@ -1,0 +1,9 @@
+"""Mixture of experts: top-k router, sequential experts, the MoE layer and its auxiliary losses."""
+
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_aux_loss_tracker, reduce_aux_losses
+from megatron.core.transformer.moe.router import TopKRouter
+
+__all__ = ["MoEAuxLossAutoScaler", "MoELayer", "MoESubmodules", "SequentialMLP", "TopKRouter",
+           "get_aux_loss_tracker", "reduce_aux_losses"]

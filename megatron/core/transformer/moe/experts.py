@@ -1,0 +1,52 @@
+"""Experts run one after another, each an ``MLP`` (``is_expert=True``) on the tokens routed to it."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SequentialMLP(MegatronModule):
+    """``local_experts.{i}``: one MLP per expert, each split over the expert-TP group.
+
+    ``forward`` returns this rank's partial sum over TP of ``sum_k p[t, e_k] * expert_{e_k}(x_t)``;
+    the MoE layer reduces it. Every expert runs, also on zero tokens, so every parameter gets a
+    gradient (zeros) each step.
+    """
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig,
+                 submodules: Union[ModuleSpec, type, None] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__(config)
+        groups = resolve_process_groups(pg_collection)
+        self.tp_group = groups.expt_tp
+        self.local_experts = torch.nn.ModuleList(
+            build_module(submodules or MLP, config, pg_collection=groups, ffn_hidden_size=config.moe_ffn_hidden_size,
+                         is_expert=True)
+            for _ in range(num_local_experts))
+
+    def _bias_share(self, bias: torch.Tensor) -> torch.Tensor:
+        """The replicated output bias as a partial sum over TP: whole on rank 0, zero elsewhere."""
+        bias = copy_to_tensor_model_parallel_region(bias, self.tp_group)  # gradient summed over TP
+        return bias if dist.get_rank(self.tp_group) == 0 else bias * 0.0
+
+    def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """``tokens`` ``[T, h]``, ``probs`` and ``routing_map`` ``[T, E]`` -> partial output ``[T, h]``."""
+        output = torch.zeros_like(tokens)  # [T, h]
+        for e, expert in enumerate(self.local_experts):
+            index = routing_map[:, e].nonzero(as_tuple=True)[0]  # [n_e]
+            out, bias = expert(tokens[index])  # [n_e, h] partial over TP, [h] or None
+            if bias is not None:
+                out = out + self._bias_share(bias)
+            weighted = out * probs[index, e].unsqueeze(-1).to(out.dtype)  # [n_e, h]
+            output = output.index_add(0, index, weighted)
+        return output

@@ -1,0 +1,128 @@
+"""Auxiliary losses of MoE routers: their formulas, how they reach the gradients, and their logging.
+
+The aux losses are not part of the model's output. ``MoEAuxLossAutoScaler`` returns its input
+unchanged and, in backward, also back-propagates the aux loss with gradient ``loss_scale``.
+The pipeline ``forward_step`` sets that scale exactly like the main loss is scaled (1 /
+number of microbatches, or 1 with ``calculate_per_token_loss``, times the fp16 loss scale).
+
+``AuxLossTracker`` keeps, per global layer, the detached coefficient-free values
+(aux / coeff, as Megatron logs them) summed over the microbatches of one iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.utils import comm_device
+
+LOAD_BALANCING_LOSS = "load_balancing_loss"
+Z_LOSS = "z_loss"
+
+
+def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
+                               coeff: float) -> torch.Tensor:
+    """Switch-Transformer balance loss as Megatron defines it.
+
+    ``coeff * E / (k * T^2) * sum_e (sum_t p[t, e]) * tokens_per_expert[e]``, with ``probs``
+    ``[T, E]`` the softmax over all experts and ``tokens_per_expert`` ``[E]`` the top-k counts.
+    Uniform routing gives ``coeff``.
+    """
+    num_tokens, num_experts = probs.shape
+    per_expert = probs.sum(dim=0) * tokens_per_expert.to(probs.dtype)  # [E]
+    return per_expert.sum() * (coeff * num_experts / (topk * num_tokens * num_tokens))
+
+
+def router_z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE z-loss: ``coeff * mean_t logsumexp(logits[t])^2`` over ``logits`` ``[T, E]``."""
+    return torch.square(torch.logsumexp(logits.float(), dim=-1)).mean() * coeff
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``output``; backward also sends ``loss_scale * weight`` into ``aux_loss``.
+
+    ``weight`` lets tensor-parallel ranks that all compute the same aux loss contribute it
+    once (see ``MoELayer``).
+    """
+
+    loss_scale: torch.Tensor = torch.tensor(1.0)
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.weight = weight
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.loss_scale.to(aux_loss.device, aux_loss.dtype)
+        return grad_output, torch.ones_like(aux_loss) * scale * ctx.weight, None
+
+    @staticmethod
+    def set_loss_scale(scale: Union[torch.Tensor, float]) -> None:
+        """Gradient given to every aux loss in backward (what the main loss is multiplied by)."""
+        MoEAuxLossAutoScaler.loss_scale = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(())
+
+
+class AuxLossTracker:
+    """Per-layer sums of detached aux-loss values (``name -> [num_layers]``) since the last clear."""
+
+    def __init__(self) -> None:
+        self.values: Dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
+        """Add ``value`` to global 1-based ``layer_number``'s entry of ``name``."""
+        if name not in self.values:
+            self.values[name] = torch.zeros(num_layers, dtype=torch.float32, device=value.device)
+        self.values[name][layer_number - 1] += value.detach().float()
+
+    def clear(self) -> None:
+        self.values.clear()
+
+
+_TRACKER = AuxLossTracker()
+
+
+def get_aux_loss_tracker() -> AuxLossTracker:
+    """The tracker every router writes to (one per process, like Megatron's)."""
+    return _TRACKER
+
+
+def tracked_aux_loss_names(config) -> List[str]:
+    """Names the routers of ``config`` track: the balance loss when its coefficient is > 0, the z-loss when set."""
+    if config.num_moe_experts is None:
+        return []
+    names = []
+    if config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff > 0:
+        names.append(LOAD_BALANCING_LOSS)
+    if config.moe_z_loss_coeff:
+        names.append(Z_LOSS)
+    return names
+
+
+def reduce_aux_losses(config, groups: ProcessGroupCollection, num_microbatches: int,
+                      tracker: AuxLossTracker = _TRACKER) -> Dict[str, float]:
+    """Logged aux losses of one iteration; clears the tracker. Collective over PP and DP.
+
+    Each value is Megatron's: the coefficient-free loss averaged over the MoE layers (layers
+    of all pipeline stages, summed over PP), over the microbatches and over data-parallel
+    ranks. Tensor-parallel ranks route the same tokens, so they hold equal values.
+    """
+    names = tracked_aux_loss_names(config)
+    if not names:
+        return {}
+    device = comm_device()
+    zeros = torch.zeros(config.num_layers, dtype=torch.float32)
+    values = torch.stack([tracker.values.get(n, zeros).to(device) for n in names])  # [names, layers]
+    tracker.clear()
+    if groups.size_of("pp") > 1:
+        dist.all_reduce(values, group=groups.pp)
+    if groups.size_of("dp_cp") > 1:
+        dist.all_reduce(values, group=groups.dp_cp)
+    num_moe_layers = sum(config.is_moe_layer(n) for n in range(1, config.num_layers + 1))
+    totals = values.sum(dim=1) / (num_moe_layers * num_microbatches * groups.size_of("dp_cp"))
+    return {name: float(v) for name, v in zip(names, totals.cpu())}
