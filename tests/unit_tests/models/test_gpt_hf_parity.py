@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
-from megatron.core.models.gpt.hf_state_dict import from_hf_llama, to_hf_gpt2, to_hf_llama
+from megatron.core.models.gpt.hf_state_dict import (from_hf_llama, from_hf_mixtral, to_hf_gpt2, to_hf_llama,
+                                                    to_hf_mixtral)
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, batch, build_gpt, gpt2_style, llama_style
 
@@ -48,6 +49,30 @@ def _mistral_reference(config, sliding_window):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=sliding_window,
         tie_word_embeddings=False)
     return transformers.MistralForCausalLM(hf_config).eval()
+
+
+def _mixtral_reference(config):
+    hf_config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.moe_ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, max_position_embeddings=16, rms_norm_eps=config.layernorm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_local_experts=config.num_moe_experts,
+        num_experts_per_tok=config.moe_router_topk, sliding_window=None, tie_word_embeddings=False)
+    return transformers.MixtralForCausalLM(hf_config).eval()
+
+
+def _mixtral_body(rank, world_size):
+    """MoE layers (top-2 of 4 experts, Megatron's top-k-then-softmax routing) against Mixtral."""
+    groups = ps.initialize_model_parallel(1, 1)
+    tokens, _ = batch(b=2)
+    ours = build_gpt(llama_style(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96), groups, seed=3).eval()
+    hf = _mixtral_reference(ours.config)
+    hf.load_state_dict(to_hf_mixtral(ours.state_dict(), ours.config), strict=True)
+    results = {"mixtral": (ours(tokens) - hf(tokens).logits).abs().max().item()}
+    fresh = _mixtral_reference(ours.config)
+    ours.load_state_dict(from_hf_mixtral(fresh.state_dict(), ours.config), strict=True)
+    results["mixtral_from_hf"] = (ours(tokens) - fresh(tokens).logits).abs().max().item()
+    return results
 
 
 def _sliding_window_body(rank, world_size):
@@ -98,7 +123,7 @@ def _parity_body(rank, world_size):
     return results
 
 
-@pytest.mark.parametrize("body", [_parity_body, _sliding_window_body])
+@pytest.mark.parametrize("body", [_parity_body, _sliding_window_body, _mixtral_body])
 def test_logits_match_hugging_face(body):
     results = run_distributed(body, 1)[0]
     for name, diff in results.items():

@@ -1,4 +1,4 @@
-"""Map full (TP=1) GPTModel state dicts to and from Hugging Face GPT-2 and Llama names.
+"""Map full (TP=1) GPTModel state dicts to and from Hugging Face GPT-2, Llama and Mixtral names.
 
 Our fused QKV weight is laid out per query group ``[q heads of the group, k, v]``; GPT-2
 stacks ``[all q, all k, all v]`` in a Conv1D (``[in, out]``) weight, Llama keeps three
@@ -63,44 +63,119 @@ def to_hf_gpt2(sd: StateDict, config: TransformerConfig) -> StateDict:
     return out
 
 
-def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
-    """Our Llama-style state dict -> ``transformers.LlamaForCausalLM`` names."""
+def _llama_layer_to_hf(sd: StateDict, config: TransformerConfig, i: int) -> StateDict:
+    """Norms and attention of layer ``i`` (everything but the MLP) in Llama/Mixtral names."""
+    ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+    q, k, v = split_qkv(sd[ours + "self_attention.linear_qkv.weight"], config)
+    return {
+        hf + "input_layernorm.weight": sd[ours + "input_layernorm.weight"],
+        hf + "post_attention_layernorm.weight": sd[ours + "pre_mlp_layernorm.weight"],
+        hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
+        hf + "self_attn.o_proj.weight": sd[ours + "self_attention.linear_proj.weight"],
+    }
+
+
+def _llama_layer_from_hf(hf: StateDict, config: TransformerConfig, i: int) -> StateDict:
+    """Inverse of ``_llama_layer_to_hf``."""
+    ours, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    return {
+        ours + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
+        ours + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
+        ours + "self_attention.linear_qkv.weight": fuse_qkv(
+            hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
+            hf[h + "self_attn.v_proj.weight"], config),
+        ours + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
+    }
+
+
+def _llama_outer_to_hf(sd: StateDict) -> StateDict:
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
            "model.norm.weight": sd["decoder.final_layernorm.weight"]}
     out["lm_head.weight"] = sd.get("output_layer.weight", out["model.embed_tokens.weight"])
+    return out
+
+
+def _llama_outer_from_hf(hf: StateDict) -> StateDict:
+    return {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+            "decoder.final_layernorm.weight": hf["model.norm.weight"],
+            "output_layer.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+
+
+def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
+    """Our Llama-style state dict -> ``transformers.LlamaForCausalLM`` names."""
+    out = _llama_outer_to_hf(sd)
     ffn = config.ffn_hidden_size
     for i in range(config.num_layers):
         ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        q, k, v = split_qkv(sd[ours + "self_attention.linear_qkv.weight"], config)
         fc1 = sd[ours + "mlp.linear_fc1.weight"]
-        out.update({
-            hf + "input_layernorm.weight": sd[ours + "input_layernorm.weight"],
-            hf + "post_attention_layernorm.weight": sd[ours + "pre_mlp_layernorm.weight"],
-            hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
-            hf + "self_attn.o_proj.weight": sd[ours + "self_attention.linear_proj.weight"],
-            hf + "mlp.gate_proj.weight": fc1[:ffn], hf + "mlp.up_proj.weight": fc1[ffn:],
-            hf + "mlp.down_proj.weight": sd[ours + "mlp.linear_fc2.weight"],
-        })
+        out.update(_llama_layer_to_hf(sd, config, i))
+        out.update({hf + "mlp.gate_proj.weight": fc1[:ffn], hf + "mlp.up_proj.weight": fc1[ffn:],
+                    hf + "mlp.down_proj.weight": sd[ours + "mlp.linear_fc2.weight"]})
     return out
 
 
 def from_hf_llama(hf: StateDict, config: TransformerConfig) -> StateDict:
     """``transformers.LlamaForCausalLM`` state dict -> our names (TP=1)."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"],
-           "output_layer.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+    out = _llama_outer_from_hf(hf)
     for i in range(config.num_layers):
         ours, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out.update(_llama_layer_from_hf(hf, config, i))
         out.update({
-            ours + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
-            ours + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
-            ours + "self_attention.linear_qkv.weight": fuse_qkv(
-                hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
-                hf[h + "self_attn.v_proj.weight"], config),
-            ours + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
             ours + "mlp.linear_fc1.weight": torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]),
             ours + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
         })
+    return out
+
+
+def _check_mixtral(config: TransformerConfig) -> None:
+    if not config.num_moe_experts or not all(config.is_moe_layer(n) for n in range(1, config.num_layers + 1)):
+        raise ValueError(f"Mixtral needs every layer to be MoE: num_moe_experts={config.num_moe_experts}, "
+                         f"moe_layer_freq={config.moe_layer_freq!r}")
+
+
+def to_hf_mixtral(sd: StateDict, config: TransformerConfig) -> StateDict:
+    """Our MoE Llama-style state dict -> ``transformers.MixtralForCausalLM`` (v5) names.
+
+    Per layer: ``mlp.gate.weight`` ``[E, h]`` (our router), ``mlp.experts.gate_up_proj``
+    ``[E, 2*ffn, h]`` (our stacked ``[gate; up]`` fc1) and ``mlp.experts.down_proj`` ``[E, h, ffn]``.
+    """
+    _check_mixtral(config)
+    out = _llama_outer_to_hf(sd)
+    for i in range(config.num_layers):
+        ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        experts = range(config.num_moe_experts)
+        out.update(_llama_layer_to_hf(sd, config, i))
+        out[hf + "gate.weight"] = sd[ours + "router.weight"]
+        for ours_name, hf_name in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
+            out[hf + "experts." + hf_name] = torch.stack(
+                [sd[f"{ours}experts.local_experts.{j}.{ours_name}.weight"] for j in experts])
+    return out
+
+
+def _mixtral_experts_from_hf(hf: StateDict, layer: int, num_experts: int) -> Tuple[list, list]:
+    """(fc1 ``[2*ffn, h]``, fc2 ``[h, ffn]``) per expert, from transformers v5's stacked tensors
+    or the older per-expert ``block_sparse_moe.experts.{j}.w1/w3/w2`` (gate/up/down)."""
+    new = f"model.layers.{layer}.mlp.experts."
+    if new + "gate_up_proj" in hf:
+        return list(hf[new + "gate_up_proj"].unbind(0)), list(hf[new + "down_proj"].unbind(0))
+    old = f"model.layers.{layer}.block_sparse_moe.experts."
+    fc1 = [torch.cat([hf[f"{old}{j}.w1.weight"], hf[f"{old}{j}.w3.weight"]]) for j in range(num_experts)]
+    return fc1, [hf[f"{old}{j}.w2.weight"] for j in range(num_experts)]
+
+
+def from_hf_mixtral(hf: StateDict, config: TransformerConfig) -> StateDict:
+    """``transformers.MixtralForCausalLM`` state dict -> our names (TP=1)."""
+    _check_mixtral(config)
+    out = _llama_outer_from_hf(hf)
+    for i in range(config.num_layers):
+        ours = f"decoder.layers.{i}.mlp."
+        gate = f"model.layers.{i}.mlp.gate.weight"
+        out.update(_llama_layer_from_hf(hf, config, i))
+        out[ours + "router.weight"] = hf[gate] if gate in hf else hf[f"model.layers.{i}.block_sparse_moe.gate.weight"]
+        fc1, fc2 = _mixtral_experts_from_hf(hf, i, config.num_moe_experts)
+        for j in range(config.num_moe_experts):
+            out[f"{ours}experts.local_experts.{j}.linear_fc1.weight"] = fc1[j].contiguous()
+            out[f"{ours}experts.local_experts.{j}.linear_fc2.weight"] = fc2[j].contiguous()
     return out
 
 
