@@ -16,7 +16,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.training import pretrain
@@ -24,9 +24,13 @@ from megatron.training.training import pretrain
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, *,
                    config: TransformerConfig, args: argparse.Namespace, pg_collection=None) -> GPTModel:
-    """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags."""
+    """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
+
+    With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer).
+    """
+    spec = get_gpt_decoder_block_spec(config) if args.num_experts else get_gpt_layer_local_spec()
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -125,6 +125,9 @@ TRANSFORMER_SAME_NAME = (
     "attention_softmax_in_fp32", "calculate_per_token_loss", "masked_softmax_fusion", "bias_dropout_fusion",
     "apply_rope_fusion", "cross_entropy_loss_fusion", "recompute_granularity", "recompute_method",
     "recompute_num_layers", "distribute_saved_activations", "window_size",
+    "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+    "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_token_dispatcher_type",
+    "moe_layer_freq",
 )
 
 # Fields computed from one or more flags.
@@ -142,6 +145,7 @@ TRANSFORMER_DERIVED: Dict[str, Callable[[argparse.Namespace], Any]] = {
     # CPU initialization seeds each layer from (--seed, layer name): every layout starts equal.
     "initialization_seed": lambda a: a.seed if a.use_cpu_initialization else None,
     "num_layers_in_last_pipeline_stage": lambda a: a.decoder_last_pipeline_num_layers,
+    "num_moe_experts": lambda a: a.num_experts,
 }
 
 # Fields no flag sets: callbacks wired by the training loop, or built by the config itself.

@@ -47,8 +47,33 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "microbatch_group_size_per_vp_stage": None,
     "account_for_embedding_in_pipeline_split": False,
     "account_for_loss_in_pipeline_split": False,
-    # Mixture of experts, multi-token prediction, latent / hybrid / experimental attention.
-    "num_experts": None,
+    # Mixture of experts beyond dropless top-k softmax routing with a Switch aux loss / z-loss.
+    "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False,
+    "moe_enable_routing_replay": False,
+    "moe_router_padding_for_quantization": False,
+    "moe_router_padding_for_fp8": False,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_score_function": "softmax",
+    "moe_router_dtype": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 0.001,
+    "moe_router_force_load_balancing": False,
+    "moe_input_jitter_eps": None,
+    "moe_token_dispatcher_type": AnyOf("allgather", "alltoall"),
+    "moe_enable_deepep": False,
+    "moe_per_layer_logging": False,
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_token_drop_policy": "probs",
+    "moe_layer_recompute": False,
+    "moe_apply_probs_on_input": False,
+    "moe_latent_size": None,
+    "moe_use_upcycling": False,
+    "moe_upcycling_granularity": 1,
+    "moe_router_load_balancing_type": AnyOf("aux_loss", "none", ["aux_loss"], ["none"]),
+    # Multi-token prediction, latent / hybrid / experimental attention.
     "mtp_num_layers": None,
     "mtp_standalone": False,
     "multi_latent_attention": False,
@@ -138,4 +163,6 @@ overlap_param_gather_with_optimizer_step align_param_gather scatter_gather_tenso
 disable_symmetric_registration fsdp_manual_registration use_sharp sharp_enabled_group create_all_gather_group
 gradient_reduce_div_fusion fsdp_double_buffer keep_fp8_transpose_cache nccl_communicator_config_path
 empty_unused_memory_level deprecated_use_mcore_models kitchen_attention_backend
+moe_grouped_gemm moe_use_legacy_grouped_gemm moe_permute_fusion moe_router_fusion moe_shared_expert_overlap
+moe_flex_dispatcher_backend moe_deepep_num_sms moe_hybridep_num_sms moe_pad_experts_for_cuda_graph_inference
 """.split())

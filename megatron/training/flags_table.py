@@ -92,8 +92,34 @@ def int_tuple(text: str) -> Tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 4096,0, got {text!r}") from None
 
 
+def moe_layer_freq(text: str) -> Any:
+    """'2' -> 2 (every 2nd layer is MoE); '[1,0,1]' or '([1]*3+[0])*2' -> a 0/1 list (Megatron's forms)."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        pattern = _list_expression(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: {err}") from None
+    if not isinstance(pattern, list) or any(p not in (0, 1) for p in pattern):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: expected an integer or a list of 0/1")
+    return pattern
+
+
+def _list_expression(node: ast.AST) -> Any:
+    """Evaluate integer/list literals joined by + and * (nothing else)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_list_expression(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expression(node.left), _list_expression(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError("only integers, lists, + and * are allowed")
+
+
 CUSTOM_TYPES: Dict[str, Callable[[str], Any]] = {"attention_backend": attn_backend, "exit_signal": exit_signal,
-                                                 "window_size": int_tuple}
+                                                 "window_size": int_tuple, "moe_layer_freq": moe_layer_freq}
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,27 @@ def set_position_embeddings(args: argparse.Namespace) -> None:
              f"--window-size {window}: give left,right (e.g. 4095,0), each >= 0 or -1 for unlimited")
 
 
+def set_moe(args: argparse.Namespace) -> None:
+    """One load-balancing type and coefficient (Megatron takes lists); experts default to --ffn-hidden-size."""
+    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, dest)
+        if isinstance(value, list):
+            _require(len(value) == 1, f"--{dest.replace('_', '-')}={value!r}: several load-balancing losses "
+                                      "are not supported yet; give one value")
+            setattr(args, dest, value[0])
+    if args.num_experts is None:
+        return
+    _require(args.num_experts > 0, f"--num-experts={args.num_experts} must be positive")
+    _require(1 <= args.moe_router_topk <= args.num_experts,
+             f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts ({args.num_experts})]")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    freq = args.moe_layer_freq
+    _require(isinstance(freq, int) and freq > 0 or isinstance(freq, list) and len(freq) == args.num_layers,
+             f"--moe-layer-freq={freq!r}: give N > 0 (every N-th layer) or one 0/1 per layer "
+             f"(--num-layers={args.num_layers})")
+
+
 def set_precision(args: argparse.Namespace) -> None:
     """fp16 or bf16 (not both) decide the parameter dtype."""
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: choose one")
@@ -311,7 +332,7 @@ def set_data(args: argparse.Namespace) -> None:
 
 STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_deprecated, check_required, set_virtual_pipeline, check_pipeline_layers, set_batch_sizes,
-    set_model_shape, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
+    set_model_shape, set_moe, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
     set_data,
 ]
 

@@ -137,7 +137,10 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
 
 
 @pytest.mark.parametrize("extra, flag", [
-    (["--num-experts", "8"], "--num-experts"),
+    (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
+    (["--num-experts", "8", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+    (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
+    (["--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"], "--moe-shared-expert-intermediate-size"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
     (["--optimizer", "muon"], "--optimizer"),
     (["--multi-latent-attention"], "--multi-latent-attention"),
@@ -287,6 +290,24 @@ def test_every_transformer_config_field_is_mapped_once():
     tables = [set(A.TRANSFORMER_SAME_NAME), set(A.TRANSFORMER_DERIVED), set(A.TRANSFORMER_NOT_FROM_FLAGS)]
     assert set.union(*tables) == fields
     assert sum(len(t) for t in tables) == len(fields)
+
+
+def test_moe_flags_map_to_config():
+    args = _validated(["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+                       "--moe-z-loss-coeff", "1e-3", "--moe-layer-freq", "([1]*1+[0])*2", "--moe-router-pre-softmax",
+                       "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"])
+    cfg = A.core_transformer_config_from_args(args)
+    moe = (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff)
+    assert moe == (8, 2, 1e-2, 1e-3)
+    assert cfg.moe_layer_freq == [1, 0, 1, 0] and cfg.moe_router_pre_softmax
+    assert cfg.moe_ffn_hidden_size == cfg.ffn_hidden_size == 256
+    assert cfg.moe_router_load_balancing_type == "aux_loss" and cfg.moe_token_dispatcher_type == "alltoall"
+    assert A.core_transformer_config_from_args(_validated(["--num-experts", "4", "--moe-layer-freq", "2"])
+                                               ).moe_layer_freq == 2
+    with pytest.raises(A.ArgumentsError, match="--moe-router-topk=9"):
+        _validated(["--num-experts", "8", "--moe-router-topk", "9"])
+    with pytest.raises(A.ArgumentsError, match="--moe-layer-freq"):
+        _validated(["--num-experts", "8", "--moe-layer-freq", "[1,0]"])
 
 
 def test_transformer_config_from_args():
