@@ -19,9 +19,13 @@ def groups_for(tp: int = 1, pp: int = 1) -> ProcessGroupCollection:
 
 
 def tiny_kwargs(style: str) -> Dict:
-    """Hidden 32, 2 layers; ``gpt2`` is tied with learned positions, ``llama`` gated/GQA/untied."""
+    """Hidden 32, 2 layers; ``gpt2`` is tied with learned positions, ``llama`` gated/GQA/untied,
+    ``moe`` the llama one with 4 experts (top-2) in every layer."""
     if style == "gpt2":
         return gpt2_style()
+    if style == "moe":
+        return llama_style(hidden_size=32, ffn_hidden_size=64, num_moe_experts=4, moe_router_topk=2,
+                           moe_ffn_hidden_size=32)
     return llama_style(hidden_size=32, ffn_hidden_size=64)
 
 

@@ -81,6 +81,11 @@ def _resharding_body(rank, world, tmp):
     saved = _save("llama", 2, 1, os.path.join(tmp, "llama_tp2"))
     for tp, pp in ((4, 1), (1, 1), (2, 2)):
         assert_same_weights(saved, _load("llama", tp, pp, os.path.join(tmp, "llama_tp2")))
+    # Mixture of experts: router replicated, each expert split over TP like a dense MLP.
+    saved = _save("moe", 2, 1, os.path.join(tmp, "moe_tp2"))
+    assert any(".mlp.experts.local_experts.3.linear_fc1." in key for key in saved), sorted(saved)
+    for tp, pp in ((1, 1), (2, 2)):
+        assert_same_weights(saved, _load("moe", tp, pp, os.path.join(tmp, "moe_tp2")))
     # Tied embeddings: PP=2 x TP=2 (the last stage's copy is not saved) -> PP=1 x TP=1.
     saved = _save("gpt2", 2, 2, os.path.join(tmp, "gpt2_pp2"))
     saved.pop("tied_copy")
