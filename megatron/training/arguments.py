@@ -121,7 +121,8 @@ TRANSFORMER_SAME_NAME = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
     "hidden_dropout", "attention_dropout", "fp32_residual_connection", "apply_residual_connection_post_layernorm",
     "layernorm_epsilon", "layernorm_zero_centered_gamma", "normalization", "qk_layernorm", "add_bias_linear",
-    "add_qkv_bias", "rotary_interleaved", "init_method_std", "apply_query_key_layer_scaling",
+    "add_qkv_bias", "rotary_interleaved", "init_method_std", "embedding_init_method_std",
+    "apply_query_key_layer_scaling",
     "attention_softmax_in_fp32", "calculate_per_token_loss", "masked_softmax_fusion", "bias_dropout_fusion",
     "apply_rope_fusion", "cross_entropy_loss_fusion", "recompute_granularity", "recompute_method",
     "recompute_num_layers", "distribute_saved_activations", "window_size",
@@ -141,6 +142,9 @@ TRANSFORMER_DERIVED: Dict[str, Callable[[argparse.Namespace], Any]] = {
     "batch_p2p_comm": lambda a: not a.overlap_p2p_comm,
     "deallocate_pipeline_outputs": lambda a: True,
     "attention_backend": lambda a: getattr(a.attention_backend, "name", a.attention_backend),
+    # --init-method-xavier-uniform replaces the normal initialisers of every linear layer.
+    "init_method": lambda a: torch.nn.init.xavier_uniform_ if a.init_method_xavier_uniform else None,
+    "output_layer_init_method": lambda a: torch.nn.init.xavier_uniform_ if a.init_method_xavier_uniform else None,
     "num_layers_in_first_pipeline_stage": lambda a: a.decoder_first_pipeline_num_layers,
     # CPU initialization seeds each layer from (--seed, layer name): every layout starts equal.
     "initialization_seed": lambda a: a.seed if a.use_cpu_initialization else None,
@@ -151,7 +155,7 @@ TRANSFORMER_DERIVED: Dict[str, Callable[[argparse.Namespace], Any]] = {
 # Fields no flag sets: callbacks wired by the training loop, or built by the config itself.
 TRANSFORMER_NOT_FROM_FLAGS = frozenset({
     "timers", "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
-    "param_sync_func", "variable_seq_lengths", "init_method", "output_layer_init_method", "softmax_scale",
+    "param_sync_func", "variable_seq_lengths", "embedding_init_method", "softmax_scale",
     "memory_efficient_layer_norm",
 })
 

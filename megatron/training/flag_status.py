@@ -94,8 +94,6 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "rope_type": AnyOf(None, "rope"),
     "no_rope_freq": None,
     "mrope_section": None,
-    "init_method_xavier_uniform": False,
-    "embedding_init_method_std": None,
     "init_model_with_meta_device": False,
     # Low precision formats and precision variants.
     "fp8": None,

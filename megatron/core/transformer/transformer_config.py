@@ -59,6 +59,8 @@ class TransformerConfig(ModelParallelConfig):
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
     init_method_std: float = 0.02
+    embedding_init_method: Optional[Callable] = None
+    embedding_init_method_std: Optional[float] = None
     initialization_seed: Optional[int] = None
     """With use_cpu_initialization: seed each layer, the embeddings and the output layer from
     (this seed, their global name), so any TP/PP/VP layout starts from the same model."""
@@ -137,6 +139,14 @@ class TransformerConfig(ModelParallelConfig):
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+        if self.embedding_init_method is None:
+            # Word and position embeddings: N(0, std^2), std defaulting to init_method_std.
+            if self.embedding_init_method_std is None:
+                self.embedding_init_method_std = self.init_method_std
+            if not self.embedding_init_method_std > 0:
+                raise ValueError(f"embedding_init_method_std={self.embedding_init_method_std} "
+                                 "(--embedding-init-method-std): must be positive")
+            self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
         if self.fp32_residual_connection:

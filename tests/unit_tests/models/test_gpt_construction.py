@@ -36,3 +36,31 @@ def _construction_body(rank, world_size):
 
 def test_construction_styles():
     run_distributed(_construction_body, 2)
+
+
+def _initialisers_body(rank, world_size):
+    """--embedding-init-method-std scales only the embeddings; xavier replaces the linear layers' normal."""
+    import math
+
+    from tests.model_utils import build_gpt, gpt2_style, single_rank_groups
+
+    ps.initialize_model_parallel(1, 1)
+    groups = single_rank_groups()
+    plain = dict(build_gpt(gpt2_style(), groups, seed=3).named_parameters())
+    wide = dict(build_gpt(gpt2_style(embedding_init_method_std=0.05), groups, seed=3).named_parameters())
+    for name, param in plain.items():
+        # CPU initialisation draws each tensor from its own seeded stream: same draws, other scale.
+        factor = 0.05 / 0.02 if name.startswith("embedding.") else 1.0
+        torch.testing.assert_close(wide[name], param * factor, rtol=1e-6, atol=0, msg=name)
+    xavier = build_gpt(gpt2_style(init_method=torch.nn.init.xavier_uniform_,
+                                  output_layer_init_method=torch.nn.init.xavier_uniform_), groups, seed=3)
+    for name, param in xavier.named_parameters():
+        if name.endswith("weight") and param.dim() == 2 and not name.startswith("embedding."):
+            bound = math.sqrt(6.0 / sum(param.shape))  # full weights (one rank): fan_in + fan_out
+            assert param.abs().max() <= bound and param.std() > 0.8 * bound / math.sqrt(3.0), name
+    with pytest.raises(ValueError, match=r"embedding_init_method_std=-1.0 \(--embedding-init-method-std\)"):
+        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, embedding_init_method_std=-1.0)
+
+
+def test_initialiser_options():
+    run_distributed(_initialisers_body, 1)

@@ -316,7 +316,8 @@ def test_transformer_config_from_args():
                        "--attention-dropout", "0.05", "--init-method-std", "0.01", "--qk-layernorm",
                        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations",
                        "--calculate-per-token-loss", "--apply-layernorm-1p", "--norm-epsilon", "1e-6",
-                       "--window-size", "(7, 0)"],
+                       "--window-size", "(7, 0)", "--embedding-init-method-std", "0.05",
+                       "--init-method-xavier-uniform"],
                       world_size=2)
     cfg = A.core_transformer_config_from_args(args)
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu
@@ -327,9 +328,13 @@ def test_transformer_config_from_args():
     assert cfg.qk_layernorm and cfg.sequence_parallel and cfg.tensor_model_parallel_size == 2
     assert cfg.recompute_granularity == "selective" and cfg.calculate_per_token_loss
     assert cfg.layernorm_zero_centered_gamma and cfg.layernorm_epsilon == 1e-6 and cfg.window_size == (7, 0)
+    assert cfg.embedding_init_method_std == 0.05
+    assert cfg.init_method is torch.nn.init.xavier_uniform_ and cfg.output_layer_init_method is cfg.init_method
     assert cfg.ffn_hidden_size == args.ffn_hidden_size and cfg.num_attention_heads == 4
     plain = A.core_transformer_config_from_args(_validated())
     assert plain.activation_func is F.gelu and plain.num_query_groups == 4 and plain.params_dtype is torch.float32
+    assert plain.embedding_init_method_std == plain.init_method_std
+    assert plain.init_method is not torch.nn.init.xavier_uniform_
 
 
 def _entry_point_rotary(rank, world_size, extra):

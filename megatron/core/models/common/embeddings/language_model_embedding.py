@@ -37,14 +37,14 @@ class LanguageModelEmbedding(MegatronModule):
         self.tp_group = resolve_process_groups(pg_collection).tp
         self.sequence_parallel = config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.init_method, config=config,
+            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
             reduce_scatter_embeddings=self.sequence_parallel, tp_group=self.tp_group)
         self.position_embeddings = None
         if position_embedding_type == "learned_absolute":
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
                                                           dtype=config.params_dtype)
             if config.perform_initialization:
-                config.init_method(self.position_embeddings.weight)
+                config.embedding_init_method(self.position_embeddings.weight)
             # Replicated over TP. Under SP its output is scattered along the sequence, and the
             # scatter's backward all-gathers, so every rank already gets the whole gradient.
 
