@@ -203,8 +203,17 @@ def restore_rng_state(encoded: Dict[str, Any]) -> None:
 
 
 def _layout(groups: ProcessGroupCollection) -> Dict[str, int]:
-    return {"world_size": dist.get_world_size(), "tp": groups.size_of("tp"), "pp": groups.size_of("pp"),
-            "dp": groups.size_of("dp"), "cp": groups.size_of("cp")}
+    layout = {"world_size": dist.get_world_size(), "tp": groups.size_of("tp"), "pp": groups.size_of("pp"),
+              "dp": groups.size_of("dp"), "cp": groups.size_of("cp")}
+    if groups.size_of("ep") > 1:  # absent at EP=1, as in checkpoints written before expert parallelism
+        layout["ep"] = groups.size_of("ep")
+    return layout
+
+
+def _refuse_legacy_with_ep(groups: ProcessGroupCollection) -> None:
+    if groups.size_of("ep") > 1:
+        raise CheckpointingError(f"--ckpt-format torch with expert_model_parallel_size={groups.size_of('ep')}: "
+                                 "not supported yet (use --ckpt-format torch_dist)")
 
 
 # ---------------------------------------------------------------- save
@@ -274,6 +283,7 @@ def legacy_file(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
                  groups: ProcessGroupCollection, cfg: CheckpointConfig, common: Dict[str, Any]) -> None:
+    _refuse_legacy_with_ep(groups)
     rng: List[Any] = [None] * groups.size_of("dp")
     if not cfg.no_save_rng:
         dist.all_gather_object(rng, collect_rng_state(), group=groups.dp)
@@ -392,6 +402,7 @@ def _same_layout(common: Dict[str, Any], groups: ProcessGroupCollection, where: 
 
 def _load_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
                  groups: ProcessGroupCollection, load_rng: bool) -> Tuple[Dict[str, Any], Optional[Dict]]:
+    _refuse_legacy_with_ep(groups)
     path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
     if not os.path.isfile(path):
         raise CheckpointingError(f"legacy checkpoint file not found: {path} (a torch-format checkpoint loads only "

@@ -35,7 +35,6 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "hierarchical_context_parallel_sizes": None,
     "max_seqlen_per_dp_cp_rank": None,
     "hybrid_context_parallel": False,
-    "expert_model_parallel_size": 1,
     "expert_tensor_parallel_size": None,
     "moe_extended_tp": False,
     "use_megatron_fsdp": False,

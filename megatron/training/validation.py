@@ -330,9 +330,26 @@ def set_data(args: argparse.Namespace) -> None:
         args.split = DEFAULT_SPLIT
 
 
+def check_expert_parallel(args: argparse.Namespace) -> None:
+    """--expert-model-parallel-size: experts split evenly; world = TP x EP x expert-DP x PP (expert-TP = TP)."""
+    ep = args.expert_model_parallel_size
+    if ep == 1:
+        return
+    _require(ep > 1, f"--expert-model-parallel-size={ep} must be positive")
+    _require(args.num_experts is not None, f"--expert-model-parallel-size={ep} needs --num-experts")
+    _require(args.num_experts % ep == 0,
+             f"--num-experts={args.num_experts} must be divisible by --expert-model-parallel-size={ep}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(args.world_size % (tp * ep * pp) == 0,
+             f"world size {args.world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {tp * ep * pp}")
+    _require(args.ckpt_format != "torch", f"--ckpt-format torch with --expert-model-parallel-size={ep}: "
+                                          "not supported yet (use torch_dist)")
+
+
 STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_deprecated, check_required, set_virtual_pipeline, check_pipeline_layers, set_batch_sizes,
-    set_model_shape, set_moe, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
+    set_model_shape, set_moe, check_expert_parallel, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
     set_data,
 ]
 

@@ -1,6 +1,7 @@
 """pretrain_gpt.py with mixture-of-experts flags end to end: TP=2 (with sequence parallelism)
 prints the TP=1 ``lm loss`` and ``load_balancing_loss`` of every iteration (mock data, CPU
 initialization, dropout off; relative 2e-6: the printed 7 digits but for last-digit float noise).
+On 2 ranks, --expert-model-parallel-size 2 prints the losses of the same run with EP=1 (DP=2).
 """
 
 import math
@@ -13,6 +14,24 @@ MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coe
              "--moe-z-loss-coeff", "1e-3", "--swiglu", "--disable-bias-linear"]
 
 
+def _assert_same_losses(reference, result, what):
+    for key in ("lm loss", "load_balancing_loss", "z_loss"):
+        for i, (a, b) in enumerate(zip(reference.lines, result.lines)):
+            assert key in a and key in b, f"'{key}' missing in iteration {i + 1}: {a}"
+            assert math.isfinite(a[key]) and math.isclose(a[key], b[key], rel_tol=REL_TOL), \
+                f"{key} iteration {i + 1}: reference {a[key]} vs {what} {b[key]}"
+
+
+def test_moe_ep2_prints_the_ep1_losses(tmp_path):
+    base = tiny_gpt_flags(ITERS) + mock_flags() + MOE_FLAGS
+    ep1 = run_gpt(2, base, str(tmp_path))
+    ep2 = run_gpt(2, base + ["--expert-model-parallel-size", "2"], str(tmp_path))
+    for name, result in (("ep1", ep1), ("ep2", ep2)):
+        assert_ok(result, name)
+        assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), name
+    _assert_same_losses(ep1, ep2, "EP=2")
+
+
 def test_moe_tp2_prints_the_single_rank_losses(tmp_path):
     base = tiny_gpt_flags(ITERS) + mock_flags() + MOE_FLAGS
     single = run_gpt(1, base, str(tmp_path))
@@ -20,10 +39,6 @@ def test_moe_tp2_prints_the_single_rank_losses(tmp_path):
     for name, result in (("single", single), ("tp2", tp2)):
         assert_ok(result, name)
         assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), name
-    for key in ("lm loss", "load_balancing_loss", "z_loss"):
-        for i, (a, b) in enumerate(zip(single.lines, tp2.lines)):
-            assert key in a and key in b, f"'{key}' missing in iteration {i + 1}: {a}"
-            assert math.isfinite(a[key]) and math.isclose(a[key], b[key], rel_tol=REL_TOL), \
-                f"{key} iteration {i + 1}: TP=1 {a[key]} vs TP=2 {b[key]}"
+    _assert_same_losses(single, tp2, "TP=2")
     # Uniform routing gives exactly 1; a random router starts close to it.
     assert all(0.9 < line["load_balancing_loss"] < 2.0 for line in single.lines), single.lines

@@ -3,7 +3,9 @@
 Keys are layout-free: a transformer layer is named by its global 0-based index
 (``decoder.layers.{layer_number - 1}``), not by its position on this pipeline
 stage, and the last stage's copy of a tied word embedding is read from the first
-stage's key (``embedding.word_embeddings.weight``) and never written.
+stage's key (``embedding.word_embeddings.weight``) and never written. An expert is named
+by its global index (``mlp.experts.local_experts.{global}``), sharded over expert-TP and
+replicated over expert-DP, so a checkpoint loads under any expert-parallel size.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, sharded_tensor_for
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.tensor_parallel.layers import is_expert_param
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -44,6 +48,17 @@ def _layer_prefixes(model: torch.nn.Module) -> Dict[str, str]:
     return table
 
 
+def _expert_prefixes(model: torch.nn.Module) -> Dict[str, str]:
+    """Local prefix of each expert (``...local_experts.{i}.``) -> the prefix with its global index."""
+    table = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            base = f"{name}.experts.local_experts." if name else "experts.local_experts."
+            for i in range(module.num_local_experts):
+                table[f"{base}{i}."] = f"{base}{module.local_expert_start + i}."
+    return table
+
+
 def _global_name(name: str, prefixes: Mapping[str, str]) -> str:
     for local, global_ in prefixes.items():
         if name.startswith(local):
@@ -55,17 +70,17 @@ def _entries(model_chunk: torch.nn.Module, prefix: str,
              groups: ProcessGroupCollection) -> List[Tuple[torch.Tensor, ShardedTensor]]:
     """(original tensor, its ShardedTensor) for every parameter and persistent buffer."""
     model = unwrap_model(model_chunk)
-    prefixes = _layer_prefixes(model)
+    prefixes, experts = _layer_prefixes(model), _expert_prefixes(model)
     tp_rank, tp_size, dp_rank = groups.rank_in("tp"), groups.size_of("tp"), groups.rank_in("dp_cp")
     entries = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         if not isinstance(tensor, torch.Tensor):
             continue
-        if getattr(tensor, "allreduce", True) is False and groups.size_of("ep") > 1:
-            # With one expert-parallel rank, experts are sharded over TP like any layer.
-            raise NotImplementedError(f"{name}: expert-parallel parameters are not supported by sharded "
-                                      "checkpoints yet")
-        if getattr(tensor, "shared_embedding", False):
+        if is_expert_param(tensor):
+            key = prefix + _global_name(_global_name(name, experts), prefixes)
+            spec = sharded_tensor_for(key, tensor, groups.rank_in("expt_tp"), groups.size_of("expt_tp"),
+                                      groups.rank_in("expt_dp"))
+        elif getattr(tensor, "shared_embedding", False):
             spec = sharded_tensor_for(prefix + TIED_EMBEDDING_KEY, tensor, tp_rank, tp_size, dp_rank)
             spec.replica_id = 1 + spec.replica_id  # read from the first stage's key, never written here
         else:

@@ -10,6 +10,12 @@ buffer) and frees ``param.grad``. Gradients are averaged over the data-parallel 
   ``finish_grad_sync()`` waits for the handles. Buckets are always dispatched in index
   order so that every rank issues the same sequence of collectives.
 
+Expert parameters (``allreduce = False``: each expert-parallel rank holds different experts)
+get buffers of their own, reduced over ``expt_dp`` (the data-parallel ranks holding the same
+experts) with the same scale as the dense ones: the MoE layer's all-gather over EP already
+summed the EP ranks' tokens into each expert's gradient, so the sum over ``expt_dp`` is the sum
+over all data-parallel ranks, and 1/dp makes it the dense average.
+
 Earlier microbatches run inside ``no_sync()``. With ``use_distributed_optimizer`` the
 buffers are reduce-scattered (each DP rank gets its slice summed) instead of all-reduced,
 and parameters live in a flat buffer that the optimizer all-gathers after its step.
@@ -28,6 +34,7 @@ import torch.distributed as dist
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import reduce_scatter_tensor
 
@@ -50,7 +57,7 @@ class DistributedDataParallel(torch.nn.Module):
         ddp_config: buffer and reduction settings.
         module: the model chunk.
         disable_bucketing: one bucket whatever ``bucket_size`` says.
-        pg_collection: groups; gradients are reduced over ``pg_collection.dp_cp``.
+        pg_collection: groups; gradients are reduced over ``pg_collection.dp_cp`` (experts: ``expt_dp``).
     """
 
     is_ddp_wrapper = True
@@ -77,18 +84,20 @@ class DistributedDataParallel(torch.nn.Module):
                        for b in self.buffers for p in b.params]
 
     def _build_buffers(self, bucket_size: Optional[int]) -> List[ParamAndGradBuffer]:
+        """One buffer per (param dtype, grad dtype, expert or not); dense buffers first."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         shared = self._shared_embedding_ids()
-        by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
+        by_kind: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in reversed(params):
             grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            by_kind.setdefault((is_expert_param(param), param.dtype, grad_dtype), []).append(param)
         buffers = []
-        for (_, grad_dtype), group in by_dtype.items():
+        for (expert, _, grad_dtype), group in sorted(by_kind.items(), key=lambda item: item[0][0]):
             own = {i for i, p in enumerate(group) if id(p) in shared}
-            buffers.append(ParamAndGradBuffer(group, grad_dtype, bucket_size, self.dp_group,
+            buffers.append(ParamAndGradBuffer(group, grad_dtype, bucket_size,
+                                              self.pg_collection.expt_dp if expert else self.dp_group,
                                               with_param_data=self.ddp_config.use_distributed_optimizer,
-                                              own_bucket=own))
+                                              own_bucket=own, is_expert=expert))
         return buffers
 
     def _shared_embedding_ids(self) -> set:
@@ -137,14 +146,14 @@ class DistributedDataParallel(torch.nn.Module):
         if self.pre_scale != 1.0:
             bucket.grad_data.mul_(self.pre_scale)
         bucket.dispatched = True
-        if self.dp_size == 1:
+        if buffer.dp_size == 1:
             return
         if self.ddp_config.use_distributed_optimizer:
-            shard = bucket.shard(bucket.grad_data, buffer.dp_rank, self.dp_size)
-            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group,
-                                                       async_op=async_op)
+            shard = bucket.shard(bucket.grad_data, buffer.dp_rank, buffer.dp_size)
+            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=buffer.dp_group,
+                                                  async_op=async_op)
         else:
-            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=async_op)
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=buffer.dp_group, async_op=async_op)
 
     def start_grad_sync(self) -> None:
         """Dispatch every bucket not yet dispatched (asynchronously)."""
@@ -190,10 +199,11 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.scale_gradients(scaling_factor)
 
     def broadcast_params(self) -> None:
-        """Make every DP rank's parameters equal to DP rank 0's."""
-        src = self.pg_collection.ranks["dp_cp"][0]
+        """Make every DP rank's parameters equal to DP rank 0's (experts: expert-DP rank 0's)."""
+        groups = self.pg_collection
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.dp_group)
+            name = "expt_dp" if is_expert_param(param) else "dp_cp"
+            dist.broadcast(param.data, src=groups.ranks[name][0], group=getattr(groups, name))
 
     def register_param_sync_waiter(self, waiter: Callable[[], None]) -> None:
         """``waiter()`` completes pending parameter all-gathers (distributed optimizer with

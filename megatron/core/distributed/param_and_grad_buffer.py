@@ -92,12 +92,16 @@ class ParamAndGradBuffer:
 
     Every parameter gets ``param.main_grad``, a view of its slice of the gradient buffer.
     With ``with_param_data`` the parameters' storage is moved into a flat buffer too, so the
-    distributed optimizer can all-gather updated parameters bucket by bucket.
+    distributed optimizer can all-gather updated parameters bucket by bucket. ``dp_group`` is
+    the group its gradients are reduced (and sharded) over: ``dp_cp``, or ``expt_dp`` for an
+    expert buffer (``is_expert``).
     """
 
     def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype, bucket_size: Optional[int],
-                 dp_group: dist.ProcessGroup, with_param_data: bool, own_bucket: Set[int] = frozenset()) -> None:
+                 dp_group: dist.ProcessGroup, with_param_data: bool, own_bucket: Set[int] = frozenset(),
+                 is_expert: bool = False) -> None:
         self.params = params
+        self.is_expert = is_expert
         self.grad_dtype = grad_dtype
         self.param_dtype = params[0].dtype
         self.dp_group = dp_group

@@ -94,7 +94,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: Sequence[torch
     fp32 -> ``FP32Optimizer``; bf16/fp16 -> ``Float16OptimizerWithFloat16Params`` (fp16 with a
     loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision).
     Gradient statistics are summed over the model-parallel group (plus DP for the distributed
-    optimizer, whose ranks hold different slices).
+    optimizer, whose ranks hold different slices); those of expert parameters over
+    ``tp_ep_pp`` (plus ``expt_dp``), since each expert-parallel rank holds other experts.
     """
     groups = resolve_process_groups(pg_collection)
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
@@ -102,7 +103,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: Sequence[torch
     scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
         return DistributedOptimizer(config, param_groups, tp_rank, [groups.dp_cp, groups.mp], scaler,
-                                    model_chunks=model_chunks, dp_group=groups.dp_cp)
+                                    model_chunks=model_chunks, dp_group=groups.dp_cp,
+                                    expert_stat_groups=[groups.expt_dp, groups.tp_ep_pp])
+    expert_groups = [groups.tp_ep_pp]
     if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(config, param_groups, tp_rank, [groups.mp], scaler)
-    return FP32Optimizer(config, param_groups, tp_rank, [groups.mp], None)
+        return Float16OptimizerWithFloat16Params(config, param_groups, tp_rank, [groups.mp], scaler, expert_groups)
+    return FP32Optimizer(config, param_groups, tp_rank, [groups.mp], None, expert_groups)

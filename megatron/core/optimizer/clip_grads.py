@@ -13,6 +13,11 @@ replicated must be counted exactly once:
 The per-rank sums are then all-reduced over each group in ``groups`` in turn (sums of
 sums, so the order is irrelevant): the model-parallel group, and also the data-parallel
 group when each DP rank holds different shards.
+
+Expert parameters (``allreduce = False``) differ across expert-parallel ranks, where dense
+parameters are replicated, so their sum is reduced over other groups (``expert_groups``:
+``tp_ep_pp``, plus ``expt_dp`` for shards) and added to the dense one. Replicated expert
+tensors (biases over expert-TP = TP) count on TP rank 0 only, like dense ones.
 """
 
 from __future__ import annotations
@@ -66,13 +71,21 @@ def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
     return chunks.pow(2).sum() + flat[whole:].double().pow(2).sum()
 
 
-def get_grad_norm_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> float:
-    """L2 norm of all ``grads`` on all ranks of ``groups`` (each rank passes only what it counts)."""
+def _squares_over(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> torch.Tensor:
+    """Sum of squares of ``grads`` summed over ``groups``, a float64 CPU tensor ``[1]``."""
     total = torch.zeros(1, dtype=torch.float64)
     for grad in grads:
         # The partial sum lives on the gradients' device; one copy to the host at the end.
         total = total.to(grad.device) + sum_of_squares(grad)
-    total = _all_reduce(total.cpu(), groups)
+    return _all_reduce(total.cpu(), groups)
+
+
+def get_grad_norm_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup],
+                       expert_grads: Iterable[torch.Tensor] = (),
+                       expert_groups: Sequence[dist.ProcessGroup] = ()) -> float:
+    """L2 norm of all ``grads`` on all ranks of ``groups`` and ``expert_grads`` on all ranks of
+    ``expert_groups`` (each rank passes only what it counts)."""
+    total = _squares_over(grads, groups) + _squares_over(expert_grads, expert_groups)
     return float(total.sqrt().item())
 
 
@@ -84,12 +97,18 @@ def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float,
             grad.mul_(coeff)
 
 
-def count_zeros_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> int:
-    """Number of exactly-zero gradient elements over all ranks of ``groups``."""
+def _zeros_over(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> torch.Tensor:
     total = torch.zeros(1, dtype=torch.float64)
     for grad in grads:
         total += grad.numel() - torch.count_nonzero(grad).item()
-    total = _all_reduce(total, groups)
+    return _all_reduce(total, groups)
+
+
+def count_zeros_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup],
+                     expert_grads: Iterable[torch.Tensor] = (),
+                     expert_groups: Sequence[dist.ProcessGroup] = ()) -> int:
+    """Number of exactly-zero gradient elements over all ranks of ``groups`` (experts: ``expert_groups``)."""
+    total = _zeros_over(grads, groups) + _zeros_over(expert_grads, expert_groups)
     return int(total.item())
 
 

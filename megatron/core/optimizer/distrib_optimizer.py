@@ -2,7 +2,8 @@
 
 The model chunks must be wrapped in ``DistributedDataParallel`` with
 ``use_distributed_optimizer=True``: their gradient buffers are reduce-scattered, so DP
-rank r holds the summed gradients of the r-th slice of every bucket. This optimizer
+rank r holds the summed gradients of the r-th slice of every bucket (an expert buffer is
+sharded over ``expt_dp``, the ranks holding the same experts). This optimizer
 keeps, for each parameter, only the part of its flattened elements that falls inside
 that slice: an fp32 main tensor (a view of the parameter itself when it is fp32, an fp32
 copy otherwise) and the Adam moments of the same size, i.e. 1/d of the state per rank.
@@ -30,7 +31,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def __init__(self, config: OptimizerConfig, param_groups: List[Dict[str, Any]], tp_rank: int,
                  stat_groups: Sequence[dist.ProcessGroup], grad_scaler: Optional[MegatronGradScaler],
-                 model_chunks: Sequence[torch.nn.Module], dp_group: dist.ProcessGroup) -> None:
+                 model_chunks: Sequence[torch.nn.Module], dp_group: dist.ProcessGroup,
+                 expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None) -> None:
         self.model_chunks = list(model_chunks)
         self.dp_group = dp_group
         self.buffers = []
@@ -41,7 +43,7 @@ class DistributedOptimizer(MegatronOptimizer):
             self.buffers.extend(chunk.buffers)
         self._buffer_of = {id(p): b for b in self.buffers for p in b.params}
         self._gather_handles: List[dist.Work] = []
-        super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler)
+        super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler, expert_stat_groups)
         for chunk in self.model_chunks:
             chunk.register_param_sync_waiter(self.finish_param_sync)
 

@@ -49,6 +49,7 @@ from megatron.core.optimizer.clip_grads import (any_nonfinite, clip_grad_by_tota
                                                 counts_for_norm, get_grad_norm_fp32)
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.tensor_parallel.layers import is_expert_param
 
 # Keys of a param group that describe it (kept in state dicts); 'params' is not one.
 GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "max_lr", "min_lr")
@@ -126,13 +127,17 @@ class MegatronOptimizer:
         tp_rank: this rank's tensor-parallel rank (replicated params count on rank 0 only).
         stat_groups: process groups the gradient norm, zero count and inf check are summed over.
         grad_scaler: loss scaler, or None (fp32 and bf16).
+        expert_stat_groups: the groups for expert parameters (``allreduce = False``), which differ
+            across expert-parallel ranks; None: experts are summed over ``stat_groups`` too.
     """
 
     def __init__(self, config: OptimizerConfig, param_groups: List[Dict[str, Any]], tp_rank: int,
-                 stat_groups: Sequence[dist.ProcessGroup], grad_scaler: Optional[MegatronGradScaler] = None) -> None:
+                 stat_groups: Sequence[dist.ProcessGroup], grad_scaler: Optional[MegatronGradScaler] = None,
+                 expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self.stat_groups = list(stat_groups)
+        self.expert_stat_groups = None if expert_stat_groups is None else list(expert_stat_groups)
         self.grad_scaler = grad_scaler
         self.links: List[MainLink] = []
         main_groups = []
@@ -185,11 +190,26 @@ class MegatronOptimizer:
         return [link.main.grad for link in self.links if link.main.grad is not None]
 
     def grads_for_norm(self) -> List[torch.Tensor]:
+        """Every gradient this rank counts in global statistics (dense and expert)."""
         return [link.main.grad for link in self.links
                 if link.main.grad is not None and counts_for_norm(link.model, self.tp_rank)]
 
+    def _split_grads_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(dense, expert) counted gradients; all dense when experts share the dense groups."""
+        if self.expert_stat_groups is None:
+            return self.grads_for_norm(), []
+        dense, expert = [], []
+        for link in self.links:
+            if link.main.grad is not None and counts_for_norm(link.model, self.tp_rank):
+                (expert if is_expert_param(link.model) else dense).append(link.main.grad)
+        return dense, expert
+
+    def _expert_groups(self) -> List[dist.ProcessGroup]:
+        return self.expert_stat_groups or []
+
     def get_grad_norm(self) -> float:
-        return get_grad_norm_fp32(self.grads_for_norm(), self.stat_groups)
+        dense, expert = self._split_grads_for_norm()
+        return get_grad_norm_fp32(dense, self.stat_groups, expert, self._expert_groups())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Global L2 norm of the gradients; clip them in place to ``clip_grad`` (if > 0)."""
@@ -199,7 +219,8 @@ class MegatronOptimizer:
         return norm
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.grads_for_norm(), self.stat_groups)
+        dense, expert = self._split_grads_for_norm()
+        return count_zeros_fp32(dense, self.stat_groups, expert, self._expert_groups())
 
     def prepare_grads(self) -> bool:
         """Point main grads at the model grads, unscale; return True if an inf/NaN was found."""
@@ -212,7 +233,7 @@ class MegatronOptimizer:
         grads = self.main_grads()
         for grad in grads:
             grad.mul_(inv_scale)
-        found_inf = any_nonfinite(grads, self.stat_groups)
+        found_inf = any_nonfinite(grads, self.stat_groups + self._expert_groups())
         self.grad_scaler.update(found_inf)
         return found_inf
 

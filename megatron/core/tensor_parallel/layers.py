@@ -60,6 +60,11 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) ->
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Expert weights and biases carry ``allreduce = False``: they differ across expert-parallel ranks."""
+    return getattr(param, "allreduce", True) is False
+
+
 def _resolve_group(tp_group: Optional[dist.ProcessGroup], is_expert: bool) -> dist.ProcessGroup:
     """``tp_group``, or the default (expert-)TP group."""
     if tp_group is not None:

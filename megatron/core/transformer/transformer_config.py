@@ -90,7 +90,7 @@ class TransformerConfig(ModelParallelConfig):
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
 
-    # Mixture of experts (dropless, expert_model_parallel_size=1; see moe/moe_layer.py).
+    # Mixture of experts (dropless; experts split over EP and expert-TP = TP; see moe/moe_layer.py).
     num_moe_experts: Optional[int] = None
     """Experts per MoE layer (--num-experts); None: dense MLPs."""
     moe_router_topk: int = 2
@@ -103,7 +103,7 @@ class TransformerConfig(ModelParallelConfig):
     """True: softmax over all experts, then top-k. False: top-k logits, softmax over those k."""
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_token_dispatcher_type: str = "allgather"
-    """'allgather' or 'alltoall': the same computation with one expert-parallel rank."""
+    """'allgather' or 'alltoall': the same computation here (tokens all-gathered over EP)."""
     moe_layer_freq: Union[int, List[int]] = 1
     """N: layers 0, N, 2N... (0-based) are MoE; or one 0/1 entry per layer."""
 
@@ -186,10 +186,11 @@ class TransformerConfig(ModelParallelConfig):
         factor = self.moe_router_topk_scaling_factor
         if factor is not None and factor <= 0:
             raise ValueError(f"moe_router_topk_scaling_factor={factor}: must be > 0")
-        if self.expert_model_parallel_size != 1 or self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
-            raise ValueError(f"expert_model_parallel_size={self.expert_model_parallel_size}, "
-                             f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}: only 1 and "
-                             f"tensor_model_parallel_size={self.tensor_model_parallel_size} are supported yet")
+        require_divisible("num_moe_experts", self.num_moe_experts, "expert_model_parallel_size",
+                          self.expert_model_parallel_size)
+        if self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
+            raise ValueError(f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}: only "
+                             f"tensor_model_parallel_size={self.tensor_model_parallel_size} is supported yet")
         self._check_moe_layer_freq()
 
     def _check_moe_layer_freq(self) -> None:

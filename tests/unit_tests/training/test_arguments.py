@@ -138,7 +138,7 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
 
 @pytest.mark.parametrize("extra, flag", [
     (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
-    (["--num-experts", "8", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+    (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
     (["--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"], "--moe-shared-expert-intermediate-size"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
@@ -254,6 +254,13 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
     (["--recompute-granularity", "full"], 1, r"--recompute-method"),
     (["--window-size", "8"], 1, r"--window-size \(8,\): give left,right"),
     (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4,
+     r"--num-experts=6 must be divisible by --expert-model-parallel-size=4"),
+    (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size=2 needs --num-experts"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 2,
+     r"world size 2 .*--tensor-model-parallel-size \(2\) x --expert-model-parallel-size \(2\)"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--ckpt-format", "torch"], 2,
+     r"--ckpt-format torch with --expert-model-parallel-size=2"),
 ])
 def test_validation_errors_name_flags_and_values(extra, world, pattern):
     with pytest.raises(A.ArgumentsError, match=pattern):
@@ -290,6 +297,13 @@ def test_every_transformer_config_field_is_mapped_once():
     tables = [set(A.TRANSFORMER_SAME_NAME), set(A.TRANSFORMER_DERIVED), set(A.TRANSFORMER_NOT_FROM_FLAGS)]
     assert set.union(*tables) == fields
     assert sum(len(t) for t in tables) == len(fields)
+
+
+def test_expert_model_parallel_size_is_accepted_and_reaches_the_config():
+    args = _validated(["--num-experts", "4", "--expert-model-parallel-size", "2", "--global-batch-size", "8"],
+                      world_size=4)
+    assert args.data_parallel_size == 4
+    assert A.core_transformer_config_from_args(args).expert_model_parallel_size == 2
 
 
 def test_moe_flags_map_to_config():

@@ -212,7 +212,8 @@ def test_topk_softmax_variants_sum_and_select():
     (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type='flex'"),
     (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq=[1, 0, 1]"),
     (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff=-1.0"),
-    (dict(expert_model_parallel_size=2), "expert_model_parallel_size=2"),
+    (dict(expert_model_parallel_size=3), "num_moe_experts=4 must be divisible by expert_model_parallel_size=3"),
+    (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2"),
     (dict(moe_ffn_hidden_size=0), "moe_ffn_hidden_size=0"),
 ])
 def test_config_refuses_bad_moe_settings(kw, message):

@@ -16,7 +16,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class SequentialMLP(MegatronModule):
-    """``local_experts.{i}``: one MLP per expert, each split over the expert-TP group.
+    """``local_experts.{i}``: one MLP per local expert, each split over the expert-TP group.
+
+    Local expert ``i`` of EP rank ``r`` is global expert ``r * num_local_experts + i``. With
+    ``use_cpu_initialization`` every rank draws all experts' weights in global order and keeps
+    its own, so the initial model (and the default generator afterwards) does not depend on EP.
 
     ``forward`` returns this rank's partial sum over TP of ``sum_k p[t, e_k] * expert_{e_k}(x_t)``;
     the MoE layer reduces it. Every expert runs, also on zero tokens, so every parameter gets a
@@ -29,10 +33,15 @@ class SequentialMLP(MegatronModule):
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
         self.tp_group = groups.expt_tp
-        self.local_experts = torch.nn.ModuleList(
-            build_module(submodules or MLP, config, pg_collection=groups, ffn_hidden_size=config.moe_ffn_hidden_size,
-                         is_expert=True)
-            for _ in range(num_local_experts))
+        ep_size = groups.size_of("ep")
+        first = groups.rank_in("ep") * num_local_experts
+        built = num_local_experts * ep_size if config.use_cpu_initialization and ep_size > 1 else num_local_experts
+        experts = [build_module(submodules or MLP, config, pg_collection=groups,
+                                ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True)
+                   for _ in range(built)]
+        if built > num_local_experts:
+            experts = experts[first:first + num_local_experts]
+        self.local_experts = torch.nn.ModuleList(experts)
 
     def _bias_share(self, bias: torch.Tensor) -> torch.Tensor:
         """The replicated output bias as a partial sum over TP: whole on rank 0, zero elsewhere."""

@@ -1,11 +1,17 @@
 """Mixture-of-experts MLP (Mixtral style): route each token to k experts and mix their outputs.
 
-Dropless (every routed token is processed), one expert-parallel rank; the experts are split
-over the TP group (expert_tensor_parallel_size = TP). Communication, per layer:
+Dropless (every routed token is processed). The experts are split over the TP group
+(expert_tensor_parallel_size = TP) and, with expert parallelism, over the EP group: EP rank
+r holds the ``E / ep`` experts ``r * E / ep + i``. Communication, per layer:
 
 * enter: the tokens of all TP ranks are gathered, so every rank routes the same ``T = s*b``
   tokens (sequence parallelism: all-gather along the sequence, whose backward reduce-scatters;
   without it the input is already replicated and only the backward all-reduces);
+* route: on those ``T`` tokens, so routing and aux losses are those of a data-parallel replica;
+* dispatch (EP > 1): tokens ``[T, h]``, probs and routing map ``[T, E]`` are all-gathered over
+  EP (``[ep*T, ...]``); the all-gather's backward reduce-scatters, so each rank gets the
+  gradient of its own tokens from every rank's experts;
+* combine (EP > 1): each rank's output of its local experts is reduce-scattered back over EP;
 * leave: each rank's output is a partial sum over TP (its shards of every expert), reduced with
   a reduce-scatter to sequence shards (SP) or an all-reduce.
 
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
@@ -42,7 +49,8 @@ class MoESubmodules:
 
 
 class MoELayer(MegatronModule):
-    """``router`` (``mlp.router.weight``) and ``experts`` (``mlp.experts.local_experts.{i}...``)."""
+    """``router`` (``mlp.router.weight``) and ``experts`` (``mlp.experts.local_experts.{i}...``, local index;
+    checkpoints name experts by their global index)."""
 
     def __init__(self, config: TransformerConfig, submodules: Optional[MoESubmodules] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None, layer_number: Optional[int] = None) -> None:
@@ -50,12 +58,16 @@ class MoELayer(MegatronModule):
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs config.num_moe_experts")
         groups = resolve_process_groups(pg_collection)
-        if groups.size_of("ep") != 1:
-            raise ValueError(f"expert_model_parallel_size={groups.size_of('ep')}: not supported yet (only 1)")
-        self.tp_group = groups.expt_tp
+        ep_size = groups.size_of("ep")
+        if config.num_moe_experts % ep_size:
+            raise ValueError(f"num_moe_experts={config.num_moe_experts} must be divisible by "
+                             f"expert_model_parallel_size={ep_size}")
+        self.tp_group, self.ep_group = groups.expt_tp, groups.ep
         self.sequence_parallel = config.sequence_parallel
+        self.num_local_experts = config.num_moe_experts // ep_size
+        self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
         self.router = TopKRouter(config, self.tp_group)
-        self.experts = SequentialMLP(config.num_moe_experts, config, (submodules or MoESubmodules()).experts,
+        self.experts = SequentialMLP(self.num_local_experts, config, (submodules or MoESubmodules()).experts,
                                      groups)
         if layer_number is not None:
             self.set_layer_number(layer_number)
@@ -82,5 +94,18 @@ class MoELayer(MegatronModule):
         full = self._gather_tokens(hidden_states)  # [s, b, h]
         tokens = full.reshape(-1, full.shape[-1])  # [T, h]
         probs, routing_map = self.router(tokens)  # [T, E] each
-        partial = self.experts(tokens, probs, routing_map)  # [T, h]
+        partial = self._run_experts(tokens, probs, routing_map)  # [T, h]
         return self._reduce_output(partial.view_as(full)), None
+
+    def _run_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the EP group's tokens -> partial output ``[T, h]`` (partial over TP)."""
+        if dist.get_world_size(self.ep_group) == 1:
+            return self.experts(tokens, probs, routing_map)  # [T, h]
+        tokens = gather_from_sequence_parallel_region(tokens, True, self.ep_group)  # [ep*T, h]
+        probs = gather_from_sequence_parallel_region(probs, True, self.ep_group)  # [ep*T, E]
+        with torch.no_grad():
+            routing_map = gather_from_sequence_parallel_region(routing_map.to(torch.uint8), False,
+                                                               self.ep_group).bool()  # [ep*T, E]
+        local = slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
+        partial = self.experts(tokens, probs[:, local], routing_map[:, local])  # [ep*T, h]
+        return reduce_scatter_to_sequence_parallel_region(partial, self.ep_group)  # [T, h]

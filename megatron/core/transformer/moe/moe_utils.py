@@ -110,7 +110,9 @@ def reduce_aux_losses(config, groups: ProcessGroupCollection, num_microbatches: 
 
     Each value is Megatron's: the coefficient-free loss averaged over the MoE layers (layers
     of all pipeline stages, summed over PP), over the microbatches and over data-parallel
-    ranks. Tensor-parallel ranks route the same tokens, so they hold equal values.
+    ranks. Tensor-parallel ranks route the same tokens, so they hold equal values. Expert-parallel
+    ranks are data-parallel ranks that route their own tokens (before the EP all-gather), so
+    the average over ``dp_cp`` is the same with or without expert parallelism.
     """
     names = tracked_aux_loss_names(config)
     if not names:
