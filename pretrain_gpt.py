@@ -12,11 +12,13 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
+from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel.schedules import unwrap_model
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.training import pretrain
@@ -63,19 +65,30 @@ def train_valid_test_datasets_provider(num_samples: Sequence[int], *, args: argp
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked sum of per-token losses, its token count, and the ``lm loss`` entry to report."""
-    losses = output_tensor.float().view(-1)  # [b*s]
+    """Masked sum of per-token losses, its token count, and the ``lm loss`` entry to report.
+
+    Under context parallelism both cover this CP rank's tokens only: the schedule sums the counts
+    over CP before dividing, and the report's [sum, count] pairs are summed over ``dp_cp``.
+    """
+    losses = output_tensor.float().view(-1)  # [b*s(/cp)]
     mask = loss_mask.float().view(-1)
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
 
-def forward_step(data_iterator: Iterator, model: GPTModel):
-    """Run one micro batch; returns the model output and the loss function to apply to it."""
+def get_batch(data_iterator: Iterator, model: torch.nn.Module) -> dict:
+    """The next micro batch, on the GPU if there is one, cut to this context-parallel rank's chunks."""
     batch = next(data_iterator)
     if torch.cuda.is_available():
         batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+    groups = unwrap_model(model, "pg_collection").pg_collection
+    return get_batch_on_this_cp_rank(batch, groups.cp if groups.size_of("cp") > 1 else None)
+
+
+def forward_step(data_iterator: Iterator, model: GPTModel):
+    """Run one micro batch; returns the model output and the loss function to apply to it."""
+    batch = get_batch(data_iterator, model)
     attention_mask = batch.get("attention_mask")
     output = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])

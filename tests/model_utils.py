@@ -45,7 +45,8 @@ def build_gpt(kwargs: Dict, groups: ProcessGroupCollection, seed: int = 1234, **
     """A GPTModel from ``kwargs``, initialized from ``seed`` (CPU init: same weights for any TP)."""
     torch.manual_seed(seed)
     kw = dict(kwargs, tensor_model_parallel_size=groups.size_of("tp"),
-              pipeline_model_parallel_size=groups.size_of("pp"), expert_model_parallel_size=groups.size_of("ep"))
+              pipeline_model_parallel_size=groups.size_of("pp"), expert_model_parallel_size=groups.size_of("ep"),
+              context_parallel_size=groups.size_of("cp"))
     kw.update(extra)
     return GPTModel(pg_collection=groups, **kw)
 

@@ -30,8 +30,7 @@ class AnyOf:
 
 
 NOT_SUPPORTED_YET: Dict[str, Any] = {
-    # Context parallelism, expert parallelism, other data-parallel sharding schemes.
-    "context_parallel_size": 1,
+    # Context-parallel variants, expert parallelism, other data-parallel sharding schemes.
     "hierarchical_context_parallel_sizes": None,
     "max_seqlen_per_dp_cp_rank": None,
     "hybrid_context_parallel": False,

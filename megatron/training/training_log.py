@@ -359,7 +359,8 @@ class TrainingLogger:
 
         ``elapsed_ms_per_iter`` is this iteration's wall time; ``flops_per_iter`` the model
         FLOPs of its whole global batch, summed over all ranks (``num_floating_point_operations``;
-        None leaves the TFLOP/s field out), divided by ``world_size`` for the per-GPU figure. ``nan`` None
+        None leaves the TFLOP/s field out), divided by ``world_size`` for the per-GPU figure (context-parallel
+        ranks each compute 1/cp of every sequence, so this is their share too). ``nan`` None
         counts a NaN iteration as Megatron does: a skipped one whose loss is not finite.
         """
         losses = {name: _to_float(value) for name, value in loss_dict.items()}

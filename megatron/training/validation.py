@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from megatron.core.context_parallel import CP_COMM_TYPES
 from megatron.training.flag_status import NOT_SUPPORTED_YET, AnyOf
 from megatron.training.flags_table import FlagSpec
 
@@ -347,9 +348,31 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
                                           "not supported yet (use torch_dist)")
 
 
+def check_context_parallel(args: argparse.Namespace) -> None:
+    """--context-parallel-size: 2 x CP equal chunks per sequence (each split over TP with SP); --cp-comm-type.
+
+    Every --cp-comm-type computes the same exact attention; we run the all-gather scheme for any of them.
+    """
+    comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    for value in comm_types:
+        _require(value in CP_COMM_TYPES, f"--cp-comm-type {value}: must be one of {', '.join(CP_COMM_TYPES)}")
+    _require(len(comm_types) in (1, args.num_layers),
+             f"--cp-comm-type gives {len(comm_types)} values: give one, or one per layer (--num-layers "
+             f"{args.num_layers})")
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp == 1:
+        return
+    _require(args.seq_length % (2 * cp) == 0,
+             f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}")
+    if args.sequence_parallel:
+        _require(args.seq_length % (2 * cp * tp) == 0,
+                 f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) x "
+                 f"--tensor-model-parallel-size ({tp}) = {2 * cp * tp} with --sequence-parallel")
+
+
 STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_deprecated, check_required, set_virtual_pipeline, check_pipeline_layers, set_batch_sizes,
-    set_model_shape, set_moe, check_expert_parallel, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
+    set_model_shape, check_context_parallel, set_moe, check_expert_parallel, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
     set_data,
 ]
 

@@ -18,6 +18,7 @@ from megatron.core.parallel_state import ProcessGroupCollection, resolve_process
 from megatron.core.pipeline_parallel import schedule_table as st
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
 from megatron.core.pipeline_parallel.schedules import (ModelArg, _as_iterator_list, as_chunk_list, backward_step,
+                                                       context_parallel_group,
                                                        deallocate_output, finalize_grads, forward_step,
                                                        get_model_config)
 
@@ -65,6 +66,7 @@ class _PipelineRun:
         self.store: List[Any] = []
         self.total_tokens = torch.tensor(0, dtype=torch.int)
         self.released = 0  # stage outputs whose storage was freed after sending
+        self.cp_group = None  # the context-parallel group when CP > 1 (set by run_schedule)
 
     def exchange(self, batch: List[st.Msg]) -> None:
         """Post one batch of the communication plan and file the received tensors."""
@@ -95,7 +97,8 @@ class _PipelineRun:
         with torch.set_grad_enabled(not self.forward_only):
             output, tokens = forward_step(self.forward_step_func, self.iterators[op.chunk], self.chunks[op.chunk],
                                           self.num_microbatches, input_tensor, self.store, self.config,
-                                          is_last_stage=last, collect_non_loss_data=self.collect_non_loss_data)
+                                          is_last_stage=last, collect_non_loss_data=self.collect_non_loss_data,
+                                          cp_group=self.cp_group)
         self.total_tokens = self.total_tokens + tokens
         if not last:
             self.outbox[(st.FORWARD, op.microbatch, stage)] = output
@@ -136,6 +139,7 @@ def run_schedule(*, forward_step_func: Callable, data_iterator: Any, model: Mode
                            variable_shapes=bool(getattr(config, "variable_seq_lengths", False)))
     run = _PipelineRun(chunks, _as_iterator_list(data_iterator, len(chunks)), config, comm, forward_step_func,
                        num_microbatches, forward_only, collect_non_loss_data)
+    run.cp_group = context_parallel_group(config, groups)
     slots = st.rank_slots(rank, pp_size, num_microbatches, len(chunks), forward_only)
     plan = st.comm_plan(slots, rank, pp_size, len(chunks))
     gate = _GradSyncGate(config, len(chunks), enabled=not forward_only)

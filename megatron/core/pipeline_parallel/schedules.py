@@ -16,6 +16,16 @@ Loss convention (Megatron's): ``forward_step_func(data_iterator, model)`` return
 ``(loss_sum, num_tokens, reporting_dict)`` or ``(mean_loss, reporting_dict)``. Unless
 ``config.calculate_per_token_loss``, the loss is divided by ``num_tokens`` and by the
 number of microbatches before backward, so gradients are those of the batch mean.
+
+Context parallelism (``config.context_parallel_size`` > 1): each CP rank's ``loss_func`` sees its
+own tokens. For a 3-tuple the token count is summed over the CP group before dividing (exact even
+when the ranks hold different numbers of counted tokens, where Megatron divides by the local
+count), and the loss is multiplied by the CP size because the data-parallel wrapper averages
+gradients over ``dp_cp``: the result is the gradient of (sum over CP of token losses) / (CP token
+count). A 2-tuple loss must already be the CP-wide mean whose graph holds this rank's share
+(e.g. local sum / all-reduced count); it is multiplied by the CP size likewise. With
+``calculate_per_token_loss`` nothing is scaled here: ``finalize_model_grads`` divides by the
+token count summed over ``dp_cp``.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.utils import comm_device
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -75,6 +86,14 @@ def _no_sync_context(config: Any) -> contextlib.AbstractContextManager:
     return stack
 
 
+def context_parallel_group(config: Any, pg_collection: Optional[parallel_state.ProcessGroupCollection]
+                           ) -> Optional[torch.distributed.ProcessGroup]:
+    """The CP group when ``config.context_parallel_size`` > 1 (from ``pg_collection`` or the default groups)."""
+    if getattr(config, "context_parallel_size", 1) == 1:
+        return None
+    return parallel_state.resolve_process_groups(pg_collection).cp
+
+
 def finalize_grads(config: Any, model_chunks: List[torch.nn.Module], total_num_tokens: torch.Tensor) -> None:
     """Call ``config.finalize_model_grads_func`` (DP / tied-embedding reductions) if set."""
     if config.finalize_model_grads_func is None:
@@ -86,23 +105,35 @@ def finalize_grads(config: Any, model_chunks: List[torch.nn.Module], total_num_t
 # ----------------------------------------------------------------------------------
 # One microbatch forward / backward.
 # ----------------------------------------------------------------------------------
-def _scaled_loss(outputs: tuple, num_microbatches: int, per_token: bool) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+def _cp_token_count(num_tokens: torch.Tensor, cp_group: Optional[torch.distributed.ProcessGroup]) -> torch.Tensor:
+    """``num_tokens`` summed over the context-parallel group (unchanged without one)."""
+    if cp_group is None or torch.distributed.get_world_size(cp_group) == 1:
+        return num_tokens
+    total = num_tokens.clone().to(device=comm_device(cp_group))
+    torch.distributed.all_reduce(total, group=cp_group)
+    return total.to(num_tokens.device)
+
+
+def _scaled_loss(outputs: tuple, num_microbatches: int, per_token: bool,
+                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Tuple[torch.Tensor, torch.Tensor, Any]:
     """(loss to back-propagate, num_tokens, reporting) from a ``loss_func`` result.
 
     A 3-tuple carries a loss summed over ``num_tokens`` tokens; a 2-tuple an averaged loss.
+    ``num_tokens`` is returned as this rank's count (``finalize_model_grads`` sums it over ``dp_cp``).
     """
+    cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
     if len(outputs) == 3:
         loss, num_tokens, reporting = outputs
         num_tokens = torch.as_tensor(num_tokens).detach()
         if not per_token:
-            loss = loss / num_tokens / num_microbatches
+            loss = loss / _cp_token_count(num_tokens, cp_group) * cp_size / num_microbatches
         return loss, num_tokens, reporting
     if len(outputs) == 2:
         if per_token:
             raise ValueError("calculate_per_token_loss=True needs loss_func to return "
                              "(loss_sum, num_tokens, reporting_dict), got a 2-tuple")
         loss, reporting = outputs
-        return loss / num_microbatches, torch.tensor(0, dtype=torch.int), reporting
+        return loss * cp_size / num_microbatches, torch.tensor(0, dtype=torch.int), reporting
     raise ValueError(f"loss_func must return 2 or 3 values, got {len(outputs)}")
 
 
@@ -118,9 +149,11 @@ def set_aux_loss_scale(config: Any, num_microbatches: int) -> None:
 
 def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: torch.nn.Module,
                  num_microbatches: int, input_tensor: Optional[torch.Tensor], forward_data_store: List[Any],
-                 config: Any, is_last_stage: bool = True,
-                 collect_non_loss_data: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                 config: Any, is_last_stage: bool = True, collect_non_loss_data: bool = False,
+                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run one microbatch through ``model``; on the last stage apply the loss function.
+
+    ``cp_group``: the context-parallel group when CP > 1 (see the module docstring), else None.
 
     Returns:
         ``(output, num_tokens)``: the activation to send on (non-last stages) or the loss
@@ -137,7 +170,7 @@ def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
         forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
         return output_tensor, zero
     per_token = getattr(config, "calculate_per_token_loss", False)
-    loss, num_tokens, reporting = _scaled_loss(loss_func(output_tensor), num_microbatches, per_token)
+    loss, num_tokens, reporting = _scaled_loss(loss_func(output_tensor), num_microbatches, per_token, cp_group)
     forward_data_store.append(reporting)
     return loss, num_tokens
 
@@ -203,12 +236,13 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     config = get_model_config(chunks)
     store: List[Any] = []
     total_tokens = torch.tensor(0, dtype=torch.int)
+    cp_group = context_parallel_group(config, pg_collection)
 
     def one(grad_enabled: bool) -> None:
         nonlocal total_tokens
         with torch.set_grad_enabled(grad_enabled):
             output, tokens = forward_step(forward_step_func, iterator, chunks[0], num_microbatches, None, store,
-                                          config, collect_non_loss_data=collect_non_loss_data)
+                                          config, collect_non_loss_data=collect_non_loss_data, cp_group=cp_group)
         total_tokens = total_tokens + tokens
         if not forward_only:
             backward_step(None, output, None, config)

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.context_parallel import cp_attention_mask, cp_chunk_positions, gather_kv_over_cp
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
@@ -30,14 +31,7 @@ def sliding_window_mask(sq: int, sk: int, window: Tuple[int, int], device: torch
 
     ``window = (left, right)`` as Megatron's ``--window-size``; -1 means unlimited on that side.
     """
-    left, right = window
-    offset = (torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None])  # j - i
-    blocked = torch.zeros(sq, sk, dtype=torch.bool, device=device)
-    if left >= 0:
-        blocked |= offset < -left
-    if right >= 0:
-        blocked |= offset > right
-    return blocked
+    return cp_attention_mask(torch.arange(sq, device=device), sk, causal=False, window=window)
 
 
 class DotProductAttention(MegatronModule):
@@ -46,11 +40,20 @@ class DotProductAttention(MegatronModule):
     Inputs are ``[s, b, heads, d]``; keys and values may have fewer heads (grouped-query
     attention) and are repeated to match. ``attention_mask`` is boolean with True where
     attention is NOT allowed (Megatron's convention); None means plain causal.
+
+    With a context-parallel group of size > 1 the inputs are this rank's ``[s/cp, b, ., d]``
+    (chunks r and 2cp-1-r, see ``megatron.core.context_parallel``): keys and values are
+    all-gathered over CP into sequence order, and the causal mask and sliding window use the
+    queries' global positions. A given ``attention_mask`` is then ``[b, 1, s/cp, s]`` (this
+    rank's query rows, every key), as ``get_batch_on_this_cp_rank`` slices it.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__(config)
+        self.cp_group = cp_group
+        self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -60,14 +63,17 @@ class DotProductAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         s, b, heads, d = query.shape
+        causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if self.cp_size > 1:
+            key, value, attention_mask = self._gather_over_cp(key, value, attention_mask, causal)
+            causal = False
         repeat = heads // key.shape[2]
         if repeat > 1:
-            key = key.repeat_interleave(repeat, dim=2)  # [s, b, heads, d]
+            key = key.repeat_interleave(repeat, dim=2)  # [sk, b, heads, d]
             value = value.repeat_interleave(repeat, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
-        if self.config.window_size is not None:
+        if self.config.window_size is not None and self.cp_size == 1:
             attention_mask = self._with_window(attention_mask, causal, q.shape[-2], k.shape[-2], q.device)
             causal = False
         with _dropout_rng(dropout_p > 0):
@@ -78,6 +84,18 @@ class DotProductAttention(MegatronModule):
             else:
                 ctx = self._unfused(q, k, v, attention_mask, causal, dropout_p)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads*d]
+
+    def _gather_over_cp(self, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+                        causal: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Whole-sequence keys and values ``[s, b, g, d]`` and the mask of this rank's queries ``[s/cp, s]``."""
+        key = gather_kv_over_cp(key, self.cp_group)  # [s, b, g, d]
+        value = gather_kv_over_cp(value, self.cp_group)
+        rank = torch.distributed.get_rank(self.cp_group)
+        positions = cp_chunk_positions(key.shape[0], self.cp_size, rank, key.device)  # [s/cp] global
+        blocked = cp_attention_mask(positions, key.shape[0], causal, self.config.window_size)  # [s/cp, s]
+        if blocked is None:
+            return key, value, mask
+        return key, value, blocked if mask is None else mask | blocked
 
     def _with_window(self, mask: Optional[torch.Tensor], causal: bool, sq: int, sk: int,
                      device: torch.device) -> torch.Tensor:
@@ -127,7 +145,8 @@ class SelfAttention(MegatronModule):
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, config=config, init_method=config.init_method,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False, tp_group=groups.tp)
-        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type)
+        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type,
+                                                  cp_group=groups.cp if groups.size_of("cp") > 1 else None)
         self.linear_proj = RowParallelLinear(
             d * config.num_attention_heads, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear,

@@ -141,7 +141,8 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
     (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
     (["--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"], "--moe-shared-expert-intermediate-size"),
-    (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
+     "--hierarchical-context-parallel-sizes"),
     (["--optimizer", "muon"], "--optimizer"),
     (["--multi-latent-attention"], "--multi-latent-attention"),
     (["--fp8-format", "hybrid"], "--fp8-format"),
@@ -257,6 +258,13 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4,
      r"--num-experts=6 must be divisible by --expert-model-parallel-size=4"),
     (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size=2 needs --num-experts"),
+    (["--context-parallel-size", "2", "--seq-length", "30"], 2,
+     r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size \(2\) = 4"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--seq-length", "36"], 4, r"--seq-length \(36\) .*--context-parallel-size \(2\) x "
+                                r"--tensor-model-parallel-size \(2\) = 8 with --sequence-parallel"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, r"--cp-comm-type ring: must be one of p2p"),
+    (["--cp-comm-type", "p2p", "a2a", "p2p"], 1, r"--cp-comm-type gives 3 values.*--num-layers 4"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 2,
      r"world size 2 .*--tensor-model-parallel-size \(2\) x --expert-model-parallel-size \(2\)"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--ckpt-format", "torch"], 2,
@@ -297,6 +305,17 @@ def test_every_transformer_config_field_is_mapped_once():
     tables = [set(A.TRANSFORMER_SAME_NAME), set(A.TRANSFORMER_DERIVED), set(A.TRANSFORMER_NOT_FROM_FLAGS)]
     assert set.union(*tables) == fields
     assert sum(len(t) for t in tables) == len(fields)
+
+
+def test_context_parallel_size_is_accepted_and_reaches_the_config():
+    args = _validated(["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--cp-comm-type", "all_gather"], world_size=8)
+    assert args.data_parallel_size == 2
+    config = A.core_transformer_config_from_args(args)
+    assert config.context_parallel_size == 2 and config.sequence_parallel
+    per_layer = _validated(["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "a2a+p2p", "p2p"],
+                           world_size=2)
+    assert per_layer.cp_comm_type == ["p2p", "a2a", "a2a+p2p", "p2p"]
 
 
 def test_expert_model_parallel_size_is_accepted_and_reaches_the_config():

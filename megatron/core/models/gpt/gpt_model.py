@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megatron.core.context_parallel import cp_chunk_positions
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -49,6 +50,11 @@ class GPTModel(MegatronModule):
     logits ``[b, s, vocab/tp]`` (``[b, s, vocab]`` with ``parallel_output=False``), or the
     per-token loss ``[b, s]`` when labels are given. On a non-last pipeline stage it returns
     the hidden states ``[s, b, h]``.
+
+    Under context parallelism (a ``cp`` group of size > 1) every ``s`` above is this rank's
+    ``s/cp`` tokens, chunks r and 2cp-1-r of the sequence (``get_batch_on_this_cp_rank``):
+    rotary angles are computed for the whole sequence and sliced the same way, and without
+    ``position_ids`` the learned position embedding uses those global positions.
     """
 
     def __init__(self, config: Optional[TransformerConfig] = None,
@@ -115,10 +121,15 @@ class GPTModel(MegatronModule):
                 attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, **unused: Any) -> torch.Tensor:
         if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids, position_ids)  # [s(/tp), b, h]
+            if position_ids is None and self.cp_size > 1:
+                position_ids = self._cp_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
+            decoder_input = self.embedding(input_ids, position_ids)  # [s/cp(/tp), b, h]
         rotary = None
         if self.rotary_pos_emb is not None:
-            rotary = self.rotary_pos_emb(input_ids.shape[1] if input_ids is not None else decoder_input.shape[0])
+            local = input_ids.shape[1] if input_ids is not None else decoder_input.shape[0]
+            rotary = self.rotary_pos_emb(local * self.cp_size)  # [s, 1, 1, dim], the whole sequence
+            if self.cp_size > 1:
+                rotary = rotary.index_select(0, self._cp_positions(local, rotary.device))  # [s/cp, 1, 1, dim]
         hidden = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary)  # [s(/tp), b, h]
         if not self.post_process:
             return hidden
@@ -129,6 +140,14 @@ class GPTModel(MegatronModule):
                 logits = gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         return self.compute_language_model_loss(labels, logits)
+
+    @property
+    def cp_size(self) -> int:
+        return self.pg_collection.size_of("cp")
+
+    def _cp_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """Global positions ``[s/cp]`` of this CP rank's ``local_length`` tokens."""
+        return cp_chunk_positions(local_length * self.cp_size, self.cp_size, self.pg_collection.rank_in("cp"), device)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy ``[b, s]`` from labels ``[b, s]`` and logits ``[s, b, vocab/tp]``.

@@ -112,7 +112,9 @@ def reduce_aux_losses(config, groups: ProcessGroupCollection, num_microbatches: 
     of all pipeline stages, summed over PP), over the microbatches and over data-parallel
     ranks. Tensor-parallel ranks route the same tokens, so they hold equal values. Expert-parallel
     ranks are data-parallel ranks that route their own tokens (before the EP all-gather), so
-    the average over ``dp_cp`` is the same with or without expert parallelism.
+    the average over ``dp_cp`` is the same with or without expert parallelism. Context-parallel
+    ranks also route only their own tokens: each aux loss is that of ``s/cp`` tokens, averaged over
+    CP like a DP replica's, so it differs from a CP=1 run of the same batch.
     """
     names = tracked_aux_loss_names(config)
     if not names:

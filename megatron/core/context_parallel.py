@@ -1,0 +1,111 @@
+"""Context parallelism (CP): the sequence of every layer split over the ranks of the ``cp`` group.
+
+Every sequence is cut into ``2 * cp`` equal chunks and CP rank ``r`` holds chunks ``r`` and
+``2 * cp - 1 - r``, in that order, so that under the causal mask every rank has the same
+amount of attention work (an early chunk with few keys, a late one with many).
+
+* ``get_batch_on_this_cp_rank`` slices a micro batch (tokens, labels, loss mask, position ids
+  along the sequence; an explicit attention mask along its query dimension) this way.
+* ``gather_kv_over_cp`` all-gathers keys or values over CP and puts them back in sequence order;
+  its backward reduce-scatters the gradients (every rank's queries used every key).
+* ``cp_attention_mask`` blocks keys by the *global* positions of this rank's queries (causal,
+  optionally a sliding window).
+
+This is the "all_gather" scheme of Megatron's ``--cp-comm-type``. The ring (``p2p``), all-to-all
+(``a2a``) and hierarchical (``a2a+p2p``) schemes overlap communication differently on GPUs but
+compute exactly the same attention, so the training code accepts them and runs this one.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def cp_chunk_positions(seq_length: int, cp_size: int, cp_rank: int,
+                       device: Optional[torch.device] = None) -> torch.Tensor:
+    """Global positions ``[s/cp]`` held by CP rank ``cp_rank``: chunk r, then chunk 2cp-1-r."""
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_length} must be divisible by 2 x context_parallel_size "
+                         f"({cp_size}) = {2 * cp_size}")
+    chunk = seq_length // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    last_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([first, torch.arange(last_start, last_start + chunk, device=device)])  # [s/cp]
+
+
+def gathered_order(local_length: int, cp_size: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Index ``[s]`` that puts the rank-ordered all-gather of every rank's ``[s/cp]`` back in sequence order.
+
+    The all-gather holds rank 0's positions, then rank 1's, ...; entry ``p`` of the result is
+    where global position ``p`` lies in it.
+    """
+    seq = local_length * cp_size
+    gathered_positions = torch.cat([cp_chunk_positions(seq, cp_size, r, device) for r in range(cp_size)])  # [s]
+    return torch.argsort(gathered_positions)
+
+
+def _cp_size_rank(cp_group: Optional[dist.ProcessGroup]) -> tuple:
+    if cp_group is None:
+        return 1, 0
+    return dist.get_world_size(cp_group), dist.get_rank(cp_group)
+
+
+def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]],
+                              cp_group: Optional[dist.ProcessGroup]) -> Dict[str, Optional[torch.Tensor]]:
+    """This CP rank's part of a micro batch (a new dict; the batch itself is unchanged).
+
+    ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, ...) keep their columns at
+    ``cp_chunk_positions``; an ``attention_mask`` ``[b, 1, s, s]`` keeps those query rows and all
+    keys (in sequence order, as ``gather_kv_over_cp`` delivers them). Identity without CP.
+    """
+    cp_size, cp_rank = _cp_size_rank(cp_group)
+    if cp_size == 1:
+        return dict(batch)
+    out: Dict[str, Optional[torch.Tensor]] = {}
+    for key, value in batch.items():
+        if value is None:
+            out[key] = None
+            continue
+        dim = 2 if key == "attention_mask" else 1
+        index = cp_chunk_positions(value.shape[dim], cp_size, cp_rank, value.device)  # [s/cp]
+        out[key] = value.index_select(dim, index)
+    return out
+
+
+def gather_kv_over_cp(t: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Keys or values ``[s/cp, b, g, d]`` of this rank -> ``[s, b, g, d]`` of the whole sequence, in order.
+
+    Backward reduce-scatters: the gradient of each key sums the contributions of all ranks' queries.
+    """
+    cp_size = dist.get_world_size(cp_group)
+    if cp_size == 1:
+        return t
+    gathered = gather_from_sequence_parallel_region(t, True, group=cp_group)  # [s, b, g, d], rank order
+    return gathered.index_select(0, gathered_order(t.shape[0], cp_size, t.device))  # [s, b, g, d]
+
+
+def cp_attention_mask(query_positions: torch.Tensor, key_length: int, causal: bool,
+                      window: Optional[tuple] = None) -> Optional[torch.Tensor]:
+    """``[sq, sk]`` boolean, True where a query (at its global position) may not see a key.
+
+    Keys are the whole sequence ``0 .. key_length-1``; ``window = (left, right)`` as
+    ``sliding_window_mask`` (-1 unlimited). None when nothing is blocked.
+    """
+    offset = torch.arange(key_length, device=query_positions.device)[None, :] - query_positions[:, None]  # j - i
+    blocked = torch.zeros_like(offset, dtype=torch.bool)  # [sq, sk]
+    if causal:
+        blocked |= offset > 0
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            blocked |= offset < -left
+        if right >= 0:
+            blocked |= offset > right
+    return blocked if (causal or window is not None) else None

@@ -1,0 +1,97 @@
+"""Context-parallel pieces: the load-balanced sequence slicing and attention over all-gathered keys/values.
+
+Attention: each CP rank runs ``DotProductAttention`` on its two chunks of q, k, v; the output and
+the gradients of its q, k and v must equal the matching rows of full (CP=1) attention on the whole
+sequence, for a plain causal mask, sliding windows (global positions) and an explicit document
+mask, on the SDPA and unfused paths. fp32; rtol=1e-5, atol=1e-6.
+"""
+
+import pytest
+import torch
+
+from megatron.core.context_parallel import cp_chunk_positions, gathered_order, get_batch_on_this_cp_rank
+from megatron.core.models import GPTModel  # noqa: F401  (imported before attention: models <-> attention cycle)
+from megatron.core.parallel_state import ParallelLayout, build_process_groups
+from megatron.core.transformer.attention import DotProductAttention
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.dist_harness import run_distributed
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_rank_holds_chunks_r_and_mirror(cp):
+    seq = 4 * 2 * cp
+    chunks = torch.arange(seq).view(2 * cp, -1)  # [2cp, s/2cp]
+    pieces = [cp_chunk_positions(seq, cp, r) for r in range(cp)]
+    for r, piece in enumerate(pieces):
+        assert torch.equal(piece, torch.cat([chunks[r], chunks[2 * cp - 1 - r]]))
+    # Every rank's slices in chunk order give back the sequence.
+    by_chunk = {r: p[:seq // (2 * cp)] for r, p in enumerate(pieces)}
+    by_chunk.update({2 * cp - 1 - r: p[seq // (2 * cp):] for r, p in enumerate(pieces)})
+    assert torch.equal(torch.cat([by_chunk[c] for c in range(2 * cp)]), torch.arange(seq))
+    assert torch.equal(torch.cat(pieces)[gathered_order(seq // cp, cp)], torch.arange(seq))
+
+
+def test_sequence_not_divisible_by_two_cp_is_refused():
+    with pytest.raises(ValueError, match=r"sequence length 12 must be divisible by 2 x context_parallel_size \(4\)"):
+        cp_chunk_positions(12, 4, 0)
+
+
+def _attention(cp_group, window, backend):
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, window_size=window, attention_backend=backend)
+    return DotProductAttention(config, 1, cp_group=cp_group)
+
+
+def _document_mask(b, s):
+    """[b, 1, s, s] causal mask with document boundaries (True = blocked)."""
+    starts = torch.tensor([[0, 5, 11], [0, 3, 9]])
+    doc = (torch.arange(s)[None, :, None] >= starts[:, None, :]).sum(-1)  # [b, s] document id
+    blocked = doc[:, :, None] != doc[:, None, :]
+    return (blocked | torch.ones(s, s, dtype=torch.bool).triu(1))[:, None]
+
+
+def _compare_attention(rank, world_size):
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    s, b, d = 4 * world_size * 2, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (4, 2, 2))  # [s, b, heads|groups, d]
+    upstream = torch.randn(s, b, 4 * d, generator=g)
+    mask = _document_mask(b, s)
+    positions = cp_chunk_positions(s, world_size, groups.rank_in("cp"))  # [s/cp]
+    for window, backend, use_mask in ((None, "auto", False), ((3, 0), "auto", False), ((2, 1), "unfused", False),
+                                      (None, "unfused", True), ((4, 0), "auto", True)):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = _attention(None, window, backend)(*full, mask if use_mask else None)  # [s, b, 4d]
+        ref.backward(upstream)
+        local = [t[positions].clone().requires_grad_() for t in (q, k, v)]  # [s/cp, b, ., d]
+        sliced = get_batch_on_this_cp_rank({"attention_mask": mask}, groups.cp)["attention_mask"]
+        out = _attention(groups.cp, window, backend)(*local, sliced if use_mask else None)  # [s/cp, b, 4d]
+        out.backward(upstream[positions])
+        what = f"cp={world_size} window={window} {backend} mask={use_mask}"
+        torch.testing.assert_close(out, ref[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} out: {m}")
+        for name, mine, whole in zip("qkv", local, full):
+            torch.testing.assert_close(mine.grad, whole.grad[positions], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{what} grad {name}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_attention_with_gathered_kv_equals_full_attention(world_size):
+    run_distributed(_compare_attention, world_size)
+
+
+def _slice_batch(rank, world_size):
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    s = 8
+    batch = {"tokens": torch.arange(2 * s).view(2, s), "loss_mask": torch.ones(2, s), "position_ids": None,
+             "attention_mask": torch.arange(2 * s * s).view(2, 1, s, s)}
+    out = get_batch_on_this_cp_rank(batch, groups.cp)
+    chunks = [(0, 1, 6, 7), (2, 3, 4, 5)][rank]
+    assert out["tokens"].tolist() == [[row * s + c for c in chunks] for row in range(2)]
+    assert out["position_ids"] is None and out["loss_mask"].shape == (2, 4)
+    assert torch.equal(out["attention_mask"], batch["attention_mask"][:, :, list(chunks), :])
+
+
+def test_batch_slicing_on_two_ranks():
+    run_distributed(_slice_batch, 2)
