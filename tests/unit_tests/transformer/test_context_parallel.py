@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from megatron.core.context_parallel import cp_chunk_positions, gathered_order, get_batch_on_this_cp_rank
-from megatron.core.models import GPTModel  # noqa: F401  (imported before attention: models <-> attention cycle)
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from megatron.core.transformer.attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
