@@ -29,7 +29,7 @@ from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
 from megatron.core.timers import Timers
 from megatron.core.transformer.enums import ModelType
-from megatron.core.transformer.moe.moe_utils import get_aux_loss_tracker, reduce_aux_losses
+from megatron.core.transformer.moe.moe_utils import aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.utils import comm_device
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import (args_to_plain_data, checkpoint_config_from_args, load_checkpoint,
@@ -132,7 +132,7 @@ def train_step(loop: Loop) -> tuple:
 
     The reported losses include the MoE aux losses (``load_balancing_loss``, ``z_loss``) as
     Megatron logs them: without their coefficient, averaged over MoE layers, microbatches
-    and data-parallel ranks (``reduce_aux_losses``).
+    and data-parallel ranks (``aux_loss_pairs``; reduced with the main losses in one all-reduce).
     """
     built, timers = loop.built, loop.timers
     for chunk in built.model:
@@ -142,13 +142,14 @@ def train_step(loop: Loop) -> tuple:
     timers("forward-backward", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     losses = loop.schedule(loop.data.train, forward_only=False)
     timers("forward-backward").stop()
-    aux_losses = reduce_aux_losses(get_model_config(built.model), loop.groups, get_num_microbatches())
+    aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, get_num_microbatches())
     timers("optimizer", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     success, grad_norm, num_zeros = built.optimizer.step()
     timers("optimizer").stop()
     if success:
         built.scheduler.step(increment=get_current_global_batch_size())
-    return {**reduce_losses(losses, loop.groups), **aux_losses}, (0 if success else 1), grad_norm, num_zeros
+    reported = losses + [aux_losses] if losses and aux_losses else losses  # last stage: add the aux pairs
+    return reduce_losses(reported, loop.groups), (0 if success else 1), grad_norm, num_zeros
 
 
 def evaluate(loop: Loop, iterators: List, num_iters: int) -> Dict[str, float]:

@@ -73,6 +73,25 @@ def _resolve_group(tp_group: Optional[dist.ProcessGroup], is_expert: bool) -> di
     return groups.expt_tp if is_expert else groups.tp
 
 
+def _init_common(layer: torch.nn.Module, config: ModelParallelConfig, input_size: int, output_size: int,
+                 skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str],
+                 tp_group: Optional[dist.ProcessGroup]) -> int:
+    """Attributes both parallel linears share; returns the size of their TP group.
+
+    An expert layer on more than one rank leaves communication to its MoE layer, which
+    gathers the tokens once (``explicit_expert_comm``).
+    """
+    layer.config = config
+    layer.input_size, layer.output_size = input_size, output_size
+    layer.skip_bias_add, layer.is_expert = skip_bias_add, is_expert
+    layer.sequence_parallel = config.sequence_parallel
+    layer.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
+    layer.tp_group = _resolve_group(tp_group, is_expert)
+    world = dist.get_world_size(layer.tp_group)
+    layer.explicit_expert_comm = is_expert and world > 1
+    return world
+
+
 def _home_device() -> torch.device:
     """Where parameters live: the current CUDA device when there is one, else the CPU."""
     if torch.cuda.is_available():
@@ -143,15 +162,9 @@ class ColumnParallelLinear(torch.nn.Module):
         if gather_output and config.sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "config.sequence_parallel=True (the output would be gathered twice)")
-        self.config = config
-        self.input_size, self.output_size = input_size, output_size
-        self.gather_output, self.skip_bias_add, self.is_expert = gather_output, skip_bias_add, is_expert
-        self.sequence_parallel = config.sequence_parallel
-        self.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
-        self.tp_group = _resolve_group(tp_group, is_expert)
-        world = dist.get_world_size(self.tp_group)
-        # Expert layers leave communication to the MoE layer, which gathers the tokens once.
-        self.explicit_expert_comm = is_expert and world > 1
+        self.gather_output = gather_output
+        world = _init_common(self, config, input_size, output_size, skip_bias_add, is_expert, tp_comm_buffer_name,
+                             tp_group)
         self.output_size_per_partition = divide(output_size, world)
         shape = (self.output_size_per_partition, input_size)
         if skip_weight_param_allocation:
@@ -225,17 +238,13 @@ class RowParallelLinear(torch.nn.Module):
         super().__init__()
         if config.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: config.sequence_parallel=True requires input_is_parallel=True")
-        self.config = config
-        self.input_size, self.output_size = input_size, output_size
-        self.input_is_parallel, self.skip_bias_add, self.is_expert = input_is_parallel, skip_bias_add, is_expert
-        self.sequence_parallel = config.sequence_parallel
-        self.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
-        self.tp_group = _resolve_group(tp_group, is_expert)
-        self.explicit_expert_comm = is_expert and dist.get_world_size(self.tp_group) > 1
+        self.input_is_parallel = input_is_parallel
+        world = _init_common(self, config, input_size, output_size, skip_bias_add, is_expert, tp_comm_buffer_name,
+                             tp_group)
         if self.explicit_expert_comm and bias and not skip_bias_add:
             raise ValueError("RowParallelLinear: an expert layer on several TP ranks needs skip_bias_add=True "
                              "(the bias must be added after the MoE layer's reduction)")
-        self.input_size_per_partition = divide(input_size, dist.get_world_size(self.tp_group))
+        self.input_size_per_partition = divide(input_size, world)
         self.weight = _make_weight((output_size, self.input_size_per_partition), (output_size, input_size), 1,
                                    stride, init_method, config, self.tp_group, _rng_stream(is_expert))
         self.weight.allreduce = not is_expert

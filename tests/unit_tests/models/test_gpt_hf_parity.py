@@ -12,7 +12,7 @@ from megatron.core.models.gpt.hf_state_dict import (from_hf_llama, from_hf_mixtr
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, batch, build_gpt, gpt2_style, llama_style
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency (requirements-test.txt): missing it must fail, not skip
 MAX_ABS = 1e-4
 
 

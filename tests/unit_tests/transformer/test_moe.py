@@ -17,7 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
-from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer, get_aux_loss_tracker, reduce_aux_losses
+from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer, aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.transformer.moe.router import topk_softmax
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.dist_harness import run_distributed
@@ -181,8 +181,8 @@ def _aux_body(rank, world_size):
         if name != "router.weight":
             torch.testing.assert_close(g_aux[name], g_plain[name], rtol=0, atol=0)
     # Logging: mean over the MoE layers (both layers are MoE: the sum / 2), per microbatch.
-    logged = reduce_aux_losses(aux.config, groups, num_microbatches=1)
-    assert abs(logged["load_balancing_loss"] - aux_ref.item() / coeff / 2) < 1e-6 * aux_ref.item() / coeff
+    total, count = aux_loss_pairs(aux.config, groups, num_microbatches=1)["load_balancing_loss"].tolist()
+    assert count == 2 and abs(total / count - aux_ref.item() / coeff / 2) < 1e-6 * aux_ref.item() / coeff
     assert not tracker.values
     # Evaluation (no grad) tracks and attaches nothing.
     aux.eval()

@@ -2,8 +2,8 @@
 
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_aux_loss_tracker, reduce_aux_losses
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_aux_loss_tracker, aux_loss_pairs
 from megatron.core.transformer.moe.router import TopKRouter
 
 __all__ = ["MoEAuxLossAutoScaler", "MoELayer", "MoESubmodules", "SequentialMLP", "TopKRouter",
-           "get_aux_loss_tracker", "reduce_aux_losses"]
+           "get_aux_loss_tracker", "aux_loss_pairs"]

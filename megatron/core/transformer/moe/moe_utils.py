@@ -104,17 +104,19 @@ def tracked_aux_loss_names(config) -> List[str]:
     return names
 
 
-def reduce_aux_losses(config, groups: ProcessGroupCollection, num_microbatches: int,
-                      tracker: AuxLossTracker = _TRACKER) -> Dict[str, float]:
-    """Logged aux losses of one iteration; clears the tracker. Collective over PP and DP.
+def aux_loss_pairs(config, groups: ProcessGroupCollection, num_microbatches: int,
+                   tracker: AuxLossTracker = _TRACKER) -> Dict[str, torch.Tensor]:
+    """This iteration's aux losses as ``[sum, count]`` pairs; clears the tracker. Collective over PP.
 
-    Each value is Megatron's: the coefficient-free loss averaged over the MoE layers (layers
-    of all pipeline stages, summed over PP), over the microbatches and over data-parallel
-    ranks. Tensor-parallel ranks route the same tokens, so they hold equal values. Expert-parallel
-    ranks are data-parallel ranks that route their own tokens (before the EP all-gather), so
-    the average over ``dp_cp`` is the same with or without expert parallelism. Context-parallel
-    ranks also route only their own tokens: each aux loss is that of ``s/cp`` tokens, averaged over
-    CP like a DP replica's, so it differs from a CP=1 run of the same batch.
+    ``sum`` adds the coefficient-free values of every MoE layer (all pipeline stages) and
+    microbatch; ``count`` is layers x microbatches. Summing the pairs over data-parallel ranks
+    before dividing (the training loop's ``reduce_losses`` does, in the same all-reduce as the
+    main losses) gives Megatron's logged value: the mean over MoE layers, microbatches and
+    DP ranks. Tensor-parallel ranks route the same tokens, so they hold equal values.
+    Expert-parallel ranks are data-parallel ranks that route their own tokens (before the EP
+    all-gather), so the mean is the same with or without expert parallelism. Context-parallel
+    ranks also route only their own tokens: each aux loss is that of ``s/cp`` tokens, averaged
+    over CP like a DP replica's, so it differs from a CP=1 run of the same batch.
     """
     names = tracked_aux_loss_names(config)
     if not names:
@@ -125,8 +127,6 @@ def reduce_aux_losses(config, groups: ProcessGroupCollection, num_microbatches: 
     tracker.clear()
     if groups.size_of("pp") > 1:
         dist.all_reduce(values, group=groups.pp)
-    if groups.size_of("dp_cp") > 1:
-        dist.all_reduce(values, group=groups.dp_cp)
     num_moe_layers = sum(config.is_moe_layer(n) for n in range(1, config.num_layers + 1))
-    totals = values.sum(dim=1) / (num_moe_layers * num_microbatches * groups.size_of("dp_cp"))
-    return {name: float(v) for name, v in zip(names, totals.cpu())}
+    count = torch.tensor(float(num_moe_layers * num_microbatches), device=device)
+    return {name: torch.stack([total, count]) for name, total in zip(names, values.sum(dim=1))}
