@@ -21,9 +21,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 _SDPA_BACKENDS = ("auto", "flash", "fused")
 
 
-def _dropout_rng(active: bool):
-    """Fork the model-parallel RNG: attention heads differ per TP rank, so must their masks."""
-    return get_cuda_rng_tracker().fork() if active else contextlib.nullcontext()
+def _dropout_rng(active: bool, sequence_parallel: bool):
+    """Fork the model-parallel RNG: attention heads differ per TP rank, so must their masks.
+
+    Under sequence parallelism the block already runs every layer inside that fork (Megatron
+    does not fork again there): a nested fork would restart the stream from the state saved at
+    the outer fork, and the hidden dropout after attention would redraw the attention mask's
+    random numbers.
+    """
+    return get_cuda_rng_tracker().fork() if active and not sequence_parallel else contextlib.nullcontext()
 
 
 def sliding_window_mask(sq: int, sk: int, window: Tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -76,7 +82,7 @@ class DotProductAttention(MegatronModule):
         if self.config.window_size is not None and self.cp_size == 1:
             attention_mask = self._with_window(attention_mask, causal, q.shape[-2], k.shape[-2], q.device)
             causal = False
-        with _dropout_rng(dropout_p > 0):
+        with _dropout_rng(dropout_p > 0, self.config.sequence_parallel):
             if self.use_sdpa:
                 keep = None if attention_mask is None else ~attention_mask
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
