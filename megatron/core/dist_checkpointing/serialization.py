@@ -18,18 +18,16 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
 from megatron.core.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
+from megatron.core.dist_checkpointing.safe_metadata import SafeFileSystemReader, load_metadata_file
 
 METADATA_FILE = "metadata.json"
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-
-
-class CheckpointingError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model; names the path."""
 
 
 def write_json_atomic(path: str, data: object) -> None:
@@ -110,10 +108,7 @@ def check_sharded_checkpoint(checkpoint_dir: str) -> None:
 def read_metadata(checkpoint_dir: str) -> Metadata:
     """DCP's metadata of a complete checkpoint; checks every data file is there and long enough."""
     check_sharded_checkpoint(checkpoint_dir)
-    try:
-        metadata = FileSystemReader(checkpoint_dir).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is the same user error
-        raise CheckpointingError(f"cannot read {os.path.join(checkpoint_dir, '.metadata')}: {e}") from e
+    metadata = load_metadata_file(os.path.join(checkpoint_dir, ".metadata"))
     ends: Dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -157,8 +152,8 @@ def load(sharded_sd: ShardedStateDict, checkpoint_dir: str,
         error = str(e)
     _agree(error, process_group)
     try:
-        dcp.load(sharded_sd, storage_reader=FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(),
-                 process_group=process_group)
+        dcp.load(sharded_sd, storage_reader=SafeFileSystemReader(checkpoint_dir),
+                 planner=ShardedLoadPlanner(), process_group=process_group)
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank; name the checkpoint
         raise CheckpointingError(f"failed to read checkpoint {checkpoint_dir}: {e}") from e
     return sharded_sd

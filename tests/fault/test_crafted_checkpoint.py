@@ -1,0 +1,103 @@
+"""A crafted ``.metadata`` that runs a command when unpickled is refused on every load path.
+
+The payload is live: plain ``pickle.loads`` (what torch's ``FileSystemReader`` does) creates
+the marker file, which the test checks first, so the refusals below prove something.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import CheckpointingError, ShardedTensor
+from megatron.core.dist_checkpointing.safe_metadata import load_metadata_file
+from tests.functional_tests.gpt_runs import REPO, mock_flags, run_gpt, tiny_gpt_flags
+from tools.checkpoint import convert
+
+
+class _Payload:
+    """Unpickles into ``os.system("touch <marker>")``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant(iter_dir: str, marker: str) -> None:
+    """Replace the checkpoint's ``.metadata`` by the payload (everything else stays valid)."""
+    with open(os.path.join(iter_dir, ".metadata"), "wb") as f:
+        pickle.dump(_Payload(marker), f)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A real 4-iteration torch_dist checkpoint of the tiny GPT."""
+    root = tmp_path_factory.mktemp("crafted")
+    save = str(root / "ckpt")
+    result = run_gpt(1, [*tiny_gpt_flags(4), *mock_flags(), "--save", save, "--save-interval", "4"], str(root))
+    assert result.returncode == 0, result.output[-3000:]
+    return save, os.path.join(save, "iter_0000004")
+
+
+def test_payload_is_live(tmp_path):
+    marker = tmp_path / "pwned"
+    code = "import pickle,sys; pickle.load(open(sys.argv[1], 'rb'))"
+    path = tmp_path / "payload"
+    with open(path, "wb") as f:
+        pickle.dump(_Payload(str(marker)), f)
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
+    assert marker.exists()
+
+
+def test_refused_by_reader_and_api(trained, tmp_path):
+    _, iter_dir = trained
+    marker = tmp_path / "pwned_api"
+    real = load_metadata_file(os.path.join(iter_dir, ".metadata"))  # the genuine file reads fine
+    key = next(iter(real.state_dict_metadata))
+    size = tuple(real.state_dict_metadata[key].size)
+    _plant(iter_dir, str(marker))
+    try:
+        with pytest.raises(CheckpointingError, match=r"\.metadata.*refusing to load posix\.system"):
+            dc.read_metadata(iter_dir)
+        with pytest.raises(CheckpointingError, match=r"\.metadata"):
+            dc.load({key: ShardedTensor(key, torch.zeros(size), size, (0,) * len(size))}, iter_dir)
+        assert not marker.exists()
+    finally:
+        with open(os.path.join(iter_dir, ".metadata"), "wb") as f:
+            pickle.dump(real, f)
+
+
+def test_refused_by_training_resume_and_converter(trained, tmp_path):
+    save, iter_dir = trained
+    backup = open(os.path.join(iter_dir, ".metadata"), "rb").read()
+    marker = tmp_path / "pwned_cli"
+    _plant(iter_dir, str(marker))
+    try:
+        resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save], str(tmp_path))
+        assert resumed.returncode != 0
+        assert "refusing to load posix.system" in resumed.output and ".metadata" in resumed.output
+        cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",
+               "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "hf"), "--model-type", "gpt2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+        assert proc.returncode != 0, proc.stdout + proc.stderr
+        assert "refusing to load posix.system" in proc.stdout + proc.stderr
+        assert not marker.exists()
+    finally:
+        with open(os.path.join(iter_dir, ".metadata"), "wb") as f:
+            f.write(backup)
+
+
+def test_structure_checked_after_unpickling(tmp_path):
+    path = tmp_path / ".metadata"
+    with open(path, "wb") as f:
+        pickle.dump({"not": "metadata"}, f)
+    with pytest.raises(CheckpointingError, match="not DCP Metadata"):
+        load_metadata_file(str(path))
