@@ -331,6 +331,20 @@ def set_data(args: argparse.Namespace) -> None:
         args.split = DEFAULT_SPLIT
 
 
+MEGATRON_EVAL_INTERVAL = 1000  # Megatron's argparse default; the flag table's column says None
+
+
+def set_evaluation(args: argparse.Namespace) -> None:
+    """--eval-interval left out means Megatron's 1000; a given one must be positive.
+
+    The interval sizes the validation split (``train_iters // eval_interval + 1`` evaluations),
+    so None or 0 would fail later inside the data setup instead of naming the flag here.
+    """
+    if args.eval_interval is None:
+        args.eval_interval = MEGATRON_EVAL_INTERVAL
+    _require(args.eval_interval > 0, f"--eval-interval={args.eval_interval} must be a positive number of iterations")
+
+
 def check_expert_parallel(args: argparse.Namespace) -> None:
     """--expert-model-parallel-size: experts split evenly; world = TP x EP x expert-DP x PP (expert-TP = TP)."""
     ep = args.expert_model_parallel_size
@@ -373,7 +387,7 @@ def check_context_parallel(args: argparse.Namespace) -> None:
 STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_deprecated, check_required, set_virtual_pipeline, check_pipeline_layers, set_batch_sizes,
     set_model_shape, check_context_parallel, set_moe, check_expert_parallel, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
-    set_data,
+    set_data, set_evaluation,
 ]
 
 

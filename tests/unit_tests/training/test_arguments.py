@@ -275,6 +275,20 @@ def test_validation_errors_name_flags_and_values(extra, world, pattern):
         _validated(extra, world_size=world)
 
 
+def test_eval_interval_left_out_is_megatrons_1000():
+    """Leaving --eval-interval out used to crash sizing the validation split with a TypeError."""
+    from megatron.training.data import samples_per_split
+
+    assert A.parse_args(BASE).eval_interval is None  # the flag table's default column
+    args = _validated()
+    assert args.eval_interval == 1000  # Megatron's argparse default
+    batch = args.global_batch_size
+    assert samples_per_split(args) == [10 * batch, (10 // 1000 + 1) * args.eval_iters * batch, args.eval_iters * batch]
+    assert _validated(["--eval-interval", "3"]).eval_interval == 3
+    with pytest.raises(A.ArgumentsError, match=r"--eval-interval=0 must be a positive number"):
+        _validated(["--eval-interval", "0"])
+
+
 def test_train_length_required():
     argv = [w for w in BASE if w not in ("--train-iters", "10")]
     with pytest.raises(A.ArgumentsError, match="--train-iters or --train-samples"):
