@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import array
 import enum
+import hashlib
 import os
 import shutil
 import struct
-from typing import Any, Iterable, List, Optional, Tuple, Type, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type, Union
 
 import numpy as np
 
@@ -28,6 +29,19 @@ _HEADER = struct.Struct("<9sQBQQ")
 HEADER_SIZE = _HEADER.size  # 34
 
 ArrayLike = Any  # numpy array, torch tensor, list of ints ...
+# Entries per vectorised validation step: bounded temporaries on indices of billions of sequences.
+_CHECK_CHUNK = 1 << 22
+# Tokens per step of the token range scan of a .bin.
+_SCAN_CHUNK = 1 << 24
+# Files already fully validated / hashed by this process, keyed by their stat identity.
+_VALIDATED: set = set()
+_DIGESTS: Dict[Tuple[int, ...], str] = {}
+
+
+def _stat_key(path: str) -> Tuple[int, ...]:
+    """What identifies one version of a file: device, inode, size and modification time (ns)."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class DType(enum.Enum):
@@ -113,7 +127,11 @@ class _Index:
                 f"document entries, which need {expected} bytes{hint}"
             )
         self._map_arrays(n, d, multimodal)
-        self._check_document_index(n)
+        key = _stat_key(idx_path)
+        if key not in _VALIDATED:  # a reopened, unchanged file (data-loader workers) is not rescanned
+            self._check_lengths_and_pointers()
+            self._check_document_index(n)
+            _VALIDATED.add(key)
 
     def _map_arrays(self, n: int, d: int, multimodal: bool) -> None:
         # The index can be large (12 bytes per sentence); map it instead of reading it.
@@ -130,8 +148,31 @@ class _Index:
             np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
         )
 
+    def _check_lengths_and_pointers(self) -> None:
+        """Lengths >= 0 and ``pointer[i] = sum(length[j] * itemsize for j < i)``, in chunks."""
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        itemsize = np.dtype(self.dtype).itemsize
+        start = 0  # byte where the next sequence must begin
+        for a in range(0, len(lengths), _CHECK_CHUNK):
+            lens = lengths[a:a + _CHECK_CHUNK].astype(np.int64)
+            negative = np.flatnonzero(lens < 0)
+            if negative.size:
+                i = a + int(negative[0])
+                raise ValueError(f"{self.path}: sequence {i} has length {int(lengths[i])} "
+                                 "(sequence lengths must be >= 0)")
+            ends = start + np.cumsum(lens * itemsize)
+            starts = np.concatenate(([start], ends[:-1]))
+            bad = np.flatnonzero(pointers[a:a + len(lens)] != starts)
+            if bad.size:
+                i = a + int(bad[0])
+                raise ValueError(
+                    f"{self.path}: sequence {i} has pointer {int(pointers[i])}, but the lengths before it "
+                    f"place it at byte {int(starts[bad[0]])} (pointer[0] must be 0 and pointer[i+1] = "
+                    f"pointer[i] + length[i] x {itemsize} bytes of {np.dtype(self.dtype).name})")
+            start = int(ends[-1])
+
     def _check_document_index(self, n: int) -> None:
-        # O(1) checks only: a full scan would cost seconds on billion-token corpora.
+        """Starts at 0, ends at N and never decreases (empty documents repeat an entry)."""
         doc = self.document_indices
         if len(doc) == 0 or doc[0] != 0 or doc[-1] != n:
             first = int(doc[0]) if len(doc) else None
@@ -140,6 +181,28 @@ class _Index:
                 f"{self.path}: document index must start at 0 and end at N={n} "
                 f"(found first={first}, last={last})"
             )
+        for a in range(0, len(doc) - 1, _CHECK_CHUNK):
+            step = np.diff(doc[a:a + _CHECK_CHUNK + 1])
+            bad = np.flatnonzero(step < 0)
+            if bad.size:
+                k = a + int(bad[0]) + 1
+                raise ValueError(f"{self.path}: document index entry {k} is {int(doc[k])} after "
+                                 f"{int(doc[k - 1])} (entries must not decrease from 0 to N={n})")
+
+    def digest(self) -> str:
+        """BLAKE2b of the header, lengths, document index and modes: the index's content identity.
+
+        Pointers are left out: validation makes them a function of the lengths and the dtype.
+        """
+        key = _stat_key(self.path)
+        if key not in _DIGESTS:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(np.asarray(self._mmap[:HEADER_SIZE]).tobytes())
+            for arr in (self.sequence_lengths, self.document_indices, self.sequence_modes):
+                if arr is not None:
+                    h.update(memoryview(arr).cast("B"))
+            _DIGESTS[key] = h.hexdigest()
+        return _DIGESTS[key]
 
     def bin_size(self) -> int:
         """Bytes the ``.bin`` must hold according to this index."""
@@ -222,6 +285,36 @@ class IndexedDataset:
     def sequence_modes(self) -> Optional[np.ndarray]:
         """int8 ``[N]`` modes of a multimodal dataset, else ``None``."""
         return self.index.sequence_modes
+
+    def identity(self) -> Dict[str, Any]:
+        """Content identity of the files: sizes plus the index digest (equal for re-written equal data).
+
+        Everything the GPT indices depend on (lengths, documents, dtype) is covered, so it keys
+        their cache; modification times are left out on purpose (a copy keeps its cache).
+        """
+        return {"idx_bytes": os.path.getsize(get_idx_path(self.path_prefix)), "idx_digest": self.index.digest(),
+                "bin_bytes": os.path.getsize(get_bin_path(self.path_prefix))}
+
+    def token_range(self, chunk_tokens: int = _SCAN_CHUNK) -> Optional[Tuple[int, int]]:
+        """Smallest and largest token id in the ``.bin`` (None when it holds no token).
+
+        Reads the file once in chunks of ``chunk_tokens`` into one reused buffer (bounded memory).
+        """
+        total = self.index.bin_size() // np.dtype(self.dtype).itemsize
+        if total == 0:
+            return None
+        buf = np.empty(min(chunk_tokens, total), dtype=self.dtype)
+        low, high = None, None
+        with open(get_bin_path(self.path_prefix), "rb") as f:
+            done = 0
+            while done < total:
+                view = buf[: min(len(buf), total - done)]
+                if f.readinto(memoryview(view).cast("B")) != view.nbytes:
+                    raise ValueError(f"{get_bin_path(self.path_prefix)}: short read at token {done}")
+                low = view.min() if low is None else min(low, view.min())
+                high = view.max() if high is None else max(high, view.max())
+                done += len(view)
+        return int(low), int(high)
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
@@ -379,6 +472,35 @@ class IndexedDatasetBuilder:
             self.end_document()  # sequences after the last end_document form one document
         write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices,
                     self.sequence_modes if self.multimodal else None)
+
+
+def temporary_prefix(path_prefix: str) -> str:
+    """Where a new dataset for ``path_prefix`` is written until it is complete (unique per process)."""
+    return f"{path_prefix}.tmp{os.getpid()}"
+
+
+def remove_dataset(path_prefix: str) -> None:
+    """Delete the ``.idx`` (first: an ``.idx`` never outlives its ``.bin``) and ``.bin`` of a prefix, if present."""
+    for path in (get_idx_path(path_prefix), get_bin_path(path_prefix)):
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def publish_dataset(tmp_prefix: str, path_prefix: str) -> None:
+    """Move the complete dataset at ``tmp_prefix`` to ``path_prefix``, replacing any old one.
+
+    Order: remove the old ``.idx``, rename the new ``.bin``, then rename the new ``.idx``. Until the
+    first step the old pair is untouched; at any moment (also after a kill between the steps) a
+    reader finds the old pair, no ``.idx`` at all, or the new pair; never an ``.idx`` beside a
+    ``.bin`` it does not describe.
+    """
+    for path in (get_idx_path(tmp_prefix), get_bin_path(tmp_prefix)):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"cannot publish {path_prefix}: {path} is missing")
+    if os.path.exists(get_idx_path(path_prefix)):
+        os.remove(get_idx_path(path_prefix))
+    os.replace(get_bin_path(tmp_prefix), get_bin_path(path_prefix))
+    os.replace(get_idx_path(tmp_prefix), get_idx_path(path_prefix))
 
 
 def write_index(

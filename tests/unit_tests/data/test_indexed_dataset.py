@@ -211,3 +211,86 @@ def test_interrupted_finalize_leaves_no_idx(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         builder.finalize(get_idx_path(prefix))
     assert os.listdir(tmp_path) == ["ds.bin"]
+
+
+def _write_raw(prefix, lengths, pointers, docs, code=8, bin_bytes=None):
+    """An .idx written field by field from megatron-compat.md §2 (no check of its consistency)."""
+    lengths, pointers, docs = (np.asarray(a, dtype=t) for a, t in ((lengths, "<i4"), (pointers, "<i8"), (docs, "<i8")))
+    with open(get_idx_path(prefix), "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(lengths), len(docs)))
+        f.write(lengths.tobytes() + pointers.tobytes() + docs.tobytes())
+    itemsize = np.dtype(CODES[code]).itemsize
+    size = bin_bytes if bin_bytes is not None else int(pointers[-1]) + int(lengths[-1]) * itemsize
+    with open(get_bin_path(prefix), "wb") as f:
+        f.write(np.arange(size, dtype=np.uint8).tobytes())
+
+
+@pytest.mark.parametrize(
+    "lengths, pointers, docs, match",
+    [
+        # A negative length with pointers that follow it: once read as "the rest of the .bin".
+        ([3, -2, 4], [0, 6, 2], [0, 3], "sequence 1 has length -2"),
+        ([2, 2, 1], [0, 2, 4], [0, 3], "sequence 1 has pointer 2, but the lengths before it place it at byte 4"),
+        ([2, 2], [4, 8], [0, 2], "sequence 0 has pointer 4.*pointer\\[0\\] must be 0"),
+        ([1, 1, 1], [0, 2, 4], [0, 2, 1, 3], "document index entry 2 is 1 after 2"),
+    ],
+)
+def test_index_arrays_validated_on_open(tmp_path, lengths, pointers, docs, match):
+    prefix = str(tmp_path / "bad")
+    _write_raw(prefix, lengths, pointers, docs)
+    with pytest.raises(ValueError, match=match) as err:
+        IndexedDataset(prefix)
+    assert "bad.idx" in str(err.value)
+
+
+def test_valid_raw_index_opens_and_empty_documents_repeat_entries(tmp_path):
+    prefix = str(tmp_path / "ok")
+    _write_raw(prefix, [2, 0, 3], [0, 4, 4], [0, 1, 1, 3])  # document 1 is empty
+    ds = IndexedDataset(prefix)
+    assert [len(ds[i]) for i in range(3)] == [2, 0, 3]
+
+
+def test_validation_scans_in_chunks(tmp_path, monkeypatch):
+    from megatron.core.datasets import indexed_dataset
+
+    monkeypatch.setattr(indexed_dataset, "_CHECK_CHUNK", 2)  # every check crosses chunk borders
+    n = 9
+    lengths = np.arange(1, n + 1)
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1]) * 2])
+    good = str(tmp_path / "good")
+    _write_raw(good, lengths, pointers, list(range(n + 1)))
+    assert len(IndexedDataset(good)) == n
+    bad = str(tmp_path / "bad")
+    wrong = pointers.copy()
+    wrong[7] += 2
+    _write_raw(bad, lengths, wrong, list(range(n + 1)))
+    with pytest.raises(ValueError, match="sequence 7 has pointer"):
+        IndexedDataset(bad)
+    docs = list(range(n + 1))
+    docs[5], docs[6] = docs[6], docs[5]
+    _write_raw(bad, lengths, pointers, docs)
+    with pytest.raises(ValueError, match="document index entry 6 is 5 after 6"):
+        IndexedDataset(bad)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_token_range_matches_every_token(tmp_path, chunk):
+    prefix = str(tmp_path / "ds")
+    docs = _documents(np.random.default_rng(5), np.int32, n_docs=8)
+    docs[2][0] = np.array([-7, 12345], dtype=np.int32)
+    _build(prefix, docs, np.int32)
+    tokens = np.frombuffer(open(get_bin_path(prefix), "rb").read(), "<i4")  # independent read of the .bin
+    assert IndexedDataset(prefix).token_range(chunk_tokens=chunk) == (int(tokens.min()), int(tokens.max()))
+    empty = str(tmp_path / "empty")
+    _build(empty, [[np.array([], dtype=np.int32)]], np.int32)
+    assert IndexedDataset(empty).token_range() is None
+
+
+def test_identity_follows_the_index_content(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    _build(a, [[np.array([1, 2, 3])], [np.array([4])]], np.uint16)
+    _build(b, [[np.array([9, 9, 9])], [np.array([9])]], np.uint16)  # same lengths, other tokens
+    _build(c, [[np.array([1, 2])], [np.array([3, 4])]], np.uint16)  # same tokens, other lengths
+    ida, idb, idc = (IndexedDataset(p).identity() for p in (a, b, c))
+    assert ida == idb  # the GPT indices depend on lengths and documents only
+    assert ida["idx_digest"] != idc["idx_digest"] and ida["bin_bytes"] == idc["bin_bytes"]
