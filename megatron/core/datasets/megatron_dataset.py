@@ -53,6 +53,10 @@ class MegatronDataset(abc.ABC, torch.utils.data.Dataset):
         ids: "OrderedDict[str, Any]" = OrderedDict()
         ids["class"] = type(self).__name__
         ids["dataset_path"] = self.dataset_path
+        # The files' content identity: data re-preprocessed under the same prefix gets new indices.
+        identity = getattr(self.dataset, "identity", None)
+        if callable(identity):
+            ids["dataset_identity"] = identity()
         ids["num_samples"] = self.num_samples
         ids["index_split"] = self.index_split.name
         # The exact documents, not only the split string: blend_per_split has no split.

@@ -100,6 +100,24 @@ def test_cache_is_reused_and_never_stale(corpus, tmp_path):
         assert changed[3]["tokens"].tolist() == ref[int(changed.shuffle_index[3])][:-1]
 
 
+def test_cache_rebuilt_when_the_data_is_preprocessed_again(tmp_path):
+    cache = str(tmp_path / "idx")
+    prefix = write_dataset(str(tmp_path), "corpus", random_documents(seed=0, n=60))
+    old = make(prefix, 100, cache=cache)
+    old_index = np.array(old.sample_index)
+    # The same prefix written again: as many documents (the old key had their count), other lengths.
+    new_docs = random_documents(seed=1, n=60)
+    assert write_dataset(str(tmp_path), "corpus", new_docs) == prefix
+    again = make(prefix, 100, cache=cache)
+    fresh = make(prefix, 100, cache=str(tmp_path / "fresh"))
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(fresh, name))
+    assert not np.array_equal(again.sample_index, old_index)
+    ref = reference_samples(new_docs, again.document_index, SEQ, len(again))
+    for j in (0, 5, len(again) - 1):
+        assert again[j]["tokens"].tolist() == ref[int(again.shuffle_index[j])][:-1]
+
+
 def test_default_cache_beside_the_data(corpus):
     prefix, _ = corpus
     ds = make(prefix, 20)
