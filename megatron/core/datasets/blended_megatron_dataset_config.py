@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
@@ -22,7 +24,11 @@ def _check_blend(name: str, blend: Blend) -> None:
     if weights is not None:
         if len(weights) != len(prefixes):
             raise ValueError(f"{name}: {len(weights)} weights for {len(prefixes)} prefixes")
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
+        for weight, prefix in zip(weights, prefixes):
+            if not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+                raise ValueError(f"{name}: weight {weight!r} of {prefix} must be a finite number "
+                                 f"(weights={list(weights)})")
+        if any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
             raise ValueError(f"{name}: weights={list(weights)} must be non-negative with a positive sum")
 
 

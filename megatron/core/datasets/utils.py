@@ -24,8 +24,8 @@ class Split(enum.Enum):
 def normalize(weights: Sequence[float]) -> List[float]:
     """Scale non-negative ``weights`` to sum to one."""
     w = np.asarray(weights, dtype=np.float64)
-    if w.size == 0 or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights={list(weights)}: must be non-negative with a positive sum")
+    if w.size == 0 or not np.isfinite(w).all() or (w < 0).any() or not 0 < w.sum() < np.inf:
+        raise ValueError(f"weights={list(weights)}: must be finite, non-negative, with a positive sum")
     return (w / w.sum()).tolist()
 
 

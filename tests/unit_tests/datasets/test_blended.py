@@ -9,6 +9,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import (
     get_blend_from_list,
     get_num_samples,
+    normalize,
     parse_and_normalize_split,
 )
 from tests.unit_tests.datasets.fixtures import Tokenizer, random_documents, write_dataset
@@ -94,3 +95,15 @@ def test_data_path_and_split_parsing():
 def test_num_samples_per_split():
     # train_iters=1000, gbs=32, eval_interval=100, eval_iters=10
     assert get_num_samples(1000, 32, 100, 10) == [32_000, (1000 // 100 + 1) * 10 * 32, 320]
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_non_finite_weights_rejected_naming_field_and_value(two_corpora, tmp_path, bad):
+    a, b = two_corpora
+    blend = get_blend_from_list([bad, a, "1", b])  # what --data-path "nan A 1 B" parses to
+    with pytest.raises(ValueError, match=rf"blend: weight {bad} of .*a must be a finite number"):
+        config(tmp_path, blend=blend, split="1,0,0")
+    with pytest.raises(ValueError, match=rf"blend_per_split\[valid\]: weight {bad} of"):
+        config(tmp_path, blend_per_split=[([a], None), blend, None])
+    with pytest.raises(ValueError, match="must be finite"):
+        normalize([float(bad), 1.0])
