@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
 from megatron.core.datasets.utils import get_num_samples
+from megatron.core.datasets.vocab_check import check_token_ids_in_vocabulary
 from megatron.core.parallel_state import ProcessGroupCollection
 
 DatasetProvider = Callable[[List[int]], Sequence[Any]]
@@ -52,10 +53,23 @@ def _iterators(dataset: Any, consumed: int, args: argparse.Namespace, groups: Pr
     return out
 
 
+def check_data_vocabulary(datasets: Sequence[Any], args: argparse.Namespace) -> None:
+    """Stop (on every rank) if a data prefix holds token ids the padded vocabulary lacks; not for mock data."""
+    if getattr(args, "mock_data", False):
+        return
+    origin = (f"--tokenizer-type {args.tokenizer_type}"
+              + (f" --vocab-size {args.vocab_size}" if getattr(args, "vocab_size", None) else "")
+              + f", padded to a multiple of --make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}"
+              f" x --tensor-model-parallel-size {args.tensor_model_parallel_size}")
+    check_token_ids_in_vocabulary(datasets, args.padded_vocab_size, origin)
+
+
 def build_data_iterators(provider: DatasetProvider, args: argparse.Namespace, groups: ProcessGroupCollection,
                          num_chunks: int, consumed_train: int, consumed_valid: int) -> DataIterators:
-    """Call ``provider(samples_per_split)`` and wrap each split in per-DP-rank iterators."""
+    """Call ``provider(samples_per_split)``, check the token ids against the vocabulary, and wrap
+    each split in per-DP-rank iterators."""
     train_ds, valid_ds, test_ds = provider(samples_per_split(args))
+    check_data_vocabulary([train_ds, valid_ds, test_ds], args)
     return DataIterators(
         train=_iterators(train_ds, consumed_train, args, groups, num_chunks, cyclic=False),
         valid=_iterators(valid_ds, consumed_valid, args, groups, num_chunks, cyclic=True),
