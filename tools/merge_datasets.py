@@ -21,6 +21,9 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
+    publish_dataset,
+    remove_dataset,
+    temporary_prefix,
 )
 
 
@@ -39,24 +42,19 @@ def find_prefixes(inputs: Sequence[str]) -> List[str]:
     return prefixes
 
 
-def merge_datasets(prefixes: Sequence[str], output_prefix: str, multimodal: bool = False) -> None:
-    """Write the concatenation of ``prefixes`` to ``output_prefix``.
+def write_merged(prefixes: Sequence[str], output_prefix: str, multimodal: bool = False) -> None:
+    """Write the concatenation of ``prefixes`` at ``output_prefix`` itself (removed again on failure).
 
     Raises:
-        ValueError: an input is unreadable, the dtypes differ, or the output is also an input.
+        ValueError: an input is unreadable or the dtypes differ.
     """
     if not prefixes:
         raise ValueError("no datasets to merge")
-    out = os.path.abspath(output_prefix)
-    if any(os.path.abspath(p) == out for p in prefixes):
-        raise ValueError(f"--output-prefix {output_prefix} is also an input")
     # Open every input first so a bad or mismatched one fails before anything is written.
     dtypes = {p: IndexedDataset(p, multimodal=multimodal).dtype for p in prefixes}
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{p}: {d.__name__}" for p, d in dtypes.items())
         raise ValueError(f"datasets have different dtypes ({listing})")
-    if os.path.exists(get_idx_path(output_prefix)):
-        os.remove(get_idx_path(output_prefix))  # never leave an old index beside a new .bin
     builder = IndexedDatasetBuilder(get_bin_path(output_prefix), dtype=dtypes[prefixes[0]], multimodal=multimodal)
     try:
         for p in prefixes:
@@ -64,8 +62,28 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, multimodal: bool
         builder.finalize(get_idx_path(output_prefix))
     except BaseException:
         builder.close()
-        os.remove(get_bin_path(output_prefix))
+        remove_dataset(output_prefix)
         raise
+
+
+def merge_datasets(prefixes: Sequence[str], output_prefix: str, multimodal: bool = False) -> None:
+    """Write the concatenation of ``prefixes`` to ``output_prefix``.
+
+    The result is written under a temporary prefix and published only once complete
+    (``publish_dataset``): an existing dataset at ``output_prefix`` survives any failure or kill.
+
+    Raises:
+        ValueError: an input is unreadable, the dtypes differ, or the output is also an input.
+    """
+    out = os.path.abspath(output_prefix)
+    if any(os.path.abspath(p) == out for p in prefixes):
+        raise ValueError(f"--output-prefix {output_prefix} is also an input")
+    tmp = temporary_prefix(output_prefix)
+    write_merged(prefixes, tmp, multimodal)
+    try:
+        publish_dataset(tmp, output_prefix)
+    finally:
+        remove_dataset(tmp)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

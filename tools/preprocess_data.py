@@ -10,7 +10,15 @@ arrays; the parent appends them to the datasets in input order with one bulk wri
 their outputs, which are therefore identical to a single-partition run.
 
 Bad lines (invalid JSON or UTF-8, missing key, non-string or empty text) are skipped and
-summarised at the end, or stop the run with ``--strict``. This module imports no torch.
+summarised at the end, or stop the run with ``--strict``. A run that would write no document (every
+line skipped, empty input) or no token exits 1 and writes nothing.
+
+Outputs are written under temporary names (``PREFIX.tmpPID``) and published only when complete
+(``publish_dataset``: old ``.idx`` removed, new ``.bin`` renamed, new ``.idx`` renamed), so an
+existing dataset of the same prefix survives any failure or ``kill -9`` until the new one is
+ready. Texts longer than ``LONG_TEXT_CHARS`` are tokenized in checked pieces (``tokenize_long``):
+memory grows by a few bytes per character, not the ~150 a tokenizer library needs in one call.
+This module imports no torch.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import sys
 import tempfile
 import time
@@ -39,14 +48,23 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
+    publish_dataset,
+    remove_dataset,
+    temporary_prefix,
 )
 from megatron.core.tokenizers import TOKENIZER_TYPES  # noqa: E402  (standard library only: fast start-up)
-from tools.merge_datasets import merge_datasets  # noqa: E402
+from tools.merge_datasets import write_merged  # noqa: E402
 
 BAD_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "non_string", "empty_text")
 MAX_REPORTED = 10
 BLOCK_BYTES = 1 << 20  # lines per task: large enough to amortise IPC, small enough to balance
 PUNKT_SAMPLE_BYTES = 512 * 1024  # Punkt training costs ~2 s per MB
+# Texts longer than this are tokenized in pieces: tokenizer libraries need ~150 bytes per input
+# character while encoding (a 50 MB line took 6 GB in one call).
+LONG_TEXT_CHARS = 1 << 18
+CUT_CONTEXT_CHARS = 256  # text on each side of a cut used to check that the cut changes no token
+CUT_CANDIDATES = 16  # cut points tried per piece before the rest of the text is tokenized whole
+_CUT_POINT = re.compile(r"(?<=\S)(?=\s)")  # the start of a whitespace run
 
 
 class UsageError(Exception):
@@ -55,6 +73,10 @@ class UsageError(Exception):
 
 class BadInputError(Exception):
     """A bad input line under ``--strict``."""
+
+
+class NoOutputError(Exception):
+    """The run would write a dataset without documents or without tokens."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,14 +271,80 @@ def parse_line(raw: bytes, keys: Sequence[str]) -> Tuple[Optional[List[str]], Op
     return texts, None
 
 
+def _cut_is_transparent(tok: Any, text: str, cut: int) -> bool:
+    """Whether tokenizing around ``cut`` in two parts gives the ids of tokenizing it whole."""
+    a, b = max(0, cut - CUT_CONTEXT_CHARS), min(len(text), cut + CUT_CONTEXT_CHARS)
+    whole, left, right = tok.batch_tokenize([text[a:b], text[a:cut], text[cut:b]])
+    return list(whole) == list(left) + list(right)
+
+
+def _next_cut(tok: Any, text: str, start: int) -> Optional[int]:
+    """The first checked cut at least ``LONG_TEXT_CHARS`` after ``start``.
+
+    ``len(text)`` when the candidate is within ``CUT_CONTEXT_CHARS`` of the end (no cut needed);
+    None when there is no whitespace or none of the candidates passes the check.
+    """
+    pos = start + LONG_TEXT_CHARS
+    for _ in range(CUT_CANDIDATES):
+        match = _CUT_POINT.search(text, pos)
+        if match is None:
+            return None
+        if len(text) - match.start() <= CUT_CONTEXT_CHARS:
+            return len(text)
+        if _cut_is_transparent(tok, text, match.start()):
+            return match.start()
+        pos = match.start() + 1
+    return None
+
+
+def tokenize_long(tok: Any, text: str, dtype: Any) -> np.ndarray:
+    """Ids of one long text, tokenized in pieces of about ``LONG_TEXT_CHARS`` characters.
+
+    Pieces end where a whitespace run starts and only where tokenizing the surrounding context
+    in two parts gives the same ids as tokenizing it whole (so a tokenizer that adds a BOS, or
+    whose pieces may span whitespace there, is never cut). Each piece's ids go straight into a
+    NumPy array: peak memory follows the piece size, not the text size.
+    """
+    pieces: List[np.ndarray] = []
+    start = 0
+    while len(text) - start > LONG_TEXT_CHARS:
+        cut = _next_cut(tok, text, start)
+        if cut == len(text):
+            break
+        if cut is None:
+            print(f"note: a text of {len(text) - start} characters is tokenized in one piece: no checked cut "
+                  f"point among {CUT_CANDIDATES} candidates (memory grows with its length)", file=sys.stderr)
+            break
+        pieces.append(np.asarray(tok.batch_tokenize([text[start:cut]])[0], dtype=dtype))
+        start = cut
+    pieces.append(np.asarray(tok.batch_tokenize([text[start:]])[0], dtype=dtype))
+    return np.concatenate(pieces)
+
+
+def tokenize_all(tok: Any, texts: List[str], dtype: Any) -> List[Any]:
+    """``tok.batch_tokenize(texts)``, with the texts over ``LONG_TEXT_CHARS`` through ``tokenize_long``."""
+    long_ones = {i for i, t in enumerate(texts) if len(t) > LONG_TEXT_CHARS}
+    short = [t for i, t in enumerate(texts) if i not in long_ones]
+    short_ids = iter(tok.batch_tokenize(short) if short else [])
+    return [tokenize_long(tok, t, dtype) if i in long_ones else next(short_ids) for i, t in enumerate(texts)]
+
+
+def _flatten(ids: List[Any], lengths: np.ndarray, dtype: Any) -> np.ndarray:
+    """All sequences' ids in one array (lists and arrays alike)."""
+    if not any(isinstance(x, np.ndarray) for x in ids):
+        return np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    return np.concatenate([np.asarray(x, dtype=dtype) for x in ids]) if ids else np.zeros(0, dtype)
+
+
 def encode_texts(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tokens, sequence lengths and cumulative sequences per document for one key's texts."""
-    tok, split, eod = _WORKER["tok"], _WORKER["split"], _WORKER["eod"]
+    tok, split, eod, dtype = _WORKER["tok"], _WORKER["split"], _WORKER["eod"], _WORKER["cfg"].dtype
     parts = [split(t) for t in texts] if split else [[t] for t in texts]
-    ids = tok.batch_tokenize([s for d in parts for s in d]) if texts else []
+    ids = tokenize_all(tok, [s for d in parts for s in d], dtype)
     # Per-token work stays in NumPy: one flat array, then vectorised bookkeeping per sequence.
     raw_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=_WORKER["cfg"].dtype, count=int(raw_lengths.sum()))
+    tokens = _flatten(ids, raw_lengths, dtype)
+    del ids
     kept = raw_lengths > 0  # Megatron drops sequences that tokenize to nothing
     kept_before = np.concatenate([[0], np.cumsum(kept)])
     sentence_ends = np.cumsum([len(d) for d in parts], dtype=np.int64)
@@ -329,16 +417,18 @@ def iter_blocks(ranges: Sequence[Range], block_bytes: int = BLOCK_BYTES) -> Iter
         with open(path, "rb") as f:
             lineno = 1 + _count_newlines(f, start)
             f.seek(start)
-            pos, carry = start, b""
+            pos, pending = start, []  # pending: the start of a line longer than a block, in pieces
             while pos < end:
                 data = f.read(min(block_bytes, end - pos))
+                if not data:
+                    raise ValueError(f"{path}: file ended at byte {pos}, expected {end} bytes (changed while read?)")
                 pos += len(data)
-                data = carry + data
                 cut = len(data) if pos >= end else data.rfind(b"\n") + 1
-                if cut <= 0:  # a line longer than a block: keep reading
-                    carry = data
+                if cut <= 0:  # a line longer than a block: keep reading (joined once, not per read)
+                    pending.append(data)
                     continue
-                block, carry = data[:cut], data[cut:]
+                block = b"".join(pending + [data[:cut]])
+                pending = [data[cut:]]
                 yield path, lineno, block
                 lineno += block.count(b"\n")
 
@@ -361,6 +451,7 @@ class Summary:
 
     docs: int = 0
     nbytes: int = 0
+    tokens: Dict[str, int] = field(default_factory=dict)  # per JSON key
     bad_counts: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in BAD_REASONS})
     bad_examples: List[str] = field(default_factory=list)
 
@@ -372,6 +463,8 @@ class Summary:
     def merge(self, other: "Summary") -> None:
         self.docs += other.docs
         self.nbytes += other.nbytes
+        for key, n in other.tokens.items():
+            self.tokens[key] = self.tokens.get(key, 0) + n
         for reason, n in other.bad_counts.items():
             self.bad_counts[reason] += n
         self.bad_examples = (self.bad_examples + other.bad_examples)[:MAX_REPORTED]
@@ -402,11 +495,8 @@ def output_prefix(prefix: str, key: str, split_sentences: bool) -> str:
 
 
 def _remove_outputs(prefixes: Sequence[str]) -> None:
-    # A stale .idx beside a new, partial .bin would look like a complete dataset.
     for p in prefixes:
-        for path in (get_idx_path(p), get_bin_path(p)):
-            if os.path.exists(path):
-                os.remove(path)
+        remove_dataset(p)
 
 
 def _results(cfg: EncodeConfig, workers: int, tokenizer: Any, blocks: Iterator) -> Iterator[Dict[str, Any]]:
@@ -427,7 +517,8 @@ def _results(cfg: EncodeConfig, workers: int, tokenizer: Any, blocks: Iterator) 
 
 def process_ranges(cfg: EncodeConfig, ranges: Sequence[Range], prefixes: Sequence[str], workers: int,
                    log_interval: int, tokenizer: Any = None, tag: str = "") -> Summary:
-    """Tokenize ``ranges`` into one dataset per JSON key; partial outputs are removed on failure."""
+    """Tokenize ``ranges`` into one dataset per JSON key at ``prefixes`` (temporary or partition
+    names: ``main`` publishes them); partial outputs are removed on failure."""
     _remove_outputs(prefixes)
     builders = [IndexedDatasetBuilder(get_bin_path(p), dtype=cfg.dtype) for p in prefixes]
     summary = Summary()
@@ -440,6 +531,7 @@ def process_ranges(cfg: EncodeConfig, ranges: Sequence[Range], prefixes: Sequenc
                 summary.add_bad(reason, message)
             for builder, key in zip(builders, cfg.json_keys):
                 builder.add_documents(*res["encoded"][key])
+                summary.tokens[key] = summary.tokens.get(key, 0) + len(res["encoded"][key][0])
             summary.docs += res["docs"]
             summary.nbytes += res["nbytes"]
             progress.update(summary.docs, summary.nbytes)
@@ -469,8 +561,9 @@ def _partition_child(conn: Any, cfg: EncodeConfig, ranges: List[Range], prefixes
 
 
 def run_partitions(cfg: EncodeConfig, parts: List[List[Range]], prefixes: List[str], workers: int,
-                   log_interval: int) -> Summary:
-    """Process the partitions at once in child processes, then concatenate their outputs."""
+                   log_interval: int, out_prefixes: List[str]) -> Summary:
+    """Process the partitions at once in child processes, then concatenate their outputs at
+    ``out_prefixes`` (the temporary names of ``prefixes``), unless no document was read."""
     n = len(parts)
     part_prefixes = [[f"{p}.partition{k}" for p in prefixes] for k in range(n)]
     ctx = multiprocessing.get_context()
@@ -488,8 +581,9 @@ def run_partitions(cfg: EncodeConfig, parts: List[List[Range]], prefixes: List[s
         total = Summary()
         for s in summaries:
             total.merge(s)
-        for k, p in enumerate(prefixes):
-            merge_datasets([pp[k] for pp in part_prefixes], p)
+        if total.docs:
+            for k, out in enumerate(out_prefixes):
+                write_merged([pp[k] for pp in part_prefixes], out)
         return total
     finally:
         for child in children:
@@ -520,12 +614,36 @@ def report(summary: Summary, elapsed: float, prefixes: Sequence[str]) -> None:
           f"({summary.docs / max(elapsed, 1e-9):.1f} docs/s, {mb / max(elapsed, 1e-9):.2f} MB/s)", file=sys.stderr)
     for p in prefixes:
         print(f"wrote {get_bin_path(p)} and {get_idx_path(p)}", file=sys.stderr)
+    report_skipped(summary)
+
+
+def report_skipped(summary: Summary) -> None:
+    """Print the counts of skipped lines and the first few of them."""
     skipped = sum(summary.bad_counts.values())
     if skipped:
         counts = ", ".join(f"{r}={n}" for r, n in summary.bad_counts.items() if n)
         print(f"skipped {skipped} bad lines: {counts}; the first {len(summary.bad_examples)}:", file=sys.stderr)
         for line in summary.bad_examples:
             print(f"  {line}", file=sys.stderr)
+
+
+def check_output(summary: Summary, keys: Sequence[str], prefixes: Sequence[str]) -> None:
+    """Raise ``NoOutputError`` when a dataset would hold no document or no token."""
+    skipped = sum(summary.bad_counts.values())
+    if summary.docs == 0:
+        why = f"all {skipped} input lines were skipped" if skipped else "the input has no lines"
+        raise NoOutputError(f"no documents: {why}")
+    for key, p in zip(keys, prefixes):
+        if summary.tokens.get(key, 0) == 0:
+            raise NoOutputError(f"--json-keys {key}: {summary.docs} documents but no tokens for {p}")
+
+
+def _tokenize(cfg: EncodeConfig, args: argparse.Namespace, parts: List[List[Range]], prefixes: List[str],
+              temps: List[str], tokenizer: Any) -> Summary:
+    """Run the single or partitioned pipeline; complete datasets are left at ``temps``."""
+    if args.partitions == 1:
+        return process_ranges(cfg, parts[0], temps, args.workers, args.log_interval, tokenizer)
+    return run_partitions(cfg, parts, prefixes, args.workers, args.log_interval, temps)
 
 
 def prepare(args: argparse.Namespace) -> Tuple[EncodeConfig, List[str], Any]:
@@ -559,15 +677,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prefixes = [output_prefix(args.output_prefix, k, args.split_sentences) for k in args.json_keys]
-    parts = split_ranges(files, args.partitions)
+    # Written under temporary names and published only when complete (kill -9 keeps old outputs).
+    temps = [temporary_prefix(p) for p in prefixes]
     try:
-        if args.partitions == 1:
-            summary = process_ranges(cfg, parts[0], prefixes, args.workers, args.log_interval, tokenizer)
-        else:
-            summary = run_partitions(cfg, parts, prefixes, args.workers, args.log_interval)
+        summary = _tokenize(cfg, args, split_ranges(files, args.partitions), prefixes, temps, tokenizer)
+        check_output(summary, args.json_keys, prefixes)
+        for tmp, p in zip(temps, prefixes):
+            publish_dataset(tmp, p)
     except BadInputError as e:
         print(f"error: bad input (--strict): {e}", file=sys.stderr)
         return 1
+    except NoOutputError as e:
+        report_skipped(summary)
+        kept = [p for p in prefixes if os.path.exists(get_idx_path(p))]
+        print(f"error: {e}; nothing written"
+              + (f" (existing {', '.join(kept)} left unchanged)" if kept else ""), file=sys.stderr)
+        return 1
+    finally:
+        _remove_outputs(temps)
     report(summary, time.time() - start, prefixes)
     return 0
 

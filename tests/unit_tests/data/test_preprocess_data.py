@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_idx_path
 from megatron.core.tokenizers import build_tokenizer
-from tests.tokenizer_files import make_tokenizer_files, megatron_flags
+from tests.tokenizer_files import corpus_texts, make_tokenizer_files, megatron_flags
 from tools import merge_datasets, preprocess_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -208,10 +208,16 @@ def test_usage_errors_before_any_work(tmp_path, tok_files, capsys, problem):
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
-def test_interrupted_run_leaves_no_index(tmp_path, tok_files, monkeypatch):
+def _snapshot(directory):
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+def test_interrupted_run_keeps_the_previous_output(tmp_path, tok_files, monkeypatch):
     flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
     src = write_lines(tmp_path / "in.jsonl", [{"text": t} for t in NUMBER_TEXTS])
-    assert run_tool(tmp_path, src, flags)[0] == 0  # an older, complete output is overwritten below
+    assert run_tool(tmp_path, src, flags)[0] == 0  # an older, complete output survives the run below
+    before = _snapshot(tmp_path)
+    assert len(before) == 3
 
     def interrupted(task):
         raise KeyboardInterrupt
@@ -219,7 +225,7 @@ def test_interrupted_run_leaves_no_index(tmp_path, tok_files, monkeypatch):
     monkeypatch.setattr(preprocess_data, "encode_block", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_tool(tmp_path, src, flags)
-    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+    assert _snapshot(tmp_path) == before  # same files, same bytes, no temporary left
 
 
 def test_merge_datasets_tool(tmp_path, tok_files, capsys):
@@ -258,3 +264,160 @@ def test_full_run_imports_no_torch(tmp_path, tok_files):
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Runs that write nothing, killed runs, long lines
+# --------------------------------------------------------------------------------------------
+def _previous_output(tmp_path, tok_files):
+    """NullTokenizer flags and a folder ``out`` holding a complete earlier run; returns its snapshot too."""
+    flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
+    out = tmp_path / "out"
+    out.mkdir()
+    old = write_lines(tmp_path / "old.jsonl", [{"text": t} for t in NUMBER_TEXTS])
+    assert run_tool(out, old, flags)[0] == 0
+    return flags, out, _snapshot(out)
+
+
+@pytest.mark.parametrize("partitions", ["1", "2"])
+def test_run_without_documents_fails_and_keeps_the_previous_output(tmp_path, tok_files, capsys, partitions):
+    flags, out, before = _previous_output(tmp_path, tok_files)
+    bad = write_lines(tmp_path / "bad.jsonl", [b"{not json", {"other": "1 2"}, {"text": ""}])
+    assert run_tool(out, bad, flags, "--partitions", partitions)[0] == 1
+    err = capsys.readouterr().err
+    assert "skipped 3 bad lines" in err
+    assert re.search(r"error: no documents: all 3 input lines were skipped; nothing written "
+                     r"\(existing .*out_text_document left unchanged\)", err), err
+    assert _snapshot(out) == before
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert run_tool(fresh, bad, flags)[0] == 1
+    empty = write_lines(tmp_path / "empty.jsonl", [])
+    assert run_tool(fresh, empty, flags)[0] == 1
+    assert "error: no documents: the input has no lines; nothing written\n" in capsys.readouterr().err
+    assert os.listdir(fresh) == []
+
+
+def test_documents_without_tokens_fail(tmp_path, tok_files, capsys):
+    flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
+    src = write_lines(tmp_path / "in.jsonl", [{"text": "   "}, {"text": "\n"}])
+    assert run_tool(tmp_path, src, flags)[0] == 1
+    assert "error: --json-keys text: 2 documents but no tokens for" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+_KILLER = """
+import os, signal, sys
+from megatron.core.datasets import indexed_dataset
+from tools import preprocess_data
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+mode = sys.argv[1]
+if mode == "encoding":  # after the first block was written to the new .bin
+    add = indexed_dataset.IndexedDatasetBuilder.add_documents
+    def add_then_die(self, *args):
+        add(self, *args)
+        self._data_file.flush()
+        die()
+    indexed_dataset.IndexedDatasetBuilder.add_documents = add_then_die
+elif mode == "publishing":  # the new dataset is complete under its temporary name
+    preprocess_data.publish_dataset = die
+elif mode == "between_renames":  # the new .bin is in place, its .idx not yet
+    replace = os.replace
+    def replace_or_die(src, dst):
+        if dst.endswith("_document.idx"):
+            die()
+        return replace(src, dst)
+    os.replace = replace_or_die
+sys.exit(preprocess_data.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("moment", ["encoding", "publishing", "between_renames"])
+def test_kill_9_never_leaves_a_mismatched_pair(tmp_path, tok_files, moment):
+    flags, out, before = _previous_output(tmp_path, tok_files)
+    new = write_lines(tmp_path / "new.jsonl", [{"text": "7 7 7 7"}] * 3000)
+    argv = ["--input", new, "--output-prefix", str(out / "out"), *flags]
+    proc = subprocess.run([sys.executable, "-c", _KILLER, moment, *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    prefix = str(out / "out_text_document")
+    if moment == "between_renames":
+        # The old .idx is gone before the new .bin arrives: the dataset is missing, never mismatched.
+        assert not os.path.exists(get_idx_path(prefix))
+        with pytest.raises(FileNotFoundError, match="index file not found"):
+            IndexedDataset(prefix)
+    else:
+        final = {k: v for k, v in _snapshot(out).items() if ".tmp" not in k}
+        assert final == before  # the old pair, byte for byte
+
+
+def test_merge_failure_keeps_the_previous_output(tmp_path, tok_files, monkeypatch):
+    flags = megatron_flags("NullTokenizer", tok_files["NullTokenizer"])
+    for k, texts in enumerate((NUMBER_TEXTS[:2], NUMBER_TEXTS[2:])):
+        src = write_lines(tmp_path / f"in{k}.jsonl", [{"text": t} for t in texts])
+        assert run_tool(tmp_path, src, flags, name=f"p{k}")[0] == 0
+    parts = [str(tmp_path / f"p{k}_text_document") for k in range(2)]
+    out = str(tmp_path / "merged")
+    merge_datasets.merge_datasets(parts[:1], out)
+    before = _snapshot(tmp_path)
+
+    def interrupted(self, prefix):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(merge_datasets.IndexedDatasetBuilder, "add_index", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        merge_datasets.merge_datasets(parts, out)
+    assert _snapshot(tmp_path) == before
+
+
+def _long_text(chars):
+    text = " ".join(corpus_texts(60_000))
+    return (text * (chars // len(text) + 1))[:chars]
+
+
+@pytest.mark.parametrize("tok_type", TYPES + ("NullTokenizer",))
+def test_long_texts_tokenized_in_pieces_equal_whole(tmp_path, tok_files, monkeypatch, tok_type):
+    monkeypatch.setattr(preprocess_data, "LONG_TEXT_CHARS", 400)
+    monkeypatch.setattr(preprocess_data, "CUT_CONTEXT_CHARS", 40)
+    cuts = []
+    next_cut = preprocess_data._next_cut
+    monkeypatch.setattr(preprocess_data, "_next_cut", lambda *a: cuts.append(next_cut(*a)) or cuts[-1])
+    if tok_type == "NullTokenizer":
+        texts = [" ".join(str(i % 600) for i in range(k, k + 700)) for k in (0, 5)]
+    else:
+        texts = [_long_text(5000), "short text", _long_text(3000)[::-1]]
+    tok = build_tokenizer(tok_type, **tok_files[tok_type])
+    src = write_lines(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    rc, prefix = run_tool(tmp_path, src, megatron_flags(tok_type, tok_files[tok_type]))
+    assert rc == 0
+    check_dataset(f"{prefix}_text_document", expected_sequences(tok, texts, False, False, False))
+    if tok_type in ("GPT2BPETokenizer", "TikTokenizer", "NullTokenizer"):
+        assert sum(1 for c in cuts if c is not None and c < 5000) >= 5  # the pieces were really used
+    if tok_type == "Llama2Tokenizer":
+        assert set(cuts) == {None}  # a BOS per piece would change the ids: never cut
+
+
+_MAXRSS = ("import resource, sys; from tools import preprocess_data as p; rc = p.main(sys.argv[1:]); "
+           "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+
+
+def _peak_rss_kb(tmp_path, text, tok_flags, name):
+    src = write_lines(tmp_path / f"{name}.jsonl", [{"text": text}])
+    argv = ["--input", src, "--output-prefix", str(tmp_path / name), *tok_flags]
+    proc = subprocess.run([sys.executable, "-c", _MAXRSS, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split("MAXRSS_KB")[1])
+
+
+def test_one_long_line_needs_memory_linear_in_its_size(tmp_path, tok_files):
+    # Encoding a text in one call takes ~150 bytes per character in the tokenizer library; in
+    # pieces, a 5 MB line stays within a few bytes per character of the tool's baseline.
+    flags = megatron_flags("GPT2BPETokenizer", tok_files["GPT2BPETokenizer"])
+    chars = 5_000_000
+    base = _peak_rss_kb(tmp_path, "a tiny document", flags, "tiny")
+    peak = _peak_rss_kb(tmp_path, _long_text(chars), flags, "long")
+    assert (peak - base) * 1024 < 30 * chars, (base, peak)
