@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,8 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.moe.moe_utils import aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.utils import comm_device
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.checkpointing import (args_to_plain_data, checkpoint_config_from_args, load_checkpoint,
-                                            save_checkpoint)
+from megatron.training.checkpointing import (args_to_plain_data, checkpoint_config_from_args, collect_rng_state,
+                                            load_checkpoint, restore_rng_state, save_checkpoint)
 from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import initialize_megatron, shutdown_distributed
@@ -84,6 +84,23 @@ def params_l2_norm(model_chunks: List[torch.nn.Module], groups: ProcessGroupColl
     tp_rank = groups.rank_in("tp")
     params = [p for chunk in model_chunks for p in chunk.parameters() if counts_for_norm(p, tp_rank)]
     return get_grad_norm_fp32(params, [groups.mp])
+
+
+@contextlib.contextmanager
+def rng_untouched() -> Iterator[None]:
+    """Run a block that must not move any generator the training steps draw from.
+
+    Building data iterators (a DataLoader draws its workers' base seed from the default
+    generator, also when an evaluation iterator starts lazily), opening log writers,
+    evaluating and saving happen at different points of a straight and a resumed run, so
+    they leave python, NumPy, torch CPU/CUDA and the tracked model-parallel states as they
+    found them: dropout then draws the same numbers whether or not a run was resumed.
+    """
+    saved = collect_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(saved)
 
 
 def _train_iters(args: argparse.Namespace) -> int:
@@ -168,7 +185,8 @@ def evaluate(loop: Loop, iterators: List, num_iters: int) -> Dict[str, float]:
 def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> None:
     if iterators is None or loop.args.eval_iters <= 0:
         return
-    losses = evaluate(loop, iterators, loop.args.eval_iters)
+    with rng_untouched():
+        losses = evaluate(loop, iterators, loop.args.eval_iters)
     if prefix == "validation":
         loop.state.consumed_valid_samples += loop.args.eval_iters * get_current_global_batch_size()
     loop.logger.evaluation_log(loop.state.iteration, prefix, losses)
@@ -176,9 +194,10 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> Non
 
 def _save(loop: Loop) -> None:
     args, built = loop.args, loop.built
-    save_checkpoint(loop.state.iteration, built.model, built.optimizer, built.scheduler,
-                    checkpoint_config_from_args(args), train_state=asdict(loop.state),
-                    args_dict=args_to_plain_data(args), pg_collection=loop.groups)
+    with rng_untouched():
+        save_checkpoint(loop.state.iteration, built.model, built.optimizer, built.scheduler,
+                        checkpoint_config_from_args(args), train_state=asdict(loop.state),
+                        args_dict=args_to_plain_data(args), pg_collection=loop.groups)
 
 
 def _should_exit(loop: Loop, start_time: float, handler: Optional[DistributedSignalHandler]) -> Optional[str]:
@@ -283,9 +302,10 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
     provider = lambda sizes: call_with_supported(  # noqa: E731 - adapts Megatron's provider signature
         train_valid_test_dataset_provider, sizes, args=args, tokenizer=tokenizer, pg_collection=groups)
-    data = build_data_iterators(provider, args, groups, len(built.model), state.consumed_train_samples,
-                                state.consumed_valid_samples)
-    logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
+    with rng_untouched():  # the state seeded at start-up, or restored from the checkpoint, is what step 1 sees
+        data = build_data_iterators(provider, args, groups, len(built.model), state.consumed_train_samples,
+                                    state.consumed_valid_samples)
+        logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
     loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers, _train_iters(args))
     try:
         reason = None

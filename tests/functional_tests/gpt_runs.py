@@ -59,6 +59,18 @@ def tiny_gpt_flags(train_iters: int, seed: int = 1234) -> List[str]:
     ]
 
 
+def with_flags(flags: Sequence[str], changes: Dict[str, Optional[str]]) -> List[str]:
+    """``flags`` with each ``--flag value`` of ``changes`` set (appended when absent; None removes it)."""
+    out = list(flags)
+    for name, value in changes.items():
+        if name in out:
+            i = out.index(name)
+            del out[i:i + 2]
+        if value is not None:
+            out += [name, value]
+    return out
+
+
 def data_flags(corpus: Dict[str, str]) -> List[str]:
     return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", corpus["vocab_file"],
             "--merge-file", corpus["merge_file"], "--data-path", corpus["data_prefix"], "--split", "90,5,5"]

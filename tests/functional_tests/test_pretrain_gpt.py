@@ -3,9 +3,9 @@
 Each run is a real ``torchrun`` launch of the entry point with Megatron flags. The same
 global batch with CPU initialization and dropout off must print the same ``lm loss`` for
 TP=1/DP=1, TP=2 and DP=2 (equal to the printed 7 digits but for last-digit float noise:
-relative 2e-6). A run stopped after N iterations, saved and resumed for N more reproduces
-the straight run's losses bit for bit (fp32, same layout; compared through TensorBoard's
-float32 scalars and the printed lines).
+relative 2e-6). With dropout 0.1, a run stopped after N iterations, saved and resumed for
+N more reproduces the straight run's losses bit for bit under TP=2 and under PP=2 (fp32,
+same layout; compared through TensorBoard's float32 scalars and the printed lines).
 """
 
 import glob
@@ -15,7 +15,7 @@ import os
 import pytest
 
 from tests.functional_tests.gpt_runs import (assert_ok, build_corpus, data_flags, mock_flags, run_gpt,
-                                             tiny_gpt_flags)
+                                             tiny_gpt_flags, with_flags)
 
 ITERS = 6
 REL_TOL = 2e-6
@@ -47,11 +47,11 @@ def layout_runs(corpus, tmp_path_factory):
         "tp2": run_gpt(2, base + ["--tensor-model-parallel-size", "2", "--tensorboard-dir", tb,
                                   "--wandb-project", "quick", "--wandb-exp-name", "tp2", "--wandb-save-dir", wb],
                        str(work)),
-        "dp2": run_gpt(2, base + ["--tensorboard-dir", str(work / "tb_dp2")], str(work)),
+        "dp2": run_gpt(2, base, str(work)),
     }
     for name, result in runs.items():
         assert_ok(result, name)
-    return runs, {"tb": tb, "wandb": wb, "tb_dp2": str(work / "tb_dp2"), "work": work, "base": base}
+    return runs, {"tb": tb, "wandb": wb}
 
 
 def _assert_same_losses(a, b, what):
@@ -110,23 +110,43 @@ def test_mock_data_layouts_agree(tmp_path):
     _assert_same_losses(single, dp2, "mock DP=2 vs TP=1")
 
 
-def test_resume_reproduces_the_straight_run_bitwise(layout_runs):
-    runs, dirs = layout_runs
-    work, base = dirs["work"], dirs["base"]
-    ckpt, tb = str(work / "ckpt"), str(work / "tb_resume")
-    first = run_gpt(2, base + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3",
-                               "--tensorboard-dir", tb], str(work))
-    assert_ok(first, "first half")
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
-    assert os.path.exists(os.path.join(ckpt, "iter_0000003", "metadata.json"))
-    second = run_gpt(2, base + ["--load", ckpt, "--save", ckpt, "--tensorboard-dir", tb], str(work))
-    assert_ok(second, "resumed half")
-    assert [line["iteration"] for line in second.lines] == [4, 5, 6]
-    straight = runs["dp2"]
+RESUME_ITERS = 4
+DROPOUT = {"--hidden-dropout": "0.1", "--attention-dropout": "0.1"}
+RESUME_LAYOUTS = {
+    # Preprocessed corpus, --eval-interval left out (Megatron's default): dropout inside the TP regions
+    # draws from the tracked model-parallel stream, outside from the default generator.
+    "tp2": ({"--tensor-model-parallel-size": "2", "--eval-interval": None}, True),
+    # Mock data, validation after every iteration: evaluation (whose iterator starts lazily) must not
+    # move the training generators; each stage has its own seed.
+    "pp2": ({"--pipeline-model-parallel-size": "2", "--eval-interval": "1"}, False),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(RESUME_LAYOUTS))
+def test_resume_with_dropout_reproduces_the_straight_run_bitwise(layout, corpus, tmp_path):
+    """Straight run of 4 iterations vs 2 iterations saved and exited, then resumed to 4; dropout 0.1."""
+    changes, on_corpus = RESUME_LAYOUTS[layout]
+    base = with_flags(tiny_gpt_flags(RESUME_ITERS) + (data_flags(corpus) if on_corpus else mock_flags()),
+                      {**DROPOUT, **changes})
+    half, ckpt = RESUME_ITERS // 2, str(tmp_path / "ckpt")
+    tb_straight, tb_resume = str(tmp_path / "tb_straight"), str(tmp_path / "tb_resume")
+    straight = run_gpt(2, base + ["--tensorboard-dir", tb_straight], str(tmp_path))
+    assert_ok(straight, f"{layout} straight run")
+    first = run_gpt(2, base + ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half),
+                               "--tensorboard-dir", tb_resume], str(tmp_path))
+    assert_ok(first, f"{layout} first half")
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(half)
+    assert os.path.exists(os.path.join(ckpt, f"iter_{half:07d}", "metadata.json"))
+    second = run_gpt(2, base + ["--load", ckpt, "--save", ckpt, "--tensorboard-dir", tb_resume], str(tmp_path))
+    assert_ok(second, f"{layout} resumed half")
+    assert [line["iteration"] for line in second.lines] == list(range(half + 1, RESUME_ITERS + 1))
+    assert len(straight.losses()) == RESUME_ITERS
     assert first.losses() + second.losses() == straight.losses()  # printed values, exactly
-    assert _tb_losses(tb) == _tb_losses(dirs["tb_dp2"])  # float32 scalars, exactly
-    for a, b in zip(second.lines, straight.lines[3:]):
-        assert a["consumed samples"] == b["consumed samples"] and a["learning rate"] == b["learning rate"]
+    assert _tb_losses(tb_resume) == _tb_losses(tb_straight)  # float32 scalars, exactly
+    assert first.evaluations + second.evaluations == straight.evaluations
+    for a, b in zip(second.lines, straight.lines[half:]):
+        for key in ("consumed samples", "learning rate", "grad norm"):
+            assert a[key] == b[key], (layout, key, a, b)
 
 
 def test_train_samples_with_batch_rampup(tmp_path):

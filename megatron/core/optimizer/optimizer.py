@@ -118,6 +118,24 @@ def make_torch_optimizer(config: OptimizerConfig, groups: List[Dict[str, Any]]) 
                            momentum=config.sgd_momentum)
 
 
+GROUP_KIND_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def restore_group_settings(groups: List[Dict[str, Any]], saved: Sequence[Dict[str, Any]]) -> None:
+    """Saved hyper-parameters onto the group of the same kind (``GROUP_KIND_KEYS``), not position.
+
+    Groups are ordered by their first parameter, so pipeline stages order them differently,
+    and the saved list is one rank's (checkpoints keep rank 0's). A kind this rank has and
+    the list lacks keeps its settings: they come from the same flags, and the LR scheduler
+    recomputes lr and weight decay from them when it is restored.
+    """
+    by_kind = {tuple(g.get(k) for k in GROUP_KIND_KEYS): g for g in saved}
+    for group in groups:
+        match = by_kind.get(tuple(group.get(k) for k in GROUP_KIND_KEYS))
+        if match is not None:
+            group.update({k: v for k, v in match.items() if k != "params"})
+
+
 class MegatronOptimizer:
     """Base: links, the torch optimizer, and the shared step / clip / state logic.
 
@@ -309,8 +327,7 @@ class MegatronOptimizer:
                 if name in state and name not in _RESERVED:
                     for link in by_model.get(id(param), []):
                         self._load_link(link, state[name], step)
-        for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        restore_group_settings(self.optimizer.param_groups, state.get("param_groups", []))
         if self.grad_scaler is not None and state.get("loss_scaler") is not None:
             self.grad_scaler.load_state_dict(state["loss_scaler"])
 
