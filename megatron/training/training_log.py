@@ -361,7 +361,9 @@ class TrainingLogger:
         FLOPs of its whole global batch, summed over all ranks (``num_floating_point_operations``;
         None leaves the TFLOP/s field out), divided by ``world_size`` for the per-GPU figure (context-parallel
         ranks each compute 1/cp of every sequence, so this is their share too). ``nan`` None
-        counts a NaN iteration as Megatron does: a skipped one whose loss is not finite.
+        counts an iteration as a NaN iteration when a reported (reduced) loss is nan or inf,
+        skipped or not: with ``--no-check-for-nan-in-loss-and-grad`` an fp32 step with a NaN
+        loss is applied, and the line prints that loss (Megatron counts skipped ones only).
         """
         losses = {name: _to_float(value) for name, value in loss_dict.items()}
         self._accumulate(losses, skipped, nan, elapsed_ms_per_iter, flops_per_iter,
@@ -387,7 +389,7 @@ class TrainingLogger:
             for name, value in losses.items():
                 acc.loss_sums[name] = acc.loss_sums.get(name, 0.0) + value
         if nan is None:
-            nan = skipped and any(not math.isfinite(v) for v in losses.values())
+            nan = any(not math.isfinite(v) for v in losses.values())
         acc.nan += int(bool(nan))
         acc.elapsed_ms += elapsed_ms
         acc.tokens += tokens

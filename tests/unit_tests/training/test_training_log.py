@@ -195,6 +195,17 @@ def test_interval_averages_and_counts(capsys):
     logger.close()
 
 
+def test_a_nan_loss_that_was_applied_counts_as_a_nan_iteration(capsys):
+    """--no-check-for-nan-in-loss-and-grad in fp32: nothing skips the step, the line prints nan and must count it."""
+    logger = TrainingLogger(LoggingConfig(log_interval=3), rank=0, world_size=1)
+    step(logger, 1, 2.0)
+    step(logger, 2, float("nan"))
+    fields = parse_log_line(step(logger, 3, float("-inf")))
+    assert math.isnan(fields["lm loss"])
+    assert fields["number of skipped iterations"] == 0 and fields["number of nan iterations"] == 2
+    logger.close()
+
+
 def test_only_the_last_rank_prints(capsys):
     logger = TrainingLogger(LoggingConfig(log_interval=1), rank=0, world_size=2)
     assert step(logger, 1, 1.0) is None
