@@ -2,16 +2,20 @@
 
 Both are optional and opened only on the rank that logs. W&B runs offline unless asked
 otherwise, and keeps every file (run, cache, config) under its save directory, so a run
-on a machine without network neither hangs nor writes to the home directory.
+on a machine without network neither hangs nor writes to the home directory. A sink whose
+package is not installed is left out with a warning naming its flag (``open_or_warn``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def open_tensorboard(log_dir: str, queue_size: int) -> Any:
@@ -36,6 +40,20 @@ def open_wandb(project: str, exp_name: str, save_dir: str, entity: Optional[str]
     settings = wandb.Settings(console="off", silent=True, save_code=False)
     return wandb.init(project=project, name=exp_name, entity=entity, dir=save_dir, mode=mode,
                       config=dict(run_config or {}), settings=settings)
+
+
+def open_or_warn(flag: str, value: Any, package: str, opener: Callable[[], Any]) -> Any:
+    """``opener()``, or None when ``package`` cannot be imported: a warning names ``flag`` and training goes on.
+
+    This is Megatron's behaviour for TensorBoard (it warns and writes no logs); W&B gets the same,
+    so a missing optional package never kills the logging rank and, with it, every rank waiting on it.
+    """
+    try:
+        return opener()
+    except ImportError as err:
+        logger.warning("%s=%s: the %s package cannot be imported (%s); training continues without it",
+                       flag, value, package, err)
+        return None
 
 
 def device_memory_scalars() -> Dict[str, float]:

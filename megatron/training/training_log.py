@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from megatron.training.log_writers import ScalarWriters, device_memory_scalars, open_tensorboard, open_wandb
+from megatron.training.log_writers import (ScalarWriters, device_memory_scalars, open_or_warn, open_tensorboard,
+                                           open_wandb)
 
 # ====================================================================== FLOPs
 
@@ -336,12 +337,14 @@ class TrainingLogger:
 
     def _open_writers(self, run_config: Optional[Mapping[str, Any]]) -> ScalarWriters:
         cfg = self.config
-        tensorboard = open_tensorboard(cfg.tensorboard_dir, cfg.tensorboard_queue_size) \
-            if cfg.tensorboard_dir else None
-        wandb_run = None
+        tensorboard = wandb_run = None
+        if cfg.tensorboard_dir:
+            tensorboard = open_or_warn("--tensorboard-dir", cfg.tensorboard_dir, "tensorboard",
+                                       lambda: open_tensorboard(cfg.tensorboard_dir, cfg.tensorboard_queue_size))
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
-            wandb_run = open_wandb(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_save_dir or "wandb",
-                                   cfg.wandb_entity, cfg.wandb_mode, run_config)
+            wandb_run = open_or_warn("--wandb-project", cfg.wandb_project, "wandb", lambda: open_wandb(
+                cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_save_dir or "wandb", cfg.wandb_entity,
+                cfg.wandb_mode, run_config))
         writers = ScalarWriters(tensorboard, wandb_run)
         for key, value in (run_config or {}).items():
             writers.add_text(str(key), str(value))

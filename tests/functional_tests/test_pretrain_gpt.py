@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.functional_tests.gpt_runs import (assert_ok, build_corpus, data_flags, mock_flags, run_gpt,
+from tests.functional_tests.gpt_runs import (REPO, assert_ok, build_corpus, data_flags, mock_flags, run_gpt,
                                              tiny_gpt_flags, with_flags)
 
 ITERS = 6
@@ -97,6 +97,21 @@ def test_tensorboard_and_offline_wandb_written(layout_runs):
     for step, value in scalars.items():
         assert math.isclose(value, runs["tp2"].losses()[step - 1], rel_tol=1e-6)
     assert glob.glob(os.path.join(dirs["wandb"], "wandb", "offline-run-*")), "no offline W&B run directory"
+
+
+def test_missing_tensorboard_and_wandb_warn_and_every_rank_trains_on(tmp_path):
+    """Neither package importable on any rank: Megatron's warning instead of a dead last rank and a hung peer."""
+    tb, wb = tmp_path / "tb", tmp_path / "wb"
+    flags = tiny_gpt_flags(3) + mock_flags() + ["--tensorboard-dir", str(tb), "--wandb-project", "p",
+                                                "--wandb-exp-name", "e", "--wandb-save-dir", str(wb)]
+    script = [os.path.join(REPO, "tests", "functional_tests", "without_packages_gpt.py"),
+              "tensorboard,torch.utils.tensorboard,wandb"]
+    result = run_gpt(2, flags, str(tmp_path), script=script)
+    assert_ok(result, "without tensorboard and wandb")
+    assert [line["iteration"] for line in result.lines] == [1, 2, 3]
+    for flag, package in (("--tensorboard-dir", "tensorboard"), ("--wandb-project", "wandb")):
+        assert f"{flag}=" in result.output and f"the {package} package cannot be imported" in result.output, flag
+    assert not glob.glob(str(tb / "*tfevents*")) and not glob.glob(str(wb / "wandb" / "*run-*"))
 
 
 def test_mock_data_layouts_agree(tmp_path):

@@ -2,8 +2,10 @@
 
 import argparse
 import glob
+import logging
 import math
 import os
+import sys
 from datetime import datetime
 
 import pytest
@@ -307,6 +309,25 @@ def _two_rank_logger(rank, world_size):
             step(logger, iteration, 1.0 + rank, timers=timers)
     logger.close()
     return out.getvalue()
+
+
+@pytest.mark.parametrize("flag, blocked, fields", [
+    ("--tensorboard-dir", ("tensorboard", "torch.utils.tensorboard"), {"tensorboard_dir": "tb"}),
+    ("--wandb-project", ("wandb",), {"wandb_project": "proj", "wandb_exp_name": "exp", "wandb_save_dir": "wb"}),
+], ids=["tensorboard", "wandb"])
+def test_missing_logging_package_warns_naming_the_flag_and_logs_on(flag, blocked, fields, tmp_path, monkeypatch,
+                                                                   capsys, caplog):
+    """Megatron warns and trains on without TensorBoard; W&B gets the same (it used to kill the last rank)."""
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)  # ``import name`` now raises ModuleNotFoundError
+    cfg = LoggingConfig(log_interval=1, **{k: str(tmp_path / v) if k.endswith("_dir") else v
+                                           for k, v in fields.items()})
+    with caplog.at_level(logging.WARNING, logger="megatron.training.log_writers"):
+        logger = TrainingLogger(cfg, rank=0, world_size=1)
+    assert f"{flag}=" in caplog.text and f"the {blocked[0]} package cannot be imported" in caplog.text
+    assert not logger.writers.active
+    assert parse_log_line(step(logger, 1, 2.5))["lm loss"] == pytest.approx(2.5)
+    logger.close()
 
 
 def test_two_ranks_print_once_from_the_last_rank():
