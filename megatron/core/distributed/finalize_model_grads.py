@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.utils import comm_device
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
@@ -73,11 +74,17 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: P
 
 
 def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection) -> torch.Tensor:
-    """The global token count: broadcast from the last pipeline stage, summed over DP."""
+    """The global token count: broadcast from the last pipeline stage, summed over DP.
+
+    Off the last stage the schedule's count is still a CPU zero; each collective gets it on its
+    group's communication device (the GPU for NCCL).
+    """
     num_tokens = num_tokens.detach().clone().to(torch.float64)
     if groups.size_of("pp") > 1:
+        num_tokens = num_tokens.to(comm_device(groups.pp))
         dist.broadcast(num_tokens, src=groups.ranks["pp"][-1], group=groups.pp)
     if groups.size_of("dp_cp") > 1:
+        num_tokens = num_tokens.to(comm_device(groups.dp_cp))
         dist.all_reduce(num_tokens, group=groups.dp_cp)
     return num_tokens
 

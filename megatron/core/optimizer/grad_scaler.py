@@ -5,6 +5,10 @@ the growth counter restarts and the hysteresis counter drops by one; once it rea
 zero the scale is multiplied by ``backoff_factor`` (not below ``min_scale``). After
 ``growth_interval`` consecutive clean steps the scale is multiplied by
 ``growth_factor`` and the hysteresis counter is refilled.
+
+The scale lives on the parameters' device (``to(device)``, called by the optimizer), so
+scaling a loss and unscaling gradients never copy between host and device; the step reads
+the found-inf flag once, and ``update`` takes that Python bool.
 """
 
 from __future__ import annotations
@@ -15,12 +19,21 @@ import torch
 
 
 class MegatronGradScaler:
-    """Holds the current loss scale (a float32 tensor) and updates it after each step."""
+    """Holds the current loss scale (a float32 tensor ``[1]``) and updates it after each step."""
 
     def __init__(self, initial_scale: float) -> None:
         if initial_scale <= 0:
             raise ValueError(f"initial_scale={initial_scale}: must be > 0")
         self._scale = torch.tensor([float(initial_scale)], dtype=torch.float32)
+
+    def to(self, device: torch.device) -> "MegatronGradScaler":
+        """Keep the scale on ``device`` (the parameters' device) from now on; returns self."""
+        self._scale = self._scale.to(device)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self._scale.device
 
     @property
     def scale(self) -> torch.Tensor:
@@ -90,6 +103,6 @@ class DynamicGradScaler(MegatronGradScaler):
                 "hysteresis_tracker": self._hysteresis_tracker}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self._scale = torch.tensor([float(state_dict["scale"])], dtype=torch.float32)
+        self._scale = torch.tensor([float(state_dict["scale"])], dtype=torch.float32, device=self.device)
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])

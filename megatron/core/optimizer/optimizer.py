@@ -45,8 +45,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer.clip_grads import (any_nonfinite, clip_grad_by_total_norm_fp32, count_zeros_fp32,
-                                                counts_for_norm, get_grad_norm_fp32)
+from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, counts_for_norm,
+                                                get_grad_norm_fp32, unscale_and_find_nonfinite)
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel.layers import is_expert_param
@@ -166,6 +166,8 @@ class MegatronOptimizer:
                                 "params": [link.main for link in links]})
         self.optimizer = make_torch_optimizer(config, main_groups)
         self._link_of_main = {id(link.main): link for link in self.links}
+        if self.grad_scaler is not None:
+            self.grad_scaler.to(self.device)  # scale and unscale without host copies
 
     # --- what subclasses decide -------------------------------------------------------
     def _links_for(self, param: torch.nn.Parameter) -> List[MainLink]:
@@ -187,12 +189,21 @@ class MegatronOptimizer:
     def state(self) -> Dict[torch.Tensor, Dict[str, Any]]:
         return self.optimizer.state
 
+    @property
+    def device(self) -> torch.device:
+        """Where the main parameters live (the CPU when this rank updates none)."""
+        return self.links[0].main.device if self.links else torch.device("cpu")
+
     def get_loss_scale(self) -> torch.Tensor:
-        return self.grad_scaler.scale if self.grad_scaler is not None else torch.ones(1)
+        """The loss scale ``[1]`` on the parameters' device (ones without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else torch.ones(1, device=self.device)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale``: the training loop sets ``config.grad_scale_func`` to this."""
-        return loss * self.get_loss_scale().to(loss.device)
+        """``loss * loss_scale`` (``loss`` itself without a scaler): the training loop sets
+        ``config.grad_scale_func`` to this, so it runs every microbatch and never copies to the device."""
+        if self.grad_scaler is None:
+            return loss
+        return loss * self.grad_scaler.scale.to(loss.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear model ``.grad`` and main-param grads (the DDP buffer is zeroed by the wrapper)."""
@@ -247,11 +258,8 @@ class MegatronOptimizer:
             link.main.grad = None if grad is None else grad.to(torch.float32)
         if self.grad_scaler is None:
             return False
-        inv_scale = self.grad_scaler.inv_scale
-        grads = self.main_grads()
-        for grad in grads:
-            grad.mul_(inv_scale)
-        found_inf = any_nonfinite(grads, self.stat_groups + self._expert_groups())
+        found_inf = unscale_and_find_nonfinite(self.main_grads(), self.grad_scaler.inv_scale,
+                                               self.stat_groups + self._expert_groups())
         self.grad_scaler.update(found_inf)
         return found_inf
 

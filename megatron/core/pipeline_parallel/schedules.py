@@ -137,9 +137,19 @@ def _scaled_loss(outputs: tuple, num_microbatches: int, per_token: bool,
     raise ValueError(f"loss_func must return 2 or 3 values, got {len(outputs)}")
 
 
-def set_aux_loss_scale(config: Any, num_microbatches: int) -> None:
-    """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token)."""
-    scale = torch.ones(1)
+def parameter_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s (first) parameter lives; the CPU for a model without parameters."""
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def set_aux_loss_scale(config: Any, num_microbatches: int, device: torch.device = torch.device("cpu")) -> None:
+    """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token).
+
+    The scale is made on ``device`` (the model's), where the fp16 loss scale and the aux losses
+    live: no host-device copy per microbatch or per layer.
+    """
+    scale = torch.ones(1, device=device)
     if config.grad_scale_func is not None:
         scale = config.grad_scale_func(scale)
     if not getattr(config, "calculate_per_token_loss", False):
@@ -161,7 +171,7 @@ def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
     """
     unwrap_model(model, "set_input_tensor").set_input_tensor([input_tensor])
     if getattr(config, "num_moe_experts", None):
-        set_aux_loss_scale(config, num_microbatches)
+        set_aux_loss_scale(config, num_microbatches, parameter_device(model))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     zero = torch.tensor(0, dtype=torch.int)
     if not is_last_stage:
