@@ -340,19 +340,29 @@ class MegatronOptimizer:
             self.grad_scaler.load_state_dict(state["loss_scaler"])
 
     def _load_link(self, link: MainLink, saved: Dict[str, torch.Tensor], step: int) -> None:
-        def piece(tensor: torch.Tensor) -> torch.Tensor:
-            tensor = tensor.to(torch.float32)
-            if link.flat_range is None:
-                return tensor.reshape(link.main.shape).clone()
-            return tensor.reshape(-1)[link.flat_range[0]:link.flat_range[1]].clone()
-
-        entry = {k: piece(v) for k, v in saved.items() if k != "main_param"}
+        entry = {k: _piece_of(link, v) for k, v in saved.items() if k != "main_param"}
         if entry:
-            entry["step"] = torch.tensor(float(step))
+            entry["step"] = self._step_state(link, step)
             self.optimizer.state[link.main] = entry
         if link.is_copy:
-            source = saved["main_param"] if "main_param" in saved else link.model_data()
-            link.main.copy_(piece(source) if "main_param" in saved else source.float())
+            source = _piece_of(link, saved["main_param"]) if "main_param" in saved else link.model_data().float()
+            link.main.copy_(source)
+
+    def _step_state(self, link: MainLink, step: int) -> torch.Tensor:
+        """Adam's ``step`` as torch keeps it: on the parameter's device for the fused (or capturable)
+        kernel, which requires it there, else a CPU scalar (the reference loop reads it on the host)."""
+        group = next(g for g in self.optimizer.param_groups if any(p is link.main for p in g["params"]))
+        device = link.main.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+        return torch.full((), float(step), dtype=torch.float32, device=device)
+
+
+def _piece_of(link: MainLink, tensor: torch.Tensor) -> torch.Tensor:
+    """``link``'s part of a saved tensor shaped like the whole parameter (a checkpoint loads on the
+    CPU): an fp32 copy of its own on the main parameter's device, shaped like the main parameter."""
+    flat = tensor.reshape(-1)  # [numel of the local parameter]
+    if link.flat_range is not None:
+        flat = flat[link.flat_range[0]:link.flat_range[1]]  # this DP rank's slice
+    return flat.to(device=link.main.device, dtype=torch.float32, copy=True).view(link.main.shape)
 
 
 class FP32Optimizer(MegatronOptimizer):

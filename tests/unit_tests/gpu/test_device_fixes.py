@@ -159,6 +159,40 @@ def test_a_microbatch_copies_nothing_to_the_device(fp16):
         assert on_cuda(scaled) and on_cuda(aux_grad)
 
 
+# ---------------------------------------------------------------- resume (issue 19, item 4)
+def _cpu_state(model: torch.nn.Module, with_main: bool) -> dict:
+    """A by-name optimizer state as a legacy checkpoint loads it (``map_location="cpu"``)."""
+    state = {"step": 3, "param_groups": [], "loss_scaler": None}
+    for name, param in model.named_parameters():
+        state[name] = {"exp_avg": torch.ones(param.shape), "exp_avg_sq": torch.ones(param.shape)}
+        if with_main:
+            state[name]["main_param"] = torch.zeros(param.shape)
+    return state
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resumed_optimizer_state_lives_with_its_parameter(precision):
+    """Moments and fp32 main copies go to the parameter's device; ``step`` too where torch's fused
+    AdamW needs it there (bf16: fused), and stays a CPU scalar for the reference loop (fp32)."""
+    with fake_world(1), FakeCuda():
+        groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        model = _layers(2, dtype)
+        kw = {"bf16": True, "params_dtype": dtype} if precision == "bf16" else {}
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, **kw), [model], groups)
+        opt.load_state_dict_by_param_name([model], _cpu_state(model, with_main=precision == "bf16"))
+        fused = precision == "bf16"
+        for group in opt.optimizer.param_groups:
+            assert bool(group.get("fused")) == fused
+            for main in group["params"]:
+                state = opt.optimizer.state[main]
+                assert on_cuda(state["exp_avg"]) and on_cuda(state["exp_avg_sq"]), precision
+                assert state["step"].device.type == ("cuda" if fused else "cpu"), precision
+        if fused:  # (the reference loop reads ``step`` on the host, where a fake answers 0)
+            _set_grads(model, opt)
+            assert opt.step()[0]
+
+
 # ---------------------------------------------------------------- numerics on a real GPU (skipped without one)
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
