@@ -23,7 +23,11 @@ import torch.distributed as dist
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.utils import all_gather_into_tensor
+from megatron.core.utils import all_gather_into_tensor, comm_device
+
+# Elements per rank in one all-gather of a checkpoint save: bounds the device memory it takes
+# (64 MiB per rank of fp32) whatever the bucket size (a single bucket holds the whole model).
+_GATHER_ELEMENTS = 1 << 24
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -87,33 +91,34 @@ class DistributedOptimizer(MegatronOptimizer):
             return ["exp_avg", "exp_avg_sq"]
         return ["momentum_buffer"] if self.config.sgd_momentum > 0 else []
 
-    def _full_param_states(self) -> Dict[int, Dict[str, torch.Tensor]]:
-        """Gather every DP rank's slices back into whole (local TP shape) tensors, bucket by bucket."""
+    def _full_param_states(self, all_ranks: bool) -> Dict[int, Dict[str, torch.Tensor]]:
+        """Every DP rank's slices gathered back into whole (local TP shape) CPU tensors, bucket by bucket.
+
+        Collective over each buffer's DP group; only its DP rank 0 (the rank that writes the state to
+        a checkpoint) keeps the result, unless ``all_ranks``. Empty before the first step.
+        """
         self.finish_param_sync()
-        has_state = len(self.optimizer.state) > 0
-        keys = (self._state_keys() if has_state else []) + ["main_param"]
         links_of = {}
         for link in self.links:
             links_of.setdefault(id(link.model), link)
         out: Dict[int, Dict[str, torch.Tensor]] = {}
         for buffer in self.buffers:
+            keys = self._state_keys() + (["main_param"] if buffer.param_dtype != torch.float32 else [])
+            keep = all_ranks or buffer.dp_rank == 0
             for bucket in buffer.buckets:
                 for key in keys:
-                    full = self._gather_bucket(buffer, bucket, key, links_of)
-                    for param in bucket.params:
-                        if key == "main_param" and param.dtype == torch.float32:
-                            continue  # the main param is the parameter itself
-                        start, end = buffer.param_range[id(param)]
-                        piece = full[start - bucket.offset:end - bucket.offset].view(param.shape).clone()
-                        out.setdefault(id(param), {})[key] = piece
-        if not has_state:
-            return {}
-        return out
+                    full = self._gather_bucket(buffer, bucket, key, links_of, keep)  # [bucket numel] CPU
+                    for param in bucket.params if keep else ():
+                        out.setdefault(id(param), {})[key] = _param_view(full, buffer, bucket, param)
+        # The same collectives run before the first step (every rank gathers the same keys); a
+        # rank holding no parameter's slice has no state of its own but still takes part.
+        return out if self.optimizer.state else {}
 
-    def _gather_bucket(self, buffer, bucket, key: str, links_of: Dict[int, MainLink]) -> torch.Tensor:
-        """The fp32 ``key`` tensor over a whole bucket, from every DP rank's shard."""
+    def _local_shard(self, buffer, bucket, key: str, links_of: Dict[int, MainLink]) -> torch.Tensor:
+        """This rank's shard of the fp32 ``key`` tensor over ``bucket`` ``[bucket numel / dp]``, on the
+        state's device (zeros where no parameter lies: padding)."""
         size = bucket.grad_data.numel() // buffer.dp_size
-        shard = torch.zeros(size, dtype=torch.float32)
+        shard = torch.zeros(size, dtype=torch.float32, device=self.device)
         shard_start = bucket.offset + buffer.dp_rank * size
         for param in bucket.params:
             link = links_of.get(id(param))
@@ -124,8 +129,31 @@ class DistributedOptimizer(MegatronOptimizer):
                 continue
             start = buffer.param_range[id(param)][0] + link.flat_range[0] - shard_start
             shard[start:start + value.numel()] = value.detach().view(-1)
-        full = torch.empty(size * buffer.dp_size, dtype=torch.float32)
+        return shard
+
+    def _gather_bucket(self, buffer, bucket, key: str, links_of: Dict[int, MainLink],
+                       keep: bool) -> Optional[torch.Tensor]:
+        """The fp32 ``key`` tensor over a whole bucket ``[bucket numel]`` on the CPU (None unless ``keep``).
+
+        The shards travel on the DP group's communication device (the GPU under NCCL), at most
+        ``_GATHER_ELEMENTS`` per rank and collective, and come to the host in one copy per piece.
+        """
+        shard = self._local_shard(buffer, bucket, key, links_of)  # [size]
         if buffer.dp_size == 1:
-            return shard
-        all_gather_into_tensor(full, shard, group=buffer.dp_group)
-        return full
+            return shard.cpu()
+        size, dp = shard.numel(), buffer.dp_size
+        full = torch.empty(dp, size, dtype=torch.float32) if keep else None  # [dp, size] CPU
+        device = comm_device(buffer.dp_group)
+        for lo in range(0, size, _GATHER_ELEMENTS):
+            hi = min(lo + _GATHER_ELEMENTS, size)
+            gathered = torch.empty(dp, hi - lo, dtype=torch.float32, device=device)  # [dp, piece]
+            all_gather_into_tensor(gathered.view(-1), shard[lo:hi].to(device), group=buffer.dp_group)
+            if keep:
+                full[:, lo:hi].copy_(gathered)
+        return full.view(-1) if keep else None
+
+
+def _param_view(full: torch.Tensor, buffer, bucket, param: torch.nn.Parameter) -> torch.Tensor:
+    """``param``'s part of a tensor over the whole ``bucket``, shaped like the parameter."""
+    start, end = buffer.param_range[id(param)]
+    return full[start - bucket.offset:end - bucket.offset].view(param.shape)

@@ -309,9 +309,13 @@ class MegatronOptimizer:
         scaler = None if self.grad_scaler is None else self.grad_scaler.state_dict()
         return {"param_groups": groups, "step": self._step_count(), "loss_scaler": scaler}
 
-    def state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module]) -> Dict[str, Any]:
-        """Optimizer state keyed by parameter name, local (TP-shard) shapes; see the module docstring."""
-        full = self._full_param_states()
+    def state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module],
+                                 all_ranks: bool = False) -> Dict[str, Any]:
+        """Optimizer state keyed by parameter name, local (TP-shard) shapes, CPU tensors; see the module
+        docstring. Collective over data parallelism for the distributed optimizer, where only the ranks
+        that write the state to a checkpoint (DP rank 0 of each buffer) get the per-parameter entries,
+        unless ``all_ranks``."""
+        full = self._full_param_states(all_ranks)
         out: Dict[str, Any] = {}
         for name, param in named_model_params(model_chunks):
             if full.get(id(param)):
@@ -319,9 +323,10 @@ class MegatronOptimizer:
         out.update(self._scalars())
         return out
 
-    def _full_param_states(self) -> Dict[int, Dict[str, torch.Tensor]]:
-        """id(model param) -> its state tensors in the parameter's local shape."""
-        return {id(link.model): {k: v.detach().clone() for k, v in self._param_state(link).items()}
+    def _full_param_states(self, all_ranks: bool) -> Dict[int, Dict[str, torch.Tensor]]:
+        """id(model param) -> CPU copies of its state tensors in the parameter's local shape (a copy on
+        the device would double the optimizer's device memory while a checkpoint is written)."""
+        return {id(link.model): {k: v.detach().to("cpu", copy=True) for k, v in self._param_state(link).items()}
                 for link in self.links}
 
     def load_state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module], state: Dict[str, Any]) -> None:

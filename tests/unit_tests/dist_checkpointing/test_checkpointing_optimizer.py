@@ -37,7 +37,7 @@ def _train_step(groups, ddp, opt, it):
 
 
 def _optimizer_state_by_key(groups, model, ddp, opt):
-    state = opt.state_dict_by_param_name([ddp])
+    state = opt.state_dict_by_param_name([ddp], all_ranks=True)
     return {sub: full_weights_by_key(model, groups, {n: state[n][sub] for n, _ in model.named_parameters()})
             for sub in ("exp_avg", "exp_avg_sq", "main_param")}
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
                                                 unscale_and_find_nonfinite)
@@ -157,6 +157,40 @@ def test_a_microbatch_copies_nothing_to_the_device(fp16):
             _, aux_grad, _ = MoEAuxLossAutoScaler.backward(ctx, torch.ones(4, 8, device="cuda"))
         assert mode.counts() == before, f"(host syncs, host-to-device copies) {before} -> {mode.counts()}"
         assert on_cuda(scaled) and on_cuda(aux_grad)
+
+
+# ---------------------------------------------------------------- distributed-optimizer save (issue 19, item 3)
+def _distributed_optimizer(groups) -> tuple:
+    """Two bf16 layers wrapped for the distributed optimizer on the fake GPU, after one step."""
+    model = _layers(2, torch.bfloat16)
+    ddp = DistributedDataParallel(SimpleNamespace(calculate_per_token_loss=False), DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model, pg_collection=groups)
+    config = OptimizerConfig(lr=1e-3, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True)
+    opt = get_megatron_optimizer(config, [ddp], groups)
+    for param in model.parameters():
+        param.main_grad.normal_()
+    assert opt.step()[0]
+    return model, ddp, opt
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_distributed_optimizer_state_is_gathered_on_the_gpu_by_bucket(monkeypatch, rank):
+    """Shards travel over (NCCL-like) DP on the GPU, come to the host once per bucket and state key,
+    and only DP rank 0, which writes the checkpoint, keeps the whole state."""
+    with fake_world(2, rank=rank), FakeCuda() as mode:
+        nccl_like(monkeypatch)
+        groups = ps.build_process_groups(ps.ParallelLayout(world_size=2))
+        model, ddp, opt = _distributed_optimizer(groups)
+        before = mode.syncs
+        state = opt.state_dict_by_param_name([ddp])  # CPU shards were handed to NCCL: ValueError
+        buckets = sum(len(b.buckets) for b in ddp.buffers)
+        # Rank 0: exp_avg, exp_avg_sq, main_param per bucket; every rank: the step count.
+        assert mode.syncs - before == (3 * buckets if rank == 0 else 0) + 1
+        names = [name for name, _ in model.named_parameters()]
+        if rank == 0:
+            assert all(state[n][k].device.type == "cpu" for n in names for k in ("exp_avg", "main_param"))
+        else:
+            assert not any(n in state for n in names)
 
 
 # ---------------------------------------------------------------- resume (issue 19, item 4)

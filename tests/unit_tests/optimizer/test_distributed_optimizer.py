@@ -83,9 +83,14 @@ def _distributed_state(rank, world_size, bf16):
     assert state_numel == 2 * buffer_numel // dp, (state_numel, buffer_numel)
     if bf16:
         assert sum(link.main.numel() for link in opt.links) == buffer_numel // dp
-    state = opt.state_dict_by_param_name([ddp])
+    writer_state = opt.state_dict_by_param_name([ddp])  # only DP rank 0 writes checkpoints: keeps the state
+    assert any(name in writer_state for name, _ in model.named_parameters()) == (groups.rank_in("dp") == 0)
+    state = opt.state_dict_by_param_name([ddp], all_ranks=True)
     for name, param in model.named_parameters():
         assert state[name]["exp_avg"].shape == param.shape, name
+        assert state[name]["exp_avg"].device.type == "cpu", name
+        if groups.rank_in("dp") == 0:
+            assert torch.equal(writer_state[name]["exp_avg"], state[name]["exp_avg"]), name
     # The same state drives a plain optimizer on a fresh copy: one more step agrees.
     plain_model, plain_ddp, plain_opt = _build(groups, distributed=False, bf16=bf16)
     plain_model.load_state_dict(model.state_dict())
