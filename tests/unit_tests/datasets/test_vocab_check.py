@@ -12,7 +12,6 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron.core.datasets.vocab_check import TokenIdOutOfVocabularyError, check_token_ids_in_vocabulary
 from tests.dist_harness import run_distributed
-from tests.functional_tests.gpt_runs import run_gpt, tiny_gpt_flags
 from tests.unit_tests.datasets.fixtures import Tokenizer, random_documents, write_dataset
 
 
@@ -116,21 +115,3 @@ def test_rank_zero_scans_and_every_rank_raises(tmp_path):
     failed = run_distributed(_check_on_two_ranks, 2, prefix, True, timeout=120)
     assert failed[0] == ("OSError", "disk unreadable")
     assert failed[1] == ("RuntimeError", "the token id check failed on rank 0: OSError: disk unreadable")
-
-
-def test_pretrain_gpt_stops_before_training_on_every_rank(tmp_path):
-    rng = np.random.RandomState(0)
-    docs = [rng.randint(0, 600, size=60).tolist() for _ in range(80)]
-    docs[41][5] = 5000  # preprocessed with a bigger tokenizer than --vocab-size 600
-    prefix = write_tokens(str(tmp_path), "corpus_text_document", docs)
-    flags = tiny_gpt_flags(train_iters=4) + [
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "600", "--data-path", prefix, "--split", "90,5,5",
-        "--tensor-model-parallel-size", "2"]
-    result = run_gpt(2, flags, str(tmp_path), timeout=240)
-    assert result.returncode != 0
-    # NullTokenizer: 601 ids, padded to a multiple of 512 x TP 2.
-    assert (f"data prefix {prefix} holds token id 5000 but the padded vocabulary (--tokenizer-type NullTokenizer "
-            "--vocab-size 600, padded to a multiple of --make-vocab-size-divisible-by 512 x "
-            "--tensor-model-parallel-size 2) has 1024 entries") in result.output, result.output[-4000:]
-    assert result.lines == []  # no training iteration ran
-
