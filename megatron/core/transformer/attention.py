@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.context_parallel import cp_attention_mask, cp_chunk_positions, gather_kv_over_cp
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
@@ -40,11 +41,18 @@ def sliding_window_mask(sq: int, sk: int, window: Tuple[int, int], device: torch
     return cp_attention_mask(torch.arange(sq, device=device), sk, causal=False, window=window)
 
 
+def repeat_kv(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[b, groups, s, d]`` -> ``[b, heads, s, d]``: each group's key or value head once per query head."""
+    repeat = heads // tensor.shape[1]
+    return tensor.repeat_interleave(repeat, dim=1) if repeat > 1 else tensor
+
+
 class DotProductAttention(MegatronModule):
     """softmax(q k^T * scale + mask) v for this rank's heads.
 
     Inputs are ``[s, b, heads, d]``; keys and values may have fewer heads (grouped-query
-    attention) and are repeated to match. ``attention_mask`` is boolean with True where
+    attention): SDPA takes them as they are (``enable_gqa``) when no explicit mask is needed,
+    otherwise they are repeated to match. ``attention_mask`` is boolean with True where
     attention is NOT allowed (Megatron's convention); None means plain causal.
 
     With a context-parallel group of size > 1 the inputs are this rank's ``[s/cp, b, ., d]``
@@ -63,8 +71,8 @@ class DotProductAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
-        backend = getattr(config.attention_backend, "name", config.attention_backend)
-        self.use_sdpa = backend in _SDPA_BACKENDS and not config.apply_query_key_layer_scaling
+        self.backend = getattr(config.attention_backend, "name", config.attention_backend)
+        self.use_sdpa = self.backend in _SDPA_BACKENDS and not config.apply_query_key_layer_scaling
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -73,23 +81,44 @@ class DotProductAttention(MegatronModule):
         if self.cp_size > 1:
             key, value, attention_mask = self._gather_over_cp(key, value, attention_mask, causal)
             causal = False
-        repeat = heads // key.shape[2]
-        if repeat > 1:
-            key = key.repeat_interleave(repeat, dim=2)  # [sk, b, heads, d]
-            value = value.repeat_interleave(repeat, dim=2)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        q = query.permute(1, 2, 0, 3)  # [b, heads, sq, d]
+        k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, groups, sk, d]
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if self.config.window_size is not None and self.cp_size == 1:
             attention_mask = self._with_window(attention_mask, causal, q.shape[-2], k.shape[-2], q.device)
             causal = False
         with _dropout_rng(dropout_p > 0, self.config.sequence_parallel):
             if self.use_sdpa:
-                keep = None if attention_mask is None else ~attention_mask
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
-                                                     is_causal=causal, scale=self.softmax_scale)
+                ctx = self._sdpa(q, k, v, attention_mask, causal, dropout_p)
             else:
+                k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # [b, heads, sk, d]
                 ctx = self._unfused(q, k, v, attention_mask, causal, dropout_p)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads*d]
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
+              dropout_p: float) -> torch.Tensor:
+        """PyTorch SDPA on ``q`` ``[b, heads, sq, d]``, ``k``/``v`` ``[b, groups, sk, d]`` -> ``[b, heads, sq, d]``.
+
+        Without an explicit mask (plain causal: ``is_causal``) grouped-query heads go in as they are
+        (``enable_gqa``), which flash attention takes; with a mask they are repeated, since the
+        memory-efficient kernel that takes masks does not do GQA.
+        """
+        heads = q.shape[1]
+        gqa = k.shape[1] != heads
+        if gqa and mask is not None:
+            k, v, gqa = repeat_kv(k, heads), repeat_kv(v, heads), False
+        keep = None if mask is None else ~mask
+        with self._sdpa_kernel(q, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=causal,
+                                                  scale=self.softmax_scale, enable_gqa=gqa)
+
+    def _sdpa_kernel(self, q: torch.Tensor, mask: Optional[torch.Tensor]):
+        """``attention_backend=flash``: pin SDPA to flash attention where it can run it (CUDA, fp16/bf16,
+        no explicit mask); elsewhere, and for other backends, PyTorch picks the kernel."""
+        flash_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
+        if self.backend == "flash" and flash_ok:
+            return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+        return contextlib.nullcontext()
 
     def _gather_over_cp(self, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
                         causal: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:

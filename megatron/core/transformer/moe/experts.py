@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,22 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Per expert: the ids of the tokens routed to it (ascending) and their routing probabilities.
+
+    One stable sort of the ``[E, T]`` routing map puts the routed (token, expert) pairs first,
+    expert by expert; one host read of the per-expert counts splits them (a ``nonzero`` per
+    expert would read the host once per expert).
+    """
+    num_tokens = routing_map.shape[0]
+    routed = routing_map.t().reshape(-1).bool()  # [E*T], expert-major
+    counts = routed.view(-1, num_tokens).sum(dim=1).tolist()  # [E] the one host read
+    order = torch.argsort((~routed).to(torch.uint8), stable=True)[:sum(counts)]  # [sum n_e]
+    token_ids = order % num_tokens  # [sum n_e]
+    sorted_probs = probs.t().reshape(-1)[order]  # [sum n_e]
+    return list(token_ids.split(counts)), list(sorted_probs.split(counts))
 
 
 class SequentialMLP(MegatronModule):
@@ -51,11 +67,11 @@ class SequentialMLP(MegatronModule):
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """``tokens`` ``[T, h]``, ``probs`` and ``routing_map`` ``[T, E]`` -> partial output ``[T, h]``."""
         output = torch.zeros_like(tokens)  # [T, h]
-        for e, expert in enumerate(self.local_experts):
-            index = routing_map[:, e].nonzero(as_tuple=True)[0]  # [n_e]
+        indices, weights = sort_by_expert(probs, routing_map)
+        for expert, index, prob in zip(self.local_experts, indices, weights):
             out, bias = expert(tokens[index])  # [n_e, h] partial over TP, [h] or None
             if bias is not None:
                 out = out + self._bias_share(bias)
-            weighted = out * probs[index, e].unsqueeze(-1).to(out.dtype)  # [n_e, h]
+            weighted = out * prob.unsqueeze(-1).to(out.dtype)  # [n_e, h]
             output = output.index_add(0, index, weighted)
         return output
