@@ -86,20 +86,27 @@ class FakeCuda(FakeTensorMode):
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
+        self._depth = 0
+        self._saved: dict = {}
         self.syncs = 0
         self.host_to_device = 0
 
     def __enter__(self) -> "FakeCuda":
         # The Python bindings of copy_, indexing, int() and float() take a CUDA device guard, which a
-        # CPU build lacks; the aten ops themselves reach this mode.
-        self._saved = {name: getattr(torch.Tensor, name) for name in _REROUTED}
-        for name, method in _REROUTED.items():
-            setattr(torch.Tensor, name, method)
+        # CPU build lacks; the aten ops themselves reach this mode. Torch re-enters the mode
+        # internally, so only the outermost entry patches and its exit restores.
+        if self._depth == 0:
+            self._saved = {name: getattr(torch.Tensor, name) for name in _REROUTED}
+            for name, method in _REROUTED.items():
+                setattr(torch.Tensor, name, method)
+        self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        for name, method in self._saved.items():
-            setattr(torch.Tensor, name, method)
+        self._depth -= 1
+        if self._depth == 0:
+            for name, method in self._saved.items():
+                setattr(torch.Tensor, name, method)
         return super().__exit__(*exc)
 
     def counts(self) -> tuple:
