@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flag_status import NO_OP_FLAGS, NOT_SUPPORTED_YET, AnyOf
-from megatron.training.flags_table import FlagSpec, build_parser, load_flag_specs
+from megatron.training.flags_table import PROJECT_FLAGS, FlagSpec, build_parser, load_flag_specs
 from megatron.training import validation
 from megatron.training.validation import (  # noqa: F401 - re-exported for callers
     ArgumentsError, UnsupportedFlagError, vocab_size_with_padding,
@@ -34,8 +34,8 @@ ENTRY_POINT_TOKENIZERS = {
 
 @functools.lru_cache(maxsize=1)
 def flag_specs() -> List[FlagSpec]:
-    """The flag table shipped with this package (read once)."""
-    return load_flag_specs()
+    """The flag table shipped with this package (read once), then this project's own flags."""
+    return load_flag_specs() + list(PROJECT_FLAGS)
 
 
 def build_megatron_parser(entry_point: str = "gpt") -> argparse.ArgumentParser:

@@ -6,13 +6,18 @@ SAVE/iter_0001000/                         --ckpt-format torch_dist (default)
     .metadata, __{rank}_0.distcp           model and optimizer tensors (torch.distributed.checkpoint)
     common.json                            iteration, train state, scheduler, args, optimizer scalars (plain JSON)
     rng/rank_{rank:05d}.json               each rank's RNG states
-    metadata.json                          written last: the directory is complete
+    metadata.json                          written last: the directory is complete; size and SHA-256 of each file
 SAVE/iter_0001000/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt     --ckpt-format torch (legacy)
+SAVE/iter_0001000/checksums.json           torch format: size and SHA-256 of each .pt file (written after them)
 ```
 
 Nothing is pickled except tensors in legacy ``.pt`` files, which are read with
 ``torch.load(weights_only=True)``. A torch_dist checkpoint loads under any TP/PP/DP
 layout; RNG states are restored only under the layout that saved them.
+
+Trust: a load checks the files' checksums (``--no-verify-checkpoint`` skips it); a failed
+write names the directory and the cause (full disk, file-size limit) and leaves the tracker
+on the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core import dist_checkpointing as dc
-from megatron.core.dist_checkpointing import CheckpointingError, plain_data
-from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
+from megatron.core.dist_checkpointing import CheckpointingError, checksums, plain_data
+from megatron.core.dist_checkpointing.serialization import _agree, read_json, write_json_atomic
+from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -42,6 +49,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 RNG_DIR = "rng"
 LEGACY_FILE = "model_optim_rng.pt"
+LEGACY_CHECKSUMS = "checksums.json"  # torch format: size and SHA-256 of each .pt file, written last
 SUPPORTED_FORMATS = ("torch_dist", "torch")
 _MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
 _FLAGS = ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint")
@@ -61,6 +69,8 @@ class CheckpointConfig:
         ckpt_format: ``torch_dist`` (sharded, any layout) or ``torch`` (legacy, per TP/PP rank).
         exit_on_missing_checkpoint: a ``load`` without a checkpoint is an error, not a fresh start.
         ckpt_step: load this iteration instead of the tracker's (``--ckpt-step``).
+        verify_checkpoint: check every file against the checksums in ``metadata.json`` on load
+            (``--no-verify-checkpoint`` turns it off).
     """
 
     save: Optional[str] = None
@@ -74,8 +84,11 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     exit_on_missing_checkpoint: bool = False
     ckpt_step: Optional[int] = None
+    verify_checkpoint: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.verify_checkpoint, bool):
+            raise ValueError(f"verify_checkpoint={self.verify_checkpoint!r}: must be True or False")
         for name in _FLAGS:
             value = getattr(self, name)
             if value is None:  # Megatron's store_true flags default to None
@@ -264,27 +277,69 @@ def save_checkpoint(iteration: int, model_chunks: Sequence[torch.nn.Module], opt
     _require_plain("args_dict", args_dict)
     groups = dc.model_process_groups(dc.unwrap_model(model_chunks[0]), pg_collection)
     iter_dir = checkpoint_dir(ckpt_config.save, iteration)
-    if dist.get_rank() == 0:
-        os.makedirs(iter_dir, exist_ok=True)
-        stale = os.path.join(iter_dir, dc.METADATA_FILE)
-        if os.path.exists(stale):  # rewriting: the directory must not look complete meanwhile
-            os.remove(stale)
-    dist.barrier()
     common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "train_state": train_state,
               "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
               "args": args_dict, "layout": _layout(groups), "ckpt_format": ckpt_config.ckpt_format}
     _require_plain("opt_param_scheduler.state_dict()", common["opt_param_scheduler"])
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
-    if ckpt_config.ckpt_format == "torch_dist":
-        _save_sharded(iter_dir, model_chunks, optimizer if save_optim else None, groups, ckpt_config, common)
-    else:
-        _save_legacy(iter_dir, model_chunks, optimizer if save_optim else None, groups, ckpt_config, common)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _update_tracker(ckpt_config.save, iteration)
-    dist.barrier()
+    saver = _save_sharded if ckpt_config.ckpt_format == "torch_dist" else _save_legacy
+    try:
+        _agreed_write(lambda: _start_directory(iter_dir), iter_dir)
+        saver(iter_dir, model_chunks, optimizer if save_optim else None, groups, ckpt_config, common)
+        dist.barrier()
+    except CheckpointingError as e:
+        raise CheckpointingError(f"{e}; {_tracker_note(ckpt_config.save)}") from e
+    except WRITE_FAILURES as e:
+        raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(ckpt_config.save)}") from e
+    _agreed_write(lambda: _update_tracker(ckpt_config.save, iteration), ckpt_config.save)
     logger.info("saved checkpoint at iteration %d to %s (%s)", iteration, ckpt_config.save, ckpt_config.ckpt_format)
     return iter_dir
+
+
+def _agreed_write(write: Callable[[], None], directory: str, writer: Optional[bool] = None) -> None:
+    """Run ``write`` on the writer ranks (default: rank 0); if it fails on any rank, all raise with the cause.
+
+    Every local write of a save ends in one of these before the next collective, so a full
+    disk on one rank stops all of them instead of leaving the others in a barrier.
+    """
+    error = None
+    if (dist.get_rank() == 0) if writer is None else writer:
+        try:
+            write()
+        except WRITE_FAILURES as e:
+            error = describe_write_failure(e, directory)
+    _agree(error, None)
+
+
+def _describe_everywhere(err: BaseException, directory: str) -> str:
+    """DCP raises its write failure on every rank, but only the failing rank's errno, free space and
+    file-size limit say why: every rank reports that rank's description."""
+    mine = describe_write_failure(err, directory)
+    if not isinstance(err, CheckpointException) or not err.failures or not dist.is_initialized():
+        return mine
+    first = min(err.failures)
+    messages: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, mine)
+    return f"{messages[first]} (rank {first})"
+
+
+def _start_directory(iter_dir: str) -> None:
+    os.makedirs(iter_dir, exist_ok=True)
+    stale = os.path.join(iter_dir, dc.METADATA_FILE)
+    if os.path.exists(stale):  # rewriting: the directory must not look complete meanwhile
+        os.remove(stale)
+
+
+def _tracker_note(root: str) -> str:
+    """What a failed save left behind, for its error message."""
+    try:
+        found = read_tracker(root)
+    except CheckpointingError as e:
+        return str(e)
+    tracker = os.path.join(root, TRACKER_FILE)
+    if found is None:
+        return f"no checkpoint was complete before ({tracker} does not exist)"
+    return f"{tracker} still names {'release' if found[1] else found[0]}, the last complete checkpoint"
 
 
 def _save_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
@@ -296,12 +351,18 @@ def _save_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimi
         per_param, scalars = dc.split_optimizer_state(optimizer.state_dict_by_param_name(model_chunks), specs)
         sharded.update(dc.optimizer_sharded_state_dict(per_param, specs))
         common["optimizer"] = plain_data.encode(scalars, "optimizer")
+    rng_state = None if cfg.no_save_rng else collect_rng_state()
+    _agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
+    dc.save(sharded, iter_dir)  # DCP files, checksums, then metadata.json last
+
+
+def _write_common_and_rng(iter_dir: str, common: Dict[str, Any], rng_state: Optional[Dict[str, Any]]) -> None:
+    """Rank 0 writes ``common.json``; every rank its RNG file (unless ``--no-save-rng``)."""
     if dist.get_rank() == 0:
         write_json_atomic(os.path.join(iter_dir, COMMON_FILE), common)
-    if not cfg.no_save_rng:
+    if rng_state is not None:
         os.makedirs(os.path.join(iter_dir, RNG_DIR), exist_ok=True)
-        write_json_atomic(_rng_path(iter_dir, dist.get_rank()), collect_rng_state())
-    dc.save(sharded, iter_dir)  # barrier, then metadata.json last
+        write_json_atomic(_rng_path(iter_dir, dist.get_rank()), rng_state)
 
 
 def _rng_path(iter_dir: str, rank: int) -> str:
@@ -322,7 +383,10 @@ def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimiz
         dist.all_gather_object(rng, collect_rng_state(), group=groups.dp)
     # On every rank: the distributed optimizer gathers its DP slices collectively.
     optim_state = optimizer.state_dict_by_param_name(model_chunks) if optimizer is not None else None
-    if groups.rank_in("dp") == 0 and groups.rank_in("cp") == 0:
+    writer = groups.rank_in("dp") == 0 and groups.rank_in("cp") == 0
+    path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
+    state: Dict[str, Any] = {}
+    if writer:
         state = dict(common, num_floating_point_operations_so_far=common["train_state"].get(
             "num_floating_point_operations_so_far", 0))
         if not cfg.no_save_rng:
@@ -331,10 +395,49 @@ def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimiz
             state["model" if len(model_chunks) == 1 else f"model{i}"] = dc.unwrap_model(chunk).state_dict()
         if optim_state is not None:
             state["optimizer"] = optim_state
-        path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+    _agreed_write(lambda: _write_torch_file(path, state), iter_dir, writer=writer)
+    _record_legacy_checksums(iter_dir, path if writer else None)
+
+
+def _record_legacy_checksums(iter_dir: str, written: Optional[str]) -> None:
+    """Collective: each writer hashes its file (still in the page cache); rank 0 writes ``checksums.json``."""
+    entry: Dict[str, Any] = {}
+
+    def digest() -> None:
+        entry[os.path.relpath(written, iter_dir).replace(os.sep, "/")] = {
+            "bytes": os.path.getsize(written), checksums.ALGORITHM: checksums.file_digest(written)}
+
+    _agreed_write(digest, iter_dir, writer=written is not None)
+    entries: List[Optional[Dict[str, Any]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, entry)
+    files = {name: value for part in entries for name, value in part.items()}
+    table = {"algorithm": checksums.ALGORITHM, "files": files}
+    _agreed_write(lambda: write_json_atomic(os.path.join(iter_dir, LEGACY_CHECKSUMS), table), iter_dir)
+
+
+def _verify_legacy_file(iter_dir: str, path: str) -> None:
+    """This rank's legacy file against ``checksums.json`` (older checkpoints have none: a warning).
+
+    Like every other legacy-format error, a mismatch raises on the rank that reads the file.
+    """
+    where = os.path.join(iter_dir, LEGACY_CHECKSUMS)
+    if not os.path.isfile(where):
+        logger.warning("%s not found (saved before checksums, or by Megatron-LM): %s is not verified", where, path)
+        return
+    files = checksums.check_table(read_json(where, "legacy checkpoint checksums"), where)
+    name = os.path.relpath(path, iter_dir).replace(os.sep, "/")
+    if name not in files:
+        raise CheckpointingError(f"{where} does not list {path}: the file was added after the save")
+    checksums.verify_files(iter_dir, files, [name], where)
+
+
+def _write_torch_file(path: str, state: Dict[str, Any]) -> None:
+    """``torch.save`` to a temporary file, then rename. Through a Python file object, so that a failed
+    write keeps its ``OSError`` (errno) in the exception chain instead of only "unexpected pos"."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+    os.replace(path + ".tmp", path)
 
 
 # ---------------------------------------------------------------- load
@@ -375,7 +478,8 @@ def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt
     load_rng = not ckpt_config.no_load_rng and not fresh
     fmt = detect_format(iter_dir)
     loader = _load_sharded if fmt == "torch_dist" else _load_legacy
-    common, rng = loader(iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng)
+    common, rng = loader(iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng,
+                         ckpt_config)
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
@@ -403,7 +507,10 @@ def _optimizer_template(model_chunks: Sequence[torch.nn.Module], groups: Process
 
 
 def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                  groups: ProcessGroupCollection, load_rng: bool) -> Tuple[Dict[str, Any], Optional[Dict]]:
+                  groups: ProcessGroupCollection, load_rng: bool,
+                  cfg: CheckpointConfig) -> Tuple[Dict[str, Any], Optional[Dict]]:
+    if cfg.verify_checkpoint:
+        dc.verify_checksums(iter_dir)
     common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     per_param = None
@@ -434,12 +541,15 @@ def _same_layout(common: Dict[str, Any], groups: ProcessGroupCollection, where: 
 
 
 def _load_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                 groups: ProcessGroupCollection, load_rng: bool) -> Tuple[Dict[str, Any], Optional[Dict]]:
+                 groups: ProcessGroupCollection, load_rng: bool,
+                 cfg: CheckpointConfig) -> Tuple[Dict[str, Any], Optional[Dict]]:
     _refuse_legacy_with_ep(groups)
     path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
     if not os.path.isfile(path):
         raise CheckpointingError(f"legacy checkpoint file not found: {path} (a torch-format checkpoint loads only "
                                  "under the TP/PP layout that saved it)")
+    if cfg.verify_checkpoint:
+        _verify_legacy_file(iter_dir, path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or holding non-plain objects

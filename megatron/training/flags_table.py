@@ -6,7 +6,8 @@ nargs and action kind. The table says nothing about value types, so the types
 are kept here (``INT_FLAGS``, ``FLOAT_FLAGS`` ...) for the flags whose default
 does not tell. Help text lives in ``HELP`` for the flags people reach for; every
 other flag shows its default. A flag is one row of the table plus, when
-needed, one entry here.
+needed, one entry here. ``PROJECT_FLAGS`` are the few flags of this project that
+Megatron-LM does not have, in the same form; ``--help`` marks them.
 """
 
 from __future__ import annotations
@@ -237,11 +238,18 @@ HELP: Dict[str, str] = {
     "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP.",
     "save": "Directory to save checkpoints to.",
     "load": "Directory to load checkpoints from.",
+    "verify_checkpoint": "Do not check checkpoint files against the SHA-256 sums in metadata.json on load.",
     "distributed_backend": "torch.distributed backend; default nccl with GPUs, gloo without.",
     "distributed_timeout_minutes": "Timeout of collective operations.",
 }
 
 NO_OP_NOTE = "[accepted; no effect here: kernel, fusion, overlap or profiling choice]"
+PROJECT_NOTE = "[this project's flag; not in Megatron-LM]"
+
+PROJECT_FLAGS: Tuple[FlagSpec, ...] = (
+    FlagSpec(group="checkpointing", option_strings=("--no-verify-checkpoint",), dest="verify_checkpoint",
+             default=True, choices=None, nargs=None, action="storefalse"),
+)
 
 
 def help_text(spec: FlagSpec, no_op: bool, harmless: Optional[Tuple[Any, ...]]) -> str:
@@ -249,6 +257,8 @@ def help_text(spec: FlagSpec, no_op: bool, harmless: Optional[Tuple[Any, ...]]) 
     text = HELP.get(spec.dest, spec.dest.replace("_", " ").capitalize() + ".")
     if no_op:
         text += " " + NO_OP_NOTE
+    elif spec in PROJECT_FLAGS:
+        text += " " + PROJECT_NOTE
     elif harmless is not None:
         text += f" [not supported yet; accepted only: {', '.join(map(repr, harmless))}]"
     return text.replace("%", "%%")

@@ -82,6 +82,11 @@ def test_refused_by_training_resume_and_converter(trained, tmp_path):
     _plant(iter_dir, str(marker))
     try:
         resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save], str(tmp_path))
+        assert resumed.returncode != 0  # the checksum recorded in metadata.json catches it first
+        assert "checkpoint file corrupt: " in resumed.output and "/.metadata" in resumed.output
+        # Past the checksums (--no-verify-checkpoint, or metadata.json rewritten too), the unpickler refuses it.
+        resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save, "--no-verify-checkpoint"],
+                          str(tmp_path))
         assert resumed.returncode != 0
         assert "refusing to load posix.system" in resumed.output and ".metadata" in resumed.output
         cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",

@@ -2,8 +2,9 @@
 
 A checkpoint directory holds DCP's ``.metadata`` and ``__{rank}_0.distcp`` files
 and, written last by rank 0 after every rank has finished, ``metadata.json``
-(``{"sharded_backend": "torch_dist", "sharded_backend_version": 1}``). A directory
-without ``metadata.json`` is incomplete and is never loaded.
+(``{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "checksums": ...}``:
+the size and SHA-256 of every other file, see ``checksums.py``). A directory without
+``metadata.json`` is incomplete and is never loaded.
 
 Both functions are collective over ``process_group`` (default: the world). Every
 check that could fail on some ranks only is agreed on by all ranks before DCP's
@@ -13,6 +14,7 @@ own collectives start, so a bad checkpoint raises everywhere instead of hanging.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Dict, List, Optional
 
@@ -21,13 +23,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from megatron.core.dist_checkpointing import checksums
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
 from megatron.core.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
 from megatron.core.dist_checkpointing.safe_metadata import SafeFileSystemReader, load_metadata_file
+from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 
 METADATA_FILE = "metadata.json"
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+logger = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: str, data: object) -> None:
@@ -89,9 +94,13 @@ def save(sharded_sd: ShardedStateDict, checkpoint_dir: str,
     dcp.save(sharded_sd, storage_writer=FileSystemWriter(checkpoint_dir), planner=ShardedSavePlanner(),
              process_group=process_group)
     dist.barrier(group=process_group)
-    if rank == 0:
-        write_json_atomic(os.path.join(checkpoint_dir, METADATA_FILE), BACKEND_METADATA)
-    dist.barrier(group=process_group)
+    table, error = checksums.gather_checksums(checkpoint_dir, METADATA_FILE, process_group)
+    if rank == 0 and error is None:
+        try:
+            write_json_atomic(os.path.join(checkpoint_dir, METADATA_FILE), dict(BACKEND_METADATA, checksums=table))
+        except WRITE_FAILURES as e:
+            error = describe_write_failure(e, checkpoint_dir)
+    _agree(error, process_group)  # rank 0's failure raises everywhere instead of leaving peers in a barrier
 
 
 def check_sharded_checkpoint(checkpoint_dir: str) -> None:
@@ -157,3 +166,30 @@ def load(sharded_sd: ShardedStateDict, checkpoint_dir: str,
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank; name the checkpoint
         raise CheckpointingError(f"failed to read checkpoint {checkpoint_dir}: {e}") from e
     return sharded_sd
+
+
+def verify_checksums(checkpoint_dir: str, process_group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Collective: every rank re-hashes its share of the files ``metadata.json`` lists; all raise on a mismatch.
+
+    Returns False, with a warning, for a checkpoint saved without checksums (before they were
+    recorded, or by Megatron-LM). Files in the directory that the table does not list are named
+    in a warning and not checked.
+    """
+    where = os.path.join(checkpoint_dir, METADATA_FILE)
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    error, files = None, None
+    try:
+        recorded = read_json(where, "sharded checkpoint metadata").get("checksums")
+        if recorded is not None:
+            files = checksums.check_table(recorded, where)
+            checksums.verify_files(checkpoint_dir, files, checksums.verification_share(files, rank, world), where)
+    except (CheckpointingError, OSError) as e:
+        error = str(e)
+    _agree(error, process_group)
+    if rank == 0 and files is None:
+        logger.warning("%s records no checksums (an older checkpoint): its files are not verified", where)
+    elif rank == 0:
+        unlisted = sorted(set(checksums.list_files(checkpoint_dir, METADATA_FILE)) - set(files))
+        if unlisted:
+            logger.warning("%s does not list %s: not verified", where, ", ".join(unlisted))
+    return files is not None

@@ -237,10 +237,15 @@ def _error_checks(rank, tmp):
             f.write("abc")
     dist.barrier()
     if rank == 0:
-        with pytest.raises(CheckpointingError, match=r"cannot read legacy checkpoint .*mp_rank_00_000"):
+        with pytest.raises(CheckpointingError, match=r"checkpoint file corrupt: .*mp_rank_00_000/model_optim_rng.pt "
+                                                     r"has 100 bytes, .*iter_0000005/checksums.json records"):
             load_checkpoint([model], opt, None, CheckpointConfig(load=tmp))
-    with pytest.raises(CheckpointingError, match=r"checkpoint common state is corrupt: .*iter_0000003/common.json"):
+        with pytest.raises(CheckpointingError, match=r"cannot read legacy checkpoint .*mp_rank_00_000"):
+            load_checkpoint([model], opt, None, CheckpointConfig(load=tmp, verify_checkpoint=False))
+    with pytest.raises(CheckpointingError, match=r"checkpoint file corrupt: .*iter_0000003/common.json has 9 bytes"):
         load_checkpoint([model], opt, None, CheckpointConfig(load=no_opt, no_load_optim=True))
+    with pytest.raises(CheckpointingError, match=r"checkpoint common state is corrupt: .*iter_0000003/common.json"):
+        load_checkpoint([model], opt, None, CheckpointConfig(load=no_opt, no_load_optim=True, verify_checkpoint=False))
     with pytest.raises(CheckpointingError, match=r"corrupt tracker file .*empty2"):
         load_checkpoint([model], opt, None, CheckpointConfig(load=empty + "2"))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -98,7 +99,14 @@ def _resharding_body(rank, world, tmp):
         files = sorted(os.listdir(os.path.join(tmp, "gpt2_pp2")))
         assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world)] + ["metadata.json"], files
         with open(os.path.join(tmp, "gpt2_pp2", "metadata.json")) as f:
-            assert json.load(f) == {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+            meta = json.load(f)
+        recorded = meta.pop("checksums")
+        assert meta == {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+        assert recorded["algorithm"] == "sha256" and sorted(recorded["files"]) == files[:-1]
+        for name, entry in recorded["files"].items():
+            with open(os.path.join(tmp, "gpt2_pp2", name), "rb") as f:
+                data = f.read()
+            assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
     return True
 
 
