@@ -15,9 +15,10 @@ Nothing is pickled except tensors in legacy ``.pt`` files, which are read with
 ``torch.load(weights_only=True)``. A torch_dist checkpoint loads under any TP/PP/DP
 layout; RNG states are restored only under the layout that saved them.
 
-Trust: a load checks the files' checksums (``--no-verify-checkpoint`` skips it); a failed
-write names the directory and the cause (full disk, file-size limit) and leaves the tracker
-on the last complete checkpoint.
+Trust: a load checks the files' checksums (``--no-verify-checkpoint`` skips it), the saved
+architecture flags against the run's (``checkpoint_args.py``) and that every saved tensor is
+used (``--dist-ckpt-strictness``); a failed write names the directory and the cause (full
+disk, file-size limit) and leaves the tracker on the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, checksums, plain_data
 from megatron.core.dist_checkpointing.serialization import _agree, read_json, write_json_atomic
+from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class CheckpointConfig:
         ckpt_format: ``torch_dist`` (sharded, any layout) or ``torch`` (legacy, per TP/PP rank).
         exit_on_missing_checkpoint: a ``load`` without a checkpoint is an error, not a fresh start.
         ckpt_step: load this iteration instead of the tracker's (``--ckpt-step``).
+        dist_ckpt_strictness: what a torch_dist load does with keys the model and the checkpoint do
+            not share (``--dist-ckpt-strictness``; see ``dist_checkpointing/validation.py``).
         verify_checkpoint: check every file against the checksums in ``metadata.json`` on load
             (``--no-verify-checkpoint`` turns it off).
     """
@@ -84,9 +89,11 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     exit_on_missing_checkpoint: bool = False
     ckpt_step: Optional[int] = None
+    dist_ckpt_strictness: str = "assume_ok_unexpected"
     verify_checkpoint: bool = True
 
     def __post_init__(self) -> None:
+        parse_strictness(self.dist_ckpt_strictness)
         if not isinstance(self.verify_checkpoint, bool):
             raise ValueError(f"verify_checkpoint={self.verify_checkpoint!r}: must be True or False")
         for name in _FLAGS:
@@ -456,14 +463,16 @@ def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
 
 
 def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt_param_scheduler: Any,
-                    ckpt_config: CheckpointConfig,
-                    pg_collection: Optional[ProcessGroupCollection] = None) -> Tuple[int, Dict[str, Any]]:
+                    ckpt_config: CheckpointConfig, pg_collection: Optional[ProcessGroupCollection] = None,
+                    run_args: Optional[Dict[str, Any]] = None) -> Tuple[int, Dict[str, Any]]:
     """Restore from ``ckpt_config.load``; returns (iteration, train_state).
 
     Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release;
     RNG unless ``no_load_rng``/``finetune``/release. With ``finetune`` or a release
     checkpoint the iteration is 0 and the train state empty. Without a checkpoint,
-    returns (0, {}) (or raises with ``exit_on_missing_checkpoint``).
+    returns (0, {}) (or raises with ``exit_on_missing_checkpoint``). ``run_args`` (this run's
+    flags as plain data) must agree with the checkpoint's on every architecture flag,
+    finetuning included.
     """
     if ckpt_config.load is None:
         return 0, {}
@@ -479,7 +488,7 @@ def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt
     fmt = detect_format(iter_dir)
     loader = _load_sharded if fmt == "torch_dist" else _load_legacy
     common, rng = loader(iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng,
-                         ckpt_config)
+                         ckpt_config, run_args)
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
@@ -488,6 +497,42 @@ def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt
     if fresh:
         return 0, {}
     return int(common["iteration"]), dict(common.get("train_state") or {})
+
+
+def load_args_from_checkpoint(args: Any) -> Optional[str]:
+    """``--use-checkpoint-args``: the model flags of the checkpoint ``--load`` names replace the command line's.
+
+    Runs before validation and before torch.distributed starts (each process reads the same
+    plain files). Returns the checkpoint directory, or None when ``--load`` holds no checkpoint
+    (a warning; the command line's flags stay, as in Megatron).
+    """
+    if not args.load:
+        raise CheckpointingError("--use-checkpoint-args needs --load: the checkpoint to take the model flags from")
+    found = _iteration_to_load(checkpoint_config_from_args(args))
+    if found is None:
+        return None
+    iter_dir = checkpoint_dir(args.load, *found)
+    saved = _saved_args(iter_dir)
+    if not isinstance(saved, dict):
+        raise CheckpointingError(f"checkpoint {iter_dir} holds no arguments (args is {type(saved).__name__}): "
+                                 "--use-checkpoint-args has nothing to take; give the model flags instead")
+    apply_checkpoint_args(args, saved, iter_dir)
+    return iter_dir
+
+
+def _saved_args(iter_dir: str) -> Any:
+    """The ``args`` a checkpoint was saved with: ``common.json``'s, or the first legacy file's."""
+    if detect_format(iter_dir) == "torch_dist":
+        return read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state").get("args")
+    for folder in ("mp_rank_00", "mp_rank_00_000"):
+        path = os.path.join(iter_dir, folder, LEGACY_FILE)
+        if os.path.isfile(path):
+            try:  # memory-mapped: the tensors are not read
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
+            except Exception as e:  # noqa: BLE001 - truncated, corrupt or holding non-plain objects
+                raise CheckpointingError(f"cannot read legacy checkpoint {path}: {e}") from e
+    raise CheckpointingError(f"{iter_dir}: neither mp_rank_00/{LEGACY_FILE} nor mp_rank_00_000/{LEGACY_FILE} "
+                             "holds the arguments --use-checkpoint-args needs")
 
 
 def _optimizer_template(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection,
@@ -507,19 +552,25 @@ def _optimizer_template(model_chunks: Sequence[torch.nn.Module], groups: Process
 
 
 def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                  groups: ProcessGroupCollection, load_rng: bool,
-                  cfg: CheckpointConfig) -> Tuple[Dict[str, Any], Optional[Dict]]:
+                  groups: ProcessGroupCollection, load_rng: bool, cfg: CheckpointConfig,
+                  run_args: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Optional[Dict]]:
     if cfg.verify_checkpoint:
         dc.verify_checksums(iter_dir)
     common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
+    if run_args is not None:
+        check_checkpoint_args(common.get("args"), run_args, iter_dir)
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
+    metadata = dc.read_metadata(iter_dir)
     per_param = None
     if optimizer is not None:
         if common.get("optimizer") is None:
             raise CheckpointingError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
                                      "load with --no-load-optim or --finetune")
-        template, per_param = _optimizer_template(model_chunks, groups, dc.read_metadata(iter_dir))
+        template, per_param = _optimizer_template(model_chunks, groups, metadata)
         sharded.update(template)
+    # Optimizer state left unread on purpose (--no-load-optim, --finetune, release) is not a mismatch.
+    sharded, _ = apply_strictness(sharded, metadata.state_dict_metadata, parse_strictness(cfg.dist_ckpt_strictness),
+                                  iter_dir, () if optimizer is not None else (dc.OPTIMIZER_STATE_PREFIX,))
     dc.load(sharded, iter_dir)
     if optimizer is not None:
         state: Dict[str, Any] = dict(plain_data.decode(common.get("optimizer") or {}))
@@ -541,8 +592,10 @@ def _same_layout(common: Dict[str, Any], groups: ProcessGroupCollection, where: 
 
 
 def _load_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                 groups: ProcessGroupCollection, load_rng: bool,
-                 cfg: CheckpointConfig) -> Tuple[Dict[str, Any], Optional[Dict]]:
+                 groups: ProcessGroupCollection, load_rng: bool, cfg: CheckpointConfig,
+                 run_args: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Optional[Dict]]:
+    """Every key of the file must fit the model (``load_state_dict(strict=True)``) whatever
+    ``--dist-ckpt-strictness`` says: as in Megatron, that flag is for torch_dist checkpoints."""
     _refuse_legacy_with_ep(groups)
     path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
     if not os.path.isfile(path):
@@ -554,6 +607,8 @@ def _load_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimiz
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or holding non-plain objects
         raise CheckpointingError(f"cannot read legacy checkpoint {path}: {e}") from e
+    if run_args is not None:
+        check_checkpoint_args(state.get("args"), run_args, path)
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         try:

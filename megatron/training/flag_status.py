@@ -135,7 +135,6 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "replication": False,
     "ckpt_convert_format": None,
     "pretrained_checkpoint": None,
-    "use_checkpoint_args": False,
     "use_mp_args_from_checkpoint_args": False,
     "save_wgrads_interval": None,
     "save_dgrads_interval": None,

@@ -238,6 +238,10 @@ HELP: Dict[str, str] = {
     "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP.",
     "save": "Directory to save checkpoints to.",
     "load": "Directory to load checkpoints from.",
+    "use_checkpoint_args": "Take the model flags (architecture, tokenizer type, dropout) from the --load checkpoint.",
+    "dist_ckpt_strictness": "Keys the model and a torch_dist checkpoint do not share: the default refuses both "
+                            "kinds (also checkpoint tensors the model does not use); see dist_checkpointing/"
+                            "validation.py.",
     "verify_checkpoint": "Do not check checkpoint files against the SHA-256 sums in metadata.json on load.",
     "distributed_backend": "torch.distributed backend; default nccl with GPUs, gloo without.",
     "distributed_timeout_minutes": "Timeout of collective operations.",

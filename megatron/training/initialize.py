@@ -255,6 +255,11 @@ def initialize_megatron(argv: Optional[Sequence[str]] = None,
     from megatron.training.arguments import parse_args, validate_args
 
     args = parse_args(argv, extra_args_provider, defaults=args_defaults, entry_point=entry_point)
+    args.use_checkpoint_args = args.use_checkpoint_args or bool((args_defaults or {}).get("use_checkpoint_args"))
+    if args.use_checkpoint_args:
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args)  # the model flags come from --load's checkpoint, before validation
     world_size = dist.get_world_size() if dist.is_initialized() else read_launch_env(environ).world_size
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)

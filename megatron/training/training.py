@@ -298,7 +298,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     state = TrainState()
     if args.load:
         iteration, saved_state = load_checkpoint(built.model, built.optimizer, built.scheduler,
-                                                 checkpoint_config_from_args(args), pg_collection=groups)
+                                                 checkpoint_config_from_args(args), pg_collection=groups,
+                                                 run_args=args_to_plain_data(args))
         state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
     provider = lambda sizes: call_with_supported(  # noqa: E731 - adapts Megatron's provider signature
         train_valid_test_dataset_provider, sizes, args=args, tokenizer=tokenizer, pg_collection=groups)

@@ -1,5 +1,5 @@
-"""Loads that must not be trusted blindly (issue 9): flipped bits and a
-full disk. Two gloo ranks, TP=2 unless said otherwise."""
+"""Loads that must not be trusted blindly (issue 9): another architecture, unused tensors, flipped bits,
+a full disk. Two gloo ranks, TP=2 unless said otherwise."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.training import checkpointing as ckpt
+from megatron.training.checkpoint_args import ARCHITECTURE_ARGS, check_checkpoint_args
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.model_utils import build_gpt, gpt2_style
@@ -180,3 +182,99 @@ def _legacy_file_fails(iter_dir):
                                            ("torch", _legacy_file_fails)], ids=["rng_json", "distcp", "legacy"])
 def test_a_full_disk_names_the_cause_and_keeps_the_last_checkpoint(tmp_path, fmt, limit_of):
     run_distributed(_full_disk_body, 2, str(tmp_path), fmt, limit_of)
+
+
+# ------------------------------------------------------------------ no processes
+def test_architecture_check_names_each_flag_values_and_checkpoint():
+    run = dict(ARCH, num_attention_heads=8, normalization="RMSNorm", apply_residual_connection_post_layernorm=True,
+               position_embedding_type="rope", lr=1.0)
+    with pytest.raises(CheckpointingError) as err:
+        check_checkpoint_args(ARCH, run, "/ck/iter_0000010")
+    text = str(err.value)
+    for line in ("--num-attention-heads: checkpoint 4, this run 8",
+                 "--normalization: checkpoint 'LayerNorm', this run 'RMSNorm'",
+                 "--apply-residual-connection-post-layernorm: checkpoint False, this run True",
+                 "--position-embedding-type: checkpoint 'learned_absolute', this run 'rope'"):
+        assert line in text, text
+    assert "/ck/iter_0000010" in text and "--use-checkpoint-args" in text and "lr" not in text.split("\n", 1)[1]
+    # Flags that do not shape this checkpoint's model, and flags it does not record, are not compared.
+    check_checkpoint_args(ARCH, dict(ARCH, rotary_base=500000, lr=1.0, moe_router_topk=4), "/ck")
+    check_checkpoint_args({"num_layers": 2}, dict(ARCH, hidden_size=64), "/ck")
+
+
+def test_every_architecture_flag_is_a_real_destination():
+    from megatron.training.arguments import flag_specs
+
+    dests = {spec.dest for spec in flag_specs()}
+    assert set(ARCHITECTURE_ARGS) <= dests, set(ARCHITECTURE_ARGS) - dests
+
+
+# ------------------------------------------------------------------ 2 ranks: architecture
+def _architecture_body(rank, world, tmp):
+    for fmt in ("torch_dist", "torch"):
+        cfg, saved = _saved(tmp, fmt, fmt)
+        groups = groups_for(2)
+        run = dict(ARCH, num_attention_heads=8, normalization="RMSNorm")
+        for variant in (cfg, CheckpointConfig(load=cfg.load, finetune=True),
+                        CheckpointConfig(load=cfg.load, no_load_optim=True)):
+            model = _model(groups, 2)  # same shapes as the saved one: only the flags tell them apart
+            with pytest.raises(CheckpointingError, match=r"(?s)iter_0000010.*another model architecture.*"
+                                                         r"--num-attention-heads: checkpoint 4, this run 8"):
+                load_checkpoint([model], StubOptimizer(), None, variant, run_args=run)
+        model = _model(groups, 2)
+        opt = StubOptimizer()
+        opt.fill_from([model])
+        assert load_checkpoint([model], opt, None, cfg, run_args=dict(ARCH, lr=1.0))[0] == 10
+        assert_same_weights(saved, full_weights_by_key(model, groups))
+    return True
+
+
+def test_another_architecture_is_refused_in_both_formats(tmp_path):
+    run_distributed(_architecture_body, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------ 2 ranks: unused and absent keys
+def _strictness_body(rank, world, tmp):
+    cfg, saved = _saved(tmp, "learned")
+    groups = groups_for(2)
+    records = Records("megatron.core.dist_checkpointing.validation")
+    # RoPE over a learned-position checkpoint: same shapes, the position table would be dropped.
+    rope = _model(groups, 2, position_embedding_type="rope")
+    with pytest.raises(CheckpointingError, match=r"1 tensor\(s\) in the checkpoint .*learned/iter_0000010 are not "
+                                                 r"used by this model: embedding.position_embeddings.weight"):
+        load_checkpoint([rope], None, None, cfg)
+    for opt_out in ("raise_unexpected", "log_all"):
+        rope = _model(groups, 2, position_embedding_type="rope")
+        load_checkpoint([rope], None, None, CheckpointConfig(load=cfg.load, dist_ckpt_strictness=opt_out))
+        expected = {k: v for k, v in saved.items() if k != "embedding.position_embeddings.weight"}
+        assert_same_weights(expected, full_weights_by_key(rope, groups))
+    assert rank != 0 or any("not used by this model, not loaded: embedding.position_embeddings.weight" in m
+                            for m in records.messages), records.messages  # rank 0 reports it
+    # The optimizer state a --no-load-optim / finetune load leaves unread is expected, not unused.
+    model = _model(groups, 2)
+    assert load_checkpoint([model], StubOptimizer(), None, CheckpointConfig(load=cfg.load, no_load_optim=True))[0] == 10
+    # A model tensor the checkpoint lacks: an error by default; log_unexpected keeps its initial value.
+    qk = _model(groups, 2, qk_layernorm=True)
+    with pytest.raises(CheckpointingError, match=r"tensor\(s\) of this model are not in the checkpoint .*"
+                                                 r"q_layernorm.*log_unexpected"):
+        load_checkpoint([qk], None, None, cfg)
+    qk = _model(groups, 2, qk_layernorm=True)
+    initial = full_weights_by_key(qk, groups)
+    load_checkpoint([qk], None, None, CheckpointConfig(load=cfg.load, dist_ckpt_strictness="log_unexpected"))
+    got = full_weights_by_key(qk, groups)
+    for key, value in got.items():
+        assert torch.equal(value, initial[key] if "layernorm" in key and key not in saved else saved[key]), key
+    return True
+
+
+def test_unused_checkpoint_tensors_are_an_error_unless_strictness_says_otherwise(tmp_path):
+    run_distributed(_strictness_body, 2, str(tmp_path))
+
+
+def test_strictness_values_are_megatrons():
+    from megatron.training.arguments import flag_specs
+
+    spec = next(s for s in flag_specs() if s.dest == "dist_ckpt_strictness")
+    assert [s.value for s in StrictHandling] == list(spec.choices) and spec.default == CheckpointConfig().dist_ckpt_strictness
+    with pytest.raises(ValueError, match="--dist-ckpt-strictness 'strict': must be one of assume_ok_unexpected"):
+        CheckpointConfig(dist_ckpt_strictness="strict")
