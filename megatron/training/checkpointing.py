@@ -18,7 +18,8 @@ layout; RNG states are restored only under the layout that saved them.
 Trust: a load checks the files' checksums (``--no-verify-checkpoint`` skips it), the saved
 architecture flags against the run's (``checkpoint_args.py``) and that every saved tensor is
 used (``--dist-ckpt-strictness``); a failed write names the directory and the cause (full
-disk, file-size limit) and leaves the tracker on the last complete checkpoint.
+disk, file-size limit) and leaves the tracker on the last complete checkpoint; start-up
+refuses an unwritable ``--save`` and a run that would overwrite complete checkpoints.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -166,6 +168,69 @@ def detect_format(iter_dir: str) -> str:
         return "torch"
     raise CheckpointingError(f"{iter_dir} holds neither {dc.METADATA_FILE} (torch_dist) nor mp_rank_* (torch): "
                              "the checkpoint is incomplete (interrupted save?) or not a checkpoint")
+
+
+_ITER_DIR = re.compile(r"iter_(\d{7,})")
+
+
+def _is_complete(iter_dir: str) -> bool:
+    try:
+        detect_format(iter_dir)
+    except CheckpointingError:
+        return False
+    return True
+
+
+def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """(iteration, directory) of every complete ``iter_*`` checkpoint under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+             if (m := _ITER_DIR.fullmatch(name))]
+    return sorted((it, path) for it, path in found if _is_complete(path))
+
+
+def _refuse_untracked(root: str) -> None:
+    """No tracker but complete checkpoints: a fresh start would overwrite them, so stop and say how to resume."""
+    saved = complete_checkpoints(root)
+    release = checkpoint_dir(root, 0, release=True)
+    if saved:
+        iteration, newest = saved[-1]
+        raise CheckpointingError(
+            f"{root} has no {TRACKER_FILE} but holds {len(saved)} complete checkpoint(s), the newest {newest}: "
+            f"starting from scratch would overwrite them. Resume with --ckpt-step {iteration}, or restore the "
+            f"tracker: echo {iteration} > {os.path.join(root, TRACKER_FILE)}")
+    if _is_complete(release):
+        raise CheckpointingError(f"{root} has no {TRACKER_FILE} but holds a complete {release}: restore the "
+                                 f"tracker to load it: echo release > {os.path.join(root, TRACKER_FILE)}")
+
+
+def check_save_dir(cfg: CheckpointConfig) -> None:
+    """Collective, at start-up: ``--save`` is writable, and this run would overwrite none of its checkpoints.
+
+    Rank 0 creates the directory and a probe file; every rank raises if it failed.
+    """
+    error = _save_dir_problem(cfg) if cfg.save is not None and dist.get_rank() == 0 else None
+    _agree(error, None)
+
+
+def _save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
+    probe = os.path.join(cfg.save, f".write_probe.{os.getpid()}")
+    try:
+        os.makedirs(cfg.save, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        return f"--save {cfg.save}: the checkpoint directory cannot be created or written: {e}"
+    same = cfg.load is not None and os.path.realpath(cfg.load) == os.path.realpath(cfg.save)
+    saved = complete_checkpoints(cfg.save)
+    if not saved or (same and not cfg.finetune):
+        return None
+    why = ("--finetune restarts at iteration 0" if same else
+           f"this run does not resume from it (--load {cfg.load})" if cfg.load else "this run starts from scratch")
+    return (f"--save {cfg.save} already holds {len(saved)} complete checkpoint(s), the newest {saved[-1][1]}, and "
+            f"{why}: its saves would overwrite them. Resume with --load {cfg.save}, or save to another directory")
 
 
 # ---------------------------------------------------------------- plain data
@@ -454,6 +519,7 @@ def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
         return cfg.ckpt_step, False
     found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
     if found is None:
+        _refuse_untracked(cfg.load)
         message = (f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found"
                    + ("" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"))
         if cfg.exit_on_missing_checkpoint:
@@ -470,9 +536,9 @@ def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt
     Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release;
     RNG unless ``no_load_rng``/``finetune``/release. With ``finetune`` or a release
     checkpoint the iteration is 0 and the train state empty. Without a checkpoint,
-    returns (0, {}) (or raises with ``exit_on_missing_checkpoint``). ``run_args`` (this run's
-    flags as plain data) must agree with the checkpoint's on every architecture flag,
-    finetuning included.
+    returns (0, {}) (or raises with ``exit_on_missing_checkpoint``; a directory holding
+    complete checkpoints but no tracker raises). ``run_args`` (this run's flags as plain
+    data) must agree with the checkpoint's on every architecture flag, finetuning included.
     """
     if ckpt_config.load is None:
         return 0, {}

@@ -34,6 +34,7 @@ from megatron.core.utils import comm_device
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import (args_to_plain_data, checkpoint_config_from_args, collect_rng_state,
                                             load_checkpoint, restore_rng_state, save_checkpoint)
+from megatron.training.checkpointing import check_save_dir
 from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import initialize_megatron, shutdown_distributed
@@ -294,6 +295,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     set_global_variables(args, tokenizer)
     config = core_transformer_config_from_args(args)
     timers = Timers(args.timing_log_level, args.timing_log_option)
+    check_save_dir(checkpoint_config_from_args(args))  # before any heavy work: not at the first save
     built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
     state = TrainState()
     if args.load:

@@ -1,5 +1,6 @@
-"""pretrain_gpt.py end to end: resuming refuses another architecture, or takes the checkpoint's with
---use-checkpoint-args (issue 9)."""
+"""pretrain_gpt.py end to end: resuming refuses another architecture (or takes the checkpoint's with
+--use-checkpoint-args), an unwritable --save stops the run before training, and a deleted tracker or a
+from-scratch run never overwrites complete checkpoints (issue 9)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,32 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(saved):
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type", "normalization",
                  "max_position_embeddings", "ffn_hidden_size", "padded_vocab_size"):
         assert resumed[dest] == reference[dest], dest
+
+
+def test_unwritable_save_stops_before_training(saved):
+    work, base, _ = saved
+    blocker = work / "a_file"
+    blocker.write_text("not a directory")
+    result = run_gpt(1, base + ["--save", str(blocker / "ckpt")], str(work))
+    assert result.returncode != 0 and not result.lines, result.output[-3000:]
+    assert f"--save {blocker / 'ckpt'}: the checkpoint directory cannot be created or written" in result.output
+
+
+def _contents(folder):
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder)) if (folder / name).is_file()}
+
+
+def test_deleted_tracker_and_fresh_start_never_overwrite(saved):
+    work, base, _ = saved
+    ckpt = _copy(saved, "no_tracker")
+    os.remove(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
+    before = _contents(work / "no_tracker" / "iter_0000002")
+    base = base + ["--save-interval", "2"]  # a fresh start would rewrite iter_0000002
+    resumed = run_gpt(1, base + ["--load", ckpt, "--save", ckpt], str(work))
+    assert resumed.returncode != 0 and not resumed.lines, resumed.output[-3000:]
+    assert "no_tracker has no latest_checkpointed_iteration.txt but holds 1 complete checkpoint(s)" in resumed.output
+    assert "--ckpt-step 2" in resumed.output
+    fresh = run_gpt(1, base + ["--save", ckpt], str(work))
+    assert fresh.returncode != 0 and not fresh.lines, fresh.output[-3000:]
+    assert "already holds 1 complete checkpoint(s)" in fresh.output and "this run starts from scratch" in fresh.output
+    assert _contents(work / "no_tracker" / "iter_0000002") == before

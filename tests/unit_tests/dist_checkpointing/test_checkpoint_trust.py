@@ -1,5 +1,5 @@
 """Loads that must not be trusted blindly (issue 9): another architecture, unused tensors, flipped bits,
-a full disk. Two gloo ranks, TP=2 unless said otherwise."""
+an unwritable or full disk, a deleted tracker. Two gloo ranks, TP=2 unless said otherwise."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.training import checkpointing as ckpt
 from megatron.training.checkpoint_args import ARCHITECTURE_ARGS, check_checkpoint_args
-from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import (CheckpointConfig, check_save_dir, load_checkpoint,
+                                            save_checkpoint)
 from tests.dist_harness import run_distributed
 from tests.model_utils import build_gpt, gpt2_style
 from tests.unit_tests.dist_checkpointing.ckpt_utils import (StubOptimizer, assert_same_weights, full_weights_by_key,
@@ -278,3 +279,40 @@ def test_strictness_values_are_megatrons():
     assert [s.value for s in StrictHandling] == list(spec.choices) and spec.default == CheckpointConfig().dist_ckpt_strictness
     with pytest.raises(ValueError, match="--dist-ckpt-strictness 'strict': must be one of assume_ok_unexpected"):
         CheckpointConfig(dist_ckpt_strictness="strict")
+
+
+# ------------------------------------------------------------------ 2 ranks: directories
+def _directories_body(rank, world, tmp):
+    cfg, _ = _saved(tmp, "ck")
+    groups = groups_for(2)
+    # Unwritable --save: a path below a regular file, or an existing directory no one may write (/proc).
+    blocker = os.path.join(tmp, "a_file")
+    if rank == 0:
+        open(blocker, "w").close()
+    dist.barrier()
+    for save in (os.path.join(blocker, "ckpt"), "/proc"):
+        with pytest.raises(CheckpointingError, match=f"--save {save}: the checkpoint directory cannot be created "
+                                                     "or written"):
+            check_save_dir(CheckpointConfig(save=save))
+    # Starting from scratch (or finetuning) into a --save that holds checkpoints would overwrite them.
+    for variant in (CheckpointConfig(save=cfg.save), CheckpointConfig(save=cfg.save, load=tmp),
+                    CheckpointConfig(save=cfg.save, load=cfg.save, finetune=True)):
+        with pytest.raises(CheckpointingError, match=r"already holds 1 complete checkpoint\(s\), the newest "
+                                                     r".*ck/iter_0000010.*would overwrite"):
+            check_save_dir(variant)
+    check_save_dir(cfg)  # resuming from it
+    check_save_dir(CheckpointConfig(save=os.path.join(tmp, "fresh")))
+    # The tracker deleted: refuse to start over, say how to resume.
+    dist.barrier()
+    if rank == 0:
+        os.remove(os.path.join(cfg.load, ckpt.TRACKER_FILE))
+    dist.barrier()
+    with pytest.raises(CheckpointingError, match=r"ck has no latest_checkpointed_iteration.txt but holds 1 complete "
+                                                 r"checkpoint\(s\), the newest .*iter_0000010.*--ckpt-step 10"):
+        load_checkpoint([_model(groups, 2)], None, None, cfg)
+    assert load_checkpoint([_model(groups, 2)], None, None, CheckpointConfig(load=cfg.load, ckpt_step=10))[0] == 10
+    return True
+
+
+def test_unwritable_save_and_overwrites_are_refused(tmp_path):
+    run_distributed(_directories_body, 2, str(tmp_path))
