@@ -15,13 +15,14 @@ parameters otherwise calls ``chunk.finish_param_sync()`` first.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
-from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer, named_model_params
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.utils import all_gather_into_tensor, comm_device
 
@@ -85,6 +86,42 @@ class DistributedOptimizer(MegatronOptimizer):
         for handle in self._gather_handles:
             handle.wait()
         self._gather_handles = []
+
+    def sharded_state_template(self, model_chunks: Sequence[torch.nn.Module], specs: Dict[str, ShardedTensor],
+                               saved: Dict[str, Dict[str, torch.dtype]]
+                               ) -> Tuple[Dict[str, ShardedTensor], Dict[str, Dict[str, Any]]]:
+        """Checkpoint reads of only this rank's slices, for ``load_state_dict_by_param_name``.
+
+        Args:
+            specs: parameter name -> the parameter's ShardedTensor (``sharded_tensors_by_param_name``).
+            saved: parameter checkpoint key -> {state name: dtype} of what the checkpoint holds.
+
+        Returns:
+            (sharded state dict to ``dist_checkpointing.load``, per-parameter entries to merge into the
+            by-name state). A parameter with a slice here reads, per state, the smallest box of its
+            (TP-local) view that holds the slice (at most two partial rows more); the entry's
+            ``flat_start`` says where the box starts in the flattened parameter. Parameters without a
+            slice here read nothing.
+        """
+        from megatron.core.dist_checkpointing.state_dict import optimizer_state_key
+
+        links = {id(link.model): link for link in self.links}
+        template: Dict[str, ShardedTensor] = {}
+        per_param: Dict[str, Dict[str, Any]] = {}
+        for name, param in named_model_params(model_chunks):
+            link, spec = links.get(id(param)), specs.get(name)
+            if link is None or spec is None or spec.key not in saved:
+                continue
+            offset, size, first = flat_range_box(spec.local_shape, *link.flat_range)
+            entry: Dict[str, Any] = {"flat_start": first}
+            for state, dtype in saved[spec.key].items():
+                key = optimizer_state_key(spec.key, state)
+                entry[state] = torch.empty(size, dtype=dtype, device=link.main.device)
+                template[key] = ShardedTensor(key, entry[state], spec.global_shape,
+                                              tuple(o + b for o, b in zip(spec.global_offset, offset)),
+                                              spec.replica_id)
+            per_param[name] = entry
+        return template, per_param
 
     def _state_keys(self) -> List[str]:
         if self.config.optimizer == "adam":
@@ -157,3 +194,29 @@ def _param_view(full: torch.Tensor, buffer, bucket, param: torch.nn.Parameter) -
     """``param``'s part of a tensor over the whole ``bucket``, shaped like the parameter."""
     start, end = buffer.param_range[id(param)]
     return full[start - bucket.offset:end - bucket.offset].view(param.shape)
+
+
+def flat_range_box(shape: Sequence[int], start: int, end: int) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """The smallest box of a row-major ``shape`` holding flat elements ``[start, end)``: (offset, size, first).
+
+    Dimensions before the first one where ``start`` and ``end - 1`` differ are fixed, that one spans
+    both, the later ones are whole; such a box is contiguous in flat order and starts at ``first``.
+    """
+    if end <= start:
+        raise ValueError(f"flat range [{start}, {end}) is empty")
+    lo, hi = _unravel(start, shape), _unravel(end - 1, shape)
+    k = next((d for d in range(len(shape)) if lo[d] != hi[d]), len(shape) - 1)
+    offset = tuple(lo[:k + 1]) + (0,) * (len(shape) - k - 1)
+    size = (1,) * k + (hi[k] - lo[k] + 1,) + tuple(shape[k + 1:])
+    first = 0
+    for index, extent in zip(offset, shape):
+        first = first * extent + index
+    return offset, size, first
+
+
+def _unravel(index: int, shape: Sequence[int]) -> List[int]:
+    coords = []
+    for extent in reversed(shape):
+        coords.append(index % extent)
+        index //= extent
+    return coords[::-1]

@@ -34,7 +34,9 @@ Every tensor has the parameter's *local* shape (this rank's TP shard, fp32), so 
 checkpoint code shards it exactly like the parameter (same global shape, same slice).
 The distributed optimizer gathers its DP slices so that it honours the same contract.
 Entries are absent for parameters without state yet (before the first step).
-``load_state_dict_by_param_name(model_chunks, state)`` restores from the same structure.
+``load_state_dict_by_param_name(model_chunks, state)`` restores from the same structure; an entry
+may instead hold tensors covering only flat elements ``[flat_start, flat_start + numel)`` of the
+parameter, with ``"flat_start": int`` (what ``DistributedOptimizer.sharded_state_template`` reads).
 """
 
 from __future__ import annotations
@@ -344,14 +346,15 @@ class MegatronOptimizer:
         if self.grad_scaler is not None and state.get("loss_scaler") is not None:
             self.grad_scaler.load_state_dict(state["loss_scaler"])
 
-    def _load_link(self, link: MainLink, saved: Dict[str, torch.Tensor], step: int) -> None:
-        entry = {k: _piece_of(link, v) for k, v in saved.items() if k != "main_param"}
+    def _load_link(self, link: MainLink, saved: Dict[str, Any], step: int) -> None:
+        start = int(saved.get("flat_start", 0))
+        entry = {k: _piece_of(link, v, start) for k, v in saved.items() if torch.is_tensor(v) and k != "main_param"}
         if entry:
             entry["step"] = self._step_state(link, step)
             self.optimizer.state[link.main] = entry
         if link.is_copy:
-            source = _piece_of(link, saved["main_param"]) if "main_param" in saved else link.model_data().float()
-            link.main.copy_(source)
+            main = saved.get("main_param")
+            link.main.copy_(_piece_of(link, main, start) if main is not None else link.model_data().float())
 
     def _step_state(self, link: MainLink, step: int) -> torch.Tensor:
         """Adam's ``step`` as torch keeps it: on the parameter's device for the fused (or capturable)
@@ -361,12 +364,13 @@ class MegatronOptimizer:
         return torch.full((), float(step), dtype=torch.float32, device=device)
 
 
-def _piece_of(link: MainLink, tensor: torch.Tensor) -> torch.Tensor:
-    """``link``'s part of a saved tensor shaped like the whole parameter (a checkpoint loads on the
-    CPU): an fp32 copy of its own on the main parameter's device, shaped like the main parameter."""
-    flat = tensor.reshape(-1)  # [numel of the local parameter]
+def _piece_of(link: MainLink, tensor: torch.Tensor, flat_start: int = 0) -> torch.Tensor:
+    """``link``'s part of a saved tensor covering the flattened parameter from ``flat_start`` on (the
+    whole parameter, or the box ``DistributedOptimizer.sharded_state_template`` read; a checkpoint
+    loads on the CPU): an fp32 copy of its own on the main parameter's device, shaped like it."""
+    flat = tensor.reshape(-1)  # [numel covered]
     if link.flat_range is not None:
-        flat = flat[link.flat_range[0]:link.flat_range[1]]  # this DP rank's slice
+        flat = flat[link.flat_range[0] - flat_start:link.flat_range[1] - flat_start]  # this DP rank's slice
     return flat.to(device=link.main.device, dtype=torch.float32, copy=True).view(link.main.shape)
 
 
