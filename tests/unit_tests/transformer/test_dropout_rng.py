@@ -20,18 +20,23 @@ from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gpt2_style
 
 
+def _generator_state() -> torch.Tensor:
+    """The state of the generator the tracker forks (the GPU's where there is one)."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
+
+
 def _recording(states: List[torch.Tensor]):
     """Wrap F.dropout and SDPA so each call with dropout records the generator state it starts from."""
     dropout, sdpa = F.dropout, F.scaled_dot_product_attention
 
     def dropout_hook(input_, p=0.5, training=True, inplace=False):
         if p > 0 and training:
-            states.append(torch.get_rng_state())
+            states.append(_generator_state())
         return dropout(input_, p, training, inplace)
 
     def sdpa_hook(*args, **kwargs):
         if kwargs.get("dropout_p", 0.0) > 0:
-            states.append(torch.get_rng_state())
+            states.append(_generator_state())
         return sdpa(*args, **kwargs)
 
     return dropout_hook, sdpa_hook
