@@ -39,7 +39,6 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
     "use_megatron_fsdp": False,
     "use_torch_fsdp2": False,
     "num_distributed_optimizer_instances": 1,
-    "fake_process_group": False,
     # Pipeline layouts beyond even (or first/last-stage uneven) splits.
     "pipeline_model_parallel_layout": None,
     "microbatch_group_size_per_vp_stage": None,

@@ -245,6 +245,8 @@ HELP: Dict[str, str] = {
     "verify_checkpoint": "Do not check checkpoint files against the SHA-256 sums in metadata.json on load.",
     "distributed_backend": "torch.distributed backend; default nccl with GPUs, gloo without.",
     "distributed_timeout_minutes": "Timeout of collective operations.",
+    "fake_process_group": "Planning run on one process: torch.distributed's 'fake' backend, rank and world size "
+                          "from RANK / WORLD_SIZE; collectives move no data (used by tools/gpu_dry_run.py).",
 }
 
 NO_OP_NOTE = "[accepted; no effect here: kernel, fusion, overlap or profiling choice]"

@@ -52,7 +52,7 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    source: str  # "torchrun" or "slurm"
+    source: str  # "torchrun", "slurm" or "fake" (--fake-process-group)
 
 
 # ----------------------------------------------------------------------------------
@@ -152,6 +152,25 @@ def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     return env
 
 
+def read_fake_launch_env(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
+    """``--fake-process-group``: this process plays rank RANK of WORLD_SIZE (default 0 of 1); no rendezvous."""
+    environ = os.environ if environ is None else environ
+    rank = _int_var(environ, "RANK") if "RANK" in environ else 0
+    world_size = _int_var(environ, "WORLD_SIZE") if "WORLD_SIZE" in environ else 1
+    local_rank = _int_var(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
+    if not 0 <= rank < world_size:
+        raise LaunchEnvError(f"--fake-process-group: RANK={rank} is outside WORLD_SIZE={world_size}")
+    return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, master_addr="", master_port=0,
+                     source="fake")
+
+
+def launch_env_for(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
+    """The launch environment: torchrun's or Slurm's, or the planned rank with ``--fake-process-group``."""
+    if getattr(args, "fake_process_group", False):
+        return read_fake_launch_env(environ)
+    return read_launch_env(environ)
+
+
 def choose_backend(requested: Optional[str], cuda_available: bool) -> str:
     """nccl with GPUs, gloo without; nccl cannot run without GPUs, so it falls back."""
     if not cuda_available:
@@ -165,14 +184,20 @@ def choose_backend(requested: Optional[str], cuda_available: bool) -> str:
 # Distributed start-up.
 # ----------------------------------------------------------------------------------
 def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str, str]]) -> None:
-    env = read_launch_env(environ)
+    env = launch_env_for(args, environ)
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() > 0:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-    backend = choose_backend(getattr(args, "distributed_backend", None), cuda)
-    dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                            rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if env.source == "fake":  # collectives move no data: a one-process planning run of any rank
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        backend = "fake"
+        dist.init_process_group(backend, store=FakeStore(), rank=env.rank, world_size=env.world_size, timeout=timeout)
+    else:
+        backend = choose_backend(getattr(args, "distributed_backend", None), cuda)
+        dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
     global _OWNS_PROCESS_GROUP
     _OWNS_PROCESS_GROUP = True
     args.local_rank = env.local_rank
@@ -260,7 +285,7 @@ def initialize_megatron(argv: Optional[Sequence[str]] = None,
         from megatron.training.checkpointing import load_args_from_checkpoint
 
         load_args_from_checkpoint(args)  # the model flags come from --load's checkpoint, before validation
-    world_size = dist.get_world_size() if dist.is_initialized() else read_launch_env(environ).world_size
+    world_size = dist.get_world_size() if dist.is_initialized() else launch_env_for(args, environ).world_size
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)
     set_random_seed(args.seed, args.data_parallel_random_init, groups)

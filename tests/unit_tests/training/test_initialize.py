@@ -133,3 +133,31 @@ def test_initialize_megatron_creates_process_group_from_torchrun_env():
     assert out.returncode == 0, out.stderr
     # The group it started is destroyed again, so no gloo thread outlives the interpreter.
     assert out.stdout.split() == ["gloo", "1", "1", str(4 // 1), "False", "False"]
+
+
+def test_fake_launch_env_reads_rank_and_world_size_only():
+    assert init.read_fake_launch_env({"RANK": "5", "WORLD_SIZE": "64"}) == init.LaunchEnv(5, 64, 0, "", 0, "fake")
+    assert init.read_fake_launch_env({}) == init.LaunchEnv(0, 1, 0, "", 0, "fake")
+    with pytest.raises(init.LaunchEnvError, match="RANK=8 is outside WORLD_SIZE=8"):
+        init.read_fake_launch_env({"RANK": "8", "WORLD_SIZE": "8"})
+
+
+def test_fake_process_group_plays_one_rank_of_a_large_world():
+    """--fake-process-group: rank 5 of 8 (TP2 x PP2 x DP2) in one process, no rendezvous, no peers."""
+    code = (
+        "import torch.distributed as dist\n"
+        "from megatron.core import parallel_state as ps\n"
+        "from megatron.training.initialize import initialize_megatron, shutdown_distributed\n"
+        f"args = initialize_megatron({BASE!r} + ['--tensor-model-parallel-size', '2', "
+        "'--pipeline-model-parallel-size', '2', '--fake-process-group'])\n"
+        "print(dist.get_backend(), dist.get_rank(), dist.get_world_size(), ps.get_tensor_model_parallel_rank(),\n"
+        "      ps.get_pipeline_model_parallel_rank(), args.data_parallel_size)\n"
+        "shutdown_distributed()\n"
+        "print(dist.is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env.update(RANK="5", WORLD_SIZE="8", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["fake", "5", "8", "1", "1", "2", "False"]
