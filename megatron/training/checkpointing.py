@@ -25,6 +25,7 @@ refuses an unwritable ``--save`` and a run that would overwrite complete checkpo
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -239,6 +240,8 @@ def args_to_plain_data(args: Any) -> Dict[str, Any]:
     items = vars(args) if not isinstance(args, dict) else args
 
     def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum) and isinstance(value, (int, float, str)):
+            return value.value  # e.g. --exit-signal's signal.Signals: pickled, torch.load(weights_only) refuses it
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, (list, tuple)):

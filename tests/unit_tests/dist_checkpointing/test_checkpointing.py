@@ -54,6 +54,20 @@ def test_args_to_plain_data():
                                            "sizes": [1, 2]}
 
 
+def test_args_to_plain_data_turns_int_enums_into_numbers():
+    """--exit-signal is a signal.Signals: kept as such, the legacy .pt file could not be read with weights_only."""
+    import argparse
+    import io
+    import signal
+
+    plain = ckpt.args_to_plain_data(argparse.Namespace(exit_signal=signal.SIGTERM))
+    assert plain == {"exit_signal": int(signal.SIGTERM)} and type(plain["exit_signal"]) is int
+    buffer = io.BytesIO()
+    torch.save({"args": plain}, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == {"args": plain}
+
+
 # ------------------------------------------------------------------ 2 ranks
 def _scheduler():
     dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
