@@ -6,8 +6,10 @@ the marker file, which the test checks first, so the refusals below prove someth
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ import torch
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, ShardedTensor
+from megatron.core.dist_checkpointing.checksums import file_digest
 from megatron.core.dist_checkpointing.safe_metadata import load_metadata_file
 from tests.functional_tests.gpt_runs import REPO, mock_flags, run_gpt, tiny_gpt_flags
 from tools.checkpoint import convert
@@ -32,9 +35,18 @@ class _Payload:
 
 
 def _plant(iter_dir: str, marker: str) -> None:
-    """Replace the checkpoint's ``.metadata`` by the payload (everything else stays valid)."""
-    with open(os.path.join(iter_dir, ".metadata"), "wb") as f:
+    """Replace the checkpoint's ``.metadata`` by the payload, as an attacker would: the size and
+    SHA-256 recorded in ``metadata.json`` are rewritten to match, so only the unpickler stands
+    between the file and the command."""
+    path = os.path.join(iter_dir, ".metadata")
+    with open(path, "wb") as f:
         pickle.dump(_Payload(marker), f)
+    info_path = os.path.join(iter_dir, "metadata.json")
+    with open(info_path) as f:
+        info = json.load(f)
+    info["checksums"]["files"][".metadata"] = {"bytes": os.path.getsize(path), "sha256": file_digest(path)}
+    with open(info_path, "w") as f:
+        json.dump(info, f)
 
 
 @pytest.fixture(scope="module")
@@ -57,47 +69,40 @@ def test_payload_is_live(tmp_path):
     assert marker.exists()
 
 
+def _crafted_copy(trained, tmp_path, marker: str):
+    """A copy of the trained checkpoint whose ``.metadata`` is the payload; returns (save, iter_dir)."""
+    save = str(tmp_path / "ckpt")
+    shutil.copytree(trained[0], save)
+    iter_dir = os.path.join(save, os.path.basename(trained[1]))
+    _plant(iter_dir, marker)
+    return save, iter_dir
+
+
 def test_refused_by_reader_and_api(trained, tmp_path):
-    _, iter_dir = trained
-    marker = tmp_path / "pwned_api"
-    real = load_metadata_file(os.path.join(iter_dir, ".metadata"))  # the genuine file reads fine
+    real = load_metadata_file(os.path.join(trained[1], ".metadata"))  # the genuine file reads fine
     key = next(iter(real.state_dict_metadata))
     size = tuple(real.state_dict_metadata[key].size)
-    _plant(iter_dir, str(marker))
-    try:
-        with pytest.raises(CheckpointingError, match=r"\.metadata.*refusing to load posix\.system"):
-            dc.read_metadata(iter_dir)
-        with pytest.raises(CheckpointingError, match=r"\.metadata"):
-            dc.load({key: ShardedTensor(key, torch.zeros(size), size, (0,) * len(size))}, iter_dir)
-        assert not marker.exists()
-    finally:
-        with open(os.path.join(iter_dir, ".metadata"), "wb") as f:
-            pickle.dump(real, f)
+    marker = tmp_path / "pwned_api"
+    _, iter_dir = _crafted_copy(trained, tmp_path, str(marker))
+    with pytest.raises(CheckpointingError, match=r"\.metadata.*refusing to load posix\.system"):
+        dc.read_metadata(iter_dir)
+    with pytest.raises(CheckpointingError, match=r"\.metadata"):
+        dc.load({key: ShardedTensor(key, torch.zeros(size), size, (0,) * len(size))}, iter_dir)
+    assert not marker.exists()
 
 
 def test_refused_by_training_resume_and_converter(trained, tmp_path):
-    save, iter_dir = trained
-    backup = open(os.path.join(iter_dir, ".metadata"), "rb").read()
     marker = tmp_path / "pwned_cli"
-    _plant(iter_dir, str(marker))
-    try:
-        resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save], str(tmp_path))
-        assert resumed.returncode != 0  # the checksum recorded in metadata.json catches it first
-        assert "checkpoint file corrupt: " in resumed.output and "/.metadata" in resumed.output
-        # Past the checksums (--no-verify-checkpoint, or metadata.json rewritten too), the unpickler refuses it.
-        resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save, "--no-verify-checkpoint"],
-                          str(tmp_path))
-        assert resumed.returncode != 0
-        assert "refusing to load posix.system" in resumed.output and ".metadata" in resumed.output
-        cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",
-               "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "hf"), "--model-type", "gpt2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-        assert proc.returncode != 0, proc.stdout + proc.stderr
-        assert "refusing to load posix.system" in proc.stdout + proc.stderr
-        assert not marker.exists()
-    finally:
-        with open(os.path.join(iter_dir, ".metadata"), "wb") as f:
-            f.write(backup)
+    save, _ = _crafted_copy(trained, tmp_path, str(marker))
+    resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save], str(tmp_path))
+    assert resumed.returncode != 0
+    assert "refusing to load posix.system" in resumed.output and ".metadata" in resumed.output
+    cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",
+           "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "hf"), "--model-type", "gpt2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "refusing to load posix.system" in proc.stdout + proc.stderr
+    assert not marker.exists()
 
 
 def test_structure_checked_after_unpickling(tmp_path):

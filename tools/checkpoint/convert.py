@@ -163,6 +163,7 @@ def load_megatron(root: str, groups: ProcessGroupCollection) -> Tuple[StateDict,
     """Full (TP=1) state dict, model flags and common.json of the checkpoint under ``root``."""
     iter_dir, common = find_checkpoint(root)
     args = dict(common["args"])
+    dc.verify_checksums(iter_dir)  # a flipped bit is named before any tensor is read
     saved = dc.read_metadata(iter_dir).state_dict_metadata
     if EMBEDDING_KEY not in saved:
         raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT checkpoint")

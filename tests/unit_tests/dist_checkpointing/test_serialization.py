@@ -184,7 +184,7 @@ def _errors_body(rank, world, tmp):
     sd = dcp_mc.sharded_state_dict(model, pg_collection=groups)
     _expect_error(r"incomplete.*no_json/metadata.json", dcp_mc.load, sd, os.path.join(tmp, "no_json"))
     _expect_error(r"truncated: .*truncated/__1_0.distcp", dcp_mc.load, sd, os.path.join(tmp, "truncated"))
-    _expect_error(r"cannot read .*bad_meta/.metadata", dcp_mc.load, sd, os.path.join(tmp, "bad_meta"))
+    _expect_error(r"unsafe or corrupt checkpoint metadata .*bad_meta/.metadata", dcp_mc.load, sd, os.path.join(tmp, "bad_meta"))
     return True
 
 
