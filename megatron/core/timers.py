@@ -156,7 +156,8 @@ class Timers:
         # gloo and NCCL both gather; NCCL needs the tensor on this rank's device.
         device = comm_device(self._group)
         pieces = [torch.empty_like(mine, device=device) for _ in range(world)]
-        dist.all_gather(pieces, mine.to(device), group=self._group)
+        # non_blocking: a host-to-device copy without it waits for the GPU (only the final .cpu() must).
+        dist.all_gather(pieces, mine.to(device, non_blocking=True), group=self._group)
         return torch.stack(pieces).cpu()
 
     def _min_max(self, names: Sequence[str], reset: bool, barrier: bool,

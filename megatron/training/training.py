@@ -74,7 +74,7 @@ def reduce_losses(per_microbatch: List[Dict[str, torch.Tensor]], groups: Process
     keys = sorted(totals)
     stacked = torch.stack([totals[k] for k in keys])  # [keys, 2]
     dist.all_reduce(stacked, group=groups.dp_cp)
-    return {k: (stacked[i, 0] / stacked[i, 1]).item() for i, k in enumerate(keys)}
+    return dict(zip(keys, (stacked[:, 0] / stacked[:, 1]).tolist()))  # one device-to-host copy for all keys
 
 
 def params_l2_norm(model_chunks: List[torch.nn.Module], groups: ProcessGroupCollection) -> float:

@@ -1,0 +1,119 @@
+"""The grid of layouts and features the dry run checks (tests and ``scripts/gpu_smoke.sh`` run it).
+
+Tiny models (4 layers, hidden 64, 4 heads, sequence 32, vocabulary 128, mock data) so the
+whole grid runs in a couple of minutes on two cores. Every case trains, saves, resumes
+and trains again, as its first, a middle and its last rank.
+
+Host-sync bound: ``DENSE_SYNC_BOUND`` = 8 per steady-state iteration. With ``--log-interval 1``
+the loop reads the reported losses (one copy), the grad norm and the loss scale, checks each
+gradient bucket for NaN, reads the fp16 overflow flag or the per-token count where they
+apply, and copies the timers' gathered times back: 4 to 7 per iteration in this grid. A
+per-parameter ``.item()`` loop (dozens) or a copy per microbatch (4 here) exceeds it.
+MoE cases add one host read per MoE layer and microbatch: ``SequentialMLP`` reads the
+per-expert token counts to split the sorted tokens (as Megatron's does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence
+
+from megatron.training.dry_run.scheduler import Job
+
+DENSE_SYNC_BOUND = 8
+
+TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.01", "--clip-grad", "1.0",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-workers", "0",
+            "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--seed", "1234"]
+
+
+@dataclass
+class Case:
+    """A layout and feature set, played on a world of ``world_size`` ranks."""
+
+    name: str
+    world_size: int
+    flags: List[str]
+    max_syncs: int = DENSE_SYNC_BOUND
+    covers: List[str] = field(default_factory=list)
+
+
+def moe_bound(moe_layers: int, microbatches: int) -> int:
+    """The dense bound plus SequentialMLP's read of the token counts per MoE layer and microbatch."""
+    return DENSE_SYNC_BOUND + moe_layers * microbatches
+
+
+GRID: List[Case] = [
+    Case("tp2-sp-pp2-dp2-distopt-bf16", 8,
+         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+          "--global-batch-size", "16", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+          "--overlap-param-gather", "--recompute-granularity", "selective", "--calculate-per-token-loss"],
+         covers=["TP", "SP", "PP 1F1B", "DP", "distributed optimizer", "overlap grad reduce", "overlap param gather",
+                 "bf16", "recompute selective", "per-token loss", "torch_dist checkpoint"]),
+    Case("pp2-vpp2-dp2-distopt-fp16", 4,
+         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--global-batch-size", "16", "--fp16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+          "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+         covers=["PP interleaved", "DP", "distributed optimizer", "fp16 loss scaling", "recompute full"]),
+    Case("cp2-tp2-dp2-bf16", 8,
+         ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+          "--bf16", "--calculate-per-token-loss"],
+         covers=["CP", "TP", "DP", "bf16", "per-token loss"]),
+    Case("ep2-moe-tp2-dp4-distopt-bf16", 8,
+         ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+          "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "16", "--bf16",
+          "--use-distributed-optimizer", "--moe-aux-loss-coeff", "0.01"],
+         max_syncs=moe_bound(moe_layers=4, microbatches=2),
+         covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"]),
+    Case("tp2-dp2-bf16-legacy-ckpt", 4,
+         ["--tensor-model-parallel-size", "2", "--global-batch-size", "16", "--bf16", "--ckpt-format", "torch",
+          "--overlap-grad-reduce"],
+         covers=["TP", "DP", "bf16 (fused Adam)", "legacy torch checkpoint"]),
+    Case("dp2-fp32-legacy-ckpt", 2,
+         ["--global-batch-size", "8", "--ckpt-format", "torch", "--log-num-zeros-in-grad"],
+         covers=["DP", "fp32 (foreach Adam)", "legacy torch checkpoint", "zero counting"]),
+    Case("tp2-pp4-dp8-distopt-bf16", 64,
+         ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--global-batch-size", "64",
+          "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+         covers=["64 ranks", "TP", "PP 1F1B (4 stages)", "DP 8", "distributed optimizer", "bf16"]),
+]
+
+
+def pick_ranks(spec: str, world_size: int) -> List[int]:
+    """Ranks from ``first,middle,last``, ``all`` or integers (comma separated)."""
+    named: Dict[str, int] = {"first": 0, "middle": (world_size - 1) // 2, "last": world_size - 1}
+    if spec == "all":
+        return list(range(world_size))
+    ranks: List[int] = []
+    for item in spec.split(","):
+        rank = named[item] if item in named else int(item)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"--dry-run-rank {item}: outside world size {world_size}")
+        if rank not in ranks:
+            ranks.append(rank)
+    return ranks
+
+
+def grid_jobs(cases: Sequence[Case], ranks: str, workdir: str, iters: int = 3, resume_iters: int = 2) -> List[Job]:
+    """One job per case and rank, each with its own directory under ``workdir``."""
+    return [Job(name=case.name, flags=TINY_GPT + case.flags, rank=rank, world_size=case.world_size,
+                workdir=os.path.join(workdir, f"{case.name}-rank{rank}"), iters=iters, resume_iters=resume_iters,
+                max_syncs=case.max_syncs)
+            for case in cases for rank in pick_ranks(ranks, case.world_size)]
+
+
+def select_cases(names: str) -> List[Case]:
+    """``all`` or comma-separated case names (or unique prefixes)."""
+    if names in ("", "all"):
+        return list(GRID)
+    chosen = []
+    for name in names.split(","):
+        matches = [c for c in GRID if c.name == name] or [c for c in GRID if c.name.startswith(name)]
+        if len(matches) != 1:
+            raise ValueError(f"--dry-run-grid {name}: matches {[c.name for c in matches] or 'no case'}; "
+                             f"cases: {', '.join(c.name for c in GRID)}")
+        chosen.append(matches[0])
+    return chosen

@@ -1,0 +1,59 @@
+"""The fake-CUDA dry-run grid, through the CI half of ``scripts/gpu_smoke.sh`` (run once).
+
+Every case of ``megatron/training/dry_run/grid.py`` (TP/SP, PP 1F1B and interleaved, DP with
+the distributed optimizer and both overlaps, CP, EP/MoE, bf16, fp16, per-token loss,
+recompute full/selective, torch_dist and legacy checkpoints, a 64-rank layout) trains,
+saves, resumes and trains again as its first, a middle and its last rank: no device
+mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs per
+steady-state iteration (8 for dense models, see grid.py), and every bf16/fp16 attention
+call outside context parallelism is flash-eligible.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.dry_run.grid import GRID, pick_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_smoke")
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=1200)
+    path = out / "dry_run_grid.json"
+    assert path.is_file(), run.stdout[-4000:] + run.stderr[-4000:]
+    return run, {(e["case"], e["rank"]): e for e in json.loads(path.read_text())}
+
+
+def test_script_passes_and_writes_its_summary(grid):
+    run, _ = grid
+    assert run.returncode == 0, run.stdout[-6000:]
+    assert "PASS dry-run-grid" in run.stdout
+
+
+def test_every_case_runs_as_first_middle_and_last_rank(grid):
+    _, entries = grid
+    expected = {(case.name, rank) for case in GRID for rank in pick_ranks("first,middle,last", case.world_size)}
+    assert set(entries) == expected
+    assert {e["world_size"] for e in entries.values()} >= {2, 4, 8, 64}
+
+
+@pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
+def test_case_is_gpu_safe(grid, case):
+    _, entries = grid
+    for rank in pick_ranks("first,middle,last", case.world_size):
+        entry = entries[(case.name, rank)]
+        assert entry["errors"] == [] and entry["problems"] == [], (rank, entry["problems"])
+        assert entry["phases"] == ["train", "resume"]
+        assert 0 < entry["steady_max_syncs"] <= case.max_syncs, (rank, entry["syncs_per_iteration"])
+        attention = entry["attention"]
+        half = "--bf16" in case.flags or "--fp16" in case.flags
+        if half and "--context-parallel-size" not in case.flags:
+            assert attention["calls"] > 0 and attention["flash"] == attention["calls"], (rank, attention)
