@@ -604,16 +604,22 @@ def _saved_args(iter_dir: str) -> Any:
                              "holds the arguments --use-checkpoint-args needs")
 
 
-def _optimizer_template(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection,
+def _optimizer_template(model_chunks: Sequence[torch.nn.Module], optimizer: Any, groups: ProcessGroupCollection,
                         metadata: Any) -> Tuple[dc.ShardedStateDict, Dict[str, Dict[str, torch.Tensor]]]:
-    """Empty per-parameter tensors for every optimizer state the checkpoint holds, and their sharding."""
+    """Empty per-parameter tensors for every optimizer state the checkpoint holds, and their sharding.
+
+    The distributed optimizer reads only the slices its DP rank owns (``sharded_state_template``);
+    the others read each parameter's whole (TP-local) state.
+    """
     saved: Dict[str, Dict[str, torch.dtype]] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(dc.OPTIMIZER_STATE_PREFIX):
             param_key, _, state_name = key[len(dc.OPTIMIZER_STATE_PREFIX):].rpartition(".")
             saved.setdefault(param_key, {})[state_name] = md.properties.dtype
-    params = dict(dc.param_names(model_chunks))
     specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
+    if hasattr(optimizer, "sharded_state_template"):
+        return optimizer.sharded_state_template(model_chunks, specs, saved)
+    params = dict(dc.param_names(model_chunks))
     per_param = {name: {state: torch.empty(params[name].shape, dtype=dtype, device=params[name].device)
                         for state, dtype in saved[spec.key].items()}
                  for name, spec in specs.items() if spec.key in saved}  # no entry: no state saved yet
@@ -635,7 +641,7 @@ def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimi
         if common.get("optimizer") is None:
             raise CheckpointingError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
                                      "load with --no-load-optim or --finetune")
-        template, per_param = _optimizer_template(model_chunks, groups, metadata)
+        template, per_param = _optimizer_template(model_chunks, optimizer, groups, metadata)
         sharded.update(template)
     # Optimizer state left unread on purpose (--no-load-optim, --finetune, release) is not a mismatch.
     sharded, _ = apply_strictness(sharded, metadata.state_dict_metadata, parse_strictness(cfg.dist_ckpt_strictness),
