@@ -2,8 +2,8 @@
 
 ``rules``: under ``torchrun --nproc-per-node 1`` (real NCCL), each rule the fake-CUDA dry run
 enforces is tried on the GPU: what the dry run rejects must fail there, what it accepts
-must work. ``flash``: our ``DotProductAttention`` (bf16, causal, dropout) forward and
-backward under ``sdpa_kernel(FLASH_ATTENTION)``, compared with the math kernel.
+must work. ``flash``: our ``DotProductAttention`` (bf16, causal, dropout; also grouped-query)
+forward and backward under ``sdpa_kernel(FLASH_ATTENTION)``, compared with the math kernel.
 Prints one line per check (``PASS``/``FAIL name: detail``); exits 1 if any failed.
 """
 
@@ -65,6 +65,13 @@ def rule_checks() -> List[Check]:
         ("foreach AdamW with step on the CPU works", False, _adam_step(fused=False, cpu_state="step")),
         ("fused AdamW with exp_avg on the CPU fails", True, _adam_step(fused=True, cpu_state="exp_avg")),
         ("fused AdamW with step on the CPU fails", True, _adam_step(fused=True, cpu_state="step")),
+        ("AMP unscale with the inverse scale on the CPU fails", True,
+         lambda: torch._amp_foreach_non_finite_check_and_unscale_([torch.ones(4, device=cuda)],
+                                                                  torch.zeros(1, device=cuda), torch.ones(1))),
+        ("AMP unscale with everything on the GPU works", False,
+         lambda: torch._amp_foreach_non_finite_check_and_unscale_([torch.ones(4, device=cuda)],
+                                                                  torch.zeros(1, device=cuda),
+                                                                  torch.ones(1, device=cuda))),
     ]
 
 
@@ -98,6 +105,13 @@ def flash() -> int:
             out.float().square().sum().backward()
         return out.detach()
 
+    def grouped_query() -> None:  # 4 query heads sharing 2 key/value heads (enable_gqa)
+        k2, v2 = (torch.randn(512, 2, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                  for _ in range(2))
+        attention.train(True)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            attention(q, k2, v2, None).float().sum().backward()
+
     def matches_math() -> None:
         diff = (run(SDPBackend.FLASH_ATTENTION, False) - run(SDPBackend.MATH, False)).abs().max().item()
         if diff > 2e-2:
@@ -109,6 +123,7 @@ def flash() -> int:
              AssertionError("flash SDPA is disabled"))),
         ("DotProductAttention under sdpa_kernel(FLASH_ATTENTION), dropout 0.1, backward", False,
          lambda: run(SDPBackend.FLASH_ATTENTION, True)),
+        ("grouped-query attention (4 heads, 2 groups) under sdpa_kernel(FLASH_ATTENTION)", False, grouped_query),
         ("flash output equals the math kernel's (eval)", False, matches_math),
     ]
     return _run(checks)

@@ -14,9 +14,10 @@ would) plus:
   healthy one: ``isfinite`` -> True, ``isnan``/``isinf`` -> False, other bools False,
   integers 1, floats 1.0 (finite losses, no skipped step); ``nonzero`` returns half the
   elements;
-* fused / foreach optimizer kernels: every tensor list must be on the device of the first
-  (a fused kernel reads each state tensor, ``step`` included, on the GPU); foreach ops allow
-  CPU 0-dim tensors, as torch's slow path does.
+* multi-tensor kernels (fused / foreach optimizer steps, AMP unscaling): every tensor list
+  must be on the device of the first (a fused kernel reads each state tensor, ``step``
+  included, on the GPU) and so must plain tensor arguments (found_inf, the scale); foreach
+  ops allow CPU 0-dim tensors, as torch's slow path does, AMP kernels do not.
 """
 
 from __future__ import annotations
@@ -108,21 +109,35 @@ def _tensor_lists(args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Sequence[
     return [v for v in values if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v)]
 
 
+def _list_rule(name: str, fused: bool) -> str:
+    if name.startswith("_amp_"):
+        return "torch's AMP kernels take every tensor (found_inf, the scale) on the GPU of the gradients"
+    if fused:
+        return "a fused optimizer kernel reads every tensor of every list (step counts included) on the GPU"
+    return "a foreach kernel needs tensors of the same index on one device"
+
+
 def check_list_devices(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
-    """Fused kernels: every list on the first list's device; foreach: elementwise, CPU 0-dim allowed."""
+    """Multi-tensor kernels (``_foreach_*``, ``_fused_*``, ``_amp_*``): lists elementwise on one device
+    (foreach also allows CPU 0-dim tensors, as torch's slow path does); plain tensor arguments on the
+    lists' device (a CPU 0-dim scalar allowed, except for the AMP kernels)."""
     name = func.overloadpacket.__name__
     lists = _tensor_lists(args, kwargs)
-    if len(lists) < 2:
+    plain = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    reference = lists[0][0] if lists else (plain[0] if plain else None)
+    if reference is None:
         return
-    fused = name.startswith("_fused_")
+    fused, amp = name.startswith("_fused_"), name.startswith("_amp_")
     for k, other in enumerate(lists[1:], start=1):
         for i, (ref, tensor) in enumerate(zip(lists[0], other)):
             if tensor.device == ref.device or (not fused and tensor.device.type == "cpu" and tensor.dim() == 0):
                 continue
-            rule = ("a fused optimizer kernel reads every tensor of every list (step counts included) on the GPU"
-                    if fused else "a foreach kernel needs tensors of the same index on one device")
             raise DeviceRuleError(f"torch.{name}: tensor {i} of list {k} is {describe_tensor(tensor)} while list 0 "
-                                  f"holds {describe_tensor(ref)}: {rule}")
+                                  f"holds {describe_tensor(ref)}: {_list_rule(name, fused)}")
+    for tensor in plain:
+        if tensor.device != reference.device and (amp or not (tensor.device.type == "cpu" and tensor.dim() == 0)):
+            raise DeviceRuleError(f"torch.{name}: a {describe_tensor(tensor)} argument with tensors on "
+                                  f"{reference.device}: {_list_rule(name, fused)}")
 
 
 def _stand_in_values(tensor: torch.Tensor) -> Any:
@@ -179,7 +194,7 @@ class DryRunMode(FakeTensorMode):
         special = self._special.get(packet)
         if special is not None:
             return special(func, types, args, kwargs)
-        if packet.__name__.startswith(("_foreach_", "_fused_")):
+        if packet.__name__.startswith(("_foreach_", "_fused_", "_amp_")):
             check_list_devices(func, args, kwargs)
         self._note_copy(packet, args, kwargs)
         out = super().dispatch(func, types, args, kwargs)

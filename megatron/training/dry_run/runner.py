@@ -135,6 +135,29 @@ class _WeakrefsOfRealTensors:
         return [] if isinstance(obj, FakeTensor) else weakref.getweakrefs(obj)
 
 
+def swap_keeping_attributes(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """``torch.utils.swap_tensors`` that keeps ``t1``'s own attributes, as ``param.data = ...`` does.
+
+    ``Module.cuda()`` swaps a fake parameter with its CUDA copy, ``__dict__`` included, which would
+    drop what the model set on it (``tensor_model_parallel``, ``sequence_parallel``, ``allreduce``,
+    ``shared``...); on a GPU the parameter keeps them (``.data`` is replaced, not the object).
+    """
+
+    def swap_tensors(t1: Any, t2: Any) -> None:
+        original(t1, t2)
+        for name, value in vars(t2).items():  # t2 now holds t1's former attributes
+            if name not in vars(t1):
+                setattr(t1, name, value)
+
+    return swap_tensors
+
+
+def install_module_moves(patcher: Patcher) -> None:
+    """``Module.cuda()`` / ``.to()`` on fake parameters: swaps allowed, the parameters' attributes kept."""
+    patcher.set(torch.utils, "weakref", _WeakrefsOfRealTensors())
+    patcher.set(torch.utils, "swap_tensors", swap_keeping_attributes(torch.utils.swap_tensors))
+
+
 def classify(error: BaseException) -> Dict[str, str]:
     """Kind (device mismatch / NCCL rule / error), message and source line of a failed phase."""
     chain, seen = [], set()
@@ -195,7 +218,7 @@ def run_phase(phase: Phase) -> PhaseResult:
         install_loop_hooks(patcher, recorder)
         install_tensor_methods(patcher, recorder)
         _fake_tensors_count_as_foreach_capable(patcher)
-        patcher.set(torch.utils, "weakref", _WeakrefsOfRealTensors())
+        install_module_moves(patcher)
         with torch.autograd.set_multithreading_enabled(False), DryRunMode(recorder):
             _pretrain(list(phase.argv) + ["--fake-process-group"])
         recorder.segment = "finished"

@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -141,6 +142,8 @@ class _Running:
 def _start(outcome: Outcome, index: int) -> _Running:
     phase = outcome.job.phases()[index]
     os.makedirs(outcome.job.workdir, exist_ok=True)
+    if index == 0:  # a fresh start: a checkpoint left by an earlier run in this directory would be refused
+        shutil.rmtree(os.path.join(outcome.job.workdir, "checkpoint"), ignore_errors=True)
     result_path = os.path.join(outcome.job.workdir, f"{phase.name}.json")
     log_path = os.path.join(outcome.job.workdir, f"{phase.name}.log")
     process = multiprocessing.get_context("fork").Process(target=_child, args=(phase, result_path, log_path))

@@ -87,6 +87,9 @@ def device_rules() -> Dict[str, Any]:
         "cpu_scalar_ok": _observe(lambda: str(x.mul_(torch.tensor(2.0)).device)),
         "fused_cpu_step": _observe(fused_step_on_cpu),
         "foreach_cpu_exp_avg": _observe(foreach_exp_avg_on_cpu),
+        "amp_unscale_cpu_scale": _observe(lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            [x], torch.zeros(1, device="cuda"), torch.ones(1))),
+        "foreach_cpu_scalar_ok": _observe(lambda: (torch._foreach_mul_([x], torch.tensor(2.0)), "ok")[1]),
         "cuda_rng_state_on_gpu": _observe(lambda: torch.cuda.set_rng_state(torch.zeros(16, dtype=torch.uint8,
                                                                                         device="cuda"))),
     }
@@ -127,6 +130,25 @@ def loop_syncs() -> Dict[str, Any]:
             "timers": _observe(lambda: list(timers._all_ranks_elapsed(["forward-backward"], True, False).shape))}
 
 
+def module_cuda() -> Dict[str, Any]:
+    """``Module.cuda()`` on fake parameters keeps what the model set on them (as ``.data =`` does on a GPU)."""
+    from megatron.training.dry_run.runner import install_module_moves
+
+    def move() -> list:
+        layer = torch.nn.Linear(4, 4, device="cpu")
+        layer.weight.tensor_model_parallel = True
+        weight = layer.weight
+        layer.cuda()
+        return [layer.weight is weight, str(layer.weight.device), getattr(layer.weight, "tensor_model_parallel", None)]
+
+    patcher = Patcher()
+    install_module_moves(patcher)
+    try:
+        return {"cuda_keeps_attributes": _observe(move)}
+    finally:
+        patcher.restore()
+
+
 def attention() -> Dict[str, Any]:
     def verdict(dtype: torch.dtype, mask: bool = False, head_dim: int = 64) -> list:
         q = torch.empty(2, 4, 16, head_dim, dtype=dtype, device="cuda")
@@ -147,7 +169,7 @@ def main() -> None:
     install_tensor_methods(patcher, RECORDER)
     results = {}
     with torch.autograd.set_multithreading_enabled(False), DryRunMode(RECORDER):
-        for scenario in (collectives, device_rules, host_syncs, loop_syncs, attention):
+        for scenario in (collectives, device_rules, host_syncs, loop_syncs, module_cuda, attention):
             results[scenario.__name__] = scenario()
     patcher.restore()
     dist.destroy_process_group()

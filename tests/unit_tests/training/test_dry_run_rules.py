@@ -47,6 +47,9 @@ def test_device_rules(results):
     assert got["fused_cpu_step"]["error"] == "DeviceRuleError"
     assert "_fused_adamw_: tensor 0 of list 4 is cpu float32[]" in got["fused_cpu_step"]["message"]
     assert "_foreach_lerp_" in got["foreach_cpu_exp_avg"]["message"]
+    assert "_amp_foreach_non_finite_check_and_unscale_: a cpu float32[1] argument" \
+        in got["amp_unscale_cpu_scale"]["message"]
+    assert got["foreach_cpu_scalar_ok"]["value"] == "ok"
     assert "must be a torch.uint8 tensor on the CPU" in got["cuda_rng_state_on_gpu"]["message"]
 
 
@@ -69,6 +72,11 @@ def test_training_loop_reads_losses_and_timers_with_one_copy_each(results):
     # Three reported losses, one copy (not one .item() per loss).
     assert got["reduce_losses"] == {"value": ["lm loss", "load_balancing_loss", "z_loss"], "syncs": [".tolist()"]}
     assert got["timers"] == {"value": [8, 1], "syncs": ["device-to-host copy (.cpu())"]}  # upload is non_blocking
+
+
+def test_module_cuda_keeps_parameter_attributes(results):
+    # Same object, now on the GPU, still marked as a tensor-parallel shard (as with .data = on a GPU).
+    assert results["module_cuda"]["cuda_keeps_attributes"]["value"] == [True, "cuda:0", True]
 
 
 def test_flash_verdict(results):
