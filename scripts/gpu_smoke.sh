@@ -64,7 +64,7 @@ dry_run_grid() {
   $PY tools/gpu_dry_run.py --dry-run-grid all --dry-run-workdir "$WORK/grid" --dry-run-json "$WORK/dry_run_grid.json"
 }
 
-echo "gpu_smoke ($MODE): logs in $WORK"
+echo "gpu_smoke ($MODE): logs in $WORK (removed if every step passes, unless KEEP_WORK is set)"
 if [[ $MODE == gpu ]]; then
   step environment bash -c "nvidia-smi -L && $PY -c 'import torch; print(torch.__version__, torch.version.cuda, \
 torch.cuda.get_device_name(0)); assert torch.cuda.is_available()'"
@@ -89,4 +89,7 @@ if [[ -n ${OUT:-} ]]; then
 fi
 echo "== gpu_smoke ($MODE) summary"
 cat "$SUMMARY"
+if [[ $FAILED == 0 && -z ${KEEP_WORK:-} ]]; then
+  rm -rf "$WORK"  # logs, checkpoints and grid work dirs stay only when a step failed (or KEEP_WORK is set)
+fi
 exit $FAILED
