@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, checksums, plain_data
-from megatron.core.dist_checkpointing.serialization import _agree, read_json, write_json_atomic
+from megatron.core.dist_checkpointing.serialization import agree_on_error, read_json, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
@@ -212,7 +212,7 @@ def check_save_dir(cfg: CheckpointConfig) -> None:
     Rank 0 creates the directory and a probe file; every rank raises if it failed.
     """
     error = _save_dir_problem(cfg) if cfg.save is not None and dist.get_rank() == 0 else None
-    _agree(error, None)
+    agree_on_error(error, None)
 
 
 def _save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
@@ -383,7 +383,7 @@ def _agreed_write(write: Callable[[], None], directory: str, writer: Optional[bo
             write()
         except WRITE_FAILURES as e:
             error = describe_write_failure(e, directory)
-    _agree(error, None)
+    agree_on_error(error, None)
 
 
 def _describe_everywhere(err: BaseException, directory: str) -> str:
@@ -493,7 +493,7 @@ def _record_legacy_checksums(iter_dir: str, written: Optional[str]) -> None:
 def _verify_legacy_file(iter_dir: str, path: str) -> None:
     """This rank's legacy file against ``checksums.json`` (older checkpoints have none: a warning).
 
-    Like every other legacy-format error, a mismatch raises on the rank that reads the file.
+    A mismatch raises on the rank that reads the file; ``load_checkpoint`` makes every rank raise.
     """
     where = os.path.join(iter_dir, LEGACY_CHECKSUMS)
     if not os.path.isfile(where):
@@ -555,9 +555,11 @@ def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt
     load_optim = optimizer is not None and not ckpt_config.no_load_optim and not fresh
     load_rng = not ckpt_config.no_load_rng and not fresh
     fmt = detect_format(iter_dir)
-    loader = _load_sharded if fmt == "torch_dist" else _load_legacy
-    common, rng = loader(iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng,
-                         ckpt_config, run_args)
+    args = (iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng, ckpt_config, run_args)
+    if fmt == "torch_dist":
+        common, rng = _load_sharded(*args)
+    else:  # per-rank files and no collective inside: one rank's failure must stop every rank
+        common, rng = _agreed_read(lambda: _load_legacy(*args))
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
@@ -653,9 +655,20 @@ def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimi
         optimizer.load_state_dict_by_param_name(model_chunks, state)
     rng = None
     if load_rng and _same_layout(common, groups, iter_dir):
-        rng = read_json(_rng_path(iter_dir, dist.get_rank()),
-                        "RNG state (saved with --no-save-rng? load with --no-load-rng)")
+        rng = _agreed_read(lambda: read_json(_rng_path(iter_dir, dist.get_rank()),
+                                             "RNG state (saved with --no-save-rng? load with --no-load-rng)"))
     return common, rng
+
+
+def _agreed_read(read: Callable[[], Any]) -> Any:
+    """Run a per-rank read on every rank; if it fails on any rank, every rank raises with the cause."""
+    error, result = None, None
+    try:
+        result = read()
+    except CheckpointingError as e:
+        error = str(e)
+    agree_on_error(error, None)
+    return result
 
 
 def _same_layout(common: Dict[str, Any], groups: ProcessGroupCollection, where: str) -> bool:

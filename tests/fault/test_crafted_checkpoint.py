@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 import shutil
 import subprocess
@@ -111,3 +112,48 @@ def test_structure_checked_after_unpickling(tmp_path):
         pickle.dump({"not": "metadata"}, f)
     with pytest.raises(CheckpointingError, match="not DCP Metadata"):
         load_metadata_file(str(path))
+
+
+def test_a_pickle_may_not_modify_an_allowed_class(tmp_path):
+    # GLOBAL pathlib.PurePosixPath; slot state {'__repr__': torch.Size}; BUILD on the class itself.
+    path = tmp_path / ".metadata"
+    path.write_bytes(b"cpathlib\nPurePosixPath\nN}(X\x08\x00\x00\x00__repr__ctorch\nSize\nu\x86b.")
+    with pytest.raises(CheckpointingError, match="modifies the class PurePosixPath"):
+        load_metadata_file(str(path))
+    assert repr(pathlib.PurePosixPath("/a")) == "PurePosixPath('/a')"  # undone, not just refused
+
+
+def test_crafted_legacy_file_refused_on_resume(tmp_path):
+    save = str(tmp_path / "ckpt")
+    flags = [*tiny_gpt_flags(4), *mock_flags(), "--ckpt-format", "torch"]
+    assert run_gpt(1, [*flags, "--save", save, "--save-interval", "4"], str(tmp_path)).returncode == 0
+    iter_dir = os.path.join(save, "iter_0000004")
+    relative = "mp_rank_00/model_optim_rng.pt"
+    marker = tmp_path / "pwned_legacy"
+    torch.save({"model": _Payload(str(marker))}, os.path.join(iter_dir, relative))
+    table_path = os.path.join(iter_dir, "checksums.json")
+    with open(table_path) as f:
+        table = json.load(f)
+    full = os.path.join(iter_dir, relative)
+    table["files"][relative] = {"bytes": os.path.getsize(full), "sha256": file_digest(full)}
+    with open(table_path, "w") as f:
+        json.dump(table, f)
+    resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--ckpt-format", "torch", "--load", save],
+                      str(tmp_path))
+    assert resumed.returncode != 0 and "Weights only load failed" in resumed.output, resumed.output[-3000:]
+    assert not marker.exists()
+
+
+def test_converter_checks_checksums_unless_told_not_to(trained, tmp_path):
+    save = str(tmp_path / "ckpt")
+    shutil.copytree(trained[0], save)
+    common = os.path.join(save, os.path.basename(trained[1]), "common.json")
+    with open(common, "a") as f:
+        f.write(" ")  # still valid JSON, no longer the recorded bytes
+    cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",
+           "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "hf"), "--model-type", "gpt2"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert refused.returncode == 2 and "common.json" in refused.stderr, refused.stdout + refused.stderr
+    converted = subprocess.run([*cmd, "--no-verify-checkpoint"], capture_output=True, text=True, timeout=120,
+                               cwd=str(tmp_path))
+    assert converted.returncode == 0, converted.stdout + converted.stderr

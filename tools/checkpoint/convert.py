@@ -159,11 +159,16 @@ def find_checkpoint(root: str) -> Tuple[str, Dict[str, Any]]:
     return iter_dir, common
 
 
-def load_megatron(root: str, groups: ProcessGroupCollection) -> Tuple[StateDict, Args, Dict[str, Any]]:
-    """Full (TP=1) state dict, model flags and common.json of the checkpoint under ``root``."""
+def load_megatron(root: str, groups: ProcessGroupCollection, verify: bool = True
+                  ) -> Tuple[StateDict, Args, Dict[str, Any]]:
+    """Full (TP=1) state dict, model flags and common.json of the checkpoint under ``root``.
+
+    ``verify``: check every file against the checksums ``metadata.json`` records first.
+    """
     iter_dir, common = find_checkpoint(root)
     args = dict(common["args"])
-    dc.verify_checksums(iter_dir)  # a flipped bit is named before any tensor is read
+    if verify:
+        dc.verify_checksums(iter_dir)  # a flipped bit is named before any tensor is read
     saved = dc.read_metadata(iter_dir).state_dict_metadata
     if EMBEDDING_KEY not in saved:
         raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT checkpoint")
@@ -197,10 +202,11 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_b
     return megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
 
 
-def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int] = None) -> int:
+def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int] = None,
+                   verify: bool = True) -> int:
     """Write ``out_dir`` (config.json + model.safetensors) from the checkpoint under ``load``; returns the vocab."""
     with single_process_group() as groups:
-        sd, args, common = load_megatron(load, groups)
+        sd, args, common = load_megatron(load, groups, verify)
     vocab = vocab_size or common.get(HF_VOCAB_KEY) or args["padded_vocab_size"]
     if vocab > args["padded_vocab_size"]:
         raise ConversionError(f"--vocab-size {vocab} exceeds the checkpoint's {args['padded_vocab_size']} rows")
@@ -238,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
     p.add_argument("--model-type", choices=["gpt2", "llama"], help="megatron-to-hf: the HF class to write")
     p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
+    p.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="megatron-to-hf: skip checking the files against metadata.json's checksums")
     return p
 
 
@@ -258,7 +266,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("  --load " + args.save + " --finetune " + " ".join(flags))
         else:
             _required(args, ["load", "hf_dir_out", "model_type"])
-            vocab = megatron_to_hf(args.load, args.hf_dir_out, args.model_type, args.vocab_size)
+            vocab = megatron_to_hf(args.load, args.hf_dir_out, args.model_type, args.vocab_size,
+                                   verify=not args.no_verify_checkpoint)
             print(f"wrote {args.hf_dir_out} ({args.model_type}, vocabulary {vocab})")
     except (ConversionError, CheckpointingError) as e:
         print(f"error: {e}", file=sys.stderr)

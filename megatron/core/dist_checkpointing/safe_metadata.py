@@ -13,11 +13,12 @@ Every error is a ``CheckpointingError`` naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pathlib
 import pickle
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -58,6 +59,35 @@ def _get_layout(name: str) -> torch.layout:
     return value
 
 
+@contextlib.contextmanager
+def _classes_unchanged() -> Iterator[None]:
+    """Refuse a pickle that sets attributes on an allowed class itself.
+
+    ``find_class`` limits which globals a pickle can name, not what BUILD does with them: a
+    BUILD aimed at a class (slot state) calls ``setattr`` on it and would change that class for
+    the whole process. Every allowed class's namespace is compared before and after; a change
+    is undone and refused.
+    """
+    classes = {obj for obj in _RestrictedUnpickler._ALLOWED.values() if isinstance(obj, type)}
+    before = {cls: dict(vars(cls)) for cls in classes}
+    try:
+        yield
+    finally:
+        changed = [cls for cls in classes if dict(vars(cls)) != before[cls]]
+        for cls in changed:
+            for name in set(vars(cls)) - set(before[cls]):
+                delattr(cls, name)
+            for name, value in before[cls].items():
+                if vars(cls).get(name, _MISSING) is not value:
+                    setattr(cls, name, value)
+    if changed:
+        names = ", ".join(sorted(cls.__qualname__ for cls in changed))
+        raise pickle.UnpicklingError(f"refusing a pickle that modifies the class {names}")
+
+
+_MISSING = object()
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler whose ``find_class`` knows only DCP metadata types."""
 
@@ -83,9 +113,8 @@ def _check_storage_info(info: Any, where: str) -> None:
         raise ValueError(f"{where}: shard file name {name!r} must be a plain file name inside the checkpoint")
     if not all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)):
         raise ValueError(f"{where}: offset/length of {name!r} must be non-negative integers")
-    descriptors = getattr(info, "transform_descriptors", None)
-    if descriptors and not all(isinstance(d, str) for d in descriptors):
-        raise ValueError(f"{where}: transform descriptors of {name!r} must be strings")
+    if getattr(info, "transform_descriptors", None):  # we never write compressed shards: no decompression bombs
+        raise ValueError(f"{where}: shard {name!r} asks for stream transforms {info.transform_descriptors!r}")
 
 
 def validate_metadata(metadata: Any, where: str) -> Metadata:
@@ -114,7 +143,8 @@ def load_metadata_file(path: str) -> Metadata:
             raise ValueError(f"{size} bytes is more than any checkpoint metadata")
         with open(path, "rb") as f:
             data = f.read()
-        metadata = _RestrictedUnpickler(io.BytesIO(data)).load()
+        with _classes_unchanged():
+            metadata = _RestrictedUnpickler(io.BytesIO(data)).load()
         return validate_metadata(metadata, path)
     except Exception as e:  # noqa: BLE001 - find_class admits no code; whatever else breaks is corruption
         raise CheckpointingError(f"unsafe or corrupt checkpoint metadata {path}: {e}") from e

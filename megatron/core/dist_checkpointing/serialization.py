@@ -59,7 +59,7 @@ def read_json(path: str, what: str) -> dict:
     return data
 
 
-def _agree(error: Optional[str], process_group: Optional[dist.ProcessGroup]) -> None:
+def agree_on_error(error: Optional[str], process_group: Optional[dist.ProcessGroup]) -> None:
     """Raise on every rank if any rank found an error (each rank's message is kept)."""
     if not dist.is_initialized():
         if error:
@@ -100,7 +100,7 @@ def save(sharded_sd: ShardedStateDict, checkpoint_dir: str,
             write_json_atomic(os.path.join(checkpoint_dir, METADATA_FILE), dict(BACKEND_METADATA, checksums=table))
         except WRITE_FAILURES as e:
             error = describe_write_failure(e, checkpoint_dir)
-    _agree(error, process_group)  # rank 0's failure raises everywhere instead of leaving peers in a barrier
+    agree_on_error(error, process_group)  # rank 0's failure raises everywhere instead of leaving peers in a barrier
 
 
 def check_sharded_checkpoint(checkpoint_dir: str) -> None:
@@ -159,7 +159,7 @@ def load(sharded_sd: ShardedStateDict, checkpoint_dir: str,
         check_against_metadata(sharded_sd, read_metadata(checkpoint_dir), checkpoint_dir)
     except CheckpointingError as e:
         error = str(e)
-    _agree(error, process_group)
+    agree_on_error(error, process_group)
     try:
         dcp.load(sharded_sd, storage_reader=SafeFileSystemReader(checkpoint_dir),
                  planner=ShardedLoadPlanner(), process_group=process_group)
@@ -185,7 +185,7 @@ def verify_checksums(checkpoint_dir: str, process_group: Optional[dist.ProcessGr
             checksums.verify_files(checkpoint_dir, files, checksums.verification_share(files, rank, world), where)
     except (CheckpointingError, OSError) as e:
         error = str(e)
-    _agree(error, process_group)
+    agree_on_error(error, process_group)
     if rank == 0 and files is None:
         logger.warning("%s records no checksums (an older checkpoint): its files are not verified", where)
     elif rank == 0:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
-from megatron.core.dist_checkpointing.serialization import _agree
+from megatron.core.dist_checkpointing.serialization import agree_on_error
 from megatron.core.utils import comm_device
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def apply_strictness(sharded_sd: ShardedStateDict, saved: Iterable[str], strict:
     Every rank raises together: unused keys are found over all ranks, absent ones are agreed.
     """
     found = find_mismatches(sharded_sd, saved, not_read_prefixes, process_group)
-    _agree(_unexpected_error(found.unexpected, strict, where), process_group)
+    agree_on_error(_unexpected_error(found.unexpected, strict, where), process_group)
     _handle_missing(found.missing, strict, where)
     absent = set(found.unexpected)
     kept = {key: value for key, value in sharded_sd.items() if key not in absent}

@@ -250,12 +250,12 @@ def _error_checks(rank, tmp):
         with open(os.path.join(empty + "2", ckpt.TRACKER_FILE), "w") as f:
             f.write("abc")
     dist.barrier()
-    if rank == 0:
-        with pytest.raises(CheckpointingError, match=r"checkpoint file corrupt: .*mp_rank_00_000/model_optim_rng.pt "
-                                                     r"has 100 bytes, .*iter_0000005/checksums.json records"):
-            load_checkpoint([model], opt, None, CheckpointConfig(load=tmp))
-        with pytest.raises(CheckpointingError, match=r"cannot read legacy checkpoint .*mp_rank_00_000"):
-            load_checkpoint([model], opt, None, CheckpointConfig(load=tmp, verify_checkpoint=False))
+    # Only rank 0's file is bad; every rank raises (the others name rank 0's cause), none hangs.
+    with pytest.raises(CheckpointingError, match=r"checkpoint file corrupt: .*mp_rank_00_000/model_optim_rng.pt "
+                                                 r"has 100 bytes, .*iter_0000005/checksums.json records"):
+        load_checkpoint([model], opt, None, CheckpointConfig(load=tmp))
+    with pytest.raises(CheckpointingError, match=r"cannot read legacy checkpoint .*mp_rank_00_000"):
+        load_checkpoint([model], opt, None, CheckpointConfig(load=tmp, verify_checkpoint=False))
     with pytest.raises(CheckpointingError, match=r"checkpoint file corrupt: .*iter_0000003/common.json has 9 bytes"):
         load_checkpoint([model], opt, None, CheckpointConfig(load=no_opt, no_load_optim=True))
     with pytest.raises(CheckpointingError, match=r"checkpoint common state is corrupt: .*iter_0000003/common.json"):
