@@ -29,12 +29,9 @@ import enum
 import json
 import logging
 import os
-import random
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -45,13 +42,14 @@ from megatron.core.dist_checkpointing.serialization import agree_on_error, read_
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
+from megatron.training.checkpoint_dirs import (TRACKER_FILE, checkpoint_dir, complete_checkpoints,  # noqa: F401
+                                               detect_format, read_tracker, refuse_untracked, update_tracker)
+from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 3.0
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 RNG_DIR = "rng"
 LEGACY_FILE = "model_optim_rng.pt"
@@ -122,90 +120,6 @@ def checkpoint_config_from_args(args: Any) -> CheckpointConfig:
     return CheckpointConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
-# ---------------------------------------------------------------- paths and tracker
-def checkpoint_dir(root: str, iteration: int, release: bool = False) -> str:
-    """``root/iter_{iteration:07d}`` (or ``root/release``)."""
-    return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> Optional[Tuple[int, bool]]:
-    """(iteration, release) from the tracker file, None if there is none."""
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        text = f.read().strip()
-    if text == "release":
-        return 0, True
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise CheckpointingError(f"corrupt tracker file {path}: {text[:40]!r} is neither an iteration nor "
-                                 "'release'") from None
-    if iteration < 0:
-        raise CheckpointingError(f"corrupt tracker file {path}: negative iteration {iteration}")
-    return iteration, False
-
-
-def _update_tracker(root: str, iteration: int) -> None:
-    """Point the tracker at ``iteration`` (temporary file + rename: never half-written)."""
-    path = os.path.join(root, TRACKER_FILE)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def detect_format(iter_dir: str) -> str:
-    """``torch_dist`` if ``metadata.json`` is there, ``torch`` if ``mp_rank_*`` folders are."""
-    if not os.path.isdir(iter_dir):
-        raise CheckpointingError(f"checkpoint directory not found: {iter_dir}")
-    names = os.listdir(iter_dir)
-    if dc.METADATA_FILE in names:
-        return "torch_dist"
-    if any(name.startswith("mp_rank_") for name in names):
-        return "torch"
-    raise CheckpointingError(f"{iter_dir} holds neither {dc.METADATA_FILE} (torch_dist) nor mp_rank_* (torch): "
-                             "the checkpoint is incomplete (interrupted save?) or not a checkpoint")
-
-
-_ITER_DIR = re.compile(r"iter_(\d{7,})")
-
-
-def _is_complete(iter_dir: str) -> bool:
-    try:
-        detect_format(iter_dir)
-    except CheckpointingError:
-        return False
-    return True
-
-
-def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
-    """(iteration, directory) of every complete ``iter_*`` checkpoint under ``root``, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := _ITER_DIR.fullmatch(name))]
-    return sorted((it, path) for it, path in found if _is_complete(path))
-
-
-def _refuse_untracked(root: str) -> None:
-    """No tracker but complete checkpoints: a fresh start would overwrite them, so stop and say how to resume."""
-    saved = complete_checkpoints(root)
-    release = checkpoint_dir(root, 0, release=True)
-    if saved:
-        iteration, newest = saved[-1]
-        raise CheckpointingError(
-            f"{root} has no {TRACKER_FILE} but holds {len(saved)} complete checkpoint(s), the newest {newest}: "
-            f"starting from scratch would overwrite them. Resume with --ckpt-step {iteration}, or restore the "
-            f"tracker: echo {iteration} > {os.path.join(root, TRACKER_FILE)}")
-    if _is_complete(release):
-        raise CheckpointingError(f"{root} has no {TRACKER_FILE} but holds a complete {release}: restore the "
-                                 f"tracker to load it: echo release > {os.path.join(root, TRACKER_FILE)}")
-
-
 def check_save_dir(cfg: CheckpointConfig) -> None:
     """Collective, at start-up: ``--save`` is writable, and this run would overwrite none of its checkpoints.
 
@@ -262,67 +176,6 @@ def _require_plain(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be plain data (JSON: dict, list, str, numbers, bool, None): {e}") from e
 
 
-# ---------------------------------------------------------------- RNG
-def collect_rng_state() -> Dict[str, Any]:
-    """This rank's generator states as plain data.
-
-    Python ``random``, NumPy's global generator, the torch CPU generator, every CUDA
-    device's generator (a list, one per visible device; None without CUDA) and the
-    model-parallel tracker's named streams (CUDA states on GPU, CPU states otherwise,
-    hence ``device``).
-    """
-    np_state = np.random.get_state()
-    on_cuda = torch.cuda.is_available()
-    state = {
-        "random": random.getstate(),
-        "numpy": {"keys": np_state[1].tolist(), "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                  "cached_gaussian": float(np_state[4])},
-        "torch_cpu": torch.get_rng_state(),
-        "device": "cuda" if on_cuda else "cpu",
-        "cuda": list(torch.cuda.get_rng_state_all()) if on_cuda else None,
-        "cuda_device": torch.cuda.current_device() if on_cuda else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-    return plain_data.encode(state, "rng_state")
-
-
-def restore_rng_state(encoded: Dict[str, Any]) -> None:
-    """Inverse of ``collect_rng_state``.
-
-    Device states saved on another kind of device (CPU vs CUDA) are not restored and a
-    warning says so; the host generators always are.
-    """
-    state = plain_data.decode(encoded)
-    random.setstate(state["random"])
-    np_state = state["numpy"]
-    np.random.set_state(("MT19937", np.array(np_state["keys"], dtype=np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
-    torch.set_rng_state(state["torch_cpu"])
-    saved_on = state.get("device") or ("cpu" if state["cuda"] is None else "cuda")  # older files lack "device"
-    running_on = "cuda" if torch.cuda.is_available() else "cpu"
-    if saved_on != running_on:
-        logger.warning("RNG state saved on %s, this run is on %s: CUDA and model-parallel tracker states are not "
-                       "restored (host generators are)", saved_on, running_on)
-        return
-    if running_on == "cuda":
-        _restore_cuda_rng(state["cuda"], state.get("cuda_device"))
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _restore_cuda_rng(saved: Any, saved_device: Optional[int]) -> None:
-    """Every device's CUDA generator when the device count matches, else only the current device's."""
-    if isinstance(saved, torch.Tensor):  # checkpoints that kept the current device's state only
-        torch.cuda.set_rng_state(saved)
-        return
-    if len(saved) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(saved)
-        return
-    logger.warning("RNG state holds %d CUDA generators, this process sees %d devices: only the current "
-                   "device's generator is restored (from saved device %s)", len(saved), torch.cuda.device_count(),
-                   saved_device)
-    torch.cuda.set_rng_state(saved[saved_device or 0])
-
-
 def _layout(groups: ProcessGroupCollection) -> Dict[str, int]:
     layout = {"world_size": dist.get_world_size(), "tp": groups.size_of("tp"), "pp": groups.size_of("pp"),
               "dp": groups.size_of("dp"), "cp": groups.size_of("cp")}
@@ -366,7 +219,7 @@ def save_checkpoint(iteration: int, model_chunks: Sequence[torch.nn.Module], opt
         raise CheckpointingError(f"{e}; {_tracker_note(ckpt_config.save)}") from e
     except WRITE_FAILURES as e:
         raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(ckpt_config.save)}") from e
-    _agreed_write(lambda: _update_tracker(ckpt_config.save, iteration), ckpt_config.save)
+    _agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
     logger.info("saved checkpoint at iteration %d to %s (%s)", iteration, ckpt_config.save, ckpt_config.ckpt_format)
     return iter_dir
 
@@ -522,7 +375,7 @@ def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
         return cfg.ckpt_step, False
     found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
     if found is None:
-        _refuse_untracked(cfg.load)
+        refuse_untracked(cfg.load)
         message = (f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found"
                    + ("" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"))
         if cfg.exit_on_missing_checkpoint:

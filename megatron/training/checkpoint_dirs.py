@@ -1,0 +1,98 @@
+"""Checkpoint directories: ``iter_*`` paths, the tracker file, format detection, complete checkpoints.
+
+Pure file-system logic with no collective; ``checkpointing.py`` decides which rank calls it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import List, Optional, Tuple
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import CheckpointingError
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, iteration: int, release: bool = False) -> str:
+    """``root/iter_{iteration:07d}`` (or ``root/release``)."""
+    return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[Tuple[int, bool]]:
+    """(iteration, release) from the tracker file, None if there is none."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointingError(f"corrupt tracker file {path}: {text[:40]!r} is neither an iteration nor "
+                                 "'release'") from None
+    if iteration < 0:
+        raise CheckpointingError(f"corrupt tracker file {path}: negative iteration {iteration}")
+    return iteration, False
+
+
+def update_tracker(root: str, iteration: int) -> None:
+    """Point the tracker at ``iteration`` (temporary file + rename: never half-written)."""
+    path = os.path.join(root, TRACKER_FILE)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def detect_format(iter_dir: str) -> str:
+    """``torch_dist`` if ``metadata.json`` is there, ``torch`` if ``mp_rank_*`` folders are."""
+    if not os.path.isdir(iter_dir):
+        raise CheckpointingError(f"checkpoint directory not found: {iter_dir}")
+    names = os.listdir(iter_dir)
+    if dc.METADATA_FILE in names:
+        return "torch_dist"
+    if any(name.startswith("mp_rank_") for name in names):
+        return "torch"
+    raise CheckpointingError(f"{iter_dir} holds neither {dc.METADATA_FILE} (torch_dist) nor mp_rank_* (torch): "
+                             "the checkpoint is incomplete (interrupted save?) or not a checkpoint")
+
+
+_ITER_DIR = re.compile(r"iter_(\d{7,})")
+
+
+def _is_complete(iter_dir: str) -> bool:
+    try:
+        detect_format(iter_dir)
+    except CheckpointingError:
+        return False
+    return True
+
+
+def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """(iteration, directory) of every complete ``iter_*`` checkpoint under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+             if (m := _ITER_DIR.fullmatch(name))]
+    return sorted((it, path) for it, path in found if _is_complete(path))
+
+
+def refuse_untracked(root: str) -> None:
+    """No tracker but complete checkpoints: a fresh start would overwrite them, so stop and say how to resume."""
+    saved = complete_checkpoints(root)
+    release = checkpoint_dir(root, 0, release=True)
+    if saved:
+        iteration, newest = saved[-1]
+        raise CheckpointingError(
+            f"{root} has no {TRACKER_FILE} but holds {len(saved)} complete checkpoint(s), the newest {newest}: "
+            f"starting from scratch would overwrite them. Resume with --ckpt-step {iteration}, or restore the "
+            f"tracker: echo {iteration} > {os.path.join(root, TRACKER_FILE)}")
+    if _is_complete(release):
+        raise CheckpointingError(f"{root} has no {TRACKER_FILE} but holds a complete {release}: restore the "
+                                 f"tracker to load it: echo release > {os.path.join(root, TRACKER_FILE)}")
