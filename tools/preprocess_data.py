@@ -16,7 +16,7 @@ line skipped, empty input) or no token exits 1 and writes nothing.
 Outputs are written under temporary names (``PREFIX.tmpPID``) and published only when complete
 (``publish_dataset``: old ``.idx`` removed, new ``.bin`` renamed, new ``.idx`` renamed), so an
 existing dataset of the same prefix survives any failure or ``kill -9`` until the new one is
-ready. Texts longer than ``LONG_TEXT_CHARS`` are tokenized in checked pieces (``tokenize_long``):
+ready. Long texts are tokenized in checked pieces (``tools/long_texts.py``):
 memory grows by a few bytes per character, not the ~150 a tokenizer library needs in one call.
 This module imports no torch.
 """
@@ -31,7 +31,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import re
 import sys
 import tempfile
 import time
@@ -53,18 +52,13 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     temporary_prefix,
 )
 from megatron.core.tokenizers import TOKENIZER_TYPES  # noqa: E402  (standard library only: fast start-up)
+from tools.long_texts import tokenize_all  # noqa: E402
 from tools.merge_datasets import write_merged  # noqa: E402
 
 BAD_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "non_string", "empty_text")
 MAX_REPORTED = 10
 BLOCK_BYTES = 1 << 20  # lines per task: large enough to amortise IPC, small enough to balance
 PUNKT_SAMPLE_BYTES = 512 * 1024  # Punkt training costs ~2 s per MB
-# Texts longer than this are tokenized in pieces: tokenizer libraries need ~150 bytes per input
-# character while encoding (a 50 MB line took 6 GB in one call).
-LONG_TEXT_CHARS = 1 << 18
-CUT_CONTEXT_CHARS = 256  # text on each side of a cut used to check that the cut changes no token
-CUT_CANDIDATES = 16  # cut points tried per piece before the rest of the text is tokenized whole
-_CUT_POINT = re.compile(r"(?<=\S)(?=\s)")  # the start of a whitespace run
 
 
 class UsageError(Exception):
@@ -269,64 +263,6 @@ def parse_line(raw: bytes, keys: Sequence[str]) -> Tuple[Optional[List[str]], Op
             return None, ("empty_text", f"key {key!r} is empty")
         texts.append(value)
     return texts, None
-
-
-def _cut_is_transparent(tok: Any, text: str, cut: int) -> bool:
-    """Whether tokenizing around ``cut`` in two parts gives the ids of tokenizing it whole."""
-    a, b = max(0, cut - CUT_CONTEXT_CHARS), min(len(text), cut + CUT_CONTEXT_CHARS)
-    whole, left, right = tok.batch_tokenize([text[a:b], text[a:cut], text[cut:b]])
-    return list(whole) == list(left) + list(right)
-
-
-def _next_cut(tok: Any, text: str, start: int) -> Optional[int]:
-    """The first checked cut at least ``LONG_TEXT_CHARS`` after ``start``.
-
-    ``len(text)`` when the candidate is within ``CUT_CONTEXT_CHARS`` of the end (no cut needed);
-    None when there is no whitespace or none of the candidates passes the check.
-    """
-    pos = start + LONG_TEXT_CHARS
-    for _ in range(CUT_CANDIDATES):
-        match = _CUT_POINT.search(text, pos)
-        if match is None:
-            return None
-        if len(text) - match.start() <= CUT_CONTEXT_CHARS:
-            return len(text)
-        if _cut_is_transparent(tok, text, match.start()):
-            return match.start()
-        pos = match.start() + 1
-    return None
-
-
-def tokenize_long(tok: Any, text: str, dtype: Any) -> np.ndarray:
-    """Ids of one long text, tokenized in pieces of about ``LONG_TEXT_CHARS`` characters.
-
-    Pieces end where a whitespace run starts and only where tokenizing the surrounding context
-    in two parts gives the same ids as tokenizing it whole (so a tokenizer that adds a BOS, or
-    whose pieces may span whitespace there, is never cut). Each piece's ids go straight into a
-    NumPy array: peak memory follows the piece size, not the text size.
-    """
-    pieces: List[np.ndarray] = []
-    start = 0
-    while len(text) - start > LONG_TEXT_CHARS:
-        cut = _next_cut(tok, text, start)
-        if cut == len(text):
-            break
-        if cut is None:
-            print(f"note: a text of {len(text) - start} characters is tokenized in one piece: no checked cut "
-                  f"point among {CUT_CANDIDATES} candidates (memory grows with its length)", file=sys.stderr)
-            break
-        pieces.append(np.asarray(tok.batch_tokenize([text[start:cut]])[0], dtype=dtype))
-        start = cut
-    pieces.append(np.asarray(tok.batch_tokenize([text[start:]])[0], dtype=dtype))
-    return np.concatenate(pieces)
-
-
-def tokenize_all(tok: Any, texts: List[str], dtype: Any) -> List[Any]:
-    """``tok.batch_tokenize(texts)``, with the texts over ``LONG_TEXT_CHARS`` through ``tokenize_long``."""
-    long_ones = {i for i, t in enumerate(texts) if len(t) > LONG_TEXT_CHARS}
-    short = [t for i, t in enumerate(texts) if i not in long_ones]
-    short_ids = iter(tok.batch_tokenize(short) if short else [])
-    return [tokenize_long(tok, t, dtype) if i in long_ones else next(short_ids) for i, t in enumerate(texts)]
 
 
 def _flatten(ids: List[Any], lengths: np.ndarray, dtype: Any) -> np.ndarray:

@@ -16,7 +16,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_idx_path
 from megatron.core.tokenizers import build_tokenizer
 from tests.tokenizer_files import corpus_texts, make_tokenizer_files, megatron_flags
-from tools import merge_datasets, preprocess_data
+from tools import long_texts, merge_datasets, preprocess_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -380,11 +380,11 @@ def _long_text(chars):
 
 @pytest.mark.parametrize("tok_type", TYPES + ("NullTokenizer",))
 def test_long_texts_tokenized_in_pieces_equal_whole(tmp_path, tok_files, monkeypatch, tok_type):
-    monkeypatch.setattr(preprocess_data, "LONG_TEXT_CHARS", 400)
-    monkeypatch.setattr(preprocess_data, "CUT_CONTEXT_CHARS", 40)
+    monkeypatch.setattr(long_texts, "LONG_TEXT_CHARS", 400)
+    monkeypatch.setattr(long_texts, "CUT_CONTEXT_CHARS", 40)
     cuts = []
-    next_cut = preprocess_data._next_cut
-    monkeypatch.setattr(preprocess_data, "_next_cut", lambda *a: cuts.append(next_cut(*a)) or cuts[-1])
+    next_cut = long_texts._next_cut
+    monkeypatch.setattr(long_texts, "_next_cut", lambda *a: cuts.append(next_cut(*a)) or cuts[-1])
     if tok_type == "NullTokenizer":
         texts = [" ".join(str(i % 600) for i in range(k, k + 700)) for k in (0, 5)]
     else:
