@@ -1,6 +1,6 @@
 """pretrain_gpt.py end to end: resuming refuses another architecture (or takes the checkpoint's with
 --use-checkpoint-args), an unwritable --save stops the run before training, and a deleted tracker or a
-from-scratch run never overwrites complete checkpoints (issue 9)."""
+from-scratch run never overwrites complete checkpoints, and a flipped bit in a shard is named (issue 9)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,17 @@ def test_deleted_tracker_and_fresh_start_never_overwrite(saved):
     assert fresh.returncode != 0 and not fresh.lines, fresh.output[-3000:]
     assert "already holds 1 complete checkpoint(s)" in fresh.output and "this run starts from scratch" in fresh.output
     assert _contents(work / "no_tracker" / "iter_0000002") == before
+
+
+def test_flipped_bit_in_a_shard_is_named(saved):
+    work, base, _ = saved
+    ckpt = _copy(saved, "flipped")
+    shard = os.path.join(ckpt, "iter_0000002", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    result = run_gpt(1, base + ["--load", ckpt, "--save", ckpt], str(work))
+    assert result.returncode != 0 and not result.lines
+    assert f"checkpoint file corrupt: {shard}" in result.output, result.output[-3000:]
