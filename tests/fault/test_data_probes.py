@@ -12,20 +12,16 @@ from typing import List, Sequence
 
 import numpy as np
 
-from megatron.core.datasets.indexed_dataset import HEADER_SIZE, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import HEADER_SIZE, get_idx_path
 from tests.functional_tests.gpt_runs import assert_ok, run_gpt, tiny_gpt_flags
+from tests.unit_tests.datasets.fixtures import write_dataset
 
 VOCAB = 600
 
 
 def write_documents(prefix: str, docs: Sequence[Sequence[int]]) -> str:
     """``docs`` (lists of token ids) as a ``.bin``/``.idx`` pair at ``prefix``."""
-    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
-    for doc in docs:
-        builder.add_item(np.asarray(doc, dtype=np.uint16))
-        builder.end_document()
-    builder.finalize(get_idx_path(prefix))
-    return prefix
+    return write_dataset(os.path.dirname(prefix), os.path.basename(prefix), docs)
 
 
 def random_documents(seed: int, n: int = 80, low: int = 20, high: int = 90) -> List[List[int]]:
