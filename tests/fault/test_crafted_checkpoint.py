@@ -22,7 +22,6 @@ from megatron.core.dist_checkpointing import CheckpointingError, ShardedTensor
 from megatron.core.dist_checkpointing.checksums import file_digest
 from megatron.core.dist_checkpointing.safe_metadata import load_metadata_file
 from tests.functional_tests.gpt_runs import REPO, mock_flags, run_gpt, tiny_gpt_flags
-from tools.checkpoint import convert
 
 
 class _Payload:
