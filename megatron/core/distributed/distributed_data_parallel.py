@@ -1,7 +1,9 @@
 """DistributedDataParallel: a model chunk whose gradients live in bucketed flat buffers.
 
 Backward accumulates each ``param.grad`` into ``param.main_grad`` (a view of the flat
-buffer) and frees ``param.grad``. Gradients are averaged over the data-parallel group
+buffer) and frees ``param.grad``; a tensor-parallel linear with ``gradient_accumulation_fusion``
+writes its weight gradient into ``main_grad`` itself and flags ``grad_added_to_main_grad`` (the
+hook then drops the dummy ``param.grad``). Gradients are averaged over the data-parallel group
 (``dp_cp``: context-parallel ranks hold the same parameters too):
 
 * without ``overlap_grad_reduce`` everything is reduced in ``finish_grad_sync()``;
@@ -18,7 +20,9 @@ over all data-parallel ranks, and 1/dp makes it the dense average.
 
 Earlier microbatches run inside ``no_sync()``. With ``use_distributed_optimizer`` the
 buffers are reduce-scattered (each DP rank gets its slice summed) instead of all-reduced,
-and parameters live in a flat buffer that the optimizer all-gathers after its step.
+and parameters live in a flat buffer that the optimizer all-gathers after its step; with
+``overlap_param_gather`` those gathers run into the next forward, where a pre-hook on each module
+waits for the buckets of that module's own parameters (``finish_param_sync`` waits for all).
 Averaging: gradients are scaled by 1/dp, except with ``calculate_per_token_loss`` (the
 loss is a sum; ``finalize_model_grads`` divides by the global token count).
 """
@@ -26,7 +30,8 @@ loss is a sum; ``finalize_model_grads`` divides by the global token count).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+import functools
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -79,9 +84,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.buffers = self._build_buffers(bucket_size)
         self._buffer_of: Dict[int, ParamAndGradBuffer] = {id(p): b for b in self.buffers for p in b.params}
         self.is_last_microbatch = True
-        self._param_sync_waiters: List[Callable[[], None]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook)
                        for b in self.buffers for p in b.params]
+        if ddp_config.use_distributed_optimizer:
+            self._hooks += self._register_param_gather_waits()
 
     def _build_buffers(self, bucket_size: Optional[int]) -> List[ParamAndGradBuffer]:
         """One buffer per (param dtype, grad dtype, expert or not); dense buffers first."""
@@ -100,6 +106,29 @@ class DistributedDataParallel(torch.nn.Module):
                                               own_bucket=own, is_expert=expert))
         return buffers
 
+    def _register_param_gather_waits(self) -> List[Any]:
+        """A forward pre-hook per module with parameters: wait for their buckets' all-gathers.
+
+        Buckets are in backward order, so the first module of the forward waits for the last
+        bucket and the gathers of lower-indexed buckets keep running under its compute.
+        """
+        hooks = []
+        for module in self.module.modules():
+            buckets = self._own_buckets(module)
+            if buckets:
+                hooks.append(module.register_forward_pre_hook(functools.partial(_wait_param_gathers, buckets)))
+        return hooks
+
+    def _own_buckets(self, module: torch.nn.Module) -> List[Bucket]:
+        """The buckets holding ``module``'s direct parameters, each once."""
+        found: Dict[tuple, Bucket] = {}
+        for param in module.parameters(recurse=False):
+            buffer = self._buffer_of.get(id(param))
+            if buffer is not None:
+                bucket = buffer.bucket_of[id(param)]
+                found[(id(buffer), bucket.index)] = bucket
+        return list(found.values())
+
     def _shared_embedding_ids(self) -> set:
         # Under the distributed optimizer the tied embedding is summed across pipeline stages after
         # the reduce-scatter; alone in its bucket, its DP shard ranges agree on both stages.
@@ -113,9 +142,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- backward hook ----------------------------------------------------------------
     def _accumulate_hook(self, param: torch.nn.Parameter) -> None:
+        # A fused linear (gradient_accumulation_fusion) already added its weight gradient to
+        # main_grad and handed autograd a dummy: add param.grad only when it is real (zero_out_wgrad:
+        # the dummy was zeros, summed with the gradient of the weight's other user).
+        fused = getattr(param, "grad_added_to_main_grad", False)
         if param.grad is not None:
-            param.main_grad.add_(param.grad)
+            if not fused or getattr(param, "zero_out_wgrad", False):
+                param.main_grad.add_(param.grad)
             param.grad = None
+        if fused:
+            param.grad_added_to_main_grad = False
         if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
             buffer = self._buffer_of[id(param)]
             bucket = buffer.bucket_of[id(param)]
@@ -194,7 +230,8 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.grad_data.zero_()
             buffer.reset()
 
-    def scale_gradients(self, scaling_factor: float) -> None:
+    def scale_gradients(self, scaling_factor: Union[float, torch.Tensor]) -> None:
+        """Multiply every main grad by ``scaling_factor`` (a 0-dim tensor: no host read)."""
         for buffer in self.buffers:
             buffer.scale_gradients(scaling_factor)
 
@@ -205,19 +242,15 @@ class DistributedDataParallel(torch.nn.Module):
             name = "expt_dp" if is_expert_param(param) else "dp_cp"
             dist.broadcast(param.data, src=groups.ranks[name][0], group=getattr(groups, name))
 
-    def register_param_sync_waiter(self, waiter: Callable[[], None]) -> None:
-        """``waiter()`` completes pending parameter all-gathers (distributed optimizer with
-        ``overlap_param_gather``); it runs before every forward and state_dict."""
-        self._param_sync_waiters.append(waiter)
-
     def finish_param_sync(self) -> None:
-        """Wait until parameters are current; call before reading them outside forward."""
-        for waiter in self._param_sync_waiters:
-            waiter()
+        """Wait for every pending parameter all-gather (distributed optimizer with
+        ``overlap_param_gather``); call before reading the parameters outside forward."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.finish_param_gather()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.finish_param_sync()
-        return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)  # each module's pre-hook waits for its parameters
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         self.finish_param_sync()
@@ -229,3 +262,9 @@ class DistributedDataParallel(torch.nn.Module):
     def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self.finish_param_sync()
         return self.module.sharded_state_dict(*args, **kwargs)
+
+
+def _wait_param_gathers(buckets: List[Bucket], module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook: ``module``'s parameters are current once their buckets are gathered."""
+    for bucket in buckets:
+        bucket.finish_param_gather()

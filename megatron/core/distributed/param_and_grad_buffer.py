@@ -13,7 +13,7 @@ multiple of the data-parallel size and DP rank r owns the r-th equal slice of ea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,14 @@ class Bucket:
     pending: Set[int] = field(default_factory=set)  # ids of params whose grads are not ready yet
     handle: Optional[dist.Work] = None
     dispatched: bool = False
+    # The distributed optimizer's pending all-gather of ``param_data`` (``reset`` leaves it alone).
+    param_gather_handle: Optional[dist.Work] = None
+
+    def finish_param_gather(self) -> None:
+        """Wait for this bucket's parameter all-gather, if one is running."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
 
     def shard(self, tensor: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
         """DP rank ``dp_rank``'s equal slice of ``tensor`` (grad_data or param_data)."""
@@ -137,7 +145,7 @@ class ParamAndGradBuffer:
             bucket.pending = {id(p) for p in bucket.params if p.requires_grad}
             bucket.handle, bucket.dispatched = None, False
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: Union[float, torch.Tensor]) -> None:
         self.grad_data.mul_(factor)
 
     def local_range(self, param: torch.nn.Parameter) -> Optional[Tuple[int, int]]:

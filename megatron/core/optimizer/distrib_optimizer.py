@@ -8,9 +8,11 @@ keeps, for each parameter, only the part of its flattened elements that falls in
 that slice: an fp32 main tensor (a view of the parameter itself when it is fp32, an fp32
 copy otherwise) and the Adam moments of the same size, i.e. 1/d of the state per rank.
 After the step the updated slices are written into the parameter buffer and all-gathered
-bucket by bucket. With ``overlap_param_gather`` the all-gathers are left running and the
-next forward (or ``state_dict``) of each DDP chunk waits for them; code that reads the
-parameters otherwise calls ``chunk.finish_param_sync()`` first.
+bucket by bucket, in forward order (last bucket first). With ``overlap_param_gather`` the
+all-gathers are left running: in the next forward each module waits only for the buckets of its
+own parameters (a DDP forward pre-hook), so later buckets arrive while earlier layers compute;
+``state_dict`` waits for all, and other code that reads the parameters calls
+``chunk.finish_param_sync()`` first.
 """
 
 from __future__ import annotations
@@ -47,10 +49,7 @@ class DistributedOptimizer(MegatronOptimizer):
                                  "DistributedDataParallel with ddp_config.use_distributed_optimizer=True")
             self.buffers.extend(chunk.buffers)
         self._buffer_of = {id(p): b for b in self.buffers for p in b.params}
-        self._gather_handles: List[dist.Work] = []
         super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler, expert_stat_groups)
-        for chunk in self.model_chunks:
-            chunk.register_param_sync_waiter(self.finish_param_sync)
 
     def _links_for(self, param: torch.nn.Parameter) -> List[MainLink]:
         buffer = self._buffer_of.get(id(param))
@@ -65,6 +64,11 @@ class DistributedOptimizer(MegatronOptimizer):
         return [MainLink(main=torch.nn.Parameter(piece.clone().float()), model=param, flat_range=flat_range,
                          is_copy=True)]
 
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        # A bucket no forward used may still be gathering into the buffer the update writes.
+        self.finish_param_sync()
+        return super().step()
+
     def _after_step(self) -> None:
         super()._after_step()  # our slices into the parameter buffer
         self.start_param_sync()
@@ -72,20 +76,24 @@ class DistributedOptimizer(MegatronOptimizer):
             self.finish_param_sync()
 
     def start_param_sync(self) -> None:
-        """All-gather every bucket's updated parameters from the DP shards (asynchronously)."""
+        """All-gather every bucket's updated parameters from the DP shards (asynchronously).
+
+        Buckets are laid out in backward order, so they are issued last first: the order in
+        which the next forward needs them (the same on every rank).
+        """
         for buffer in self.buffers:
             if buffer.dp_size == 1:
                 continue
-            for bucket in buffer.buckets:
+            for bucket in reversed(buffer.buckets):
                 shard = bucket.shard(bucket.param_data, buffer.dp_rank, buffer.dp_size)
-                self._gather_handles.append(
-                    all_gather_into_tensor(bucket.param_data, shard, group=buffer.dp_group, async_op=True))
+                bucket.param_gather_handle = all_gather_into_tensor(bucket.param_data, shard,
+                                                                    group=buffer.dp_group, async_op=True)
 
     def finish_param_sync(self) -> None:
-        """Wait for outstanding parameter all-gathers (no-op when none is running)."""
-        for handle in self._gather_handles:
-            handle.wait()
-        self._gather_handles = []
+        """Wait for every outstanding parameter all-gather (no-op when none is running)."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.finish_param_gather()
 
     def sharded_state_template(self, model_chunks: Sequence[torch.nn.Module], specs: Dict[str, ShardedTensor],
                                saved: Dict[str, Dict[str, torch.dtype]]

@@ -1,0 +1,89 @@
+"""``overlap_param_gather``: each bucket's all-gather is waited for by the first module that needs it.
+
+Two gloo ranks train a 4-layer GPT under DDP + the distributed optimizer with several buckets.
+The all-gathers are wrapped to record their waits next to the layers' forward starts: the wait
+for bucket 0 (the last layers: buckets follow backward order) must come after the first layer's
+forward has started, i.e. the forward overlaps the gathers it does not need yet. Losses and
+final weights must equal the run that waits for every gather in the optimizer step, bitwise.
+"""
+
+from typing import List, Tuple
+
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import distrib_optimizer
+from tests.dist_harness import run_distributed
+from tests.unit_tests.distributed.dp_training import gpt2_style, parallel_run, train_step
+
+DIST = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000)
+ITERS = 3
+
+
+class _RecordedWork:
+    """A collective handle that logs ``("wait", bucket)`` the first time it is waited on."""
+
+    def __init__(self, work, bucket: int, events: List[Tuple[str, int]]) -> None:
+        self.work, self.bucket, self.events = work, bucket, events
+
+    def wait(self) -> bool:
+        self.events.append(("wait", self.bucket))
+        return self.work.wait()
+
+
+def _record(events: List[Tuple[str, int]], bucket_of_ptr: dict):
+    real = distrib_optimizer.all_gather_into_tensor
+
+    def gather(output, inp, group=None, async_op=False):
+        work = real(output, inp, group=group, async_op=async_op)
+        return _RecordedWork(work, bucket_of_ptr[output.data_ptr()], events) if async_op else work
+    return gather
+
+
+def _overlapped(rank: int, world_size: int) -> None:
+    groups = ps.initialize_model_parallel()
+    model_kwargs = gpt2_style(num_layers=4)
+    events: List[Tuple[str, int]] = []
+    bucket_of_ptr: dict = {}
+    original = distrib_optimizer.all_gather_into_tensor
+    distrib_optimizer.all_gather_into_tensor = _record(events, bucket_of_ptr)
+    try:
+        got = parallel_run(groups, model_kwargs, DIST, dict(use_distributed_optimizer=True,
+                                                            overlap_param_gather=True),
+                           iters=0)
+        _, _, _, opt, ddp = got
+        (buffer,) = ddp.buffers
+        assert len(buffer.buckets) >= 3, f"want several buckets, got {len(buffer.buckets)}"
+        bucket_of_ptr.update({b.param_data.data_ptr(): b.index for b in buffer.buckets})
+        for i, layer in enumerate(ddp.module.decoder.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i: events.append(("forward", i)))
+        overlapped = _train(groups, ddp, opt, events)
+    finally:
+        distrib_optimizer.all_gather_into_tensor = original
+    log = overlapped[2]
+    first_forward = log.index(("forward", 0))
+    last_wait = log.index(("wait", 0))
+    assert last_wait > first_forward, f"bucket 0 waited before the first layer ran: {log}"
+    waits = [b for kind, b in log if kind == "wait"]
+    assert waits == sorted(waits, reverse=True), f"buckets not waited in forward order: {waits}"
+
+    plain = parallel_run(groups, model_kwargs, DIST, dict(use_distributed_optimizer=True), iters=0)
+    reference = _train(groups, plain[4], plain[3], [])
+    assert overlapped[0] == reference[0], f"losses differ: {overlapped[0]} vs {reference[0]}"
+    for name, weight in reference[1].items():
+        assert torch.equal(overlapped[1][name], weight), f"weight {name} differs"
+
+
+def _train(groups, ddp, opt, events: List[Tuple[str, int]]):
+    """(losses, final weights, the events of the last iteration alone)."""
+    losses = []
+    for it in range(ITERS):
+        events.clear()  # the last iteration's forward waits for the previous step's gathers
+        losses.append(train_step(ddp, opt, groups, it)[0])
+    log = list(events)
+    ddp.finish_param_sync()
+    return losses, {n: p.detach().clone() for n, p in ddp.module.named_parameters()}, log
+
+
+def test_overlap_param_gather_waits_per_bucket_and_matches_bitwise():
+    run_distributed(_overlapped, 2)
