@@ -98,3 +98,34 @@ def _single_body(rank, world_size):
 
 def test_single_rank_and_bad_input():
     run_distributed(_single_body, 1)
+
+
+def test_rows_per_block_by_device():
+    """CPU: cache-sized blocks (many at a large vocab); GPU: one block up to 1 GiB of fp32."""
+    from megatron.core.tensor_parallel.cross_entropy import rows_per_block
+    vocab = 25_152  # 50304 / tp 2
+    assert rows_per_block(8192, vocab, torch.device("cpu")) == 83  # 8 MiB / (4 B * vocab)
+    assert rows_per_block(8192, vocab, torch.device("cuda", 0)) == 8192  # 824 MB: one block
+    assert rows_per_block(32768, vocab, "cuda") == 10_672  # 1 GiB / (4 B * vocab): 4 blocks
+    assert rows_per_block(5, 10 ** 9, "cuda") == 1 and rows_per_block(0, vocab, "cpu") == 1
+
+
+def _block_size_body(rank, world_size):
+    """bf16 loss and gradient are bitwise the same for 2-row blocks and a single block."""
+    from megatron.core.tensor_parallel import cross_entropy
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(S, B, V, generator=gen).bfloat16()
+    target = torch.randint(0, V, (S, B), generator=gen)
+    results = []
+    for block_bytes in (2 * 4 * V, 2 ** 30):
+        cross_entropy._BLOCK_BYTES = block_bytes
+        mine = logits.clone().requires_grad_(True)
+        loss = tp.vocab_parallel_cross_entropy(mine, target, label_smoothing=0.1)
+        loss.sum().backward()
+        results.append((loss.detach(), mine.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_block_size_does_not_change_results():
+    run_distributed(_block_size_body, 1)
