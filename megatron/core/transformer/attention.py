@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional, Tuple
+import warnings
+from typing import List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,32 @@ from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _SDPA_BACKENDS = ("auto", "flash", "fused")
+FLASH_HEAD_DIM_MAX = 256  # PyTorch's flash kernel pads smaller head dims to a multiple of 8
+_flash_warnings: Set[str] = set()  # one warning per distinct case (a CPU run: one in all)
+
+
+def flash_blockers(query: torch.Tensor, mask: Optional[torch.Tensor]) -> List[str]:
+    """Why PyTorch's flash attention cannot run SDPA on ``query`` ``[b, heads, s, d]`` with ``mask``."""
+    reasons = []
+    if query.device.type != "cuda":
+        reasons.append(f"tensors on {query.device.type}")
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {str(query.dtype).replace('torch.', '')} (needs fp16/bf16)")
+    if mask is not None:
+        reasons.append("an explicit attention mask (padding, sliding window, context parallel or reset masks)")
+    if query.shape[-1] > FLASH_HEAD_DIM_MAX:
+        reasons.append(f"head dim {query.shape[-1]} (needs <= {FLASH_HEAD_DIM_MAX})")
+    return reasons
+
+
+def warn_flash_unavailable(reasons: List[str]) -> None:
+    """Warn, once per case, that ``--attention-backend flash`` falls back to another kernel."""
+    key = reasons[0] if reasons[0].startswith("tensors on") else "; ".join(reasons)
+    if key in _flash_warnings:
+        return
+    _flash_warnings.add(key)
+    warnings.warn(f"--attention-backend flash: flash attention cannot run here ({'; '.join(reasons)}); "
+                  "PyTorch picks another kernel (warned once per case)", stacklevel=3)
 
 
 def _dropout_rng(active: bool, sequence_parallel: bool):
@@ -73,6 +100,8 @@ class DotProductAttention(MegatronModule):
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.use_sdpa = self.backend in _SDPA_BACKENDS and not config.apply_query_key_layer_scaling
+        if self.backend == "flash" and not self.use_sdpa:
+            warn_flash_unavailable(["--apply-query-key-layer-scaling runs the unfused softmax"])
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -114,11 +143,14 @@ class DotProductAttention(MegatronModule):
 
     def _sdpa_kernel(self, q: torch.Tensor, mask: Optional[torch.Tensor]):
         """``attention_backend=flash``: pin SDPA to flash attention where it can run it (CUDA, fp16/bf16,
-        no explicit mask); elsewhere, and for other backends, PyTorch picks the kernel."""
-        flash_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
-        if self.backend == "flash" and flash_ok:
-            return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-        return contextlib.nullcontext()
+        no explicit mask, head dim <= 256), else warn once why not; other backends: PyTorch picks."""
+        if self.backend != "flash":
+            return contextlib.nullcontext()
+        reasons = flash_blockers(q, mask)
+        if reasons:
+            warn_flash_unavailable(reasons)
+            return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
     def _gather_over_cp(self, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
                         causal: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:

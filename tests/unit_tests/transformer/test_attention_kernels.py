@@ -6,6 +6,7 @@ heads, bitwise on the CPU math kernel), repeated heads where an explicit mask is
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, List
 
 import pytest
@@ -83,3 +84,41 @@ def test_flash_gqa_on_cuda_matches_math():
         expected = _attention().cuda()(q.float(), k.float().repeat_interleave(repeat, 2),
                                         v.float().repeat_interleave(repeat, 2), None)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def _flash_warnings(run) -> List[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "attention" in str(w.message)]
+
+
+def test_flash_backend_warns_once_on_cpu_and_auto_stays_silent(monkeypatch):
+    monkeypatch.setattr(attention, "_flash_warnings", set())
+    q, k, v = _qkv()
+    mask = torch.ones(S, S, dtype=torch.bool).triu(1)
+    flash, auto = _attention("flash"), _attention("auto")
+    assert _flash_warnings(lambda: [auto(q, k, v, m) for m in (None, mask)]) == []
+    got = _flash_warnings(lambda: [flash(q, k, v, m) for m in (None, mask, None, mask)])
+    assert len(got) == 1, got  # a CPU run: one warning, not one per call or per layer
+    assert got[0].startswith("--attention-backend flash") and "tensors on cpu" in got[0], got
+
+
+def test_flash_backend_names_why_flash_cannot_run(monkeypatch):
+    monkeypatch.setattr(attention, "sdpa_kernel", lambda backends: contextlib.nullcontext())
+    monkeypatch.setattr(attention, "_flash_warnings", set())
+    with FakeCuda():
+        bf16, fp32 = (torch.zeros(B, HEADS, S, D, device="cuda", dtype=t) for t in (torch.bfloat16, torch.float32))
+        wide = torch.zeros(B, HEADS, S, 264, device="cuda", dtype=torch.bfloat16)
+    flash, mask = _attention("flash"), torch.zeros(S, S, dtype=torch.bool)
+
+    def enter(q, m):
+        with flash._sdpa_kernel(q, m):
+            pass
+    assert _flash_warnings(lambda: enter(bf16, None)) == []
+    for q, m, why in ((bf16, mask, "explicit attention mask"), (fp32, None, "dtype float32"),
+                      (wide, None, "head dim 264")):
+        got = _flash_warnings(lambda: [enter(q, m), enter(q, m)])
+        assert len(got) == 1 and why in got[0] and "--attention-backend flash" in got[0], (why, got)
+    got = _flash_warnings(lambda: _attention("flash", apply_query_key_layer_scaling=True))
+    assert len(got) == 1 and "--apply-query-key-layer-scaling" in got[0], got
