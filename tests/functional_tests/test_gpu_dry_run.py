@@ -5,7 +5,7 @@ the distributed optimizer and both overlaps, CP, EP/MoE, bf16, fp16, per-token l
 recompute full/selective, grouped-query attention, torch_dist and legacy checkpoints, a
 64-rank layout) trains, saves, resumes and trains again as its first, a middle and its last
 rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs per
-steady-state iteration (8 for dense models, see grid.py), and every bf16/fp16 attention
+steady-state iteration (6 for dense models, see grid.py), and every bf16/fp16 attention
 call outside context parallelism is flash-eligible.
 """
 

@@ -76,8 +76,8 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: P
 def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection) -> torch.Tensor:
     """The global token count: broadcast from the last pipeline stage, summed over DP.
 
-    Off the last stage the schedule's count is still a CPU zero; each collective gets it on its
-    group's communication device (the GPU for NCCL).
+    The schedules keep the count on the parameters' device (the GPU for NCCL), so the moves below
+    are no-ops there; a CPU count (gloo, or a caller's) goes to each group's communication device.
     """
     num_tokens = num_tokens.detach().clone().to(torch.float64)
     if groups.size_of("pp") > 1:
@@ -106,8 +106,8 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], num_tokens: Op
     allreduce_sequence_parallel_grads(model_chunks, groups.tp)
     allreduce_embedding_grads(model_chunks, groups)
     if num_tokens is not None:
-        total = _reduce_num_tokens(num_tokens, groups)
-        scale = 1.0 / max(float(total.item()), 1.0)
+        # A device tensor: no host read of the count (the division is the same float64 one).
+        scale = _reduce_num_tokens(num_tokens, groups).reshape(()).clamp_min(1.0).reciprocal()
         for chunk in model_chunks:
             if hasattr(chunk, "scale_gradients"):
                 chunk.scale_gradients(scale)

@@ -173,7 +173,8 @@ def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
     if getattr(config, "num_moe_experts", None):
         set_aux_loss_scale(config, num_microbatches, parameter_device(model))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
-    zero = torch.tensor(0, dtype=torch.int)
+    # On the parameters' device: finalize_model_grads broadcasts it over PP without a host copy.
+    zero = torch.zeros((), dtype=torch.int, device=parameter_device(model))
     if not is_last_stage:
         return output_tensor, zero
     if collect_non_loss_data:

@@ -128,5 +128,6 @@ def aux_loss_pairs(config, groups: ProcessGroupCollection, num_microbatches: int
     if groups.size_of("pp") > 1:
         dist.all_reduce(values, group=groups.pp)
     num_moe_layers = sum(config.is_moe_layer(n) for n in range(1, config.num_layers + 1))
-    count = torch.tensor(float(num_moe_layers * num_microbatches), device=device)
-    return {name: torch.stack([total, count]) for name, total in zip(names, values.sum(dim=1))}
+    totals = values.sum(dim=1)  # [names]
+    counts = torch.full_like(totals, float(num_moe_layers * num_microbatches))  # a fill, not a host copy
+    return dict(zip(names, torch.stack([totals, counts], dim=1)))  # name -> [sum, count]
