@@ -46,8 +46,10 @@ class ModelParallelConfig:
     params_dtype: torch.dtype = torch.float32
     timers: Optional[object] = None
 
-    # GPU-only performance switches: accepted, no numerical effect.
+    # Tensor-parallel linears add their weight gradient straight into ``param.main_grad`` (the
+    # data-parallel buffer) instead of returning it to autograd; weights without main_grad are unaffected.
     gradient_accumulation_fusion: bool = False
+    # GPU-only performance switches: accepted, no numerical effect.
     async_tensor_model_parallel_allreduce: bool = False
     tp_comm_overlap: bool = False
 

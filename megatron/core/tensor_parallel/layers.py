@@ -19,9 +19,13 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.linear_function import (
+    COMM_ALL_REDUCE,
+    COMM_NONE,
+    COMM_SEQUENCE_PARALLEL,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -92,6 +96,11 @@ def _init_common(layer: torch.nn.Module, config: ModelParallelConfig, input_size
     return world
 
 
+def _fuse_wgrad(layer: torch.nn.Module) -> bool:
+    """``gradient_accumulation_fusion``: weight gradients go straight into ``main_grad``."""
+    return bool(getattr(layer.config, "gradient_accumulation_fusion", False))
+
+
 def _home_device() -> torch.device:
     """Where parameters live: the current CUDA device when there is one, else the CPU."""
     if torch.cuda.is_available():
@@ -148,8 +157,10 @@ class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its output dim: rank i holds ``A[i*o/tp:(i+1)*o/tp]``.
 
     Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism, all-gathered
-    here); output ``[s, b, o/tp]``, or ``[s, b, o]`` with ``gather_output``. An expert
-    layer (``is_expert``) on more than one rank communicates nothing: its MoE layer
+    here; only the piece is kept for backward); output ``[s, b, o/tp]``, or ``[s, b, o]``
+    with ``gather_output``. Backward overlaps the input gradient's all-reduce
+    (reduce-scatter under SP) with the weight-gradient GEMM (``linear_function.py``). An
+    expert layer (``is_expert``) on more than one rank communicates nothing: its MoE layer
     hands it tokens present on every rank and reduces their gradient itself.
     """
 
@@ -180,6 +191,12 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def _comm(self) -> str:
+        """The input's communication: none for experts (tokens already on every rank) or one rank."""
+        if self.explicit_expert_comm or dist.get_world_size(self.tp_group) == 1:
+            return COMM_NONE
+        return COMM_SEQUENCE_PARALLEL if self.sequence_parallel else COMM_ALL_REDUCE
+
     def _check_weight(self, weight: Optional[torch.Tensor]) -> torch.Tensor:
         if weight is None:
             if self.weight is None:
@@ -201,14 +218,10 @@ class ColumnParallelLinear(torch.nn.Module):
             runtime_gather_output: overrides ``gather_output`` for this call.
         """
         weight = self._check_weight(weight)
-        if self.explicit_expert_comm:
-            total_input = input_  # [tokens, h], already on every rank of the group
-        elif self.sequence_parallel:
-            total_input = gather_from_sequence_parallel_region(input_, True, self.tp_group)  # [s, b, h]
-        else:
-            total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h]
         bias = None if self.skip_bias_add else self.bias
-        output_parallel = F.linear(total_input, weight, bias)  # [s, b, o/tp]
+        # input_: [s/tp, b, h] under SP (gathered inside, only the piece is kept for backward), else [s, b, h]
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self))  # [s, b, o/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             if self.sequence_parallel:
@@ -263,7 +276,8 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h/tp]
-        output_parallel = F.linear(input_parallel, self.weight)  # [s, b, o] partial sum
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel, self.weight, None, self.tp_group, COMM_NONE, _fuse_wgrad(self))  # [s, b, o] partial sum
         if self.explicit_expert_comm:
             output = output_parallel  # the MoE layer sums the partial outputs over TP
         elif self.sequence_parallel:

@@ -99,6 +99,10 @@ class GPTModel(MegatronModule):
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size, self.vocab_size, config=config, init_method=config.init_method, bias=False,
                     gather_output=False, skip_weight_param_allocation=tied, tp_group=groups.tp)
+            if tied:
+                # With gradient_accumulation_fusion the output layer hands autograd a dummy weight
+                # gradient that is summed with the embedding's: it must be zeros (DDP adds the sum).
+                self.embedding.word_embeddings.weight.zero_out_wgrad = True
             if share_embeddings_and_output_weights and not pre_process:
                 # The last stage's copy; the training code keeps it equal to the first stage's.
                 self.output_layer.weight.shared_embedding = True
