@@ -203,6 +203,9 @@ def save_checkpoint(iteration: int, model_chunks: Sequence[torch.nn.Module], opt
         raise ValueError("save_checkpoint needs CheckpointConfig.save (--save)")
     _require_plain("train_state", train_state)
     _require_plain("args_dict", args_dict)
+    for chunk in model_chunks:  # --overlap-param-gather leaves gathers running after the step
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()
     groups = dc.model_process_groups(dc.unwrap_model(model_chunks[0]), pg_collection)
     iter_dir = checkpoint_dir(ckpt_config.save, iteration)
     common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "train_state": train_state,

@@ -226,6 +226,8 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero all main grads and reset bucket state; call at the start of each iteration."""
         for param in self.module.parameters():
             param.grad = None
+            if getattr(param, "grad_added_to_main_grad", False):  # left set by a backward that raised
+                param.grad_added_to_main_grad = False
         for buffer in self.buffers:
             buffer.grad_data.zero_()
             buffer.reset()

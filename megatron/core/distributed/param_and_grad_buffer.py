@@ -146,6 +146,13 @@ class ParamAndGradBuffer:
             bucket.handle, bucket.dispatched = None, False
 
     def scale_gradients(self, factor: Union[float, torch.Tensor]) -> None:
+        """Multiply the grads by ``factor``; a tensor factor is read on the host for half-precision grads.
+
+        A device 0-dim operand is cast to the grads' dtype, where 1/tokens rounds badly (an fp16
+        subnormal beyond ~16k tokens); a Python float is applied in fp32 by the kernel.
+        """
+        if isinstance(factor, torch.Tensor) and self.grad_data.dtype in (torch.float16, torch.bfloat16):
+            factor = float(factor)
         self.grad_data.mul_(factor)
 
     def local_range(self, param: torch.nn.Parameter) -> Optional[Tuple[int, int]]:

@@ -87,3 +87,45 @@ def _train(groups, ddp, opt, events: List[Tuple[str, int]]):
 
 def test_overlap_param_gather_waits_per_bucket_and_matches_bitwise():
     run_distributed(_overlapped, 2)
+
+
+def _save_right_after_a_step(rank: int, world_size: int, save_dir: str) -> None:
+    from megatron.training import checkpointing
+
+    groups = ps.initialize_model_parallel()
+    _, _, _, opt, ddp = parallel_run(groups, gpt2_style(num_layers=2), DIST,
+                                     dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0)
+    train_step(ddp, opt, groups, 0)
+    (buffer,) = ddp.buffers
+    assert any(b.param_gather_handle is not None for b in buffer.buckets)  # the step left gathers running
+    real_save = checkpointing.dc.save
+
+    def save(sharded_sd, directory, *args, **kwargs):
+        pending = [b.index for b in buffer.buckets if b.param_gather_handle is not None]
+        assert not pending, f"parameters written while buckets {pending} were still being gathered"
+        return real_save(sharded_sd, directory, *args, **kwargs)
+
+    checkpointing.dc.save = save
+    try:  # no optimizer state: nothing on the optimizer's side waits for the gathers
+        checkpointing.save_checkpoint(1, [ddp], None, None, checkpointing.CheckpointConfig(save=save_dir), {}, {})
+    finally:
+        checkpointing.dc.save = real_save
+
+
+def test_a_checkpoint_waits_for_the_parameter_gathers(tmp_path):
+    run_distributed(_save_right_after_a_step, 2, str(tmp_path / "ckpt"))
+
+
+def _stale_fusion_flags_cleared(rank: int, world_size: int) -> None:
+    groups = ps.initialize_model_parallel()
+    _, _, _, _, ddp = parallel_run(groups, gpt2_style(num_layers=1), DIST, dict(use_distributed_optimizer=True),
+                                   iters=0)
+    params = list(ddp.module.parameters())
+    for param in params:  # what a backward that raised after the fused wgrad leaves behind
+        param.grad_added_to_main_grad = True
+    ddp.zero_grad_buffer()
+    assert not any(getattr(p, "grad_added_to_main_grad", False) for p in params)
+
+
+def test_zero_grad_buffer_clears_fusion_flags_left_by_a_failed_backward():
+    run_distributed(_stale_fusion_flags_cleared, 1)
