@@ -25,12 +25,25 @@ SUMMARY=$WORK/summary.txt
 FAILED=0
 export PYTHONUNBUFFERED=1
 
+STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-300}  # one hung NCCL step must not spend the whole device lease
+
 # step NAME COMMAND...: run it with its output in $WORK/NAME.log; record PASS/FAIL and seconds.
+# A step still running after STEP_TIMEOUT_S is terminated (with its children) and fails.
 step() {
   local name=$1; shift
-  local start rc ms line
+  local start rc ms line pid waited=0
   start=$(date +%s%N)
-  "$@" >"$WORK/$name.log" 2>&1
+  "$@" >"$WORK/$name.log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if (( waited >= STEP_TIMEOUT_S )); then
+      echo "gpu_smoke: $name still running after ${STEP_TIMEOUT_S}s: terminated" >>"$WORK/$name.log"
+      pkill -TERM -P "$pid"; kill -TERM "$pid" 2>/dev/null
+      break
+    fi
+    sleep 1; waited=$((waited + 1))
+  done
+  wait "$pid"
   rc=$?
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
   line=$(printf '%-4s %-28s %5d.%d s' "$([[ $rc == 0 ]] && echo PASS || echo FAIL)" "$name" $((ms / 1000)) \

@@ -190,7 +190,11 @@ def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if env.source == "fake":  # collectives move no data: a one-process planning run of any rank
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        try:  # torch's own test utility: present in every build so far, but private
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+        except ImportError as e:
+            raise RuntimeError(f"--fake-process-group needs torch's fake process group, which this torch "
+                               f"{torch.__version__} does not provide: {e}") from e
 
         backend = "fake"
         dist.init_process_group(backend, store=FakeStore(), rank=env.rank, world_size=env.world_size, timeout=timeout)
