@@ -130,29 +130,32 @@ DROPOUT = {"--hidden-dropout": "0.1", "--attention-dropout": "0.1"}
 RESUME_LAYOUTS = {
     # Preprocessed corpus, --eval-interval left out (Megatron's default): dropout inside the TP regions
     # draws from the tracked model-parallel stream, outside from the default generator.
-    "tp2": ({"--tensor-model-parallel-size": "2", "--eval-interval": None}, True),
+    "tp2": ({"--tensor-model-parallel-size": "2", "--eval-interval": None}, True, 2),
     # Mock data, validation after every iteration: evaluation (whose iterator starts lazily) must not
     # move the training generators; each stage has its own seed.
-    "pp2": ({"--pipeline-model-parallel-size": "2", "--eval-interval": "1"}, False),
+    "pp2": ({"--pipeline-model-parallel-size": "2", "--eval-interval": "1"}, False, 2),
+    # Both at once on 4 ranks: tracked TP streams on every pipeline stage.
+    "tp2pp2": ({"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2", "--eval-interval": "2"},
+               False, 4),
 }
 
 
 @pytest.mark.parametrize("layout", sorted(RESUME_LAYOUTS))
 def test_resume_with_dropout_reproduces_the_straight_run_bitwise(layout, corpus, tmp_path):
     """Straight run of 4 iterations vs 2 iterations saved and exited, then resumed to 4; dropout 0.1."""
-    changes, on_corpus = RESUME_LAYOUTS[layout]
+    changes, on_corpus, nproc = RESUME_LAYOUTS[layout]
     base = with_flags(tiny_gpt_flags(RESUME_ITERS) + (data_flags(corpus) if on_corpus else mock_flags()),
                       {**DROPOUT, **changes})
     half, ckpt = RESUME_ITERS // 2, str(tmp_path / "ckpt")
     tb_straight, tb_resume = str(tmp_path / "tb_straight"), str(tmp_path / "tb_resume")
-    straight = run_gpt(2, base + ["--tensorboard-dir", tb_straight], str(tmp_path))
+    straight = run_gpt(nproc, base + ["--tensorboard-dir", tb_straight], str(tmp_path))
     assert_ok(straight, f"{layout} straight run")
-    first = run_gpt(2, base + ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half),
+    first = run_gpt(nproc, base + ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half),
                                "--tensorboard-dir", tb_resume], str(tmp_path))
     assert_ok(first, f"{layout} first half")
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(half)
     assert os.path.exists(os.path.join(ckpt, f"iter_{half:07d}", "metadata.json"))
-    second = run_gpt(2, base + ["--load", ckpt, "--save", ckpt, "--tensorboard-dir", tb_resume], str(tmp_path))
+    second = run_gpt(nproc, base + ["--load", ckpt, "--save", ckpt, "--tensorboard-dir", tb_resume], str(tmp_path))
     assert_ok(second, f"{layout} resumed half")
     assert [line["iteration"] for line in second.lines] == list(range(half + 1, RESUME_ITERS + 1))
     assert len(straight.losses()) == RESUME_ITERS
