@@ -129,3 +129,39 @@ def _stale_fusion_flags_cleared(rank: int, world_size: int) -> None:
 
 def test_zero_grad_buffer_clears_fusion_flags_left_by_a_failed_backward():
     run_distributed(_stale_fusion_flags_cleared, 1)
+
+
+def _step_waits_and_issue_order(rank: int, world_size: int) -> None:
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    groups = ps.initialize_model_parallel()
+    issued: List[int] = []
+    bucket_of_ptr: dict = {}
+    real_gather = distrib_optimizer.all_gather_into_tensor
+
+    def gather(output, inp, group=None, async_op=False):
+        issued.append(bucket_of_ptr.get(output.data_ptr(), -1))
+        return real_gather(output, inp, group=group, async_op=async_op)
+
+    _, _, _, opt, ddp = parallel_run(groups, gpt2_style(num_layers=2), DIST,
+                                     dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0)
+    (buffer,) = ddp.buffers
+    bucket_of_ptr.update({b.param_data.data_ptr(): b.index for b in buffer.buckets})
+    real_step = MegatronOptimizer.step
+
+    def checked_step(self):
+        pending = [b.index for b in buffer.buckets if b.param_gather_handle is not None]
+        assert not pending, f"the update writes the parameter buffer while buckets {pending} are gathering"
+        return real_step(self)
+
+    distrib_optimizer.all_gather_into_tensor, MegatronOptimizer.step = gather, checked_step
+    try:
+        train_step(ddp, opt, groups, 0)  # leaves the gathers running
+        assert issued == sorted(issued, reverse=True) and len(issued) == len(buffer.buckets), issued
+        opt.step()  # again with no forward in between: nothing waited for the gathers yet
+    finally:
+        distrib_optimizer.all_gather_into_tensor, MegatronOptimizer.step = real_gather, real_step
+
+
+def test_step_waits_for_the_gathers_issued_last_bucket_first():
+    run_distributed(_step_waits_and_issue_order, 2)
