@@ -32,9 +32,8 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.moe.moe_utils import aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.utils import comm_device
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.checkpointing import (args_to_plain_data, checkpoint_config_from_args, collect_rng_state,
-                                            load_checkpoint, restore_rng_state, save_checkpoint)
-from megatron.training.checkpointing import check_save_dir
+from megatron.training.checkpointing import (args_to_plain_data, check_save_dir, checkpoint_config_from_args,
+                                            collect_rng_state, load_checkpoint, restore_rng_state, save_checkpoint)
 from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import initialize_megatron, shutdown_distributed
