@@ -17,6 +17,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -47,7 +48,9 @@ def _child(rank: int, world_size: int, store_path: str, stack_path: str, timeout
             timeout=timedelta(seconds=timeout_s),
         )
         value = body(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        # Plain pickle bytes: torch's queue pickler would pass tensors as shared-memory file
+        # descriptors, which the parent cannot receive once this process has exited.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must travel to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -138,4 +141,4 @@ def run_distributed(body: Callable[..., Any], world_size: int, *args: Any,
             raise DistributedTestError(
                 f"{body.__name__} on {world_size} ranks:\n" + "\n".join(problems)
             )
-    return [reports[r][1] for r in range(world_size)]
+    return [pickle.loads(reports[r][1]) for r in range(world_size)]
