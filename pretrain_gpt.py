@@ -24,22 +24,39 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.training import pretrain
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, *,
-                   config: TransformerConfig, args: argparse.Namespace, pg_collection=None) -> GPTModel:
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    *,
+    config: TransformerConfig,
+    args: argparse.Namespace,
+    pg_collection=None,
+) -> GPTModel:
     """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
 
     With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer).
     """
     spec = get_gpt_decoder_block_spec(config) if args.num_experts else get_gpt_layer_local_spec()
     return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
-        pg_collection=pg_collection, vp_stage=vp_stage)
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
 
 
 def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
@@ -47,18 +64,26 @@ def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
     per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     use_per_split = any(p is not None for p in per_split)
     return GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length,
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
         blend=None if use_per_split else get_blend_from_list(args.data_path),
         blend_per_split=[get_blend_from_list(p) for p in per_split] if use_per_split else None,
-        split=None if use_per_split else args.split, path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        split=None if use_per_split else args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
         # Without document resets the mask is plain causal: the model builds it, no [s, s] tensor per sample.
-        create_attention_mask=args.reset_attention_mask, mock=args.mock_data)
+        create_attention_mask=args.reset_attention_mask,
+        mock=args.mock_data,
+    )
 
 
-def train_valid_test_datasets_provider(num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer,
-                                       pg_collection=None) -> List:
+def train_valid_test_datasets_provider(
+    num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer, pg_collection=None
+) -> List:
     """[train, valid, test] GPT datasets (mock data with ``--mock-data``)."""
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, dataset_config(args, tokenizer)).build()

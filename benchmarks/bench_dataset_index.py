@@ -34,8 +34,9 @@ def bench_gpt_indices(num_tokens: int, seq_length: int, mean_doc_len: int, seed:
     docs = np.arange(num_docs)
     doc_index = _timed("document index", helpers.build_document_index, docs, 1, shuffle_rng, False)
     sample_index = _timed("sample index", helpers.build_sample_index, lengths, doc_index, seq_length)
-    _timed("shuffle index", helpers.build_shuffle_index, sample_index.shape[0] - 1,
-           sample_index.shape[0] - 1, shuffle_rng)
+    _timed(
+        "shuffle index", helpers.build_shuffle_index, sample_index.shape[0] - 1, sample_index.shape[0] - 1, shuffle_rng
+    )
     return time.perf_counter() - start
 
 
@@ -50,8 +51,12 @@ def main() -> None:
     total = bench_gpt_indices(int(args.tokens), args.seq_length, args.mean_doc_length, args.seed)
     print(f"{'GPT indices total':<28s} {total:8.3f} s")
     if args.blend_samples > 0:
-        _timed(f"blend {int(args.blend_samples):,} x 2 datasets", helpers.build_blending_indices,
-               [0.3, 0.7], int(args.blend_samples))
+        _timed(
+            f"blend {int(args.blend_samples):,} x 2 datasets",
+            helpers.build_blending_indices,
+            [0.3, 0.7],
+            int(args.blend_samples),
+        )
 
 
 if __name__ == "__main__":

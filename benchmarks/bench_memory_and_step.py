@@ -66,10 +66,13 @@ def _measure(rank: int, world_size: int, distributed: bool) -> Dict[str, float]:
     bf16 = {"params_dtype": torch.bfloat16, "bf16": True}
     model = build_gpt(gpt2_style(**MEMORY_MODEL, **bf16), groups)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model, pg_collection=groups)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, use_distributed_optimizer=distributed, **bf16),
-                                 [ddp], groups)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
+        model,
+        pg_collection=groups,
+    )
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, use_distributed_optimizer=distributed, **bf16), [ddp], groups)
     tokens, labels = batch(b=2, s=64, vocab=1024)
     ddp(tokens, None, None, labels=labels).mean().backward()
     ddp.finish_grad_sync()
@@ -91,8 +94,10 @@ def memory_table() -> None:
             m = run_distributed(_measure, d, distributed, timeout=600)[0]
             formula = 6 + 12 / d if distributed else 18
             total = sum(m.values())
-            print(f"{d:>2} {str(distributed):>8} {m['params']:7.3f} {m['grads']:6.3f} {m['main']:6.3f} "
-                  f"{m['adam']:6.3f} {total:7.3f} {formula:8.3f}")
+            print(
+                f"{d:>2} {str(distributed):>8} {m['params']:7.3f} {m['grads']:6.3f} {m['main']:6.3f} "
+                f"{m['adam']:6.3f} {total:7.3f} {formula:8.3f}"
+            )
 
 
 def _train_step(model: torch.nn.Module, opt, tokens: torch.Tensor, labels: torch.Tensor) -> Tuple[float, float]:
@@ -125,21 +130,28 @@ def _step_times(kwargs: Dict, b: int, s: int, iters: int) -> Dict[str, List[Tupl
 
 def step_table(iters: int) -> None:
     import tempfile
+
     import torch.distributed as dist
 
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        print(f"step time, fp32 and bf16 alternating, median of {iters} ({threads} threads; "
-              f"CPU = process CPU seconds / threads, less sensitive to other jobs)")
-        for name, kwargs, b, s in (("tiny (2x32, seq 16, mb 2)", {}, 2, 16),
-                                   ("gpt2-small (12x768, seq 512, mb 4)", GPT2_SMALL, 4, 512)):
+        print(
+            f"step time, fp32 and bf16 alternating, median of {iters} ({threads} threads; "
+            f"CPU = process CPU seconds / threads, less sensitive to other jobs)"
+        )
+        for name, kwargs, b, s in (
+            ("tiny (2x32, seq 16, mb 2)", {}, 2, 16),
+            ("gpt2-small (12x768, seq 512, mb 4)", GPT2_SMALL, 4, 512),
+        ):
             times = _step_times(kwargs, b, s, iters)
             wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
             cpu = {k: statistics.median(t[1] / threads for t in v) for k, v in times.items()}
-            print(f"{name:36s} wall: fp32 {wall['fp32'] * 1e3:9.1f} ms  bf16 {wall['bf16'] * 1e3:9.1f} ms  "
-                  f"{wall['fp32'] / wall['bf16']:5.2f}x | CPU: fp32 {cpu['fp32'] * 1e3:9.1f} ms  "
-                  f"bf16 {cpu['bf16'] * 1e3:9.1f} ms  {cpu['fp32'] / cpu['bf16']:5.2f}x")
+            print(
+                f"{name:36s} wall: fp32 {wall['fp32'] * 1e3:9.1f} ms  bf16 {wall['bf16'] * 1e3:9.1f} ms  "
+                f"{wall['fp32'] / wall['bf16']:5.2f}x | CPU: fp32 {cpu['fp32'] * 1e3:9.1f} ms  "
+                f"bf16 {cpu['bf16'] * 1e3:9.1f} ms  {cpu['fp32'] / cpu['bf16']:5.2f}x"
+            )
         dist.destroy_process_group()
 
 

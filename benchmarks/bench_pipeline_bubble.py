@@ -55,9 +55,16 @@ class SleepChunk(torch.nn.Module):
 
     def __init__(self, t_forward: float, t_backward: float, first: bool) -> None:
         super().__init__()
-        self.config = SimpleNamespace(pipeline_dtype=torch.float32, hidden_size=SHAPE[2], sequence_parallel=False,
-                                      variable_seq_lengths=False, calculate_per_token_loss=False,
-                                      no_sync_func=None, grad_scale_func=None, finalize_model_grads_func=None)
+        self.config = SimpleNamespace(
+            pipeline_dtype=torch.float32,
+            hidden_size=SHAPE[2],
+            sequence_parallel=False,
+            variable_seq_lengths=False,
+            calculate_per_token_loss=False,
+            no_sync_func=None,
+            grad_scale_func=None,
+            finalize_model_grads_func=None,
+        )
         self.weight = torch.nn.Parameter(torch.ones(()))
         self.t_forward, self.t_backward, self.first = t_forward, t_backward, first
         self.input_tensor = None
@@ -80,14 +87,22 @@ def _time_one(groups, p: int, m: int, v: int, t_f: float, t_b: float) -> float:
     func = get_forward_backward_func(p, v)
     dist.barrier(group=groups.pp)
     start = time.perf_counter()
-    func(forward_step_func=_step, data_iterator=[None] * v, model=chunks, num_microbatches=m,
-         seq_length=SHAPE[0], micro_batch_size=SHAPE[1], pg_collection=groups)
+    func(
+        forward_step_func=_step,
+        data_iterator=[None] * v,
+        model=chunks,
+        num_microbatches=m,
+        seq_length=SHAPE[0],
+        micro_batch_size=SHAPE[1],
+        pg_collection=groups,
+    )
     dist.barrier(group=groups.pp)
     return time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, store: str, cases: List[Tuple[int, int]], t_f: float, t_b: float,
-            repeats: int, out: "mp.Queue") -> None:
+def _worker(
+    rank: int, world: int, store: str, cases: List[Tuple[int, int]], t_f: float, t_b: float, repeats: int, out: mp.Queue
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     groups = build_process_groups(ParallelLayout(world_size=world, pipeline_model_parallel_size=world))
@@ -101,8 +116,9 @@ def _worker(rank: int, world: int, store: str, cases: List[Tuple[int, int]], t_f
     dist.destroy_process_group()
 
 
-def measure(p: int, cases: List[Tuple[int, int]], t_f: float, t_b: float,
-            repeats: int = 1) -> Dict[Tuple[int, int, int], float]:
+def measure(
+    p: int, cases: List[Tuple[int, int]], t_f: float, t_b: float, repeats: int = 1
+) -> Dict[Tuple[int, int, int], float]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +146,7 @@ def main() -> None:
     print(f"t_forward={args.t_forward_ms} ms, t_backward={args.t_backward_ms} ms per microbatch per stage")
     print(f"{'p':>2} {'m':>3} {'v':>2} {'wall s':>8} {'bubble':>8} {'(p-1)/(vm)':>11} {'diff':>7}")
     for p in (2, 4):
-        for (world, m, v), wall in sorted(measure(p, cases, t_f, t_b, args.repeats).items()):
+        for (_world, m, v), wall in sorted(measure(p, cases, t_f, t_b, args.repeats).items()):
             busy = m * (t_f + t_b)
             bubble, theory = (wall - busy) / busy, (p - 1) / (v * m)
             print(f"{p:>2} {m:>3} {v:>2} {wall:8.3f} {bubble:8.3f} {theory:11.3f} {bubble - theory:+7.3f}")

@@ -58,15 +58,26 @@ def time_library(vocab_file: str, merge_file: str, texts: List[str], threads: in
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     start = time.perf_counter()
     for i in range(0, len(texts), 4096):
-        tok.encode_batch_fast(texts[i:i + 4096], add_special_tokens=False)
+        tok.encode_batch_fast(texts[i : i + 4096], add_special_tokens=False)
     return time.perf_counter() - start
 
 
 def run_tool(corpus: str, out_prefix: str, tok_flags: List[str], workers: int) -> float:
     """Wall seconds of one preprocessing run (a fresh process, as a user runs it)."""
-    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", out_prefix, *tok_flags, "--workers", str(workers), "--append-eod",
-           "--log-interval", "100000"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "preprocess_data.py"),
+        "--input",
+        corpus,
+        "--output-prefix",
+        out_prefix,
+        *tok_flags,
+        "--workers",
+        str(workers),
+        "--append-eod",
+        "--log-interval",
+        "100000",
+    ]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
@@ -75,8 +86,11 @@ def run_tool(corpus: str, out_prefix: str, tok_flags: List[str], workers: int) -
 def startup_seconds() -> float:
     """Wall seconds of ``preprocess_data.py --help``."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--help"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--help"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return time.perf_counter() - start
 
 
@@ -95,8 +109,9 @@ def main() -> None:
         mb = os.path.getsize(corpus) / 1e6
         print(f"corpus: {len(texts)} documents, {mb:.1f} MB ({time.perf_counter() - t:.1f} s to write)")
         t = time.perf_counter()
-        trained = train_tokenizer("gpt2bpe", corpus_texts(max_chars=3_000_000), args.vocab_size,
-                                  os.path.join(tmp, "bpe"))
+        trained = train_tokenizer(
+            "gpt2bpe", corpus_texts(max_chars=3_000_000), args.vocab_size, os.path.join(tmp, "bpe")
+        )
         print(f"byte-level BPE: vocab {args.vocab_size} trained in {time.perf_counter() - t:.1f} s")
         kw = trained.kwargs
         startup = min(startup_seconds() for _ in range(3))

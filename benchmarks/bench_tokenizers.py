@@ -34,15 +34,16 @@ def make_corpus(megabytes: float) -> List[str]:
     return texts
 
 
-def measure(name: str, encode: Callable[[List[str]], object], texts: List[str], batch: int,
-            megabytes: float, repeat: int) -> None:
+def measure(
+    name: str, encode: Callable[[List[str]], object], texts: List[str], batch: int, megabytes: float, repeat: int
+) -> None:
     """Prints the best of ``repeat`` passes: the machine may be shared, so the fastest pass is
     the least disturbed one. Every pass starts with the word cache warm from earlier passes."""
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         for i in range(0, len(texts), batch):
-            encode(texts[i:i + batch])
+            encode(texts[i : i + batch])
         best = min(best, time.perf_counter() - start)
     print(f"{name:<44s} {megabytes / best:8.2f} MB/s  ({best:.2f} s)")
 
@@ -65,13 +66,14 @@ def main() -> None:
         raw = ByteLevelBPETokenizer(trained.kwargs["vocab_file"], trained.kwargs["merge_file"])
     tok.batch_tokenize(texts[: len(texts) // 10])  # warm the BPE word cache for everyone
     assert tok.batch_tokenize(texts[:200]) == [e.ids for e in raw.encode_batch(texts[:200])]
-    print(f"{len(texts)} texts, {megabytes:.1f} MB, vocab {tok.vocab_size}, batch {args.batch}, "
-          f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', 'unset')}")
+    print(
+        f"{len(texts)} texts, {megabytes:.1f} MB, vocab {tok.vocab_size}, batch {args.batch}, "
+        f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', 'unset')}"
+    )
     methods = {
         "GPT2BPETokenizer.batch_tokenize": tok.batch_tokenize,
         "tokenizers encode_batch (ids read)": lambda b: [e.ids for e in raw.encode_batch(b)],
-        "tokenizers encode_batch_fast (ids read)":
-            lambda b: [e.ids for e in raw._tokenizer.encode_batch_fast(b)],
+        "tokenizers encode_batch_fast (ids read)": lambda b: [e.ids for e in raw._tokenizer.encode_batch_fast(b)],
         "GPT2BPETokenizer.tokenize, one text a call": lambda b: [tok.tokenize(t) for t in b],
     }
     for name, encode in methods.items():

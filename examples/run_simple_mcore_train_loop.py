@@ -24,8 +24,7 @@ from megatron.core.datasets.data_samplers import build_pretraining_data_loader  
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.dist_checkpointing import save as save_sharded  # noqa: E402
 from megatron.core.dist_checkpointing.state_dict import sharded_state_dict  # noqa: E402
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,  # noqa: E402
-                                       finalize_model_grads)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
 from megatron.core.models import GPTModel  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
@@ -36,9 +35,17 @@ SEQ, MICRO, ITERS = 64, 4, 5
 
 
 def build(groups):
-    model = GPTModel(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1024,
-                     max_sequence_length=SEQ, tensor_model_parallel_size=groups.size_of("tp"),
-                     hidden_dropout=0.0, attention_dropout=0.0, pg_collection=groups)
+    model = GPTModel(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=1024,
+        max_sequence_length=SEQ,
+        tensor_model_parallel_size=groups.size_of("tp"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pg_collection=groups,
+    )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=groups)
@@ -49,10 +56,12 @@ def build(groups):
 
 def data(groups):
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=1000)
-    config = GPTDatasetConfig(random_seed=1, sequence_length=SEQ, split="1,0,0", tokenizer=tokenizer, mock=True,
-                              create_attention_mask=False)
-    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [ITERS * MICRO, None, None], lambda: True,
-                                                config).build()
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=SEQ, split="1,0,0", tokenizer=tokenizer, mock=True, create_attention_mask=False
+    )
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [ITERS * MICRO, None, None], lambda: True, config
+    ).build()
     return iter(build_pretraining_data_loader(train, 0, MICRO, groups.rank_in("dp"), groups.size_of("dp")))
 
 
@@ -82,8 +91,15 @@ def main() -> None:
     for step in range(1, ITERS + 1):
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        reported = schedule(forward_step_func=forward_step, data_iterator=iterator, model=model, num_microbatches=1,
-                            seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
+        reported = schedule(
+            forward_step_func=forward_step,
+            data_iterator=iterator,
+            model=model,
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=MICRO,
+            forward_only=False,
+        )
         _, grad_norm, _ = optimizer.step()
         loss = reported[0]["lm loss"]
         if dist.get_rank() == 0:

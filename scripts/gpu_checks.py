@@ -32,8 +32,10 @@ def _run(checks: List[Check]) -> int:
             raised, detail = True, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         ok = raised == must_raise
         failed += not ok
-        print(f"{'PASS' if ok else 'FAIL'} {name} (expected {'an error' if must_raise else 'no error'}; {detail})",
-              flush=True)
+        print(
+            f"{'PASS' if ok else 'FAIL'} {name} (expected {'an error' if must_raise else 'no error'}; {detail})",
+            flush=True,
+        )
     return failed
 
 
@@ -57,21 +59,31 @@ def rule_checks() -> List[Check]:
         ("NCCL all_reduce of a CPU tensor fails", True, lambda: dist.all_reduce(torch.ones(4))),
         ("NCCL all_reduce of a CUDA tensor works", False, lambda: dist.all_reduce(torch.ones(4, device=cuda))),
         ("NCCL broadcast of a CPU 0-dim tensor fails", True, lambda: dist.broadcast(torch.tensor(3.0), src=0)),
-        ("NCCL all_gather_into_tensor of CPU tensors fails", True,
-         lambda: dist.all_gather_into_tensor(torch.empty(4), torch.ones(4))),
+        (
+            "NCCL all_gather_into_tensor of CPU tensors fails",
+            True,
+            lambda: dist.all_gather_into_tensor(torch.empty(4), torch.ones(4)),
+        ),
         ("cuda tensor *= CPU [1] tensor fails", True, lambda: torch.ones(3, device=cuda).mul_(torch.ones(1))),
         ("cuda tensor *= CPU 0-dim tensor works", False, lambda: torch.ones(3, device=cuda).mul_(torch.tensor(2.0))),
         ("foreach AdamW with exp_avg on the CPU fails", True, _adam_step(fused=False, cpu_state="exp_avg")),
         ("foreach AdamW with step on the CPU works", False, _adam_step(fused=False, cpu_state="step")),
         ("fused AdamW with exp_avg on the CPU fails", True, _adam_step(fused=True, cpu_state="exp_avg")),
         ("fused AdamW with step on the CPU fails", True, _adam_step(fused=True, cpu_state="step")),
-        ("AMP unscale with the inverse scale on the CPU fails", True,
-         lambda: torch._amp_foreach_non_finite_check_and_unscale_([torch.ones(4, device=cuda)],
-                                                                  torch.zeros(1, device=cuda), torch.ones(1))),
-        ("AMP unscale with everything on the GPU works", False,
-         lambda: torch._amp_foreach_non_finite_check_and_unscale_([torch.ones(4, device=cuda)],
-                                                                  torch.zeros(1, device=cuda),
-                                                                  torch.ones(1, device=cuda))),
+        (
+            "AMP unscale with the inverse scale on the CPU fails",
+            True,
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+                [torch.ones(4, device=cuda)], torch.zeros(1, device=cuda), torch.ones(1)
+            ),
+        ),
+        (
+            "AMP unscale with everything on the GPU works",
+            False,
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+                [torch.ones(4, device=cuda)], torch.zeros(1, device=cuda), torch.ones(1, device=cuda)
+            ),
+        ),
     ]
 
 
@@ -93,8 +105,14 @@ def flash() -> int:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
-    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, bf16=True,
-                               params_dtype=torch.bfloat16, attention_dropout=0.1)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=256,
+        num_attention_heads=4,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        attention_dropout=0.1,
+    )
     attention = DotProductAttention(config, layer_number=1).cuda()
     q, k, v = (torch.randn(512, 2, 4, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
 
@@ -106,8 +124,7 @@ def flash() -> int:
         return out.detach()
 
     def grouped_query() -> None:  # 4 query heads sharing 2 key/value heads (enable_gqa)
-        k2, v2 = (torch.randn(512, 2, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-                  for _ in range(2))
+        k2, v2 = (torch.randn(512, 2, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
         attention.train(True)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             attention(q, k2, v2, None).float().sum().backward()
@@ -118,11 +135,20 @@ def flash() -> int:
             raise AssertionError(f"flash and math kernels differ by {diff}")
 
     checks: List[Check] = [
-        ("torch.backends.cuda.flash_sdp_enabled()", False,
-         lambda: None if torch.backends.cuda.flash_sdp_enabled() else (_ for _ in ()).throw(
-             AssertionError("flash SDPA is disabled"))),
-        ("DotProductAttention under sdpa_kernel(FLASH_ATTENTION), dropout 0.1, backward", False,
-         lambda: run(SDPBackend.FLASH_ATTENTION, True)),
+        (
+            "torch.backends.cuda.flash_sdp_enabled()",
+            False,
+            lambda: (
+                None
+                if torch.backends.cuda.flash_sdp_enabled()
+                else (_ for _ in ()).throw(AssertionError("flash SDPA is disabled"))
+            ),
+        ),
+        (
+            "DotProductAttention under sdpa_kernel(FLASH_ATTENTION), dropout 0.1, backward",
+            False,
+            lambda: run(SDPBackend.FLASH_ATTENTION, True),
+        ),
         ("grouped-query attention (4 heads, 2 groups) under sdpa_kernel(FLASH_ATTENTION)", False, grouped_query),
         ("flash output equals the math kernel's (eval)", False, matches_math),
     ]

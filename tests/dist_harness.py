@@ -33,8 +33,16 @@ class DistributedTestError(AssertionError):
     """One or more ranks failed or hung; the message holds every rank's report."""
 
 
-def _child(rank: int, world_size: int, store_path: str, stack_path: str, timeout_s: float,
-           body: Callable[..., Any], args: tuple, results: "mp.Queue") -> None:
+def _child(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    stack_path: str,
+    timeout_s: float,
+    body: Callable[..., Any],
+    args: tuple,
+    results: mp.Queue,
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -44,7 +52,10 @@ def _child(rank: int, world_size: int, store_path: str, stack_path: str, timeout
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         value = body(rank, world_size, *args)
@@ -64,7 +75,7 @@ def _child(rank: int, world_size: int, store_path: str, stack_path: str, timeout
             pass
 
 
-def _collect(procs: List[mp.Process], results: "mp.Queue", deadline: float) -> Dict[int, tuple]:
+def _collect(procs: List[mp.Process], results: mp.Queue, deadline: float) -> Dict[int, tuple]:
     """Gather (status, payload) per rank until all report, one fails, or time runs out."""
     reports: Dict[int, tuple] = {}
     first_error_at = None
@@ -102,8 +113,9 @@ def _dump_and_kill(proc: mp.Process, stack_path: str) -> str:
         return "(no stack captured)"
 
 
-def run_distributed(body: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+def run_distributed(
+    body: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+) -> List[Any]:
     """Run ``body(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
     Returns:
@@ -119,8 +131,9 @@ def run_distributed(body: Callable[..., Any], world_size: int, *args: Any,
         store = os.path.join(tmp, "store")
         stacks = [os.path.join(tmp, f"stack{r}") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, store, stacks[r], timeout, body, args, results),
-                        daemon=True)
+            ctx.Process(
+                target=_child, args=(r, world_size, store, stacks[r], timeout, body, args, results), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -130,15 +143,14 @@ def run_distributed(body: Callable[..., Any], world_size: int, *args: Any,
         for rank, proc in enumerate(procs):
             if rank not in reports:
                 stack = _dump_and_kill(proc, stacks[rank])
-                problems.append(f"--- rank {rank} hung (killed after {timeout:.0f}s or after a peer failed); "
-                                f"its stack:\n{stack}")
+                problems.append(
+                    f"--- rank {rank} hung (killed after {timeout:.0f}s or after a peer failed); its stack:\n{stack}"
+                )
             elif reports[rank][0] == "error":
                 problems.append(f"--- rank {rank} failed:\n{reports[rank][1]}")
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
         if problems:
-            raise DistributedTestError(
-                f"{body.__name__} on {world_size} ranks:\n" + "\n".join(problems)
-            )
+            raise DistributedTestError(f"{body.__name__} on {world_size} ranks:\n" + "\n".join(problems))
     return [pickle.loads(reports[r][1]) for r in range(world_size)]

@@ -17,36 +17,61 @@ SEQ = 16
 
 def gpt2_style(**overrides) -> Dict:
     """GPT-2 shape: LayerNorm, GeLU, learned positions, biases, tied embeddings."""
-    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
-              use_cpu_initialization=True, position_embedding_type="learned_absolute",
-              share_embeddings_and_output_weights=True, vocab_size=VOCAB, max_sequence_length=SEQ)
+    kw = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=True,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
     kw.update(overrides)
     return kw
 
 
 def llama_style(**overrides) -> Dict:
     """Llama shape: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied."""
-    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128,
-              normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-              hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-              position_embedding_type="rope", share_embeddings_and_output_weights=False,
-              vocab_size=VOCAB, max_sequence_length=SEQ)
+    kw = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
     kw.update(overrides)
     return kw
 
 
 def single_rank_groups() -> ProcessGroupCollection:
     """Groups in which every rank is alone: for building a TP=1 reference on every rank."""
-    return build_process_groups(ParallelLayout(world_size=dist.get_world_size(),
-                                               tensor_model_parallel_size=1))
+    return build_process_groups(ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=1))
 
 
 def build_gpt(kwargs: Dict, groups: ProcessGroupCollection, seed: int = 1234, **extra) -> GPTModel:
     """A GPTModel from ``kwargs``, initialized from ``seed`` (CPU init: same weights for any TP)."""
     torch.manual_seed(seed)
-    kw = dict(kwargs, tensor_model_parallel_size=groups.size_of("tp"),
-              pipeline_model_parallel_size=groups.size_of("pp"), expert_model_parallel_size=groups.size_of("ep"),
-              context_parallel_size=groups.size_of("cp"))
+    kw = dict(
+        kwargs,
+        tensor_model_parallel_size=groups.size_of("tp"),
+        pipeline_model_parallel_size=groups.size_of("pp"),
+        expert_model_parallel_size=groups.size_of("ep"),
+        context_parallel_size=groups.size_of("cp"),
+    )
     kw.update(extra)
     return GPTModel(pg_collection=groups, **kw)
 

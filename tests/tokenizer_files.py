@@ -57,8 +57,7 @@ def make_tokenizer_files(tmpdir, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Dict[s
             return json.load(f)
     texts = corpus_texts()
     files: Dict[str, Dict[str, object]] = {}
-    for kind in ("gpt2bpe", "sentencepiece-bpe", "wordpiece", "wordpiece-cased", "tiktoken",
-                 "huggingface"):
+    for kind in ("gpt2bpe", "sentencepiece-bpe", "wordpiece", "wordpiece-cased", "tiktoken", "huggingface"):
         trained = train_tokenizer(kind, texts, vocab_size, os.path.join(tmpdir, kind))
         files[trained.tokenizer_type] = trained.kwargs
     for sp_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):

@@ -41,19 +41,31 @@ from megatron.training.dry_run.cuda_shim import load_cuda_shim  # noqa: E402 - i
 def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
     """The tool's own flags (``--dry-run-*``, ``--max-syncs-per-iter``); the rest go to pretrain_gpt.py."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--dry-run-rank", default="first,middle,last",
-                        help="rank(s) to play: an integer, first/middle/last, a comma list, or all")
-    parser.add_argument("--dry-run-world-size", type=int, default=None,
-                        help="world size (default: TP x PP x CP of the flags, i.e. DP 1)")
+    parser.add_argument(
+        "--dry-run-rank",
+        default="first,middle,last",
+        help="rank(s) to play: an integer, first/middle/last, a comma list, or all",
+    )
+    parser.add_argument(
+        "--dry-run-world-size",
+        type=int,
+        default=None,
+        help="world size (default: TP x PP x CP of the flags, i.e. DP 1)",
+    )
     parser.add_argument("--dry-run-resume-iters", type=int, default=2, help="iterations after the resume")
     parser.add_argument("--dry-run-no-checkpoint", action="store_true", help="no save and no resume")
-    parser.add_argument("--max-syncs-per-iter", type=int, default=None,
-                        help="fail if a steady-state iteration makes more host syncs")
+    parser.add_argument(
+        "--max-syncs-per-iter", type=int, default=None, help="fail if a steady-state iteration makes more host syncs"
+    )
     parser.add_argument("--dry-run-parallel", type=int, default=os.cpu_count() or 1, help="processes at once")
     parser.add_argument("--dry-run-workdir", default=None, help="checkpoints and logs (default: a temp dir)")
     parser.add_argument("--dry-run-json", default=None, help="write the summary of every job as JSON here")
-    parser.add_argument("--dry-run-grid", default=None, metavar="CASES",
-                        help="run the built-in grid (all, or comma-separated case names) instead of given flags")
+    parser.add_argument(
+        "--dry-run-grid",
+        default=None,
+        metavar="CASES",
+        help="run the built-in grid (all, or comma-separated case names) instead of given flags",
+    )
     parser.add_argument("--dry-run-verbose", action="store_true", help="per-iteration report of every job")
     args, rest = parser.parse_known_args(list(argv))
     return args, [a for a in rest if a != "--"]
@@ -72,16 +84,28 @@ def build_jobs(args: argparse.Namespace, flags: List[str], workdir: str) -> list
     from megatron.training.dry_run.scheduler import Job
 
     if args.dry_run_grid is not None:
-        return grid.grid_jobs(grid.select_cases(args.dry_run_grid), args.dry_run_rank, workdir,
-                              resume_iters=args.dry_run_resume_iters)
-    world = args.dry_run_world_size or (_int_flag(flags, "--tensor-model-parallel-size", 1)
-                                        * _int_flag(flags, "--pipeline-model-parallel-size", 1)
-                                        * _int_flag(flags, "--context-parallel-size", 1))
-    return [Job(name="flags", flags=flags, rank=rank, world_size=world,
-                workdir=os.path.join(workdir, f"rank{rank}"), iters=_int_flag(flags, "--train-iters", 3),
-                resume_iters=args.dry_run_resume_iters, checkpoint=not args.dry_run_no_checkpoint,
-                max_syncs=args.max_syncs_per_iter)
-            for rank in grid.pick_ranks(args.dry_run_rank, world)]
+        return grid.grid_jobs(
+            grid.select_cases(args.dry_run_grid), args.dry_run_rank, workdir, resume_iters=args.dry_run_resume_iters
+        )
+    world = args.dry_run_world_size or (
+        _int_flag(flags, "--tensor-model-parallel-size", 1)
+        * _int_flag(flags, "--pipeline-model-parallel-size", 1)
+        * _int_flag(flags, "--context-parallel-size", 1)
+    )
+    return [
+        Job(
+            name="flags",
+            flags=flags,
+            rank=rank,
+            world_size=world,
+            workdir=os.path.join(workdir, f"rank{rank}"),
+            iters=_int_flag(flags, "--train-iters", 3),
+            resume_iters=args.dry_run_resume_iters,
+            checkpoint=not args.dry_run_no_checkpoint,
+            max_syncs=args.max_syncs_per_iter,
+        )
+        for rank in grid.pick_ranks(args.dry_run_rank, world)
+    ]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -61,8 +61,11 @@ def tokenize_long(tok: Any, text: str, dtype: Any) -> np.ndarray:
         if cut == len(text):
             break
         if cut is None:
-            print(f"note: a text of {len(text) - start} characters is tokenized in one piece: no checked cut "
-                  f"point among {CUT_CANDIDATES} candidates (memory grows with its length)", file=sys.stderr)
+            print(
+                f"note: a text of {len(text) - start} characters is tokenized in one piece: no checked cut "
+                f"point among {CUT_CANDIDATES} candidates (memory grows with its length)",
+                file=sys.stderr,
+            )
             break
         pieces.append(np.asarray(tok.batch_tokenize([text[start:cut]])[0], dtype=dtype))
         start = cut

@@ -103,8 +103,11 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--partitions", type=int, default=1, help="process the input in this many parts, then merge")
     g.add_argument("--log-interval", type=int, default=1000, help="report progress every this many documents")
     g.add_argument("--strict", action="store_true", help="stop at the first bad input line")
-    g.add_argument("--keep-sequential-samples", action="store_true",
-                   help="Megatron's flag to keep input order with --partitions; the order is always kept here")
+    g.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="Megatron's flag to keep input order with --partitions; the order is always kept here",
+    )
     args = p.parse_args(argv)
     for flag in ("workers", "partitions", "log_interval"):
         if getattr(args, flag) < 1:
@@ -140,10 +143,16 @@ def check_output_prefix(prefix: str) -> None:
 
 def tokenizer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """Keyword arguments of ``build_tokenizer``; it checks the files each type needs, naming the flag."""
-    return dict(vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                vocab_size=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids,
-                tiktoken_pattern=args.tiktoken_pattern, tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                tiktoken_special_tokens=args.tiktoken_special_tokens)
+    return dict(
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        vocab_extra_ids=args.vocab_extra_ids,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
+    )
 
 
 def build_tokenizer(tokenizer_type: str, kwargs: Dict[str, Any]) -> Any:
@@ -312,8 +321,9 @@ def encode_block(task: Tuple[str, int, bytes]) -> Dict[str, Any]:
             continue
         for bucket, text in zip(per_key, texts):
             bucket.append(text)
-    return dict(encoded={k: encode_texts(t) for k, t in zip(keys, per_key)},
-                docs=len(per_key[0]), nbytes=len(block), bad=bad)
+    return dict(
+        encoded={k: encode_texts(t) for k, t in zip(keys, per_key)}, docs=len(per_key[0]), nbytes=len(block), bad=bad
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +406,7 @@ class Summary:
         if len(self.bad_examples) < MAX_REPORTED:
             self.bad_examples.append(f"{message} [{reason}]")
 
-    def merge(self, other: "Summary") -> None:
+    def merge(self, other: Summary) -> None:
         self.docs += other.docs
         self.nbytes += other.nbytes
         for key, n in other.tokens.items():
@@ -420,9 +430,12 @@ class Progress:
         self.next_at = (docs // self.interval + 1) * self.interval
         elapsed = max(time.time() - self.start, 1e-9)
         eta = elapsed * (self.total_bytes - nbytes) / nbytes if nbytes else float("nan")
-        print(f"{self.tag}processed {docs} documents ({docs / elapsed:.1f} docs/s, "
-              f"{nbytes / elapsed / 1e6:.2f} MB/s), elapsed {elapsed:.1f} s, ETA {eta:.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"{self.tag}processed {docs} documents ({docs / elapsed:.1f} docs/s, "
+            f"{nbytes / elapsed / 1e6:.2f} MB/s), elapsed {elapsed:.1f} s, ETA {eta:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def output_prefix(prefix: str, key: str, split_sentences: bool) -> str:
@@ -451,8 +464,15 @@ def _results(cfg: EncodeConfig, workers: int, tokenizer: Any, blocks: Iterator) 
             yield pending.popleft().get()
 
 
-def process_ranges(cfg: EncodeConfig, ranges: Sequence[Range], prefixes: Sequence[str], workers: int,
-                   log_interval: int, tokenizer: Any = None, tag: str = "") -> Summary:
+def process_ranges(
+    cfg: EncodeConfig,
+    ranges: Sequence[Range],
+    prefixes: Sequence[str],
+    workers: int,
+    log_interval: int,
+    tokenizer: Any = None,
+    tag: str = "",
+) -> Summary:
     """Tokenize ``ranges`` into one dataset per JSON key at ``prefixes`` (temporary or partition
     names: ``main`` publishes them); partial outputs are removed on failure."""
     _remove_outputs(prefixes)
@@ -484,8 +504,9 @@ def process_ranges(cfg: EncodeConfig, ranges: Sequence[Range], prefixes: Sequenc
 # --------------------------------------------------------------------------------------------
 # Partitions and the entry point
 # --------------------------------------------------------------------------------------------
-def _partition_child(conn: Any, cfg: EncodeConfig, ranges: List[Range], prefixes: List[str], workers: int,
-                     log_interval: int, tag: str) -> None:
+def _partition_child(
+    conn: Any, cfg: EncodeConfig, ranges: List[Range], prefixes: List[str], workers: int, log_interval: int, tag: str
+) -> None:
     try:
         conn.send(("ok", process_ranges(cfg, ranges, prefixes, workers, log_interval, tag=tag)))
     except BadInputError as e:
@@ -496,8 +517,14 @@ def _partition_child(conn: Any, cfg: EncodeConfig, ranges: List[Range], prefixes
         conn.close()
 
 
-def run_partitions(cfg: EncodeConfig, parts: List[List[Range]], prefixes: List[str], workers: int,
-                   log_interval: int, out_prefixes: List[str]) -> Summary:
+def run_partitions(
+    cfg: EncodeConfig,
+    parts: List[List[Range]],
+    prefixes: List[str],
+    workers: int,
+    log_interval: int,
+    out_prefixes: List[str],
+) -> Summary:
     """Process the partitions at once in child processes, then concatenate their outputs at
     ``out_prefixes`` (the temporary names of ``prefixes``), unless no document was read."""
     n = len(parts)
@@ -546,8 +573,11 @@ def _partition_result(child: Any, conn: Any) -> Summary:
 def report(summary: Summary, elapsed: float, prefixes: Sequence[str]) -> None:
     """Print the end-of-run summary: throughput, outputs and skipped lines."""
     mb = summary.nbytes / 1e6
-    print(f"done: {summary.docs} documents, {mb:.2f} MB in {elapsed:.2f} s "
-          f"({summary.docs / max(elapsed, 1e-9):.1f} docs/s, {mb / max(elapsed, 1e-9):.2f} MB/s)", file=sys.stderr)
+    print(
+        f"done: {summary.docs} documents, {mb:.2f} MB in {elapsed:.2f} s "
+        f"({summary.docs / max(elapsed, 1e-9):.1f} docs/s, {mb / max(elapsed, 1e-9):.2f} MB/s)",
+        file=sys.stderr,
+    )
     for p in prefixes:
         print(f"wrote {get_bin_path(p)} and {get_idx_path(p)}", file=sys.stderr)
     report_skipped(summary)
@@ -574,8 +604,14 @@ def check_output(summary: Summary, keys: Sequence[str], prefixes: Sequence[str])
             raise NoOutputError(f"--json-keys {key}: {summary.docs} documents but no tokens for {p}")
 
 
-def _tokenize(cfg: EncodeConfig, args: argparse.Namespace, parts: List[List[Range]], prefixes: List[str],
-              temps: List[str], tokenizer: Any) -> Summary:
+def _tokenize(
+    cfg: EncodeConfig,
+    args: argparse.Namespace,
+    parts: List[List[Range]],
+    prefixes: List[str],
+    temps: List[str],
+    tokenizer: Any,
+) -> Summary:
     """Run the single or partitioned pipeline; complete datasets are left at ``temps``."""
     if args.partitions == 1:
         return process_ranges(cfg, parts[0], temps, args.workers, args.log_interval, tokenizer)
@@ -590,12 +626,19 @@ def prepare(args: argparse.Namespace) -> Tuple[EncodeConfig, List[str], Any]:
     tokenizer = build_tokenizer(args.tokenizer_type, kwargs)
     if args.append_eod:
         try:
-            tokenizer.eod
+            _ = tokenizer.eod
         except Exception as e:
             raise UsageError(f"--append-eod: {args.tokenizer_type} has no end-of-document token ({e})") from None
-    cfg = EncodeConfig(json_keys=list(args.json_keys), tokenizer_type=args.tokenizer_type, tokenizer_kwargs=kwargs,
-                       dtype=DType.optimal_dtype(tokenizer.vocab_size), append_eod=args.append_eod,
-                       strict=args.strict, keep_newlines=args.keep_newlines, quiet_threads=args.workers > 1)
+    cfg = EncodeConfig(
+        json_keys=list(args.json_keys),
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_kwargs=kwargs,
+        dtype=DType.optimal_dtype(tokenizer.vocab_size),
+        append_eod=args.append_eod,
+        strict=args.strict,
+        keep_newlines=args.keep_newlines,
+        quiet_threads=args.workers > 1,
+    )
     if args.split_sentences:
         sample = read_text_sample(files, args.json_keys, PUNKT_SAMPLE_BYTES)
         cfg.splitter_params, source = punkt_params(args.lang, sample)
@@ -626,8 +669,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except NoOutputError as e:
         report_skipped(summary)
         kept = [p for p in prefixes if os.path.exists(get_idx_path(p))]
-        print(f"error: {e}; nothing written"
-              + (f" (existing {', '.join(kept)} left unchanged)" if kept else ""), file=sys.stderr)
+        print(
+            f"error: {e}; nothing written" + (f" (existing {', '.join(kept)} left unchanged)" if kept else ""),
+            file=sys.stderr,
+        )
         return 1
     finally:
         _remove_outputs(temps)

@@ -19,20 +19,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.tokenizers.training import TRAINERS, train_tokenizer  # noqa: E402
 
-KINDS = ("gpt2bpe", "sentencepiece-bpe", "sentencepiece-unigram", "wordpiece", "tiktoken",
-         "huggingface")
+KINDS = ("gpt2bpe", "sentencepiece-bpe", "sentencepiece-unigram", "wordpiece", "tiktoken", "huggingface")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="text files (one text per line) or JSON-lines files (.json/.jsonl)")
+    parser.add_argument(
+        "--input", nargs="+", required=True, help="text files (one text per line) or JSON-lines files (.json/.jsonl)"
+    )
     parser.add_argument("--json-key", default="text", help="key of the text in JSON-lines input")
     parser.add_argument("--type", required=True, choices=KINDS, help="kind of tokenizer to train")
     parser.add_argument("--vocab-size", type=int, required=True, help="target vocabulary size")
     parser.add_argument("--output-dir", required=True, help="directory for the tokenizer files")
-    parser.add_argument("--cased", action="store_true",
-                        help="wordpiece only: keep case and accents (BertWordPieceCase)")
+    parser.add_argument(
+        "--cased", action="store_true", help="wordpiece only: keep case and accents (BertWordPieceCase)"
+    )
     args = parser.parse_args(argv)
     missing = [path for path in args.input if not os.path.isfile(path)]
     if missing:
@@ -65,14 +66,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     kind = "wordpiece-cased" if args.cased else args.type
     assert kind in TRAINERS
-    trained = train_tokenizer(kind, read_texts(args.input, args.json_key), args.vocab_size,
-                              args.output_dir)
+    trained = train_tokenizer(kind, read_texts(args.input, args.json_key), args.vocab_size, args.output_dir)
     for path in trained.files:
         print(f"wrote {path}")
     print("Megatron flags: " + shlex.join(trained.megatron_flags()))
     if trained.tokenizer_type == "GPTSentencePieceTokenizer":
-        print("(the same model also serves --tokenizer-type SentencePieceTokenizer and "
-              "Llama2Tokenizer)")
+        print("(the same model also serves --tokenizer-type SentencePieceTokenizer and Llama2Tokenizer)")
 
 
 if __name__ == "__main__":

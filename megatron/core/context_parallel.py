@@ -28,12 +28,14 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
-def cp_chunk_positions(seq_length: int, cp_size: int, cp_rank: int,
-                       device: Optional[torch.device] = None) -> torch.Tensor:
+def cp_chunk_positions(
+    seq_length: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """Global positions ``[s/cp]`` held by CP rank ``cp_rank``: chunk r, then chunk 2cp-1-r."""
     if seq_length % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_length} must be divisible by 2 x context_parallel_size "
-                         f"({cp_size}) = {2 * cp_size}")
+        raise ValueError(
+            f"sequence length {seq_length} must be divisible by 2 x context_parallel_size ({cp_size}) = {2 * cp_size}"
+        )
     chunk = seq_length // (2 * cp_size)
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     last_start = (2 * cp_size - 1 - cp_rank) * chunk
@@ -57,8 +59,9 @@ def _cp_size_rank(cp_group: Optional[dist.ProcessGroup]) -> tuple:
     return dist.get_world_size(cp_group), dist.get_rank(cp_group)
 
 
-def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]],
-                              cp_group: Optional[dist.ProcessGroup]) -> Dict[str, Optional[torch.Tensor]]:
+def get_batch_on_this_cp_rank(
+    batch: Dict[str, Optional[torch.Tensor]], cp_group: Optional[dist.ProcessGroup]
+) -> Dict[str, Optional[torch.Tensor]]:
     """This CP rank's part of a micro batch (a new dict; the batch itself is unchanged).
 
     ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, ...) keep their columns at
@@ -91,8 +94,9 @@ def gather_kv_over_cp(t: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Ten
     return gathered.index_select(0, gathered_order(t.shape[0], cp_size, t.device))  # [s, b, g, d]
 
 
-def cp_attention_mask(query_positions: torch.Tensor, key_length: int, causal: bool,
-                      window: Optional[tuple] = None) -> Optional[torch.Tensor]:
+def cp_attention_mask(
+    query_positions: torch.Tensor, key_length: int, causal: bool, window: Optional[tuple] = None
+) -> Optional[torch.Tensor]:
     """``[sq, sk]`` boolean, True where a query (at its global position) may not see a key.
 
     Keys are the whole sequence ``0 .. key_length-1``; ``window = (left, right)`` as

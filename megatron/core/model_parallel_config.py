@@ -65,19 +65,24 @@ class ModelParallelConfig:
     param_sync_func: Optional[object] = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "expert_model_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             require_positive(name, getattr(self, name))
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.fp16 and self.bf16:
             raise ValueError("fp16=True and bf16=True: choose at most one")
         self.sequence_parallel = parallel_state.warn_sequence_parallel_without_tp(
-            self.tensor_model_parallel_size, self.sequence_parallel)
+            self.tensor_model_parallel_size, self.sequence_parallel
+        )
         if self.pipeline_dtype is None:
             self.pipeline_dtype = self.params_dtype
 
-    def check_against(self, groups: "parallel_state.ProcessGroupCollection") -> None:
+    def check_against(self, groups: parallel_state.ProcessGroupCollection) -> None:
         """Raise if the configured sizes differ from the groups' actual sizes."""
         actual = {
             "tensor_model_parallel_size": groups.size_of("tp"),

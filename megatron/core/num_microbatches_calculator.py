@@ -21,8 +21,7 @@ logger = logging.getLogger(__name__)
 class NumMicroBatchesCalculator:
     """Common state: current global batch and the number of microbatches it takes."""
 
-    def __init__(self, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool) -> None:
+    def __init__(self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool) -> None:
         for name, value in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size)):
             if value < 1:
                 raise ValueError(f"{name}={value}: must be a positive integer")
@@ -75,8 +74,14 @@ class NumMicroBatchesCalculator:
 class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     """A fixed global batch for the whole run."""
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool = False, rank: int = 0) -> None:
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool = False,
+        rank: int = 0,
+    ) -> None:
         super().__init__(micro_batch_size, data_parallel_size, decrease_batch_size_if_needed)
         self.global_batch_size = global_batch_size
         self._set_global_batch(global_batch_size, consistency_check=True)
@@ -90,9 +95,17 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     ``ramup_samples / n`` samples; after ``ramup_samples`` the full global batch is used.
     """
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool, rank: int, start_global_batch_size: int,
-                 batch_size_increment: int, ramup_samples: int) -> None:
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool,
+        rank: int,
+        start_global_batch_size: int,
+        batch_size_increment: int,
+        ramup_samples: int,
+    ) -> None:
         super().__init__(micro_batch_size, data_parallel_size, decrease_batch_size_if_needed)
         if start_global_batch_size < 1 or batch_size_increment < 1 or ramup_samples < 0:
             raise ValueError(
@@ -125,22 +138,41 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         before = self.current_global_batch_size
         self._set_global_batch(self.batch_size_at(consumed_samples), consistency_check)
         if verbose and before != self.current_global_batch_size:
-            logger.info("global batch size %d -> %d after %d samples (%d microbatches)", before,
-                        self.current_global_batch_size, consumed_samples, self.num_micro_batches)
+            logger.info(
+                "global batch size %d -> %d after %d samples (%d microbatches)",
+                before,
+                self.current_global_batch_size,
+                consumed_samples,
+                self.num_micro_batches,
+            )
 
 
-def build_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[List[int]], global_batch_size: int,
-                                      micro_batch_size: int, data_parallel_size: int,
-                                      decrease_batch_size_if_needed: bool = False) -> NumMicroBatchesCalculator:
+def build_num_microbatches_calculator(
+    rank: int,
+    rampup_batch_size: Optional[List[int]],
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    decrease_batch_size_if_needed: bool = False,
+) -> NumMicroBatchesCalculator:
     """A constant calculator, or a ramp-up one from ``[start, increment, samples]``."""
     if rampup_batch_size is None:
-        return ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
-                                                 decrease_batch_size_if_needed, rank)
+        return ConstantNumMicroBatchesCalculator(
+            global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank
+        )
     if len(rampup_batch_size) != 3:
         raise ValueError(f"--rampup-batch-size {rampup_batch_size}: expected 3 values: start increment samples")
     start, increment, samples = (int(v) for v in rampup_batch_size)
-    return RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
-                                                    decrease_batch_size_if_needed, rank, start, increment, samples)
+    return RampupBatchsizeNumMicroBatchesCalculator(
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        decrease_batch_size_if_needed,
+        rank,
+        start,
+        increment,
+        samples,
+    )
 
 
 # ----------------------------------------------------------------------------------
@@ -149,16 +181,21 @@ def build_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[Lis
 _CALCULATOR: Optional[NumMicroBatchesCalculator] = None
 
 
-def init_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[List[int]], global_batch_size: int,
-                                     micro_batch_size: int, data_parallel_size: int,
-                                     decrease_batch_size_if_needed: bool = False) -> NumMicroBatchesCalculator:
+def init_num_microbatches_calculator(
+    rank: int,
+    rampup_batch_size: Optional[List[int]],
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    decrease_batch_size_if_needed: bool = False,
+) -> NumMicroBatchesCalculator:
     """Build the default calculator; raises if one exists (call destroy first)."""
     global _CALCULATOR
     if _CALCULATOR is not None:
         raise RuntimeError("num microbatches calculator is already initialized")
-    _CALCULATOR = build_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size,
-                                                    micro_batch_size, data_parallel_size,
-                                                    decrease_batch_size_if_needed)
+    _CALCULATOR = build_num_microbatches_calculator(
+        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed
+    )
     return _CALCULATOR
 
 

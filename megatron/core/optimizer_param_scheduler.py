@@ -45,11 +45,24 @@ def wsd_anneal_coefficient(style: str, ratio: float) -> float:
 class OptimizerParamScheduler:
     """Warmup then decay of the learning rate; optional weight-decay increase."""
 
-    def __init__(self, optimizer: Any, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: int,
-                 lr_decay_steps: int, lr_decay_style: str, start_wd: float, end_wd: float, wd_incr_steps: int,
-                 wd_incr_style: str, use_checkpoint_opt_param_scheduler: Optional[bool] = True,
-                 override_opt_param_scheduler: Optional[bool] = False, wsd_decay_steps: Optional[int] = None,
-                 lr_wsd_decay_style: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: str,
+        start_wd: float,
+        end_wd: float,
+        wd_incr_steps: int,
+        wd_incr_style: str,
+        use_checkpoint_opt_param_scheduler: Optional[bool] = True,
+        override_opt_param_scheduler: Optional[bool] = False,
+        wsd_decay_steps: Optional[int] = None,
+        lr_wsd_decay_style: Optional[str] = None,
+    ) -> None:
         self.optimizer = optimizer
         self.init_lr, self.max_lr, self.min_lr = init_lr, max_lr, min_lr
         self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
@@ -71,12 +84,15 @@ class OptimizerParamScheduler:
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style={self.lr_decay_style!r}: must be one of {LR_DECAY_STYLES}")
         if self.lr_decay_steps <= 0 or not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
-            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps}, lr_decay_steps={self.lr_decay_steps}: "
-                             "need 0 <= warmup < decay and decay > 0")
+            raise ValueError(
+                f"lr_warmup_steps={self.lr_warmup_steps}, lr_decay_steps={self.lr_decay_steps}: "
+                "need 0 <= warmup < decay and decay > 0"
+            )
         if self.lr_decay_style == "WSD":
             if self.wsd_decay_steps is None or self.lr_wsd_decay_style is None:
-                raise ValueError("lr_decay_style='WSD' needs wsd_decay_steps (--lr-wsd-decay-iters/-samples) "
-                                 "and lr_wsd_decay_style")
+                raise ValueError(
+                    "lr_decay_style='WSD' needs wsd_decay_steps (--lr-wsd-decay-iters/-samples) and lr_wsd_decay_style"
+                )
             wsd_anneal_coefficient(self.lr_wsd_decay_style, 0.0)  # validates the style name
         if not 0.0 <= self.start_wd <= self.end_wd:
             raise ValueError(f"start_wd={self.start_wd}, end_wd={self.end_wd}: need 0 <= start <= end")
@@ -85,8 +101,9 @@ class OptimizerParamScheduler:
         if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
             raise ValueError(f"wd_incr_style='constant' needs start_wd == end_wd, got {self.start_wd}, {self.end_wd}")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
-                             "are mutually exclusive")
+            raise ValueError(
+                "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive"
+            )
 
     def get_wd(self) -> float:
         """Weight decay at the current step."""
@@ -134,9 +151,15 @@ class OptimizerParamScheduler:
 
     def state_dict(self) -> Dict[str, Any]:
         return {
-            "max_lr": self.max_lr, "lr_warmup_steps": self.lr_warmup_steps, "num_steps": self.num_steps,
-            "lr_decay_style": self.lr_decay_style, "lr_decay_steps": self.lr_decay_steps, "min_lr": self.min_lr,
-            "start_wd": self.start_wd, "end_wd": self.end_wd, "wd_incr_style": self.wd_incr_style,
+            "max_lr": self.max_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "num_steps": self.num_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "lr_decay_steps": self.lr_decay_steps,
+            "min_lr": self.min_lr,
+            "start_wd": self.start_wd,
+            "end_wd": self.end_wd,
+            "wd_incr_style": self.wd_incr_style,
             "wd_incr_steps": self.wd_incr_steps,
         }
 
@@ -147,9 +170,11 @@ class OptimizerParamScheduler:
             logger.info("using %s=%s from the arguments (checkpoint had %s)", name, current, saved)
             return current
         if not self.use_checkpoint_opt_param_scheduler and current != saved:
-            raise ValueError(f"OptimizerParamScheduler: {name}={current} from the arguments but {saved} in the "
-                             "checkpoint; pass --use-checkpoint-opt-param-scheduler or "
-                             "--override-opt-param-scheduler")
+            raise ValueError(
+                f"OptimizerParamScheduler: {name}={current} from the arguments but {saved} in the "
+                "checkpoint; pass --use-checkpoint-opt-param-scheduler or "
+                "--override-opt-param-scheduler"
+            )
         return saved
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -160,12 +185,13 @@ class OptimizerParamScheduler:
 
         self.max_lr = self._pick(self.max_lr, saved("max_lr", "start_lr"), "max_lr")
         self.min_lr = self._pick(self.min_lr, saved("min_lr"), "min_lr")
-        self.lr_warmup_steps = self._pick(self.lr_warmup_steps, saved("lr_warmup_steps", "warmup_steps",
-                                                                      "warmup_iter"), "lr_warmup_steps")
-        self.lr_decay_steps = self._pick(self.lr_decay_steps, saved("lr_decay_steps", "decay_steps", "end_iter"),
-                                         "lr_decay_steps")
-        self.lr_decay_style = self._pick(self.lr_decay_style, saved("lr_decay_style", "decay_style"),
-                                         "lr_decay_style")
+        self.lr_warmup_steps = self._pick(
+            self.lr_warmup_steps, saved("lr_warmup_steps", "warmup_steps", "warmup_iter"), "lr_warmup_steps"
+        )
+        self.lr_decay_steps = self._pick(
+            self.lr_decay_steps, saved("lr_decay_steps", "decay_steps", "end_iter"), "lr_decay_steps"
+        )
+        self.lr_decay_style = self._pick(self.lr_decay_style, saved("lr_decay_style", "decay_style"), "lr_decay_style")
         if "start_wd" in state_dict:
             for name in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
                 setattr(self, name, self._pick(getattr(self, name), state_dict[name], name))

@@ -36,8 +36,12 @@ class ParallelLayout:
     order: str = "tp-cp-ep-dp-pp"
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "expert_model_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
@@ -81,24 +85,40 @@ class ParallelLayout:
     def dense_grid(self) -> RankGrid:
         """Grid for attention/dense layers (the expert dimension is folded into dp)."""
         return RankGrid(
-            {"tp": self.tensor_model_parallel_size, "cp": self.context_parallel_size, "ep": 1,
-             "dp": self.data_parallel_size, "pp": self.pipeline_model_parallel_size},
+            {
+                "tp": self.tensor_model_parallel_size,
+                "cp": self.context_parallel_size,
+                "ep": 1,
+                "dp": self.data_parallel_size,
+                "pp": self.pipeline_model_parallel_size,
+            },
             self.order,
         )
 
     def expert_grid(self) -> RankGrid:
         """Grid for expert layers: expert-tp x ep x expert-dp x pp."""
         return RankGrid(
-            {"tp": self.expert_tensor_parallel_size, "cp": 1, "ep": self.expert_model_parallel_size,
-             "dp": self.expert_data_parallel_size, "pp": self.pipeline_model_parallel_size},
+            {
+                "tp": self.expert_tensor_parallel_size,
+                "cp": 1,
+                "ep": self.expert_model_parallel_size,
+                "dp": self.expert_data_parallel_size,
+                "pp": self.pipeline_model_parallel_size,
+            },
             self.order,
         )
 
 
 # Which groups a collection holds: field name -> (grid, token).
 _DENSE_GROUPS = {
-    "tp": "tp", "pp": "pp", "dp": "dp", "dp_cp": "dp-cp", "cp": "cp",
-    "mp": "tp-pp", "tp_cp": "tp-cp", "tp_dp_cp": "tp-dp-cp",
+    "tp": "tp",
+    "pp": "pp",
+    "dp": "dp",
+    "dp_cp": "dp-cp",
+    "cp": "cp",
+    "mp": "tp-pp",
+    "tp_cp": "tp-cp",
+    "tp_dp_cp": "tp-dp-cp",
 }
 _EXPERT_GROUPS = {"ep": "ep", "expt_tp": "tp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp", "expt_dp": "dp"}
 
@@ -158,8 +178,9 @@ class _GroupFactory:
         return found
 
 
-def build_process_groups(layout: ParallelLayout, timeout: Optional[timedelta] = None,
-                         backend: Optional[str] = None) -> ProcessGroupCollection:
+def build_process_groups(
+    layout: ParallelLayout, timeout: Optional[timedelta] = None, backend: Optional[str] = None
+) -> ProcessGroupCollection:
     """Create all groups of ``layout``; a collective call on every rank of the world.
 
     Raises:
@@ -451,6 +472,8 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[i
 def warn_sequence_parallel_without_tp(tensor_model_parallel_size: int, sequence_parallel: bool) -> bool:
     """Megatron's rule: sequence parallelism is meaningless with TP=1; warn and disable."""
     if sequence_parallel and tensor_model_parallel_size == 1:
-        warnings.warn("sequence_parallel=True with tensor_model_parallel_size=1: disabling sequence parallelism")
+        warnings.warn(
+            "sequence_parallel=True with tensor_model_parallel_size=1: disabling sequence parallelism", stacklevel=2
+        )
         return False
     return sequence_parallel

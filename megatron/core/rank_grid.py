@@ -23,9 +23,7 @@ def parse_order(order: str) -> List[str]:
     """Split an order string such as ``"tp-cp-ep-dp-pp"`` and check it."""
     dims = order.split("-")
     if sorted(dims) != sorted(DIMENSIONS):
-        raise ValueError(
-            f"order={order!r}: must name each of {'-'.join(DIMENSIONS)} exactly once"
-        )
+        raise ValueError(f"order={order!r}: must name each of {'-'.join(DIMENSIONS)} exactly once")
     return dims
 
 
@@ -74,7 +72,7 @@ class RankGrid:
         keep = [i for i, d in enumerate(axes_names) if d not in wanted]
         span = [i for i, d in enumerate(axes_names) if d in wanted]
         arr = self._array().transpose(keep + span)
-        group_size = prod(arr.shape[len(keep):])
+        group_size = prod(arr.shape[len(keep) :])
         return arr.reshape(-1, group_size).tolist()
 
     def coordinate(self, rank: int, dim: str) -> int:

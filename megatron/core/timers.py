@@ -126,8 +126,10 @@ class Timers:
         """The timer ``name``, created on first use; ``log_level`` defaults to the finest level."""
         if name in self._timers:
             if log_level is not None and log_level != self._levels[name]:
-                raise ValueError(f"timer {name!r} was created with log_level={self._levels[name]}, "
-                                 f"now asked with log_level={log_level}")
+                raise ValueError(
+                    f"timer {name!r} was created with log_level={self._levels[name]}, "
+                    f"now asked with log_level={log_level}"
+                )
             return self._timers[name]
         level = MAX_LOG_LEVEL if log_level is None else log_level
         if not 0 <= level <= MAX_LOG_LEVEL:
@@ -160,8 +162,7 @@ class Timers:
         dist.all_gather(pieces, mine.to(device, non_blocking=True), group=self._group)
         return torch.stack(pieces).cpu()
 
-    def _min_max(self, names: Sequence[str], reset: bool, barrier: bool,
-                 normalizer: float) -> Dict[str, tuple]:
+    def _min_max(self, names: Sequence[str], reset: bool, barrier: bool, normalizer: float) -> Dict[str, tuple]:
         """name -> (min, max) seconds over the ranks that have the timer."""
         table = self._all_ranks_elapsed(names, reset, barrier) / normalizer
         result = {}
@@ -173,8 +174,9 @@ class Timers:
         return result
 
     # ------------------------------------------------------------------ reporting
-    def get_string(self, names: Sequence[str], normalizer: float = 1.0, reset: bool = True,
-                   barrier: bool = False) -> Optional[str]:
+    def get_string(
+        self, names: Sequence[str], normalizer: float = 1.0, reset: bool = True, barrier: bool = False
+    ) -> Optional[str]:
         """The report for ``names`` in ms (collective); None when no rank has any of them."""
         if normalizer <= 0.0:
             raise ValueError(f"normalizer={normalizer} must be positive")
@@ -186,8 +188,9 @@ class Timers:
         if self.log_option == "max":
             lines = [f"    {n.ljust(NAME_WIDTH, '.')}: {hi * 1000.0:.2f}" for n, (_, hi) in stats.items()]
             return "\n".join(["max time across ranks (ms):"] + lines)
-        lines = [f"    {n.ljust(NAME_WIDTH, '.')}: ({lo * 1000.0:.2f}, {hi * 1000.0:.2f})"
-                 for n, (lo, hi) in stats.items()]
+        lines = [
+            f"    {n.ljust(NAME_WIDTH, '.')}: ({lo * 1000.0:.2f}, {hi * 1000.0:.2f})" for n, (lo, hi) in stats.items()
+        ]
         return "\n".join(["(min, max) time across ranks (ms):"] + lines)
 
     def _all_string(self, names: Sequence[str], normalizer: float, reset: bool, barrier: bool) -> Optional[str]:
@@ -201,8 +204,14 @@ class Timers:
             lines += [f"        rank {r:2d}: {t * 1000.0:.2f}" for r, t in enumerate(column.tolist()) if t == t]
         return "\n".join(["times across ranks (ms):"] + lines) if lines else None
 
-    def log(self, names: Sequence[str], rank: Optional[int] = None, normalizer: float = 1.0,
-            reset: bool = True, barrier: bool = False) -> Optional[str]:
+    def log(
+        self,
+        names: Sequence[str],
+        rank: Optional[int] = None,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ) -> Optional[str]:
         """Gather, print on ``rank`` (default: the last rank) and return the report (collective)."""
         text = self.get_string(names, normalizer=normalizer, reset=reset, barrier=barrier)
         my_rank, world = self._world()
@@ -210,8 +219,15 @@ class Timers:
             print(text, flush=True)
         return text
 
-    def write(self, names: Sequence[str], writer: Any, iteration: int, normalizer: float = 1.0,
-              reset: bool = False, barrier: bool = False) -> None:
+    def write(
+        self,
+        names: Sequence[str],
+        writer: Any,
+        iteration: int,
+        normalizer: float = 1.0,
+        reset: bool = False,
+        barrier: bool = False,
+    ) -> None:
         """Add each timer's max over ranks (seconds) as scalar ``<name>-time`` (collective).
 
         ``writer`` needs ``add_scalar(tag, value, step)``; pass None on ranks that

@@ -19,15 +19,17 @@ def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                           async_op: bool = False):
+def all_gather_into_tensor(
+    output: torch.Tensor, input_: torch.Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False
+):
     """Gather equal pieces into one tensor (``all_gather_single`` where torch has it, else its older name)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input_, group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                          async_op: bool = False):
+def reduce_scatter_tensor(
+    output: torch.Tensor, input_: torch.Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False
+):
     """Sum over ranks and keep this rank's equal piece (``reduce_scatter_single`` where torch has it)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input_, group=group, async_op=async_op)

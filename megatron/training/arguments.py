@@ -18,11 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import validation
 from megatron.training.flag_status import NO_OP_FLAGS, NOT_SUPPORTED_YET, AnyOf
 from megatron.training.flags_table import PROJECT_FLAGS, FlagSpec, build_parser, load_flag_specs
-from megatron.training import validation
 from megatron.training.validation import (  # noqa: F401 - re-exported for callers
-    ArgumentsError, UnsupportedFlagError, vocab_size_with_padding,
+    ArgumentsError,
+    UnsupportedFlagError,
+    vocab_size_with_padding,
 )
 
 ENTRY_POINT_TOKENIZERS = {
@@ -41,14 +43,22 @@ def flag_specs() -> List[FlagSpec]:
 def build_megatron_parser(entry_point: str = "gpt") -> argparse.ArgumentParser:
     """The full parser, grouped like Megatron's, for ``pretrain_<entry_point>.py``."""
     accepted = {dest: v.values if isinstance(v, AnyOf) else (v,) for dest, v in NOT_SUPPORTED_YET.items()}
-    return build_parser(flag_specs(), NO_OP_FLAGS, accepted,
-                        prog=f"pretrain_{entry_point}.py", description="Megatron-LM compatible arguments")
+    return build_parser(
+        flag_specs(),
+        NO_OP_FLAGS,
+        accepted,
+        prog=f"pretrain_{entry_point}.py",
+        description="Megatron-LM compatible arguments",
+    )
 
 
-def parse_args(argv: Optional[Sequence[str]] = None,
-               extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
-               ignore_unknown_args: bool = False, defaults: Optional[Mapping[str, Any]] = None,
-               entry_point: str = "gpt") -> argparse.Namespace:
+def parse_args(
+    argv: Optional[Sequence[str]] = None,
+    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
+    ignore_unknown_args: bool = False,
+    defaults: Optional[Mapping[str, Any]] = None,
+    entry_point: str = "gpt",
+) -> argparse.Namespace:
     """Parse Megatron flags (``argv`` defaults to ``sys.argv[1:]``); no validation yet.
 
     ``defaults`` fill flags the user left unset (value None), as Megatron's
@@ -114,20 +124,59 @@ def activation_from_args(args: argparse.Namespace) -> Callable[[torch.Tensor], t
 
 # Fields whose flag destination has the same name.
 TRANSFORMER_SAME_NAME = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "sequence_parallel", "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-    "perform_initialization", "fp16", "bf16", "params_dtype", "gradient_accumulation_fusion",
-    "async_tensor_model_parallel_allreduce", "tp_comm_overlap",
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
-    "hidden_dropout", "attention_dropout", "fp32_residual_connection", "apply_residual_connection_post_layernorm",
-    "layernorm_epsilon", "layernorm_zero_centered_gamma", "normalization", "qk_layernorm", "add_bias_linear",
-    "add_qkv_bias", "rotary_interleaved", "init_method_std", "embedding_init_method_std",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "sequence_parallel",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "perform_initialization",
+    "fp16",
+    "bf16",
+    "params_dtype",
+    "gradient_accumulation_fusion",
+    "async_tensor_model_parallel_allreduce",
+    "tp_comm_overlap",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "hidden_dropout",
+    "attention_dropout",
+    "fp32_residual_connection",
+    "apply_residual_connection_post_layernorm",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "normalization",
+    "qk_layernorm",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "rotary_interleaved",
+    "init_method_std",
+    "embedding_init_method_std",
     "apply_query_key_layer_scaling",
-    "attention_softmax_in_fp32", "calculate_per_token_loss", "masked_softmax_fusion", "bias_dropout_fusion",
-    "apply_rope_fusion", "cross_entropy_loss_fusion", "recompute_granularity", "recompute_method",
-    "recompute_num_layers", "distribute_saved_activations", "window_size",
-    "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-    "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_token_dispatcher_type",
+    "attention_softmax_in_fp32",
+    "calculate_per_token_loss",
+    "masked_softmax_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "cross_entropy_loss_fusion",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "distribute_saved_activations",
+    "window_size",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_token_dispatcher_type",
     "moe_layer_freq",
 )
 
@@ -153,15 +202,25 @@ TRANSFORMER_DERIVED: Dict[str, Callable[[argparse.Namespace], Any]] = {
 }
 
 # Fields no flag sets: callbacks wired by the training loop, or built by the config itself.
-TRANSFORMER_NOT_FROM_FLAGS = frozenset({
-    "timers", "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
-    "param_sync_func", "variable_seq_lengths", "embedding_init_method", "softmax_scale",
-    "memory_efficient_layer_norm",
-})
+TRANSFORMER_NOT_FROM_FLAGS = frozenset(
+    {
+        "timers",
+        "finalize_model_grads_func",
+        "grad_scale_func",
+        "no_sync_func",
+        "grad_sync_func",
+        "param_sync_func",
+        "variable_seq_lengths",
+        "embedding_init_method",
+        "softmax_scale",
+        "memory_efficient_layer_norm",
+    }
+)
 
 
-def core_transformer_config_from_args(args: argparse.Namespace, config_class: type = TransformerConfig,
-                                      **overrides: Any) -> TransformerConfig:
+def core_transformer_config_from_args(
+    args: argparse.Namespace, config_class: type = TransformerConfig, **overrides: Any
+) -> TransformerConfig:
     """A ``TransformerConfig`` from validated args; ``overrides`` win over the flags."""
     kwargs: Dict[str, Any] = {name: getattr(args, name) for name in TRANSFORMER_SAME_NAME}
     kwargs.update({name: derive(args) for name, derive in TRANSFORMER_DERIVED.items()})
@@ -190,10 +249,18 @@ def optimizer_param_scheduler_kwargs(args: argparse.Namespace) -> Dict[str, Any]
     if args.lr_warmup_fraction is not None:
         warmup = args.lr_warmup_fraction * decay
     return dict(
-        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay, wd_incr_steps=wd_steps, wd_incr_style=args.weight_decay_incr_style,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=wd_steps,
+        wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler, wsd_decay_steps=wsd,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=wsd,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
     )

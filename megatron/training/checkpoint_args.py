@@ -44,28 +44,75 @@ def _always(saved: PlainArgs) -> bool:
 # arguments) that change what the weights mean; dropout, precision, fusion, recomputation
 # and parallel layout do not and may change on resume.
 ARCHITECTURE_ARGS: Dict[str, Callable[[PlainArgs], bool]] = {
-    **{dest: _always for dest in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-        "position_embedding_type", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
-        "apply_residual_connection_post_layernorm", "qk_layernorm", "swiglu", "squared_relu", "openai_gelu",
-        "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "window_size",
-        "padded_vocab_size", "tokenizer_type", "num_experts")},
+    **{
+        dest: _always
+        for dest in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "position_embedding_type",
+            "normalization",
+            "layernorm_epsilon",
+            "layernorm_zero_centered_gamma",
+            "apply_residual_connection_post_layernorm",
+            "qk_layernorm",
+            "swiglu",
+            "squared_relu",
+            "openai_gelu",
+            "add_bias_linear",
+            "add_qkv_bias",
+            "untie_embeddings_and_output_weights",
+            "window_size",
+            "padded_vocab_size",
+            "tokenizer_type",
+            "num_experts",
+        )
+    },
     "max_position_embeddings": _learned_positions,  # the size of the learned table; RoPE has no table
-    **{dest: _rope for dest in ("rotary_percent", "rotary_base", "rotary_interleaved",
-                                "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor")},
-    **{dest: _moe for dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax",
-                               "moe_router_topk_scaling_factor")},
+    **{
+        dest: _rope
+        for dest in (
+            "rotary_percent",
+            "rotary_base",
+            "rotary_interleaved",
+            "rotary_seq_len_interpolation_factor",
+            "use_rope_scaling",
+            "rope_scaling_factor",
+        )
+    },
+    **{
+        dest: _moe
+        for dest in (
+            "moe_router_topk",
+            "moe_ffn_hidden_size",
+            "moe_layer_freq",
+            "moe_router_pre_softmax",
+            "moe_router_topk_scaling_factor",
+        )
+    },
 }
 
 # Derived, not a flag of its own: name what sets it.
-_LABELS = {"padded_vocab_size": "padded vocabulary size (tokenizer vocabulary, --make-vocab-size-divisible-by, "
-                                "--tensor-model-parallel-size)"}
+_LABELS = {
+    "padded_vocab_size": "padded vocabulary size (tokenizer vocabulary, --make-vocab-size-divisible-by, "
+    "--tensor-model-parallel-size)"
+}
 
 # --use-checkpoint-args also takes these (Megatron takes them too): the flags validation folds into
 # the architecture ones, the padding rule, and dropout. ``padded_vocab_size`` is recomputed
 # from the tokenizer, so it is only checked.
-_ALSO_TAKEN = ("group_query_attention", "use_rotary_position_embeddings", "add_position_embedding",
-               "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout", "tiktoken_pattern")
+_ALSO_TAKEN = (
+    "group_query_attention",
+    "use_rotary_position_embeddings",
+    "add_position_embedding",
+    "make_vocab_size_divisible_by",
+    "hidden_dropout",
+    "attention_dropout",
+    "tiktoken_pattern",
+)
 TAKEN_FROM_CHECKPOINT = tuple(d for d in ARCHITECTURE_ARGS if d != "padded_vocab_size") + _ALSO_TAKEN
 # Taken only when the command line leaves them unset (Megatron's rule for these).
 FILLED_FROM_CHECKPOINT = ("seq_length",)
@@ -111,11 +158,16 @@ def check_checkpoint_args(saved: Optional[PlainArgs], run: PlainArgs, where: str
     if not found:
         return
     lines = [f"  {flag_label(d)}: checkpoint {s!r}, this run {r!r}" for d, s, r in found]
-    hint = ("--use-checkpoint-args is set: the rest comes from the tokenizer or the parallel layout"
-            if run.get("use_checkpoint_args") else
-            "give the checkpoint's values, or --use-checkpoint-args to take the model flags from the checkpoint")
-    raise CheckpointingError(f"checkpoint {where} was saved with another model architecture than this run:\n"
-                             + "\n".join(lines) + f"\n{hint}")
+    hint = (
+        "--use-checkpoint-args is set: the rest comes from the tokenizer or the parallel layout"
+        if run.get("use_checkpoint_args")
+        else "give the checkpoint's values, or --use-checkpoint-args to take the model flags from the checkpoint"
+    )
+    raise CheckpointingError(
+        f"checkpoint {where} was saved with another model architecture than this run:\n"
+        + "\n".join(lines)
+        + f"\n{hint}"
+    )
 
 
 def apply_checkpoint_args(args: argparse.Namespace, saved: PlainArgs, where: str) -> List[str]:
@@ -134,9 +186,15 @@ def apply_checkpoint_args(args: argparse.Namespace, saved: PlainArgs, where: str
             continue
         if args.rank == 0:
             given = current != _table_default(dest)
-            logger.log(logging.WARNING if given else logging.INFO, "--use-checkpoint-args: %s=%r from %s replaces "
-                       "%s %r", flag_label(dest), value, where, "the command line's" if given else "the default",
-                       current)
+            logger.log(
+                logging.WARNING if given else logging.INFO,
+                "--use-checkpoint-args: %s=%r from %s replaces %s %r",
+                flag_label(dest),
+                value,
+                where,
+                "the command line's" if given else "the default",
+                current,
+            )
         setattr(args, dest, value)
         changed.append(dest)
     return changed

@@ -32,8 +32,9 @@ def read_tracker(root: str) -> Optional[Tuple[int, bool]]:
     try:
         iteration = int(text)
     except ValueError:
-        raise CheckpointingError(f"corrupt tracker file {path}: {text[:40]!r} is neither an iteration nor "
-                                 "'release'") from None
+        raise CheckpointingError(
+            f"corrupt tracker file {path}: {text[:40]!r} is neither an iteration nor 'release'"
+        ) from None
     if iteration < 0:
         raise CheckpointingError(f"corrupt tracker file {path}: negative iteration {iteration}")
     return iteration, False
@@ -59,8 +60,10 @@ def detect_format(iter_dir: str) -> str:
         return "torch_dist"
     if any(name.startswith("mp_rank_") for name in names):
         return "torch"
-    raise CheckpointingError(f"{iter_dir} holds neither {dc.METADATA_FILE} (torch_dist) nor mp_rank_* (torch): "
-                             "the checkpoint is incomplete (interrupted save?) or not a checkpoint")
+    raise CheckpointingError(
+        f"{iter_dir} holds neither {dc.METADATA_FILE} (torch_dist) nor mp_rank_* (torch): "
+        "the checkpoint is incomplete (interrupted save?) or not a checkpoint"
+    )
 
 
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
@@ -78,8 +81,9 @@ def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
     """(iteration, directory) of every complete ``iter_*`` checkpoint under ``root``, oldest first."""
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := _ITER_DIR.fullmatch(name))]
+    found = [
+        (int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if (m := _ITER_DIR.fullmatch(name))
+    ]
     return sorted((it, path) for it, path in found if _is_complete(path))
 
 
@@ -92,7 +96,10 @@ def refuse_untracked(root: str) -> None:
         raise CheckpointingError(
             f"{root} has no {TRACKER_FILE} but holds {len(saved)} complete checkpoint(s), the newest {newest}: "
             f"starting from scratch would overwrite them. Resume with --ckpt-step {iteration}, or restore the "
-            f"tracker: echo {iteration} > {os.path.join(root, TRACKER_FILE)}")
+            f"tracker: echo {iteration} > {os.path.join(root, TRACKER_FILE)}"
+        )
     if _is_complete(release):
-        raise CheckpointingError(f"{root} has no {TRACKER_FILE} but holds a complete {release}: restore the "
-                                 f"tracker to load it: echo release > {os.path.join(root, TRACKER_FILE)}")
+        raise CheckpointingError(
+            f"{root} has no {TRACKER_FILE} but holds a complete {release}: restore the "
+            f"tracker to load it: echo release > {os.path.join(root, TRACKER_FILE)}"
+        )

@@ -43,8 +43,15 @@ from megatron.core.dist_checkpointing.validation import apply_strictness, parse_
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
-from megatron.training.checkpoint_dirs import (TRACKER_FILE, checkpoint_dir, complete_checkpoints,  # noqa: F401
-                                               detect_format, read_tracker, refuse_untracked, update_tracker)
+from megatron.training.checkpoint_dirs import (  # noqa: F401
+    TRACKER_FILE,
+    checkpoint_dir,
+    complete_checkpoints,
+    detect_format,
+    read_tracker,
+    refuse_untracked,
+    update_tracker,
+)
 from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -104,8 +111,10 @@ class CheckpointConfig:
             elif not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: must be True or False")
         if self.ckpt_format in _MEGATRON_ONLY_FORMATS:
-            raise ValueError(f"ckpt_format={self.ckpt_format!r}: not supported yet: --ckpt-format "
-                             f"{self.ckpt_format} (use one of {SUPPORTED_FORMATS})")
+            raise ValueError(
+                f"ckpt_format={self.ckpt_format!r}: not supported yet: --ckpt-format "
+                f"{self.ckpt_format} (use one of {SUPPORTED_FORMATS})"
+            )
         if self.ckpt_format not in SUPPORTED_FORMATS:
             raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {SUPPORTED_FORMATS}")
         for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
@@ -142,10 +151,17 @@ def _save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
     saved = complete_checkpoints(cfg.save)
     if not saved or (same and not cfg.finetune):
         return None
-    why = ("--finetune restarts at iteration 0" if same else
-           f"this run does not resume from it (--load {cfg.load})" if cfg.load else "this run starts from scratch")
-    return (f"--save {cfg.save} already holds {len(saved)} complete checkpoint(s), the newest {saved[-1][1]}, and "
-            f"{why}: its saves would overwrite them. Resume with --load {cfg.save}, or save to another directory")
+    why = (
+        "--finetune restarts at iteration 0"
+        if same
+        else f"this run does not resume from it (--load {cfg.load})"
+        if cfg.load
+        else "this run starts from scratch"
+    )
+    return (
+        f"--save {cfg.save} already holds {len(saved)} complete checkpoint(s), the newest {saved[-1][1]}, and "
+        f"{why}: its saves would overwrite them. Resume with --load {cfg.save}, or save to another directory"
+    )
 
 
 # ---------------------------------------------------------------- plain data
@@ -177,8 +193,13 @@ def _require_plain(name: str, value: Any) -> None:
 
 
 def _layout(groups: ProcessGroupCollection) -> Dict[str, int]:
-    layout = {"world_size": dist.get_world_size(), "tp": groups.size_of("tp"), "pp": groups.size_of("pp"),
-              "dp": groups.size_of("dp"), "cp": groups.size_of("cp")}
+    layout = {
+        "world_size": dist.get_world_size(),
+        "tp": groups.size_of("tp"),
+        "pp": groups.size_of("pp"),
+        "dp": groups.size_of("dp"),
+        "cp": groups.size_of("cp"),
+    }
     if groups.size_of("ep") > 1:  # absent at EP=1, as in checkpoints written before expert parallelism
         layout["ep"] = groups.size_of("ep")
     return layout
@@ -186,14 +207,23 @@ def _layout(groups: ProcessGroupCollection) -> Dict[str, int]:
 
 def _refuse_legacy_with_ep(groups: ProcessGroupCollection) -> None:
     if groups.size_of("ep") > 1:
-        raise CheckpointingError(f"--ckpt-format torch with expert_model_parallel_size={groups.size_of('ep')}: "
-                                 "not supported yet (use --ckpt-format torch_dist)")
+        raise CheckpointingError(
+            f"--ckpt-format torch with expert_model_parallel_size={groups.size_of('ep')}: "
+            "not supported yet (use --ckpt-format torch_dist)"
+        )
 
 
 # ---------------------------------------------------------------- save
-def save_checkpoint(iteration: int, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                    opt_param_scheduler: Any, ckpt_config: CheckpointConfig, train_state: Dict[str, Any],
-                    args_dict: Dict[str, Any], pg_collection: Optional[ProcessGroupCollection] = None) -> str:
+def save_checkpoint(
+    iteration: int,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    ckpt_config: CheckpointConfig,
+    train_state: Dict[str, Any],
+    args_dict: Dict[str, Any],
+    pg_collection: Optional[ProcessGroupCollection] = None,
+) -> str:
     """Write ``SAVE/iter_{iteration:07d}`` on every rank, then point the tracker at it; returns the dir.
 
     Collective over the world. ``train_state`` (consumed samples, FLOPs so far, ...) and
@@ -208,9 +238,15 @@ def save_checkpoint(iteration: int, model_chunks: Sequence[torch.nn.Module], opt
             chunk.finish_param_sync()
     groups = dc.model_process_groups(dc.unwrap_model(model_chunks[0]), pg_collection)
     iter_dir = checkpoint_dir(ckpt_config.save, iteration)
-    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "train_state": train_state,
-              "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
-              "args": args_dict, "layout": _layout(groups), "ckpt_format": ckpt_config.ckpt_format}
+    common = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "train_state": train_state,
+        "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+        "args": args_dict,
+        "layout": _layout(groups),
+        "ckpt_format": ckpt_config.ckpt_format,
+    }
     _require_plain("opt_param_scheduler.state_dict()", common["opt_param_scheduler"])
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
     saver = _save_sharded if ckpt_config.ckpt_format == "torch_dist" else _save_legacy
@@ -273,8 +309,14 @@ def _tracker_note(root: str) -> str:
     return f"{tracker} still names {'release' if found[1] else found[0]}, the last complete checkpoint"
 
 
-def _save_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                  groups: ProcessGroupCollection, cfg: CheckpointConfig, common: Dict[str, Any]) -> None:
+def _save_sharded(
+    iter_dir: str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    groups: ProcessGroupCollection,
+    cfg: CheckpointConfig,
+    common: Dict[str, Any],
+) -> None:
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     common["optimizer"] = None
     if optimizer is not None:
@@ -306,8 +348,14 @@ def legacy_file(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return os.path.join(iter_dir, folder, LEGACY_FILE)
 
 
-def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                 groups: ProcessGroupCollection, cfg: CheckpointConfig, common: Dict[str, Any]) -> None:
+def _save_legacy(
+    iter_dir: str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    groups: ProcessGroupCollection,
+    cfg: CheckpointConfig,
+    common: Dict[str, Any],
+) -> None:
     _refuse_legacy_with_ep(groups)
     rng: List[Any] = [None] * groups.size_of("dp")
     if not cfg.no_save_rng:
@@ -318,8 +366,10 @@ def _save_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimiz
     path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
     state: Dict[str, Any] = {}
     if writer:
-        state = dict(common, num_floating_point_operations_so_far=common["train_state"].get(
-            "num_floating_point_operations_so_far", 0))
+        state = dict(
+            common,
+            num_floating_point_operations_so_far=common["train_state"].get("num_floating_point_operations_so_far", 0),
+        )
         if not cfg.no_save_rng:
             state["rng_state"] = rng
         for i, chunk in enumerate(model_chunks):
@@ -336,7 +386,9 @@ def _record_legacy_checksums(iter_dir: str, written: Optional[str]) -> None:
 
     def digest() -> None:
         entry[os.path.relpath(written, iter_dir).replace(os.sep, "/")] = {
-            "bytes": os.path.getsize(written), checksums.ALGORITHM: checksums.file_digest(written)}
+            "bytes": os.path.getsize(written),
+            checksums.ALGORITHM: checksums.file_digest(written),
+        }
 
     _agreed_write(digest, iter_dir, writer=written is not None)
     entries: List[Optional[Dict[str, Any]]] = [None] * dist.get_world_size()
@@ -379,17 +431,23 @@ def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
     found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
     if found is None:
         refuse_untracked(cfg.load)
-        message = (f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found"
-                   + ("" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"))
+        message = f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found" + (
+            "" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"
+        )
         if cfg.exit_on_missing_checkpoint:
             raise CheckpointingError(message + " and --exit-on-missing-checkpoint is set")
         logger.warning("%s; starting from random initialization", message)
     return found
 
 
-def load_checkpoint(model_chunks: Sequence[torch.nn.Module], optimizer: Any, opt_param_scheduler: Any,
-                    ckpt_config: CheckpointConfig, pg_collection: Optional[ProcessGroupCollection] = None,
-                    run_args: Optional[Dict[str, Any]] = None) -> Tuple[int, Dict[str, Any]]:
+def load_checkpoint(
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    ckpt_config: CheckpointConfig,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    run_args: Optional[Dict[str, Any]] = None,
+) -> Tuple[int, Dict[str, Any]]:
     """Restore from ``ckpt_config.load``; returns (iteration, train_state).
 
     Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release;
@@ -441,8 +499,10 @@ def load_args_from_checkpoint(args: Any) -> Optional[str]:
     iter_dir = checkpoint_dir(args.load, *found)
     saved = _saved_args(iter_dir)
     if not isinstance(saved, dict):
-        raise CheckpointingError(f"checkpoint {iter_dir} holds no arguments (args is {type(saved).__name__}): "
-                                 "--use-checkpoint-args has nothing to take; give the model flags instead")
+        raise CheckpointingError(
+            f"checkpoint {iter_dir} holds no arguments (args is {type(saved).__name__}): "
+            "--use-checkpoint-args has nothing to take; give the model flags instead"
+        )
     apply_checkpoint_args(args, saved, iter_dir)
     return iter_dir
 
@@ -458,12 +518,15 @@ def _saved_args(iter_dir: str) -> Any:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
             except Exception as e:  # noqa: BLE001 - truncated, corrupt or holding non-plain objects
                 raise CheckpointingError(f"cannot read legacy checkpoint {path}: {e}") from e
-    raise CheckpointingError(f"{iter_dir}: neither mp_rank_00/{LEGACY_FILE} nor mp_rank_00_000/{LEGACY_FILE} "
-                             "holds the arguments --use-checkpoint-args needs")
+    raise CheckpointingError(
+        f"{iter_dir}: neither mp_rank_00/{LEGACY_FILE} nor mp_rank_00_000/{LEGACY_FILE} "
+        "holds the arguments --use-checkpoint-args needs"
+    )
 
 
-def _optimizer_template(model_chunks: Sequence[torch.nn.Module], optimizer: Any, groups: ProcessGroupCollection,
-                        metadata: Any) -> Tuple[dc.ShardedStateDict, Dict[str, Dict[str, torch.Tensor]]]:
+def _optimizer_template(
+    model_chunks: Sequence[torch.nn.Module], optimizer: Any, groups: ProcessGroupCollection, metadata: Any
+) -> Tuple[dc.ShardedStateDict, Dict[str, Dict[str, torch.Tensor]]]:
     """Empty per-parameter tensors for every optimizer state the checkpoint holds, and their sharding.
 
     The distributed optimizer reads only the slices its DP rank owns (``sharded_state_template``);
@@ -472,21 +535,32 @@ def _optimizer_template(model_chunks: Sequence[torch.nn.Module], optimizer: Any,
     saved: Dict[str, Dict[str, torch.dtype]] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(dc.OPTIMIZER_STATE_PREFIX):
-            param_key, _, state_name = key[len(dc.OPTIMIZER_STATE_PREFIX):].rpartition(".")
+            param_key, _, state_name = key[len(dc.OPTIMIZER_STATE_PREFIX) :].rpartition(".")
             saved.setdefault(param_key, {})[state_name] = md.properties.dtype
     specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
     if hasattr(optimizer, "sharded_state_template"):
         return optimizer.sharded_state_template(model_chunks, specs, saved)
     params = dict(dc.param_names(model_chunks))
-    per_param = {name: {state: torch.empty(params[name].shape, dtype=dtype, device=params[name].device)
-                        for state, dtype in saved[spec.key].items()}
-                 for name, spec in specs.items() if spec.key in saved}  # no entry: no state saved yet
+    per_param = {
+        name: {
+            state: torch.empty(params[name].shape, dtype=dtype, device=params[name].device)
+            for state, dtype in saved[spec.key].items()
+        }
+        for name, spec in specs.items()
+        if spec.key in saved
+    }  # no entry: no state saved yet
     return dc.optimizer_sharded_state_dict(per_param, specs), per_param
 
 
-def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                  groups: ProcessGroupCollection, load_rng: bool, cfg: CheckpointConfig,
-                  run_args: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Optional[Dict]]:
+def _load_sharded(
+    iter_dir: str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    groups: ProcessGroupCollection,
+    load_rng: bool,
+    cfg: CheckpointConfig,
+    run_args: Optional[Dict[str, Any]],
+) -> Tuple[Dict[str, Any], Optional[Dict]]:
     if cfg.verify_checkpoint:
         dc.verify_checksums(iter_dir)
     common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
@@ -497,13 +571,20 @@ def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimi
     per_param = None
     if optimizer is not None:
         if common.get("optimizer") is None:
-            raise CheckpointingError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
-                                     "load with --no-load-optim or --finetune")
+            raise CheckpointingError(
+                f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
+                "load with --no-load-optim or --finetune"
+            )
         template, per_param = _optimizer_template(model_chunks, optimizer, groups, metadata)
         sharded.update(template)
     # Optimizer state left unread on purpose (--no-load-optim, --finetune, release) is not a mismatch.
-    sharded, _ = apply_strictness(sharded, metadata.state_dict_metadata, parse_strictness(cfg.dist_ckpt_strictness),
-                                  iter_dir, () if optimizer is not None else (dc.OPTIMIZER_STATE_PREFIX,))
+    sharded, _ = apply_strictness(
+        sharded,
+        metadata.state_dict_metadata,
+        parse_strictness(cfg.dist_ckpt_strictness),
+        iter_dir,
+        () if optimizer is not None else (dc.OPTIMIZER_STATE_PREFIX,),
+    )
     dc.load(sharded, iter_dir)
     if optimizer is not None:
         state: Dict[str, Any] = dict(plain_data.decode(common.get("optimizer") or {}))
@@ -511,8 +592,11 @@ def _load_sharded(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimi
         optimizer.load_state_dict_by_param_name(model_chunks, state)
     rng = None
     if load_rng and _same_layout(common, groups, iter_dir):
-        rng = _agreed_read(lambda: read_json(_rng_path(iter_dir, dist.get_rank()),
-                                             "RNG state (saved with --no-save-rng? load with --no-load-rng)"))
+        rng = _agreed_read(
+            lambda: read_json(
+                _rng_path(iter_dir, dist.get_rank()), "RNG state (saved with --no-save-rng? load with --no-load-rng)"
+            )
+        )
     return common, rng
 
 
@@ -530,21 +614,33 @@ def _agreed_read(read: Callable[[], Any]) -> Any:
 def _same_layout(common: Dict[str, Any], groups: ProcessGroupCollection, where: str) -> bool:
     if common.get("layout") == _layout(groups):
         return True
-    logger.warning("%s was saved with layout %s, this run is %s: RNG states are not restored", where,
-                   common.get("layout"), _layout(groups))
+    logger.warning(
+        "%s was saved with layout %s, this run is %s: RNG states are not restored",
+        where,
+        common.get("layout"),
+        _layout(groups),
+    )
     return False
 
 
-def _load_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
-                 groups: ProcessGroupCollection, load_rng: bool, cfg: CheckpointConfig,
-                 run_args: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Optional[Dict]]:
+def _load_legacy(
+    iter_dir: str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    groups: ProcessGroupCollection,
+    load_rng: bool,
+    cfg: CheckpointConfig,
+    run_args: Optional[Dict[str, Any]],
+) -> Tuple[Dict[str, Any], Optional[Dict]]:
     """Every key of the file must fit the model (``load_state_dict(strict=True)``) whatever
     ``--dist-ckpt-strictness`` says: as in Megatron, that flag is for torch_dist checkpoints."""
     _refuse_legacy_with_ep(groups)
     path = legacy_file(iter_dir, groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
     if not os.path.isfile(path):
-        raise CheckpointingError(f"legacy checkpoint file not found: {path} (a torch-format checkpoint loads only "
-                                 "under the TP/PP layout that saved it)")
+        raise CheckpointingError(
+            f"legacy checkpoint file not found: {path} (a torch-format checkpoint loads only "
+            "under the TP/PP layout that saved it)"
+        )
     if cfg.verify_checkpoint:
         _verify_legacy_file(iter_dir, path)
     try:
@@ -561,8 +657,9 @@ def _load_legacy(iter_dir: str, model_chunks: Sequence[torch.nn.Module], optimiz
             raise CheckpointingError(f"{path}: model state does not fit: {e}") from e
     if optimizer is not None:
         if "optimizer" not in state:
-            raise CheckpointingError(f"{path} has no optimizer state (saved with --no-save-optim?); load with "
-                                     "--no-load-optim or --finetune")
+            raise CheckpointingError(
+                f"{path} has no optimizer state (saved with --no-save-optim?); load with --no-load-optim or --finetune"
+            )
         optimizer.load_state_dict_by_param_name(model_chunks, state["optimizer"])
     rng = None
     if load_rng:

@@ -38,16 +38,24 @@ def _forever(loader: Any) -> Iterator:
         yield from loader
 
 
-def _iterators(dataset: Any, consumed: int, args: argparse.Namespace, groups: ProcessGroupCollection,
-               num_chunks: int, cyclic: bool) -> Optional[List[Iterator]]:
+def _iterators(
+    dataset: Any, consumed: int, args: argparse.Namespace, groups: ProcessGroupCollection, num_chunks: int, cyclic: bool
+) -> Optional[List[Iterator]]:
     """``num_chunks`` identical iterators (each chunk of a virtual pipeline reads its own)."""
     if dataset is None or len(dataset) == 0:
         return None
     out = []
     for _ in range(num_chunks):
         loader = build_pretraining_data_loader(
-            dataset, consumed % len(dataset) if cyclic else consumed, args.micro_batch_size, groups.rank_in("dp"),
-            groups.size_of("dp"), args.dataloader_type or "single", args.num_workers, seed=args.seed)
+            dataset,
+            consumed % len(dataset) if cyclic else consumed,
+            args.micro_batch_size,
+            groups.rank_in("dp"),
+            groups.size_of("dp"),
+            args.dataloader_type or "single",
+            args.num_workers,
+            seed=args.seed,
+        )
         # Evaluation restarts its split when it runs out, as Megatron's cyclic iterator does.
         out.append(_forever(loader) if cyclic else iter(loader))
     return out
@@ -57,15 +65,23 @@ def check_data_vocabulary(datasets: Sequence[Any], args: argparse.Namespace) -> 
     """Stop (on every rank) if a data prefix holds token ids the padded vocabulary lacks; not for mock data."""
     if getattr(args, "mock_data", False):
         return
-    origin = (f"--tokenizer-type {args.tokenizer_type}"
-              + (f" --vocab-size {args.vocab_size}" if getattr(args, "vocab_size", None) else "")
-              + f", padded to a multiple of --make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}"
-              f" x --tensor-model-parallel-size {args.tensor_model_parallel_size}")
+    origin = (
+        f"--tokenizer-type {args.tokenizer_type}"
+        + (f" --vocab-size {args.vocab_size}" if getattr(args, "vocab_size", None) else "")
+        + f", padded to a multiple of --make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}"
+        f" x --tensor-model-parallel-size {args.tensor_model_parallel_size}"
+    )
     check_token_ids_in_vocabulary(datasets, args.padded_vocab_size, origin)
 
 
-def build_data_iterators(provider: DatasetProvider, args: argparse.Namespace, groups: ProcessGroupCollection,
-                         num_chunks: int, consumed_train: int, consumed_valid: int) -> DataIterators:
+def build_data_iterators(
+    provider: DatasetProvider,
+    args: argparse.Namespace,
+    groups: ProcessGroupCollection,
+    num_chunks: int,
+    consumed_train: int,
+    consumed_valid: int,
+) -> DataIterators:
     """Call ``provider(samples_per_split)``, check the token ids against the vocabulary, and wrap
     each split in per-DP-rank iterators."""
     train_ds, valid_ds, test_ds = provider(samples_per_split(args))

@@ -140,7 +140,8 @@ NOT_SUPPORTED_YET: Dict[str, Any] = {
 }
 
 
-NO_OP_FLAGS = frozenset("""
+NO_OP_FLAGS = frozenset(
+    """
 pipeline_model_parallel_comm_backend async_tensor_model_parallel_allreduce tp_comm_overlap tp_comm_bulk_wgrad
 tp_comm_bulk_dgrad tp_comm_overlap_ag tp_comm_overlap_rs tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_split_rs
 tp_comm_bootstrap_backend tp_comm_overlap_cfg cross_entropy_loss_fusion cross_entropy_fusion_impl
@@ -159,4 +160,5 @@ gradient_reduce_div_fusion fsdp_double_buffer keep_fp8_transpose_cache nccl_comm
 empty_unused_memory_level deprecated_use_mcore_models kitchen_attention_backend
 moe_grouped_gemm moe_use_legacy_grouped_gemm moe_permute_fusion moe_router_fusion moe_shared_expert_overlap
 moe_flex_dispatcher_backend moe_deepep_num_sms moe_hybridep_num_sms moe_pad_experts_for_cuda_graph_inference
-""".split())
+""".split()
+)

@@ -32,7 +32,8 @@ SPECIAL_DEFAULTS: Dict[str, Any] = {
 }
 
 # Store flags whose default (None, or an int standing for a float) does not give the type.
-INT_FLAGS = frozenset("""
+INT_FLAGS = frozenset(
+    """
 hierarchical_context_parallel_sizes max_seqlen_per_dp_cp_rank expert_tensor_parallel_size
 microbatch_group_size_per_vp_stage num_layers mtp_num_layers hidden_size num_attention_heads ffn_hidden_size
 kv_channels dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk recompute_num_layers
@@ -47,14 +48,17 @@ num_layers_per_virtual_pipeline_stage num_virtual_stages_per_pipeline_rank
 distributed_timeout_seconds_after_init ddp_num_buckets ddp_bucket_size suggested_communication_unit_size
 eval_interval seq_length encoder_seq_length decoder_seq_length fim_split_sample vocab_size padded_vocab_size
 num_experts q_lora_rank log_memory_interval iterations_to_skip empty_unused_memory_level timing_log_level
-""".split())
+""".split()
+)
 
-FLOAT_FLAGS = frozenset("""
+FLOAT_FLAGS = frozenset(
+    """
 activation_func_clamp_value dsa_indexer_loss_coeff embedding_init_method_std moe_router_topk_scaling_factor
 moe_z_loss_coeff moe_input_jitter_eps moe_expert_capacity_factor rotary_seq_len_interpolation_factor
 exit_duration_in_mins lr_warmup_fraction start_weight_decay end_weight_decay lr decoupled_lr decoupled_min_lr
 loss_scale fim_fragment_rate qk_clip_threshold initial_loss_scale loss_scale_window
-""".split())
+""".split()
+)
 
 # Megatron parses these with ``type=bool``; we accept the usual spellings instead.
 BOOL_FLAGS = frozenset({"lazy_mpu_init", "onnx_safe"})
@@ -119,8 +123,12 @@ def _list_expression(node: ast.AST) -> Any:
     raise ValueError("only integers, lists, + and * are allowed")
 
 
-CUSTOM_TYPES: Dict[str, Callable[[str], Any]] = {"attention_backend": attn_backend, "exit_signal": exit_signal,
-                                                 "window_size": int_tuple, "moe_layer_freq": moe_layer_freq}
+CUSTOM_TYPES: Dict[str, Callable[[str], Any]] = {
+    "attention_backend": attn_backend,
+    "exit_signal": exit_signal,
+    "window_size": int_tuple,
+    "moe_layer_freq": moe_layer_freq,
+}
 
 
 @dataclass(frozen=True)
@@ -154,10 +162,17 @@ def load_flag_specs(path: str = FLAGS_TSV) -> List[FlagSpec]:
     with open(path, encoding="utf-8") as f:
         rows = [line.rstrip("\n").split("\t") for line in f if line.strip() and not line.startswith("#")]
     for group, flags, dest, default, choices, nargs, action in rows[1:]:
-        specs.append(FlagSpec(
-            group=group, option_strings=tuple(flags.split()), dest=dest, default=parse_default(default),
-            choices=tuple(ast.literal_eval(choices)) if choices else None, nargs=nargs or None, action=action,
-        ))
+        specs.append(
+            FlagSpec(
+                group=group,
+                option_strings=tuple(flags.split()),
+                dest=dest,
+                default=parse_default(default),
+                choices=tuple(ast.literal_eval(choices)) if choices else None,
+                nargs=nargs or None,
+                action=action,
+            )
+        )
     return specs
 
 
@@ -240,21 +255,28 @@ HELP: Dict[str, str] = {
     "load": "Directory to load checkpoints from.",
     "use_checkpoint_args": "Take the model flags (architecture, tokenizer type, dropout) from the --load checkpoint.",
     "dist_ckpt_strictness": "Keys the model and a torch_dist checkpoint do not share: the default refuses both "
-                            "kinds (also checkpoint tensors the model does not use); see dist_checkpointing/"
-                            "validation.py.",
+    "kinds (also checkpoint tensors the model does not use); see dist_checkpointing/"
+    "validation.py.",
     "verify_checkpoint": "Do not check checkpoint files against the SHA-256 sums in metadata.json on load.",
     "distributed_backend": "torch.distributed backend; default nccl with GPUs, gloo without.",
     "distributed_timeout_minutes": "Timeout of collective operations.",
     "fake_process_group": "Planning run on one process: torch.distributed's 'fake' backend, rank and world size "
-                          "from RANK / WORLD_SIZE; collectives move no data (used by tools/gpu_dry_run.py).",
+    "from RANK / WORLD_SIZE; collectives move no data (used by tools/gpu_dry_run.py).",
 }
 
 NO_OP_NOTE = "[accepted; no effect here: kernel, fusion, overlap or profiling choice]"
 PROJECT_NOTE = "[this project's flag; not in Megatron-LM]"
 
 PROJECT_FLAGS: Tuple[FlagSpec, ...] = (
-    FlagSpec(group="checkpointing", option_strings=("--no-verify-checkpoint",), dest="verify_checkpoint",
-             default=True, choices=None, nargs=None, action="storefalse"),
+    FlagSpec(
+        group="checkpointing",
+        option_strings=("--no-verify-checkpoint",),
+        dest="verify_checkpoint",
+        default=True,
+        choices=None,
+        nargs=None,
+        action="storefalse",
+    ),
 )
 
 
@@ -278,7 +300,7 @@ def metavar(spec: FlagSpec) -> str:
     return {int: "N", float: "X", str_to_bool: "BOOL"}.get(kind, "STR")
 
 
-def add_flag(group: "argparse._ArgumentGroup", spec: FlagSpec, help_line: str) -> None:
+def add_flag(group: argparse._ArgumentGroup, spec: FlagSpec, help_line: str) -> None:
     """Add one table row to an argparse group with Megatron's option strings, dest and default."""
     kwargs: Dict[str, Any] = {"dest": spec.dest, "default": spec.default, "help": help_line}
     if spec.action == "storetrue":
@@ -314,15 +336,25 @@ class FlagFileParser(argparse.ArgumentParser):
             self.error(f"flags file line {arg_line.strip()!r}: {err}")
 
 
-def build_parser(specs: List[FlagSpec], no_op: frozenset, unsupported: Dict[str, Tuple[Any, ...]],
-                 prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
+def build_parser(
+    specs: List[FlagSpec],
+    no_op: frozenset,
+    unsupported: Dict[str, Tuple[Any, ...]],
+    prog: Optional[str] = None,
+    description: Optional[str] = None,
+) -> argparse.ArgumentParser:
     """An argparse parser with one argument group per Megatron group, in table order.
 
     ``unsupported`` maps a dest to the values still accepted, for the help text.
     """
-    parser = FlagFileParser(prog=prog, description=description, allow_abbrev=False,
-                            usage="%(prog)s [options | @flags-file]  (see the groups below)",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter, fromfile_prefix_chars="@")
+    parser = FlagFileParser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        usage="%(prog)s [options | @flags-file]  (see the groups below)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        fromfile_prefix_chars="@",
+    )
     groups: Dict[str, argparse._ArgumentGroup] = {}
     for spec in specs:
         if spec.group not in groups:

@@ -86,7 +86,7 @@ def expand_nodelist(nodelist: str) -> List[str]:
         if match is None:
             hosts.append(item)
             continue
-        head, tail = item[:match.start()], item[match.end():]
+        head, tail = item[: match.start()], item[match.end() :]
         for spec in match.group(1).split(","):
             for number in _expand_range(spec.strip()):
                 hosts.extend(expand_nodelist(head + number + tail))
@@ -111,18 +111,27 @@ def _int_var(environ: Mapping[str, str], name: str) -> int:
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
-    return LaunchEnv(rank=_int_var(environ, "RANK"), world_size=_int_var(environ, "WORLD_SIZE"),
-                     local_rank=_int_var(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
-                     master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT"),
-                     source="torchrun")
+    return LaunchEnv(
+        rank=_int_var(environ, "RANK"),
+        world_size=_int_var(environ, "WORLD_SIZE"),
+        local_rank=_int_var(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+        master_addr=environ["MASTER_ADDR"],
+        master_port=_int_var(environ, "MASTER_PORT"),
+        source="torchrun",
+    )
 
 
 def _from_slurm(environ: Mapping[str, str], nodelist_var: Optional[str]) -> LaunchEnv:
     addr = environ.get("MASTER_ADDR") or first_host(environ[nodelist_var])
     port = _int_var(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_MASTER_PORT
-    return LaunchEnv(rank=_int_var(environ, "SLURM_PROCID"), world_size=_int_var(environ, "SLURM_NTASKS"),
-                     local_rank=_int_var(environ, "SLURM_LOCALID"), master_addr=addr, master_port=port,
-                     source="slurm")
+    return LaunchEnv(
+        rank=_int_var(environ, "SLURM_PROCID"),
+        world_size=_int_var(environ, "SLURM_NTASKS"),
+        local_rank=_int_var(environ, "SLURM_LOCALID"),
+        master_addr=addr,
+        master_port=port,
+        source="slurm",
+    )
 
 
 def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
@@ -160,8 +169,9 @@ def read_fake_launch_env(environ: Optional[Mapping[str, str]] = None) -> LaunchE
     local_rank = _int_var(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
     if not 0 <= rank < world_size:
         raise LaunchEnvError(f"--fake-process-group: RANK={rank} is outside WORLD_SIZE={world_size}")
-    return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, master_addr="", master_port=0,
-                     source="fake")
+    return LaunchEnv(
+        rank=rank, world_size=world_size, local_rank=local_rank, master_addr="", master_port=0, source="fake"
+    )
 
 
 def launch_env_for(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
@@ -193,23 +203,31 @@ def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str
         try:  # torch's own test utility: present in every build so far, but private
             from torch.testing._internal.distributed.fake_pg import FakeStore
         except ImportError as e:
-            raise RuntimeError(f"--fake-process-group needs torch's fake process group, which this torch "
-                               f"{torch.__version__} does not provide: {e}") from e
+            raise RuntimeError(
+                f"--fake-process-group needs torch's fake process group, which this torch "
+                f"{torch.__version__} does not provide: {e}"
+            ) from e
 
         backend = "fake"
         dist.init_process_group(backend, store=FakeStore(), rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:
         backend = choose_backend(getattr(args, "distributed_backend", None), cuda)
-        dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
     global _OWNS_PROCESS_GROUP
     _OWNS_PROCESS_GROUP = True
     args.local_rank = env.local_rank
     logger.info("torch.distributed up: rank %d of %d (%s, %s)", env.rank, env.world_size, env.source, backend)
 
 
-def initialize_distributed(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None
-                           ) -> parallel_state.ProcessGroupCollection:
+def initialize_distributed(
+    args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None
+) -> parallel_state.ProcessGroupCollection:
     """Create the default process group if needed, then the model-parallel groups from ``args``.
 
     A process group created beforehand (e.g. by a test harness) is kept as is.
@@ -222,7 +240,7 @@ def initialize_distributed(args: argparse.Namespace, environ: Optional[Mapping[s
         torch.cuda.set_device(local % torch.cuda.device_count())
     args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
     if parallel_state.model_parallel_is_initialized():
-        warnings.warn("model parallel groups are already initialized; keeping them")
+        warnings.warn("model parallel groups are already initialized; keeping them", stacklevel=2)
         return parallel_state.default_process_groups()
     return parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -250,8 +268,9 @@ def shutdown_distributed() -> None:
     _OWNS_PROCESS_GROUP = False
 
 
-def set_random_seed(seed: int, data_parallel_random_init: bool = False,
-                    groups: Optional[parallel_state.ProcessGroupCollection] = None) -> int:
+def set_random_seed(
+    seed: int, data_parallel_random_init: bool = False, groups: Optional[parallel_state.ProcessGroupCollection] = None
+) -> int:
     """Seed python, numpy and torch; returns the seed this rank used.
 
     Megatron's rule: pipeline stages get different streams (seed + 100 x pp rank),
@@ -271,14 +290,18 @@ def set_random_seed(seed: int, data_parallel_random_init: bool = False,
     from megatron.core import tensor_parallel  # imported here: it depends on the groups built above
 
     tensor_parallel.model_parallel_cuda_manual_seed(
-        seed, tp_rank=groups.rank_in("tp"), ep_rank=groups.rank_in("ep"), etp_rank=groups.rank_in("expt_tp"))
+        seed, tp_rank=groups.rank_in("tp"), ep_rank=groups.rank_in("ep"), etp_rank=groups.rank_in("expt_tp")
+    )
     return seed
 
 
-def initialize_megatron(argv: Optional[Sequence[str]] = None,
-                        extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None,
-                        args_defaults: Optional[Mapping[str, Any]] = None, entry_point: str = "gpt",
-                        environ: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
+def initialize_megatron(
+    argv: Optional[Sequence[str]] = None,
+    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None,
+    args_defaults: Optional[Mapping[str, Any]] = None,
+    entry_point: str = "gpt",
+    environ: Optional[Mapping[str, str]] = None,
+) -> argparse.Namespace:
     """Parse and validate flags, start torch.distributed, build groups, seed, set up microbatches."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training.arguments import parse_args, validate_args
@@ -293,7 +316,12 @@ def initialize_megatron(argv: Optional[Sequence[str]] = None,
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)
     set_random_seed(args.seed, args.data_parallel_random_init, groups)
-    init_num_microbatches_calculator(args.rank, args.rampup_batch_size, args.global_batch_size,
-                                     args.micro_batch_size, args.data_parallel_size,
-                                     args.decrease_batch_size_if_needed)
+    init_num_microbatches_calculator(
+        args.rank,
+        args.rampup_batch_size,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.data_parallel_size,
+        args.decrease_batch_size_if_needed,
+    )
     return args

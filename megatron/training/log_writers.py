@@ -26,20 +26,37 @@ def open_tensorboard(log_dir: str, queue_size: int) -> Any:
     return SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
 
-def open_wandb(project: str, exp_name: str, save_dir: str, entity: Optional[str], mode: str,
-               run_config: Optional[Mapping[str, Any]] = None) -> Any:
+def open_wandb(
+    project: str,
+    exp_name: str,
+    save_dir: str,
+    entity: Optional[str],
+    mode: str,
+    run_config: Optional[Mapping[str, Any]] = None,
+) -> Any:
     """A W&B run in ``<save_dir>/wandb/`` (``offline-run-*`` in offline mode)."""
     save_dir = os.path.abspath(save_dir)
     os.makedirs(save_dir, exist_ok=True)
     # W&B reads these at import and init; defaults would point at ~/.cache and ~/.config.
-    for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
-                     ("WANDB_DATA_DIR", "data"), ("WANDB_ARTIFACT_DIR", "artifacts")):
+    for var, sub in (
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_DATA_DIR", "data"),
+        ("WANDB_ARTIFACT_DIR", "artifacts"),
+    ):
         os.environ.setdefault(var, os.path.join(save_dir, sub))
     import wandb
 
     settings = wandb.Settings(console="off", silent=True, save_code=False)
-    return wandb.init(project=project, name=exp_name, entity=entity, dir=save_dir, mode=mode,
-                      config=dict(run_config or {}), settings=settings)
+    return wandb.init(
+        project=project,
+        name=exp_name,
+        entity=entity,
+        dir=save_dir,
+        mode=mode,
+        config=dict(run_config or {}),
+        settings=settings,
+    )
 
 
 def open_or_warn(flag: str, value: Any, package: str, opener: Callable[[], Any]) -> Any:
@@ -51,8 +68,9 @@ def open_or_warn(flag: str, value: Any, package: str, opener: Callable[[], Any])
     try:
         return opener()
     except ImportError as err:
-        logger.warning("%s=%s: the %s package cannot be imported (%s); training continues without it",
-                       flag, value, package, err)
+        logger.warning(
+            "%s=%s: the %s package cannot be imported (%s); training continues without it", flag, value, package, err
+        )
         return None
 
 

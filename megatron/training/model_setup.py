@@ -9,8 +9,7 @@ from typing import Any, Callable, List
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                       finalize_model_grads)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ProcessGroupCollection
@@ -49,25 +48,39 @@ def optimizer_config_from_args(args: argparse.Namespace, config: TransformerConf
 
 
 def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    return _from_args(DistributedDataParallelConfig, args, {
-        "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
-        "check_for_nan_in_grad": "check_for_nan_in_loss_and_grad",
-        "bucket_size": "ddp_bucket_size",
-        "average_in_collective": "ddp_average_in_collective",
-    })
+    return _from_args(
+        DistributedDataParallelConfig,
+        args,
+        {
+            "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
+            "check_for_nan_in_grad": "check_for_nan_in_loss_and_grad",
+            "bucket_size": "ddp_bucket_size",
+            "average_in_collective": "ddp_average_in_collective",
+        },
+    )
 
 
-def build_model_chunks(model_provider: Callable, model_type: ModelType, args: argparse.Namespace,
-                       config: TransformerConfig, groups: ProcessGroupCollection) -> List[torch.nn.Module]:
+def build_model_chunks(
+    model_provider: Callable,
+    model_type: ModelType,
+    args: argparse.Namespace,
+    config: TransformerConfig,
+    groups: ProcessGroupCollection,
+) -> List[torch.nn.Module]:
     """One model per virtual pipeline chunk held by this rank (one chunk without interleaving)."""
     vp = args.virtual_pipeline_model_parallel_size
     pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
     chunks = []
     for stage in range(vp or 1):
         model = call_with_supported(
-            model_provider, pre_process=pp_rank == 0 and stage == 0,
+            model_provider,
+            pre_process=pp_rank == 0 and stage == 0,
             post_process=pp_rank == pp_size - 1 and stage == (vp or 1) - 1,
-            vp_stage=stage if vp else None, config=config, args=args, pg_collection=groups)
+            vp_stage=stage if vp else None,
+            config=config,
+            args=args,
+            pg_collection=groups,
+        )
         model.model_type = model_type
         if torch.cuda.is_available():
             # Parameters not created by the TP layers (norms, position embeddings, rotary
@@ -80,12 +93,20 @@ def build_model_chunks(model_provider: Callable, model_type: ModelType, args: ar
 def _report_parameters(chunks: List[torch.nn.Module], groups: ProcessGroupCollection) -> None:
     if groups.rank_in("dp") == 0:
         count = sum(p.numel() for c in chunks for p in c.parameters())
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
-              f"({groups.rank_in('tp')}, {groups.rank_in('pp')}): {count}", flush=True)
+        print(
+            f" > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({groups.rank_in('tp')}, {groups.rank_in('pp')}): {count}",
+            flush=True,
+        )
 
 
-def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType, args: argparse.Namespace,
-                              config: TransformerConfig, groups: ProcessGroupCollection) -> ModelAndOptimizer:
+def setup_model_and_optimizer(
+    model_provider: Callable,
+    model_type: ModelType,
+    args: argparse.Namespace,
+    config: TransformerConfig,
+    groups: ProcessGroupCollection,
+) -> ModelAndOptimizer:
     """Build, tie, wrap and hand over the model chunks with an optimizer and a schedule.
 
     The chunks' config gets the hooks the pipeline schedule calls: loss scaling, no-sync
@@ -95,15 +116,18 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType, a
     _report_parameters(chunks, groups)
     sync_tied_embeddings(chunks, groups)
     ddp_config = ddp_config_from_args(args)
-    wrapped = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
-               for i, chunk in enumerate(chunks)]
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
+        for i, chunk in enumerate(chunks)
+    ]
     for chunk in wrapped:
         chunk.broadcast_params()
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args, config), wrapped, groups)
     scheduler = OptimizerParamScheduler(optimizer, **optimizer_param_scheduler_kwargs(args))
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = lambda model_chunks, num_tokens=None: finalize_model_grads(
-        model_chunks, num_tokens, pg_collection=groups)
+        model_chunks, num_tokens, pg_collection=groups
+    )
     config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     dist.barrier()
     return ModelAndOptimizer(wrapped, optimizer, scheduler)

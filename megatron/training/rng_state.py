@@ -31,8 +31,12 @@ def collect_rng_state() -> Dict[str, Any]:
     on_cuda = torch.cuda.is_available()
     state = {
         "random": random.getstate(),
-        "numpy": {"keys": np_state[1].tolist(), "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                  "cached_gaussian": float(np_state[4])},
+        "numpy": {
+            "keys": np_state[1].tolist(),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch_cpu": torch.get_rng_state(),
         "device": "cuda" if on_cuda else "cpu",
         "cuda": list(torch.cuda.get_rng_state_all()) if on_cuda else None,
@@ -51,14 +55,25 @@ def restore_rng_state(encoded: Dict[str, Any]) -> None:
     state = plain_data.decode(encoded)
     random.setstate(state["random"])
     np_state = state["numpy"]
-    np.random.set_state(("MT19937", np.array(np_state["keys"], dtype=np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            np.array(np_state["keys"], dtype=np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch_cpu"])
     saved_on = state.get("device") or ("cpu" if state["cuda"] is None else "cuda")  # older files lack "device"
     running_on = "cuda" if torch.cuda.is_available() else "cpu"
     if saved_on != running_on:
-        logger.warning("RNG state saved on %s, this run is on %s: CUDA and model-parallel tracker states are not "
-                       "restored (host generators are)", saved_on, running_on)
+        logger.warning(
+            "RNG state saved on %s, this run is on %s: CUDA and model-parallel tracker states are not "
+            "restored (host generators are)",
+            saved_on,
+            running_on,
+        )
         return
     if running_on == "cuda":
         _restore_cuda_rng(state["cuda"], state.get("cuda_device"))
@@ -73,7 +88,11 @@ def _restore_cuda_rng(saved: Any, saved_device: Optional[int]) -> None:
     if len(saved) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(saved)
         return
-    logger.warning("RNG state holds %d CUDA generators, this process sees %d devices: only the current "
-                   "device's generator is restored (from saved device %s)", len(saved), torch.cuda.device_count(),
-                   saved_device)
+    logger.warning(
+        "RNG state holds %d CUDA generators, this process sees %d devices: only the current "
+        "device's generator is restored (from saved device %s)",
+        len(saved),
+        torch.cuda.device_count(),
+        saved_device,
+    )
     torch.cuda.set_rng_state(saved[saved_device or 0])

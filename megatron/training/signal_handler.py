@@ -20,7 +20,7 @@ class DistributedSignalHandler:
         self._received = False
         self._previous = None
 
-    def __enter__(self) -> "DistributedSignalHandler":
+    def __enter__(self) -> DistributedSignalHandler:
         self._previous = signal.signal(self.sig, self._handle)
         return self
 

@@ -21,10 +21,13 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed import NonFiniteGradientError
+from megatron.core.num_microbatches_calculator import (
+    build_num_microbatches_calculator,
+    get_current_global_batch_size,
+    get_num_microbatches,
+    update_num_microbatches,
+)
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
-from megatron.core.num_microbatches_calculator import (build_num_microbatches_calculator,
-                                                       get_current_global_batch_size, get_num_microbatches,
-                                                       update_num_microbatches)
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
 from megatron.core.timers import Timers
@@ -32,17 +35,28 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.moe.moe_utils import aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.utils import comm_device
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.checkpointing import (args_to_plain_data, check_save_dir, checkpoint_config_from_args,
-                                            collect_rng_state, load_checkpoint, restore_rng_state, save_checkpoint)
+from megatron.training.checkpointing import (
+    args_to_plain_data,
+    check_save_dir,
+    checkpoint_config_from_args,
+    collect_rng_state,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import initialize_megatron, shutdown_distributed
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
+from megatron.training.training_log import (
+    TrainingLogger,
+    flops_config_from_args,
+    logging_config_from_args,
+    num_floating_point_operations,
+)
 from megatron.training.utils import call_with_supported
-from megatron.training.training_log import (TrainingLogger, flops_config_from_args, logging_config_from_args,
-                                            num_floating_point_operations)
 
 
 @dataclass
@@ -109,9 +123,14 @@ def _train_iters(args: argparse.Namespace) -> int:
         return args.train_iters
     if args.rampup_batch_size is None:
         return math.ceil(args.train_samples / args.global_batch_size)
-    calculator = build_num_microbatches_calculator(0, args.rampup_batch_size, args.global_batch_size,
-                                                   args.micro_batch_size, args.data_parallel_size,
-                                                   args.decrease_batch_size_if_needed)
+    calculator = build_num_microbatches_calculator(
+        0,
+        args.rampup_batch_size,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.data_parallel_size,
+        args.decrease_batch_size_if_needed,
+    )
     consumed = iterations = 0
     while consumed < args.train_samples:
         calculator.update(consumed, consistency_check=False)
@@ -139,9 +158,13 @@ class Loop:
         return get_forward_backward_func()(
             forward_step_func=self.forward_step_func,
             data_iterator=data_iterator if len(chunks) > 1 else data_iterator[0],
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=get_num_microbatches(),
-            seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
-            decoder_seq_length=getattr(self.args, "decoder_seq_length", None), forward_only=forward_only)
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=get_num_microbatches(),
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            decoder_seq_length=getattr(self.args, "decoder_seq_length", None),
+            forward_only=forward_only,
+        )
 
 
 def train_step(loop: Loop) -> tuple:
@@ -195,9 +218,16 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> Non
 def _save(loop: Loop) -> None:
     args, built = loop.args, loop.built
     with rng_untouched():
-        save_checkpoint(loop.state.iteration, built.model, built.optimizer, built.scheduler,
-                        checkpoint_config_from_args(args), train_state=asdict(loop.state),
-                        args_dict=args_to_plain_data(args), pg_collection=loop.groups)
+        save_checkpoint(
+            loop.state.iteration,
+            built.model,
+            built.optimizer,
+            built.scheduler,
+            checkpoint_config_from_args(args),
+            train_state=asdict(loop.state),
+            args_dict=args_to_plain_data(args),
+            pg_collection=loop.groups,
+        )
 
 
 def _should_exit(loop: Loop, start_time: float, handler: Optional[DistributedSignalHandler]) -> Optional[str]:
@@ -216,10 +246,13 @@ def _should_exit(loop: Loop, start_time: float, handler: Optional[DistributedSig
     return None
 
 
-def _agreed_stop(handler: Optional[DistributedSignalHandler], limit_mins: Optional[int],
-                 start_time: float) -> Optional[str]:
-    local = [handler is not None and handler.received,
-             bool(limit_mins) and (time.time() - start_time) / 60.0 > limit_mins]
+def _agreed_stop(
+    handler: Optional[DistributedSignalHandler], limit_mins: Optional[int], start_time: float
+) -> Optional[str]:
+    local = [
+        handler is not None and handler.received,
+        bool(limit_mins) and (time.time() - start_time) / 60.0 > limit_mins,
+    ]
     flags = torch.tensor([int(f) for f in local], device=comm_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[0].item():
@@ -235,19 +268,35 @@ def _group_lr(optimizer: Any, decoupled: bool) -> Optional[float]:
     return None
 
 
-def _log_iteration(loop: Loop, losses: Dict[str, float], skipped: int, grad_norm: Optional[float],
-                   num_zeros: Optional[int], elapsed_ms: float) -> None:
+def _log_iteration(
+    loop: Loop,
+    losses: Dict[str, float],
+    skipped: int,
+    grad_norm: Optional[float],
+    num_zeros: Optional[int],
+    elapsed_ms: float,
+) -> None:
     args, state, built = loop.args, loop.state, loop.built
     batch = get_current_global_batch_size()
     loop.logger.training_log(
-        iteration=state.iteration, train_iters=loop.train_iters, loss_dict=losses,
-        learning_rate=_group_lr(built.optimizer, decoupled=False), decoupled_lr=_group_lr(built.optimizer, True),
-        loss_scale=float(built.optimizer.get_loss_scale()), grad_norm=grad_norm,
+        iteration=state.iteration,
+        train_iters=loop.train_iters,
+        loss_dict=losses,
+        learning_rate=_group_lr(built.optimizer, decoupled=False),
+        decoupled_lr=_group_lr(built.optimizer, True),
+        loss_scale=float(built.optimizer.get_loss_scale()),
+        grad_norm=grad_norm,
         params_norm=params_l2_norm(built.model, loop.groups) if args.log_params_norm else None,
-        num_zeros=num_zeros, skipped=bool(skipped), nan=None,
-        consumed_samples=state.consumed_train_samples, global_batch_size=batch, elapsed_ms_per_iter=elapsed_ms,
+        num_zeros=num_zeros,
+        skipped=bool(skipped),
+        nan=None,
+        consumed_samples=state.consumed_train_samples,
+        global_batch_size=batch,
+        elapsed_ms_per_iter=elapsed_ms,
         flops_per_iter=num_floating_point_operations(flops_config_from_args(args), batch),
-        seq_length=args.seq_length, timers=loop.timers)
+        seq_length=args.seq_length,
+        timers=loop.timers,
+    )
 
 
 def train(loop: Loop) -> Optional[str]:
@@ -266,8 +315,7 @@ def train(loop: Loop) -> Optional[str]:
             state.iteration += 1
             batch = get_current_global_batch_size()
             state.consumed_train_samples += batch
-            state.floating_point_operations_so_far += num_floating_point_operations(
-                flops_config_from_args(args), batch)
+            state.floating_point_operations_so_far += num_floating_point_operations(flops_config_from_args(args), batch)
             _log_iteration(loop, losses, skipped, grad_norm, num_zeros, (time.time() - t0) * 1000.0)
             if args.eval_interval and state.iteration % args.eval_interval == 0 and not args.skip_train:
                 _evaluate_and_log(loop, "validation", loop.data.valid)
@@ -283,10 +331,17 @@ def train(loop: Loop) -> Optional[str]:
     return None
 
 
-def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable,
-             model_type: ModelType, forward_step_func: Callable, process_non_loss_data_func: Optional[Callable] = None,
-             extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict[str, Any]] = None,
-             argv: Optional[List[str]] = None, entry_point: str = "gpt") -> TrainState:
+def pretrain(
+    train_valid_test_dataset_provider: Callable,
+    model_provider: Callable,
+    model_type: ModelType,
+    forward_step_func: Callable,
+    process_non_loss_data_func: Optional[Callable] = None,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[Dict[str, Any]] = None,
+    argv: Optional[List[str]] = None,
+    entry_point: str = "gpt",
+) -> TrainState:
     """Parse flags, build everything, train, evaluate, save. Returns the final train state."""
     args = initialize_megatron(argv, extra_args_provider, args_defaults or {}, entry_point)
     groups = parallel_state.default_process_groups()
@@ -298,15 +353,22 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
     state = TrainState()
     if args.load:
-        iteration, saved_state = load_checkpoint(built.model, built.optimizer, built.scheduler,
-                                                 checkpoint_config_from_args(args), pg_collection=groups,
-                                                 run_args=args_to_plain_data(args))
+        iteration, saved_state = load_checkpoint(
+            built.model,
+            built.optimizer,
+            built.scheduler,
+            checkpoint_config_from_args(args),
+            pg_collection=groups,
+            run_args=args_to_plain_data(args),
+        )
         state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
     provider = lambda sizes: call_with_supported(  # noqa: E731 - adapts Megatron's provider signature
-        train_valid_test_dataset_provider, sizes, args=args, tokenizer=tokenizer, pg_collection=groups)
+        train_valid_test_dataset_provider, sizes, args=args, tokenizer=tokenizer, pg_collection=groups
+    )
     with rng_untouched():  # the state seeded at start-up, or restored from the checkpoint, is what step 1 sees
-        data = build_data_iterators(provider, args, groups, len(built.model), state.consumed_train_samples,
-                                    state.consumed_valid_samples)
+        data = build_data_iterators(
+            provider, args, groups, len(built.model), state.consumed_train_samples, state.consumed_valid_samples
+        )
         logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
     loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers, _train_iters(args))
     try:

@@ -20,8 +20,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from megatron.training.log_writers import (ScalarWriters, device_memory_scalars, open_or_warn, open_tensorboard,
-                                           open_wandb)
+from megatron.training.log_writers import (
+    ScalarWriters,
+    device_memory_scalars,
+    open_or_warn,
+    open_tensorboard,
+    open_wandb,
+)
 
 # ====================================================================== FLOPs
 
@@ -57,12 +62,19 @@ def flops_config_from_args(args: argparse.Namespace) -> FlopsConfig:
         raise ValueError("padded_vocab_size is not set: build the tokenizer (which pads the vocabulary) first")
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
     return FlopsConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
-        padded_vocab_size=args.padded_vocab_size, num_query_groups=groups or args.num_query_groups,
-        kv_channels=args.kv_channels, swiglu=bool(args.swiglu), num_moe_layers=_num_moe_layers(args),
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        padded_vocab_size=args.padded_vocab_size,
+        num_query_groups=groups or args.num_query_groups,
+        kv_channels=args.kv_channels,
+        swiglu=bool(args.swiglu),
+        num_moe_layers=_num_moe_layers(args),
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or 0,
-        moe_router_topk=getattr(args, "moe_router_topk", 0) or 0)
+        moe_router_topk=getattr(args, "moe_router_topk", 0) or 0,
+    )
 
 
 def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
@@ -100,8 +112,9 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     attention = 4 * h * q * (1 + k / q) + 4 * s * q
     dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
     moe_ffn = cfg.num_moe_layers * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
-    forward_per_token = (cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated
-                         + 2 * h * cfg.padded_vocab_size)
+    forward_per_token = (
+        cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size
+    )
     return 3.0 * batch_size * s * forward_per_token
 
 
@@ -112,21 +125,36 @@ def _format_fields(fields: List[Tuple[str, str]]) -> str:
     return "".join(f" {name}: {value} |" for name, value in fields)
 
 
-def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms_per_iter: float,
-                    learning_rate: float, global_batch_size: int, losses: Mapping[str, float],
-                    loss_scale: float, grad_norm: Optional[float] = None, skipped_iters: int = 0,
-                    nan_iters: int = 0, tflops_per_gpu: Optional[float] = None,
-                    tokens_per_sec_per_gpu: Optional[float] = None, decoupled_lr: Optional[float] = None,
-                    params_norm: Optional[float] = None, num_zeros: Optional[float] = None,
-                    timestamp: Optional[datetime] = None) -> str:
+def format_log_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms_per_iter: float,
+    learning_rate: float,
+    global_batch_size: int,
+    losses: Mapping[str, float],
+    loss_scale: float,
+    grad_norm: Optional[float] = None,
+    skipped_iters: int = 0,
+    nan_iters: int = 0,
+    tflops_per_gpu: Optional[float] = None,
+    tokens_per_sec_per_gpu: Optional[float] = None,
+    decoupled_lr: Optional[float] = None,
+    params_norm: Optional[float] = None,
+    num_zeros: Optional[float] = None,
+    timestamp: Optional[datetime] = None,
+) -> str:
     """Megatron's training line; optional fields appear only when given (not None).
 
     Example: ``[2026-01-01 12:00:00] iteration      100/   10000 | consumed samples:         3200 |
     elapsed time per iteration (ms): 812.3 | ... | number of nan iterations:   0 |``
     """
     stamp = (timestamp or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
-    fields: List[Tuple[str, str]] = [("consumed samples", f"{consumed_samples:12d}"),
-                                     ("elapsed time per iteration (ms)", f"{elapsed_ms_per_iter:.1f}")]
+    fields: List[Tuple[str, str]] = [
+        ("consumed samples", f"{consumed_samples:12d}"),
+        ("elapsed time per iteration (ms)", f"{elapsed_ms_per_iter:.1f}"),
+    ]
     if tflops_per_gpu is not None:
         fields.append(("throughput per GPU (TFLOP/s/GPU)", f"{tflops_per_gpu:.1f}"))
     if tokens_per_sec_per_gpu is not None:
@@ -143,8 +171,7 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
         fields.append(("num zeros", f"{int(num_zeros)}"))
     if params_norm is not None:
         fields.append(("params norm", f"{params_norm:.3f}"))
-    fields += [("number of skipped iterations", f"{skipped_iters:3d}"),
-               ("number of nan iterations", f"{nan_iters:3d}")]
+    fields += [("number of skipped iterations", f"{skipped_iters:3d}"), ("number of nan iterations", f"{nan_iters:3d}")]
     return f"[{stamp}] iteration {iteration:8d}/{train_iters:8d} |" + _format_fields(fields)
 
 
@@ -219,12 +246,30 @@ def parse_evaluation_line(line: str) -> Optional[Dict[str, Any]]:
 
 # Megatron's timer names reported after the line (those a run never creates are skipped).
 DEFAULT_TIMERS_TO_LOG: Tuple[str, ...] = (
-    "forward-backward", "forward-compute", "backward-compute", "batch-generator", "forward-recv",
-    "forward-send", "backward-recv", "backward-send", "forward-send-forward-recv", "forward-send-backward-recv",
-    "backward-send-forward-recv", "backward-send-backward-recv", "forward-backward-send-forward-backward-recv",
-    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync", "params-all-gather",
-    "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad",
-    "optimizer-count-zeros", "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer",
+    "forward-backward",
+    "forward-compute",
+    "backward-compute",
+    "batch-generator",
+    "forward-recv",
+    "forward-send",
+    "backward-recv",
+    "backward-send",
+    "forward-send-forward-recv",
+    "forward-send-backward-recv",
+    "backward-send-forward-recv",
+    "backward-send-backward-recv",
+    "forward-backward-send-forward-backward-recv",
+    "layernorm-grads-all-reduce",
+    "embedding-grads-all-reduce",
+    "all-grads-sync",
+    "params-all-gather",
+    "optimizer-copy-to-main-grad",
+    "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad",
+    "optimizer-count-zeros",
+    "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params",
+    "optimizer",
 )
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -276,14 +321,31 @@ def logging_config_from_args(args: argparse.Namespace, environ: Optional[Mapping
     """
     env = os.environ if environ is None else environ
     save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if getattr(args, "save", None) else "wandb")
-    same = ("log_interval", "log_throughput", "log_params_norm", "log_num_zeros_in_grad", "tensorboard_dir",
-            "tensorboard_log_interval", "tensorboard_queue_size", "log_timers_to_tensorboard",
-            "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard", "log_world_size_to_tensorboard",
-            "log_loss_scale_to_tensorboard", "wandb_exp_name", "wandb_entity", "timing_log_option")
+    same = (
+        "log_interval",
+        "log_throughput",
+        "log_params_norm",
+        "log_num_zeros_in_grad",
+        "tensorboard_dir",
+        "tensorboard_log_interval",
+        "tensorboard_queue_size",
+        "log_timers_to_tensorboard",
+        "log_validation_ppl_to_tensorboard",
+        "log_memory_to_tensorboard",
+        "log_world_size_to_tensorboard",
+        "log_loss_scale_to_tensorboard",
+        "wandb_exp_name",
+        "wandb_entity",
+        "timing_log_option",
+    )
     kwargs = {name: getattr(args, name) for name in same}
-    return LoggingConfig(**kwargs, timing_log_level=int(args.timing_log_level),
-                         wandb_project=args.wandb_project or None, wandb_save_dir=save_dir,
-                         wandb_mode=env.get("WANDB_MODE", "offline"))
+    return LoggingConfig(
+        **kwargs,
+        timing_log_level=int(args.timing_log_level),
+        wandb_project=args.wandb_project or None,
+        wandb_save_dir=save_dir,
+        wandb_mode=env.get("WANDB_MODE", "offline"),
+    )
 
 
 # ====================================================================== the logger
@@ -324,8 +386,9 @@ class TrainingLogger:
     last line; elapsed time and throughput average every iteration of the interval.
     """
 
-    def __init__(self, config: LoggingConfig, rank: int, world_size: int,
-                 run_config: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(
+        self, config: LoggingConfig, rank: int, world_size: int, run_config: Optional[Mapping[str, Any]] = None
+    ) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -339,25 +402,54 @@ class TrainingLogger:
         cfg = self.config
         tensorboard = wandb_run = None
         if cfg.tensorboard_dir:
-            tensorboard = open_or_warn("--tensorboard-dir", cfg.tensorboard_dir, "tensorboard",
-                                       lambda: open_tensorboard(cfg.tensorboard_dir, cfg.tensorboard_queue_size))
+            tensorboard = open_or_warn(
+                "--tensorboard-dir",
+                cfg.tensorboard_dir,
+                "tensorboard",
+                lambda: open_tensorboard(cfg.tensorboard_dir, cfg.tensorboard_queue_size),
+            )
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
-            wandb_run = open_or_warn("--wandb-project", cfg.wandb_project, "wandb", lambda: open_wandb(
-                cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_save_dir or "wandb", cfg.wandb_entity,
-                cfg.wandb_mode, run_config))
+            wandb_run = open_or_warn(
+                "--wandb-project",
+                cfg.wandb_project,
+                "wandb",
+                lambda: open_wandb(
+                    cfg.wandb_project,
+                    cfg.wandb_exp_name,
+                    cfg.wandb_save_dir or "wandb",
+                    cfg.wandb_entity,
+                    cfg.wandb_mode,
+                    run_config,
+                ),
+            )
         writers = ScalarWriters(tensorboard, wandb_run)
         for key, value in (run_config or {}).items():
             writers.add_text(str(key), str(value))
         return writers
 
     # ------------------------------------------------------------------ training
-    def training_log(self, iteration: int, *, train_iters: int, loss_dict: Mapping[str, Any],
-                     learning_rate: float, consumed_samples: int, global_batch_size: int,
-                     elapsed_ms_per_iter: float, seq_length: int, loss_scale: float = 1.0,
-                     decoupled_lr: Optional[float] = None, grad_norm: Optional[float] = None,
-                     params_norm: Optional[float] = None, num_zeros: Optional[float] = None,
-                     skipped: bool = False, nan: Optional[bool] = None, flops_per_iter: Optional[float] = None,
-                     timers: Any = None, memory: Optional[Mapping[str, float]] = None) -> Optional[str]:
+    def training_log(
+        self,
+        iteration: int,
+        *,
+        train_iters: int,
+        loss_dict: Mapping[str, Any],
+        learning_rate: float,
+        consumed_samples: int,
+        global_batch_size: int,
+        elapsed_ms_per_iter: float,
+        seq_length: int,
+        loss_scale: float = 1.0,
+        decoupled_lr: Optional[float] = None,
+        grad_norm: Optional[float] = None,
+        params_norm: Optional[float] = None,
+        num_zeros: Optional[float] = None,
+        skipped: bool = False,
+        nan: Optional[bool] = None,
+        flops_per_iter: Optional[float] = None,
+        timers: Any = None,
+        memory: Optional[Mapping[str, float]] = None,
+    ) -> Optional[str]:
         """Account one iteration; every ``log_interval`` iterations print the line (returned there).
 
         ``elapsed_ms_per_iter`` is this iteration's wall time; ``flops_per_iter`` the model
@@ -369,21 +461,49 @@ class TrainingLogger:
         loss is applied, and the line prints that loss (Megatron counts skipped ones only).
         """
         losses = {name: _to_float(value) for name, value in loss_dict.items()}
-        self._accumulate(losses, skipped, nan, elapsed_ms_per_iter, flops_per_iter,
-                         global_batch_size * seq_length)
+        self._accumulate(losses, skipped, nan, elapsed_ms_per_iter, flops_per_iter, global_batch_size * seq_length)
         if self.writers.active and iteration % self.config.tensorboard_log_interval == 0:
-            self._write_iteration_scalars(iteration, losses, learning_rate, decoupled_lr, consumed_samples,
-                                          global_batch_size, loss_scale, grad_norm, params_norm, num_zeros, memory)
+            self._write_iteration_scalars(
+                iteration,
+                losses,
+                learning_rate,
+                decoupled_lr,
+                consumed_samples,
+                global_batch_size,
+                loss_scale,
+                grad_norm,
+                params_norm,
+                num_zeros,
+                memory,
+            )
         if iteration % self.config.log_interval != 0:
             self.writers.commit()
             return None
-        line = self._log_interval(iteration, train_iters, learning_rate, decoupled_lr, consumed_samples,
-                                  global_batch_size, loss_scale, grad_norm, params_norm, num_zeros, timers)
+        line = self._log_interval(
+            iteration,
+            train_iters,
+            learning_rate,
+            decoupled_lr,
+            consumed_samples,
+            global_batch_size,
+            loss_scale,
+            grad_norm,
+            params_norm,
+            num_zeros,
+            timers,
+        )
         self.writers.commit()
         return line
 
-    def _accumulate(self, losses: Dict[str, float], skipped: bool, nan: Optional[bool], elapsed_ms: float,
-                    flops: Optional[float], tokens: int) -> None:
+    def _accumulate(
+        self,
+        losses: Dict[str, float],
+        skipped: bool,
+        nan: Optional[bool],
+        elapsed_ms: float,
+        flops: Optional[float],
+        tokens: int,
+    ) -> None:
         acc = self._interval
         if skipped:
             acc.skipped += 1
@@ -399,10 +519,20 @@ class TrainingLogger:
         acc.flops_known = acc.flops_known and flops is not None
         acc.flops += flops or 0.0
 
-    def _write_iteration_scalars(self, iteration: int, losses: Dict[str, float], learning_rate: float,
-                                 decoupled_lr: Optional[float], samples: int, global_batch_size: int,
-                                 loss_scale: float, grad_norm: Optional[float], params_norm: Optional[float],
-                                 num_zeros: Optional[float], memory: Optional[Mapping[str, float]]) -> None:
+    def _write_iteration_scalars(
+        self,
+        iteration: int,
+        losses: Dict[str, float],
+        learning_rate: float,
+        decoupled_lr: Optional[float],
+        samples: int,
+        global_batch_size: int,
+        loss_scale: float,
+        grad_norm: Optional[float],
+        params_norm: Optional[float],
+        num_zeros: Optional[float],
+        memory: Optional[Mapping[str, float]],
+    ) -> None:
         cfg, w = self.config, self.writers
         w.add_scalar("learning-rate", learning_rate, iteration, samples)
         if decoupled_lr is not None:
@@ -410,9 +540,13 @@ class TrainingLogger:
         w.add_scalar("batch-size", global_batch_size, iteration, samples)
         for name, value in losses.items():
             w.add_scalar(name, value, iteration, samples)
-        optional = {"loss-scale": loss_scale if cfg.log_loss_scale_to_tensorboard else None,
-                    "world-size": self.world_size if cfg.log_world_size_to_tensorboard else None,
-                    "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm}
+        optional = {
+            "loss-scale": loss_scale if cfg.log_loss_scale_to_tensorboard else None,
+            "world-size": self.world_size if cfg.log_world_size_to_tensorboard else None,
+            "grad-norm": grad_norm,
+            "num-zeros": num_zeros,
+            "params-norm": params_norm,
+        }
         for tag, value in optional.items():
             if value is not None:
                 w.add_scalar(tag, value, iteration, samples)
@@ -420,34 +554,62 @@ class TrainingLogger:
             for tag, value in (memory if memory is not None else device_memory_scalars()).items():
                 w.add_scalar(tag, value, iteration)
 
-    def _log_interval(self, iteration: int, train_iters: int, learning_rate: float, decoupled_lr: Optional[float],
-                      samples: int, global_batch_size: int, loss_scale: float, grad_norm: Optional[float],
-                      params_norm: Optional[float], num_zeros: Optional[float], timers: Any) -> Optional[str]:
+    def _log_interval(
+        self,
+        iteration: int,
+        train_iters: int,
+        learning_rate: float,
+        decoupled_lr: Optional[float],
+        samples: int,
+        global_batch_size: int,
+        loss_scale: float,
+        grad_norm: Optional[float],
+        params_norm: Optional[float],
+        num_zeros: Optional[float],
+        timers: Any,
+    ) -> Optional[str]:
         acc, self._interval = self._interval, _Interval()
         iterations = max(1, acc.iterations)
         elapsed_s = acc.elapsed_ms / 1000.0
         tflops = acc.flops / (elapsed_s * self.world_size * 1e12) if acc.flops_known and elapsed_s > 0 else None
-        tokens_per_s = acc.tokens / (elapsed_s * self.world_size) \
-            if self.config.log_throughput and elapsed_s > 0 else None
+        tokens_per_s = (
+            acc.tokens / (elapsed_s * self.world_size) if self.config.log_throughput and elapsed_s > 0 else None
+        )
         self._write_interval_scalars(iteration, elapsed_s / iterations, tflops, tokens_per_s, timers, iterations)
         line = None
         if self.is_logging_rank:
             line = format_log_line(
-                iteration=iteration, train_iters=train_iters, consumed_samples=samples,
-                elapsed_ms_per_iter=acc.elapsed_ms / iterations, learning_rate=learning_rate,
+                iteration=iteration,
+                train_iters=train_iters,
+                consumed_samples=samples,
+                elapsed_ms_per_iter=acc.elapsed_ms / iterations,
+                learning_rate=learning_rate,
                 global_batch_size=global_batch_size,
                 losses={name: total / max(1, acc.advanced) for name, total in acc.loss_sums.items()},
-                loss_scale=loss_scale, grad_norm=grad_norm, skipped_iters=acc.skipped, nan_iters=acc.nan,
-                tflops_per_gpu=tflops, tokens_per_sec_per_gpu=tokens_per_s, decoupled_lr=decoupled_lr,
+                loss_scale=loss_scale,
+                grad_norm=grad_norm,
+                skipped_iters=acc.skipped,
+                nan_iters=acc.nan,
+                tflops_per_gpu=tflops,
+                tokens_per_sec_per_gpu=tokens_per_s,
+                decoupled_lr=decoupled_lr,
                 params_norm=params_norm if self.config.log_params_norm else None,
-                num_zeros=num_zeros if self.config.log_num_zeros_in_grad else None)
+                num_zeros=num_zeros if self.config.log_num_zeros_in_grad else None,
+            )
             print(line, flush=True)
         if timers is not None:
             timers.log(self.config.timers_to_log, normalizer=iterations)
         return line
 
-    def _write_interval_scalars(self, iteration: int, seconds_per_iter: float, tflops: Optional[float],
-                                tokens_per_s: Optional[float], timers: Any, iterations: int) -> None:
+    def _write_interval_scalars(
+        self,
+        iteration: int,
+        seconds_per_iter: float,
+        tflops: Optional[float],
+        tokens_per_s: Optional[float],
+        timers: Any,
+        iterations: int,
+    ) -> None:
         cfg, w = self.config, self.writers
         if timers is not None and cfg.log_timers_to_tensorboard:
             # A collective: every rank gathers, only the logging rank has a writer.
@@ -462,8 +624,14 @@ class TrainingLogger:
             w.add_scalar("tokens-per-second-per-gpu", tokens_per_s, iteration)
 
     # ------------------------------------------------------------------ evaluation
-    def evaluation_log(self, iteration: int, prefix: str, loss_dict: Mapping[str, Any],
-                       consumed_samples: Optional[int] = None, label: Optional[str] = None) -> Optional[str]:
+    def evaluation_log(
+        self,
+        iteration: int,
+        prefix: str,
+        loss_dict: Mapping[str, Any],
+        consumed_samples: Optional[int] = None,
+        label: Optional[str] = None,
+    ) -> Optional[str]:
         """Print the ``{prefix} loss at iteration N`` block (last rank) and write its scalars.
 
         ``prefix`` is ``"validation"`` or ``"test"``; tags are ``<loss> <prefix>`` and, with
@@ -491,7 +659,7 @@ class TrainingLogger:
         """Flush and close the writers (W&B's ``finish``); safe to call twice."""
         self.writers.close()
 
-    def __enter__(self) -> "TrainingLogger":
+    def __enter__(self) -> TrainingLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -51,8 +51,9 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
 # ----------------------------------------------------------------------------------
 # Flags we do not implement yet.
 # ----------------------------------------------------------------------------------
-def check_not_supported(args: argparse.Namespace, specs: Sequence[FlagSpec],
-                        table: Optional[Dict[str, Any]] = None) -> None:
+def check_not_supported(
+    args: argparse.Namespace, specs: Sequence[FlagSpec], table: Optional[Dict[str, Any]] = None
+) -> None:
     """Stop on the first flag of ``table`` (default ``NOT_SUPPORTED_YET``) given a harmful value."""
     names = {spec.dest: spec.name for spec in specs}
     for dest, harmless in (NOT_SUPPORTED_YET if table is None else table).items():
@@ -66,15 +67,18 @@ def check_not_supported(args: argparse.Namespace, specs: Sequence[FlagSpec],
 def check_deprecated(args: argparse.Namespace) -> None:
     """Flags Megatron removed: name the replacement instead of guessing."""
     replaced = {
-        "batch_size": "--micro-batch-size", "warmup": "--lr-warmup-fraction",
+        "batch_size": "--micro-batch-size",
+        "warmup": "--lr-warmup-fraction",
         "model_parallel_size": "--tensor-model-parallel-size",
         "checkpoint_activations": "--recompute-activations or --recompute-granularity",
         "dist_ckpt_format_deprecated": "--ckpt-format",
     }
     for dest, new in replaced.items():
         value = getattr(args, dest)
-        _require(value in (None, False), f"--{dest.replace('_deprecated', '').replace('_', '-')}={value!r} "
-                                         f"is no longer valid: use {new}")
+        _require(
+            value in (None, False),
+            f"--{dest.replace('_deprecated', '').replace('_', '-')}={value!r} is no longer valid: use {new}",
+        )
     if args.use_dist_ckpt_deprecated:
         args.ckpt_format = "torch_dist"
 
@@ -91,17 +95,24 @@ def check_required(args: argparse.Namespace) -> None:
 def set_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     """World = TP x PP x CP x DP; sequence parallelism needs TP > 1."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("--context-parallel-size", cp)):
+    for name, value in (
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+        ("--context-parallel-size", cp),
+    ):
         _require(value >= 1, f"{name}={value} must be positive")
     model = tp * pp * cp
-    _require(world_size % model == 0,
-             f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model}")
+    _require(
+        world_size % model == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+        f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model}",
+    )
     args.world_size = world_size
     args.data_parallel_size = world_size // model
     if args.sequence_parallel and tp == 1:
-        warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 has no effect: disabling it")
+        warnings.warn(
+            "--sequence-parallel with --tensor-model-parallel-size 1 has no effect: disabling it", stacklevel=2
+        )
         args.sequence_parallel = False
 
 
@@ -111,15 +122,19 @@ def set_virtual_pipeline(args: argparse.Namespace) -> None:
     args.virtual_pipeline_model_parallel_size = None
     if per_stage is None and per_rank is None:
         return
-    _require(per_stage is None or per_rank is None,
-             "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are exclusive")
+    _require(
+        per_stage is None or per_rank is None,
+        "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are exclusive",
+    )
     pp = args.pipeline_model_parallel_size
     _require(pp > 1, f"virtual pipeline stages need --pipeline-model-parallel-size > 1 (got {pp})")
     if per_stage is not None:
         layers_per_rank = args.num_layers // pp
-        _require(per_stage > 0 and layers_per_rank % per_stage == 0,
-                 f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) = {layers_per_rank} "
-                 f"layers per stage is not divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})")
+        _require(
+            per_stage > 0 and layers_per_rank % per_stage == 0,
+            f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) = {layers_per_rank} "
+            f"layers per stage is not divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})",
+        )
         per_rank = layers_per_rank // per_stage
     args.virtual_pipeline_model_parallel_size = per_rank
 
@@ -131,18 +146,24 @@ def check_pipeline_layers(args: argparse.Namespace) -> None:
     middle_layers, middle_stages = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
     if first is not None or last is not None:
         _require(pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
-        _require(middle_layers >= 0 and (middle_stages > 0 or middle_layers == 0),
-                 f"--num-layers ({layers}) does not cover --decoder-first-pipeline-num-layers ({first}) and "
-                 f"--decoder-last-pipeline-num-layers ({last}) on {pp} pipeline stages")
+        _require(
+            middle_layers >= 0 and (middle_stages > 0 or middle_layers == 0),
+            f"--num-layers ({layers}) does not cover --decoder-first-pipeline-num-layers ({first}) and "
+            f"--decoder-last-pipeline-num-layers ({last}) on {pp} pipeline stages",
+        )
     if middle_stages > 0:
-        _require(middle_layers % middle_stages == 0,
-                 f"--num-layers ({middle_layers} outside uneven stages) is not divisible by the "
-                 f"{middle_stages} pipeline stages of --pipeline-model-parallel-size ({pp})")
+        _require(
+            middle_layers % middle_stages == 0,
+            f"--num-layers ({middle_layers} outside uneven stages) is not divisible by the "
+            f"{middle_stages} pipeline stages of --pipeline-model-parallel-size ({pp})",
+        )
     vp = args.virtual_pipeline_model_parallel_size
     if vp is not None and middle_stages > 0:
-        _require((middle_layers // middle_stages) % vp == 0,
-                 f"{middle_layers // middle_stages} layers per pipeline stage are not divisible by {vp} "
-                 "virtual stages per pipeline rank")
+        _require(
+            (middle_layers // middle_stages) % vp == 0,
+            f"{middle_layers // middle_stages} layers per pipeline stage are not divisible by {vp} "
+            "virtual stages per pipeline rank",
+        )
 
 
 def set_batch_sizes(args: argparse.Namespace) -> None:
@@ -152,17 +173,21 @@ def set_batch_sizes(args: argparse.Namespace) -> None:
         args.global_batch_size = step
     _require(args.global_batch_size > 0, f"--global-batch-size={args.global_batch_size} must be positive")
     if args.rampup_batch_size is None and not args.decrease_batch_size_if_needed:
-        _require(args.global_batch_size % step == 0,
-                 f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
-                 f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {step}")
+        _require(
+            args.global_batch_size % step == 0,
+            f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
+            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {step}",
+        )
     vp = args.virtual_pipeline_model_parallel_size
     if vp is not None and args.rampup_batch_size is None:
         num_micro = args.global_batch_size // step
         pp = args.pipeline_model_parallel_size
-        _require(num_micro % pp == 0,
-                 f"the interleaved schedule needs the number of microbatches ({num_micro} = --global-batch-size "
-                 f"{args.global_batch_size} / ({args.micro_batch_size} x DP {args.data_parallel_size})) to be a "
-                 f"multiple of --pipeline-model-parallel-size ({pp})")
+        _require(
+            num_micro % pp == 0,
+            f"the interleaved schedule needs the number of microbatches ({num_micro} = --global-batch-size "
+            f"{args.global_batch_size} / ({args.micro_batch_size} x DP {args.data_parallel_size})) to be a "
+            f"multiple of --pipeline-model-parallel-size ({pp})",
+        )
 
 
 # ----------------------------------------------------------------------------------
@@ -179,17 +204,23 @@ def set_model_shape(args: argparse.Namespace) -> None:
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = swiglu_ffn_hidden_size(h) if args.swiglu else 4 * h
     if args.kv_channels is None:
-        _require(h % heads == 0, f"--hidden-size ({h}) is not divisible by --num-attention-heads ({heads}); "
-                                 "set --kv-channels explicitly")
+        _require(
+            h % heads == 0,
+            f"--hidden-size ({h}) is not divisible by --num-attention-heads ({heads}); set --kv-channels explicitly",
+        )
         args.kv_channels = h // heads
-    _require(heads % tp == 0,
-             f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})")
+    _require(
+        heads % tp == 0, f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})"
+    )
     if args.group_query_attention:
         groups = args.num_query_groups
-        _require(groups > 0 and heads % groups == 0,
-                 f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({groups})")
-        _require(groups % tp == 0,
-                 f"--num-query-groups ({groups}) is not divisible by --tensor-model-parallel-size ({tp})")
+        _require(
+            groups > 0 and heads % groups == 0,
+            f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({groups})",
+        )
+        _require(
+            groups % tp == 0, f"--num-query-groups ({groups}) is not divisible by --tensor-model-parallel-size ({tp})"
+        )
     else:
         args.num_query_groups = heads
     set_position_embeddings(args)
@@ -204,12 +235,16 @@ def set_position_embeddings(args: argparse.Namespace) -> None:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute":
-        _require(args.max_position_embeddings >= args.seq_length,
-                 f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
-                 f"({args.seq_length})")
+        _require(
+            args.max_position_embeddings >= args.seq_length,
+            f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
+            f"({args.seq_length})",
+        )
     window = args.window_size
-    _require(window is None or (len(window) == 2 and min(window) >= -1),
-             f"--window-size {window}: give left,right (e.g. 4095,0), each >= 0 or -1 for unlimited")
+    _require(
+        window is None or (len(window) == 2 and min(window) >= -1),
+        f"--window-size {window}: give left,right (e.g. 4095,0), each >= 0 or -1 for unlimited",
+    )
 
 
 def set_moe(args: argparse.Namespace) -> None:
@@ -217,20 +252,27 @@ def set_moe(args: argparse.Namespace) -> None:
     for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         value = getattr(args, dest)
         if isinstance(value, list):
-            _require(len(value) == 1, f"--{dest.replace('_', '-')}={value!r}: several load-balancing losses "
-                                      "are not supported yet; give one value")
+            _require(
+                len(value) == 1,
+                f"--{dest.replace('_', '-')}={value!r}: several load-balancing losses "
+                "are not supported yet; give one value",
+            )
             setattr(args, dest, value[0])
     if args.num_experts is None:
         return
     _require(args.num_experts > 0, f"--num-experts={args.num_experts} must be positive")
-    _require(1 <= args.moe_router_topk <= args.num_experts,
-             f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts ({args.num_experts})]")
+    _require(
+        1 <= args.moe_router_topk <= args.num_experts,
+        f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts ({args.num_experts})]",
+    )
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     freq = args.moe_layer_freq
-    _require(isinstance(freq, int) and freq > 0 or isinstance(freq, list) and len(freq) == args.num_layers,
-             f"--moe-layer-freq={freq!r}: give N > 0 (every N-th layer) or one 0/1 per layer "
-             f"(--num-layers={args.num_layers})")
+    _require(
+        isinstance(freq, int) and freq > 0 or isinstance(freq, list) and len(freq) == args.num_layers,
+        f"--moe-layer-freq={freq!r}: give N > 0 (every N-th layer) or one 0/1 per layer "
+        f"(--num-layers={args.num_layers})",
+    )
 
 
 def set_precision(args: argparse.Namespace) -> None:
@@ -256,16 +298,17 @@ def set_recompute(args: argparse.Namespace) -> None:
     granularity, method = args.recompute_granularity, args.recompute_method
     if granularity == "full":
         _require(method is not None, "--recompute-granularity full needs --recompute-method (uniform or block)")
-        _require(args.recompute_num_layers is not None and args.recompute_num_layers > 0,
-                 f"--recompute-granularity full needs a positive --recompute-num-layers "
-                 f"(got {args.recompute_num_layers})")
+        _require(
+            args.recompute_num_layers is not None and args.recompute_num_layers > 0,
+            f"--recompute-granularity full needs a positive --recompute-num-layers (got {args.recompute_num_layers})",
+        )
     else:
-        _require(method is None, f"--recompute-method {method} needs --recompute-granularity full "
-                                 f"(got {granularity})")
+        _require(method is None, f"--recompute-method {method} needs --recompute-granularity full (got {granularity})")
     if args.distribute_saved_activations:
-        _require(granularity == "full" and args.tensor_model_parallel_size > 1,
-                 "--distribute-saved-activations needs --recompute-granularity full and "
-                 "--tensor-model-parallel-size > 1")
+        _require(
+            granularity == "full" and args.tensor_model_parallel_size > 1,
+            "--distribute-saved-activations needs --recompute-granularity full and --tensor-model-parallel-size > 1",
+        )
 
 
 # ----------------------------------------------------------------------------------
@@ -275,27 +318,42 @@ def check_training_length(args: argparse.Namespace) -> None:
     """Exactly one of --train-iters / --train-samples, with matching lr units."""
     iters, samples = args.train_iters, args.train_samples
     _require(iters is None or samples is None, "--train-iters and --train-samples are exclusive: give one")
-    _require(iters is not None or samples is not None or args.skip_train,
-             "give --train-iters or --train-samples (or --skip-train)")
+    _require(
+        iters is not None or samples is not None or args.skip_train,
+        "give --train-iters or --train-samples (or --skip-train)",
+    )
     if iters is not None:
-        for dest, unset in (("lr_decay_samples", None), ("lr_warmup_samples", 0), ("lr_wsd_decay_samples", None),
-                            ("rampup_batch_size", None)):
-            _require(getattr(args, dest) == unset, f"--{dest.replace('_', '-')}={getattr(args, dest)!r} needs "
-                                                   "sample-based training (--train-samples), not --train-iters")
+        for dest, unset in (
+            ("lr_decay_samples", None),
+            ("lr_warmup_samples", 0),
+            ("lr_wsd_decay_samples", None),
+            ("rampup_batch_size", None),
+        ):
+            _require(
+                getattr(args, dest) == unset,
+                f"--{dest.replace('_', '-')}={getattr(args, dest)!r} needs "
+                "sample-based training (--train-samples), not --train-iters",
+            )
     if samples is not None:
         for dest, unset in (("lr_decay_iters", None), ("lr_warmup_iters", 0), ("lr_wsd_decay_iters", None)):
-            _require(getattr(args, dest) == unset, f"--{dest.replace('_', '-')}={getattr(args, dest)!r} needs "
-                                                   "iteration-based training (--train-iters), not --train-samples")
+            _require(
+                getattr(args, dest) == unset,
+                f"--{dest.replace('_', '-')}={getattr(args, dest)!r} needs "
+                "iteration-based training (--train-iters), not --train-samples",
+            )
 
 
 def set_learning_rate(args: argparse.Namespace) -> None:
     """Warmup given one way only; decay length defaults to the training length."""
     if args.lr_warmup_fraction is not None:
-        _require(args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
-                 f"--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-iters "
-                 f"({args.lr_warmup_iters}) / --lr-warmup-samples ({args.lr_warmup_samples}) are exclusive")
-        _require(0.0 <= args.lr_warmup_fraction <= 1.0,
-                 f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1]")
+        _require(
+            args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
+            f"--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-iters "
+            f"({args.lr_warmup_iters}) / --lr-warmup-samples ({args.lr_warmup_samples}) are exclusive",
+        )
+        _require(
+            0.0 <= args.lr_warmup_fraction <= 1.0, f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1]"
+        )
     if not args.skip_train:
         _require(args.lr is not None, "--lr is required for training")
         _require(0.0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr ({args.lr})]")
@@ -304,29 +362,39 @@ def set_learning_rate(args: argparse.Namespace) -> None:
     if args.train_samples is not None and args.lr_decay_samples is None:
         args.lr_decay_samples = args.train_samples
     if args.lr_decay_style == "WSD":
-        _require(args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
-                 "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
-    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
-             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
+        _require(
+            args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
+            "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples",
+        )
+    _require(
+        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+        "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive",
+    )
 
 
 def set_weight_decay(args: argparse.Namespace) -> None:
     """Constant style uses --weight-decay; a schedule needs --start- and --end-weight-decay."""
     if args.weight_decay_incr_style == "constant":
-        _require(args.start_weight_decay is None and args.end_weight_decay is None,
-                 "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine")
+        _require(
+            args.start_weight_decay is None and args.end_weight_decay is None,
+            "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine",
+        )
         args.start_weight_decay = args.end_weight_decay = args.weight_decay
     else:
-        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
-                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
-                 "--end-weight-decay")
+        _require(
+            args.start_weight_decay is not None and args.end_weight_decay is not None,
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+            "--end-weight-decay",
+        )
 
 
 def set_data(args: argparse.Namespace) -> None:
     """Default split for a single --data-path; one way of naming the data."""
     per_split = args.train_data_path or args.valid_data_path or args.test_data_path
-    _require(not (args.data_path and per_split),
-             "--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive")
+    _require(
+        not (args.data_path and per_split),
+        "--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive",
+    )
     if args.data_path and args.split is None:
         args.split = DEFAULT_SPLIT
 
@@ -352,14 +420,20 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
         return
     _require(ep > 1, f"--expert-model-parallel-size={ep} must be positive")
     _require(args.num_experts is not None, f"--expert-model-parallel-size={ep} needs --num-experts")
-    _require(args.num_experts % ep == 0,
-             f"--num-experts={args.num_experts} must be divisible by --expert-model-parallel-size={ep}")
+    _require(
+        args.num_experts % ep == 0,
+        f"--num-experts={args.num_experts} must be divisible by --expert-model-parallel-size={ep}",
+    )
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _require(args.world_size % (tp * ep * pp) == 0,
-             f"world size {args.world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {tp * ep * pp}")
-    _require(args.ckpt_format != "torch", f"--ckpt-format torch with --expert-model-parallel-size={ep}: "
-                                          "not supported yet (use torch_dist)")
+    _require(
+        args.world_size % (tp * ep * pp) == 0,
+        f"world size {args.world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {tp * ep * pp}",
+    )
+    _require(
+        args.ckpt_format != "torch",
+        f"--ckpt-format torch with --expert-model-parallel-size={ep}: not supported yet (use torch_dist)",
+    )
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:
@@ -370,24 +444,42 @@ def check_context_parallel(args: argparse.Namespace) -> None:
     comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
     for value in comm_types:
         _require(value in CP_COMM_TYPES, f"--cp-comm-type {value}: must be one of {', '.join(CP_COMM_TYPES)}")
-    _require(len(comm_types) in (1, args.num_layers),
-             f"--cp-comm-type gives {len(comm_types)} values: give one, or one per layer (--num-layers "
-             f"{args.num_layers})")
+    _require(
+        len(comm_types) in (1, args.num_layers),
+        f"--cp-comm-type gives {len(comm_types)} values: give one, or one per layer (--num-layers {args.num_layers})",
+    )
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     if cp == 1:
         return
-    _require(args.seq_length % (2 * cp) == 0,
-             f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}")
+    _require(
+        args.seq_length % (2 * cp) == 0,
+        f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}",
+    )
     if args.sequence_parallel:
-        _require(args.seq_length % (2 * cp * tp) == 0,
-                 f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) x "
-                 f"--tensor-model-parallel-size ({tp}) = {2 * cp * tp} with --sequence-parallel")
+        _require(
+            args.seq_length % (2 * cp * tp) == 0,
+            f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) x "
+            f"--tensor-model-parallel-size ({tp}) = {2 * cp * tp} with --sequence-parallel",
+        )
 
 
 STEPS: List[Callable[[argparse.Namespace], None]] = [
-    check_deprecated, check_required, set_virtual_pipeline, check_pipeline_layers, set_batch_sizes,
-    set_model_shape, check_context_parallel, set_moe, check_expert_parallel, set_precision, set_recompute, check_training_length, set_learning_rate, set_weight_decay,
-    set_data, set_evaluation,
+    check_deprecated,
+    check_required,
+    set_virtual_pipeline,
+    check_pipeline_layers,
+    set_batch_sizes,
+    set_model_shape,
+    check_context_parallel,
+    set_moe,
+    check_expert_parallel,
+    set_precision,
+    set_recompute,
+    check_training_length,
+    set_learning_rate,
+    set_weight_decay,
+    set_data,
+    set_evaluation,
 ]
 
 

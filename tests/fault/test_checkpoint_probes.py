@@ -53,9 +53,12 @@ def test_resume_with_another_architecture_is_refused(saved):
     changed = base + ["--position-embedding-type", "rope", "--normalization", "RMSNorm"]
     result = run_gpt(1, changed + ["--load", ckpt, "--save", ckpt], str(work))
     assert result.returncode != 0 and not result.lines, result.output[-3000:]
-    for text in ("other_arch/iter_0000002 was saved with another model architecture",
-                 "--position-embedding-type: checkpoint 'learned_absolute', this run 'rope'",
-                 "--normalization: checkpoint 'LayerNorm', this run 'RMSNorm'", "--use-checkpoint-args"):
+    for text in (
+        "other_arch/iter_0000002 was saved with another model architecture",
+        "--position-embedding-type: checkpoint 'learned_absolute', this run 'rope'",
+        "--normalization: checkpoint 'LayerNorm', this run 'RMSNorm'",
+        "--use-checkpoint-args",
+    ):
         assert text in result.output, (text, result.output[-3000:])
 
 
@@ -65,15 +68,32 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(saved):
     with open(os.path.join(ckpt, "iter_0000002", "common.json")) as f:
         reference = json.load(f)["args"]
     # No model size flags at all, and a conflicting architecture: the checkpoint's flags win.
-    flags = _without(base, ARCH_FLAGS) + ["--position-embedding-type", "rope", "--normalization", "RMSNorm",
-                                          "--use-checkpoint-args", "--load", ckpt, "--save", ckpt]
+    flags = _without(base, ARCH_FLAGS) + [
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--use-checkpoint-args",
+        "--load",
+        ckpt,
+        "--save",
+        ckpt,
+    ]
     result = run_gpt(1, flags, str(work))
     assert_ok(result, "resume with --use-checkpoint-args")
     assert [line["iteration"] for line in result.lines] == [3, 4]
     with open(os.path.join(ckpt, "iter_0000004", "common.json")) as f:
         resumed = json.load(f)["args"]
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type", "normalization",
-                 "max_position_embeddings", "ffn_hidden_size", "padded_vocab_size"):
+    for dest in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "position_embedding_type",
+        "normalization",
+        "max_position_embeddings",
+        "ffn_hidden_size",
+        "padded_vocab_size",
+    ):
         assert resumed[dest] == reference[dest], dest
 
 

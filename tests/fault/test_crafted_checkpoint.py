@@ -97,8 +97,18 @@ def test_refused_by_training_resume_and_converter(trained, tmp_path):
     resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save], str(tmp_path))
     assert resumed.returncode != 0
     assert "refusing to load posix.system" in resumed.output and ".metadata" in resumed.output
-    cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",
-           "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "hf"), "--model-type", "gpt2"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "checkpoint", "convert.py"),
+        "--direction",
+        "megatron-to-hf",
+        "--load",
+        save,
+        "--hf-dir-out",
+        str(tmp_path / "hf"),
+        "--model-type",
+        "gpt2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "refusing to load posix.system" in proc.stdout + proc.stderr
@@ -137,8 +147,7 @@ def test_crafted_legacy_file_refused_on_resume(tmp_path):
     table["files"][relative] = {"bytes": os.path.getsize(full), "sha256": file_digest(full)}
     with open(table_path, "w") as f:
         json.dump(table, f)
-    resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--ckpt-format", "torch", "--load", save],
-                      str(tmp_path))
+    resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--ckpt-format", "torch", "--load", save], str(tmp_path))
     assert resumed.returncode != 0 and "Weights only load failed" in resumed.output, resumed.output[-3000:]
     assert not marker.exists()
 
@@ -149,10 +158,21 @@ def test_converter_checks_checksums_unless_told_not_to(trained, tmp_path):
     common = os.path.join(save, os.path.basename(trained[1]), "common.json")
     with open(common, "a") as f:
         f.write(" ")  # still valid JSON, no longer the recorded bytes
-    cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",
-           "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "hf"), "--model-type", "gpt2"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "checkpoint", "convert.py"),
+        "--direction",
+        "megatron-to-hf",
+        "--load",
+        save,
+        "--hf-dir-out",
+        str(tmp_path / "hf"),
+        "--model-type",
+        "gpt2",
+    ]
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert refused.returncode == 2 and "common.json" in refused.stderr, refused.stdout + refused.stderr
-    converted = subprocess.run([*cmd, "--no-verify-checkpoint"], capture_output=True, text=True, timeout=120,
-                               cwd=str(tmp_path))
+    converted = subprocess.run(
+        [*cmd, "--no-verify-checkpoint"], capture_output=True, text=True, timeout=120, cwd=str(tmp_path)
+    )
     assert converted.returncode == 0, converted.stdout + converted.stderr

@@ -30,9 +30,20 @@ def random_documents(seed: int, n: int = 80, low: int = 20, high: int = 90) -> L
 
 
 def data_run_flags(prefix: str, cache: str, iters: int = 3, tp: int = 1) -> List[str]:
-    return tiny_gpt_flags(iters) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-                                    "--data-path", prefix, "--split", "90,5,5", "--data-cache-path", cache,
-                                    "--tensor-model-parallel-size", str(tp)]
+    return tiny_gpt_flags(iters) + [
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(VOCAB),
+        "--data-path",
+        prefix,
+        "--split",
+        "90,5,5",
+        "--data-cache-path",
+        cache,
+        "--tensor-model-parallel-size",
+        str(tp),
+    ]
 
 
 def test_stale_index_cache_is_rebuilt(tmp_path):
@@ -65,6 +76,8 @@ def test_token_ids_beyond_the_vocabulary_stop_every_rank(tmp_path):
     result = run_gpt(2, data_run_flags(prefix, str(tmp_path / "cache"), tp=2), str(tmp_path), timeout=240)
     assert result.returncode != 0 and result.lines == []
     # NullTokenizer: 601 ids, padded to a multiple of 512 x TP 2.
-    assert (f"data prefix {prefix} holds token id 5000 but the padded vocabulary (--tokenizer-type NullTokenizer "
-            "--vocab-size 600, padded to a multiple of --make-vocab-size-divisible-by 512 x "
-            "--tensor-model-parallel-size 2) has 1024 entries") in result.output, result.output[-4000:]
+    assert (
+        f"data prefix {prefix} holds token id 5000 but the padded vocabulary (--tokenizer-type NullTokenizer "
+        "--vocab-size 600, padded to a multiple of --make-vocab-size-divisible-by 512 x "
+        "--tensor-model-parallel-size 2) has 1024 entries"
+    ) in result.output, result.output[-4000:]

@@ -37,8 +37,9 @@ def test_full_disk_during_save_names_the_cause_and_keeps_nothing_half_written(tm
     save = tmp_path / "ckpt"
     flags = [*tiny_gpt_flags(4), *mock_flags(), "--save", str(save), "--save-interval", "2"]
     # 64 KiB: the JSON files fit, the model's shard (~0.8 MB) does not.
-    full = run_gpt(1, flags, str(tmp_path), script=[os.path.join(HERE, "faulty_gpt.py"), "file-size-limit",
-                                                    str(64 << 10)])
+    full = run_gpt(
+        1, flags, str(tmp_path), script=[os.path.join(HERE, "faulty_gpt.py"), "file-size-limit", str(64 << 10)]
+    )
     assert full.returncode != 0
     assert "cannot write checkpoint" in full.output and "iter_0000002" in full.output, full.output[-3000:]
     assert "EFBIG" in full.output, full.output[-3000:]

@@ -38,9 +38,23 @@ def build_corpus(tmp_dir: str) -> Dict[str, str]:
     tok = make_tokenizer_files(os.path.join(tmp_dir, "tok"))["GPT2BPETokenizer"]
     corpus = write_jsonl(os.path.join(tmp_dir, "corpus.jsonl"), corpus_texts(200_000))
     prefix = os.path.join(tmp_dir, "data")
-    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tok["vocab_file"],
-           "--merge-file", tok["merge_file"], "--append-eod", "--workers", "1"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "preprocess_data.py"),
+        "--input",
+        corpus,
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        tok["vocab_file"],
+        "--merge-file",
+        tok["merge_file"],
+        "--append-eod",
+        "--workers",
+        "1",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
     return {"vocab_file": tok["vocab_file"], "merge_file": tok["merge_file"], "data_prefix": prefix + "_text_document"}
 
@@ -48,14 +62,52 @@ def build_corpus(tmp_dir: str) -> Dict[str, str]:
 def tiny_gpt_flags(train_iters: int, seed: int = 1234) -> List[str]:
     """A 2-layer, hidden-32 GPT with dropout off and CPU initialization (layout-invariant start)."""
     return [
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", str(train_iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", "2", "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--use-cpu-initialization", "--seed", str(seed), "--log-interval", "1",
-        "--eval-interval", "1000", "--eval-iters", "1", "--num-workers", "0",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        str(train_iters),
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "3e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "2",
+        "--weight-decay",
+        "0.01",
+        "--clip-grad",
+        "1.0",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--use-cpu-initialization",
+        "--seed",
+        str(seed),
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1000",
+        "--eval-iters",
+        "1",
+        "--num-workers",
+        "0",
         # 600-token vocabularies pad to 1024 for TP=1 and TP=2 alike, so the layouts share one model.
-        "--make-vocab-size-divisible-by", "512",
+        "--make-vocab-size-divisible-by",
+        "512",
     ]
 
 
@@ -65,38 +117,56 @@ def with_flags(flags: Sequence[str], changes: Dict[str, Optional[str]]) -> List[
     for name, value in changes.items():
         if name in out:
             i = out.index(name)
-            del out[i:i + 2]
+            del out[i : i + 2]
         if value is not None:
             out += [name, value]
     return out
 
 
 def data_flags(corpus: Dict[str, str]) -> List[str]:
-    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", corpus["vocab_file"],
-            "--merge-file", corpus["merge_file"], "--data-path", corpus["data_prefix"], "--split", "90,5,5"]
+    return [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        corpus["vocab_file"],
+        "--merge-file",
+        corpus["merge_file"],
+        "--data-path",
+        corpus["data_prefix"],
+        "--split",
+        "90,5,5",
+    ]
 
 
 def mock_flags() -> List[str]:
     return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "600"]
 
 
-def run_gpt(nproc: int, flags: Sequence[str], cwd: str, timeout: float = RUN_TIMEOUT_S,
-            env: Optional[Dict[str, str]] = None, script: Optional[Sequence[str]] = None) -> RunResult:
+def run_gpt(
+    nproc: int,
+    flags: Sequence[str],
+    cwd: str,
+    timeout: float = RUN_TIMEOUT_S,
+    env: Optional[Dict[str, str]] = None,
+    script: Optional[Sequence[str]] = None,
+) -> RunResult:
     """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py flags`` with a hard timeout.
 
     ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments).
     """
     entry = list(script) if script else [os.path.join(REPO, "pretrain_gpt.py")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *entry, *flags]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline",
-                    TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *flags]
+    full_env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false"
+    )
     full_env.update(env or {})
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
-        raise AssertionError(f"pretrain_gpt.py on {nproc} ranks did not finish in {timeout}s:\n"
-                             f"{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}") from err
+        raise AssertionError(
+            f"pretrain_gpt.py on {nproc} ranks did not finish in {timeout}s:\n"
+            f"{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}"
+        ) from err
     output = proc.stdout + proc.stderr
     lines = [p for p in map(parse_log_line, output.splitlines()) if p is not None]
     evals = [p for p in map(parse_evaluation_line, output.splitlines()) if p is not None]

@@ -22,8 +22,12 @@ def main() -> None:
             output = output * float("nan")
         return output, loss_func
 
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             ModelType.encoder_or_decoder, forward_step)
+    pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def grid(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_smoke")
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
-    run = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=1200)
+    run = subprocess.run(
+        ["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
+    )
     path = out / "dry_run_grid.json"
     assert path.is_file(), run.stdout[-4000:] + run.stderr[-4000:]
     return run, {(e["case"], e["rank"]): e for e in json.loads(path.read_text())}

@@ -14,13 +14,29 @@ import os
 
 import pytest
 
-from tests.functional_tests.gpt_runs import (REPO, assert_ok, build_corpus, data_flags, mock_flags, run_gpt,
-                                             tiny_gpt_flags, with_flags)
+from tests.functional_tests.gpt_runs import (
+    REPO,
+    assert_ok,
+    build_corpus,
+    data_flags,
+    mock_flags,
+    run_gpt,
+    tiny_gpt_flags,
+    with_flags,
+)
 
 ITERS = 6
 REL_TOL = 2e-6
-LINE_FIELDS = ("lm loss", "elapsed time per iteration (ms)", "grad norm", "learning rate", "consumed samples",
-               "global batch size", "number of skipped iterations", "number of nan iterations")
+LINE_FIELDS = (
+    "lm loss",
+    "elapsed time per iteration (ms)",
+    "grad norm",
+    "learning rate",
+    "consumed samples",
+    "global batch size",
+    "number of skipped iterations",
+    "number of nan iterations",
+)
 
 
 def _tb_losses(tb_dir):
@@ -44,9 +60,23 @@ def layout_runs(corpus, tmp_path_factory):
     tb, wb = str(work / "tb"), str(work / "wandb")
     runs = {
         "single": run_gpt(1, base, str(work)),
-        "tp2": run_gpt(2, base + ["--tensor-model-parallel-size", "2", "--tensorboard-dir", tb,
-                                  "--wandb-project", "quick", "--wandb-exp-name", "tp2", "--wandb-save-dir", wb],
-                       str(work)),
+        "tp2": run_gpt(
+            2,
+            base
+            + [
+                "--tensor-model-parallel-size",
+                "2",
+                "--tensorboard-dir",
+                tb,
+                "--wandb-project",
+                "quick",
+                "--wandb-exp-name",
+                "tp2",
+                "--wandb-save-dir",
+                wb,
+            ],
+            str(work),
+        ),
         "dp2": run_gpt(2, base, str(work)),
     }
     for name, result in runs.items():
@@ -102,10 +132,15 @@ def test_tensorboard_and_offline_wandb_written(layout_runs):
 def test_missing_tensorboard_and_wandb_warn_and_every_rank_trains_on(tmp_path):
     """Neither package importable on any rank: Megatron's warning instead of a dead last rank and a hung peer."""
     tb, wb = tmp_path / "tb", tmp_path / "wb"
-    flags = tiny_gpt_flags(3) + mock_flags() + ["--tensorboard-dir", str(tb), "--wandb-project", "p",
-                                                "--wandb-exp-name", "e", "--wandb-save-dir", str(wb)]
-    script = [os.path.join(REPO, "tests", "functional_tests", "without_packages_gpt.py"),
-              "tensorboard,torch.utils.tensorboard,wandb"]
+    flags = (
+        tiny_gpt_flags(3)
+        + mock_flags()
+        + ["--tensorboard-dir", str(tb), "--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", str(wb)]
+    )
+    script = [
+        os.path.join(REPO, "tests", "functional_tests", "without_packages_gpt.py"),
+        "tensorboard,torch.utils.tensorboard,wandb",
+    ]
     result = run_gpt(2, flags, str(tmp_path), script=script)
     assert_ok(result, "without tensorboard and wandb")
     assert [line["iteration"] for line in result.lines] == [1, 2, 3]
@@ -135,8 +170,11 @@ RESUME_LAYOUTS = {
     # move the training generators; each stage has its own seed.
     "pp2": ({"--pipeline-model-parallel-size": "2", "--eval-interval": "1"}, False, 2),
     # Both at once on 4 ranks: tracked TP streams on every pipeline stage.
-    "tp2pp2": ({"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2", "--eval-interval": "2"},
-               False, 4),
+    "tp2pp2": (
+        {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2", "--eval-interval": "2"},
+        False,
+        4,
+    ),
 }
 
 
@@ -144,14 +182,19 @@ RESUME_LAYOUTS = {
 def test_resume_with_dropout_reproduces_the_straight_run_bitwise(layout, corpus, tmp_path):
     """Straight run of 4 iterations vs 2 iterations saved and exited, then resumed to 4; dropout 0.1."""
     changes, on_corpus, nproc = RESUME_LAYOUTS[layout]
-    base = with_flags(tiny_gpt_flags(RESUME_ITERS) + (data_flags(corpus) if on_corpus else mock_flags()),
-                      {**DROPOUT, **changes})
+    base = with_flags(
+        tiny_gpt_flags(RESUME_ITERS) + (data_flags(corpus) if on_corpus else mock_flags()), {**DROPOUT, **changes}
+    )
     half, ckpt = RESUME_ITERS // 2, str(tmp_path / "ckpt")
     tb_straight, tb_resume = str(tmp_path / "tb_straight"), str(tmp_path / "tb_resume")
     straight = run_gpt(nproc, base + ["--tensorboard-dir", tb_straight], str(tmp_path))
     assert_ok(straight, f"{layout} straight run")
-    first = run_gpt(nproc, base + ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half),
-                               "--tensorboard-dir", tb_resume], str(tmp_path))
+    first = run_gpt(
+        nproc,
+        base
+        + ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half), "--tensorboard-dir", tb_resume],
+        str(tmp_path),
+    )
     assert_ok(first, f"{layout} first half")
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(half)
     assert os.path.exists(os.path.join(ckpt, f"iter_{half:07d}", "metadata.json"))
@@ -172,12 +215,29 @@ def test_train_samples_with_batch_rampup(tmp_path):
     --decoupled-lr gives the embedding and output weights their own schedule."""
     flags = tiny_gpt_flags(1) + mock_flags()
     i = flags.index("--train-iters")
-    del flags[i:i + 2]
+    del flags[i : i + 2]
     i = flags.index("--lr-warmup-iters")
-    del flags[i:i + 2]
-    flags += ["--train-samples", "48", "--rampup-batch-size", "2", "2", "8", "--lr-warmup-samples", "8",
-              "--lr-decay-samples", "40", "--lr-decay-style", "linear", "--min-lr", "0",
-              "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
+    del flags[i : i + 2]
+    flags += [
+        "--train-samples",
+        "48",
+        "--rampup-batch-size",
+        "2",
+        "2",
+        "8",
+        "--lr-warmup-samples",
+        "8",
+        "--lr-decay-samples",
+        "40",
+        "--lr-decay-style",
+        "linear",
+        "--min-lr",
+        "0",
+        "--decoupled-lr",
+        "1e-2",
+        "--decoupled-min-lr",
+        "1e-3",
+    ]
     result = run_gpt(1, flags, str(tmp_path))
     assert_ok(result, "ramp-up")
     # The batch grows by 2 every 8/3 samples from 2 to 8 (Megatron's rule), then stays.
@@ -187,7 +247,7 @@ def test_train_samples_with_batch_rampup(tmp_path):
         expected_batches.append(batch)
         consumed += batch
     assert [line["global batch size"] for line in result.lines] == expected_batches
-    sums = [sum(expected_batches[:k + 1]) for k in range(len(expected_batches))]
+    sums = [sum(expected_batches[: k + 1]) for k in range(len(expected_batches))]
     assert [line["consumed samples"] for line in result.lines] == sums
     # Linear warmup over 8 samples to 3e-3, then linear decay to 0 at 40 samples.
     for line, done in zip(result.lines, sums):

@@ -19,8 +19,11 @@ def test_cp2_prints_the_cp1_losses_and_resumes_under_cp1(tmp_path):
     base = tiny_gpt_flags(ITERS) + mock_flags() + ["--eod-mask-loss", "--eval-interval", "3"]
     ckpt = str(tmp_path / "ckpt")
     single = run_gpt(1, base, str(tmp_path))
-    first = run_gpt(2, base + ["--context-parallel-size", "2", "--save", ckpt, "--save-interval", "3",
-                               "--exit-interval", "3"], str(tmp_path))
+    first = run_gpt(
+        2,
+        base + ["--context-parallel-size", "2", "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"],
+        str(tmp_path),
+    )
     resumed = run_gpt(1, base + ["--load", ckpt], str(tmp_path))
     for name, result in (("CP=1", single), ("CP=2 first half", first), ("CP=1 resumed", resumed)):
         assert_ok(result, name)
@@ -30,8 +33,11 @@ def test_cp2_prints_the_cp1_losses_and_resumes_under_cp1(tmp_path):
     assert len(got) == len(expected) == ITERS
     for i, (x, y) in enumerate(zip(got, expected)):
         assert math.isclose(x, y, rel_tol=REL_TOL), f"iteration {i + 1}: CP=2 / resumed {x} vs CP=1 {y}"
+
     # Evaluation at iteration 3 (forward only, the same CP slicing and loss reduction).
     def validation_at_3(result):
-        return next(e["lm loss value"] for e in result.evaluations if e["prefix"] == "validation"
-                    and e["iteration"] == 3)
+        return next(
+            e["lm loss value"] for e in result.evaluations if e["prefix"] == "validation" and e["iteration"] == 3
+        )
+
     assert math.isclose(validation_at_3(first), validation_at_3(single), rel_tol=REL_TOL)

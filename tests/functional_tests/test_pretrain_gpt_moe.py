@@ -10,16 +10,27 @@ from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny
 
 ITERS = 3
 REL_TOL = 2e-6
-MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
-             "--moe-z-loss-coeff", "1e-3", "--swiglu", "--disable-bias-linear"]
+MOE_FLAGS = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+    "--swiglu",
+    "--disable-bias-linear",
+]
 
 
 def _assert_same_losses(reference, result, what):
     for key in ("lm loss", "load_balancing_loss", "z_loss"):
         for i, (a, b) in enumerate(zip(reference.lines, result.lines)):
             assert key in a and key in b, f"'{key}' missing in iteration {i + 1}: {a}"
-            assert math.isfinite(a[key]) and math.isclose(a[key], b[key], rel_tol=REL_TOL), \
+            assert math.isfinite(a[key]) and math.isclose(a[key], b[key], rel_tol=REL_TOL), (
                 f"{key} iteration {i + 1}: reference {a[key]} vs {what} {b[key]}"
+            )
 
 
 def test_moe_ep2_prints_the_ep1_losses(tmp_path):

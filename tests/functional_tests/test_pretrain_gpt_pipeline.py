@@ -30,11 +30,15 @@ def reference(tmp_path_factory):
     return result.losses()
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, ["--pipeline-model-parallel-size", "2"]),
-    (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
-], ids=["pp2", "pp2-vp2", "tp2-pp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, ["--pipeline-model-parallel-size", "2"]),
+        (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+        (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    ],
+    ids=["pp2", "pp2-vp2", "tp2-pp2"],
+)
 def test_pipeline_layout_prints_single_rank_losses(reference, nproc, layout, tmp_path):
     result = run_gpt(nproc, _flags() + layout, str(tmp_path))
     assert_ok(result, " ".join(layout))
@@ -44,18 +48,31 @@ def test_pipeline_layout_prints_single_rank_losses(reference, nproc, layout, tmp
         assert math.isclose(got, want, rel_tol=REL_TOL), f"{layout} iteration {i + 1}: {got} vs {want}"
 
 
-@pytest.mark.parametrize("layout, message", [
-    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "not divisible by the 2 pipeline stages"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--global-batch-size", "6"], "multiple of --pipeline-model-parallel-size"),
-], ids=["layers-vs-stages", "interleave-microbatches"])
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "not divisible by the 2 pipeline stages"),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "6",
+            ],
+            "multiple of --pipeline-model-parallel-size",
+        ),
+    ],
+    ids=["layers-vs-stages", "interleave-microbatches"],
+)
 def test_invalid_pipeline_layouts_fail_at_validation(layout, message, tmp_path):
     flags = _flags()
     for i in range(0, len(layout), 2):
         if layout[i] in flags:
             flags[flags.index(layout[i]) + 1] = layout[i + 1]
         else:
-            flags += layout[i:i + 2]
+            flags += layout[i : i + 2]
     result = run_gpt(2, flags, str(tmp_path))
     assert result.returncode != 0 and message in result.output, result.output[-3000:]
     assert not result.lines, "training started despite an invalid layout"

@@ -27,11 +27,22 @@ def _free_port() -> int:
 
 def _launch(rank: int, port: int, flags, log_path: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODELIST="localhost",
-               MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.update(
+        SLURM_PROCID=str(rank),
+        SLURM_NTASKS="2",
+        SLURM_LOCALID=str(rank),
+        SLURM_NODELIST="localhost",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=REPO,
+    )
     with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *flags], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *flags],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _logged_iterations(path: str):

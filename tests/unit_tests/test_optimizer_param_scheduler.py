@@ -16,8 +16,18 @@ def _optimizer():
 
 
 def _scheduler(style, **kw):
-    args = dict(init_lr=INIT, max_lr=MAX, min_lr=MIN, lr_warmup_steps=WARM, lr_decay_steps=DECAY,
-                lr_decay_style=style, start_wd=0.1, end_wd=0.1, wd_incr_steps=DECAY, wd_incr_style="constant")
+    args = dict(
+        init_lr=INIT,
+        max_lr=MAX,
+        min_lr=MIN,
+        lr_warmup_steps=WARM,
+        lr_decay_steps=DECAY,
+        lr_decay_style=style,
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=DECAY,
+        wd_incr_style="constant",
+    )
     args.update(kw)
     return OptimizerParamScheduler(_optimizer(), **args)
 
@@ -43,8 +53,12 @@ def _reference_lr(style, n, wsd_steps=None, wsd_style=None):
             frac = 1.0
         else:
             r = (n - start) / wsd_steps
-            frac = {"exponential": 2 * 0.5 ** r - 1, "linear": 1 - r,
-                    "cosine": (1 + math.cos(math.pi * r)) / 2, "minus_sqrt": 1 - r ** 0.5}[wsd_style]
+            frac = {
+                "exponential": 2 * 0.5**r - 1,
+                "linear": 1 - r,
+                "cosine": (1 + math.cos(math.pi * r)) / 2,
+                "minus_sqrt": 1 - r**0.5,
+            }[wsd_style]
     return MIN + (MAX - MIN) * frac
 
 
@@ -107,15 +121,22 @@ def test_state_dict_round_trip_and_mismatch():
     strict = _scheduler("cosine", max_lr=2 * MAX, use_checkpoint_opt_param_scheduler=False)
     with pytest.raises(ValueError, match="max_lr"):
         strict.load_state_dict(state)
-    mine = _scheduler("cosine", max_lr=2 * MAX, use_checkpoint_opt_param_scheduler=False,
-                      override_opt_param_scheduler=True)
+    mine = _scheduler(
+        "cosine", max_lr=2 * MAX, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True
+    )
     mine.load_state_dict(state)
     assert mine.max_lr == 2 * MAX and mine.num_steps == 321
 
 
 def test_legacy_keys_load():
-    old = {"start_lr": MAX, "min_lr": MIN, "warmup_iter": WARM, "end_iter": DECAY, "decay_style": "linear",
-           "num_iters": 10}
+    old = {
+        "start_lr": MAX,
+        "min_lr": MIN,
+        "warmup_iter": WARM,
+        "end_iter": DECAY,
+        "decay_style": "linear",
+        "num_iters": 10,
+    }
     sched = _scheduler("linear")
     sched.load_state_dict(old)
     assert sched.num_steps == 10

@@ -39,13 +39,16 @@ def test_custom_order_moves_dp_fastest():
     assert grid.groups("tp") == [[0, 2], [1, 3]]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(world_size=6, tensor_model_parallel_size=4), ["world size 6", "tensor_model_parallel_size (4)"]),
-    (dict(world_size=8, pipeline_model_parallel_size=3), ["pipeline_model_parallel_size (3)"]),
-    (dict(world_size=4, expert_model_parallel_size=3), ["expert_model_parallel_size (3)"]),
-    (dict(world_size=4, tensor_model_parallel_size=0), ["tensor_model_parallel_size=0"]),
-    (dict(world_size=4, virtual_pipeline_model_parallel_size=2), ["virtual_pipeline_model_parallel_size=2"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(world_size=6, tensor_model_parallel_size=4), ["world size 6", "tensor_model_parallel_size (4)"]),
+        (dict(world_size=8, pipeline_model_parallel_size=3), ["pipeline_model_parallel_size (3)"]),
+        (dict(world_size=4, expert_model_parallel_size=3), ["expert_model_parallel_size (3)"]),
+        (dict(world_size=4, tensor_model_parallel_size=0), ["tensor_model_parallel_size=0"]),
+        (dict(world_size=4, virtual_pipeline_model_parallel_size=2), ["virtual_pipeline_model_parallel_size=2"]),
+    ],
+)
 def test_impossible_layouts_name_the_setting(kwargs, words):
     with pytest.raises(ValueError) as info:
         ps.ParallelLayout(**kwargs)
@@ -59,8 +62,9 @@ def test_bad_order_is_rejected():
 
 
 def _check_groups_on_eight_ranks(rank, world_size):
-    pgs = ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                       expert_model_parallel_size=2)
+    pgs = ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2
+    )
     out = {}
     # facade and explicit object agree, and the groups really communicate over those ranks
     for name in ("tp", "pp", "dp", "mp", "embd", "ep", "expt_dp"):

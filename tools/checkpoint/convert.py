@@ -42,13 +42,31 @@ from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.hf_state_dict import (StateDict, from_hf_gpt2, from_hf_llama, resize_vocab,
-                                                    to_hf_gpt2, to_hf_llama)
+from megatron.core.models.gpt.hf_state_dict import (
+    StateDict,
+    from_hf_gpt2,
+    from_hf_llama,
+    resize_vocab,
+    to_hf_gpt2,
+    to_hf_llama,
+)
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
-from megatron.training.checkpointing import (CHECKPOINT_VERSION, COMMON_FILE, TRACKER_FILE, checkpoint_dir,
-                                             detect_format, read_tracker)
-from tools.checkpoint.hf_config import (Args, ConversionError, gpt_model_kwargs,
-                                        hf_config_from_args, megatron_args_from_hf, megatron_flags)
+from megatron.training.checkpointing import (
+    CHECKPOINT_VERSION,
+    COMMON_FILE,
+    TRACKER_FILE,
+    checkpoint_dir,
+    detect_format,
+    read_tracker,
+)
+from tools.checkpoint.hf_config import (
+    Args,
+    ConversionError,
+    gpt_model_kwargs,
+    hf_config_from_args,
+    megatron_args_from_hf,
+    megatron_flags,
+)
 
 HF_VOCAB_KEY = "hf_vocab_size"  # in common.json: the unpadded vocabulary of a converted model
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -63,8 +81,13 @@ def single_process_group() -> Iterator[ProcessGroupCollection]:
         yield build_process_groups(ParallelLayout(world_size=1))
         return
     with tempfile.TemporaryDirectory(prefix="convert_store_") as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1,
-                                timeout=timedelta(minutes=30))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.join(tmp, 'store')}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(minutes=30),
+        )
         try:
             yield build_process_groups(ParallelLayout(world_size=1))
         finally:
@@ -109,16 +132,18 @@ def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str
     # GPT-2 keeps its causal mask as (non-learned) buffers; anything else missing is a bug.
     missing = [k for k in result.missing_keys if not k.endswith((".attn.bias", ".attn.masked_bias"))]
     if missing or result.unexpected_keys:
-        raise ConversionError(f"state dict does not fit {cls.__name__}: missing {missing[:5]}, "
-                              f"unexpected {result.unexpected_keys[:5]}")
+        raise ConversionError(
+            f"state dict does not fit {cls.__name__}: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
     model.save_pretrained(out_dir)
 
 
 # ---------------------------------------------------------------- Megatron side
 def build_model(args: Args, groups: ProcessGroupCollection) -> GPTModel:
     """Our TP=1 GPTModel for ``args`` (weights are overwritten right after)."""
-    return GPTModel(pg_collection=groups, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                    **gpt_model_kwargs(args))
+    return GPTModel(
+        pg_collection=groups, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **gpt_model_kwargs(args)
+    )
 
 
 def _write_tracker_release(root: str) -> None:
@@ -128,14 +153,21 @@ def _write_tracker_release(root: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def save_release(model: GPTModel, args: Args, groups: ProcessGroupCollection, root: str,
-                 hf_vocab_size: int) -> str:
+def save_release(model: GPTModel, args: Args, groups: ProcessGroupCollection, root: str, hf_vocab_size: int) -> str:
     """``root/release``: common.json (the model flags), the model's tensors, then the tracker."""
     iter_dir = checkpoint_dir(root, 0, release=True)
     os.makedirs(iter_dir, exist_ok=True)
-    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "train_state": {},
-              "opt_param_scheduler": None, "optimizer": None, "args": args, HF_VOCAB_KEY: hf_vocab_size,
-              "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1}, "ckpt_format": "torch_dist"}
+    common = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": 0,
+        "train_state": {},
+        "opt_param_scheduler": None,
+        "optimizer": None,
+        "args": args,
+        HF_VOCAB_KEY: hf_vocab_size,
+        "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1},
+        "ckpt_format": "torch_dist",
+    }
     write_json_atomic(os.path.join(iter_dir, COMMON_FILE), common)
     dc.save(dc.model_sharded_state_dict([model], pg_collection=groups), iter_dir)  # metadata.json last
     _write_tracker_release(root)
@@ -151,16 +183,18 @@ def find_checkpoint(root: str) -> Tuple[str, Dict[str, Any]]:
         raise ConversionError(f"{root} is not a Megatron checkpoint directory: no {TRACKER_FILE}")
     iter_dir = checkpoint_dir(root, found[0], release=found[1])
     if detect_format(iter_dir) != "torch_dist":
-        raise ConversionError(f"{iter_dir} is a legacy --ckpt-format torch checkpoint; the converter reads "
-                              "torch_dist checkpoints only")
+        raise ConversionError(
+            f"{iter_dir} is a legacy --ckpt-format torch checkpoint; the converter reads torch_dist checkpoints only"
+        )
     common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
     if not isinstance(common.get("args"), dict):
         raise ConversionError(f"{os.path.join(iter_dir, COMMON_FILE)} has no 'args': not written by this code")
     return iter_dir, common
 
 
-def load_megatron(root: str, groups: ProcessGroupCollection, verify: bool = True
-                  ) -> Tuple[StateDict, Args, Dict[str, Any]]:
+def load_megatron(
+    root: str, groups: ProcessGroupCollection, verify: bool = True
+) -> Tuple[StateDict, Args, Dict[str, Any]]:
     """Full (TP=1) state dict, model flags and common.json of the checkpoint under ``root``.
 
     ``verify``: check every file against the checksums ``metadata.json`` records first.
@@ -185,8 +219,9 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_b
     hf_config = read_hf_config(hf_dir)
     kind, args = megatron_args_from_hf(hf_config, where, tp, divisible_by)
     if args["num_layers"] % pp:
-        raise ConversionError(f"--target-pipeline-model-parallel-size {pp} does not divide the "
-                              f"{args['num_layers']} layers of {where}")
+        raise ConversionError(
+            f"--target-pipeline-model-parallel-size {pp} does not divide the {args['num_layers']} layers of {where}"
+        )
     hf_sd = read_hf_weights(hf_dir)
     with single_process_group() as groups:
         model = build_model(args, groups)
@@ -202,8 +237,7 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_b
     return megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
 
 
-def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int] = None,
-                   verify: bool = True) -> int:
+def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int] = None, verify: bool = True) -> int:
     """Write ``out_dir`` (config.json + model.safetensors) from the checkpoint under ``load``; returns the vocab."""
     with single_process_group() as groups:
         sd, args, common = load_megatron(load, groups, verify)
@@ -211,11 +245,14 @@ def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int]
     if vocab > args["padded_vocab_size"]:
         raise ConversionError(f"--vocab-size {vocab} exceeds the checkpoint's {args['padded_vocab_size']} rows")
     config = gpt_model_kwargs(args)
-    model_config = _ConfigView(num_layers=config["num_layers"], num_attention_heads=config["num_attention_heads"],
-                               num_query_groups=config["num_query_groups"], hidden_size=config["hidden_size"],
-                               ffn_hidden_size=config["ffn_hidden_size"],
-                               kv_channels=config["kv_channels"] or config["hidden_size"] // config[
-                                   "num_attention_heads"])
+    model_config = _ConfigView(
+        num_layers=config["num_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_query_groups=config["num_query_groups"],
+        hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["ffn_hidden_size"],
+        kv_channels=config["kv_channels"] or config["hidden_size"] // config["num_attention_heads"],
+    )
     mapper = to_hf_gpt2 if kind == "gpt2" else to_hf_llama
     hf_sd = mapper(resize_vocab(sd, vocab), model_config)
     write_hf(hf_sd, args, kind, vocab, out_dir, os.path.join(load, COMMON_FILE))
@@ -235,17 +272,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
     p.add_argument("--hf-dir", help="hf-to-megatron: a save_pretrained directory (GPT-2 or Llama/Mistral)")
     p.add_argument("--save", help="hf-to-megatron: checkpoint root to write (release/ and the tracker)")
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1,
-                   help="TP the vocabulary is padded for (the checkpoint loads under any layout of that padding)")
-    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1,
-                   help="checked against the layer count and printed with the flags")
+    p.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        default=1,
+        help="TP the vocabulary is padded for (the checkpoint loads under any layout of that padding)",
+    )
+    p.add_argument(
+        "--target-pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="checked against the layer count and printed with the flags",
+    )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
     p.add_argument("--model-type", choices=["gpt2", "llama"], help="megatron-to-hf: the HF class to write")
     p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
-    p.add_argument("--no-verify-checkpoint", action="store_true",
-                   help="megatron-to-hf: skip checking the files against metadata.json's checksums")
+    p.add_argument(
+        "--no-verify-checkpoint",
+        action="store_true",
+        help="megatron-to-hf: skip checking the files against metadata.json's checksums",
+    )
     return p
 
 
@@ -260,14 +308,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.direction == "hf-to-megatron":
             _required(args, ["hf_dir", "save"])
-            flags = hf_to_megatron(args.hf_dir, args.save, args.target_tensor_parallel_size,
-                                   args.target_pipeline_model_parallel_size, args.make_vocab_size_divisible_by)
+            flags = hf_to_megatron(
+                args.hf_dir,
+                args.save,
+                args.target_tensor_parallel_size,
+                args.target_pipeline_model_parallel_size,
+                args.make_vocab_size_divisible_by,
+            )
             print(f"wrote {checkpoint_dir(args.save, 0, release=True)}; train or evaluate with:")
             print("  --load " + args.save + " --finetune " + " ".join(flags))
         else:
             _required(args, ["load", "hf_dir_out", "model_type"])
-            vocab = megatron_to_hf(args.load, args.hf_dir_out, args.model_type, args.vocab_size,
-                                   verify=not args.no_verify_checkpoint)
+            vocab = megatron_to_hf(
+                args.load, args.hf_dir_out, args.model_type, args.vocab_size, verify=not args.no_verify_checkpoint
+            )
             print(f"wrote {args.hf_dir_out} ({args.model_type}, vocabulary {vocab})")
     except (ConversionError, CheckpointingError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -35,8 +35,9 @@ def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
 
 def _require(hf: Dict[str, Any], field: str, allowed: Tuple[Any, ...], where: str) -> None:
     if hf.get(field) not in allowed:
-        raise ConversionError(f"{where}: field {field!r} is {hf.get(field)!r}; the converter supports "
-                              f"{' or '.join(map(repr, allowed))}")
+        raise ConversionError(
+            f"{where}: field {field!r} is {hf.get(field)!r}; the converter supports {' or '.join(map(repr, allowed))}"
+        )
 
 
 def _gpt2_args(hf: Dict[str, Any], where: str) -> Args:
@@ -45,13 +46,24 @@ def _gpt2_args(hf: Dict[str, Any], where: str) -> Args:
         _require(hf, field, (None, False), where)
     _require(hf, "tie_word_embeddings", (None, True), where)
     hidden = hf["n_embd"]
-    return dict(num_layers=hf["n_layer"], hidden_size=hidden, num_attention_heads=hf["n_head"],
-                group_query_attention=False, num_query_groups=hf["n_head"],
-                ffn_hidden_size=hf.get("n_inner") or 4 * hidden, kv_channels=hidden // hf["n_head"],
-                normalization="LayerNorm", swiglu=False, openai_gelu=_GPT2_ACTIVATIONS[hf["activation_function"]],
-                position_embedding_type="learned_absolute", rotary_base=10000,
-                untie_embeddings_and_output_weights=False, add_bias_linear=True,
-                layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), max_position_embeddings=hf["n_positions"])
+    return dict(
+        num_layers=hf["n_layer"],
+        hidden_size=hidden,
+        num_attention_heads=hf["n_head"],
+        group_query_attention=False,
+        num_query_groups=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+        kv_channels=hidden // hf["n_head"],
+        normalization="LayerNorm",
+        swiglu=False,
+        openai_gelu=_GPT2_ACTIVATIONS[hf["activation_function"]],
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        untie_embeddings_and_output_weights=False,
+        add_bias_linear=True,
+        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        max_position_embeddings=hf["n_positions"],
+    )
 
 
 def _rope_theta(hf: Dict[str, Any], where: str) -> float:
@@ -59,8 +71,10 @@ def _rope_theta(hf: Dict[str, Any], where: str) -> float:
     scaling = hf.get("rope_scaling") or {}
     kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind != "default":
-        raise ConversionError(f"{where}: field 'rope_parameters.rope_type' (or 'rope_scaling') is {kind!r}; "
-                              "only unscaled RoPE ('default') is supported")
+        raise ConversionError(
+            f"{where}: field 'rope_parameters.rope_type' (or 'rope_scaling') is {kind!r}; "
+            "only unscaled RoPE ('default') is supported"
+        )
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
@@ -70,17 +84,30 @@ def _llama_args(hf: Dict[str, Any], where: str) -> Args:
         _require(hf, field, (None, False), where)
     window = hf.get("sliding_window")
     if window is not None and window < hf["max_position_embeddings"]:
-        raise ConversionError(f"{where}: field 'sliding_window' is {window}; sliding-window attention is not "
-                              "supported (null or >= max_position_embeddings is)")
+        raise ConversionError(
+            f"{where}: field 'sliding_window' is {window}; sliding-window attention is not "
+            "supported (null or >= max_position_embeddings is)"
+        )
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
-    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-                group_query_attention=groups != heads, num_query_groups=groups,
-                ffn_hidden_size=hf["intermediate_size"], kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-                normalization="RMSNorm", swiglu=True, openai_gelu=False, position_embedding_type="rope",
-                rotary_base=_rope_theta(hf, where), untie_embeddings_and_output_weights=not hf.get(
-                    "tie_word_embeddings", False), add_bias_linear=False,
-                layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), max_position_embeddings=hf["max_position_embeddings"])
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        group_query_attention=groups != heads,
+        num_query_groups=groups,
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm",
+        swiglu=True,
+        openai_gelu=False,
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf, where),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        add_bias_linear=False,
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=hf["max_position_embeddings"],
+    )
 
 
 def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by: int) -> Tuple[str, Args]:
@@ -90,28 +117,53 @@ def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by:
         args = _gpt2_args(hf, where) if kind == "gpt2" else _llama_args(hf, where)
     except KeyError as e:
         raise ConversionError(f"{where}: field {e.args[0]!r} is missing") from None
-    args.update(vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=divisible_by,
-                tensor_model_parallel_size=tp,
-                padded_vocab_size=vocab_size_with_padding(hf["vocab_size"], divisible_by, tp))
+    args.update(
+        vocab_size=hf["vocab_size"],
+        make_vocab_size_divisible_by=divisible_by,
+        tensor_model_parallel_size=tp,
+        padded_vocab_size=vocab_size_with_padding(hf["vocab_size"], divisible_by, tp),
+    )
     return kind, args
 
 
 def megatron_flags(args: Args) -> List[str]:
     """The ``pretrain_gpt.py`` flags that build the model ``args`` describes."""
-    flags = ["--num-layers", args["num_layers"], "--hidden-size", args["hidden_size"],
-             "--num-attention-heads", args["num_attention_heads"], "--ffn-hidden-size", args["ffn_hidden_size"],
-             "--kv-channels", args["kv_channels"], "--max-position-embeddings", args["max_position_embeddings"],
-             "--normalization", args["normalization"], "--norm-epsilon", args["layernorm_epsilon"],
-             "--position-embedding-type", args["position_embedding_type"],
-             "--make-vocab-size-divisible-by", args["make_vocab_size_divisible_by"],
-             "--tensor-model-parallel-size", args["tensor_model_parallel_size"]]
+    flags = [
+        "--num-layers",
+        args["num_layers"],
+        "--hidden-size",
+        args["hidden_size"],
+        "--num-attention-heads",
+        args["num_attention_heads"],
+        "--ffn-hidden-size",
+        args["ffn_hidden_size"],
+        "--kv-channels",
+        args["kv_channels"],
+        "--max-position-embeddings",
+        args["max_position_embeddings"],
+        "--normalization",
+        args["normalization"],
+        "--norm-epsilon",
+        args["layernorm_epsilon"],
+        "--position-embedding-type",
+        args["position_embedding_type"],
+        "--make-vocab-size-divisible-by",
+        args["make_vocab_size_divisible_by"],
+        "--tensor-model-parallel-size",
+        args["tensor_model_parallel_size"],
+    ]
     if args["group_query_attention"]:
         flags += ["--group-query-attention", "--num-query-groups", args["num_query_groups"]]
     if args["position_embedding_type"] == "rope":
-        flags += ["--rotary-base", int(args["rotary_base"]) if float(args["rotary_base"]).is_integer()
-                  else args["rotary_base"]]
-    for dest, flag in (("swiglu", "--swiglu"), ("openai_gelu", "--openai-gelu"),
-                       ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights")):
+        flags += [
+            "--rotary-base",
+            int(args["rotary_base"]) if float(args["rotary_base"]).is_integer() else args["rotary_base"],
+        ]
+    for dest, flag in (
+        ("swiglu", "--swiglu"),
+        ("openai_gelu", "--openai-gelu"),
+        ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ):
         if args.get(dest):
             flags.append(flag)
     if not args["add_bias_linear"]:
@@ -121,12 +173,24 @@ def megatron_flags(args: Args) -> List[str]:
 
 def _check_supported(args: Args, kind: str, where: str) -> None:
     """Refuse model features the HF class of ``kind`` cannot express, naming the flag."""
-    expected = {"gpt2": dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
-                             add_bias_linear=True, untie_embeddings_and_output_weights=False),
-                "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-                              add_bias_linear=False)}[kind]
-    expected.update(add_qkv_bias=False, qk_layernorm=False, rotary_interleaved=False, squared_relu=False,
-                    layernorm_zero_centered_gamma=False, rotary_percent=1.0)
+    expected = {
+        "gpt2": dict(
+            normalization="LayerNorm",
+            position_embedding_type="learned_absolute",
+            swiglu=False,
+            add_bias_linear=True,
+            untie_embeddings_and_output_weights=False,
+        ),
+        "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False),
+    }[kind]
+    expected.update(
+        add_qkv_bias=False,
+        qk_layernorm=False,
+        rotary_interleaved=False,
+        squared_relu=False,
+        layernorm_zero_centered_gamma=False,
+        rotary_percent=1.0,
+    )
     for dest, value in expected.items():
         if dest in args and args[dest] is not None and args[dest] != value:
             raise ConversionError(f"{where}: flag {dest} is {args[dest]!r}; --model-type {kind} needs {value!r}")
@@ -144,32 +208,58 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
     _check_supported(args, kind, where)
     if kind == "gpt2":
         return transformers.GPT2Config(
-            vocab_size=vocab_size, n_positions=args["max_position_embeddings"], n_embd=args["hidden_size"],
-            n_layer=args["num_layers"], n_head=args["num_attention_heads"], n_inner=args["ffn_hidden_size"],
+            vocab_size=vocab_size,
+            n_positions=args["max_position_embeddings"],
+            n_embd=args["hidden_size"],
+            n_layer=args["num_layers"],
+            n_head=args["num_attention_heads"],
+            n_inner=args["ffn_hidden_size"],
             activation_function="gelu_new" if args.get("openai_gelu") else "gelu",
-            layer_norm_epsilon=args["layernorm_epsilon"], tie_word_embeddings=True,
-            architectures=["GPT2LMHeadModel"])
+            layer_norm_epsilon=args["layernorm_epsilon"],
+            tie_word_embeddings=True,
+            architectures=["GPT2LMHeadModel"],
+        )
     return transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=args["hidden_size"], intermediate_size=args["ffn_hidden_size"],
-        num_hidden_layers=args["num_layers"], num_attention_heads=args["num_attention_heads"],
-        num_key_value_heads=query_groups(args), head_dim=args.get("kv_channels") or (
-            args["hidden_size"] // args["num_attention_heads"]),
-        max_position_embeddings=args["max_position_embeddings"], rms_norm_eps=args["layernorm_epsilon"],
-        rope_theta=float(args["rotary_base"]), hidden_act="silu",
-        tie_word_embeddings=not args["untie_embeddings_and_output_weights"], attention_bias=False, mlp_bias=False,
-        architectures=["LlamaForCausalLM"])
+        vocab_size=vocab_size,
+        hidden_size=args["hidden_size"],
+        intermediate_size=args["ffn_hidden_size"],
+        num_hidden_layers=args["num_layers"],
+        num_attention_heads=args["num_attention_heads"],
+        num_key_value_heads=query_groups(args),
+        head_dim=args.get("kv_channels") or (args["hidden_size"] // args["num_attention_heads"]),
+        max_position_embeddings=args["max_position_embeddings"],
+        rms_norm_eps=args["layernorm_epsilon"],
+        rope_theta=float(args["rotary_base"]),
+        hidden_act="silu",
+        tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
+        attention_bias=False,
+        mlp_bias=False,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
     """Keyword arguments of ``GPTModel`` (TP=1) for the model ``args`` describes."""
     activation = F.silu if args.get("swiglu") else (openai_gelu if args.get("openai_gelu") else F.gelu)
-    return dict(num_layers=args["num_layers"], hidden_size=args["hidden_size"],
-                num_attention_heads=args["num_attention_heads"], num_query_groups=query_groups(args),
-                ffn_hidden_size=args["ffn_hidden_size"], kv_channels=args.get("kv_channels"),
-                normalization=args["normalization"], gated_linear_unit=bool(args.get("swiglu")),
-                activation_func=activation, add_bias_linear=args["add_bias_linear"],
-                layernorm_epsilon=args["layernorm_epsilon"], hidden_dropout=0.0, attention_dropout=0.0,
-                use_cpu_initialization=True, perform_initialization=False,
-                position_embedding_type=args["position_embedding_type"], rotary_base=args["rotary_base"],
-                share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
-                vocab_size=args["padded_vocab_size"], max_sequence_length=args["max_position_embeddings"])
+    return dict(
+        num_layers=args["num_layers"],
+        hidden_size=args["hidden_size"],
+        num_attention_heads=args["num_attention_heads"],
+        num_query_groups=query_groups(args),
+        ffn_hidden_size=args["ffn_hidden_size"],
+        kv_channels=args.get("kv_channels"),
+        normalization=args["normalization"],
+        gated_linear_unit=bool(args.get("swiglu")),
+        activation_func=activation,
+        add_bias_linear=args["add_bias_linear"],
+        layernorm_epsilon=args["layernorm_epsilon"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        position_embedding_type=args["position_embedding_type"],
+        rotary_base=args["rotary_base"],
+        share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
+        vocab_size=args["padded_vocab_size"],
+        max_sequence_length=args["max_position_embeddings"],
+    )

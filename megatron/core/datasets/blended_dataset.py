@@ -30,8 +30,13 @@ class BlendedDataset(torch.utils.data.Dataset):
         config: the dataset configuration (``path_to_cache`` enables the on-disk cache).
     """
 
-    def __init__(self, datasets: Sequence[Any], weights: Optional[Sequence[float]], size: Optional[int],
-                 config: BlendedMegatronDatasetConfig) -> None:
+    def __init__(
+        self,
+        datasets: Sequence[Any],
+        weights: Optional[Sequence[float]],
+        size: Optional[int],
+        config: BlendedMegatronDatasetConfig,
+    ) -> None:
         if not datasets:
             raise ValueError("datasets: a blend needs at least one dataset")
         if weights is not None and len(weights) != len(datasets):
@@ -45,21 +50,26 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.size = sum(len(d) for d in datasets) if size is None else int(size)
         self.config = config
         self.unique_identifiers = OrderedDict(
-            [("class", type(self).__name__), ("datasets", [d.unique_identifiers for d in self.datasets]),
-             ("weights", self.weights), ("size", self.size)])
+            [
+                ("class", type(self).__name__),
+                ("datasets", [d.unique_identifiers for d in self.datasets]),
+                ("weights", self.weights),
+                ("size", self.size),
+            ]
+        )
         self.unique_description = json.dumps(self.unique_identifiers, indent=4, default=_json_default)
         self.unique_description_hash = description_hash(self.unique_description)
         stem = f"{self.unique_description_hash}-{type(self).__name__}"
-        arrays = load_or_build_indices(config.path_to_cache, stem, self.unique_description, _INDEX_NAMES,
-                                       self._build_indices)
+        arrays = load_or_build_indices(
+            config.path_to_cache, stem, self.unique_description, _INDEX_NAMES, self._build_indices
+        )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
         self._check_sizes()
 
     def _build_indices(self) -> Dict[str, np.ndarray]:
         if self.weights is None:
-            dataset_index, sample_index = helpers.build_exhaustive_blending_indices(
-                [len(d) for d in self.datasets])
+            dataset_index, sample_index = helpers.build_exhaustive_blending_indices([len(d) for d in self.datasets])
             dataset_index, sample_index = dataset_index[: self.size], sample_index[: self.size]
         else:
             dataset_index, sample_index = helpers.build_blending_indices(self.weights, self.size)
@@ -68,8 +78,11 @@ class BlendedDataset(torch.utils.data.Dataset):
     def _check_sizes(self) -> None:
         """Every component must hold the samples the blend will ask of it."""
         counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
-        short: List[str] = [f"dataset {i}: needs {int(c)}, has {len(d)}"
-                            for i, (c, d) in enumerate(zip(counts, self.datasets)) if c > len(d)]
+        short: List[str] = [
+            f"dataset {i}: needs {int(c)}, has {len(d)}"
+            for i, (c, d) in enumerate(zip(counts, self.datasets))
+            if c > len(d)
+        ]
         if short:
             raise RuntimeError("blended dataset components too small: " + "; ".join(short))
 

@@ -32,9 +32,14 @@ class BlendedMegatronDatasetBuilder:
             caches); None is the default (world) group.
     """
 
-    def __init__(self, cls: Type[MegatronDataset], sizes: Sequence[Optional[int]],
-                 is_built_on_rank: Callable[[], bool], config: BlendedMegatronDatasetConfig,
-                 group: Optional[Any] = None) -> None:
+    def __init__(
+        self,
+        cls: Type[MegatronDataset],
+        sizes: Sequence[Optional[int]],
+        is_built_on_rank: Callable[[], bool],
+        config: BlendedMegatronDatasetConfig,
+        group: Optional[Any] = None,
+    ) -> None:
         if len(sizes) != 3:
             raise ValueError(f"sizes={list(sizes)}: need three entries (train, valid, test)")
         if any(s is not None and s < 0 for s in sizes):
@@ -57,8 +62,13 @@ class BlendedMegatronDatasetBuilder:
                 datasets[i] = self._build_blend(blend[0], blend[1], _WHOLE, sizes)[i]
         return datasets
 
-    def _build_blend(self, prefixes: Sequence[str], weights: Optional[Sequence[float]],
-                     split_matrix: Sequence[Optional[tuple]], sizes: Sequence[Optional[int]]) -> List[Optional[Any]]:
+    def _build_blend(
+        self,
+        prefixes: Sequence[str],
+        weights: Optional[Sequence[float]],
+        split_matrix: Sequence[Optional[tuple]],
+        sizes: Sequence[Optional[int]],
+    ) -> List[Optional[Any]]:
         """One prefix: its splits directly; several: each split blended over the prefixes."""
         if len(prefixes) == 1 and weights is None:
             return self._build_splits(prefixes[0], split_matrix, sizes)
@@ -82,8 +92,9 @@ class BlendedMegatronDatasetBuilder:
             blended[i] = self._build_on_ranks(BlendedDataset, parts, weights_i, size_i, self.config)
         return blended
 
-    def _build_splits(self, prefix: Optional[str], split_matrix: Sequence[Optional[tuple]],
-                      sizes: Sequence[Optional[int]]) -> List[Optional[Any]]:
+    def _build_splits(
+        self, prefix: Optional[str], split_matrix: Sequence[Optional[tuple]], sizes: Sequence[Optional[int]]
+    ) -> List[Optional[Any]]:
         """The three split datasets of one low-level dataset (None for empty splits)."""
         wanted = [split_matrix[i] is not None and sizes[i] != 0 for i in range(3)]
         if not any(wanted):
@@ -94,8 +105,10 @@ class BlendedMegatronDatasetBuilder:
         datasets: List[Optional[Any]] = [None, None, None]
         for i, split in enumerate(Split):
             if wanted[i] and low_level is not None and ranges[i][0] == ranges[i][1]:
-                raise ValueError(f"split {split.name}: no documents ({ranges[i]} of {num_documents} in "
-                                 f"{prefix}) but {sizes[i]} samples requested; change --split")
+                raise ValueError(
+                    f"split {split.name}: no documents ({ranges[i]} of {num_documents} in "
+                    f"{prefix}) but {sizes[i]} samples requested; change --split"
+                )
             if wanted[i]:
                 indices = np.arange(ranges[i][0], ranges[i][1], dtype=np.int64) if low_level is not None else None
                 datasets[i] = self._build_on_ranks(self.cls, low_level, prefix, indices, sizes[i], split, self.config)

@@ -26,8 +26,9 @@ def _check_blend(name: str, blend: Blend) -> None:
             raise ValueError(f"{name}: {len(weights)} weights for {len(prefixes)} prefixes")
         for weight, prefix in zip(weights, prefixes):
             if not isinstance(weight, numbers.Real) or not math.isfinite(weight):
-                raise ValueError(f"{name}: weight {weight!r} of {prefix} must be a finite number "
-                                 f"(weights={list(weights)})")
+                raise ValueError(
+                    f"{name}: weight {weight!r} of {prefix} must be a finite number (weights={list(weights)})"
+                )
         if any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
             raise ValueError(f"{name}: weights={list(weights)} must be non-negative with a positive sum")
 
@@ -93,8 +94,10 @@ class BlendedMegatronDatasetConfig:
                 self.split = "969,30,1"  # Megatron's default split when none is given
             return
         if (self.blend is None) == (self.blend_per_split is None):
-            raise ValueError("blend and blend_per_split: exactly one must be given (or mock=True), "
-                             f"got blend={self.blend!r}, blend_per_split={self.blend_per_split!r}")
+            raise ValueError(
+                "blend and blend_per_split: exactly one must be given (or mock=True), "
+                f"got blend={self.blend!r}, blend_per_split={self.blend_per_split!r}"
+            )
         if self.blend is not None:
             _check_blend("blend", self.blend)
             if self.split is None:

@@ -11,8 +11,9 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 
-def _check_common(total_samples: int, consumed_samples: int, micro_batch_size: int,
-                  data_parallel_rank: int, data_parallel_size: int) -> None:
+def _check_common(
+    total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int
+) -> None:
     if total_samples <= 0:
         raise ValueError(f"total_samples={total_samples}: no sample to draw")
     if consumed_samples < 0:
@@ -38,8 +39,15 @@ class MegatronPretrainingSampler:
         drop_last: drop a last incomplete step; otherwise yield this rank's part of it.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True) -> None:
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ) -> None:
         _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         if consumed_samples >= total_samples:
             raise ValueError(f"consumed_samples={consumed_samples}: no samples left of {total_samples}")
@@ -55,7 +63,7 @@ class MegatronPretrainingSampler:
 
     def _mine(self, batch: List[int]) -> List[int]:
         start = self.data_parallel_rank * self.micro_batch_size
-        return batch[start:start + self.micro_batch_size]
+        return batch[start : start + self.micro_batch_size]
 
     def __iter__(self) -> Iterator[List[int]]:
         for start in range(self.consumed_samples, self.total_samples - self.step + 1, self.step):
@@ -83,9 +91,17 @@ class MegatronPretrainingRandomSampler:
         seed: base seed of the per-epoch permutations.
     """
 
-    def __init__(self, dataset: Any, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, data_sharding: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        data_sharding: bool = True,
+        seed: int = 0,
+    ) -> None:
         _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         self.step = micro_batch_size * data_parallel_size
         if total_samples < self.step:
@@ -111,17 +127,19 @@ class MegatronPretrainingRandomSampler:
             bucket = (self.total_samples // self.step) * self.micro_batch_size
             order = torch.randperm(bucket, generator=g).tolist()
             first = self.data_parallel_rank * bucket
-            return [first + x for x in order[done_in_epoch // self.data_parallel_size:]]
+            return [first + x for x in order[done_in_epoch // self.data_parallel_size :]]
         # Whole global steps only, so every rank gets the same number of micro batches.
         full = (self.total_samples // self.step) * self.step
         order = torch.randperm(full, generator=g).tolist()[done_in_epoch:]
-        return order[self.data_parallel_rank::self.data_parallel_size]
+        return order[self.data_parallel_rank :: self.data_parallel_size]
 
     def __iter__(self) -> Iterator[List[int]]:
         active = self.total_samples - self.last_batch_size
         epoch, done = divmod(self.consumed_samples, active)
         if done % self.step:
-            raise RuntimeError(f"consumed_samples={self.consumed_samples} is not a whole number of steps of {self.step}")
+            raise RuntimeError(
+                f"consumed_samples={self.consumed_samples} is not a whole number of steps of {self.step}"
+            )
         batch: List[int] = []
         for idx in self._epoch_indices(epoch, done):
             batch.append(idx)
@@ -131,11 +149,18 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
-def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: int,
-                                  data_parallel_rank: int, data_parallel_size: int,
-                                  dataloader_type: str = "single", num_workers: int = 0,
-                                  data_sharding: bool = True, seed: int = 0,
-                                  drop_last: bool = True) -> Optional[torch.utils.data.DataLoader]:
+def build_pretraining_data_loader(
+    dataset: Any,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    dataloader_type: str = "single",
+    num_workers: int = 0,
+    data_sharding: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader yielding this DP rank's micro batches (None when ``dataset`` is None).
 
     ``dataloader_type`` is Megatron's ``--dataloader-type``: ``single`` (sequential) or
@@ -144,12 +169,22 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     if dataset is None:
         return None
     if dataloader_type == "single":
-        sampler: Any = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                                  data_parallel_rank, data_parallel_size, drop_last)
+        sampler: Any = MegatronPretrainingSampler(
+            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, drop_last
+        )
     elif dataloader_type == "cyclic":
-        sampler = MegatronPretrainingRandomSampler(dataset, len(dataset), consumed_samples, micro_batch_size,
-                                                   data_parallel_rank, data_parallel_size, data_sharding, seed)
+        sampler = MegatronPretrainingRandomSampler(
+            dataset,
+            len(dataset),
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+            data_sharding,
+            seed,
+        )
     else:
         raise ValueError(f"dataloader_type={dataloader_type!r}: expected 'single' or 'cyclic'")
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=False, persistent_workers=num_workers > 0)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False, persistent_workers=num_workers > 0
+    )

@@ -62,13 +62,20 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
         super().__post_init__()
         needs_eod = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
         if needs_eod and special_token(self.tokenizer, "eod") is None:
-            raise ValueError("tokenizer: reset_position_ids, reset_attention_mask and eod_mask_loss "
-                             f"need a tokenizer with an eod id, got {self.tokenizer!r}")
+            raise ValueError(
+                "tokenizer: reset_position_ids, reset_attention_mask and eod_mask_loss "
+                f"need a tokenizer with an eod id, got {self.tokenizer!r}"
+            )
 
 
-def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: Optional[int], reset_position_ids: bool,
-                                    reset_attention_mask: bool, eod_mask_loss: bool,
-                                    create_attention_mask: bool):
+def get_ltor_masks_and_position_ids(
+    tokens: torch.Tensor,
+    eod_token: Optional[int],
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+    create_attention_mask: bool,
+):
     """Masks and positions of one left-to-right sample.
 
     A document ends with its eod token: the token right after an eod starts a new document.
@@ -113,8 +120,15 @@ class GPTDataset(MegatronDataset):
         config: GPTDatasetConfig.
     """
 
-    def __init__(self, indexed_dataset: Any, dataset_path: Optional[str], indexed_indices: np.ndarray,
-                 num_samples: Optional[int], index_split: Split, config: GPTDatasetConfig) -> None:
+    def __init__(
+        self,
+        indexed_dataset: Any,
+        dataset_path: Optional[str],
+        indexed_indices: np.ndarray,
+        num_samples: Optional[int],
+        index_split: Split,
+        config: GPTDatasetConfig,
+    ) -> None:
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
         tokenizer = config.tokenizer
         self._eod = special_token(tokenizer, "eod")
@@ -124,8 +138,9 @@ class GPTDataset(MegatronDataset):
         self._causal_mask: Optional[torch.Tensor] = None
         self.path_to_cache = self._cache_dir()
         stem = f"{self.unique_description_hash}-{type(self).__name__}-{index_split.name}"
-        arrays = load_or_build_indices(self.path_to_cache, stem, self.unique_description, _INDEX_NAMES,
-                                       self._build_indices)
+        arrays = load_or_build_indices(
+            self.path_to_cache, stem, self.unique_description, _INDEX_NAMES, self._build_indices
+        )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
@@ -133,7 +148,9 @@ class GPTDataset(MegatronDataset):
     @staticmethod
     def _key_config_attributes() -> Iterable[str]:
         return list(MegatronDataset._key_config_attributes()) + [
-            "add_extra_token_to_sequence", "drop_last_partial_validation_sequence"]
+            "add_extra_token_to_sequence",
+            "drop_last_partial_validation_sequence",
+        ]
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: Any) -> int:
@@ -151,8 +168,9 @@ class GPTDataset(MegatronDataset):
             return self.config.path_to_cache
         if self.dataset_path is None:
             return None
-        return os.path.join(os.path.dirname(os.path.abspath(self.dataset_path)), "cache",
-                            f"{type(self).__name__}_indices")
+        return os.path.join(
+            os.path.dirname(os.path.abspath(self.dataset_path)), "cache", f"{type(self).__name__}_indices"
+        )
 
     def _drop_last_partial(self) -> bool:
         if self.index_split == Split.valid:
@@ -164,14 +182,17 @@ class GPTDataset(MegatronDataset):
         cfg = self.config
         lengths = np.asarray(self.dataset.sequence_lengths)
         tokens_per_epoch = int(lengths[self.indices].astype(np.int64).sum())
-        num_epochs = helpers.get_num_epochs(tokens_per_epoch, cfg.sequence_length, self.num_samples,
-                                            cfg.add_extra_token_to_sequence)
+        num_epochs = helpers.get_num_epochs(
+            tokens_per_epoch, cfg.sequence_length, self.num_samples, cfg.add_extra_token_to_sequence
+        )
         separate, before_last = helpers.separate_last_epoch(
-            num_epochs, tokens_per_epoch, cfg.sequence_length, self.num_samples, cfg.add_extra_token_to_sequence)
+            num_epochs, tokens_per_epoch, cfg.sequence_length, self.num_samples, cfg.add_extra_token_to_sequence
+        )
         rng = np.random.RandomState(cfg.random_seed)
         document_index = helpers.build_document_index(self.indices, num_epochs, rng, separate)
-        sample_index = helpers.build_sample_index(lengths, document_index, cfg.sequence_length,
-                                                  self._drop_last_partial(), cfg.add_extra_token_to_sequence)
+        sample_index = helpers.build_sample_index(
+            lengths, document_index, cfg.sequence_length, self._drop_last_partial(), cfg.add_extra_token_to_sequence
+        )
         total = sample_index.shape[0] - 1
         shuffle_index = helpers.build_shuffle_index(before_last if separate else total, total, rng)
         return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
@@ -221,8 +242,13 @@ class GPTDataset(MegatronDataset):
         cfg = self.config
         reuse_causal = cfg.create_attention_mask and not cfg.reset_attention_mask
         mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens, self._eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss,
-            cfg.create_attention_mask and not (reuse_causal and self._causal_mask is not None))
+            tokens,
+            self._eod,
+            cfg.reset_position_ids,
+            cfg.reset_attention_mask,
+            cfg.eod_mask_loss,
+            cfg.create_attention_mask and not (reuse_causal and self._causal_mask is not None),
+        )
         if reuse_causal:
             # The plain causal mask is the same for every sample; build its s*s bools once.
             self._causal_mask = mask if self._causal_mask is None else self._causal_mask
@@ -236,13 +262,20 @@ class MockGPTLowLevelDataset:
     Document ``i`` has random tokens in ``[1, vocab_size)`` and ends with the eod token.
     """
 
-    def __init__(self, seed: int = 0, num_documents: int = 100_000, max_sequence_length: int = 4096,
-                 vocab_size: int = 256, eod: int = 0) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        num_documents: int = 100_000,
+        max_sequence_length: int = 4096,
+        vocab_size: int = 256,
+        eod: int = 0,
+    ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size={vocab_size}: mock data needs at least 2 token ids")
         self.seed, self.vocab_size, self.eod = seed, vocab_size, eod
-        self.sequence_lengths = np.random.RandomState(seed).randint(
-            1, max_sequence_length, size=num_documents).astype(np.int32)
+        self.sequence_lengths = (
+            np.random.RandomState(seed).randint(1, max_sequence_length, size=num_documents).astype(np.int32)
+        )
 
     def __len__(self) -> int:
         return int(self.sequence_lengths.shape[0])
@@ -256,7 +289,7 @@ class MockGPTLowLevelDataset:
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of document ``idx``."""
         doc = self[idx]
-        return doc[offset:] if length is None else doc[offset:offset + length]
+        return doc[offset:] if length is None else doc[offset : offset + length]
 
 
 class MockGPTDataset(GPTDataset):
@@ -267,5 +300,9 @@ class MockGPTDataset(GPTDataset):
         tokenizer = config.tokenizer
         vocab = getattr(tokenizer, "vocab_size", None) or 256
         eod = special_token(tokenizer, "eod")
-        return MockGPTLowLevelDataset(seed=config.random_seed, vocab_size=vocab, eod=0 if eod is None else eod,
-                                      max_sequence_length=max(2 * config.sequence_length, 8))
+        return MockGPTLowLevelDataset(
+            seed=config.random_seed,
+            vocab_size=vocab,
+            eod=0 if eod is None else eod,
+            max_sequence_length=max(2 * config.sequence_length, 8),
+        )

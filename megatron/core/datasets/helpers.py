@@ -22,8 +22,9 @@ def smallest_int_dtype(max_value: int) -> type:
     return np.int32 if max_value < np.iinfo(np.int32).max else np.int64
 
 
-def get_num_epochs(tokens_per_epoch: int, sequence_length: int, num_samples: Optional[int],
-                   add_extra_token: bool) -> int:
+def get_num_epochs(
+    tokens_per_epoch: int, sequence_length: int, num_samples: Optional[int], add_extra_token: bool
+) -> int:
     """Number of passes over the documents needed for ``num_samples`` samples.
 
     One sample consumes ``sequence_length`` tokens; the very last sample also needs the
@@ -37,8 +38,9 @@ def get_num_epochs(tokens_per_epoch: int, sequence_length: int, num_samples: Opt
     return max(1, -(-needed // tokens_per_epoch))
 
 
-def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, sequence_length: int,
-                        num_samples: Optional[int], add_extra_token: bool) -> Tuple[bool, int]:
+def separate_last_epoch(
+    num_epochs: int, tokens_per_epoch: int, sequence_length: int, num_samples: Optional[int], add_extra_token: bool
+) -> Tuple[bool, int]:
     """Whether the last epoch is shuffled on its own, and the samples in the epochs before it.
 
     Returns:
@@ -57,8 +59,9 @@ def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, sequence_length:
     return from_last < int(SEPARATE_LAST_EPOCH_FRACTION * per_epoch), before_last
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final_epoch: bool) -> np.ndarray:
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
     """Document ids repeated ``num_epochs`` times and shuffled.
 
     With ``separate_final_epoch`` the first ``num_epochs - 1`` epochs are shuffled together and
@@ -75,9 +78,13 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return np.concatenate((first, last))
 
 
-def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, sequence_length: int,
-                       drop_last_partial_sequence: bool = True,
-                       add_extra_token: bool = True) -> np.ndarray:
+def build_sample_index(
+    sequence_lengths: np.ndarray,
+    document_index: np.ndarray,
+    sequence_length: int,
+    drop_last_partial_sequence: bool = True,
+    add_extra_token: bool = True,
+) -> np.ndarray:
     """Start of every sample in the stream of documents listed by ``document_index``.
 
     Sample ``i`` starts at stream position ``i * sequence_length`` and spans
@@ -130,8 +137,9 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
-def _greedy_blend_python(weights: np.ndarray, size: int, dataset_index: np.ndarray,
-                         dataset_sample_index: np.ndarray) -> None:
+def _greedy_blend_python(
+    weights: np.ndarray, size: int, dataset_index: np.ndarray, dataset_sample_index: np.ndarray
+) -> None:
     """Fill the blending indices: each step serves the dataset furthest behind its share."""
     w = [float(x) for x in weights]
     counts = [0] * len(w)

@@ -144,9 +144,7 @@ class _Index:
         off += 8 * n
         self.document_indices = np.frombuffer(buf, dtype=np.int64, count=d, offset=off)
         off += 8 * d
-        self.sequence_modes = (
-            np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
-        )
+        self.sequence_modes = np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
 
     def _check_lengths_and_pointers(self) -> None:
         """Lengths >= 0 and ``pointer[i] = sum(length[j] * itemsize for j < i)``, in chunks."""
@@ -154,21 +152,23 @@ class _Index:
         itemsize = np.dtype(self.dtype).itemsize
         start = 0  # byte where the next sequence must begin
         for a in range(0, len(lengths), _CHECK_CHUNK):
-            lens = lengths[a:a + _CHECK_CHUNK].astype(np.int64)
+            lens = lengths[a : a + _CHECK_CHUNK].astype(np.int64)
             negative = np.flatnonzero(lens < 0)
             if negative.size:
                 i = a + int(negative[0])
-                raise ValueError(f"{self.path}: sequence {i} has length {int(lengths[i])} "
-                                 "(sequence lengths must be >= 0)")
+                raise ValueError(
+                    f"{self.path}: sequence {i} has length {int(lengths[i])} (sequence lengths must be >= 0)"
+                )
             ends = start + np.cumsum(lens * itemsize)
             starts = np.concatenate(([start], ends[:-1]))
-            bad = np.flatnonzero(pointers[a:a + len(lens)] != starts)
+            bad = np.flatnonzero(pointers[a : a + len(lens)] != starts)
             if bad.size:
                 i = a + int(bad[0])
                 raise ValueError(
                     f"{self.path}: sequence {i} has pointer {int(pointers[i])}, but the lengths before it "
                     f"place it at byte {int(starts[bad[0]])} (pointer[0] must be 0 and pointer[i+1] = "
-                    f"pointer[i] + length[i] x {itemsize} bytes of {np.dtype(self.dtype).name})")
+                    f"pointer[i] + length[i] x {itemsize} bytes of {np.dtype(self.dtype).name})"
+                )
             start = int(ends[-1])
 
     def _check_document_index(self, n: int) -> None:
@@ -178,16 +178,17 @@ class _Index:
             first = int(doc[0]) if len(doc) else None
             last = int(doc[-1]) if len(doc) else None
             raise ValueError(
-                f"{self.path}: document index must start at 0 and end at N={n} "
-                f"(found first={first}, last={last})"
+                f"{self.path}: document index must start at 0 and end at N={n} (found first={first}, last={last})"
             )
         for a in range(0, len(doc) - 1, _CHECK_CHUNK):
-            step = np.diff(doc[a:a + _CHECK_CHUNK + 1])
+            step = np.diff(doc[a : a + _CHECK_CHUNK + 1])
             bad = np.flatnonzero(step < 0)
             if bad.size:
                 k = a + int(bad[0]) + 1
-                raise ValueError(f"{self.path}: document index entry {k} is {int(doc[k])} after "
-                                 f"{int(doc[k - 1])} (entries must not decrease from 0 to N={n})")
+                raise ValueError(
+                    f"{self.path}: document index entry {k} is {int(doc[k])} after "
+                    f"{int(doc[k - 1])} (entries must not decrease from 0 to N={n})"
+                )
 
     def digest(self) -> str:
         """BLAKE2b of the header, lengths, document index and modes: the index's content identity.
@@ -292,8 +293,11 @@ class IndexedDataset:
         Everything the GPT indices depend on (lengths, documents, dtype) is covered, so it keys
         their cache; modification times are left out on purpose (a copy keeps its cache).
         """
-        return {"idx_bytes": os.path.getsize(get_idx_path(self.path_prefix)), "idx_digest": self.index.digest(),
-                "bin_bytes": os.path.getsize(get_bin_path(self.path_prefix))}
+        return {
+            "idx_bytes": os.path.getsize(get_idx_path(self.path_prefix)),
+            "idx_digest": self.index.digest(),
+            "bin_bytes": os.path.getsize(get_bin_path(self.path_prefix)),
+        }
 
     def token_range(self, chunk_tokens: int = _SCAN_CHUNK) -> Optional[Tuple[int, int]]:
         """Smallest and largest token id in the ``.bin`` (None when it holds no token).
@@ -470,8 +474,13 @@ class IndexedDatasetBuilder:
         self._data_file.close()
         if self.document_indices[-1] != len(self.sequence_lengths):
             self.end_document()  # sequences after the last end_document form one document
-        write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices,
-                    self.sequence_modes if self.multimodal else None)
+        write_index(
+            idx_path,
+            self.dtype,
+            self.sequence_lengths,
+            self.document_indices,
+            self.sequence_modes if self.multimodal else None,
+        )
 
 
 def temporary_prefix(path_prefix: str) -> str:

@@ -36,8 +36,15 @@ class MegatronDataset(abc.ABC, torch.utils.data.Dataset):
         config: the dataset configuration.
     """
 
-    def __init__(self, dataset: Any, dataset_path: Optional[str], indices: np.ndarray,
-                 num_samples: Optional[int], index_split: Split, config: BlendedMegatronDatasetConfig) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        dataset_path: Optional[str],
+        indices: np.ndarray,
+        num_samples: Optional[int],
+        index_split: Split,
+        config: BlendedMegatronDatasetConfig,
+    ) -> None:
         self.dataset = dataset
         self.dataset_path = dataset_path
         self.indices = np.asarray(indices)
@@ -48,9 +55,9 @@ class MegatronDataset(abc.ABC, torch.utils.data.Dataset):
         self.unique_description = json.dumps(self.unique_identifiers, indent=4, default=_json_default)
         self.unique_description_hash = description_hash(self.unique_description)
 
-    def _identifiers(self) -> "OrderedDict[str, Any]":
+    def _identifiers(self) -> OrderedDict[str, Any]:
         """Everything that determines this dataset's indices, in a stable order."""
-        ids: "OrderedDict[str, Any]" = OrderedDict()
+        ids: OrderedDict[str, Any] = OrderedDict()
         ids["class"] = type(self).__name__
         ids["dataset_path"] = self.dataset_path
         # The files' content identity: data re-preprocessed under the same prefix gets new indices.

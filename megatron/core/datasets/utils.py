@@ -54,12 +54,14 @@ def convert_split_vector_to_split_matrix(fractions: Sequence[float]) -> List[Opt
     return [None if b == e else (float(b), float(e)) for b, e in zip(bookends[:-1], bookends[1:])]
 
 
-def split_document_ranges(num_documents: int,
-                          split_matrix: Sequence[Optional[Tuple[float, float]]]) -> List[Optional[Tuple[int, int]]]:
+def split_document_ranges(
+    num_documents: int, split_matrix: Sequence[Optional[Tuple[float, float]]]
+) -> List[Optional[Tuple[int, int]]]:
     """Documents of each split: ``[round(b_k * N), round(b_{k+1} * N))``, or None."""
-    return [None if bookends is None else
-            (int(round(bookends[0] * num_documents)), int(round(bookends[1] * num_documents)))
-            for bookends in split_matrix]
+    return [
+        None if bookends is None else (int(round(bookends[0] * num_documents)), int(round(bookends[1] * num_documents)))
+        for bookends in split_matrix
+    ]
 
 
 def get_blend_from_list(blend: Optional[Sequence[str]]) -> Optional[Blend]:
@@ -88,8 +90,7 @@ def get_blend_from_list(blend: Optional[Sequence[str]]) -> Optional[Blend]:
     return prefixes, weights
 
 
-def get_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
-                    eval_iters: int) -> List[int]:
+def get_num_samples(train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int) -> List[int]:
     """Samples needed per split: [train, valid, test], as Megatron's training loop asks for."""
     train = train_iters * global_batch_size
     valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size
@@ -119,8 +120,13 @@ def _save_atomically(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def load_or_build_indices(cache_dir: Optional[str], stem: str, description: str, names: Sequence[str],
-                          build: Callable[[], Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+def load_or_build_indices(
+    cache_dir: Optional[str],
+    stem: str,
+    description: str,
+    names: Sequence[str],
+    build: Callable[[], Dict[str, np.ndarray]],
+) -> Dict[str, np.ndarray]:
     """Memory-map cached index arrays, or build them (and cache them on the builder rank).
 
     Files are ``{cache_dir}/{stem}-{name}.npy`` plus ``{stem}-description.txt``; ``stem`` must

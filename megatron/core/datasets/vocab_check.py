@@ -74,7 +74,7 @@ def _read_entry(path: str, identity: Dict[str, Any]) -> Optional[Dict[str, Any]]
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        warnings.warn(f"{path}: unreadable token range cache ({err}); computing it again")
+        warnings.warn(f"{path}: unreadable token range cache ({err}); computing it again", stacklevel=2)
         return None
     if not isinstance(entry, dict) or entry.get("format") != _CACHE_FORMAT or entry.get("identity") != identity:
         return None  # stale: the files changed since it was written
@@ -90,7 +90,9 @@ def _write_entry(path: str, entry: Dict[str, Any]) -> None:
             json.dump(entry, f, indent=1)
         os.replace(tmp, path)
     except OSError as err:
-        warnings.warn(f"{path}: cannot cache the token range ({err}); the .bin will be scanned again next run")
+        warnings.warn(
+            f"{path}: cannot cache the token range ({err}); the .bin will be scanned again next run", stacklevel=2
+        )
 
 
 def cached_token_range(dataset: IndexedDataset, cache_dir: Optional[str]) -> Optional[Tuple[int, int]]:
@@ -100,8 +102,12 @@ def cached_token_range(dataset: IndexedDataset, cache_dir: Optional[str]) -> Opt
     entry = _read_entry(path, identity) if path else None
     if entry is None:
         found = dataset.token_range()
-        entry = {"format": _CACHE_FORMAT, "identity": identity,
-                 "min": None if found is None else found[0], "max": None if found is None else found[1]}
+        entry = {
+            "format": _CACHE_FORMAT,
+            "identity": identity,
+            "min": None if found is None else found[0],
+            "max": None if found is None else found[1],
+        }
         if path:
             _write_entry(path, entry)
     return None if entry["max"] is None else (int(entry["min"]), int(entry["max"]))
@@ -140,18 +146,23 @@ def find_out_of_vocabulary(sources: Iterable[Source], vocab_size: int, vocab_ori
             continue
         low, high = found
         if high >= vocab_size:
-            problems.append(f"data prefix {dataset.path_prefix} holds token id {high} but the padded vocabulary"
-                            f"{origin} has {vocab_size} entries (ids 0..{vocab_size - 1})")
+            problems.append(
+                f"data prefix {dataset.path_prefix} holds token id {high} but the padded vocabulary"
+                f"{origin} has {vocab_size} entries (ids 0..{vocab_size - 1})"
+            )
         elif low < 0:
             problems.append(f"data prefix {dataset.path_prefix} holds the negative token id {low}")
     if not problems:
         return None
-    return ("; ".join(problems) + ". The data was probably preprocessed with another tokenizer: preprocess it "
-            "with this one, or train with the tokenizer it was made with.")
+    return (
+        "; ".join(problems) + ". The data was probably preprocessed with another tokenizer: preprocess it "
+        "with this one, or train with the tokenizer it was made with."
+    )
 
 
-def check_token_ids_in_vocabulary(datasets: Iterable[Any], vocab_size: int, vocab_origin: str = "",
-                                  group: Optional[Any] = None) -> None:
+def check_token_ids_in_vocabulary(
+    datasets: Iterable[Any], vocab_size: int, vocab_origin: str = "", group: Optional[Any] = None
+) -> None:
     """Raise ``TokenIdOutOfVocabularyError`` on every rank if a dataset holds an id outside the vocabulary.
 
     Args:
@@ -174,8 +185,10 @@ def check_token_ids_in_vocabulary(datasets: Iterable[Any], vocab_size: int, voca
     failure: Optional[BaseException] = None
     if dist.get_rank() == src:
         try:
-            verdict[0] = ("checked", find_out_of_vocabulary(collect_indexed_datasets(datasets), vocab_size,
-                                                            vocab_origin))
+            verdict[0] = (
+                "checked",
+                find_out_of_vocabulary(collect_indexed_datasets(datasets), vocab_size, vocab_origin),
+            )
         except Exception as err:  # every error must reach the other ranks, which are waiting below
             failure, verdict[0] = err, ("failed", f"{type(err).__name__}: {err}")
     dist.broadcast_object_list(verdict, src=src, group=group)

@@ -5,22 +5,58 @@ read it with torch.distributed.checkpoint, so a checkpoint written under one
 TP/PP/DP layout loads under any other.
 """
 
-from megatron.core.dist_checkpointing.mapping import (ShardedStateDict, ShardedTensor, sharded_tensor_for,
-                                                      tensor_parallel_geometry)
-from megatron.core.dist_checkpointing.serialization import (BACKEND_METADATA, METADATA_FILE, CheckpointingError,
-                                                            check_sharded_checkpoint, load, read_metadata, save,
-                                                            verify_checksums)
-from megatron.core.dist_checkpointing.state_dict import (OPTIMIZER_STATE_PREFIX, TIED_EMBEDDING_KEY,
-                                                         model_process_groups, model_sharded_state_dict,
-                                                         optimizer_sharded_state_dict, optimizer_state_key, param_names,
-                                                         sharded_state_dict, sharded_tensors_by_param_name,
-                                                         split_optimizer_state, unwrap_model)
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedStateDict,
+    ShardedTensor,
+    sharded_tensor_for,
+    tensor_parallel_geometry,
+)
+from megatron.core.dist_checkpointing.serialization import (
+    BACKEND_METADATA,
+    METADATA_FILE,
+    CheckpointingError,
+    check_sharded_checkpoint,
+    load,
+    read_metadata,
+    save,
+    verify_checksums,
+)
+from megatron.core.dist_checkpointing.state_dict import (
+    OPTIMIZER_STATE_PREFIX,
+    TIED_EMBEDDING_KEY,
+    model_process_groups,
+    model_sharded_state_dict,
+    optimizer_sharded_state_dict,
+    optimizer_state_key,
+    param_names,
+    sharded_state_dict,
+    sharded_tensors_by_param_name,
+    split_optimizer_state,
+    unwrap_model,
+)
 
 __all__ = [
-    "BACKEND_METADATA", "METADATA_FILE", "OPTIMIZER_STATE_PREFIX", "TIED_EMBEDDING_KEY", "CheckpointingError",
-    "ShardedStateDict", "ShardedTensor", "check_sharded_checkpoint", "load", "model_process_groups",
-    "model_sharded_state_dict", "optimizer_sharded_state_dict", "optimizer_state_key", "param_names",
-    "read_metadata", "save",
-    "sharded_state_dict", "sharded_tensor_for", "sharded_tensors_by_param_name", "split_optimizer_state",
-    "tensor_parallel_geometry", "unwrap_model", "verify_checksums",
+    "BACKEND_METADATA",
+    "METADATA_FILE",
+    "OPTIMIZER_STATE_PREFIX",
+    "TIED_EMBEDDING_KEY",
+    "CheckpointingError",
+    "ShardedStateDict",
+    "ShardedTensor",
+    "check_sharded_checkpoint",
+    "load",
+    "model_process_groups",
+    "model_sharded_state_dict",
+    "optimizer_sharded_state_dict",
+    "optimizer_state_key",
+    "param_names",
+    "read_metadata",
+    "save",
+    "sharded_state_dict",
+    "sharded_tensor_for",
+    "sharded_tensors_by_param_name",
+    "split_optimizer_state",
+    "tensor_parallel_geometry",
+    "unwrap_model",
+    "verify_checksums",
 ]

@@ -67,8 +67,9 @@ def _hash(checkpoint_dir: str, names: List[str]) -> Tuple[FileTable, Optional[st
     return table, None
 
 
-def gather_checksums(checkpoint_dir: str, skip: str,
-                     process_group: Optional[dist.ProcessGroup] = None) -> Tuple[Optional[FileTable], Optional[str]]:
+def gather_checksums(
+    checkpoint_dir: str, skip: str, process_group: Optional[dist.ProcessGroup] = None
+) -> Tuple[Optional[FileTable], Optional[str]]:
     """Collective, after every rank has written: (table, first error) on rank 0, (None, None) elsewhere."""
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     mine = [n for n in list_files(checkpoint_dir, skip) if _owner(n, world) == rank]
@@ -102,11 +103,18 @@ def check_table(recorded: object, where: str) -> Mapping[str, Mapping]:
     """The ``files`` table of a recorded ``checksums`` entry, after checking its shape."""
     files = recorded.get("files") if isinstance(recorded, Mapping) else None
     algorithm = recorded.get("algorithm") if isinstance(recorded, Mapping) else None
-    if algorithm != ALGORITHM or not isinstance(files, Mapping) or not all(
+    if (
+        algorithm != ALGORITHM
+        or not isinstance(files, Mapping)
+        or not all(
             isinstance(e, Mapping) and isinstance(e.get("bytes"), int) and isinstance(e.get(ALGORITHM), str)
-            for e in files.values()):
-        raise CheckpointingError(f"{where}: 'checksums' is not a {ALGORITHM} table of files "
-                                 f"({{'algorithm': {ALGORITHM!r}, 'files': {{name: {{'bytes', {ALGORITHM!r}}}}}}})")
+            for e in files.values()
+        )
+    ):
+        raise CheckpointingError(
+            f"{where}: 'checksums' is not a {ALGORITHM} table of files "
+            f"({{'algorithm': {ALGORITHM!r}, 'files': {{name: {{'bytes', {ALGORITHM!r}}}}}}})"
+        )
     return files
 
 
@@ -118,10 +126,14 @@ def verify_files(checkpoint_dir: str, files: Mapping[str, Mapping], names: List[
             raise CheckpointingError(f"checkpoint file missing: {path} (listed in {where})")
         size = os.path.getsize(path)
         if size != entry["bytes"]:
-            raise CheckpointingError(f"checkpoint file corrupt: {path} has {size} bytes, {where} records "
-                                     f"{entry['bytes']} (truncated or partly copied?)")
+            raise CheckpointingError(
+                f"checkpoint file corrupt: {path} has {size} bytes, {where} records "
+                f"{entry['bytes']} (truncated or partly copied?)"
+            )
         actual = file_digest(path)
         if actual != entry[ALGORITHM]:
-            raise CheckpointingError(f"checkpoint file corrupt: {path}: {ALGORITHM} {actual} differs from "
-                                     f"{entry[ALGORITHM]} recorded in {where} (flipped bits or a damaged copy); "
-                                     "--no-verify-checkpoint loads it anyway")
+            raise CheckpointingError(
+                f"checkpoint file corrupt: {path}: {ALGORITHM} {actual} differs from "
+                f"{entry[ALGORITHM]} recorded in {where} (flipped bits or a damaged copy); "
+                "--no-verify-checkpoint loads it anyway"
+            )

@@ -44,12 +44,16 @@ class ShardedTensor:
         self.global_offset = tuple(int(o) for o in self.global_offset)
         local = tuple(self.data.shape)
         if not (len(local) == len(self.global_shape) == len(self.global_offset)):
-            raise ValueError(f"ShardedTensor {self.key!r}: local shape {local}, global shape {self.global_shape} "
-                             f"and offset {self.global_offset} must have the same number of dimensions")
+            raise ValueError(
+                f"ShardedTensor {self.key!r}: local shape {local}, global shape {self.global_shape} "
+                f"and offset {self.global_offset} must have the same number of dimensions"
+            )
         for dim, (size, full, start) in enumerate(zip(local, self.global_shape, self.global_offset)):
             if start < 0 or start + size > full:
-                raise ValueError(f"ShardedTensor {self.key!r}: dim {dim} covers [{start}, {start + size}) "
-                                 f"outside the global size {full}")
+                raise ValueError(
+                    f"ShardedTensor {self.key!r}: dim {dim} covers [{start}, {start + size}) "
+                    f"outside the global size {full}"
+                )
         if self.replica_id < 0:
             raise ValueError(f"ShardedTensor {self.key!r}: replica_id={self.replica_id} must be >= 0")
 
@@ -57,23 +61,25 @@ class ShardedTensor:
     def local_shape(self) -> Tuple[int, ...]:
         return tuple(self.data.shape)
 
-    def with_data(self, key: str, data: torch.Tensor) -> "ShardedTensor":
+    def with_data(self, key: str, data: torch.Tensor) -> ShardedTensor:
         """Same geometry for another tensor of the same numel (optimizer state of a parameter).
 
         ``data`` is viewed to the local shape, so filling the result fills ``data``.
         """
         if data.numel() != self.data.numel():
-            raise ValueError(f"{key!r}: tensor with {data.numel()} elements cannot take the geometry of "
-                             f"{self.key!r} (local shape {self.local_shape})")
-        return ShardedTensor(key, data.view(self.local_shape), self.global_shape, self.global_offset,
-                             self.replica_id)
+            raise ValueError(
+                f"{key!r}: tensor with {data.numel()} elements cannot take the geometry of "
+                f"{self.key!r} (local shape {self.local_shape})"
+            )
+        return ShardedTensor(key, data.view(self.local_shape), self.global_shape, self.global_offset, self.replica_id)
 
 
 ShardedStateDict = Dict[str, ShardedTensor]
 
 
-def tensor_parallel_geometry(local_shape: Tuple[int, ...], partition_dim: int, stride: int, tp_rank: int,
-                             tp_size: int) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+def tensor_parallel_geometry(
+    local_shape: Tuple[int, ...], partition_dim: int, stride: int, tp_rank: int, tp_size: int
+) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
     """(view shape, global shape, global offset) of a TP shard.
 
     With stride 1, shard ``r`` is the ``r``-th contiguous block of ``partition_dim``.
@@ -85,12 +91,12 @@ def tensor_parallel_geometry(local_shape: Tuple[int, ...], partition_dim: int, s
     d = partition_dim % len(local_shape)
     if stride == 1:
         view = tuple(local_shape)
-        full = view[:d] + (view[d] * tp_size,) + view[d + 1:]
+        full = view[:d] + (view[d] * tp_size,) + view[d + 1 :]
         offset = tuple(tp_rank * view[d] if i == d else 0 for i in range(len(view)))
         return view, full, offset
     m = divide(local_shape[d], stride)
-    view = tuple(local_shape[:d]) + (stride, m) + tuple(local_shape[d + 1:])
-    full = view[:d] + (stride, m * tp_size) + view[d + 2:]
+    view = tuple(local_shape[:d]) + (stride, m) + tuple(local_shape[d + 1 :])
+    full = view[:d] + (stride, m * tp_size) + view[d + 2 :]
     offset = tuple(tp_rank * m if i == d + 1 else 0 for i in range(len(view)))
     return view, full, offset
 
@@ -102,8 +108,9 @@ def sharded_tensor_for(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: in
     TP rank 0 of them is written, on top of the data-parallel ``replica_id``.
     """
     if getattr(tensor, "tensor_model_parallel", False):
-        view, full, offset = tensor_parallel_geometry(tuple(tensor.shape), tensor.partition_dim,
-                                                      getattr(tensor, "partition_stride", 1), tp_rank, tp_size)
+        view, full, offset = tensor_parallel_geometry(
+            tuple(tensor.shape), tensor.partition_dim, getattr(tensor, "partition_stride", 1), tp_rank, tp_size
+        )
         return ShardedTensor(key, tensor.detach().view(view), full, offset, replica_id)
     shape = tuple(tensor.shape)
     return ShardedTensor(key, tensor.detach(), shape, (0,) * len(shape), tp_rank + tp_size * replica_id)

@@ -21,8 +21,13 @@ def encode(value: Any, path: str = "$") -> Any:
         return value
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu()
-        return {_TENSOR: {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
-                          "data": t.reshape(-1).tolist()}}
+        return {
+            _TENSOR: {
+                "dtype": str(t.dtype).replace("torch.", ""),
+                "shape": list(t.shape),
+                "data": t.reshape(-1).tolist(),
+            }
+        }
     if isinstance(value, tuple):
         return {_TUPLE: [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):

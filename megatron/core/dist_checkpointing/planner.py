@@ -13,10 +13,14 @@ from typing import Dict, List
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
@@ -31,8 +35,11 @@ def write_item(spec: ShardedTensor) -> WriteItem:
     return WriteItem(
         index=MetadataIndex(spec.key, torch.Size(spec.global_offset)),
         type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=_chunk(spec), properties=TensorProperties.create_from_tensor(spec.data),
-                                    size=torch.Size(spec.global_shape)),
+        tensor_data=TensorWriteData(
+            chunk=_chunk(spec),
+            properties=TensorProperties.create_from_tensor(spec.data),
+            size=torch.Size(spec.global_shape),
+        ),
     )
 
 
@@ -68,8 +75,9 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._pieces: Dict[str, ShardedTensor] = {}
 
-    def set_up_planner(self, state_dict: ShardedStateDict, metadata: Metadata = None,
-                       is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: ShardedStateDict, metadata: Metadata = None, is_coordinator: bool = False
+    ) -> None:
         self._pieces = dict(state_dict)
         self.state_dict = state_dict
         self.metadata = metadata

@@ -24,29 +24,42 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 
 METADATA_NAME = ".metadata"
 _MAX_METADATA_BYTES = 1 << 30  # a real .metadata is KBs to MBs; refuse to slurp a huge file into memory
 
-_DCP_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+_DCP_CLASSES = (
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+)
 
 
 def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     """(module, name) -> object for everything a DCP metadata pickle may reference."""
     allowed: Dict[Tuple[str, str], Any] = {
         (dcp_metadata.__name__, name): getattr(dcp_metadata, name)
-        for name in _DCP_CLASSES if hasattr(dcp_metadata, name)
+        for name in _DCP_CLASSES
+        if hasattr(dcp_metadata, name)
     }
     allowed[(_StorageInfo.__module__, "_StorageInfo")] = _StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = _get_layout
-    for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath,
-                pathlib.Path):
+    for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path):
         allowed[("pathlib", cls.__name__)] = cls
     return allowed
 

@@ -80,8 +80,7 @@ def _check_values(sharded_sd: ShardedStateDict) -> None:
             raise ValueError(f"sharded state dict entry {key!r} holds a ShardedTensor with key {value.key!r}")
 
 
-def save(sharded_sd: ShardedStateDict, checkpoint_dir: str,
-         process_group: Optional[dist.ProcessGroup] = None) -> None:
+def save(sharded_sd: ShardedStateDict, checkpoint_dir: str, process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Write ``sharded_sd`` (each rank its own pieces) into ``checkpoint_dir``; ``metadata.json`` last."""
     _check_values(sharded_sd)
     rank = dist.get_rank(process_group)
@@ -91,8 +90,12 @@ def save(sharded_sd: ShardedStateDict, checkpoint_dir: str,
         if os.path.exists(os.path.join(checkpoint_dir, METADATA_FILE)):
             os.remove(os.path.join(checkpoint_dir, METADATA_FILE))
     dist.barrier(group=process_group)
-    dcp.save(sharded_sd, storage_writer=FileSystemWriter(checkpoint_dir), planner=ShardedSavePlanner(),
-             process_group=process_group)
+    dcp.save(
+        sharded_sd,
+        storage_writer=FileSystemWriter(checkpoint_dir),
+        planner=ShardedSavePlanner(),
+        process_group=process_group,
+    )
     dist.barrier(group=process_group)
     table, error = checksums.gather_checksums(checkpoint_dir, METADATA_FILE, process_group)
     if rank == 0 and error is None:
@@ -107,11 +110,15 @@ def check_sharded_checkpoint(checkpoint_dir: str) -> None:
     """Raise CheckpointingError unless ``checkpoint_dir`` is a complete torch_dist checkpoint."""
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointingError(f"checkpoint directory not found: {checkpoint_dir}")
-    info = read_json(os.path.join(checkpoint_dir, METADATA_FILE), "sharded checkpoint metadata "
-                     "(missing: the checkpoint is incomplete or not a torch_dist checkpoint)")
+    info = read_json(
+        os.path.join(checkpoint_dir, METADATA_FILE),
+        "sharded checkpoint metadata (missing: the checkpoint is incomplete or not a torch_dist checkpoint)",
+    )
     if info.get("sharded_backend") != "torch_dist":
-        raise CheckpointingError(f"{os.path.join(checkpoint_dir, METADATA_FILE)}: sharded_backend "
-                                 f"{info.get('sharded_backend')!r} is not supported (expected 'torch_dist')")
+        raise CheckpointingError(
+            f"{os.path.join(checkpoint_dir, METADATA_FILE)}: sharded_backend "
+            f"{info.get('sharded_backend')!r} is not supported (expected 'torch_dist')"
+        )
 
 
 def read_metadata(checkpoint_dir: str) -> Metadata:
@@ -126,8 +133,9 @@ def read_metadata(checkpoint_dir: str) -> Metadata:
         if not os.path.isfile(path):
             raise CheckpointingError(f"checkpoint data file missing: {path}")
         if os.path.getsize(path) < end:
-            raise CheckpointingError(f"checkpoint data file truncated: {path} has {os.path.getsize(path)} bytes, "
-                                     f"the metadata needs {end}")
+            raise CheckpointingError(
+                f"checkpoint data file truncated: {path} has {os.path.getsize(path)} bytes, the metadata needs {end}"
+            )
     return metadata
 
 
@@ -141,12 +149,15 @@ def check_against_metadata(sharded_sd: ShardedStateDict, metadata: Metadata, che
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointingError(f"key {key!r} in {checkpoint_dir} is not a tensor")
         if tuple(md.size) != spec.global_shape:
-            raise CheckpointingError(f"shape mismatch for key {key!r}: checkpoint {checkpoint_dir} has "
-                                     f"{tuple(md.size)}, the model expects {spec.global_shape}")
+            raise CheckpointingError(
+                f"shape mismatch for key {key!r}: checkpoint {checkpoint_dir} has "
+                f"{tuple(md.size)}, the model expects {spec.global_shape}"
+            )
 
 
-def load(sharded_sd: ShardedStateDict, checkpoint_dir: str,
-         process_group: Optional[dist.ProcessGroup] = None) -> ShardedStateDict:
+def load(
+    sharded_sd: ShardedStateDict, checkpoint_dir: str, process_group: Optional[dist.ProcessGroup] = None
+) -> ShardedStateDict:
     """Fill every ShardedTensor's ``data`` in place from ``checkpoint_dir``; returns ``sharded_sd``.
 
     Raises:
@@ -161,8 +172,12 @@ def load(sharded_sd: ShardedStateDict, checkpoint_dir: str,
         error = str(e)
     agree_on_error(error, process_group)
     try:
-        dcp.load(sharded_sd, storage_reader=SafeFileSystemReader(checkpoint_dir),
-                 planner=ShardedLoadPlanner(), process_group=process_group)
+        dcp.load(
+            sharded_sd,
+            storage_reader=SafeFileSystemReader(checkpoint_dir),
+            planner=ShardedLoadPlanner(),
+            process_group=process_group,
+        )
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank; name the checkpoint
         raise CheckpointingError(f"failed to read checkpoint {checkpoint_dir}: {e}") from e
     return sharded_sd

@@ -31,8 +31,9 @@ def unwrap_model(model_chunk: torch.nn.Module) -> torch.nn.Module:
     return model_chunk
 
 
-def model_process_groups(model: torch.nn.Module,
-                         pg_collection: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
+def model_process_groups(
+    model: torch.nn.Module, pg_collection: Optional[ProcessGroupCollection]
+) -> ProcessGroupCollection:
     """The explicit collection, else the one the model was built with, else the default (raises if none)."""
     return resolve_process_groups(pg_collection or getattr(model, "pg_collection", None))
 
@@ -62,12 +63,13 @@ def _expert_prefixes(model: torch.nn.Module) -> Dict[str, str]:
 def _global_name(name: str, prefixes: Mapping[str, str]) -> str:
     for local, global_ in prefixes.items():
         if name.startswith(local):
-            return global_ + name[len(local):]
+            return global_ + name[len(local) :]
     return name
 
 
-def _entries(model_chunk: torch.nn.Module, prefix: str,
-             groups: ProcessGroupCollection) -> List[Tuple[torch.Tensor, ShardedTensor]]:
+def _entries(
+    model_chunk: torch.nn.Module, prefix: str, groups: ProcessGroupCollection
+) -> List[Tuple[torch.Tensor, ShardedTensor]]:
     """(original tensor, its ShardedTensor) for every parameter and persistent buffer."""
     model = unwrap_model(model_chunk)
     prefixes, experts = _layer_prefixes(model), _expert_prefixes(model)
@@ -78,8 +80,9 @@ def _entries(model_chunk: torch.nn.Module, prefix: str,
             continue
         if is_expert_param(tensor):
             key = prefix + _global_name(_global_name(name, experts), prefixes)
-            spec = sharded_tensor_for(key, tensor, groups.rank_in("expt_tp"), groups.size_of("expt_tp"),
-                                      groups.rank_in("expt_dp"))
+            spec = sharded_tensor_for(
+                key, tensor, groups.rank_in("expt_tp"), groups.size_of("expt_tp"), groups.rank_in("expt_dp")
+            )
         elif getattr(tensor, "shared_embedding", False):
             spec = sharded_tensor_for(prefix + TIED_EMBEDDING_KEY, tensor, tp_rank, tp_size, dp_rank)
             spec.replica_id = 1 + spec.replica_id  # read from the first stage's key, never written here
@@ -89,8 +92,9 @@ def _entries(model_chunk: torch.nn.Module, prefix: str,
     return entries
 
 
-def sharded_state_dict(model_chunk: torch.nn.Module, prefix: str = "",
-                       pg_collection: Optional[ProcessGroupCollection] = None) -> ShardedStateDict:
+def sharded_state_dict(
+    model_chunk: torch.nn.Module, prefix: str = "", pg_collection: Optional[ProcessGroupCollection] = None
+) -> ShardedStateDict:
     """Every parameter and persistent buffer of ``model_chunk`` as a ShardedTensor, by global key.
 
     The ShardedTensors view the parameters' storage: loading into this dict loads the model.
@@ -104,8 +108,9 @@ def sharded_state_dict(model_chunk: torch.nn.Module, prefix: str = "",
     return out
 
 
-def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], prefix: str = "",
-                             pg_collection: Optional[ProcessGroupCollection] = None) -> ShardedStateDict:
+def model_sharded_state_dict(
+    model_chunks: Sequence[torch.nn.Module], prefix: str = "", pg_collection: Optional[ProcessGroupCollection] = None
+) -> ShardedStateDict:
     """The union over the chunks of one rank (virtual pipeline stages); keys must not repeat."""
     out: ShardedStateDict = {}
     for chunk in model_chunks:
@@ -126,9 +131,9 @@ def param_names(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[str, torc
     return named
 
 
-def sharded_tensors_by_param_name(model_chunks: Sequence[torch.nn.Module],
-                                  pg_collection: Optional[ProcessGroupCollection] = None
-                                  ) -> Dict[str, ShardedTensor]:
+def sharded_tensors_by_param_name(
+    model_chunks: Sequence[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection] = None
+) -> Dict[str, ShardedTensor]:
     """Parameter name (see ``param_names``) -> the parameter's ShardedTensor."""
     by_id: Dict[int, ShardedTensor] = {}
     for chunk in model_chunks:
@@ -142,8 +147,9 @@ def optimizer_state_key(param_key: str, state_name: str) -> str:
     return f"{OPTIMIZER_STATE_PREFIX}{param_key}.{state_name}"
 
 
-def split_optimizer_state(state: Mapping[str, object], param_names: Iterable[str]
-                          ) -> Tuple[Dict[str, Dict[str, torch.Tensor]], Dict[str, object]]:
+def split_optimizer_state(
+    state: Mapping[str, object], param_names: Iterable[str]
+) -> Tuple[Dict[str, Dict[str, torch.Tensor]], Dict[str, object]]:
     """Split ``state_dict_by_param_name`` output into (per-parameter tensors, everything else)."""
     names = set(param_names)
     per_param = {k: dict(v) for k, v in state.items() if k in names}
@@ -151,8 +157,9 @@ def split_optimizer_state(state: Mapping[str, object], param_names: Iterable[str
     return per_param, scalars
 
 
-def optimizer_sharded_state_dict(per_param: Mapping[str, Mapping[str, torch.Tensor]],
-                                 param_specs: Mapping[str, ShardedTensor]) -> ShardedStateDict:
+def optimizer_sharded_state_dict(
+    per_param: Mapping[str, Mapping[str, torch.Tensor]], param_specs: Mapping[str, ShardedTensor]
+) -> ShardedStateDict:
     """Shard each per-parameter optimizer tensor exactly like its parameter."""
     out: ShardedStateDict = {}
     for name, states in per_param.items():

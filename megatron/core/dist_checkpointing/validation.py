@@ -78,12 +78,17 @@ def parse_strictness(value: str) -> StrictHandling:
     try:
         return StrictHandling(value)
     except ValueError:
-        raise ValueError(f"--dist-ckpt-strictness {value!r}: must be one of "
-                         f"{', '.join(s.value for s in StrictHandling)}") from None
+        raise ValueError(
+            f"--dist-ckpt-strictness {value!r}: must be one of {', '.join(s.value for s in StrictHandling)}"
+        ) from None
 
 
-def find_mismatches(requested: Iterable[str], saved: Iterable[str], not_read_prefixes: Sequence[str] = (),
-                    process_group: Optional[dist.ProcessGroup] = None) -> KeyMismatch:
+def find_mismatches(
+    requested: Iterable[str],
+    saved: Iterable[str],
+    not_read_prefixes: Sequence[str] = (),
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> KeyMismatch:
     """Collective over ``process_group``: compare this rank's keys with the checkpoint's."""
     saved_keys = sorted(saved)
     index = {key: i for i, key in enumerate(saved_keys)}
@@ -112,8 +117,10 @@ def _unexpected_error(keys: List[str], strict: StrictHandling, where: str) -> Op
         return None
     message = f"{len(keys)} tensor(s) of this model are not in the checkpoint {where}: {_shown(keys)}"
     if strict in _RAISE_ON_UNEXPECTED:
-        return (message + f" (--dist-ckpt-strictness {strict.value}; log_unexpected loads the others and keeps "
-                "these at their initial values)")
+        return (
+            message + f" (--dist-ckpt-strictness {strict.value}; log_unexpected loads the others and keeps "
+            "these at their initial values)"
+        )
     if strict is not StrictHandling.IGNORE_ALL:
         logger.warning("%s; they keep their initial values (--dist-ckpt-strictness %s)", message, strict.value)
     return None
@@ -127,7 +134,8 @@ def _handle_missing(keys: List[str], strict: StrictHandling, where: str) -> None
         raise CheckpointingError(
             f"{message}: {_shown(keys)}; the checkpoint holds another architecture (e.g. a learned position table "
             f"under --position-embedding-type rope). --dist-ckpt-strictness {strict.value} refuses this; "
-            "raise_unexpected or log_all loads it anyway")
+            "raise_unexpected or log_all loads it anyway"
+        )
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
     if strict in _WARN_ON_MISSING and first_rank:
         logger.warning("%s, not loaded: %s (--dist-ckpt-strictness %s)", message, _shown(keys), strict.value)
@@ -135,9 +143,14 @@ def _handle_missing(keys: List[str], strict: StrictHandling, where: str) -> None
         logger.info("%s, not loaded (--dist-ckpt-strictness %s)", message, strict.value)
 
 
-def apply_strictness(sharded_sd: ShardedStateDict, saved: Iterable[str], strict: StrictHandling, where: str,
-                     not_read_prefixes: Sequence[str] = (),
-                     process_group: Optional[dist.ProcessGroup] = None) -> Tuple[ShardedStateDict, KeyMismatch]:
+def apply_strictness(
+    sharded_sd: ShardedStateDict,
+    saved: Iterable[str],
+    strict: StrictHandling,
+    where: str,
+    not_read_prefixes: Sequence[str] = (),
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> Tuple[ShardedStateDict, KeyMismatch]:
     """Collective: raise, log or drop mismatched keys as ``strict`` says; returns what is left to load.
 
     Every rank raises together: unused keys are found over all ranks, absent ones are agreed.

@@ -74,6 +74,7 @@ def _first_line(err: BaseException) -> str:
     """The most telling error of the chain: an OSError, else the first that is not DCP's wrapper."""
     chain = list(exception_chain(err))
     shown = next((e for e in chain if isinstance(e, OSError)), None) or next(
-        (e for e in chain if not isinstance(e, CheckpointException)), err)
+        (e for e in chain if not isinstance(e, CheckpointException)), err
+    )
     text = str(shown).strip()
     return f"{type(shown).__name__}: {text.splitlines()[0] if text else ''}"

@@ -67,8 +67,14 @@ class DistributedDataParallel(torch.nn.Module):
 
     is_ddp_wrapper = True
 
-    def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
-                 disable_bucketing: bool = False, pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        disable_bucketing: bool = False,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
         super().__init__()
         self.config, self.ddp_config, self.module = config, ddp_config, module
         self.pg_collection = resolve_process_groups(pg_collection)
@@ -77,15 +83,18 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size = None if disable_bucketing else _default_bucket_size(ddp_config, self.dp_size)
         self.bucket_size = bucket_size
         # Pre-scale by 1/dp unless the loss is a token sum or the division happens after the sum.
-        self.pre_scale = 1.0 if config.calculate_per_token_loss or ddp_config.average_in_collective \
-            else 1.0 / self.dp_size
-        self.post_scale = 1.0 / self.dp_size if ddp_config.average_in_collective \
-            and not config.calculate_per_token_loss else 1.0
+        self.pre_scale = (
+            1.0 if config.calculate_per_token_loss or ddp_config.average_in_collective else 1.0 / self.dp_size
+        )
+        self.post_scale = (
+            1.0 / self.dp_size if ddp_config.average_in_collective and not config.calculate_per_token_loss else 1.0
+        )
         self.buffers = self._build_buffers(bucket_size)
         self._buffer_of: Dict[int, ParamAndGradBuffer] = {id(p): b for b in self.buffers for p in b.params}
         self.is_last_microbatch = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook)
-                       for b in self.buffers for p in b.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._accumulate_hook) for b in self.buffers for p in b.params
+        ]
         if ddp_config.use_distributed_optimizer:
             self._hooks += self._register_param_gather_waits()
 
@@ -100,10 +109,17 @@ class DistributedDataParallel(torch.nn.Module):
         buffers = []
         for (expert, _, grad_dtype), group in sorted(by_kind.items(), key=lambda item: item[0][0]):
             own = {i for i, p in enumerate(group) if id(p) in shared}
-            buffers.append(ParamAndGradBuffer(group, grad_dtype, bucket_size,
-                                              self.pg_collection.expt_dp if expert else self.dp_group,
-                                              with_param_data=self.ddp_config.use_distributed_optimizer,
-                                              own_bucket=own, is_expert=expert))
+            buffers.append(
+                ParamAndGradBuffer(
+                    group,
+                    grad_dtype,
+                    bucket_size,
+                    self.pg_collection.expt_dp if expert else self.dp_group,
+                    with_param_data=self.ddp_config.use_distributed_optimizer,
+                    own_bucket=own,
+                    is_expert=expert,
+                )
+            )
         return buffers
 
     def _register_param_gather_waits(self) -> List[Any]:
@@ -174,7 +190,8 @@ class DistributedDataParallel(torch.nn.Module):
         if torch.isnan(norm):
             raise NonFiniteGradientError(
                 f"rank {dist.get_rank()}: found NaN in the local gradient norm of bucket {bucket.index} "
-                "before the data-parallel reduction (check_for_nan_in_grad)")
+                "before the data-parallel reduction (check_for_nan_in_grad)"
+            )
 
     def _start_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket, async_op: bool) -> None:
         if self.ddp_config.check_for_nan_in_grad:
@@ -186,8 +203,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         if self.ddp_config.use_distributed_optimizer:
             shard = bucket.shard(bucket.grad_data, buffer.dp_rank, buffer.dp_size)
-            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=buffer.dp_group,
-                                                  async_op=async_op)
+            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=buffer.dp_group, async_op=async_op)
         else:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=buffer.dp_group, async_op=async_op)
 

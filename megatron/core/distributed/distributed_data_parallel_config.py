@@ -39,8 +39,10 @@ class DistributedDataParallelConfig:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlap_param_gather=True requires use_distributed_optimizer=True")
         if self.num_distributed_optimizer_instances != 1:
-            raise ValueError(f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
-                             "not supported yet (only 1)")
+            raise ValueError(
+                f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
+                "not supported yet (only 1)"
+            )
         if self.fp8_param_gather:
             raise ValueError("fp8_param_gather=True: not supported yet")
         if self.use_custom_fsdp or self.data_parallel_sharding_strategy != "no_shard":

@@ -45,7 +45,9 @@ def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], t
     if dist.get_world_size(tp_group) == 1:
         return
     grads: List[torch.Tensor] = [
-        _grad_of(p) for chunk in model_chunks for p in chunk.parameters()
+        _grad_of(p)
+        for chunk in model_chunks
+        for p in chunk.parameters()
         if p.requires_grad and getattr(p, "sequence_parallel", False) and _grad_of(p) is not None
     ]
     if not grads:
@@ -89,8 +91,11 @@ def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection)
     return num_tokens
 
 
-def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
-                         pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+def finalize_model_grads(
+    model_chunks: Sequence[torch.nn.Module],
+    num_tokens: Optional[torch.Tensor] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+) -> None:
     """All reductions a step needs after backward (see the module docstring).
 
     Raises:
@@ -101,8 +106,10 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], num_tokens: Op
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()
         elif groups.size_of("dp_cp") > 1:
-            raise ValueError("finalize_model_grads: data-parallel size "
-                             f"{groups.size_of('dp_cp')} needs DistributedDataParallel-wrapped model chunks")
+            raise ValueError(
+                "finalize_model_grads: data-parallel size "
+                f"{groups.size_of('dp_cp')} needs DistributedDataParallel-wrapped model chunks"
+            )
     allreduce_sequence_parallel_grads(model_chunks, groups.tp)
     allreduce_embedding_grads(model_chunks, groups)
     if num_tokens is not None:

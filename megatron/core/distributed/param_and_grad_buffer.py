@@ -28,8 +28,9 @@ class BucketPlan:
     end: int
 
 
-def plan_buckets(numels: Sequence[int], bucket_size: Optional[int], pad_to: int,
-                 own_bucket: Set[int] = frozenset()) -> Tuple[List[Tuple[int, int]], List[BucketPlan]]:
+def plan_buckets(
+    numels: Sequence[int], bucket_size: Optional[int], pad_to: int, own_bucket: Set[int] = frozenset()
+) -> Tuple[List[Tuple[int, int]], List[BucketPlan]]:
     """Place parameters (in the given order) into buckets.
 
     Args:
@@ -92,7 +93,7 @@ class Bucket:
     def shard(self, tensor: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
         """DP rank ``dp_rank``'s equal slice of ``tensor`` (grad_data or param_data)."""
         size = tensor.numel() // dp_size
-        return tensor[dp_rank * size:(dp_rank + 1) * size]
+        return tensor[dp_rank * size : (dp_rank + 1) * size]
 
 
 class ParamAndGradBuffer:
@@ -105,9 +106,16 @@ class ParamAndGradBuffer:
     expert buffer (``is_expert``).
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype, bucket_size: Optional[int],
-                 dp_group: dist.ProcessGroup, with_param_data: bool, own_bucket: Set[int] = frozenset(),
-                 is_expert: bool = False) -> None:
+    def __init__(
+        self,
+        params: List[torch.nn.Parameter],
+        grad_dtype: torch.dtype,
+        bucket_size: Optional[int],
+        dp_group: dist.ProcessGroup,
+        with_param_data: bool,
+        own_bucket: Set[int] = frozenset(),
+        is_expert: bool = False,
+    ) -> None:
         self.params = params
         self.is_expert = is_expert
         self.grad_dtype = grad_dtype
@@ -130,10 +138,13 @@ class ParamAndGradBuffer:
                 param.data = view
             param.main_grad = self.grad_data[start:end].view(param.shape)
         self.buckets = [
-            Bucket(index=i, params=[params[j] for j in plan.param_indices],
-                   grad_data=self.grad_data[plan.start:plan.end],
-                   param_data=None if self.param_data is None else self.param_data[plan.start:plan.end],
-                   offset=plan.start)
+            Bucket(
+                index=i,
+                params=[params[j] for j in plan.param_indices],
+                grad_data=self.grad_data[plan.start : plan.end],
+                param_data=None if self.param_data is None else self.param_data[plan.start : plan.end],
+                offset=plan.start,
+            )
             for i, plan in enumerate(plans)
         ]
         self.bucket_of: Dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}

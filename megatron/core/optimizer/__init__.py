@@ -12,16 +12,28 @@ import torch
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from megatron.core.optimizer.optimizer import (FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer,
-                                               unwrap_model)
+from megatron.core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    unwrap_model,
+)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
 
-__all__ = ["OptimizerConfig", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
-           "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler", "get_megatron_optimizer",
-           "get_param_groups"]
+__all__ = [
+    "OptimizerConfig",
+    "MegatronOptimizer",
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "DistributedOptimizer",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "get_megatron_optimizer",
+    "get_param_groups",
+]
 
 
 def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -42,9 +54,13 @@ def _embedding_or_output_params(chunk: torch.nn.Module) -> set:
     return ids
 
 
-def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerConfig,
-                     no_weight_decay_cond: Optional[ParamCond] = None, scale_lr_cond: Optional[ParamCond] = None,
-                     lr_mult: float = 1.0) -> List[Dict[str, Any]]:
+def get_param_groups(
+    model_chunks: Sequence[torch.nn.Module],
+    config: OptimizerConfig,
+    no_weight_decay_cond: Optional[ParamCond] = None,
+    scale_lr_cond: Optional[ParamCond] = None,
+    lr_mult: float = 1.0,
+) -> List[Dict[str, Any]]:
     """Group trainable params by (wd_mult, lr_mult, is_decoupled_lr), with the scheduler's keys.
 
     Each group carries ``wd_mult``, ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``,
@@ -68,10 +84,19 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
     for (wd_mult, group_lr_mult, decoupled), params in buckets.items():
         max_lr = config.decoupled_lr if decoupled else config.lr
         min_lr = config.decoupled_min_lr if decoupled and config.decoupled_min_lr is not None else config.min_lr
-        groups.append({"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
-                       "is_expert_parallel": False, "is_decoupled_lr": decoupled,
-                       "max_lr": max_lr, "min_lr": min_lr,
-                       "lr": (max_lr or 0.0) * group_lr_mult, "weight_decay": config.weight_decay * wd_mult})
+        groups.append(
+            {
+                "params": params,
+                "wd_mult": wd_mult,
+                "lr_mult": group_lr_mult,
+                "is_expert_parallel": False,
+                "is_decoupled_lr": decoupled,
+                "max_lr": max_lr,
+                "min_lr": min_lr,
+                "lr": (max_lr or 0.0) * group_lr_mult,
+                "weight_decay": config.weight_decay * wd_mult,
+            }
+        )
     return groups
 
 
@@ -80,15 +105,24 @@ def _grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
         return None  # bf16 has fp32's range: no loss scaling (Megatron's choice)
     if config.loss_scale is not None:
         return ConstantGradScaler(config.loss_scale)
-    return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
-                             growth_factor=2.0, backoff_factor=0.5, growth_interval=int(config.loss_scale_window),
-                             hysteresis=config.hysteresis)
+    return DynamicGradScaler(
+        initial_scale=config.initial_loss_scale,
+        min_scale=config.min_loss_scale,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=int(config.loss_scale_window),
+        hysteresis=config.hysteresis,
+    )
 
 
-def get_megatron_optimizer(config: OptimizerConfig, model_chunks: Sequence[torch.nn.Module],
-                           pg_collection: Optional[ProcessGroupCollection] = None,
-                           no_weight_decay_cond: Optional[ParamCond] = None,
-                           scale_lr_cond: Optional[ParamCond] = None, lr_mult: float = 1.0) -> MegatronOptimizer:
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: Sequence[torch.nn.Module],
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    no_weight_decay_cond: Optional[ParamCond] = None,
+    scale_lr_cond: Optional[ParamCond] = None,
+    lr_mult: float = 1.0,
+) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (DDP-wrapped chunks for the distributed optimizer).
 
     fp32 -> ``FP32Optimizer``; bf16/fp16 -> ``Float16OptimizerWithFloat16Params`` (fp16 with a
@@ -102,9 +136,16 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: Sequence[torch
     tp_rank = groups.rank_in("tp")
     scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
-        return DistributedOptimizer(config, param_groups, tp_rank, [groups.dp_cp, groups.mp], scaler,
-                                    model_chunks=model_chunks, dp_group=groups.dp_cp,
-                                    expert_stat_groups=[groups.expt_dp, groups.tp_ep_pp])
+        return DistributedOptimizer(
+            config,
+            param_groups,
+            tp_rank,
+            [groups.dp_cp, groups.mp],
+            scaler,
+            model_chunks=model_chunks,
+            dp_group=groups.dp_cp,
+            expert_stat_groups=[groups.expt_dp, groups.tp_ep_pp],
+        )
     expert_groups = [groups.tp_ep_pp]
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(config, param_groups, tp_rank, [groups.mp], scaler, expert_groups)

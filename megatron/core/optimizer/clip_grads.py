@@ -62,8 +62,7 @@ def _home_device(grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGro
     return comm_device(live[0]) if live else torch.device("cpu")
 
 
-def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype],
-                                                                    List[torch.Tensor]]:
+def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
     """Tensors grouped as multi-tensor (``torch._foreach_*``) kernels take them."""
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for tensor in tensors:
@@ -112,9 +111,12 @@ def _squares_over(grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGr
     return _reduce(total, groups)
 
 
-def get_grad_norm_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup],
-                       expert_grads: Iterable[torch.Tensor] = (),
-                       expert_groups: Sequence[dist.ProcessGroup] = ()) -> float:
+def get_grad_norm_fp32(
+    grads: Iterable[torch.Tensor],
+    groups: Sequence[dist.ProcessGroup],
+    expert_grads: Iterable[torch.Tensor] = (),
+    expert_groups: Sequence[dist.ProcessGroup] = (),
+) -> float:
     """L2 norm of all ``grads`` on all ranks of ``groups`` and ``expert_grads`` on all ranks of
     ``expert_groups`` (each rank passes only what it counts). One host read."""
     dense = _squares_over(list(grads), groups)
@@ -140,17 +142,21 @@ def _zeros_over(grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGrou
     return _reduce(total, groups)
 
 
-def count_zeros_fp32(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup],
-                     expert_grads: Iterable[torch.Tensor] = (),
-                     expert_groups: Sequence[dist.ProcessGroup] = ()) -> int:
+def count_zeros_fp32(
+    grads: Iterable[torch.Tensor],
+    groups: Sequence[dist.ProcessGroup],
+    expert_grads: Iterable[torch.Tensor] = (),
+    expert_groups: Sequence[dist.ProcessGroup] = (),
+) -> int:
     """Number of exactly-zero gradient elements over all ranks of ``groups`` (experts: ``expert_groups``)."""
     dense = _zeros_over(list(grads), groups)
     total = dense + _zeros_over(list(expert_grads), expert_groups).to(dense.device)
     return int(total.item())
 
 
-def unscale_and_find_nonfinite(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor,
-                               groups: Sequence[dist.ProcessGroup]) -> bool:
+def unscale_and_find_nonfinite(
+    grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, groups: Sequence[dist.ProcessGroup]
+) -> bool:
     """Multiply ``grads`` by ``inv_scale`` in place; whether any rank of ``groups`` holds an inf/NaN.
 
     Multi-tensor (``torch._amp_foreach_non_finite_check_and_unscale_``, on CPU and CUDA): the

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer, named_model_params
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.utils import all_gather_into_tensor, comm_device
@@ -36,17 +36,26 @@ _GATHER_ELEMENTS = 1 << 24
 class DistributedOptimizer(MegatronOptimizer):
     """Each DP rank updates its shard of every bucket; parameters are then all-gathered."""
 
-    def __init__(self, config: OptimizerConfig, param_groups: List[Dict[str, Any]], tp_rank: int,
-                 stat_groups: Sequence[dist.ProcessGroup], grad_scaler: Optional[MegatronGradScaler],
-                 model_chunks: Sequence[torch.nn.Module], dp_group: dist.ProcessGroup,
-                 expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None) -> None:
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        param_groups: List[Dict[str, Any]],
+        tp_rank: int,
+        stat_groups: Sequence[dist.ProcessGroup],
+        grad_scaler: Optional[MegatronGradScaler],
+        model_chunks: Sequence[torch.nn.Module],
+        dp_group: dist.ProcessGroup,
+        expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None,
+    ) -> None:
         self.model_chunks = list(model_chunks)
         self.dp_group = dp_group
         self.buffers = []
         for chunk in self.model_chunks:
             if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
-                raise ValueError("use_distributed_optimizer=True needs every model chunk wrapped in "
-                                 "DistributedDataParallel with ddp_config.use_distributed_optimizer=True")
+                raise ValueError(
+                    "use_distributed_optimizer=True needs every model chunk wrapped in "
+                    "DistributedDataParallel with ddp_config.use_distributed_optimizer=True"
+                )
             self.buffers.extend(chunk.buffers)
         self._buffer_of = {id(p): b for b in self.buffers for p in b.params}
         super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler, expert_stat_groups)
@@ -58,11 +67,12 @@ class DistributedOptimizer(MegatronOptimizer):
         flat_range = buffer.local_range(param)
         if flat_range is None:
             return []  # none of this parameter lies in this rank's shard
-        piece = param.detach().view(-1)[flat_range[0]:flat_range[1]]
+        piece = param.detach().view(-1)[flat_range[0] : flat_range[1]]
         if param.dtype == torch.float32:
             return [MainLink(main=torch.nn.Parameter(piece), model=param, flat_range=flat_range)]
-        return [MainLink(main=torch.nn.Parameter(piece.clone().float()), model=param, flat_range=flat_range,
-                         is_copy=True)]
+        return [
+            MainLink(main=torch.nn.Parameter(piece.clone().float()), model=param, flat_range=flat_range, is_copy=True)
+        ]
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         # A bucket no forward used may still be gathering into the buffer the update writes.
@@ -86,8 +96,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 continue
             for bucket in reversed(buffer.buckets):
                 shard = bucket.shard(bucket.param_data, buffer.dp_rank, buffer.dp_size)
-                bucket.param_gather_handle = all_gather_into_tensor(bucket.param_data, shard,
-                                                                    group=buffer.dp_group, async_op=True)
+                bucket.param_gather_handle = all_gather_into_tensor(
+                    bucket.param_data, shard, group=buffer.dp_group, async_op=True
+                )
 
     def finish_param_sync(self) -> None:
         """Wait for every outstanding parameter all-gather (no-op when none is running)."""
@@ -95,9 +106,12 @@ class DistributedOptimizer(MegatronOptimizer):
             for bucket in buffer.buckets:
                 bucket.finish_param_gather()
 
-    def sharded_state_template(self, model_chunks: Sequence[torch.nn.Module], specs: Dict[str, ShardedTensor],
-                               saved: Dict[str, Dict[str, torch.dtype]]
-                               ) -> Tuple[Dict[str, ShardedTensor], Dict[str, Dict[str, Any]]]:
+    def sharded_state_template(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        specs: Dict[str, ShardedTensor],
+        saved: Dict[str, Dict[str, torch.dtype]],
+    ) -> Tuple[Dict[str, ShardedTensor], Dict[str, Dict[str, Any]]]:
         """Checkpoint reads of only this rank's slices, for ``load_state_dict_by_param_name``.
 
         Args:
@@ -125,9 +139,13 @@ class DistributedOptimizer(MegatronOptimizer):
             for state, dtype in saved[spec.key].items():
                 key = optimizer_state_key(spec.key, state)
                 entry[state] = torch.empty(size, dtype=dtype, device=link.main.device)
-                template[key] = ShardedTensor(key, entry[state], spec.global_shape,
-                                              tuple(o + b for o, b in zip(spec.global_offset, offset)),
-                                              spec.replica_id)
+                template[key] = ShardedTensor(
+                    key,
+                    entry[state],
+                    spec.global_shape,
+                    tuple(o + b for o, b in zip(spec.global_offset, offset)),
+                    spec.replica_id,
+                )
             per_param[name] = entry
         return template, per_param
 
@@ -173,11 +191,12 @@ class DistributedOptimizer(MegatronOptimizer):
             if value is None:
                 continue
             start = buffer.param_range[id(param)][0] + link.flat_range[0] - shard_start
-            shard[start:start + value.numel()] = value.detach().view(-1)
+            shard[start : start + value.numel()] = value.detach().view(-1)
         return shard
 
-    def _gather_bucket(self, buffer, bucket, key: str, links_of: Dict[int, MainLink],
-                       keep: bool) -> Optional[torch.Tensor]:
+    def _gather_bucket(
+        self, buffer, bucket, key: str, links_of: Dict[int, MainLink], keep: bool
+    ) -> Optional[torch.Tensor]:
         """The fp32 ``key`` tensor over a whole bucket ``[bucket numel]`` on the CPU (None unless ``keep``).
 
         The shards travel on the DP group's communication device (the GPU under NCCL), at most
@@ -201,7 +220,7 @@ class DistributedOptimizer(MegatronOptimizer):
 def _param_view(full: torch.Tensor, buffer, bucket, param: torch.nn.Parameter) -> torch.Tensor:
     """``param``'s part of a tensor over the whole ``bucket``, shaped like the parameter."""
     start, end = buffer.param_range[id(param)]
-    return full[start - bucket.offset:end - bucket.offset].view(param.shape)
+    return full[start - bucket.offset : end - bucket.offset].view(param.shape)
 
 
 def flat_range_box(shape: Sequence[int], start: int, end: int) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
@@ -214,8 +233,8 @@ def flat_range_box(shape: Sequence[int], start: int, end: int) -> Tuple[Tuple[in
         raise ValueError(f"flat range [{start}, {end}) is empty")
     lo, hi = _unravel(start, shape), _unravel(end - 1, shape)
     k = next((d for d in range(len(shape)) if lo[d] != hi[d]), len(shape) - 1)
-    offset = tuple(lo[:k + 1]) + (0,) * (len(shape) - k - 1)
-    size = (1,) * k + (hi[k] - lo[k] + 1,) + tuple(shape[k + 1:])
+    offset = tuple(lo[: k + 1]) + (0,) * (len(shape) - k - 1)
+    size = (1,) * k + (hi[k] - lo[k] + 1,) + tuple(shape[k + 1 :])
     first = 0
     for index, extent in zip(offset, shape):
         first = first * extent + index

@@ -26,7 +26,7 @@ class MegatronGradScaler:
             raise ValueError(f"initial_scale={initial_scale}: must be > 0")
         self._scale = torch.tensor([float(initial_scale)], dtype=torch.float32)
 
-    def to(self, device: torch.device) -> "MegatronGradScaler":
+    def to(self, device: torch.device) -> MegatronGradScaler:
         """Keep the scale on ``device`` (the parameters' device) from now on; returns self."""
         self._scale = self._scale.to(device)
         return self
@@ -69,14 +69,20 @@ class ConstantGradScaler(MegatronGradScaler):
 class DynamicGradScaler(MegatronGradScaler):
     """Backs off on overflow (after ``hysteresis`` overflows), grows after a clean window."""
 
-    def __init__(self, initial_scale: float, min_scale: float, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2) -> None:
+    def __init__(
+        self,
+        initial_scale: float,
+        min_scale: float,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
         super().__init__(initial_scale)
         if not 0 < min_scale <= initial_scale:
             raise ValueError(f"min_scale={min_scale}: must be in (0, initial_scale={initial_scale}]")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"growth_factor={growth_factor} must be > 1 and backoff_factor={backoff_factor} "
-                             "in (0, 1)")
+            raise ValueError(f"growth_factor={growth_factor} must be > 1 and backoff_factor={backoff_factor} in (0, 1)")
         if growth_interval < 1 or hysteresis < 1:
             raise ValueError(f"growth_interval={growth_interval}, hysteresis={hysteresis}: must be >= 1")
         self.min_scale = float(min_scale)
@@ -99,8 +105,11 @@ class DynamicGradScaler(MegatronGradScaler):
             self._scale = self._scale * self.growth_factor
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"scale": float(self._scale.item()), "growth_tracker": self._growth_tracker,
-                "hysteresis_tracker": self._hysteresis_tracker}
+        return {
+            "scale": float(self._scale.item()),
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._scale = torch.tensor([float(state_dict["scale"])], dtype=torch.float32, device=self.device)

@@ -47,8 +47,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, counts_for_norm,
-                                                get_grad_norm_fp32, unscale_and_find_nonfinite)
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    counts_for_norm,
+    get_grad_norm_fp32,
+    unscale_and_find_nonfinite,
+)
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel.layers import is_expert_param
@@ -79,11 +84,11 @@ class MainLink:
             grad = self.model.grad
         if grad is None or self.flat_range is None:
             return grad
-        return grad.view(-1)[self.flat_range[0]:self.flat_range[1]]
+        return grad.view(-1)[self.flat_range[0] : self.flat_range[1]]
 
     def model_data(self) -> torch.Tensor:
         data = self.model.data
-        return data if self.flat_range is None else data.view(-1)[self.flat_range[0]:self.flat_range[1]]
+        return data if self.flat_range is None else data.view(-1)[self.flat_range[0] : self.flat_range[1]]
 
 
 def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -113,11 +118,15 @@ def make_torch_optimizer(config: OptimizerConfig, groups: List[Dict[str, Any]]) 
         # Mixed precision updates fp32 main copies: torch's fused kernel is 2-3x faster there and
         # differs from the reference loop by at most an ulp; fp32 training keeps the reference loop.
         fused = (config.bf16 or config.fp16) and _fused_adam_available(groups)
-        return torch.optim.AdamW(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
-                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                                 **({"fused": True} if fused else {}))
-    return torch.optim.SGD(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
-                           momentum=config.sgd_momentum)
+        return torch.optim.AdamW(
+            groups,
+            lr=config.lr or 0.0,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            **({"fused": True} if fused else {}),
+        )
+    return torch.optim.SGD(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
 
 
 GROUP_KIND_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
@@ -151,9 +160,15 @@ class MegatronOptimizer:
             across expert-parallel ranks; None: experts are summed over ``stat_groups`` too.
     """
 
-    def __init__(self, config: OptimizerConfig, param_groups: List[Dict[str, Any]], tp_rank: int,
-                 stat_groups: Sequence[dist.ProcessGroup], grad_scaler: Optional[MegatronGradScaler] = None,
-                 expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None) -> None:
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        param_groups: List[Dict[str, Any]],
+        tp_rank: int,
+        stat_groups: Sequence[dist.ProcessGroup],
+        grad_scaler: Optional[MegatronGradScaler] = None,
+        expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None,
+    ) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self.stat_groups = list(stat_groups)
@@ -164,8 +179,9 @@ class MegatronOptimizer:
         for group in param_groups:
             links = [link for p in group["params"] for link in self._links_for(p)]
             self.links.extend(links)
-            main_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                "params": [link.main for link in links]})
+            main_groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [link.main for link in links]}
+            )
         self.optimizer = make_torch_optimizer(config, main_groups)
         self._link_of_main = {id(link.main): link for link in self.links}
         if self.grad_scaler is not None:
@@ -222,8 +238,11 @@ class MegatronOptimizer:
 
     def grads_for_norm(self) -> List[torch.Tensor]:
         """Every gradient this rank counts in global statistics (dense and expert)."""
-        return [link.main.grad for link in self.links
-                if link.main.grad is not None and counts_for_norm(link.model, self.tp_rank)]
+        return [
+            link.main.grad
+            for link in self.links
+            if link.main.grad is not None and counts_for_norm(link.model, self.tp_rank)
+        ]
 
     def _split_grads_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(dense, expert) counted gradients; all dense when experts share the dense groups."""
@@ -260,8 +279,9 @@ class MegatronOptimizer:
             link.main.grad = None if grad is None else grad.to(torch.float32)
         if self.grad_scaler is None:
             return False
-        found_inf = unscale_and_find_nonfinite(self.main_grads(), self.grad_scaler.inv_scale,
-                                               self.stat_groups + self._expert_groups())
+        found_inf = unscale_and_find_nonfinite(
+            self.main_grads(), self.grad_scaler.inv_scale, self.stat_groups + self._expert_groups()
+        )
         self.grad_scaler.update(found_inf)
         return found_inf
 
@@ -279,9 +299,11 @@ class MegatronOptimizer:
     # --- state ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Positional state (same layout only); checkpoints should use the by-name form."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
-                "main_params": [link.main.detach().clone() for link in self.links if link.is_copy]}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+            "main_params": [link.main.detach().clone() for link in self.links if link.is_copy],
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
@@ -294,8 +316,11 @@ class MegatronOptimizer:
 
     def _param_state(self, link: MainLink) -> Dict[str, torch.Tensor]:
         """This link's tensors for the by-name contract (``main_param`` only for copies)."""
-        state = {k: v for k, v in self.optimizer.state.get(link.main, {}).items()
-                 if torch.is_tensor(v) and v.shape == link.main.shape}
+        state = {
+            k: v
+            for k, v in self.optimizer.state.get(link.main, {}).items()
+            if torch.is_tensor(v) and v.shape == link.main.shape
+        }
         if link.is_copy and state:
             state["main_param"] = link.main
         return state
@@ -311,8 +336,9 @@ class MegatronOptimizer:
         scaler = None if self.grad_scaler is None else self.grad_scaler.state_dict()
         return {"param_groups": groups, "step": self._step_count(), "loss_scaler": scaler}
 
-    def state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module],
-                                 all_ranks: bool = False) -> Dict[str, Any]:
+    def state_dict_by_param_name(
+        self, model_chunks: Sequence[torch.nn.Module], all_ranks: bool = False
+    ) -> Dict[str, Any]:
         """Optimizer state keyed by parameter name, local (TP-shard) shapes, CPU tensors; see the module
         docstring. Collective over data parallelism for the distributed optimizer, where only the ranks
         that write the state to a checkpoint (DP rank 0 of each buffer) get the per-parameter entries,
@@ -328,8 +354,10 @@ class MegatronOptimizer:
     def _full_param_states(self, all_ranks: bool) -> Dict[int, Dict[str, torch.Tensor]]:
         """id(model param) -> CPU copies of its state tensors in the parameter's local shape (a copy on
         the device would double the optimizer's device memory while a checkpoint is written)."""
-        return {id(link.model): {k: v.detach().to("cpu", copy=True) for k, v in self._param_state(link).items()}
-                for link in self.links}
+        return {
+            id(link.model): {k: v.detach().to("cpu", copy=True) for k, v in self._param_state(link).items()}
+            for link in self.links
+        }
 
     def load_state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module], state: Dict[str, Any]) -> None:
         """Restore what ``state_dict_by_param_name`` produced (any DP size; same TP/PP shapes)."""
@@ -370,7 +398,7 @@ def _piece_of(link: MainLink, tensor: torch.Tensor, flat_start: int = 0) -> torc
     loads on the CPU): an fp32 copy of its own on the main parameter's device, shaped like it."""
     flat = tensor.reshape(-1)  # [numel covered]
     if link.flat_range is not None:
-        flat = flat[link.flat_range[0] - flat_start:link.flat_range[1] - flat_start]  # this DP rank's slice
+        flat = flat[link.flat_range[0] - flat_start : link.flat_range[1] - flat_start]  # this DP rank's slice
     return flat.to(device=link.main.device, dtype=torch.float32, copy=True).view(link.main.shape)
 
 

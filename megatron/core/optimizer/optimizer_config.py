@@ -45,7 +45,7 @@ class OptimizerConfig:
     params_dtype: torch.dtype = torch.float32
 
     loss_scale: Optional[float] = None
-    initial_loss_scale: float = 2.0 ** 32
+    initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
@@ -83,14 +83,15 @@ class OptimizerConfig:
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale={self.loss_scale!r}: must be > 0 (or None for a dynamic scale)")
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
-            raise ValueError(f"initial_loss_scale={self.initial_loss_scale}, min_loss_scale={self.min_loss_scale}: "
-                             "must be > 0")
+            raise ValueError(
+                f"initial_loss_scale={self.initial_loss_scale}, min_loss_scale={self.min_loss_scale}: must be > 0"
+            )
         if self.min_loss_scale > self.initial_loss_scale:
-            raise ValueError(f"min_loss_scale={self.min_loss_scale} must not exceed "
-                             f"initial_loss_scale={self.initial_loss_scale}")
+            raise ValueError(
+                f"min_loss_scale={self.min_loss_scale} must not exceed initial_loss_scale={self.initial_loss_scale}"
+            )
         if self.loss_scale_window < 1 or self.hysteresis < 1:
-            raise ValueError(f"loss_scale_window={self.loss_scale_window}, hysteresis={self.hysteresis}: "
-                             "must be >= 1")
+            raise ValueError(f"loss_scale_window={self.loss_scale_window}, hysteresis={self.hysteresis}: must be >= 1")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlap_param_gather=True requires use_distributed_optimizer=True")
         if self.fp16 and self.params_dtype not in (torch.float16, torch.float32):

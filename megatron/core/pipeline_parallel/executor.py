@@ -17,10 +17,17 @@ from megatron.core import parallel_state
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.pipeline_parallel import schedule_table as st
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
-from megatron.core.pipeline_parallel.schedules import (ModelArg, _as_iterator_list, as_chunk_list, backward_step,
-                                                       context_parallel_group,
-                                                       deallocate_output, finalize_grads, forward_step,
-                                                       get_model_config)
+from megatron.core.pipeline_parallel.schedules import (
+    ModelArg,
+    _as_iterator_list,
+    as_chunk_list,
+    backward_step,
+    context_parallel_group,
+    deallocate_output,
+    finalize_grads,
+    forward_step,
+    get_model_config,
+)
 
 Key = Tuple[str, int, int]
 
@@ -52,9 +59,17 @@ class _GradSyncGate:
 class _PipelineRun:
     """State of one call: tensors in flight, saved activations, reporting store."""
 
-    def __init__(self, chunks: List[torch.nn.Module], iterators: List[Any], config: Any, comm: P2PCommunicator,
-                 forward_step_func: Callable, num_microbatches: int, forward_only: bool,
-                 collect_non_loss_data: bool) -> None:
+    def __init__(
+        self,
+        chunks: List[torch.nn.Module],
+        iterators: List[Any],
+        config: Any,
+        comm: P2PCommunicator,
+        forward_step_func: Callable,
+        num_microbatches: int,
+        forward_only: bool,
+        collect_non_loss_data: bool,
+    ) -> None:
         self.chunks, self.iterators, self.config, self.comm = chunks, iterators, config, comm
         self.forward_step_func, self.num_microbatches = forward_step_func, num_microbatches
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
@@ -95,10 +110,18 @@ class _PipelineRun:
         if self.vp_size > 1:
             parallel_state.set_virtual_pipeline_model_parallel_rank(op.chunk)
         with torch.set_grad_enabled(not self.forward_only):
-            output, tokens = forward_step(self.forward_step_func, self.iterators[op.chunk], self.chunks[op.chunk],
-                                          self.num_microbatches, input_tensor, self.store, self.config,
-                                          is_last_stage=last, collect_non_loss_data=self.collect_non_loss_data,
-                                          cp_group=self.cp_group)
+            output, tokens = forward_step(
+                self.forward_step_func,
+                self.iterators[op.chunk],
+                self.chunks[op.chunk],
+                self.num_microbatches,
+                input_tensor,
+                self.store,
+                self.config,
+                is_last_stage=last,
+                collect_non_loss_data=self.collect_non_loss_data,
+                cp_group=self.cp_group,
+            )
         self.total_tokens = self.total_tokens + tokens
         if not last:
             self.outbox[(st.FORWARD, op.microbatch, stage)] = output
@@ -121,10 +144,18 @@ def _last_backward_per_chunk(slots: List[List[st.Op]]) -> Dict[st.Op, bool]:
     return {op: op == backwards[-1] for op in last.values()}
 
 
-def run_schedule(*, forward_step_func: Callable, data_iterator: Any, model: ModelArg, num_microbatches: int,
-                 seq_length: int, micro_batch_size: int, forward_only: bool = False,
-                 collect_non_loss_data: bool = False,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> List[Any]:
+def run_schedule(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: ModelArg,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+) -> List[Any]:
     """Execute this rank's slots of the (interleaved) 1F1B table with p2p transfers between them.
 
     Returns:
@@ -134,11 +165,23 @@ def run_schedule(*, forward_step_func: Callable, data_iterator: Any, model: Mode
     groups = resolve_process_groups(pg_collection)
     config = get_model_config(chunks)
     pp_size, rank = groups.size_of("pp"), groups.rank_in("pp")
-    comm = P2PCommunicator(groups.pp, groups.ranks["pp"], activation_shape(seq_length, micro_batch_size, config,
-                                                                             groups), config.pipeline_dtype,
-                           variable_shapes=bool(getattr(config, "variable_seq_lengths", False)))
-    run = _PipelineRun(chunks, _as_iterator_list(data_iterator, len(chunks)), config, comm, forward_step_func,
-                       num_microbatches, forward_only, collect_non_loss_data)
+    comm = P2PCommunicator(
+        groups.pp,
+        groups.ranks["pp"],
+        activation_shape(seq_length, micro_batch_size, config, groups),
+        config.pipeline_dtype,
+        variable_shapes=bool(getattr(config, "variable_seq_lengths", False)),
+    )
+    run = _PipelineRun(
+        chunks,
+        _as_iterator_list(data_iterator, len(chunks)),
+        config,
+        comm,
+        forward_step_func,
+        num_microbatches,
+        forward_only,
+        collect_non_loss_data,
+    )
     run.cp_group = context_parallel_group(config, groups)
     slots = st.rank_slots(rank, pp_size, num_microbatches, len(chunks), forward_only)
     plan = st.comm_plan(slots, rank, pp_size, len(chunks))

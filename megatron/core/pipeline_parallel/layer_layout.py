@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import List, Optional
 
 
-def stage_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = None,
-                       last: Optional[int] = None) -> List[int]:
+def stage_layer_counts(
+    num_layers: int, pp_size: int, first: Optional[int] = None, last: Optional[int] = None
+) -> List[int]:
     """Layers per pipeline rank; ``first``/``last`` override the end stages, the rest split evenly.
 
     Raises:
@@ -28,8 +29,13 @@ def stage_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = Non
     return [fixed.get(rank, even) for rank in range(pp_size)]
 
 
-def pipeline_layer_assignment(num_layers: int, pp_size: int, vp_size: Optional[int] = None,
-                              first: Optional[int] = None, last: Optional[int] = None) -> List[List[List[int]]]:
+def pipeline_layer_assignment(
+    num_layers: int,
+    pp_size: int,
+    vp_size: Optional[int] = None,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
+) -> List[List[List[int]]]:
     """Global layer numbers (1-based) held by ``[pp_rank][chunk]``.
 
     The model runs chunk 0 of every stage in stage order, then chunk 1, and so on, so

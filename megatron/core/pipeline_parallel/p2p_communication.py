@@ -25,15 +25,16 @@ Shape = Tuple[int, ...]
 SHAPE_RANK = 3  # activations between stages are [s, b, h]
 
 
-def activation_shape(seq_length: int, micro_batch_size: int, config: Any,
-                     groups: ProcessGroupCollection) -> Shape:
+def activation_shape(seq_length: int, micro_batch_size: int, config: Any, groups: ProcessGroupCollection) -> Shape:
     """Shape of the tensor passed between stages: ``[s / cp (/ tp with SP), b, h]``."""
     seq = seq_length // groups.size_of("cp")
     if getattr(config, "sequence_parallel", False):
         tp = groups.size_of("tp")
         if seq % tp:
-            raise ValueError(f"seq_length={seq_length} (per context-parallel rank: {seq}) must be divisible by "
-                             f"tensor_model_parallel_size={tp} with sequence_parallel=True")
+            raise ValueError(
+                f"seq_length={seq_length} (per context-parallel rank: {seq}) must be divisible by "
+                f"tensor_model_parallel_size={tp} with sequence_parallel=True"
+            )
         seq //= tp
     return (seq, micro_batch_size, config.hidden_size)
 
@@ -45,14 +46,24 @@ class P2PCommunicator:
     interleaved schedule uses to pass activations from one model chunk to the next.
     """
 
-    def __init__(self, pp_group: dist.ProcessGroup, pp_ranks: Sequence[int], tensor_shape: Shape,
-                 dtype: torch.dtype, device: Optional[torch.device] = None, variable_shapes: bool = False) -> None:
+    def __init__(
+        self,
+        pp_group: dist.ProcessGroup,
+        pp_ranks: Sequence[int],
+        tensor_shape: Shape,
+        dtype: torch.dtype,
+        device: Optional[torch.device] = None,
+        variable_shapes: bool = False,
+    ) -> None:
         self.group, self.ranks = pp_group, list(pp_ranks)
         self.variable_shapes = variable_shapes
         self.rank_in_group = self.ranks.index(dist.get_rank())
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
-        self.device = device or (torch.device("cuda", torch.cuda.current_device())
-                                 if dist.get_backend(pp_group) == "nccl" else torch.device("cpu"))
+        self.device = device or (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(pp_group) == "nccl"
+            else torch.device("cpu")
+        )
 
     def global_rank(self, pp_index: int) -> int:
         """Global rank of pipeline index ``pp_index`` (taken modulo the pipeline size)."""
@@ -70,8 +81,9 @@ class P2PCommunicator:
         """A receive buffer of the activation shape (or ``shape``) and pipeline dtype."""
         return torch.empty(shape or self.tensor_shape, dtype=self.dtype, device=self.device)
 
-    def exchange(self, sends: Sequence[Tuple[torch.Tensor, int]],
-                 recvs: Sequence[Tuple[int, Optional[Shape]]]) -> List[torch.Tensor]:
+    def exchange(
+        self, sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[int, Optional[Shape]]]
+    ) -> List[torch.Tensor]:
         """Post ``sends`` (tensor, global rank) and ``recvs`` (global rank, shape) as one batch; wait.
 
         Returns:
@@ -86,21 +98,28 @@ class P2PCommunicator:
         self._post([t.detach().contiguous() for t, _ in sends], [p for _, p in sends], buffers, [p for p, _ in recvs])
         return buffers
 
-    def _exchange_shapes(self, sends: Sequence[Tuple[torch.Tensor, int]],
-                         recvs: Sequence[Tuple[int, Optional[Shape]]]) -> List[Tuple[int, Shape]]:
+    def _exchange_shapes(
+        self, sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[int, Optional[Shape]]]
+    ) -> List[Tuple[int, Shape]]:
         """Tell each receiver the shape of what follows; returns ``recvs`` with the shapes received."""
         outgoing = []
         for tensor, _ in sends:
             if tensor.dim() != SHAPE_RANK:
-                raise ValueError(f"variable_seq_lengths: stage outputs must have {SHAPE_RANK} dims, "
-                                 f"got shape {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"variable_seq_lengths: stage outputs must have {SHAPE_RANK} dims, got shape {tuple(tensor.shape)}"
+                )
             outgoing.append(torch.tensor(tensor.shape, dtype=torch.int64, device=self.device))
         incoming = [torch.empty(SHAPE_RANK, dtype=torch.int64, device=self.device) for _ in recvs]
         self._post(outgoing, [p for _, p in sends], incoming, [p for p, _ in recvs])
         return [(peer, tuple(int(v) for v in shape.tolist())) for (peer, _), shape in zip(recvs, incoming)]
 
-    def _post(self, send_tensors: Sequence[torch.Tensor], send_peers: Sequence[int],
-              recv_buffers: Sequence[torch.Tensor], recv_peers: Sequence[int]) -> None:
+    def _post(
+        self,
+        send_tensors: Sequence[torch.Tensor],
+        send_peers: Sequence[int],
+        recv_buffers: Sequence[torch.Tensor],
+        recv_peers: Sequence[int],
+    ) -> None:
         """One ``batch_isend_irecv`` of all sends then all receives; waits for every one."""
         ops = [dist.P2POp(dist.isend, t, peer, group=self.group) for t, peer in zip(send_tensors, send_peers)]
         ops += [dist.P2POp(dist.irecv, b, peer, group=self.group) for b, peer in zip(recv_buffers, recv_peers)]
@@ -109,8 +128,9 @@ class P2PCommunicator:
                 work.wait()
 
     # Megatron's named helpers. ``None`` tensors (first / last stage) send nothing.
-    def _exchange_optional(self, send: Optional[torch.Tensor], send_to: int,
-                           recv_from: Optional[int]) -> Optional[torch.Tensor]:
+    def _exchange_optional(
+        self, send: Optional[torch.Tensor], send_to: int, recv_from: Optional[int]
+    ) -> Optional[torch.Tensor]:
         sends = [(send, send_to)] if send is not None else []
         recvs = [(recv_from, None)] if recv_from is not None else []
         got = self.exchange(sends, recvs)

@@ -42,14 +42,18 @@ class Msg(NamedTuple):
 
 def validate_schedule_args(pp_size: int, num_microbatches: int, vp_size: int = 1) -> None:
     """Raise ValueError unless ``(p, m, v)`` can be scheduled."""
-    for name, value in (("pipeline_model_parallel_size", pp_size), ("num_microbatches", num_microbatches),
-                        ("virtual_pipeline_model_parallel_size", vp_size)):
+    for name, value in (
+        ("pipeline_model_parallel_size", pp_size),
+        ("num_microbatches", num_microbatches),
+        ("virtual_pipeline_model_parallel_size", vp_size),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: must be a positive integer")
     if vp_size > 1 and num_microbatches % pp_size:
         raise ValueError(
             f"the interleaved pipeline schedule needs num_microbatches ({num_microbatches}) to be a multiple of "
-            f"pipeline_model_parallel_size ({pp_size}); change the global batch size or micro batch size")
+            f"pipeline_model_parallel_size ({pp_size}); change the global batch size or micro batch size"
+        )
 
 
 def _virtual_op(kind: str, k: int, pp_size: int, vp_size: int) -> Op:
@@ -68,8 +72,9 @@ def num_warmup_forwards(rank: int, pp_size: int, num_microbatches: int, vp_size:
     return min((pp_size - rank - 1) * 2 + (vp_size - 1) * pp_size, total)
 
 
-def rank_slots(rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1,
-               forward_only: bool = False) -> List[List[Op]]:
+def rank_slots(
+    rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1, forward_only: bool = False
+) -> List[List[Op]]:
     """One rank's ops in communication slots; a slot's inputs are received, and the
     previous slot's outputs sent, in one batch.
 
@@ -88,17 +93,17 @@ def rank_slots(rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1,
     steady = [[fwd[warmup + k], bwd[k]] for k in range(total - warmup)]
     if vp_size == 1:
         steady = [[op] for pair in steady for op in pair]
-    return [[op] for op in fwd[:warmup]] + steady + [[op] for op in bwd[total - warmup:]]
+    return [[op] for op in fwd[:warmup]] + steady + [[op] for op in bwd[total - warmup :]]
 
 
-def rank_schedule(rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1,
-                  forward_only: bool = False) -> List[Op]:
+def rank_schedule(
+    rank: int, pp_size: int, num_microbatches: int, vp_size: int = 1, forward_only: bool = False
+) -> List[Op]:
     """The ordered ops of one rank: warm-up forwards, steady 1F1B pairs, cool-down backwards."""
     return [op for slot in rank_slots(rank, pp_size, num_microbatches, vp_size, forward_only) for op in slot]
 
 
-def schedule_table(pp_size: int, num_microbatches: int, vp_size: int = 1,
-                   forward_only: bool = False) -> List[List[Op]]:
+def schedule_table(pp_size: int, num_microbatches: int, vp_size: int = 1, forward_only: bool = False) -> List[List[Op]]:
     """``table[rank]``: the ordered ops of every pipeline rank."""
     return [rank_schedule(r, pp_size, num_microbatches, vp_size, forward_only) for r in range(pp_size)]
 
@@ -137,7 +142,9 @@ def check_table(table: List[List[Op]], num_microbatches: int, vp_size: int = 1, 
         position = {op: i for i, op in enumerate(ops)}
         for op in ops:
             if op.kind == BACKWARD:
-                assert position[Op(FORWARD, op.microbatch, op.chunk)] < position[op], f"rank {rank}: {op} before forward"
+                assert position[Op(FORWARD, op.microbatch, op.chunk)] < position[op], (
+                    f"rank {rank}: {op} before forward"
+                )
 
 
 def max_in_flight(ops: List[Op]) -> int:
@@ -149,8 +156,9 @@ def max_in_flight(ops: List[Op]) -> int:
     return peak
 
 
-def simulate(table: List[List[Op]], vp_size: int = 1, t_forward: float = 1.0,
-             t_backward: float = 2.0) -> Tuple[float, List[float]]:
+def simulate(
+    table: List[List[Op]], vp_size: int = 1, t_forward: float = 1.0, t_backward: float = 2.0
+) -> Tuple[float, List[float]]:
     """Run the table on an ideal machine (no communication cost); each chunk op costs 1/v.
 
     Returns:
@@ -193,8 +201,11 @@ def _messages(op: Op, rank: int, pp_size: int, vp_size: int) -> Tuple[List[Msg],
     end_of_flow = last if op.kind == FORWARD else 0
     start_of_flow = 0 if op.kind == FORWARD else last
     sends = [] if stage == end_of_flow else [Msg("send", (stage + step) % pp_size, (op.kind, op.microbatch, stage))]
-    recvs = [] if stage == start_of_flow else [
-        Msg("recv", (stage - step) % pp_size, (op.kind, op.microbatch, stage - step))]
+    recvs = (
+        []
+        if stage == start_of_flow
+        else [Msg("recv", (stage - step) % pp_size, (op.kind, op.microbatch, stage - step))]
+    )
     return sends, recvs
 
 
@@ -224,8 +235,10 @@ def check_comm_plan(pp_size: int, num_microbatches: int, vp_size: int = 1, forwa
     Raises:
         AssertionError: transfers pair up wrongly. RuntimeError: the plan deadlocks.
     """
-    plans = [comm_plan(rank_slots(r, pp_size, num_microbatches, vp_size, forward_only), r, pp_size, vp_size)
-             for r in range(pp_size)]
+    plans = [
+        comm_plan(rank_slots(r, pp_size, num_microbatches, vp_size, forward_only), r, pp_size, vp_size)
+        for r in range(pp_size)
+    ]
     channel: Dict[Tuple[int, int, str], List[Tuple]] = {}
     for rank, plan in enumerate(plans):
         for batch in plan:
@@ -234,8 +247,9 @@ def check_comm_plan(pp_size: int, num_microbatches: int, vp_size: int = 1, forwa
                 channel.setdefault(ends + (msg.action,), []).append(msg.key)
     for (src, dst, action), sent in channel.items():
         received = channel.get((src, dst, "recv"), [])
-        assert action != "send" or sent == received, \
+        assert action != "send" or sent == received, (
             f"rank {src} -> rank {dst}: sends {sent} and receives {received} do not pair up in order"
+        )
     _simulate_blocking(plans)
 
 

@@ -86,8 +86,9 @@ def _no_sync_context(config: Any) -> contextlib.AbstractContextManager:
     return stack
 
 
-def context_parallel_group(config: Any, pg_collection: Optional[parallel_state.ProcessGroupCollection]
-                           ) -> Optional[torch.distributed.ProcessGroup]:
+def context_parallel_group(
+    config: Any, pg_collection: Optional[parallel_state.ProcessGroupCollection]
+) -> Optional[torch.distributed.ProcessGroup]:
     """The CP group when ``config.context_parallel_size`` > 1 (from ``pg_collection`` or the default groups)."""
     if getattr(config, "context_parallel_size", 1) == 1:
         return None
@@ -114,8 +115,9 @@ def _cp_token_count(num_tokens: torch.Tensor, cp_group: Optional[torch.distribut
     return total.to(num_tokens.device)
 
 
-def _scaled_loss(outputs: tuple, num_microbatches: int, per_token: bool,
-                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+def _scaled_loss(
+    outputs: tuple, num_microbatches: int, per_token: bool, cp_group: Optional[torch.distributed.ProcessGroup] = None
+) -> Tuple[torch.Tensor, torch.Tensor, Any]:
     """(loss to back-propagate, num_tokens, reporting) from a ``loss_func`` result.
 
     A 3-tuple carries a loss summed over ``num_tokens`` tokens; a 2-tuple an averaged loss.
@@ -130,8 +132,10 @@ def _scaled_loss(outputs: tuple, num_microbatches: int, per_token: bool,
         return loss, num_tokens, reporting
     if len(outputs) == 2:
         if per_token:
-            raise ValueError("calculate_per_token_loss=True needs loss_func to return "
-                             "(loss_sum, num_tokens, reporting_dict), got a 2-tuple")
+            raise ValueError(
+                "calculate_per_token_loss=True needs loss_func to return "
+                "(loss_sum, num_tokens, reporting_dict), got a 2-tuple"
+            )
         loss, reporting = outputs
         return loss * cp_size / num_microbatches, torch.tensor(0, dtype=torch.int), reporting
     raise ValueError(f"loss_func must return 2 or 3 values, got {len(outputs)}")
@@ -143,7 +147,7 @@ def parameter_device(model: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def set_aux_loss_scale(config: Any, num_microbatches: int, device: torch.device = torch.device("cpu")) -> None:
+def set_aux_loss_scale(config: Any, num_microbatches: int, device: Optional[torch.device] = None) -> None:
     """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token).
 
     The scale is made on ``device`` (the model's), where the fp16 loss scale and the aux losses
@@ -157,10 +161,18 @@ def set_aux_loss_scale(config: Any, num_microbatches: int, device: torch.device 
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
-def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: torch.nn.Module,
-                 num_microbatches: int, input_tensor: Optional[torch.Tensor], forward_data_store: List[Any],
-                 config: Any, is_last_stage: bool = True, collect_non_loss_data: bool = False,
-                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def forward_step(
+    forward_step_func: Callable,
+    data_iterator: Optional[Iterator],
+    model: torch.nn.Module,
+    num_microbatches: int,
+    input_tensor: Optional[torch.Tensor],
+    forward_data_store: List[Any],
+    config: Any,
+    is_last_stage: bool = True,
+    collect_non_loss_data: bool = False,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run one microbatch through ``model``; on the last stage apply the loss function.
 
     ``cp_group``: the context-parallel group when CP > 1 (see the module docstring), else None.
@@ -186,8 +198,12 @@ def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
     return loss, num_tokens
 
 
-def backward_step(input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
-                  output_tensor_grad: Optional[torch.Tensor], config: Any) -> Optional[torch.Tensor]:
+def backward_step(
+    input_tensor: Optional[torch.Tensor],
+    output_tensor: torch.Tensor,
+    output_tensor_grad: Optional[torch.Tensor],
+    config: Any,
+) -> Optional[torch.Tensor]:
     """Back-propagate one microbatch; return the gradient of its input activation.
 
     On the last stage ``output_tensor`` is the loss (scaled by ``config.grad_scale_func``
@@ -227,12 +243,20 @@ def deallocate_output(output_tensor: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------
 # No pipelining.
 # ----------------------------------------------------------------------------------
-def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Any, model: ModelArg,
-                                   num_microbatches: int, seq_length: int, micro_batch_size: int,
-                                   decoder_seq_length: Optional[int] = None, forward_only: bool = False,
-                                   collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
-                                   pg_collection: Optional[parallel_state.ProcessGroupCollection] = None
-                                   ) -> List[Any]:
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: ModelArg,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    pg_collection: Optional[parallel_state.ProcessGroupCollection] = None,
+) -> List[Any]:
     """Forward (and backward) every microbatch in turn on a single pipeline stage.
 
     Gradients of all but the last microbatch accumulate under ``config.no_sync_func``.
@@ -252,8 +276,17 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     def one(grad_enabled: bool) -> None:
         nonlocal total_tokens
         with torch.set_grad_enabled(grad_enabled):
-            output, tokens = forward_step(forward_step_func, iterator, chunks[0], num_microbatches, None, store,
-                                          config, collect_non_loss_data=collect_non_loss_data, cp_group=cp_group)
+            output, tokens = forward_step(
+                forward_step_func,
+                iterator,
+                chunks[0],
+                num_microbatches,
+                None,
+                store,
+                config,
+                collect_non_loss_data=collect_non_loss_data,
+                cp_group=cp_group,
+            )
         total_tokens = total_tokens + tokens
         if not forward_only:
             backward_step(None, output, None, config)

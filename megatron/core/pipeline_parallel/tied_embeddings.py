@@ -36,8 +36,9 @@ def _embedding_group(groups: ProcessGroupCollection) -> Optional[dist.ProcessGro
     return groups.embd if groups.size_of("embd") > 1 else None
 
 
-def sync_tied_embeddings(model_chunks: Iterable[torch.nn.Module],
-                         pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+def sync_tied_embeddings(
+    model_chunks: Iterable[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection] = None
+) -> None:
     """Copy the first stage's word embedding into the last stage's output weight.
 
     Call once after building the model, on every rank (ranks outside the embedding group
@@ -55,8 +56,9 @@ def sync_tied_embeddings(model_chunks: Iterable[torch.nn.Module],
         dist.all_reduce(weight.data, group=group)
 
 
-def allreduce_tied_embedding_grads(model_chunks: Iterable[torch.nn.Module],
-                                   pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+def allreduce_tied_embedding_grads(
+    model_chunks: Iterable[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection] = None
+) -> None:
     """Sum the gradients of the two tied copies over the embedding group (``main_grad`` if present)."""
     groups = resolve_process_groups(pg_collection)
     group = _embedding_group(groups)

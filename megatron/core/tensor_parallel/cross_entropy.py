@@ -31,11 +31,11 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 # fp32 working set of one block of rows of low-precision logits: a few MB stays in
 # the L2/L3 caches, where the upcast, exp and sum run several times faster than on
 # a tensor streamed from memory (measured on the 2-core CI machine, V = 50304).
-_BLOCK_BYTES = 8 * 2 ** 20
+_BLOCK_BYTES = 8 * 2**20
 # On a GPU each block costs a handful of kernel launches and caches do not matter: blocks of up
 # to 1 GiB of fp32 (one block for a usual microbatch, e.g. 8192 rows of V/tp = 32k) only bound
 # the transient fp32 copy.
-_CUDA_BLOCK_BYTES = 2 ** 30
+_CUDA_BLOCK_BYTES = 2**30
 
 
 def _all_reduce_(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
@@ -44,8 +44,9 @@ def _all_reduce_(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -
     return x
 
 
-def _local_targets(target: torch.Tensor, per_partition: int,
-                   group: dist.ProcessGroup) -> Tuple[torch.Tensor, torch.Tensor]:
+def _local_targets(
+    target: torch.Tensor, per_partition: int, group: dist.ProcessGroup
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(``not_mine``: target outside this rank's vocab slice, ``local_target``: index into it, 0 if not mine)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world)
@@ -62,8 +63,14 @@ def _smoothing(label_smoothing: float, vocab_size: int) -> float:
     return label_smoothing * vocab_size / (vocab_size - 1) if label_smoothing > 0 else 0.0
 
 
-def _loss(log_sum_exp: torch.Tensor, predicted: torch.Tensor, smoothing: float, vocab_size: int,
-          sum_shifted: Optional[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+def _loss(
+    log_sum_exp: torch.Tensor,
+    predicted: torch.Tensor,
+    smoothing: float,
+    vocab_size: int,
+    sum_shifted: Optional[torch.Tensor],
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
     """``(1 - s) * (-log p_target) + s * mean_over_V(-log p)`` from fp32 row statistics."""
     loss = log_sum_exp - predicted  # [...], -log p_target
     if smoothing > 0:
@@ -74,8 +81,14 @@ def _loss(log_sum_exp: torch.Tensor, predicted: torch.Tensor, smoothing: float, 
     return loss
 
 
-def _softmax_to_grad_(softmax: torch.Tensor, not_mine: torch.Tensor, local_target: torch.Tensor,
-                      smoothing: float, vocab_size: int, grad_loss: torch.Tensor) -> torch.Tensor:
+def _softmax_to_grad_(
+    softmax: torch.Tensor,
+    not_mine: torch.Tensor,
+    local_target: torch.Tensor,
+    smoothing: float,
+    vocab_size: int,
+    grad_loss: torch.Tensor,
+) -> torch.Tensor:
     """In place: ``d loss / d logits = (p - (1 - s) * onehot(target) - s / V) * grad_loss``."""
     if smoothing > 0:
         softmax.sub_(smoothing / vocab_size)
@@ -176,14 +189,18 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
             # p = exp(l - max - lse): subtract the two fp32 terms one at a time (max may be large).
             softmax = flat[rows].float().sub_(logits_max[rows].unsqueeze(-1))
             softmax.sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()
-            grad[rows] = _softmax_to_grad_(softmax, not_mine[rows], local_target[rows], ctx.smoothing,
-                                           ctx.vocab_size, grad_loss[rows])  # one rounding to bf16/fp16
+            grad[rows] = _softmax_to_grad_(
+                softmax, not_mine[rows], local_target[rows], ctx.smoothing, ctx.vocab_size, grad_loss[rows]
+            )  # one rounding to bf16/fp16
         return grad.view_as(logits), None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0,
-                                 tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
     """Per-token cross entropy of vocab-split logits, with fp32 statistics whatever their dtype.
 
     Args:
@@ -201,8 +218,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if not 0.0 <= label_smoothing < (vocab_size - 1) / vocab_size:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, (V-1)/V) for vocab size V={vocab_size}")
     if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
-        raise ValueError(f"target shape {tuple(target.shape)} does not match the logits' leading shape "
-                         f"{tuple(vocab_parallel_logits.shape[:-1])}")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} does not match the logits' leading shape "
+            f"{tuple(vocab_parallel_logits.shape[:-1])}"
+        )
     low_precision = vocab_parallel_logits.dtype in (torch.bfloat16, torch.float16)
     function = _BlockwiseCrossEntropy if low_precision else _VocabParallelCrossEntropy
     return function.apply(vocab_parallel_logits, target, float(label_smoothing), group)

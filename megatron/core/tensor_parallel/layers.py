@@ -77,9 +77,16 @@ def _resolve_group(tp_group: Optional[dist.ProcessGroup], is_expert: bool) -> di
     return groups.expt_tp if is_expert else groups.tp
 
 
-def _init_common(layer: torch.nn.Module, config: ModelParallelConfig, input_size: int, output_size: int,
-                 skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str],
-                 tp_group: Optional[dist.ProcessGroup]) -> int:
+def _init_common(
+    layer: torch.nn.Module,
+    config: ModelParallelConfig,
+    input_size: int,
+    output_size: int,
+    skip_bias_add: bool,
+    is_expert: bool,
+    tp_comm_buffer_name: Optional[str],
+    tp_group: Optional[dist.ProcessGroup],
+) -> int:
     """Attributes both parallel linears share; returns the size of their TP group.
 
     An expert layer on more than one rank leaves communication to its MoE layer, which
@@ -108,16 +115,24 @@ def _home_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _shard_of_master(master: torch.Tensor, per_partition: int, dim: int, stride: int,
-                     rank: int, world: int) -> torch.Tensor:
+def _shard_of_master(
+    master: torch.Tensor, per_partition: int, dim: int, stride: int, rank: int, world: int
+) -> torch.Tensor:
     """This rank's shard of ``master``: with stride k, every world-th of the k*world blocks."""
     blocks = torch.split(master, divide(per_partition, stride), dim=dim)
     return torch.cat(blocks[rank::world], dim=dim)
 
 
-def _make_weight(shape: Tuple[int, int], full_shape: Tuple[int, int], partition_dim: int, stride: int,
-                 init_method: InitMethod, config: ModelParallelConfig, group: dist.ProcessGroup,
-                 rng_stream: str) -> torch.nn.Parameter:
+def _make_weight(
+    shape: Tuple[int, int],
+    full_shape: Tuple[int, int],
+    partition_dim: int,
+    stride: int,
+    init_method: InitMethod,
+    config: ModelParallelConfig,
+    group: dist.ProcessGroup,
+    rng_stream: str,
+) -> torch.nn.Parameter:
     """Allocate a sharded weight and initialize it the way ``config`` asks.
 
     ``use_cpu_initialization``: build the full ``full_shape`` weight with the
@@ -134,8 +149,14 @@ def _make_weight(shape: Tuple[int, int], full_shape: Tuple[int, int], partition_
             if config.use_cpu_initialization:
                 master = torch.empty(full_shape, dtype=torch.float32)
                 init_method(master)
-                shard = _shard_of_master(master, shape[partition_dim], partition_dim, stride,
-                                         dist.get_rank(group), dist.get_world_size(group))
+                shard = _shard_of_master(
+                    master,
+                    shape[partition_dim],
+                    partition_dim,
+                    stride,
+                    dist.get_rank(group),
+                    dist.get_world_size(group),
+                )
                 weight.copy_(shard.to(config.params_dtype))
             else:
                 with get_cuda_rng_tracker().fork(rng_stream):
@@ -164,25 +185,40 @@ class ColumnParallelLinear(torch.nn.Module):
     hands it tokens present on every rank and reduces their gradient itself.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
-                 init_method: InitMethod, bias: bool = True, gather_output: bool = False, stride: int = 1,
-                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
-                 is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
-                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
         super().__init__()
         if gather_output and config.sequence_parallel:
-            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
-                             "config.sequence_parallel=True (the output would be gathered twice)")
+            raise ValueError(
+                "ColumnParallelLinear: gather_output=True cannot be combined with "
+                "config.sequence_parallel=True (the output would be gathered twice)"
+            )
         self.gather_output = gather_output
-        world = _init_common(self, config, input_size, output_size, skip_bias_add, is_expert, tp_comm_buffer_name,
-                             tp_group)
+        world = _init_common(
+            self, config, input_size, output_size, skip_bias_add, is_expert, tp_comm_buffer_name, tp_group
+        )
         self.output_size_per_partition = divide(output_size, world)
         shape = (self.output_size_per_partition, input_size)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
-            self.weight = _make_weight(shape, (output_size, input_size), 0, stride, init_method, config,
-                                       self.tp_group, _rng_stream(is_expert))
+            self.weight = _make_weight(
+                shape, (output_size, input_size), 0, stride, init_method, config, self.tp_group, _rng_stream(is_expert)
+            )
             self.weight.allreduce = not is_expert
         if bias:
             self.bias = _make_bias(self.output_size_per_partition, config)
@@ -200,16 +236,18 @@ class ColumnParallelLinear(torch.nn.Module):
     def _check_weight(self, weight: Optional[torch.Tensor]) -> torch.Tensor:
         if weight is None:
             if self.weight is None:
-                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True: "
-                                 "pass weight= to forward")
+                raise ValueError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True: pass weight= to forward"
+                )
             return self.weight
         expected = (self.output_size_per_partition, self.input_size)
         if tuple(weight.shape) != expected:
             raise ValueError(f"ColumnParallelLinear: weight has shape {tuple(weight.shape)}, expected {expected}")
         return weight
 
-    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                runtime_gather_output: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Apply the layer.
 
         Args:
@@ -221,7 +259,8 @@ class ColumnParallelLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         # input_: [s/tp, b, h] under SP (gathered inside, only the piece is kept for backward), else [s, b, h]
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self))  # [s, b, o/tp]
+            input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self)
+        )  # [s, b, o/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             if self.sequence_parallel:
@@ -243,23 +282,44 @@ class RowParallelLinear(torch.nn.Module):
     separately (``skip_bias_add`` required).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
-                 init_method: InitMethod, bias: bool = True, input_is_parallel: bool = False,
-                 skip_bias_add: bool = False, stride: int = 1, is_expert: bool = False,
-                 tp_comm_buffer_name: Optional[str] = None,
-                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: InitMethod,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        stride: int = 1,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
         super().__init__()
         if config.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: config.sequence_parallel=True requires input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
-        world = _init_common(self, config, input_size, output_size, skip_bias_add, is_expert, tp_comm_buffer_name,
-                             tp_group)
+        world = _init_common(
+            self, config, input_size, output_size, skip_bias_add, is_expert, tp_comm_buffer_name, tp_group
+        )
         if self.explicit_expert_comm and bias and not skip_bias_add:
-            raise ValueError("RowParallelLinear: an expert layer on several TP ranks needs skip_bias_add=True "
-                             "(the bias must be added after the MoE layer's reduction)")
+            raise ValueError(
+                "RowParallelLinear: an expert layer on several TP ranks needs skip_bias_add=True "
+                "(the bias must be added after the MoE layer's reduction)"
+            )
         self.input_size_per_partition = divide(input_size, world)
-        self.weight = _make_weight((output_size, self.input_size_per_partition), (output_size, input_size), 1,
-                                   stride, init_method, config, self.tp_group, _rng_stream(is_expert))
+        self.weight = _make_weight(
+            (output_size, self.input_size_per_partition),
+            (output_size, input_size),
+            1,
+            stride,
+            init_method,
+            config,
+            self.tp_group,
+            _rng_stream(is_expert),
+        )
         self.weight.allreduce = not is_expert
         if bias:
             self.bias = _make_bias(output_size, config)
@@ -277,7 +337,8 @@ class RowParallelLinear(torch.nn.Module):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h/tp]
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input_parallel, self.weight, None, self.tp_group, COMM_NONE, _fuse_wgrad(self))  # [s, b, o] partial sum
+            input_parallel, self.weight, None, self.tp_group, COMM_NONE, _fuse_wgrad(self)
+        )  # [s, b, o] partial sum
         if self.explicit_expert_comm:
             output = output_parallel  # the MoE layer sums the partial outputs over TP
         elif self.sequence_parallel:
@@ -299,20 +360,35 @@ class VocabParallelEmbedding(torch.nn.Module):
     for a sequence-parallel model.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod,
-                 config: ModelParallelConfig, reduce_scatter_embeddings: bool = False,
-                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod,
+        config: ModelParallelConfig,
+        reduce_scatter_embeddings: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.tp_group = _resolve_group(tp_group, False)
         rank, world = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
-            num_embeddings, rank, world)
+            num_embeddings, rank, world
+        )
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
-        self.weight = _make_weight((self.num_embeddings_per_partition, embedding_dim),
-                                   (num_embeddings, embedding_dim), 0, 1, init_method, config,
-                                   self.tp_group, _rng_stream(False))
+        self.weight = _make_weight(
+            (self.num_embeddings_per_partition, embedding_dim),
+            (num_embeddings, embedding_dim),
+            0,
+            1,
+            init_method,
+            config,
+            self.tp_group,
+            _rng_stream(False),
+        )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Embed ``[b, s]`` ids; returns ``[b, s, h]`` or ``[s/tp, b, h]`` (see class doc)."""

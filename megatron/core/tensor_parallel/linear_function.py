@@ -47,16 +47,20 @@ def _start_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> Tuple[
     return out, all_gather_into_tensor(out, x.contiguous(), group=group, async_op=True)
 
 
-def _start_grad_input_reduction(grad_input: torch.Tensor, comm: str,
-                                group: dist.ProcessGroup) -> Tuple[torch.Tensor, Handle]:
+def _start_grad_input_reduction(
+    grad_input: torch.Tensor, comm: str, group: dist.ProcessGroup
+) -> Tuple[torch.Tensor, Handle]:
     """Start summing the input gradient over TP: all-reduce ``[s, b, h]`` in place, or
     reduce-scatter it to ``[s/tp, b, h]`` under sequence parallelism."""
     if comm == COMM_ALL_REDUCE:
         return grad_input, dist.all_reduce(grad_input, group=group, async_op=True)
     if comm == COMM_SEQUENCE_PARALLEL:
         world = dist.get_world_size(group)
-        out = torch.empty((divide(grad_input.size(0), world),) + tuple(grad_input.shape[1:]),
-                          dtype=grad_input.dtype, device=grad_input.device)
+        out = torch.empty(
+            (divide(grad_input.size(0), world),) + tuple(grad_input.shape[1:]),
+            dtype=grad_input.dtype,
+            device=grad_input.device,
+        )
         return out, reduce_scatter_tensor(out, grad_input, group=group, async_op=True)
     return grad_input, None
 
@@ -66,8 +70,9 @@ def _wait(handle: Handle) -> None:
         handle.wait()
 
 
-def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor, weight: torch.Tensor,
-                 fuse: bool) -> torch.Tensor:
+def _weight_grad(
+    grad_output: torch.Tensor, total_input: torch.Tensor, weight: torch.Tensor, fuse: bool
+) -> torch.Tensor:
     """``dW = dY^T X`` ``[o, h]``; with ``fuse`` and a ``main_grad`` it is added there instead."""
     grad_2d = grad_output.reshape(-1, grad_output.size(-1))  # [s*b, o]
     input_2d = total_input.reshape(-1, total_input.size(-1))  # [s*b, h]
@@ -86,8 +91,15 @@ def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor, weight: t
 
 class _ParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                group: Optional[dist.ProcessGroup], comm: str, fuse_wgrad_accumulation: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        group: Optional[dist.ProcessGroup],
+        comm: str,
+        fuse_wgrad_accumulation: bool,
+    ) -> torch.Tensor:
         if comm == COMM_SEQUENCE_PARALLEL:
             total_input, handle = _start_gather_first_dim(input_, group)  # [s, b, h]
             _wait(handle)
@@ -120,9 +132,13 @@ class _ParallelLinear(torch.autograd.Function):
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
-        input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-        group: Optional[dist.ProcessGroup], comm: str = COMM_NONE,
-        fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+    comm: str = COMM_NONE,
+    fuse_wgrad_accumulation: bool = False,
+) -> torch.Tensor:
     """``F.linear(input_, weight, bias)`` with the TP communication ``comm`` (module doc).
 
     ``comm`` other than ``"none"`` needs ``group``; on a one-rank group pass ``"none"``.

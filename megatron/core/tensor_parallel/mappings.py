@@ -198,38 +198,38 @@ class _ReduceScatterLastDim(torch.autograd.Function):
 # ----------------------------------------------------------------------------------
 # Public API (Megatron names).
 # ----------------------------------------------------------------------------------
-def copy_to_tensor_model_parallel_region(input_: torch.Tensor,
-                                         group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
     return _CopyToRegion.apply(input_, resolve_tp_group(group))
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor,
-                                             group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(
+    input_: torch.Tensor, group: Optional[ProcessGroup] = None
+) -> torch.Tensor:
     """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
     return _ReduceFromRegion.apply(input_, resolve_tp_group(group))
 
 
-def scatter_to_tensor_model_parallel_region(input_: torch.Tensor,
-                                            group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Keep this rank's slice of the last dim; backward all-gathers the last dim."""
     return _ScatterLastDim.apply(input_, resolve_tp_group(group))
 
 
-def gather_from_tensor_model_parallel_region(input_: torch.Tensor,
-                                             group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(
+    input_: torch.Tensor, group: Optional[ProcessGroup] = None
+) -> torch.Tensor:
     """All-gather the last dim; backward keeps this rank's slice of the gradient."""
     return _GatherLastDim.apply(input_, resolve_tp_group(group))
 
 
-def scatter_to_sequence_parallel_region(input_: torch.Tensor,
-                                        group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """``[s, b, h] -> [s/tp, b, h]`` (this rank's sequence piece); backward all-gathers dim 0."""
     return _ScatterFirstDim.apply(input_, resolve_tp_group(group))
 
 
-def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_output_grad: bool = True,
-                                         group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group: Optional[ProcessGroup] = None
+) -> torch.Tensor:
     """``[s/tp, b, h] -> [s, b, h]`` by all-gather along dim 0.
 
     Args:
@@ -243,19 +243,22 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_o
     return _GatherFirstDim.apply(input_, resolve_tp_group(group), bool(tensor_parallel_output_grad))
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor,
-                                               group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, group: Optional[ProcessGroup] = None
+) -> torch.Tensor:
     """``[s, b, h]`` partial sums -> summed ``[s/tp, b, h]``; backward all-gathers dim 0."""
     return _ReduceScatterFirstDim.apply(input_, resolve_tp_group(group))
 
 
-def all_gather_last_dim_from_tensor_parallel_region(input_: torch.Tensor,
-                                                    group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def all_gather_last_dim_from_tensor_parallel_region(
+    input_: torch.Tensor, group: Optional[ProcessGroup] = None
+) -> torch.Tensor:
     """All-gather the last dim; backward reduce-scatters the last dim (consumer is TP)."""
     return _AllGatherLastDim.apply(input_, resolve_tp_group(group))
 
 
-def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor,
-                                                      group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def reduce_scatter_last_dim_to_tensor_parallel_region(
+    input_: torch.Tensor, group: Optional[ProcessGroup] = None
+) -> torch.Tensor:
     """Sum over ranks and keep this rank's slice of the last dim; backward all-gathers it."""
     return _ReduceScatterLastDim.apply(input_, resolve_tp_group(group))

@@ -127,8 +127,9 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
 get_rng_tracker = get_cuda_rng_tracker
 
 
-def model_parallel_cuda_manual_seed(seed: int, tp_rank: Optional[int] = None, ep_rank: Optional[int] = None,
-                                    etp_rank: Optional[int] = None) -> None:
+def model_parallel_cuda_manual_seed(
+    seed: int, tp_rank: Optional[int] = None, ep_rank: Optional[int] = None, etp_rank: Optional[int] = None
+) -> None:
     """Seed the default generator and the tracked TP/expert streams (see module doc).
 
     Ranks left as None are read from ``parallel_state.default_process_groups()``.
@@ -230,8 +231,12 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None) + input_grads
 
 
-def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any,
-               tp_group: Optional[dist.ProcessGroup] = None) -> Any:
+def checkpoint(
+    function: Callable[..., Any],
+    distribute_saved_activations: bool,
+    *args: Any,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> Any:
     """Activation checkpointing with RNG replay (Megatron's ``tensor_parallel.checkpoint``).
 
     Args:

@@ -21,8 +21,9 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
-                                contiguous_split_chunks: bool = False) -> Tuple[torch.Tensor, ...]:
+def split_tensor_along_last_dim(
+    tensor: torch.Tensor, num_partitions: int, contiguous_split_chunks: bool = False
+) -> Tuple[torch.Tensor, ...]:
     """Cut ``tensor`` into ``num_partitions`` equal pieces along its last dimension.
 
     Args:
@@ -41,7 +42,7 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group: dist.ProcessG
     """This rank's equal slice of ``tensor`` flattened (numel must divide by the group size)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     per_rank = divide(tensor.numel(), world)
-    return tensor.reshape(-1)[rank * per_rank:(rank + 1) * per_rank].clone()
+    return tensor.reshape(-1)[rank * per_rank : (rank + 1) * per_rank].clone()
 
 
 def gather_split_1d_tensor(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -56,17 +57,16 @@ class VocabUtility:
     """Which contiguous slice ``[first, last)`` of the vocabulary a TP rank owns."""
 
     @staticmethod
-    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
-                                                  world_size: int) -> Tuple[int, int]:
+    def vocab_range_from_per_partition_vocab_size(
+        per_partition_vocab_size: int, rank: int, world_size: int
+    ) -> Tuple[int, int]:
         """Range of rank ``rank`` when every rank holds ``per_partition_vocab_size`` entries."""
         del world_size  # every partition has the same size; kept for Megatron's signature
         first = rank * per_partition_vocab_size
         return first, first + per_partition_vocab_size
 
     @staticmethod
-    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
-                                           world_size: int) -> Tuple[int, int]:
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
         """Range of rank ``rank`` when ``global_vocab_size`` is split over ``world_size`` ranks."""
         per_partition = divide(global_vocab_size, world_size)
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)
-

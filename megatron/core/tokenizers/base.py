@@ -81,9 +81,15 @@ class MegatronTokenizer(abc.ABC):
         return [self.tokenize(t) for t in texts]
 
     #: Description of each special-token role, for error messages.
-    SPECIAL_ROLES = {"eod": "end-of-document (eod)", "pad": "padding (pad)",
-                     "bos": "beginning-of-sequence (bos)", "eos": "end-of-sequence (eos)",
-                     "cls": "classification (cls)", "sep": "separator (sep)", "mask": "mask"}
+    SPECIAL_ROLES = {
+        "eod": "end-of-document (eod)",
+        "pad": "padding (pad)",
+        "bos": "beginning-of-sequence (bos)",
+        "eos": "end-of-sequence (eos)",
+        "cls": "classification (cls)",
+        "sep": "separator (sep)",
+        "mask": "mask",
+    }
 
     def special_id(self, role: str) -> Optional[int]:
         """The id playing ``role`` (a key of ``SPECIAL_ROLES``), or None when there is none.

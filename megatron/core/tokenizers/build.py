@@ -20,19 +20,26 @@ from megatron.core.tokenizers.wordpiece import BertWordPieceTokenizer
 _BUILDERS: Dict[str, Callable[..., MegatronTokenizer]] = {
     "GPT2BPETokenizer": lambda a: GPT2BPETokenizer(a["vocab_file"], a["merge_file"]),
     "BertWordPieceLowerCase": lambda a: BertWordPieceTokenizer(
-        a["vocab_file"], lower_case=True, vocab_extra_ids=a["vocab_extra_ids"]),
+        a["vocab_file"], lower_case=True, vocab_extra_ids=a["vocab_extra_ids"]
+    ),
     "BertWordPieceCase": lambda a: BertWordPieceTokenizer(
-        a["vocab_file"], lower_case=False, vocab_extra_ids=a["vocab_extra_ids"]),
+        a["vocab_file"], lower_case=False, vocab_extra_ids=a["vocab_extra_ids"]
+    ),
     "SentencePieceTokenizer": lambda a: SentencePieceTokenizer(
-        a["tokenizer_model"], vocab_extra_ids=a["vocab_extra_ids"]),
+        a["tokenizer_model"], vocab_extra_ids=a["vocab_extra_ids"]
+    ),
     "GPTSentencePieceTokenizer": lambda a: GPTSentencePieceTokenizer(a["tokenizer_model"]),
     "Llama2Tokenizer": lambda a: Llama2Tokenizer(a["tokenizer_model"]),
     "HuggingFaceTokenizer": lambda a: HuggingFaceTokenizer(
-        a["tokenizer_model"], trust_remote_code=a["trust_remote_code"]),
+        a["tokenizer_model"], trust_remote_code=a["trust_remote_code"]
+    ),
     "TikTokenizer": lambda a: TikTokenizer(
-        a["tokenizer_model"], a["tiktoken_pattern"], vocab_size=a["vocab_size"],
+        a["tokenizer_model"],
+        a["tiktoken_pattern"],
+        vocab_size=a["vocab_size"],
         num_special_tokens=a["tiktoken_num_special_tokens"],
-        special_tokens=a["tiktoken_special_tokens"]),
+        special_tokens=a["tiktoken_special_tokens"],
+    ),
     "NullTokenizer": lambda a: NullTokenizer(a["vocab_size"]),
 }
 
@@ -74,13 +81,24 @@ def build_tokenizer(
         FileNotFoundError: a named file does not exist.
     """
     if tokenizer_type not in _BUILDERS:
-        raise ValueError(f"--tokenizer-type={tokenizer_type!r} is not supported; "
-                         f"choose one of {', '.join(TOKENIZER_TYPES)}")
+        raise ValueError(
+            f"--tokenizer-type={tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"
+        )
     if vocab_extra_ids and tokenizer_type not in _EXTRA_IDS_TYPES:
-        raise ValueError(f"--vocab-extra-ids={vocab_extra_ids} is not supported by "
-                         f"{tokenizer_type}; only by {', '.join(_EXTRA_IDS_TYPES)}")
-    return _BUILDERS[tokenizer_type](dict(
-        vocab_file=vocab_file, merge_file=merge_file, tokenizer_model=tokenizer_model,
-        vocab_size=vocab_size, vocab_extra_ids=vocab_extra_ids,
-        tiktoken_pattern=tiktoken_pattern, tiktoken_num_special_tokens=tiktoken_num_special_tokens,
-        tiktoken_special_tokens=tiktoken_special_tokens, trust_remote_code=trust_remote_code))
+        raise ValueError(
+            f"--vocab-extra-ids={vocab_extra_ids} is not supported by "
+            f"{tokenizer_type}; only by {', '.join(_EXTRA_IDS_TYPES)}"
+        )
+    return _BUILDERS[tokenizer_type](
+        dict(
+            vocab_file=vocab_file,
+            merge_file=merge_file,
+            tokenizer_model=tokenizer_model,
+            vocab_size=vocab_size,
+            vocab_extra_ids=vocab_extra_ids,
+            tiktoken_pattern=tiktoken_pattern,
+            tiktoken_num_special_tokens=tiktoken_num_special_tokens,
+            tiktoken_special_tokens=tiktoken_special_tokens,
+            trust_remote_code=trust_remote_code,
+        )
+    )

@@ -18,8 +18,7 @@ def load_hf_tokenizer(tokenizer_model: Optional[str], trust_remote_code: bool = 
         **kwargs: passed on to ``from_pretrained``.
     """
     if tokenizer_model is None:
-        raise ValueError("--tokenizer-model is required: give a local tokenizer directory or "
-                         "tokenizer.json")
+        raise ValueError("--tokenizer-model is required: give a local tokenizer directory or tokenizer.json")
     import transformers
 
     if os.path.isfile(tokenizer_model):
@@ -27,13 +26,14 @@ def load_hf_tokenizer(tokenizer_model: Optional[str], trust_remote_code: bool = 
     try:
         # local_files_only: a hub name is only accepted if it is already in the local cache.
         return transformers.AutoTokenizer.from_pretrained(
-            tokenizer_model, local_files_only=True, trust_remote_code=trust_remote_code,
-            **kwargs)
+            tokenizer_model, local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
+        )
     except (OSError, ValueError) as err:
         raise FileNotFoundError(
             f"--tokenizer-model={tokenizer_model!r} is neither a tokenizer.json file, a directory "
             f"of tokenizer files, nor a model in the local Hugging Face cache (nothing is "
-            f"downloaded): {err}") from err
+            f"downloaded): {err}"
+        ) from err
 
 
 class HuggingFaceTokenizer(MegatronTokenizer):
@@ -70,8 +70,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         if not texts:  # transformers fails on an empty batch
             return []
         # A list input goes to the Rust backend's batch encoder in one call.
-        out = self._tokenizer(list(texts), return_attention_mask=False,
-                              return_token_type_ids=False)
+        out = self._tokenizer(list(texts), return_attention_mask=False, return_token_type_ids=False)
         return out["input_ids"]
 
     def detokenize(self, ids: Sequence[int]) -> str:

@@ -65,7 +65,6 @@ class _SentencePieceBase(MegatronTokenizer):
         return self._sp.decode(list(ids))
 
 
-
 class GPTSentencePieceTokenizer(_SentencePieceBase):
     """SentencePiece model used as is; eod is the model's eos (``--tokenizer-model``)."""
 
@@ -73,8 +72,12 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
 
     def special_id(self, role: str) -> Optional[int]:
         # The model's own bos/eos/pad pieces (absent ones have id -1); eod is the eos.
-        model_ids = {"bos": self._sp.bos_id(), "eos": self._sp.eos_id(), "eod": self._sp.eos_id(),
-                     "pad": self._sp.pad_id()}
+        model_ids = {
+            "bos": self._sp.bos_id(),
+            "eos": self._sp.eos_id(),
+            "eod": self._sp.eos_id(),
+            "pad": self._sp.pad_id(),
+        }
         piece_id = model_ids.get(role, -1)
         return piece_id if self._piece_or_none(piece_id) is not None else None
 
@@ -99,15 +102,19 @@ class SentencePieceTokenizer(_SentencePieceBase):
 
     tokenizer_type = "SentencePieceTokenizer"
 
-    def __init__(self, tokenizer_model: str, vocab_extra_ids: int = 0,
-                 num_threads: Optional[int] = None):
+    def __init__(self, tokenizer_model: str, vocab_extra_ids: int = 0, num_threads: Optional[int] = None):
         super().__init__(tokenizer_model, num_threads)
         self._vocab = self._model_vocab()
         self._special: Dict[str, int] = {}
-        self._special_ids = {role: self._add_special(t) for role, t in
-                             (("cls", "<CLS>"), ("sep", "<SEP>"), ("eod", "<EOD>"), ("mask", "<MASK>"))}
-        for role, piece_id, default in (("pad", self._sp.pad_id(), "<PAD>"), ("bos", self._sp.bos_id(), "<BOS>"),
-                                        ("eos", self._sp.eos_id(), "<EOS>")):
+        self._special_ids = {
+            role: self._add_special(t)
+            for role, t in (("cls", "<CLS>"), ("sep", "<SEP>"), ("eod", "<EOD>"), ("mask", "<MASK>"))
+        }
+        for role, piece_id, default in (
+            ("pad", self._sp.pad_id(), "<PAD>"),
+            ("bos", self._sp.bos_id(), "<BOS>"),
+            ("eos", self._sp.eos_id(), "<EOS>"),
+        ):
             self._special_ids[role] = self._add_special(self._piece_or_none(piece_id) or default)
         self._extra_ids = [self._add_special(t) for t in extra_id_tokens(vocab_extra_ids)]
         self._inv_special = {i: t for t, i in self._special.items()}
@@ -132,7 +139,7 @@ class SentencePieceTokenizer(_SentencePieceBase):
             start = 0
             for match in self._special_re.finditer(text):
                 layout.append(len(pieces))
-                pieces.append(text[start:match.start()])
+                pieces.append(text[start : match.start()])
                 layout.append(self._special[match.group()])
                 start = match.end()
             layout.append(len(pieces))

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from megatron.core.tokenizers.base import MegatronTokenizer, check_file, default_num_threads
 
-PATTERN_V1 = (r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+")
+PATTERN_V1 = r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 PATTERN_V2 = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
@@ -46,16 +46,22 @@ def read_ranks(path: str) -> Dict[bytes, int]:
         raise ValueError(f"--tokenizer-model={path!r}: ranks are not the distinct ids 0..{len(ranks) - 1}")
     missing = [b for b in range(256) if ranks.get(bytes([b])) != b]
     if missing:
-        raise ValueError(f"--tokenizer-model={path!r}: rank b must be the single byte b for "
-                         f"b < 256; wrong for {missing[:5]}")
+        raise ValueError(
+            f"--tokenizer-model={path!r}: rank b must be the single byte b for b < 256; wrong for {missing[:5]}"
+        )
     return ranks
 
 
 def write_ranks_json(ranks: Dict[bytes, int], path: str) -> None:
     """Writes ranks in Megatron's JSON format."""
-    items = [{"rank": r, "token_bytes": base64.b64encode(t).decode("ascii"),
-              "token_str": t.decode("utf-8", errors="replace")}
-             for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    items = [
+        {
+            "rank": r,
+            "token_bytes": base64.b64encode(t).decode("ascii"),
+            "token_str": t.decode("utf-8", errors="replace"),
+        }
+        for t, r in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     with open(path, "w", encoding="utf-8") as f:
         json.dump(items, f, ensure_ascii=False)
 
@@ -67,11 +73,11 @@ def special_token_list(num_special_tokens: int, special_tokens: Optional[List[st
         raise ValueError(f"--tiktoken-special-tokens has duplicates: {tokens}")
     absent = [t for t in REQUIRED_SPECIAL_TOKENS if t not in tokens]
     if absent:
-        raise ValueError(f"--tiktoken-special-tokens must include {list(REQUIRED_SPECIAL_TOKENS)}; "
-                         f"missing {absent}")
+        raise ValueError(f"--tiktoken-special-tokens must include {list(REQUIRED_SPECIAL_TOKENS)}; missing {absent}")
     if len(tokens) > num_special_tokens:
-        raise ValueError(f"--tiktoken-num-special-tokens={num_special_tokens} is less than the "
-                         f"{len(tokens)} special tokens given")
+        raise ValueError(
+            f"--tiktoken-num-special-tokens={num_special_tokens} is less than the {len(tokens)} special tokens given"
+        )
     return tokens + [f"<SPECIAL_{i}>" for i in range(len(tokens), num_special_tokens)]
 
 
@@ -93,9 +99,15 @@ class TikTokenizer(MegatronTokenizer):
 
     tokenizer_type = "TikTokenizer"
 
-    def __init__(self, tokenizer_model: str, pattern: Optional[str],
-                 vocab_size: Optional[int] = None, num_special_tokens: int = 1000,
-                 special_tokens: Optional[List[str]] = None, num_threads: Optional[int] = None):
+    def __init__(
+        self,
+        tokenizer_model: str,
+        pattern: Optional[str],
+        vocab_size: Optional[int] = None,
+        num_special_tokens: int = 1000,
+        special_tokens: Optional[List[str]] = None,
+        num_threads: Optional[int] = None,
+    ):
         check_file(tokenizer_model, "--tokenizer-model", "tiktoken ranks file")
         if pattern is None:
             raise ValueError("--tiktoken-pattern is required for TikTokenizer: v1, v2 or a regex")
@@ -107,9 +119,11 @@ class TikTokenizer(MegatronTokenizer):
             vocab_size = num_special_tokens + len(ranks)
         inner = vocab_size - num_special_tokens
         if not 256 <= inner <= len(ranks):
-            raise ValueError(f"--vocab-size={vocab_size} must be between {num_special_tokens + 256} "
-                             f"and {num_special_tokens + len(ranks)} (--tiktoken-num-special-tokens="
-                             f"{num_special_tokens} plus the {len(ranks)} ranks of the file)")
+            raise ValueError(
+                f"--vocab-size={vocab_size} must be between {num_special_tokens + 256} "
+                f"and {num_special_tokens + len(ranks)} (--tiktoken-num-special-tokens="
+                f"{num_special_tokens} plus the {len(ranks)} ranks of the file)"
+            )
         # Shifting every rank keeps the merge order and makes tiktoken emit final ids directly.
         shifted = {t: r + num_special_tokens for t, r in ranks.items() if r < inner}
         self._specials = {t: i for i, t in enumerate(specials)}
@@ -117,8 +131,12 @@ class TikTokenizer(MegatronTokenizer):
         self._special_ids = {role: self._specials[t] for role, t in named.items() if t in self._specials}
         self._vocab_size = vocab_size
         self._num_threads = num_threads or default_num_threads()
-        self._model = tiktoken.Encoding(name="megatron_tiktoken", pat_str=PATTERNS.get(pattern, pattern),
-                                        mergeable_ranks=shifted, special_tokens=self._specials)
+        self._model = tiktoken.Encoding(
+            name="megatron_tiktoken",
+            pat_str=PATTERNS.get(pattern, pattern),
+            mergeable_ranks=shifted,
+            special_tokens=self._specials,
+        )
         self._vocab: Dict[Union[bytes, str], int] = {**shifted, **self._specials}
 
     @property

@@ -13,14 +13,15 @@ from megatron.core.tokenizers.gpt2_bpe import EOD_TOKEN
 from megatron.core.tokenizers.tiktoken_tokenizer import PATTERNS, write_ranks_json
 
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-HF_SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
-                     "pad_token": "<pad>"}
+HF_SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 # SentencePiece skips longer training lines (its max_sentence_length default).
 SENTENCEPIECE_MAX_LINE_BYTES = 4192
 
 _FLAG_OF_ARG = {
-    "vocab_file": "--vocab-file", "merge_file": "--merge-file",
-    "tokenizer_model": "--tokenizer-model", "vocab_size": "--vocab-size",
+    "vocab_file": "--vocab-file",
+    "merge_file": "--merge-file",
+    "tokenizer_model": "--tokenizer-model",
+    "vocab_size": "--vocab-size",
     "vocab_extra_ids": "--vocab-extra-ids",
     "tiktoken_pattern": "--tiktoken-pattern",
     "tiktoken_num_special_tokens": "--tiktoken-num-special-tokens",
@@ -57,8 +58,9 @@ def megatron_flags(tokenizer_type: str, kwargs: Dict[str, object]) -> List[str]:
 def bytes_to_unicode() -> Dict[int, str]:
     """GPT-2's byte-to-character map: printable Latin-1 bytes stand for themselves, the other
     bytes take the characters from U+0100 upwards, in byte order."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapping, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -69,8 +71,9 @@ def bytes_to_unicode() -> Dict[int, str]:
     return mapping
 
 
-def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: List[str],
-                          split_pattern: Optional[str] = None):
+def _train_byte_level_bpe(
+    texts: Iterable[str], vocab_size: int, special_tokens: List[str], split_pattern: Optional[str] = None
+):
     """Trains a byte-level BPE ``tokenizers.Tokenizer``; ``split_pattern`` replaces GPT-2's
     pre-tokenization regex when given."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -79,13 +82,20 @@ def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens:
     if split_pattern is None:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -94,13 +104,12 @@ def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str) -> Tr
     """Writes ``vocab.json`` and ``merges.txt`` (with ``<|endoftext|>``) for GPT2BPETokenizer."""
     tokenizer = _train_byte_level_bpe(texts, vocab_size, [EOD_TOKEN])
     vocab_file, merge_file = tokenizer.model.save(output_dir)
-    return TrainedTokenizer("GPT2BPETokenizer",
-                            {"vocab_file": vocab_file, "merge_file": merge_file},
-                            [vocab_file, merge_file])
+    return TrainedTokenizer(
+        "GPT2BPETokenizer", {"vocab_file": vocab_file, "merge_file": merge_file}, [vocab_file, merge_file]
+    )
 
 
-def train_tiktoken(texts: Iterable[str], vocab_size: int, output_dir: str,
-                   pattern: str = "v2") -> TrainedTokenizer:
+def train_tiktoken(texts: Iterable[str], vocab_size: int, output_dir: str, pattern: str = "v2") -> TrainedTokenizer:
     """Writes ``tiktoken.json`` (Megatron's ranks format) for TikTokenizer.
 
     A byte-level BPE is trained with the tiktoken split regex; its tokens, mapped from GPT-2's
@@ -116,10 +125,16 @@ def train_tiktoken(texts: Iterable[str], vocab_size: int, output_dir: str,
     path = os.path.join(output_dir, "tiktoken.json")
     write_ranks_json(ranks, path)
     num_special = 1000
-    return TrainedTokenizer("TikTokenizer", {
-        "tokenizer_model": path, "tiktoken_pattern": pattern,
-        "tiktoken_num_special_tokens": num_special, "vocab_size": num_special + len(ranks)},
-        [path])
+    return TrainedTokenizer(
+        "TikTokenizer",
+        {
+            "tokenizer_model": path,
+            "tiktoken_pattern": pattern,
+            "tiktoken_num_special_tokens": num_special,
+            "vocab_size": num_special + len(ranks),
+        },
+        [path],
+    )
 
 
 def train_huggingface(texts: Iterable[str], vocab_size: int, output_dir: str) -> TrainedTokenizer:
@@ -130,20 +145,23 @@ def train_huggingface(texts: Iterable[str], vocab_size: int, output_dir: str) ->
     tokenizer = _train_byte_level_bpe(texts, vocab_size, list(HF_SPECIAL_TOKENS.values()))
     bos = HF_SPECIAL_TOKENS["bos_token"]
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **HF_SPECIAL_TOKENS)
     files = list(wrapped.save_pretrained(output_dir))
     return TrainedTokenizer("HuggingFaceTokenizer", {"tokenizer_model": output_dir}, files)
 
 
-def train_wordpiece(texts: Iterable[str], vocab_size: int, output_dir: str,
-                    lower_case: bool = True) -> TrainedTokenizer:
+def train_wordpiece(
+    texts: Iterable[str], vocab_size: int, output_dir: str, lower_case: bool = True
+) -> TrainedTokenizer:
     """Writes a BERT ``vocab.txt`` for BertWordPieceLowerCase (or BertWordPieceCase)."""
     from tokenizers import BertWordPieceTokenizer
 
     tokenizer = BertWordPieceTokenizer(lowercase=lower_case)
-    tokenizer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=BERT_SPECIAL_TOKENS, show_progress=False)
+    tokenizer.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=BERT_SPECIAL_TOKENS, show_progress=False
+    )
     (vocab_file,) = tokenizer.save_model(output_dir)
     kind = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
     return TrainedTokenizer(kind, {"vocab_file": vocab_file}, [vocab_file])
@@ -156,8 +174,9 @@ def _short_lines(texts: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, output_dir: str,
-                        model_type: str = "bpe") -> TrainedTokenizer:
+def train_sentencepiece(
+    texts: Iterable[str], vocab_size: int, output_dir: str, model_type: str = "bpe"
+) -> TrainedTokenizer:
     """Writes ``tokenizer.model`` (Llama-style: unk 0, bos 1, eos 2, no pad, byte fallback).
 
     The model also serves SentencePieceTokenizer and Llama2Tokenizer; GPTSentencePieceTokenizer
@@ -167,11 +186,19 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, output_dir: str,
 
     prefix = os.path.join(output_dir, "tokenizer")
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=_short_lines(texts), model_prefix=prefix, vocab_size=vocab_size,
-        model_type=model_type, byte_fallback=True, hard_vocab_limit=False,
-        character_coverage=0.9995, num_threads=min(4, os.cpu_count() or 1), minloglevel=2)
-    return TrainedTokenizer("GPTSentencePieceTokenizer", {"tokenizer_model": prefix + ".model"},
-                            [prefix + ".model", prefix + ".vocab"])
+        sentence_iterator=_short_lines(texts),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        character_coverage=0.9995,
+        num_threads=min(4, os.cpu_count() or 1),
+        minloglevel=2,
+    )
+    return TrainedTokenizer(
+        "GPTSentencePieceTokenizer", {"tokenizer_model": prefix + ".model"}, [prefix + ".model", prefix + ".vocab"]
+    )
 
 
 TRAINERS: Dict[str, Callable[[Iterable[str], int, str], TrainedTokenizer]] = {
@@ -185,8 +212,7 @@ TRAINERS: Dict[str, Callable[[Iterable[str], int, str], TrainedTokenizer]] = {
 }
 
 
-def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int,
-                    output_dir: str) -> TrainedTokenizer:
+def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int, output_dir: str) -> TrainedTokenizer:
     """Trains one kind of :data:`TRAINERS` on ``texts`` and writes its files to ``output_dir``."""
     if kind not in TRAINERS:
         raise ValueError(f"--type={kind!r} is not supported; choose one of {', '.join(TRAINERS)}")

@@ -40,16 +40,17 @@ class BertWordPieceTokenizer(TokenizersLibraryMixin, MegatronTokenizer):
         missing = [t for t in REQUIRED_TOKENS if t not in self._vocab]
         if missing:
             raise ValueError(f"--vocab-file={vocab_file!r} lacks the BERT tokens {missing}")
-        model = models.WordPiece(dict(self._vocab), unk_token="[UNK]",
-                                 max_input_chars_per_word=MAX_CHARS_PER_WORD)
+        model = models.WordPiece(dict(self._vocab), unk_token="[UNK]", max_input_chars_per_word=MAX_CHARS_PER_WORD)
         self._tokenizer = Tokenizer(model)
         self._tokenizer.normalizer = normalizers.BertNormalizer(
-            clean_text=True, handle_chinese_chars=True, strip_accents=lower_case,
-            lowercase=lower_case)
+            clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case
+        )
         self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self._tokenizer.decoder = decoders.WordPiece(prefix="##")
-        self._special_ids = {role: self._vocab[t] for role, t in
-                             (("cls", "[CLS]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("mask", "[MASK]"))}
+        self._special_ids = {
+            role: self._vocab[t]
+            for role, t in (("cls", "[CLS]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("mask", "[MASK]"))
+        }
         self._special_ids.update(bos=self._add_token("[BOS]"), eos=self._add_token("[EOS]"))
         self._extra_ids = [self._add_token(t) for t in extra_id_tokens(vocab_extra_ids)]
 

@@ -5,5 +5,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["AttnBackend", "AttnMaskType", "MegatronModule", "ModelType", "ModuleSpec", "TransformerConfig",
-           "build_module"]
+__all__ = [
+    "AttnBackend",
+    "AttnMaskType",
+    "MegatronModule",
+    "ModelType",
+    "ModuleSpec",
+    "TransformerConfig",
+    "build_module",
+]

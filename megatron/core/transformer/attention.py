@@ -45,8 +45,11 @@ def warn_flash_unavailable(reasons: List[str]) -> None:
     if key in _flash_warnings:
         return
     _flash_warnings.add(key)
-    warnings.warn(f"--attention-backend flash: flash attention cannot run here ({'; '.join(reasons)}); "
-                  "PyTorch picks another kernel (warned once per case)", stacklevel=3)
+    warnings.warn(
+        f"--attention-backend flash: flash attention cannot run here ({'; '.join(reasons)}); "
+        "PyTorch picks another kernel (warned once per case)",
+        stacklevel=3,
+    )
 
 
 def _dropout_rng(active: bool, sequence_parallel: bool):
@@ -89,9 +92,13 @@ class DotProductAttention(MegatronModule):
     rank's query rows, every key), as ``get_batch_on_this_cp_rank`` slices it.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_group: Optional[torch.distributed.ProcessGroup] = None,
+    ) -> None:
         super().__init__(config)
         self.cp_group = cp_group
         self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
@@ -103,8 +110,9 @@ class DotProductAttention(MegatronModule):
         if self.backend == "flash" and not self.use_sdpa:
             warn_flash_unavailable(["--apply-query-key-layer-scaling runs the unfused softmax"])
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         s, b, heads, d = query.shape
         causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if self.cp_size > 1:
@@ -124,8 +132,15 @@ class DotProductAttention(MegatronModule):
                 ctx = self._unfused(q, k, v, attention_mask, causal, dropout_p)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads*d]
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
-              dropout_p: float) -> torch.Tensor:
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        causal: bool,
+        dropout_p: float,
+    ) -> torch.Tensor:
         """PyTorch SDPA on ``q`` ``[b, heads, sq, d]``, ``k``/``v`` ``[b, groups, sk, d]`` -> ``[b, heads, sq, d]``.
 
         Without an explicit mask (plain causal: ``is_causal``) grouped-query heads go in as they are
@@ -138,8 +153,9 @@ class DotProductAttention(MegatronModule):
             k, v, gqa = repeat_kv(k, heads), repeat_kv(v, heads), False
         keep = None if mask is None else ~mask
         with self._sdpa_kernel(q, mask):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=causal,
-                                                  scale=self.softmax_scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
+            )
 
     def _sdpa_kernel(self, q: torch.Tensor, mask: Optional[torch.Tensor]):
         """``attention_backend=flash``: pin SDPA to flash attention where it can run it (CUDA, fp16/bf16,
@@ -152,8 +168,9 @@ class DotProductAttention(MegatronModule):
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
-    def _gather_over_cp(self, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
-                        causal: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def _gather_over_cp(
+        self, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor], causal: bool
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Whole-sequence keys and values ``[s, b, g, d]`` and the mask of this rank's queries ``[s/cp, s]``."""
         key = gather_kv_over_cp(key, self.cp_group)  # [s, b, g, d]
         value = gather_kv_over_cp(value, self.cp_group)
@@ -164,16 +181,24 @@ class DotProductAttention(MegatronModule):
             return key, value, mask
         return key, value, blocked if mask is None else mask | blocked
 
-    def _with_window(self, mask: Optional[torch.Tensor], causal: bool, sq: int, sk: int,
-                     device: torch.device) -> torch.Tensor:
+    def _with_window(
+        self, mask: Optional[torch.Tensor], causal: bool, sq: int, sk: int, device: torch.device
+    ) -> torch.Tensor:
         """``mask`` (True = blocked) with the sliding window, and the causal mask, folded in."""
         blocked = sliding_window_mask(sq, sk, self.config.window_size, device)  # [sq, sk]
         if causal:
             blocked = blocked | torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
         return blocked if mask is None else mask | blocked
 
-    def _unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                 causal: bool, dropout_p: float) -> torch.Tensor:
+    def _unfused(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        causal: bool,
+        dropout_p: float,
+    ) -> torch.Tensor:
         # Query-key layer scaling divides by the layer number before the matmul and
         # multiplies back inside the fp32 softmax: the same result, smaller fp16 scores.
         coeff = float(self.layer_number) if self.config.apply_query_key_layer_scaling else 1.0
@@ -199,9 +224,13 @@ class SelfAttention(MegatronModule):
     whole groups, and no communication is needed until the output projection.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 1,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int = 1,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
         tp = groups.size_of("tp")
@@ -210,14 +239,27 @@ class SelfAttention(MegatronModule):
         d = config.kv_channels
         qkv_size = d * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, config=config, init_method=config.init_method,
-            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False, tp_group=groups.tp)
-        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type,
-                                                  cp_group=groups.cp if groups.size_of("cp") > 1 else None)
+            config.hidden_size,
+            qkv_size,
+            config=config,
+            init_method=config.init_method,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False,
+            tp_group=groups.tp,
+        )
+        self.core_attention = DotProductAttention(
+            config, layer_number, attn_mask_type, cp_group=groups.cp if groups.size_of("cp") > 1 else None
+        )
         self.linear_proj = RowParallelLinear(
-            d * config.num_attention_heads, config.hidden_size, config=config,
-            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=True, tp_group=groups.tp)
+            d * config.num_attention_heads,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            tp_group=groups.tp,
+        )
         self.q_layernorm = build_norm(config, d) if config.qk_layernorm else None
         self.k_layernorm = build_norm(config, d) if config.qk_layernorm else None
         self.recompute_core_attention = config.recompute_granularity == "selective"
@@ -231,8 +273,12 @@ class SelfAttention(MegatronModule):
         q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=-1)
         return q.reshape(s, b, self.heads_per_rank, d), k, v
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s(/tp with SP), b, h]`` -> (output ``[s(/tp), b, h]``, output bias or None)."""
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, qkv/tp]
         query, key, value = self.split_qkv(mixed)
@@ -243,8 +289,7 @@ class SelfAttention(MegatronModule):
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
         if self.recompute_core_attention and self.training:
-            context = checkpoint(lambda q, k, v: self.core_attention(q, k, v, attention_mask), False,
-                                 query, key, value)
+            context = checkpoint(lambda q, k, v: self.core_attention(q, k, v, attention_mask), False, query, key, value)
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, heads/tp*d]
         return self.linear_proj(context)

@@ -19,21 +19,41 @@ class MLP(MegatronModule):
     it is split over TP with stride 2 so every rank gets matching halves of both.
     """
 
-    def __init__(self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None,
-                 ffn_hidden_size: Optional[int] = None, is_expert: bool = False) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        ffn_hidden_size: Optional[int] = None,
+        is_expert: bool = False,
+    ) -> None:
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
         tp_group = groups.expt_tp if is_expert else groups.tp
         ffn = ffn_hidden_size or config.ffn_hidden_size
         gated = config.gated_linear_unit
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, 2 * ffn if gated else ffn, config=config, init_method=config.init_method,
-            bias=config.add_bias_linear, gather_output=False, skip_bias_add=True, stride=2 if gated else 1,
-            is_expert=is_expert, tp_group=tp_group)
+            config.hidden_size,
+            2 * ffn if gated else ffn,
+            config=config,
+            init_method=config.init_method,
+            bias=config.add_bias_linear,
+            gather_output=False,
+            skip_bias_add=True,
+            stride=2 if gated else 1,
+            is_expert=is_expert,
+            tp_group=tp_group,
+        )
         self.linear_fc2 = RowParallelLinear(
-            ffn, config.hidden_size, config=config, init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True, is_expert=is_expert,
-            tp_group=tp_group)
+            ffn,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=is_expert,
+            tp_group=tp_group,
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s, b, h]`` -> (``[s, b, h]``, bias of the last projection or None)."""

@@ -24,21 +24,33 @@ class TransformerBlockSubmodules:
     layer_specs: List[ModuleSpec] = field(default_factory=list)
 
 
-def layer_numbers_to_build(config: TransformerConfig, pp_rank: int, pp_size: int,
-                           vp_stage: Optional[int] = None) -> List[int]:
+def layer_numbers_to_build(
+    config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: Optional[int] = None
+) -> List[int]:
     """Global 1-based numbers of the layers that ``(pp_rank, vp_stage)`` holds."""
     layout = pipeline_layer_assignment(
-        config.num_layers, pp_size, config.virtual_pipeline_model_parallel_size,
-        config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage)
+        config.num_layers,
+        pp_size,
+        config.virtual_pipeline_model_parallel_size,
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
+    )
     return layout[pp_rank][vp_stage or 0]
 
 
 class TransformerBlock(MegatronModule):
     """Runs this stage's layers. On non-first stages the input comes from ``set_input_tensor``."""
 
-    def __init__(self, config: TransformerConfig, spec: Union[ModuleSpec, TransformerBlockSubmodules],
-                 post_layer_norm: bool = True, pre_process: bool = True, post_process: bool = True,
-                 pg_collection: Optional[ProcessGroupCollection] = None, vp_stage: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        spec: Union[ModuleSpec, TransformerBlockSubmodules],
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        vp_stage: Optional[int] = None,
+    ) -> None:
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
         self.pre_process, self.post_process = pre_process, post_process
@@ -47,12 +59,15 @@ class TransformerBlock(MegatronModule):
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
 
-    def _build_layer(self, spec: Union[ModuleSpec, TransformerBlockSubmodules], number: int,
-                     groups: ProcessGroupCollection) -> torch.nn.Module:
+    def _build_layer(
+        self, spec: Union[ModuleSpec, TransformerBlockSubmodules], number: int, groups: ProcessGroupCollection
+    ) -> torch.nn.Module:
         if isinstance(spec, TransformerBlockSubmodules):
             if len(spec.layer_specs) != self.config.num_layers:
-                raise ValueError(f"TransformerBlockSubmodules has {len(spec.layer_specs)} layer specs for "
-                                 f"num_layers={self.config.num_layers}")
+                raise ValueError(
+                    f"TransformerBlockSubmodules has {len(spec.layer_specs)} layer specs for "
+                    f"num_layers={self.config.num_layers}"
+                )
             spec = spec.layer_specs[number - 1]
         with initialization_rng(self.config.initialization_seed, f"decoder.layers.{number - 1}"):
             return build_module(spec, self.config, layer_number=number, pg_collection=groups)
@@ -61,8 +76,14 @@ class TransformerBlock(MegatronModule):
         """Activation received from the previous pipeline stage."""
         self.input_tensor = input_tensor
 
-    def _run_layers(self, hidden: torch.Tensor, start: int, end: int, attention_mask: Optional[torch.Tensor],
-                    rotary_pos_emb: Optional[torch.Tensor]) -> torch.Tensor:
+    def _run_layers(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        attention_mask: Optional[torch.Tensor],
+        rotary_pos_emb: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         for layer in self.layers[start:end]:
             hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb)
         return hidden
@@ -74,8 +95,12 @@ class TransformerBlock(MegatronModule):
             return False
         return c.recompute_method == "uniform" or start < c.recompute_num_layers
 
-    def forward(self, hidden_states: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``[s(/tp with SP), b, h]`` -> same shape."""
         if not self.pre_process:
             hidden_states = self.input_tensor
@@ -92,7 +117,9 @@ class TransformerBlock(MegatronModule):
                 if self._recomputed(start):
                     hidden_states = checkpoint(
                         lambda h, s=start, e=end: self._run_layers(h, s, e, attention_mask, rotary_pos_emb),
-                        bool(self.config.distribute_saved_activations), hidden_states)
+                        bool(self.config.distribute_saved_activations),
+                        hidden_states,
+                    )
                 else:
                     hidden_states = self._run_layers(hidden_states, start, end, attention_mask, rotary_pos_emb)
                 start = end

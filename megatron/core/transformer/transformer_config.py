@@ -133,8 +133,10 @@ class TransformerConfig(ModelParallelConfig):
         self._check_window()
         self._check_moe()
         if self.initialization_seed is not None and not self.use_cpu_initialization:
-            raise ValueError(f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
-                             "(per-rank initialization draws from the model-parallel RNG instead)")
+            raise ValueError(
+                f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
+                "(per-rank initialization draws from the model-parallel RNG instead)"
+            )
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
@@ -144,8 +146,10 @@ class TransformerConfig(ModelParallelConfig):
             if self.embedding_init_method_std is None:
                 self.embedding_init_method_std = self.init_method_std
             if not self.embedding_init_method_std > 0:
-                raise ValueError(f"embedding_init_method_std={self.embedding_init_method_std} "
-                                 "(--embedding-init-method-std): must be positive")
+                raise ValueError(
+                    f"embedding_init_method_std={self.embedding_init_method_std} "
+                    "(--embedding-init-method-std): must be positive"
+                )
             self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
@@ -158,8 +162,10 @@ class TransformerConfig(ModelParallelConfig):
             return
         window = tuple(self.window_size)
         if len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
-            raise ValueError(f"window_size={self.window_size!r} (--window-size): need (left, right) integers, "
-                             "each >= 0 or -1 for unlimited")
+            raise ValueError(
+                f"window_size={self.window_size!r} (--window-size): need (left, right) integers, "
+                "each >= 0 or -1 for unlimited"
+            )
         self.window_size = window
 
     def _check_moe(self) -> None:
@@ -168,29 +174,41 @@ class TransformerConfig(ModelParallelConfig):
         require_positive("num_moe_experts", self.num_moe_experts)
         require_positive("moe_router_topk", self.moe_router_topk)
         if self.moe_router_topk > self.num_moe_experts:
-            raise ValueError(f"moe_router_topk={self.moe_router_topk} must be <= num_moe_experts="
-                             f"{self.num_moe_experts}")
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} must be <= num_moe_experts={self.num_moe_experts}"
+            )
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         require_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
-        require_divisible("moe_ffn_hidden_size", self.moe_ffn_hidden_size, "expert_tensor_parallel_size",
-                          self.expert_tensor_parallel_size)
-        choices = {"moe_router_load_balancing_type": ("aux_loss", "none"),
-                   "moe_token_dispatcher_type": ("allgather", "alltoall")}
+        require_divisible(
+            "moe_ffn_hidden_size",
+            self.moe_ffn_hidden_size,
+            "expert_tensor_parallel_size",
+            self.expert_tensor_parallel_size,
+        )
+        choices = {
+            "moe_router_load_balancing_type": ("aux_loss", "none"),
+            "moe_token_dispatcher_type": ("allgather", "alltoall"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be one of {allowed}")
         if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0):
-            raise ValueError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}, moe_z_loss_coeff="
-                             f"{self.moe_z_loss_coeff}: coefficients must be >= 0")
+            raise ValueError(
+                f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}, moe_z_loss_coeff="
+                f"{self.moe_z_loss_coeff}: coefficients must be >= 0"
+            )
         factor = self.moe_router_topk_scaling_factor
         if factor is not None and factor <= 0:
             raise ValueError(f"moe_router_topk_scaling_factor={factor}: must be > 0")
-        require_divisible("num_moe_experts", self.num_moe_experts, "expert_model_parallel_size",
-                          self.expert_model_parallel_size)
+        require_divisible(
+            "num_moe_experts", self.num_moe_experts, "expert_model_parallel_size", self.expert_model_parallel_size
+        )
         if self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
-            raise ValueError(f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}: only "
-                             f"tensor_model_parallel_size={self.tensor_model_parallel_size} is supported yet")
+            raise ValueError(
+                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}: only "
+                f"tensor_model_parallel_size={self.tensor_model_parallel_size} is supported yet"
+            )
         self._check_moe_layer_freq()
 
     def _check_moe_layer_freq(self) -> None:
@@ -200,8 +218,9 @@ class TransformerConfig(ModelParallelConfig):
             return
         pattern = list(freq)
         if len(pattern) != self.num_layers or any(p not in (0, 1) for p in pattern):
-            raise ValueError(f"moe_layer_freq={freq!r}: a list needs one 0/1 entry per layer "
-                             f"(num_layers={self.num_layers})")
+            raise ValueError(
+                f"moe_layer_freq={freq!r}: a list needs one 0/1 entry per layer (num_layers={self.num_layers})"
+            )
         self.moe_layer_freq = pattern
 
     def is_moe_layer(self, layer_number: int) -> bool:

@@ -27,27 +27,38 @@ class TransformerLayerSubmodules:
 class TransformerLayer(MegatronModule):
     """One decoder layer. ``layer_number`` is global and 1-based."""
 
-    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int = 1,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
         super().__init__(config)
         self.layer_number = layer_number
         h = config.hidden_size
         self.input_layernorm = build_module(submodules.input_layernorm, config, h, config.layernorm_epsilon)
-        self.self_attention = build_module(submodules.self_attention, config, layer_number=layer_number,
-                                           pg_collection=pg_collection)
+        self.self_attention = build_module(
+            submodules.self_attention, config, layer_number=layer_number, pg_collection=pg_collection
+        )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, h, config.layernorm_epsilon)
         self.mlp = build_module(submodules.mlp, config, pg_collection=pg_collection)
         if hasattr(self.mlp, "set_layer_number"):  # MoE: aux losses are tracked per layer
             self.mlp.set_layer_number(layer_number)
 
-    def _bias_dropout_add(self, out: torch.Tensor, bias: Optional[torch.Tensor],
-                          residual: torch.Tensor) -> torch.Tensor:
+    def _bias_dropout_add(
+        self, out: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor
+    ) -> torch.Tensor:
         if bias is not None:
             out = out + bias
         return residual + F.dropout(out, p=self.config.hidden_dropout, training=self.training)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, None]:
         """``[s(/tp with SP), b, h]`` -> (same shape, None); the None stands for cross-attention context."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         normed = self.input_layernorm(hidden_states)

@@ -22,8 +22,12 @@ from megatron.training.dry_run.report import Recorder
 FLASH_HEAD_DIM_MAX = 256
 
 
-def flash_verdict(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                  ) -> Tuple[bool, str]:
+def flash_verdict(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+) -> Tuple[bool, str]:
     """(eligible, reasons it is not) for one SDPA call (see the module docstring)."""
     reasons: List[str] = []
     if attn_mask is not None:
@@ -47,15 +51,26 @@ def install_attention_probe(patcher: Patcher, recorder: Recorder) -> None:
     original_sdpa = F.scaled_dot_product_attention
     original_unfused = DotProductAttention._unfused
 
-    def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                                     is_causal: bool = False, scale: Optional[float] = None, **kwargs: Any) -> Any:
+    def scaled_dot_product_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: Optional[float] = None,
+        **kwargs: Any,
+    ) -> Any:
         eligible, why = flash_verdict(query, key, value, attn_mask)
         shape = f"q{list(query.shape)} {str(query.dtype).replace('torch.', '')}"
-        recorder.add("attention", "SDPA: flash" if eligible else f"SDPA: not flash ({why})",
-                     {"flash": eligible, "shape": shape, "is_causal": is_causal, "dropout_p": dropout_p})
-        return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                             scale=scale, **kwargs)
+        recorder.add(
+            "attention",
+            "SDPA: flash" if eligible else f"SDPA: not flash ({why})",
+            {"flash": eligible, "shape": shape, "is_causal": is_causal, "dropout_p": dropout_p},
+        )
+        return original_sdpa(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs
+        )
 
     def unfused(self: Any, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         recorder.add("attention", "unfused softmax: not flash", {"flash": False, "shape": f"q{list(q.shape)}"})

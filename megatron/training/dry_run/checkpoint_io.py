@@ -41,25 +41,38 @@ from megatron.training.dry_run.report import CheckpointRuleError, Recorder
 SKELETON_MAGIC = b"MEGATRON-DRY-RUN-SKELETON\n"
 _WEIGHTS_ONLY_LEAVES = (type(None), bool, int, float, str, torch.dtype)
 # Modules whose ``dist.get_rank()`` decides who writes checkpoint files.
-RANK0_DUTY_MODULES = ("megatron.training.checkpointing", "megatron.core.dist_checkpointing.serialization",
-                      "megatron.core.dist_checkpointing.checksums")
+RANK0_DUTY_MODULES = (
+    "megatron.training.checkpointing",
+    "megatron.core.dist_checkpointing.serialization",
+    "megatron.core.dist_checkpointing.checksums",
+)
 _TENSOR = "__dry_run_tensor__"
 
 
 def _skeleton(value: Any, path: str = "$") -> Any:
     """JSON of ``value`` with tensors described; leaves ``torch.load(weights_only=True)`` refuses raise."""
     if isinstance(value, torch.Tensor):
-        return {_TENSOR: {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
-                          "device": str(value.device)}}
+        return {
+            _TENSOR: {
+                "shape": list(value.shape),
+                "dtype": str(value.dtype).replace("torch.", ""),
+                "device": str(value.device),
+            }
+        }
     if isinstance(value, dict):
         return {"__dict__": [[_skeleton(k, path), _skeleton(v, f"{path}[{k!r}]")] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
-        return {"__list__" if isinstance(value, list) else "__tuple__":
-                [_skeleton(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        return {
+            "__list__" if isinstance(value, list) else "__tuple__": [
+                _skeleton(v, f"{path}[{i}]") for i, v in enumerate(value)
+            ]
+        }
     if type(value) not in _WEIGHTS_ONLY_LEAVES:
-        raise CheckpointRuleError(f"torch.save: {path} is a {type(value).__module__}.{type(value).__qualname__}; "
-                                  "the loader reads .pt files with torch.load(weights_only=True), which refuses it "
-                                  "(store plain numbers, strings and tensors)")
+        raise CheckpointRuleError(
+            f"torch.save: {path} is a {type(value).__module__}.{type(value).__qualname__}; "
+            "the loader reads .pt files with torch.load(weights_only=True), which refuses it "
+            "(store plain numbers, strings and tensors)"
+        )
     return str(value) if isinstance(value, torch.dtype) else value
 
 
@@ -98,7 +111,7 @@ def _fake_torch_load(original: Callable) -> Callable:
         if not data.startswith(SKELETON_MAGIC):
             return original(io.BytesIO(data), map_location, *args, **kwargs)
         location = None if map_location is None else str(torch.device(map_location))
-        return _rebuild(json.loads(data[len(SKELETON_MAGIC):]), location)
+        return _rebuild(json.loads(data[len(SKELETON_MAGIC) :]), location)
 
     return load
 
@@ -106,8 +119,11 @@ def _fake_torch_load(original: Callable) -> Callable:
 def _real_twin(spec: Any, fill: bool) -> Any:
     """The ShardedTensor with a real CPU tensor of the same shape (zeros to write, empty to read)."""
     with unset_fake_temporarily():
-        data = torch.zeros(spec.local_shape, dtype=spec.data.dtype) if fill else \
-            torch.empty(spec.local_shape, dtype=spec.data.dtype)
+        data = (
+            torch.zeros(spec.local_shape, dtype=spec.data.dtype)
+            if fill
+            else torch.empty(spec.local_shape, dtype=spec.data.dtype)
+        )
     return dataclasses.replace(spec, data=data, replica_id=0 if fill else spec.replica_id)
 
 
@@ -124,8 +140,14 @@ def _host_only() -> Iterator[None]:
 
 
 def _dcp_save(recorder: Recorder, original: Callable) -> Callable:
-    def save(state_dict: Dict[str, Any], *, storage_writer: Any = None, planner: Any = None,
-             process_group: Any = None, **kwargs: Any) -> Any:
+    def save(
+        state_dict: Dict[str, Any],
+        *,
+        storage_writer: Any = None,
+        planner: Any = None,
+        process_group: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         for key, spec in state_dict.items():
             recorder.add("ckpt-write", key, {"tensor": describe_tensor(spec.data), "replica_id": spec.replica_id})
         resolver = type(planner)()
@@ -140,8 +162,14 @@ def _dcp_save(recorder: Recorder, original: Callable) -> Callable:
 
 
 def _dcp_load(recorder: Recorder, original: Callable) -> Callable:
-    def load(state_dict: Dict[str, Any], *, storage_reader: Any = None, planner: Any = None,
-             process_group: Any = None, **kwargs: Any) -> None:
+    def load(
+        state_dict: Dict[str, Any],
+        *,
+        storage_reader: Any = None,
+        planner: Any = None,
+        process_group: Any = None,
+        **kwargs: Any,
+    ) -> None:
         twins = {key: _real_twin(spec, fill=False) for key, spec in state_dict.items()}
         with _host_only():
             original(twins, storage_reader=storage_reader, planner=planner, no_dist=True)
@@ -193,9 +221,13 @@ class CheckpointIO:
             patcher.set(training, name, self._duties(getattr(training, name), segment))
         legacy = getattr(checkpointing, "_save_legacy", None)
         if legacy is not None:
-            patcher.set(checkpointing, "_save_legacy",
-                        lambda iter_dir, chunks, optimizer, groups, *rest: legacy(iter_dir, chunks, optimizer,
-                                                                                   _DpRankZero(groups), *rest))
+            patcher.set(
+                checkpointing,
+                "_save_legacy",
+                lambda iter_dir, chunks, optimizer, groups, *rest: legacy(
+                    iter_dir, chunks, optimizer, _DpRankZero(groups), *rest
+                ),
+            )
 
     def _duties(self, function: Callable, segment: str) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -117,14 +117,28 @@ def build_cuda_shim(root: Optional[str] = None) -> str:
         f.write(SHIM_SOURCE)
     tmp = f"{target}.{os.getpid()}.tmp"
     lib = os.path.join(root, "lib")
-    cmd = [os.environ.get("CXX", "g++"), "-O1", "-std=c++17", "-shared", "-fPIC",
-           "-I" + os.path.join(root, "include"), source, "-L" + lib, "-lc10", "-ltorch_cpu",
-           "-Wl,-rpath," + lib, "-o", tmp]
+    cmd = [
+        os.environ.get("CXX", "g++"),
+        "-O1",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-I" + os.path.join(root, "include"),
+        source,
+        "-L" + lib,
+        "-lc10",
+        "-ltorch_cpu",
+        "-Wl,-rpath," + lib,
+        "-o",
+        tmp,
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except FileNotFoundError:
-        raise RuntimeError(f"the fake-CUDA dry run on a CPU-only torch compiles a small C++ shim and needs a C++ "
-                           f"compiler: {cmd[0]} not found (set CXX)") from None
+        raise RuntimeError(
+            f"the fake-CUDA dry run on a CPU-only torch compiles a small C++ shim and needs a C++ "
+            f"compiler: {cmd[0]} not found (set CXX)"
+        ) from None
     finally:
         os.remove(source)
     if done.returncode != 0:
@@ -147,13 +161,15 @@ def load_cuda_shim() -> str:
         _LOADED = "native"
         return _LOADED
     if "torch" in sys.modules:
-        raise RuntimeError("the CUDA shim must be loaded before torch is imported (torch picks its CUDA hooks at "
-                           "import): call load_cuda_shim() first, e.g. run tools/gpu_dry_run.py as a script")
+        raise RuntimeError(
+            "the CUDA shim must be loaded before torch is imported (torch picks its CUDA hooks at "
+            "import): call load_cuda_shim() first, e.g. run tools/gpu_dry_run.py as a script"
+        )
     ctypes.CDLL(build_cuda_shim(root), mode=ctypes.RTLD_GLOBAL)
     _LOADED = "shim"
     return _LOADED
 
 
 def cuda_shim_state() -> Optional[str]:
-    """"shim", "native", or None when ``load_cuda_shim`` has not run in this process."""
+    """ "shim", "native", or None when ``load_cuda_shim`` has not run in this process."""
     return _LOADED

@@ -19,7 +19,7 @@ import torch
 from megatron.training.dry_run.report import DeviceRuleError, Recorder
 
 _MISSING = object()
-_GIB = 1024 ** 3
+_GIB = 1024**3
 GPU_NAME = "NVIDIA H100 80GB HBM3 (dry run)"
 NCCL_VERSION = (2, 21, 5)
 
@@ -70,7 +70,7 @@ class PaperGenerator:
             return torch.tensor(list(int(seed).to_bytes(8, "little", signed=False)) + [0] * 8, dtype=torch.uint8)
 
     def manual_seed(self, seed: int) -> None:
-        self.state = self._bytes(int(seed) % 2 ** 64)
+        self.state = self._bytes(int(seed) % 2**64)
 
     def get_state(self, device: Any = "cuda") -> torch.Tensor:
         return self.state.clone()
@@ -97,13 +97,13 @@ class PaperStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "PaperEvent":
+    def record_event(self, event: Any = None) -> PaperEvent:
         return event or PaperEvent()
 
     def query(self) -> bool:
         return True
 
-    def __enter__(self) -> "PaperStream":
+    def __enter__(self) -> PaperStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -135,8 +135,16 @@ class PaperEvent:
 
 
 def _properties() -> types.SimpleNamespace:
-    return types.SimpleNamespace(name=GPU_NAME, major=9, minor=0, total_memory=80 * _GIB, multi_processor_count=132,
-                                 is_integrated=False, is_multi_gpu_board=False, L2_cache_size=50 * 1024 ** 2)
+    return types.SimpleNamespace(
+        name=GPU_NAME,
+        major=9,
+        minor=0,
+        total_memory=80 * _GIB,
+        multi_processor_count=132,
+        is_integrated=False,
+        is_multi_gpu_board=False,
+        L2_cache_size=50 * 1024**2,
+    )
 
 
 def _device_index(device: Any) -> int:
@@ -166,8 +174,10 @@ class _DeviceContext:
 def _set_device(device: Any) -> None:
     index = _device_index(device)
     if index != 0:
-        raise DeviceRuleError(f"torch.cuda.set_device({index}): the dry run models one GPU per rank "
-                              "(device_count() == 1), so the only valid device is 0")
+        raise DeviceRuleError(
+            f"torch.cuda.set_device({index}): the dry run models one GPU per rank "
+            "(device_count() == 1), so the only valid device is 0"
+        )
 
 
 def _cpu_set_rng_state(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
@@ -191,24 +201,41 @@ def patch_cuda_api(patcher: Patcher, recorder: Recorder) -> None:
     default_stream = PaperStream()
     default_stream._sync = sync
     simple = {
-        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-        "is_initialized": lambda: True, "_lazy_init": lambda: None, "init": lambda: None,
-        "set_device": _set_device, "device": _DeviceContext,
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "is_initialized": lambda: True,
+        "_lazy_init": lambda: None,
+        "init": lambda: None,
+        "set_device": _set_device,
+        "device": _DeviceContext,
         "synchronize": lambda device=None: sync("torch.cuda.synchronize()"),
-        "get_rng_state": generator.get_state, "set_rng_state": generator.set_state,
+        "get_rng_state": generator.get_state,
+        "set_rng_state": generator.set_state,
         "get_rng_state_all": lambda: [generator.get_state()],
         "set_rng_state_all": lambda states: [generator.set_state(s) for s in states],
-        "manual_seed": generator.manual_seed, "manual_seed_all": generator.manual_seed,
-        "seed": lambda: None, "seed_all": lambda: None, "initial_seed": lambda: 0,
-        "memory_allocated": lambda device=None: 0, "max_memory_allocated": lambda device=None: 0,
-        "memory_reserved": lambda device=None: 0, "max_memory_reserved": lambda device=None: 0,
-        "memory_stats": lambda device=None: {}, "reset_peak_memory_stats": lambda device=None: None,
-        "empty_cache": lambda: None, "mem_get_info": lambda device=None: (80 * _GIB, 80 * _GIB),
+        "manual_seed": generator.manual_seed,
+        "manual_seed_all": generator.manual_seed,
+        "seed": lambda: None,
+        "seed_all": lambda: None,
+        "initial_seed": lambda: 0,
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "memory_stats": lambda device=None: {},
+        "reset_peak_memory_stats": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda device=None: (80 * _GIB, 80 * _GIB),
         "get_device_properties": lambda device=None: _properties(),
         "get_device_capability": lambda device=None: (9, 0),
-        "get_device_name": lambda device=None: GPU_NAME, "is_bf16_supported": lambda *a, **k: True,
-        "Stream": PaperStream, "Event": PaperEvent, "current_stream": lambda device=None: default_stream,
-        "default_stream": lambda device=None: default_stream, "set_stream": lambda stream: None,
+        "get_device_name": lambda device=None: GPU_NAME,
+        "is_bf16_supported": lambda *a, **k: True,
+        "Stream": PaperStream,
+        "Event": PaperEvent,
+        "current_stream": lambda device=None: default_stream,
+        "default_stream": lambda device=None: default_stream,
+        "set_stream": lambda stream: None,
         "stream": lambda stream=None: contextlib.nullcontext(stream),
     }
     for name, value in simple.items():

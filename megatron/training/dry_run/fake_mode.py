@@ -34,15 +34,37 @@ from megatron.training.dry_run.report import DeviceRuleError, Recorder
 
 aten = torch.ops.aten
 _GUESS = "_dry_run_value"
-_PASSTHROUGH = {aten._to_copy, aten.clone, aten.detach, aten.alias, aten.view, aten._unsafe_view, aten.reshape,
-                aten.expand, aten.select, aten.slice, aten.squeeze, aten.unsqueeze, aten.permute, aten.t,
-                aten.transpose, aten.contiguous, aten.amax, aten.amin, aten.max, aten.min, aten.mean,
-                aten.lift_fresh, aten.lift_fresh_copy, aten.view_as_real, aten.flatten, aten.index_select}
-_FACTORIES = {aten.zeros: 0, aten.zeros_like: 0, aten.new_zeros: 0, aten.ones: 1, aten.ones_like: 1,
-              aten.new_ones: 1}
+_PASSTHROUGH = {
+    aten._to_copy,
+    aten.clone,
+    aten.detach,
+    aten.alias,
+    aten.view,
+    aten._unsafe_view,
+    aten.reshape,
+    aten.expand,
+    aten.select,
+    aten.slice,
+    aten.squeeze,
+    aten.unsqueeze,
+    aten.permute,
+    aten.t,
+    aten.transpose,
+    aten.contiguous,
+    aten.amax,
+    aten.amin,
+    aten.max,
+    aten.min,
+    aten.mean,
+    aten.lift_fresh,
+    aten.lift_fresh_copy,
+    aten.view_as_real,
+    aten.flatten,
+    aten.index_select,
+}
+_FACTORIES = {aten.zeros: 0, aten.zeros_like: 0, aten.new_zeros: 0, aten.ones: 1, aten.ones_like: 1, aten.new_ones: 1}
 _FILL_ARG = {aten.full: 1, aten.full_like: 1, aten.new_full: 2, aten.scalar_tensor: 0, aten.fill_: 1}
-_HEALTHY_BOOL = {aten.isfinite: True, aten.isnan: False, aten.isinf: False, aten.isposinf: False,
-                 aten.isneginf: False}
+_HEALTHY_BOOL = {aten.isfinite: True, aten.isnan: False, aten.isinf: False, aten.isposinf: False, aten.isneginf: False}
 # In-place writes whose healthy outcome is known: the AMP inf check leaves found_inf at 0.
 _HEALTHY_WRITES = {aten._amp_foreach_non_finite_check_and_unscale_: {1: 0.0}}
 
@@ -97,11 +119,10 @@ def _pointwise_guess(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> 
         return out.item() if isinstance(out, torch.Tensor) and out.numel() == 1 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _writes(func: Any) -> List[int]:
     """Positions of the arguments ``func`` writes in place."""
-    return [i for i, arg in enumerate(func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write]
+    return [i for i, arg in enumerate(func._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def _tensor_lists(args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Sequence[torch.Tensor]]:
@@ -132,12 +153,16 @@ def check_list_devices(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -
         for i, (ref, tensor) in enumerate(zip(lists[0], other)):
             if tensor.device == ref.device or (not fused and tensor.device.type == "cpu" and tensor.dim() == 0):
                 continue
-            raise DeviceRuleError(f"torch.{name}: tensor {i} of list {k} is {describe_tensor(tensor)} while list 0 "
-                                  f"holds {describe_tensor(ref)}: {_list_rule(name, fused)}")
+            raise DeviceRuleError(
+                f"torch.{name}: tensor {i} of list {k} is {describe_tensor(tensor)} while list 0 "
+                f"holds {describe_tensor(ref)}: {_list_rule(name, fused)}"
+            )
     for tensor in plain:
         if tensor.device != reference.device and (amp or not (tensor.device.type == "cpu" and tensor.dim() == 0)):
-            raise DeviceRuleError(f"torch.{name}: a {describe_tensor(tensor)} argument with tensors on "
-                                  f"{reference.device}: {_list_rule(name, fused)}")
+            raise DeviceRuleError(
+                f"torch.{name}: a {describe_tensor(tensor)} argument with tensors on "
+                f"{reference.device}: {_list_rule(name, fused)}"
+            )
 
 
 def _stand_in_values(tensor: torch.Tensor) -> Any:
@@ -164,8 +189,10 @@ def install_tensor_methods(patcher: Any, recorder: Recorder) -> None:
         if not isinstance(self, FakeTensor):
             return original_numpy(self, force=force)
         if self.device.type == "cuda":
-            raise TypeError(f"can't convert {self.device} device type tensor to numpy: use Tensor.cpu() first "
-                            "(as torch says on a GPU)")
+            raise TypeError(
+                f"can't convert {self.device} device type tensor to numpy: use Tensor.cpu() first "
+                "(as torch says on a GPU)"
+            )
         import numpy as np
 
         return np.array(_stand_in_values(self))
@@ -180,8 +207,11 @@ class DryRunMode(FakeTensorMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.recorder = recorder
-        self._special: Dict[Any, Callable] = {aten._local_scalar_dense: self._scalar, aten.nonzero: self._nonzero,
-                                              aten.masked_select: self._masked_select}
+        self._special: Dict[Any, Callable] = {
+            aten._local_scalar_dense: self._scalar,
+            aten.nonzero: self._nonzero,
+            aten.masked_select: self._masked_select,
+        }
 
     @property
     def avoid_device_init(self) -> bool:
@@ -263,8 +293,9 @@ class DryRunMode(FakeTensorMode):
             return
         _set_guess(target, self._value_after(func, packet, args, kwargs, target))
 
-    def _value_after(self, func: Any, packet: Any, args: Sequence[Any], kwargs: Dict[str, Any],
-                     target: torch.Tensor) -> Optional[Any]:
+    def _value_after(
+        self, func: Any, packet: Any, args: Sequence[Any], kwargs: Dict[str, Any], target: torch.Tensor
+    ) -> Optional[Any]:
         if packet in _FACTORIES:
             return _FACTORIES[packet]
         if packet in _FILL_ARG:

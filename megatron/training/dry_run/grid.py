@@ -24,11 +24,47 @@ from megatron.training.dry_run.scheduler import Job
 
 DENSE_SYNC_BOUND = 6
 
-TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4",
-            "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.01", "--clip-grad", "1.0",
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-workers", "0",
-            "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--seed", "1234"]
+TINY_GPT = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "1",
+    "--weight-decay",
+    "0.01",
+    "--clip-grad",
+    "1.0",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--num-workers",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "1",
+    "--seed",
+    "1234",
+]
 
 
 @dataclass
@@ -48,38 +84,140 @@ def moe_bound(moe_layers: int, microbatches: int) -> int:
 
 
 GRID: List[Case] = [
-    Case("tp2-sp-pp2-dp2-distopt-bf16", 8,
-         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-          "--global-batch-size", "16", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
-          "--overlap-param-gather", "--recompute-granularity", "selective", "--calculate-per-token-loss"],
-         covers=["TP", "SP", "PP 1F1B", "DP", "distributed optimizer", "overlap grad reduce", "overlap param gather",
-                 "bf16", "recompute selective", "per-token loss", "torch_dist checkpoint"]),
-    Case("pp2-vpp2-dp2-distopt-fp16", 4,
-         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-          "--global-batch-size", "16", "--fp16", "--use-distributed-optimizer", "--overlap-grad-reduce",
-          "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-         covers=["PP interleaved", "DP", "distributed optimizer", "fp16 loss scaling", "recompute full"]),
-    Case("cp2-tp2-dp2-bf16", 8,
-         ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "8",
-          "--bf16", "--calculate-per-token-loss"],
-         covers=["CP", "TP", "DP", "bf16", "per-token loss"]),
-    Case("ep2-moe-tp2-dp4-distopt-bf16", 8,
-         ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-          "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "16", "--bf16",
-          "--use-distributed-optimizer", "--moe-aux-loss-coeff", "0.01"],
-         max_syncs=moe_bound(moe_layers=4, microbatches=2),
-         covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"]),
-    Case("tp2-dp2-gqa-bf16-legacy-ckpt", 4,
-         ["--tensor-model-parallel-size", "2", "--global-batch-size", "16", "--bf16", "--ckpt-format", "torch",
-          "--overlap-grad-reduce", "--group-query-attention", "--num-query-groups", "2"],
-         covers=["TP", "DP", "grouped-query attention", "bf16 (fused Adam)", "legacy torch checkpoint"]),
-    Case("dp2-fp32-legacy-ckpt", 2,
-         ["--global-batch-size", "8", "--ckpt-format", "torch", "--log-num-zeros-in-grad"],
-         covers=["DP", "fp32 (foreach Adam)", "legacy torch checkpoint", "zero counting"]),
-    Case("tp2-pp4-dp8-distopt-bf16", 64,
-         ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--global-batch-size", "64",
-          "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
-         covers=["64 ranks", "TP", "PP 1F1B (4 stages)", "DP 8", "distributed optimizer", "bf16"]),
+    Case(
+        "tp2-sp-pp2-dp2-distopt-bf16",
+        8,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--bf16",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--recompute-granularity",
+            "selective",
+            "--calculate-per-token-loss",
+        ],
+        covers=[
+            "TP",
+            "SP",
+            "PP 1F1B",
+            "DP",
+            "distributed optimizer",
+            "overlap grad reduce",
+            "overlap param gather",
+            "bf16",
+            "recompute selective",
+            "per-token loss",
+            "torch_dist checkpoint",
+        ],
+    ),
+    Case(
+        "pp2-vpp2-dp2-distopt-fp16",
+        4,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--global-batch-size",
+            "16",
+            "--fp16",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+        covers=["PP interleaved", "DP", "distributed optimizer", "fp16 loss scaling", "recompute full"],
+    ),
+    Case(
+        "cp2-tp2-dp2-bf16",
+        8,
+        [
+            "--context-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--bf16",
+            "--calculate-per-token-loss",
+        ],
+        covers=["CP", "TP", "DP", "bf16", "per-token loss"],
+    ),
+    Case(
+        "ep2-moe-tp2-dp4-distopt-bf16",
+        8,
+        [
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--global-batch-size",
+            "16",
+            "--bf16",
+            "--use-distributed-optimizer",
+            "--moe-aux-loss-coeff",
+            "0.01",
+        ],
+        max_syncs=moe_bound(moe_layers=4, microbatches=2),
+        covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"],
+    ),
+    Case(
+        "tp2-dp2-gqa-bf16-legacy-ckpt",
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--bf16",
+            "--ckpt-format",
+            "torch",
+            "--overlap-grad-reduce",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+        ],
+        covers=["TP", "DP", "grouped-query attention", "bf16 (fused Adam)", "legacy torch checkpoint"],
+    ),
+    Case(
+        "dp2-fp32-legacy-ckpt",
+        2,
+        ["--global-batch-size", "8", "--ckpt-format", "torch", "--log-num-zeros-in-grad"],
+        covers=["DP", "fp32 (foreach Adam)", "legacy torch checkpoint", "zero counting"],
+    ),
+    Case(
+        "tp2-pp4-dp8-distopt-bf16",
+        64,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--global-batch-size",
+            "64",
+            "--bf16",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+        ],
+        covers=["64 ranks", "TP", "PP 1F1B (4 stages)", "DP 8", "distributed optimizer", "bf16"],
+    ),
 ]
 
 
@@ -100,10 +238,20 @@ def pick_ranks(spec: str, world_size: int) -> List[int]:
 
 def grid_jobs(cases: Sequence[Case], ranks: str, workdir: str, iters: int = 3, resume_iters: int = 2) -> List[Job]:
     """One job per case and rank, each with its own directory under ``workdir``."""
-    return [Job(name=case.name, flags=TINY_GPT + case.flags, rank=rank, world_size=case.world_size,
-                workdir=os.path.join(workdir, f"{case.name}-rank{rank}"), iters=iters, resume_iters=resume_iters,
-                max_syncs=case.max_syncs)
-            for case in cases for rank in pick_ranks(ranks, case.world_size)]
+    return [
+        Job(
+            name=case.name,
+            flags=TINY_GPT + case.flags,
+            rank=rank,
+            world_size=case.world_size,
+            workdir=os.path.join(workdir, f"{case.name}-rank{rank}"),
+            iters=iters,
+            resume_iters=resume_iters,
+            max_syncs=case.max_syncs,
+        )
+        for case in cases
+        for rank in pick_ranks(ranks, case.world_size)
+    ]
 
 
 def select_cases(names: str) -> List[Case]:
@@ -114,7 +262,9 @@ def select_cases(names: str) -> List[Case]:
     for name in names.split(","):
         matches = [c for c in GRID if c.name == name] or [c for c in GRID if c.name.startswith(name)]
         if len(matches) != 1:
-            raise ValueError(f"--dry-run-grid {name}: matches {[c.name for c in matches] or 'no case'}; "
-                             f"cases: {', '.join(c.name for c in GRID)}")
+            raise ValueError(
+                f"--dry-run-grid {name}: matches {[c.name for c in matches] or 'no case'}; "
+                f"cases: {', '.join(c.name for c in GRID)}"
+            )
         chosen.append(matches[0])
     return chosen

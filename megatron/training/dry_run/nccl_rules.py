@@ -28,9 +28,25 @@ import torch.distributed.distributed_c10d as c10d
 from megatron.training.dry_run.fake_cuda import Patcher, describe_tensor
 from megatron.training.dry_run.report import DeviceRuleError, Recorder
 
-TENSOR_CALLS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
-                "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv")
+TENSOR_CALLS = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 P2P_CALLS = ("send", "recv", "isend", "irecv")
 
 
@@ -66,12 +82,15 @@ class NcclRules:
             elif not tensor.is_contiguous():
                 problem = f"{backend} needs contiguous tensors"
             if problem:
-                raise DeviceRuleError(f"torch.distributed.{call} over the {self.describe_group(group)} got a "
-                                      f"{describe_tensor(tensor)} tensor: {problem}")
+                raise DeviceRuleError(
+                    f"torch.distributed.{call} over the {self.describe_group(group)} got a "
+                    f"{describe_tensor(tensor)} tensor: {problem}"
+                )
 
     def record(self, kind: str, call: str, group: Optional[dist.ProcessGroup], tensors: List[torch.Tensor]) -> None:
-        self.recorder.add(kind, call, {"group": self.describe_group(group),
-                                       "tensors": [describe_tensor(t) for t in tensors]})
+        self.recorder.add(
+            kind, call, {"group": self.describe_group(group), "tensors": [describe_tensor(t) for t in tensors]}
+        )
 
 
 def _tensors_of(values: Iterable[Any]) -> List[torch.Tensor]:
@@ -141,18 +160,33 @@ def _object_calls(rules: NcclRules) -> Dict[str, Callable]:
         note("all_gather_object", group)
         object_list[:] = [_copy_object(obj) for _ in object_list]
 
-    def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst: Optional[int] = None,
-                      group: Any = None, group_dst: Optional[int] = None) -> None:
+    def gather_object(
+        obj: Any,
+        object_gather_list: Optional[List[Any]] = None,
+        dst: Optional[int] = None,
+        group: Any = None,
+        group_dst: Optional[int] = None,
+    ) -> None:
         note("gather_object", group)
         if object_gather_list is not None:
             object_gather_list[:] = [_copy_object(obj) for _ in object_gather_list]
 
-    def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, group: Any = None,
-                              device: Any = None, group_src: Optional[int] = None) -> None:
+    def broadcast_object_list(
+        object_list: List[Any],
+        src: Optional[int] = None,
+        group: Any = None,
+        device: Any = None,
+        group_src: Optional[int] = None,
+    ) -> None:
         note("broadcast_object_list", group)  # this rank's objects stand for the source's
 
-    def scatter_object_list(scatter_object_output_list: List[Any], scatter_object_input_list: Any = None,
-                            src: Optional[int] = None, group: Any = None, group_src: Optional[int] = None) -> None:
+    def scatter_object_list(
+        scatter_object_output_list: List[Any],
+        scatter_object_input_list: Any = None,
+        src: Optional[int] = None,
+        group: Any = None,
+        group_src: Optional[int] = None,
+    ) -> None:
         note("scatter_object_list", group)
         if scatter_object_input_list:
             index = dist.get_rank(group) % len(scatter_object_input_list)
@@ -179,11 +213,17 @@ def _group_calls(rules: NcclRules) -> Dict[str, Callable]:
         return original_barrier(group=group, async_op=async_op)
 
     def monitored_barrier(group: Any = None, *args: Any, **kwargs: Any) -> None:
-        raise DeviceRuleError(f"torch.distributed.monitored_barrier over the {rules.describe_group(group)}: "
-                              "only gloo implements monitored_barrier, NCCL does not")
+        raise DeviceRuleError(
+            f"torch.distributed.monitored_barrier over the {rules.describe_group(group)}: "
+            "only gloo implements monitored_barrier, NCCL does not"
+        )
 
-    return {"new_group": new_group, "get_backend": get_backend, "barrier": barrier,
-            "monitored_barrier": monitored_barrier}
+    return {
+        "new_group": new_group,
+        "get_backend": get_backend,
+        "barrier": barrier,
+        "monitored_barrier": monitored_barrier,
+    }
 
 
 def install_nccl_rules(patcher: Patcher, recorder: Recorder) -> NcclRules:

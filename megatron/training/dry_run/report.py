@@ -32,8 +32,12 @@ class CheckpointRuleError(RuntimeError):
 
 def _is_repo_code(filename: str) -> bool:
     path = os.path.abspath(filename)
-    return path.startswith(REPO_ROOT + os.sep) and not path.startswith(_OWN_DIR) and path != _TOOL \
+    return (
+        path.startswith(REPO_ROOT + os.sep)
+        and not path.startswith(_OWN_DIR)
+        and path != _TOOL
         and f"{os.sep}.venv{os.sep}" not in path
+    )
 
 
 def _describe(filename: str, lineno: int, function: str) -> Tuple[str, str]:
@@ -60,7 +64,7 @@ def traceback_site(tb: Optional[TracebackType], callers: int = 2) -> Tuple[str, 
     if not found:
         return "<outside the repository>", "", []
     site, code = found[-1]
-    return site, code, [s for s, _ in found[-1 - callers:-1]][::-1]
+    return site, code, [s for s, _ in found[-1 - callers : -1]][::-1]
 
 
 @dataclass
@@ -106,8 +110,11 @@ class Recorder:
         return {info.segment: len(self.in_segment(info.segment, "sync")) for info in self.iterations}
 
     def to_json(self) -> Dict[str, Any]:
-        return {"events": [asdict(e) for e in self.events], "iterations": [asdict(i) for i in self.iterations],
-                "syncs_per_iteration": self.syncs_per_iteration()}
+        return {
+            "events": [asdict(e) for e in self.events],
+            "iterations": [asdict(i) for i in self.iterations],
+            "syncs_per_iteration": self.syncs_per_iteration(),
+        }
 
 
 def _grouped(events: List[Event]) -> List[Tuple[int, str, str, str]]:
@@ -119,9 +126,11 @@ def format_segment(recorder: Recorder, segment: str) -> List[str]:
     """Lines describing one segment: its syncs (grouped by site) and attention calls."""
     lines = []
     syncs = recorder.in_segment(segment, "sync")
-    lines.append(f"  {segment}: {len(syncs)} host sync(s), "
-                 f"{len(recorder.in_segment(segment, 'collective'))} collective(s), "
-                 f"{len(recorder.in_segment(segment, 'p2p'))} p2p batch(es)")
+    lines.append(
+        f"  {segment}: {len(syncs)} host sync(s), "
+        f"{len(recorder.in_segment(segment, 'collective'))} collective(s), "
+        f"{len(recorder.in_segment(segment, 'p2p'))} p2p batch(es)"
+    )
     for n, what, site, code in _grouped(syncs):
         lines.append(f"    {n:3d} x {what:34s} {site}: {code}")
     for n, what, site, _ in _grouped(recorder.in_segment(segment, "attention")):
@@ -143,6 +152,8 @@ def format_report(recorder: Recorder, title: str) -> str:
         lines.extend(format_segment(recorder, segment))
     writes = [e for e in recorder.events if e.kind == "ckpt-write"]
     if writes:
-        lines.append(f"  checkpoint: {len(writes)} tensor piece(s) written, "
-                     f"{len([e for e in recorder.events if e.kind == 'ckpt-read'])} read")
+        lines.append(
+            f"  checkpoint: {len(writes)} tensor piece(s) written, "
+            f"{len([e for e in recorder.events if e.kind == 'ckpt-read'])} read"
+        )
     return "\n".join(lines)

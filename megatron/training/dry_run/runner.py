@@ -30,11 +30,21 @@ from megatron.training.dry_run.checkpoint_io import CheckpointIO
 from megatron.training.dry_run.fake_cuda import Patcher, patch_cuda_api
 from megatron.training.dry_run.fake_mode import DryRunMode, install_tensor_methods
 from megatron.training.dry_run.nccl_rules import install_nccl_rules
-from megatron.training.dry_run.report import (REPO_ROOT, CheckpointRuleError, DeviceRuleError, IterationInfo, Recorder,
-                                              traceback_site)
+from megatron.training.dry_run.report import (
+    REPO_ROOT,
+    CheckpointRuleError,
+    DeviceRuleError,
+    IterationInfo,
+    Recorder,
+    traceback_site,
+)
 
-_MISMATCH_TEXT = ("Expected all tensors to be on the same device", "Mismatching", "device mismatch",
-                  "found two different devices")
+_MISMATCH_TEXT = (
+    "Expected all tensors to be on the same device",
+    "Mismatching",
+    "device mismatch",
+    "found two different devices",
+)
 # torch >= 2.12 raises its own class for a device mismatch; older versions a RuntimeError (matched by text).
 _MISMATCH_ERRORS = tuple(c for c in (getattr(fake_tensor, "FakeTensorDeviceMismatchError", None),) if c)
 
@@ -64,7 +74,7 @@ class _HostIterator:
     def __init__(self, inner: Iterator) -> None:
         self.inner = inner
 
-    def __iter__(self) -> "_HostIterator":
+    def __iter__(self) -> _HostIterator:
         return self
 
     def __next__(self) -> Any:
@@ -179,18 +189,25 @@ def classify(error: BaseException) -> Dict[str, str]:
     site, code, callers = traceback_site(root.__traceback__)
     tail = "".join(traceback.format_exception(type(root), root, root.__traceback__)[-6:])
     message = str(root).splitlines()[0][:600] if str(root) else type(root).__name__
-    return {"kind": kind, "type": type(root).__name__, "message": message, "site": site, "code": code,
-            "via": " <- ".join(callers), "traceback": tail[-3000:]}
+    return {
+        "kind": kind,
+        "type": type(root).__name__,
+        "message": message,
+        "site": site,
+        "code": code,
+        "via": " <- ".join(callers),
+        "traceback": tail[-3000:],
+    }
 
 
 def preload() -> None:
     """Import what every phase needs once, before forking (each child then starts at once)."""
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
-    import pretrain_gpt  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
+    import pretrain_gpt  # noqa: F401
     from megatron.training import checkpointing, training  # noqa: F401
 
 
@@ -200,8 +217,13 @@ def _pretrain(argv: List[str]) -> None:
     from megatron.core.transformer.enums import ModelType
     from megatron.training.training import pretrain
 
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv)
+    pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.model_provider,
+        ModelType.encoder_or_decoder,
+        pretrain_gpt.forward_step,
+        argv=argv,
+    )
 
 
 def run_phase(phase: Phase) -> PhaseResult:

@@ -23,8 +23,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from megatron.training.dry_run.runner import Phase, redirected_output, result_to_json, run_phase
 
-_OWN_FLAGS = {"--train-iters": 1, "--train-samples": 1, "--save": 1, "--load": 1, "--save-interval": 1,
-              "--exit-interval": 1, "--fake-process-group": 0}
+_OWN_FLAGS = {
+    "--train-iters": 1,
+    "--train-samples": 1,
+    "--save": 1,
+    "--load": 1,
+    "--save-interval": 1,
+    "--exit-interval": 1,
+    "--fake-process-group": 0,
+}
 PHASE_TIMEOUT_S = 600
 
 
@@ -72,9 +79,10 @@ class Job:
         train = base + ["--train-iters", str(total)]
         if not self.checkpoint:
             return [Phase("train", train, self.rank, self.world_size)]
-        return [Phase("train", train + ["--exit-interval", str(self.iters), "--save", ckpt], self.rank,
-                      self.world_size),
-                Phase("resume", train + ["--load", ckpt], self.rank, self.world_size)]
+        return [
+            Phase("train", train + ["--exit-interval", str(self.iters), "--save", ckpt], self.rank, self.world_size),
+            Phase("resume", train + ["--load", ckpt], self.rank, self.world_size),
+        ]
 
 
 @dataclass
@@ -105,8 +113,10 @@ def judge(outcome: Outcome) -> None:
     for result in outcome.results:
         error = result.get("error")
         if error:
-            outcome.problems.append(f"{result['phase']['name']} phase: {error['kind']}: {error['message']} "
-                                    f"at {error['site']}: {error['code']}")
+            outcome.problems.append(
+                f"{result['phase']['name']} phase: {error['kind']}: {error['message']} "
+                f"at {error['site']}: {error['code']}"
+            )
     if job.checkpoint and not outcome.problems:
         resume = outcome.results[-1]["recorder"]
         reads = [e for e in resume["events"] if e["segment"] == "load"]
@@ -115,8 +125,9 @@ def judge(outcome: Outcome) -> None:
     for result in outcome.results:
         for info in result["recorder"].get("iterations", []):
             if info["skipped"]:
-                outcome.problems.append(f"{info['segment']}: skipped (an inf/NaN stand-in): its optimizer step "
-                                        "went unchecked")
+                outcome.problems.append(
+                    f"{info['segment']}: skipped (an inf/NaN stand-in): its optimizer step went unchecked"
+                )
     if job.max_syncs is not None:
         for segment, count in outcome.steady_syncs().items():
             if count > job.max_syncs:
@@ -135,8 +146,13 @@ def _child(phase: Phase, result_path: str, log_path: str) -> None:
 
 class _Running:
     def __init__(self, outcome: Outcome, index: int, process: Any, result_path: str, started: float) -> None:
-        self.outcome, self.index, self.process, self.result_path, self.started = \
-            outcome, index, process, result_path, started
+        self.outcome, self.index, self.process, self.result_path, self.started = (
+            outcome,
+            index,
+            process,
+            result_path,
+            started,
+        )
 
 
 def _start(outcome: Outcome, index: int) -> _Running:
@@ -160,8 +176,18 @@ def _collect(running: _Running) -> bool:
             outcome.results.append(json.load(f))
     else:
         log = os.path.join(outcome.job.workdir, f"{phase.name}.log")
-        outcome.results.append({"phase": {"name": phase.name}, "recorder": {"events": []}, "error": {
-            "kind": "crash", "message": f"exit code {running.process.exitcode} (see {log})", "site": "", "code": ""}})
+        outcome.results.append(
+            {
+                "phase": {"name": phase.name},
+                "recorder": {"events": []},
+                "error": {
+                    "kind": "crash",
+                    "message": f"exit code {running.process.exitcode} (see {log})",
+                    "site": "",
+                    "code": "",
+                },
+            }
+        )
     failed = outcome.results[-1].get("error") is not None
     return not failed and running.index + 1 < len(outcome.job.phases())
 

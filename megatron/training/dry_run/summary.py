@@ -34,12 +34,23 @@ def as_json(outcomes: Sequence[Outcome]) -> List[Dict[str, Any]]:
         for result in outcome.results:
             per_iteration.update(result["recorder"].get("syncs_per_iteration", {}))
         steady = outcome.steady_syncs()
-        out.append({"case": job.name, "rank": job.rank, "world_size": job.world_size, "ok": outcome.ok,
-                    "problems": outcome.problems, "seconds": round(outcome.seconds, 2),
-                    "syncs_per_iteration": per_iteration, "steady_max_syncs": max(steady.values(), default=0),
-                    "max_syncs": job.max_syncs, "attention": attention_summary(outcome),
-                    "errors": [r["error"] for r in outcome.results if r.get("error")],
-                    "phases": [r["phase"]["name"] for r in outcome.results], "workdir": job.workdir})
+        out.append(
+            {
+                "case": job.name,
+                "rank": job.rank,
+                "world_size": job.world_size,
+                "ok": outcome.ok,
+                "problems": outcome.problems,
+                "seconds": round(outcome.seconds, 2),
+                "syncs_per_iteration": per_iteration,
+                "steady_max_syncs": max(steady.values(), default=0),
+                "max_syncs": job.max_syncs,
+                "attention": attention_summary(outcome),
+                "errors": [r["error"] for r in outcome.results if r.get("error")],
+                "phases": [r["phase"]["name"] for r in outcome.results],
+                "workdir": job.workdir,
+            }
+        )
     return out
 
 
@@ -57,16 +68,20 @@ def render(outcomes: Sequence[Outcome], verbose: bool, seconds: float) -> str:
     if verbose:
         for outcome in outcomes:
             for result in outcome.results:
-                title = (f"{outcome.job.name}: rank {outcome.job.rank} of {outcome.job.world_size}, "
-                         f"phase {result['phase']['name']}")
+                title = (
+                    f"{outcome.job.name}: rank {outcome.job.rank} of {outcome.job.world_size}, "
+                    f"phase {result['phase']['name']}"
+                )
                 lines.append(format_report(recorder_of(result["recorder"]), title))
     lines.append(f"{'case':34s} {'rank':>9s}  {'result':6s} {'syncs/iter':>10s} {'bound':>5s} {'s':>6s}  attention")
     for entry in as_json(outcomes):
         rank = f"{entry['rank']}/{entry['world_size']}"
         bound = "-" if entry["max_syncs"] is None else str(entry["max_syncs"])
-        lines.append(f"{entry['case']:34s} {rank:>9s}  {'PASS' if entry['ok'] else 'FAIL':6s} "
-                     f"{entry['steady_max_syncs']:>10d} {bound:>5s} {entry['seconds']:6.1f}  "
-                     f"{_attention_text(entry['attention'])}")
+        lines.append(
+            f"{entry['case']:34s} {rank:>9s}  {'PASS' if entry['ok'] else 'FAIL':6s} "
+            f"{entry['steady_max_syncs']:>10d} {bound:>5s} {entry['seconds']:6.1f}  "
+            f"{_attention_text(entry['attention'])}"
+        )
     for outcome in outcomes:
         for problem in outcome.problems:
             lines.append(f"FAIL {outcome.job.name} rank {outcome.job.rank}: {problem}")
@@ -75,6 +90,5 @@ def render(outcomes: Sequence[Outcome], verbose: bool, seconds: float) -> str:
             if error and error.get("via"):
                 lines.append(f"     called from {error['via']}")
     passed = sum(o.ok for o in outcomes)
-    lines.append(f"{len(outcomes)} dry-run job(s): {passed} passed, {len(outcomes) - passed} failed, "
-                 f"{seconds:.1f} s")
+    lines.append(f"{len(outcomes)} dry-run job(s): {passed} passed, {len(outcomes) - passed} failed, {seconds:.1f} s")
     return "\n".join(lines)

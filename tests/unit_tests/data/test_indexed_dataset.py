@@ -160,7 +160,7 @@ def test_optimal_dtype_and_codes():
 
 def _corrupt(path, offset, data):
     raw = bytearray(open(path, "rb").read())
-    raw[offset:offset + len(data)] = data
+    raw[offset : offset + len(data)] = data
     open(path, "wb").write(bytes(raw))
 
 

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # Sentences end with a period after a long word, so Punkt has no abbreviation to doubt.
 TEXTS = [
     "Tokenizers split words into pieces. Datasets store their identifiers contiguously.",
-    "Único documento con acentos y comillas \"dobles\" también.",
+    'Único documento con acentos y comillas "dobles" también.',
     "Pipelines overlap communication.\nGradients accumulate across microbatches. Checkpoints persist.",
     "Short one without final period",
     "Embedding tables grow with vocabulary.\n\nOptimizers update parameters afterwards.",
@@ -39,8 +39,11 @@ def tok_files(tmp_path_factory):
 def write_lines(path, lines):
     with open(path, "wb") as f:
         for line in lines:
-            f.write((json.dumps(line) if not isinstance(line, bytes) else line.decode("latin-1")).encode("utf-8")
-                    if not isinstance(line, bytes) else line)
+            f.write(
+                (json.dumps(line) if not isinstance(line, bytes) else line.decode("latin-1")).encode("utf-8")
+                if not isinstance(line, bytes)
+                else line
+            )
             f.write(b"\n")
     return str(path)
 
@@ -81,8 +84,16 @@ def check_dataset(prefix, docs):
     return ds
 
 
-TYPES = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer",
-         "BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer", "HuggingFaceTokenizer")
+TYPES = (
+    "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
+    "SentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "TikTokenizer",
+    "HuggingFaceTokenizer",
+)
 NO_EOD = ("BertWordPieceLowerCase", "BertWordPieceCase")  # BERT vocabularies have no eod token
 
 
@@ -91,7 +102,7 @@ def _cases():
     cases = []
     for i, tok_type in enumerate(TYPES):
         for split in (False, True):
-            for eod in ((False,) if tok_type in NO_EOD else (False, True)):
+            for eod in (False,) if tok_type in NO_EOD else (False, True):
                 keep_newlines = split and i % 2 == 1
                 parallel = ("workers", "partitions", "none")[len(cases) % 3]
                 cases.append((tok_type, split, keep_newlines, eod, parallel))
@@ -137,8 +148,19 @@ def test_workers_and_partitions_match_single_process(tmp_path, tok_files, capsys
     for workers, parts in ((1, 1), (2, 1), (2, 2)):
         # Megatron's --keep-sequential-samples is accepted; every layout keeps the input order anyway.
         keep = ["--keep-sequential-samples"] if parts > 1 else []
-        rc, prefix = run_tool(tmp_path, str(in_dir), tok_flags, "--split-sentences", "--append-eod", *keep,
-                              "--workers", str(workers), "--partitions", str(parts), name=f"w{workers}p{parts}")
+        rc, prefix = run_tool(
+            tmp_path,
+            str(in_dir),
+            tok_flags,
+            "--split-sentences",
+            "--append-eod",
+            *keep,
+            "--workers",
+            str(workers),
+            "--partitions",
+            str(parts),
+            name=f"w{workers}p{parts}",
+        )
         assert rc == 0
         outputs[(workers, parts)] = [open(f"{prefix}_text_sentence{e}", "rb").read() for e in (".bin", ".idx")]
         err = capsys.readouterr().err
@@ -167,8 +189,14 @@ def test_bad_lines_skipped_counted_and_reported(tmp_path, tok_files, capsys):
     assert rc == 0
     err = capsys.readouterr().err
     assert "skipped 6 bad lines: invalid_utf8=1, invalid_json=2, missing_key=1, non_string=1, empty_text=1" in err
-    for lineno, reason in [(2, "invalid_json"), (3, "missing_key"), (4, "non_string"), (5, "empty_text"),
-                           (6, "invalid_utf8"), (7, "invalid_json")]:
+    for lineno, reason in [
+        (2, "invalid_json"),
+        (3, "missing_key"),
+        (4, "non_string"),
+        (5, "empty_text"),
+        (6, "invalid_utf8"),
+        (7, "invalid_json"),
+    ]:
         assert re.search(rf"in\.jsonl:{lineno}: .*\[{reason}\]", err), (lineno, reason)
     tok = build_tokenizer(tok_type, **tok_files[tok_type])
     valid = [BAD_LINES[0]["text"], BAD_LINES[-1]["text"]]
@@ -247,12 +275,15 @@ def test_merge_datasets_tool(tmp_path, tok_files, capsys):
 
 
 def test_tools_start_without_torch():
-    code = ("import sys, time; t = time.time(); import tools.preprocess_data, tools.merge_datasets; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print(time.time() - t)")
+    code = (
+        "import sys, time; t = time.time(); import tools.preprocess_data, tools.merge_datasets; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(time.time() - t)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    helped = subprocess.run([sys.executable, "tools/preprocess_data.py", "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    helped = subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert helped.returncode == 0 and "--split-sentences" in helped.stdout
 
 
@@ -260,8 +291,10 @@ def test_full_run_imports_no_torch(tmp_path, tok_files):
     src = write_lines(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
     flags = megatron_flags("GPT2BPETokenizer", tok_files["GPT2BPETokenizer"])
     argv = ["--input", src, "--output-prefix", str(tmp_path / "o"), *flags, "--split-sentences"]
-    code = (f"import sys; from tools import preprocess_data as p; rc = p.main({argv!r}); "
-            "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        f"import sys; from tools import preprocess_data as p; rc = p.main({argv!r}); "
+        "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
@@ -286,8 +319,11 @@ def test_run_without_documents_fails_and_keeps_the_previous_output(tmp_path, tok
     assert run_tool(out, bad, flags, "--partitions", partitions)[0] == 1
     err = capsys.readouterr().err
     assert "skipped 3 bad lines" in err
-    assert re.search(r"error: no documents: all 3 input lines were skipped; nothing written "
-                     r"\(existing .*out_text_document left unchanged\)", err), err
+    assert re.search(
+        r"error: no documents: all 3 input lines were skipped; nothing written "
+        r"\(existing .*out_text_document left unchanged\)",
+        err,
+    ), err
     assert _snapshot(out) == before
     fresh = tmp_path / "fresh"
     fresh.mkdir()
@@ -340,8 +376,9 @@ def test_kill_9_never_leaves_a_mismatched_pair(tmp_path, tok_files, moment):
     flags, out, before = _previous_output(tmp_path, tok_files)
     new = write_lines(tmp_path / "new.jsonl", [{"text": "7 7 7 7"}] * 3000)
     argv = ["--input", new, "--output-prefix", str(out / "out"), *flags]
-    proc = subprocess.run([sys.executable, "-c", _KILLER, moment, *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLER, moment, *argv], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == -9, proc.stderr
     prefix = str(out / "out_text_document")
     if moment == "between_renames":
@@ -400,15 +437,16 @@ def test_long_texts_tokenized_in_pieces_equal_whole(tmp_path, tok_files, monkeyp
         assert set(cuts) == {None}  # a BOS per piece would change the ids: never cut
 
 
-_MAXRSS = ("import resource, sys; from tools import preprocess_data as p; rc = p.main(sys.argv[1:]); "
-           "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+_MAXRSS = (
+    "import resource, sys; from tools import preprocess_data as p; rc = p.main(sys.argv[1:]); "
+    "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)"
+)
 
 
 def _peak_rss_kb(tmp_path, text, tok_flags, name):
     src = write_lines(tmp_path / f"{name}.jsonl", [{"text": text}])
     argv = ["--input", src, "--output-prefix", str(tmp_path / name), *tok_flags]
-    proc = subprocess.run([sys.executable, "-c", _MAXRSS, *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _MAXRSS, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split("MAXRSS_KB")[1])
 

@@ -23,8 +23,9 @@ def two_corpora(tmp_path):
 
 
 def config(tmp_path, **kw):
-    return GPTDatasetConfig(random_seed=2, sequence_length=6, tokenizer=Tokenizer(),
-                            path_to_cache=str(tmp_path / "cache"), **kw)
+    return GPTDatasetConfig(
+        random_seed=2, sequence_length=6, tokenizer=Tokenizer(), path_to_cache=str(tmp_path / "cache"), **kw
+    )
 
 
 def test_weighted_blend_shares_and_contents(two_corpora, tmp_path):

@@ -35,8 +35,9 @@ def test_sequential_resume_and_tail():
 
 
 def random_epoch(total, consumed, mbs, dp, sharding, seed=0):
-    return [list(MegatronPretrainingRandomSampler(None, total, consumed, mbs, r, dp, sharding, seed))
-            for r in range(dp)]
+    return [
+        list(MegatronPretrainingRandomSampler(None, total, consumed, mbs, r, dp, sharding, seed)) for r in range(dp)
+    ]
 
 
 @pytest.mark.parametrize("sharding", [True, False])
@@ -55,8 +56,9 @@ def test_random_sampler_disjoint_and_resumable(sharding):
 
 def test_data_loader_batches_dict_samples():
     data = [{"tokens": torch.full((4,), i)} for i in range(20)]
-    loader = build_pretraining_data_loader(data, consumed_samples=8, micro_batch_size=2,
-                                           data_parallel_rank=1, data_parallel_size=2)
+    loader = build_pretraining_data_loader(
+        data, consumed_samples=8, micro_batch_size=2, data_parallel_rank=1, data_parallel_size=2
+    )
     first = next(iter(loader))
     assert first["tokens"][:, 0].tolist() == [10, 11]
     cyclic = build_pretraining_data_loader(data, 0, 2, 0, 2, dataloader_type="cyclic")

@@ -24,8 +24,14 @@ def corpus(tmp_path):
 
 
 def make(prefix, num_samples, split="1,0,0", index_split=Split.train, cache=None, **kw):
-    cfg_kw = dict(random_seed=kw.pop("seed", 1234), sequence_length=kw.pop("seq", SEQ),
-                  blend=([prefix], None), split=split, tokenizer=Tokenizer(), path_to_cache=cache)
+    cfg_kw = dict(
+        random_seed=kw.pop("seed", 1234),
+        sequence_length=kw.pop("seq", SEQ),
+        blend=([prefix], None),
+        split=split,
+        tokenizer=Tokenizer(),
+        path_to_cache=cache,
+    )
     cfg = GPTDatasetConfig(**cfg_kw, **kw)
     low = GPTDataset.build_low_level_dataset(prefix, cfg)
     docs = np.arange(len(low))
@@ -35,7 +41,7 @@ def make(prefix, num_samples, split="1,0,0", index_split=Split.train, cache=None
 def reference_samples(docs, document_index, s, count):
     """Concatenate the documents in index order; sample i is stream[i*s : i*s + s + 1]."""
     stream = [int(t) for d in document_index for t in docs[int(d)]]
-    return [stream[i * s: i * s + s + 1] for i in range(count)]
+    return [stream[i * s : i * s + s + 1] for i in range(count)]
 
 
 def test_samples_equal_slow_concatenation(corpus, tmp_path):
@@ -54,8 +60,13 @@ def test_samples_equal_slow_concatenation(corpus, tmp_path):
 def test_one_epoch_uses_every_token_once(corpus, tmp_path):
     prefix, docs = corpus
     # Valid split without dropping the partial sample: the samples tile the whole stream.
-    ds = make(prefix, num_samples=None, index_split=Split.valid, cache=str(tmp_path / "c"),
-              drop_last_partial_validation_sequence=False)
+    ds = make(
+        prefix,
+        num_samples=None,
+        index_split=Split.valid,
+        cache=str(tmp_path / "c"),
+        drop_last_partial_validation_sequence=False,
+    )
     assert sorted(ds.document_index.tolist()) == list(range(len(docs)))
     total = sum(len(d) for d in docs)
     stream = [int(t) for d in ds.document_index for t in docs[int(d)]]
@@ -143,13 +154,21 @@ def reference_masks(tokens, reset_pos, reset_attn, eod_mask):
     return [[not a for a in row] for row in allowed], loss, pos
 
 
-@pytest.mark.parametrize("flags", [(False, False, False), (True, True, True), (True, False, True),
-                                   (False, True, False)])
+@pytest.mark.parametrize(
+    "flags", [(False, False, False), (True, True, True), (True, False, True), (False, True, False)]
+)
 def test_masks_and_positions_match_reference(corpus, tmp_path, flags):
     prefix, _ = corpus
     reset_pos, reset_attn, eod_mask = flags
-    ds = make(prefix, 50, seq=24, cache=str(tmp_path / "c"), reset_position_ids=reset_pos,
-              reset_attention_mask=reset_attn, eod_mask_loss=eod_mask)
+    ds = make(
+        prefix,
+        50,
+        seq=24,
+        cache=str(tmp_path / "c"),
+        reset_position_ids=reset_pos,
+        reset_attention_mask=reset_attn,
+        eod_mask_loss=eod_mask,
+    )
     seen_eod = False
     for j in range(10):
         sample = ds[j]
@@ -169,12 +188,17 @@ def test_no_attention_mask_when_not_requested(corpus, tmp_path):
     assert "attention_mask" not in ds[0] and ds[None]["loss_mask"].sum() == 0
 
 
-@pytest.mark.parametrize("split,n", [("6,3,1", 10), ("969,30,1", 1000), ("969,30,1", 61), ("1,1,1", 7),
-                                     ("90,10", 37)])
+@pytest.mark.parametrize("split,n", [("6,3,1", 10), ("969,30,1", 1000), ("969,30,1", 61), ("1,1,1", 7), ("90,10", 37)])
 def test_split_boundaries(tmp_path, split, n):
     prefix = write_dataset(str(tmp_path), "d", random_documents(1, n, max_len=30))
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=4, blend=([prefix], None), split=split,
-                           tokenizer=Tokenizer(), path_to_cache=str(tmp_path / "c"))
+    cfg = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=4,
+        blend=([prefix], None),
+        split=split,
+        tokenizer=Tokenizer(),
+        path_to_cache=str(tmp_path / "c"),
+    )
     parts = [Fraction(p) for p in split.split(",")] + [Fraction(0)] * (3 - len(split.split(",")))
     bookends = [sum(parts[:k], Fraction(0)) / sum(parts) for k in range(4)]
     ranges = [(round(bookends[k] * n), round(bookends[k + 1] * n)) for k in range(3)]
@@ -198,11 +222,20 @@ def test_mock_dataset_is_deterministic():
 
 
 def _build_on_two_ranks(rank, world_size, prefix, cache):
-    cfg = GPTDatasetConfig(random_seed=5, sequence_length=SEQ, blend=([prefix], None), split="8,2,0",
-                           tokenizer=Tokenizer(), path_to_cache=cache)
+    cfg = GPTDatasetConfig(
+        random_seed=5,
+        sequence_length=SEQ,
+        blend=([prefix], None),
+        split="8,2,0",
+        tokenizer=Tokenizer(),
+        path_to_cache=cache,
+    )
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [40, 10, 0], lambda: True, cfg).build()
-    return (isinstance(train.shuffle_index, np.memmap), train[4]["tokens"].tolist(),
-            np.asarray(valid.document_index).tolist())
+    return (
+        isinstance(train.shuffle_index, np.memmap),
+        train[4]["tokens"].tolist(),
+        np.asarray(valid.document_index).tolist(),
+    )
 
 
 def test_rank_zero_builds_others_load(corpus, tmp_path):

@@ -34,8 +34,14 @@ def big_id_documents(big, n=40):
 
 
 def build(tmp_path, blend):
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=blend, split="8,1,1", tokenizer=Tokenizer(),
-                           path_to_cache=str(tmp_path / "cache"))
+    cfg = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=8,
+        blend=blend,
+        split="8,1,1",
+        tokenizer=Tokenizer(),
+        path_to_cache=str(tmp_path / "cache"),
+    )
     return BlendedMegatronDatasetBuilder(GPTDataset, [30, 5, 5], lambda: True, cfg).build()
 
 
@@ -49,8 +55,10 @@ def test_blend_names_the_prefix_and_both_numbers(tmp_path):
     with pytest.raises(TokenIdOutOfVocabularyError) as err:
         check_token_ids_in_vocabulary(datasets, 640, "--tokenizer-type X padded to 640")
     message = str(err.value)
-    assert f"data prefix {bad} holds token id 700 but the padded vocabulary (--tokenizer-type X padded to 640) " \
-           "has 640 entries" in message
+    assert (
+        f"data prefix {bad} holds token id 700 but the padded vocabulary (--tokenizer-type X padded to 640) "
+        "has 640 entries" in message
+    )
     assert good not in message
     check_token_ids_in_vocabulary(datasets, largest + 1)  # the largest id is the last one allowed
     with pytest.raises(TokenIdOutOfVocabularyError):

@@ -14,8 +14,9 @@ from tests.model_utils import build_gpt, gather_tp, gpt2_style, llama_style
 
 def groups_for(tp: int = 1, pp: int = 1) -> ProcessGroupCollection:
     """Groups of a TP x PP layout over the whole world (the rest is DP); collective."""
-    return build_process_groups(ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp,
-                                               pipeline_model_parallel_size=pp))
+    return build_process_groups(
+        ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    )
 
 
 def tiny_kwargs(style: str) -> Dict:
@@ -24,20 +25,23 @@ def tiny_kwargs(style: str) -> Dict:
     if style == "gpt2":
         return gpt2_style()
     if style == "moe":
-        return llama_style(hidden_size=32, ffn_hidden_size=64, num_moe_experts=4, moe_router_topk=2,
-                           moe_ffn_hidden_size=32)
+        return llama_style(
+            hidden_size=32, ffn_hidden_size=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32
+        )
     return llama_style(hidden_size=32, ffn_hidden_size=64)
 
 
 def build_stage(style: str, groups: ProcessGroupCollection, seed: int) -> torch.nn.Module:
     """This rank's pipeline stage of the tiny model."""
     pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
-    return build_gpt(tiny_kwargs(style), groups, seed=seed, pre_process=pp_rank == 0,
-                     post_process=pp_rank == pp_size - 1)
+    return build_gpt(
+        tiny_kwargs(style), groups, seed=seed, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1
+    )
 
 
-def full_weights_by_key(model: torch.nn.Module, groups: ProcessGroupCollection,
-                        tensors: Dict[str, torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+def full_weights_by_key(
+    model: torch.nn.Module, groups: ProcessGroupCollection, tensors: Dict[str, torch.Tensor] = None
+) -> Dict[str, torch.Tensor]:
     """Whole tensors by checkpoint key, merged over every rank of the world.
 
     ``tensors`` (param name -> tensor shaped like the param) replaces the parameters
@@ -81,8 +85,11 @@ class StubOptimizer:
 
     def fill_from(self, model_chunks) -> None:
         """State that depends on the values: exp_avg = 2p + 1, exp_avg_sq = p^2, main_param = p (fp32)."""
-        self.state = {"step": 7, "param_groups": [{"lr": 0.5, "betas": (0.9, 0.95)}],
-                      "grad_scaler": {"scale": torch.tensor(1024.0)}}
+        self.state = {
+            "step": 7,
+            "param_groups": [{"lr": 0.5, "betas": (0.9, 0.95)}],
+            "grad_scaler": {"scale": torch.tensor(1024.0)},
+        }
         for chunk in model_chunks:
             for name, p in chunk.named_parameters():
                 p = p.detach().float()

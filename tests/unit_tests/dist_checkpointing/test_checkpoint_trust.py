@@ -17,18 +17,34 @@ from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.training import checkpointing as ckpt
 from megatron.training.checkpoint_args import ARCHITECTURE_ARGS, check_checkpoint_args
-from megatron.training.checkpointing import (CheckpointConfig, check_save_dir, load_checkpoint,
-                                            save_checkpoint)
+from megatron.training.checkpointing import CheckpointConfig, check_save_dir, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.model_utils import build_gpt, gpt2_style
-from tests.unit_tests.dist_checkpointing.ckpt_utils import (StubOptimizer, assert_same_weights, full_weights_by_key,
-                                                            groups_for)
+from tests.unit_tests.dist_checkpointing.ckpt_utils import (
+    StubOptimizer,
+    assert_same_weights,
+    full_weights_by_key,
+    groups_for,
+)
 
 # The architecture flags of gpt2_style() as a run would save them (validated destinations).
-ARCH = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 4, "kv_channels": 8,
-        "ffn_hidden_size": 128, "position_embedding_type": "learned_absolute", "max_position_embeddings": 32,
-        "normalization": "LayerNorm", "apply_residual_connection_post_layernorm": False, "swiglu": False,
-        "add_bias_linear": True, "rotary_base": 10000, "padded_vocab_size": 128, "lr": 3e-4}
+ARCH = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 4,
+    "kv_channels": 8,
+    "ffn_hidden_size": 128,
+    "position_embedding_type": "learned_absolute",
+    "max_position_embeddings": 32,
+    "normalization": "LayerNorm",
+    "apply_residual_connection_post_layernorm": False,
+    "swiglu": False,
+    "add_bias_linear": True,
+    "rotary_base": 10000,
+    "padded_vocab_size": 128,
+    "lr": 3e-4,
+}
 
 
 class Records(logging.Handler):
@@ -77,7 +93,7 @@ def _checksum_body(rank, world, tmp):
     groups = groups_for(2)
     # TP rank 1 writes the second half of the vocabulary rows of the word embedding to __1_0.distcp.
     embedding = saved["embedding.word_embeddings.weight"]
-    rows = embedding[embedding.shape[0] // 2:].contiguous().numpy().tobytes()
+    rows = embedding[embedding.shape[0] // 2 :].contiguous().numpy().tobytes()
     dist.barrier()
     if rank == 0:
         _flip_bit(os.path.join(iter_dir, "__1_0.distcp"), rows)
@@ -92,7 +108,7 @@ def _checksum_body(rank, world, tmp):
     records = Records("megatron.core.dist_checkpointing.serialization")
     dist.barrier()
     if rank == 0:
-        changed = got[got.shape[0] // 2:].contiguous().numpy().tobytes()
+        changed = got[got.shape[0] // 2 :].contiguous().numpy().tobytes()
         _flip_bit(os.path.join(iter_dir, "__1_0.distcp"), changed)  # flipped back
         with open(os.path.join(iter_dir, "metadata.json")) as f:
             meta = json.load(f)
@@ -119,14 +135,19 @@ def _legacy_checksum_body(rank, world, tmp):
     embedding = saved["embedding.word_embeddings.weight"]
     dist.barrier()
     if rank == 0:
-        _flip_bit(os.path.join(iter_dir, "mp_rank_01", "model_optim_rng.pt"),
-                  embedding[embedding.shape[0] // 2:].contiguous().numpy().tobytes())
+        _flip_bit(
+            os.path.join(iter_dir, "mp_rank_01", "model_optim_rng.pt"),
+            embedding[embedding.shape[0] // 2 :].contiguous().numpy().tobytes(),
+        )
     dist.barrier()
     groups = groups_for(2)
     model = _model(groups, 2)
     # Rank 1 reads (and checks) the bad file; rank 0's own file is fine, yet it must stop too, not hang.
-    with pytest.raises(CheckpointingError, match=r"checkpoint file corrupt: .*mp_rank_01/model_optim_rng.pt: "
-                                                 r"sha256 .*iter_0000010/checksums.json"):
+    with pytest.raises(
+        CheckpointingError,
+        match=r"checkpoint file corrupt: .*mp_rank_01/model_optim_rng.pt: "
+        r"sha256 .*iter_0000010/checksums.json",
+    ):
         load_checkpoint([model], None, None, cfg)
     return True
 
@@ -151,8 +172,11 @@ def _full_disk_body(rank, world, tmp, fmt, limit_of):
     if rank == 1:  # one rank's disk is full: both must stop, none may hang
         _limit_file_size(limit)
     try:
-        with pytest.raises(CheckpointingError, match=r"cannot write checkpoint .*iter_0000020.*maximum file size "
-                                                     r"\(EFBIG.*still names 10, the last complete checkpoint"):
+        with pytest.raises(
+            CheckpointingError,
+            match=r"cannot write checkpoint .*iter_0000020.*maximum file size "
+            r"\(EFBIG.*still names 10, the last complete checkpoint",
+        ):
             save_checkpoint(20, [model], None, None, cfg, {}, ARCH)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
@@ -177,23 +201,34 @@ def _legacy_file_fails(iter_dir):
     return 4096
 
 
-@pytest.mark.parametrize("fmt, limit_of", [("torch_dist", _rng_file_fails), ("torch_dist", _shard_fails),
-                                           ("torch", _legacy_file_fails)], ids=["rng_json", "distcp", "legacy"])
+@pytest.mark.parametrize(
+    "fmt, limit_of",
+    [("torch_dist", _rng_file_fails), ("torch_dist", _shard_fails), ("torch", _legacy_file_fails)],
+    ids=["rng_json", "distcp", "legacy"],
+)
 def test_a_full_disk_names_the_cause_and_keeps_the_last_checkpoint(tmp_path, fmt, limit_of):
     run_distributed(_full_disk_body, 2, str(tmp_path), fmt, limit_of)
 
 
 # ------------------------------------------------------------------ no processes
 def test_architecture_check_names_each_flag_values_and_checkpoint():
-    run = dict(ARCH, num_attention_heads=8, normalization="RMSNorm", apply_residual_connection_post_layernorm=True,
-               position_embedding_type="rope", lr=1.0)
+    run = dict(
+        ARCH,
+        num_attention_heads=8,
+        normalization="RMSNorm",
+        apply_residual_connection_post_layernorm=True,
+        position_embedding_type="rope",
+        lr=1.0,
+    )
     with pytest.raises(CheckpointingError) as err:
         check_checkpoint_args(ARCH, run, "/ck/iter_0000010")
     text = str(err.value)
-    for line in ("--num-attention-heads: checkpoint 4, this run 8",
-                 "--normalization: checkpoint 'LayerNorm', this run 'RMSNorm'",
-                 "--apply-residual-connection-post-layernorm: checkpoint False, this run True",
-                 "--position-embedding-type: checkpoint 'learned_absolute', this run 'rope'"):
+    for line in (
+        "--num-attention-heads: checkpoint 4, this run 8",
+        "--normalization: checkpoint 'LayerNorm', this run 'RMSNorm'",
+        "--apply-residual-connection-post-layernorm: checkpoint False, this run True",
+        "--position-embedding-type: checkpoint 'learned_absolute', this run 'rope'",
+    ):
         assert line in text, text
     assert "/ck/iter_0000010" in text and "--use-checkpoint-args" in text and "lr" not in text.split("\n", 1)[1]
     # Flags that do not shape this checkpoint's model, and flags it does not record, are not compared.
@@ -214,11 +249,17 @@ def _architecture_body(rank, world, tmp):
         cfg, saved = _saved(tmp, fmt, fmt)
         groups = groups_for(2)
         run = dict(ARCH, num_attention_heads=8, normalization="RMSNorm")
-        for variant in (cfg, CheckpointConfig(load=cfg.load, finetune=True),
-                        CheckpointConfig(load=cfg.load, no_load_optim=True)):
+        for variant in (
+            cfg,
+            CheckpointConfig(load=cfg.load, finetune=True),
+            CheckpointConfig(load=cfg.load, no_load_optim=True),
+        ):
             model = _model(groups, 2)  # same shapes as the saved one: only the flags tell them apart
-            with pytest.raises(CheckpointingError, match=r"(?s)iter_0000010.*another model architecture.*"
-                                                         r"--num-attention-heads: checkpoint 4, this run 8"):
+            with pytest.raises(
+                CheckpointingError,
+                match=r"(?s)iter_0000010.*another model architecture.*"
+                r"--num-attention-heads: checkpoint 4, this run 8",
+            ):
                 load_checkpoint([model], StubOptimizer(), None, variant, run_args=run)
         model = _model(groups, 2)
         opt = StubOptimizer()
@@ -239,23 +280,30 @@ def _strictness_body(rank, world, tmp):
     records = Records("megatron.core.dist_checkpointing.validation")
     # RoPE over a learned-position checkpoint: same shapes, the position table would be dropped.
     rope = _model(groups, 2, position_embedding_type="rope")
-    with pytest.raises(CheckpointingError, match=r"1 tensor\(s\) in the checkpoint .*learned/iter_0000010 are not "
-                                                 r"used by this model: embedding.position_embeddings.weight"):
+    with pytest.raises(
+        CheckpointingError,
+        match=r"1 tensor\(s\) in the checkpoint .*learned/iter_0000010 are not "
+        r"used by this model: embedding.position_embeddings.weight",
+    ):
         load_checkpoint([rope], None, None, cfg)
     for opt_out in ("raise_unexpected", "log_all"):
         rope = _model(groups, 2, position_embedding_type="rope")
         load_checkpoint([rope], None, None, CheckpointConfig(load=cfg.load, dist_ckpt_strictness=opt_out))
         expected = {k: v for k, v in saved.items() if k != "embedding.position_embeddings.weight"}
         assert_same_weights(expected, full_weights_by_key(rope, groups))
-    assert rank != 0 or any("not used by this model, not loaded: embedding.position_embeddings.weight" in m
-                            for m in records.messages), records.messages  # rank 0 reports it
+    assert rank != 0 or any(
+        "not used by this model, not loaded: embedding.position_embeddings.weight" in m for m in records.messages
+    ), records.messages  # rank 0 reports it
     # The optimizer state a --no-load-optim / finetune load leaves unread is expected, not unused.
     model = _model(groups, 2)
     assert load_checkpoint([model], StubOptimizer(), None, CheckpointConfig(load=cfg.load, no_load_optim=True))[0] == 10
     # A model tensor the checkpoint lacks: an error by default; log_unexpected keeps its initial value.
     qk = _model(groups, 2, qk_layernorm=True)
-    with pytest.raises(CheckpointingError, match=r"tensor\(s\) of this model are not in the checkpoint .*"
-                                                 r"q_layernorm.*log_unexpected"):
+    with pytest.raises(
+        CheckpointingError,
+        match=r"tensor\(s\) of this model are not in the checkpoint .*"
+        r"q_layernorm.*log_unexpected",
+    ):
         load_checkpoint([qk], None, None, cfg)
     qk = _model(groups, 2, qk_layernorm=True)
     initial = full_weights_by_key(qk, groups)
@@ -274,7 +322,9 @@ def test_strictness_values_are_megatrons():
     from megatron.training.arguments import flag_specs
 
     spec = next(s for s in flag_specs() if s.dest == "dist_ckpt_strictness")
-    assert [s.value for s in StrictHandling] == list(spec.choices) and spec.default == CheckpointConfig().dist_ckpt_strictness
+    assert [s.value for s in StrictHandling] == list(
+        spec.choices
+    ) and spec.default == CheckpointConfig().dist_ckpt_strictness
     with pytest.raises(ValueError, match="--dist-ckpt-strictness 'strict': must be one of assume_ok_unexpected"):
         CheckpointConfig(dist_ckpt_strictness="strict")
 
@@ -289,14 +339,21 @@ def _directories_body(rank, world, tmp):
         open(blocker, "w").close()
     dist.barrier()
     for save in (os.path.join(blocker, "ckpt"), "/proc"):
-        with pytest.raises(CheckpointingError, match=f"--save {save}: the checkpoint directory cannot be created "
-                                                     "or written"):
+        with pytest.raises(
+            CheckpointingError, match=f"--save {save}: the checkpoint directory cannot be created or written"
+        ):
             check_save_dir(CheckpointConfig(save=save))
     # Starting from scratch (or finetuning) into a --save that holds checkpoints would overwrite them.
-    for variant in (CheckpointConfig(save=cfg.save), CheckpointConfig(save=cfg.save, load=tmp),
-                    CheckpointConfig(save=cfg.save, load=cfg.save, finetune=True)):
-        with pytest.raises(CheckpointingError, match=r"already holds 1 complete checkpoint\(s\), the newest "
-                                                     r".*ck/iter_0000010.*would overwrite"):
+    for variant in (
+        CheckpointConfig(save=cfg.save),
+        CheckpointConfig(save=cfg.save, load=tmp),
+        CheckpointConfig(save=cfg.save, load=cfg.save, finetune=True),
+    ):
+        with pytest.raises(
+            CheckpointingError,
+            match=r"already holds 1 complete checkpoint\(s\), the newest "
+            r".*ck/iter_0000010.*would overwrite",
+        ):
             check_save_dir(variant)
     check_save_dir(cfg)  # resuming from it
     check_save_dir(CheckpointConfig(save=os.path.join(tmp, "fresh")))
@@ -305,8 +362,11 @@ def _directories_body(rank, world, tmp):
     if rank == 0:
         os.remove(os.path.join(cfg.load, ckpt.TRACKER_FILE))
     dist.barrier()
-    with pytest.raises(CheckpointingError, match=r"ck has no latest_checkpointed_iteration.txt but holds 1 complete "
-                                                 r"checkpoint\(s\), the newest .*iter_0000010.*--ckpt-step 10"):
+    with pytest.raises(
+        CheckpointingError,
+        match=r"ck has no latest_checkpointed_iteration.txt but holds 1 complete "
+        r"checkpoint\(s\), the newest .*iter_0000010.*--ckpt-step 10",
+    ):
         load_checkpoint([_model(groups, 2)], None, None, cfg)
     assert load_checkpoint([_model(groups, 2)], None, None, CheckpointConfig(load=cfg.load, ckpt_step=10))[0] == 10
     return True

@@ -17,12 +17,20 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_par
 from megatron.training import checkpointing as ckpt
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
-from tests.unit_tests.dist_checkpointing.ckpt_utils import (StubOptimizer, assert_same_weights, build_stage,
-                                                            full_weights_by_key, groups_for)
+from tests.unit_tests.dist_checkpointing.ckpt_utils import (
+    StubOptimizer,
+    assert_same_weights,
+    build_stage,
+    full_weights_by_key,
+    groups_for,
+)
 
 ARGS = {"num_layers": 2, "hidden_size": 32, "lr": 0.5, "data_path": ["a", "b"], "fp16": False}
-TRAIN_STATE = {"consumed_train_samples": 320, "consumed_valid_samples": 64,
-               "num_floating_point_operations_so_far": 1.5e12}
+TRAIN_STATE = {
+    "consumed_train_samples": 320,
+    "consumed_valid_samples": 64,
+    "num_floating_point_operations_so_far": 1.5e12,
+}
 
 
 # ------------------------------------------------------------------ no processes
@@ -39,19 +47,25 @@ def test_config_validation():
 def test_config_from_megatron_flags():
     from megatron.training.arguments import parse_args
 
-    args = parse_args(["--save", "/s", "--load", "/l", "--save-interval", "5", "--no-load-rng", "--ckpt-format",
-                       "torch"])
+    args = parse_args(
+        ["--save", "/s", "--load", "/l", "--save-interval", "5", "--no-load-rng", "--ckpt-format", "torch"]
+    )
     cfg = ckpt.checkpoint_config_from_args(args)
     assert (cfg.save, cfg.load, cfg.save_interval, cfg.no_load_rng, cfg.no_save_optim, cfg.ckpt_format) == (
-        "/s", "/l", 5, True, False, "torch")
+        "/s",
+        "/l",
+        5,
+        True,
+        False,
+        "torch",
+    )
 
 
 def test_args_to_plain_data():
     import argparse
 
     ns = argparse.Namespace(params_dtype=torch.bfloat16, activation_func=torch.nn.functional.silu, sizes=(1, 2))
-    assert ckpt.args_to_plain_data(ns) == {"params_dtype": "torch.bfloat16", "activation_func": "silu",
-                                           "sizes": [1, 2]}
+    assert ckpt.args_to_plain_data(ns) == {"params_dtype": "torch.bfloat16", "activation_func": "silu", "sizes": [1, 2]}
 
 
 def test_args_to_plain_data_turns_int_enums_into_numbers():
@@ -71,9 +85,19 @@ def test_args_to_plain_data_turns_int_enums_into_numbers():
 # ------------------------------------------------------------------ 2 ranks
 def _scheduler():
     dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    return OptimizerParamScheduler(dummy, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=2,
-                                   lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-                                   wd_incr_steps=10, wd_incr_style="constant")
+    return OptimizerParamScheduler(
+        dummy,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-5,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
 
 
 def _setup(tp, pp=1, seed=1, style="llama"):
@@ -251,8 +275,11 @@ def _error_checks(rank, tmp):
             f.write("abc")
     dist.barrier()
     # Only rank 0's file is bad; every rank raises (the others name rank 0's cause), none hangs.
-    with pytest.raises(CheckpointingError, match=r"checkpoint file corrupt: .*mp_rank_00_000/model_optim_rng.pt "
-                                                 r"has 100 bytes, .*iter_0000005/checksums.json records"):
+    with pytest.raises(
+        CheckpointingError,
+        match=r"checkpoint file corrupt: .*mp_rank_00_000/model_optim_rng.pt "
+        r"has 100 bytes, .*iter_0000005/checksums.json records",
+    ):
         load_checkpoint([model], opt, None, CheckpointConfig(load=tmp))
     with pytest.raises(CheckpointingError, match=r"cannot read legacy checkpoint .*mp_rank_00_000"):
         load_checkpoint([model], opt, None, CheckpointConfig(load=tmp, verify_checkpoint=False))

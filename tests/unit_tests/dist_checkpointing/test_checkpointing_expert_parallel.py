@@ -13,16 +13,17 @@ from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, s
 from tests.dist_harness import run_distributed
 from tests.model_utils import build_gpt
 from tests.unit_tests.dist_checkpointing.ckpt_utils import assert_same_weights, full_weights_by_key, tiny_kwargs
-from tests.unit_tests.dist_checkpointing.test_checkpointing_optimizer import (BF16, _optimizer_state_by_key,
-                                                                              _train_step)
+from tests.unit_tests.dist_checkpointing.test_checkpointing_optimizer import BF16, _optimizer_state_by_key, _train_step
 
 
 def _build(tp: int, ep: int, seed: int, distributed: bool):
-    groups = build_process_groups(ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp,
-                                                 expert_model_parallel_size=ep))
+    groups = build_process_groups(
+        ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    )
     model = build_gpt(dict(tiny_kwargs("moe"), **BF16), groups, seed=seed)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed), model, pg_collection=groups)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model, pg_collection=groups
+    )
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=distributed, **BF16)
     return groups, model, ddp, get_megatron_optimizer(config, [ddp], groups)
 

@@ -20,8 +20,9 @@ BF16 = {"params_dtype": torch.bfloat16, "bf16": True}
 def _build(tp, seed, distributed):
     groups = groups_for(tp)
     model = build_gpt(gpt2_style(**BF16), groups, seed=seed)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed), model, pg_collection=groups)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model, pg_collection=groups
+    )
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=distributed, **BF16)
     return groups, model, ddp, get_megatron_optimizer(config, [ddp], groups)
 
@@ -38,8 +39,10 @@ def _train_step(groups, ddp, opt, it):
 
 def _optimizer_state_by_key(groups, model, ddp, opt):
     state = opt.state_dict_by_param_name([ddp], all_ranks=True)
-    return {sub: full_weights_by_key(model, groups, {n: state[n][sub] for n, _ in model.named_parameters()})
-            for sub in ("exp_avg", "exp_avg_sq", "main_param")}
+    return {
+        sub: full_weights_by_key(model, groups, {n: state[n][sub] for n, _ in model.named_parameters()})
+        for sub in ("exp_avg", "exp_avg_sq", "main_param")
+    }
 
 
 def _optimizer_body(rank, world, tmp):

@@ -14,8 +14,12 @@ from megatron.core import dist_checkpointing as dcp_mc
 from megatron.core.dist_checkpointing import CheckpointingError, ShardedTensor, plain_data
 from megatron.core.tensor_parallel.layers import _shard_of_master
 from tests.dist_harness import run_distributed
-from tests.unit_tests.dist_checkpointing.ckpt_utils import (assert_same_weights, build_stage, full_weights_by_key,
-                                                            groups_for)
+from tests.unit_tests.dist_checkpointing.ckpt_utils import (
+    assert_same_weights,
+    build_stage,
+    full_weights_by_key,
+    groups_for,
+)
 
 
 # ------------------------------------------------------------------ no processes
@@ -41,8 +45,9 @@ def _mark(t: torch.Tensor, stride: int) -> torch.Tensor:
 
 def test_replicated_tensors_written_once():
     t = torch.zeros(3)
-    writers = [(tp, dp) for tp in range(2) for dp in range(3)
-               if dcp_mc.sharded_tensor_for("b", t, tp, 2, dp).replica_id == 0]
+    writers = [
+        (tp, dp) for tp in range(2) for dp in range(3) if dcp_mc.sharded_tensor_for("b", t, tp, 2, dp).replica_id == 0
+    ]
     assert writers == [(0, 0)]
 
 
@@ -118,9 +123,17 @@ def _vp_chunks(groups, seed, layers=4):
     pp_rank, pp = groups.rank_in("pp"), groups.size_of("pp")
     vp = 2 if pp > 1 else 1
     kw = dict(tiny_kwargs("llama"), num_layers=layers, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
-    return [build_gpt(kw, groups, seed=seed + v, vp_stage=v if vp > 1 else None,
-                      pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1)
-            for v in range(vp)]
+    return [
+        build_gpt(
+            kw,
+            groups,
+            seed=seed + v,
+            vp_stage=v if vp > 1 else None,
+            pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == pp - 1 and v == vp - 1,
+        )
+        for v in range(vp)
+    ]
 
 
 def _merged(chunks, groups):
@@ -162,8 +175,12 @@ def _errors_body(rank, world, tmp):
     from tests.model_utils import build_gpt, gpt2_style
 
     wider = build_gpt(gpt2_style(hidden_size=64), groups)
-    _expect_error(r"shape mismatch for key 'embedding.word_embeddings.weight'.*\(128, 32\).*\(128, 64\)",
-                  dcp_mc.load, dcp_mc.sharded_state_dict(wider, pg_collection=groups), path)
+    _expect_error(
+        r"shape mismatch for key 'embedding.word_embeddings.weight'.*\(128, 32\).*\(128, 64\)",
+        dcp_mc.load,
+        dcp_mc.sharded_state_dict(wider, pg_collection=groups),
+        path,
+    )
     # A key only rank 1 asks for: both ranks raise (no hang), rank 1 names the key.
     model = build_stage("gpt2", groups, 3)
     sd = dcp_mc.sharded_state_dict(model, pg_collection=groups)
@@ -184,7 +201,9 @@ def _errors_body(rank, world, tmp):
     sd = dcp_mc.sharded_state_dict(model, pg_collection=groups)
     _expect_error(r"incomplete.*no_json/metadata.json", dcp_mc.load, sd, os.path.join(tmp, "no_json"))
     _expect_error(r"truncated: .*truncated/__1_0.distcp", dcp_mc.load, sd, os.path.join(tmp, "truncated"))
-    _expect_error(r"unsafe or corrupt checkpoint metadata .*bad_meta/.metadata", dcp_mc.load, sd, os.path.join(tmp, "bad_meta"))
+    _expect_error(
+        r"unsafe or corrupt checkpoint metadata .*bad_meta/.metadata", dcp_mc.load, sd, os.path.join(tmp, "bad_meta")
+    )
     return True
 
 

@@ -8,10 +8,9 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from tests.model_utils import batch, build_gpt, gather_tp, gpt2_style, single_rank_groups
+from tests.model_utils import batch, build_gpt, gather_tp, single_rank_groups
 
 MICRO_BATCH, NUM_MICRO, ITERS = 2, 2, 5
 LR, WD, CLIP = 1e-2, 0.1, 0.5
@@ -27,8 +26,11 @@ def reference_run(kwargs: Dict, global_batch: int, iters: int = ITERS, optimizer
     decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
     no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.dim() == 1]
     groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = (torch.optim.AdamW(groups, lr=LR, eps=EPS) if optimizer == "adam"
-           else torch.optim.SGD(groups, lr=LR, momentum=0.9))
+    opt = (
+        torch.optim.AdamW(groups, lr=LR, eps=EPS)
+        if optimizer == "adam"
+        else torch.optim.SGD(groups, lr=LR, momentum=0.9)
+    )
     losses, norms = [], []
     for it in range(iters):
         tokens, labels = batch(seed=it, b=global_batch)
@@ -41,14 +43,13 @@ def reference_run(kwargs: Dict, global_batch: int, iters: int = ITERS, optimizer
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def parallel_run(groups, kwargs: Dict, ddp_kwargs: Dict, opt_kwargs: Dict, iters: int = ITERS,
-                 per_token: bool = False):
+def parallel_run(groups, kwargs: Dict, ddp_kwargs: Dict, opt_kwargs: Dict, iters: int = ITERS, per_token: bool = False):
     """TP x DP training with DDP + finalize_model_grads + the Megatron optimizer."""
     model = build_gpt(dict(kwargs, calculate_per_token_loss=per_token), groups)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**ddp_kwargs), model,
-                                  pg_collection=groups)
-    config = OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=CLIP, adam_eps=EPS,
-                             **opt_kwargs)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(**ddp_kwargs), model, pg_collection=groups
+    )
+    config = OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=CLIP, adam_eps=EPS, **opt_kwargs)
     opt = get_megatron_optimizer(config, [ddp], groups)
     losses, norms = [], []
     for it in range(iters):
@@ -70,7 +71,7 @@ def train_step(ddp, opt, groups, it: int, per_token: bool = False):
     dp, dp_rank = groups.size_of("dp"), groups.rank_in("dp")
     local = MICRO_BATCH * NUM_MICRO
     tokens, labels = batch(seed=it, b=local * dp)
-    tokens, labels = tokens[dp_rank * local:(dp_rank + 1) * local], labels[dp_rank * local:(dp_rank + 1) * local]
+    tokens, labels = tokens[dp_rank * local : (dp_rank + 1) * local], labels[dp_rank * local : (dp_rank + 1) * local]
     ddp.zero_grad_buffer()
     opt.zero_grad()
     total = torch.zeros(1, dtype=torch.float64)
@@ -95,10 +96,12 @@ def assert_matches(where: str, got, ref, rtol: float) -> None:
     """Losses and grad norms elementwise within ``rtol``; each weight tensor within ``rtol`` in norm."""
     losses, norms, weights = got[:3]
     ref_losses, ref_norms, ref_weights = ref
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0,
-                               msg=lambda m: f"{where} losses: {m}")
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=rtol, atol=0,
-                               msg=lambda m: f"{where} grad norms: {m}")
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0, msg=lambda m: f"{where} losses: {m}"
+    )
+    torch.testing.assert_close(
+        torch.tensor(norms), torch.tensor(ref_norms), rtol=rtol, atol=0, msg=lambda m: f"{where} grad norms: {m}"
+    )
     assert set(weights) == set(ref_weights), where
     for name, ref_w in ref_weights.items():
         err = relative_error(weights[name], ref_w)

@@ -8,12 +8,17 @@ relative L2 norm (TP shards gathered). Only the order of float additions differs
 """
 
 import pytest
-import torch
 
 from megatron.core import parallel_state as ps
 from tests.dist_harness import run_distributed
-from tests.unit_tests.distributed.dp_training import (MICRO_BATCH, NUM_MICRO, assert_matches, gpt2_style,
-                                                      parallel_run, reference_run)
+from tests.unit_tests.distributed.dp_training import (
+    MICRO_BATCH,
+    NUM_MICRO,
+    assert_matches,
+    gpt2_style,
+    parallel_run,
+    reference_run,
+)
 
 RTOL = 1e-6
 DIST = dict(use_distributed_optimizer=True)

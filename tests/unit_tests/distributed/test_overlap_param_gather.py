@@ -37,6 +37,7 @@ def _record(events: List[Tuple[str, int]], bucket_of_ptr: dict):
     def gather(output, inp, group=None, async_op=False):
         work = real(output, inp, group=group, async_op=async_op)
         return _RecordedWork(work, bucket_of_ptr[output.data_ptr()], events) if async_op else work
+
     return gather
 
 
@@ -48,9 +49,9 @@ def _overlapped(rank: int, world_size: int) -> None:
     original = distrib_optimizer.all_gather_into_tensor
     distrib_optimizer.all_gather_into_tensor = _record(events, bucket_of_ptr)
     try:
-        got = parallel_run(groups, model_kwargs, DIST, dict(use_distributed_optimizer=True,
-                                                            overlap_param_gather=True),
-                           iters=0)
+        got = parallel_run(
+            groups, model_kwargs, DIST, dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0
+        )
         _, _, _, opt, ddp = got
         (buffer,) = ddp.buffers
         assert len(buffer.buckets) >= 3, f"want several buckets, got {len(buffer.buckets)}"
@@ -93,8 +94,9 @@ def _save_right_after_a_step(rank: int, world_size: int, save_dir: str) -> None:
     from megatron.training import checkpointing
 
     groups = ps.initialize_model_parallel()
-    _, _, _, opt, ddp = parallel_run(groups, gpt2_style(num_layers=2), DIST,
-                                     dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0)
+    _, _, _, opt, ddp = parallel_run(
+        groups, gpt2_style(num_layers=2), DIST, dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0
+    )
     train_step(ddp, opt, groups, 0)
     (buffer,) = ddp.buffers
     assert any(b.param_gather_handle is not None for b in buffer.buckets)  # the step left gathers running
@@ -118,8 +120,9 @@ def test_a_checkpoint_waits_for_the_parameter_gathers(tmp_path):
 
 def _stale_fusion_flags_cleared(rank: int, world_size: int) -> None:
     groups = ps.initialize_model_parallel()
-    _, _, _, _, ddp = parallel_run(groups, gpt2_style(num_layers=1), DIST, dict(use_distributed_optimizer=True),
-                                   iters=0)
+    _, _, _, _, ddp = parallel_run(
+        groups, gpt2_style(num_layers=1), DIST, dict(use_distributed_optimizer=True), iters=0
+    )
     params = list(ddp.module.parameters())
     for param in params:  # what a backward that raised after the fused wgrad leaves behind
         param.grad_added_to_main_grad = True
@@ -143,8 +146,9 @@ def _step_waits_and_issue_order(rank: int, world_size: int) -> None:
         issued.append(bucket_of_ptr.get(output.data_ptr(), -1))
         return real_gather(output, inp, group=group, async_op=async_op)
 
-    _, _, _, opt, ddp = parallel_run(groups, gpt2_style(num_layers=2), DIST,
-                                     dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0)
+    _, _, _, opt, ddp = parallel_run(
+        groups, gpt2_style(num_layers=2), DIST, dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0
+    )
     (buffer,) = ddp.buffers
     bucket_of_ptr.update({b.param_data.data_ptr(): b.index for b in buffer.buckets})
     real_step = MegatronOptimizer.step

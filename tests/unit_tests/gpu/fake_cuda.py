@@ -32,9 +32,24 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 aten = torch.ops.aten
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor",
-               "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "gather", "scatter",
-               "reduce", "send", "recv", "isend", "irecv", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "reduce",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_to_all_single",
+)
 
 
 _DATA_ONLY = (aten.copy_.default, aten.uniform_.default)
@@ -50,7 +65,7 @@ def _basic_index(tensor: torch.Tensor, index: Any) -> torch.Tensor:
     if Ellipsis in items:
         at = items.index(Ellipsis)
         fill = tensor.dim() - sum(1 for i in items if i is not None and i is not Ellipsis)
-        items = items[:at] + [slice(None)] * fill + items[at + 1:]
+        items = items[:at] + [slice(None)] * fill + items[at + 1 :]
     out, dim = tensor, 0
     for item in items:
         if isinstance(item, slice):
@@ -77,8 +92,13 @@ def _setitem(self: torch.Tensor, index: Any, value: Any) -> None:
         target.fill_(value)
 
 
-_REROUTED = {"copy_": _copy_through_dispatcher, "__getitem__": _getitem, "__setitem__": _setitem,
-             "__int__": lambda self: int(self.item()), "__float__": lambda self: float(self.item())}
+_REROUTED = {
+    "copy_": _copy_through_dispatcher,
+    "__getitem__": _getitem,
+    "__setitem__": _setitem,
+    "__int__": lambda self: int(self.item()),
+    "__float__": lambda self: float(self.item()),
+}
 
 
 class FakeCuda(FakeTensorMode):
@@ -91,7 +111,7 @@ class FakeCuda(FakeTensorMode):
         self.syncs = 0
         self.host_to_device = 0
 
-    def __enter__(self) -> "FakeCuda":
+    def __enter__(self) -> FakeCuda:
         # The Python bindings of copy_, indexing, int() and float() take a CUDA device guard, which a
         # CPU build lacks; the aten ops themselves reach this mode. Torch re-enters the mode
         # internally, so only the outermost entry patches and its exit restores.

@@ -25,13 +25,24 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux
 
 
 def _build(groups) -> Tuple[torch.nn.Module, DistributedDataParallel, object]:
-    model = build_gpt(gpt2_style(hidden_dropout=0.1, attention_dropout=0.1, fp16=True, params_dtype=torch.float16,
-                                 **MOE), groups).cuda()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model,
-                                  pg_collection=groups)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, fp16=True, params_dtype=torch.float16, clip_grad=1.0,
-                                                 initial_loss_scale=2.0 ** 12, log_num_zeros_in_grad=True),
-                                 [ddp], groups)
+    model = build_gpt(
+        gpt2_style(hidden_dropout=0.1, attention_dropout=0.1, fp16=True, params_dtype=torch.float16, **MOE), groups
+    ).cuda()
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, pg_collection=groups
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            lr=1e-3,
+            fp16=True,
+            params_dtype=torch.float16,
+            clip_grad=1.0,
+            initial_loss_scale=2.0**12,
+            log_num_zeros_in_grad=True,
+        ),
+        [ddp],
+        groups,
+    )
     model.config.grad_scale_func = opt.scale_loss
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = lambda chunks, tokens: finalize_model_grads(chunks, tokens, groups)
@@ -57,9 +68,16 @@ def _step(ddp, opt, seed: int) -> Tuple[bool, List[str]]:
     ddp.zero_grad_buffer()
     opt.zero_grad()
     torch.cuda.synchronize()
-    schedule_syncs = _syncs(lambda: forward_backward_no_pipelining(
-        forward_step_func=_forward_step, data_iterator=data, model=[ddp], num_microbatches=2, seq_length=SEQ,
-        micro_batch_size=2))
+    schedule_syncs = _syncs(
+        lambda: forward_backward_no_pipelining(
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=2,
+            seq_length=SEQ,
+            micro_batch_size=2,
+        )
+    )
     print(f"  forward/backward of 2 microbatches: {len(schedule_syncs)} host syncs")
     updated: List[bool] = []
     step_syncs = _syncs(lambda: updated.append(opt.step()[0]))

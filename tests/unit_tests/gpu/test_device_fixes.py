@@ -18,8 +18,12 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
-                                                unscale_and_find_nonfinite)
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    unscale_and_find_nonfinite,
+)
 from megatron.core.pipeline_parallel.schedules import forward_step
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from tests.unit_tests.gpu.fake_cuda import FakeCuda, fake_world, nccl_like, on_cuda
@@ -71,8 +75,9 @@ def test_fp16_step_unscales_on_device_with_one_sync_per_statistic(monkeypatch, n
 def test_loss_scale_loaded_from_a_checkpoint_stays_on_device():
     with fake_world(1), FakeCuda():
         groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
-        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, fp16=True, params_dtype=torch.float16),
-                                     [_layers(1, torch.float16)], groups)
+        opt = get_megatron_optimizer(
+            OptimizerConfig(lr=1e-3, fp16=True, params_dtype=torch.float16), [_layers(1, torch.float16)], groups
+        )
         opt.grad_scaler.load_state_dict({"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 2})
         assert on_cuda(opt.get_loss_scale())
 
@@ -88,9 +93,10 @@ def test_grad_norm_clip_and_zero_count_read_the_host_once(monkeypatch):
         groups = ps.build_process_groups(ps.ParallelLayout(world_size=2, tensor_model_parallel_size=2))
         grads, expert = _grads(6), _grads(3)
         for name, run, syncs in (
-                ("norm", lambda: get_grad_norm_fp32(grads, [groups.mp], expert, [groups.tp_ep_pp]), 1),
-                ("zeros", lambda: count_zeros_fp32(grads, [groups.mp], expert, [groups.tp_ep_pp]), 1),
-                ("clip", lambda: clip_grad_by_total_norm_fp32(grads, 1.0, 10.0), 0)):
+            ("norm", lambda: get_grad_norm_fp32(grads, [groups.mp], expert, [groups.tp_ep_pp]), 1),
+            ("zeros", lambda: count_zeros_fp32(grads, [groups.mp], expert, [groups.tp_ep_pp]), 1),
+            ("clip", lambda: clip_grad_by_total_norm_fp32(grads, 1.0, 10.0), 0),
+        ):
             before = mode.counts()
             run()
             assert (mode.syncs - before[0], mode.host_to_device - before[1]) == (syncs, 0), name
@@ -145,8 +151,9 @@ def test_a_microbatch_copies_nothing_to_the_device(fp16):
         config = SimpleNamespace(num_moe_experts=2, calculate_per_token_loss=False, grad_scale_func=None)
         chunk = _Chunk(config)
         precision = {"fp16": True, "params_dtype": torch.float32} if fp16 else {"bf16": True}
-        config.grad_scale_func = get_megatron_optimizer(OptimizerConfig(lr=1e-3, **precision), [chunk],
-                                                        groups).scale_loss
+        config.grad_scale_func = get_megatron_optimizer(
+            OptimizerConfig(lr=1e-3, **precision), [chunk], groups
+        ).scale_loss
         before = mode.counts()
         for _ in range(2):
             with torch.no_grad():  # recording a graph on fake CUDA aborts a CPU build too
@@ -163,8 +170,12 @@ def test_a_microbatch_copies_nothing_to_the_device(fp16):
 def _distributed_optimizer(groups) -> tuple:
     """Two bf16 layers wrapped for the distributed optimizer on the fake GPU, after one step."""
     model = _layers(2, torch.bfloat16)
-    ddp = DistributedDataParallel(SimpleNamespace(calculate_per_token_loss=False), DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model, pg_collection=groups)
+    ddp = DistributedDataParallel(
+        SimpleNamespace(calculate_per_token_loss=False),
+        DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+        model,
+        pg_collection=groups,
+    )
     config = OptimizerConfig(lr=1e-3, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True)
     opt = get_megatron_optimizer(config, [ddp], groups)
     for param in model.parameters():
@@ -236,8 +247,11 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 def test_cuda_grad_norm_matches_float64(numel):
     """Multi-tensor fp32 norms summed in float64 stay within the CPU path's 5e-6 of a float64 sum."""
     g = torch.Generator(device="cuda").manual_seed(numel)
-    grads = [torch.randn(numel, device="cuda", generator=g) * 1e-3 + 1e-3, torch.randn(3, 5, device="cuda"),
-             torch.randn(4096, device="cuda").bfloat16()]
+    grads = [
+        torch.randn(numel, device="cuda", generator=g) * 1e-3 + 1e-3,
+        torch.randn(3, 5, device="cuda"),
+        torch.randn(4096, device="cuda").bfloat16(),
+    ]
     exact = sum(t.double().pow(2).sum() for t in grads).sqrt().item()
     got = get_grad_norm_fp32(grads, [])
     assert abs(got - exact) <= 5e-6 * exact, (got, exact)

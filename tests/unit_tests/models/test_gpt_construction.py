@@ -14,15 +14,26 @@ from tests.dist_harness import run_distributed
 def _construction_body(rank, world_size):
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(123)  # per-rank init draws from the model-parallel RNG
-    short = GPTModel(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2,
-                     pipeline_model_parallel_size=1, vocab_size=64, max_sequence_length=8,
-                     position_embedding_type="rope", rotary_base=1000, rotary_percent=0.5,
-                     share_embeddings_and_output_weights=True, normalization="RMSNorm")
+    short = GPTModel(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1,
+        vocab_size=64,
+        max_sequence_length=8,
+        position_embedding_type="rope",
+        rotary_base=1000,
+        rotary_percent=0.5,
+        share_embeddings_and_output_weights=True,
+        normalization="RMSNorm",
+    )
     assert short.config.normalization == "RMSNorm" and short.rotary_pos_emb is not None
     assert short.output_layer.weight is None  # tied: the output reuses the word embeddings
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)
-    full = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                    max_sequence_length=8)
+    full = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8
+    )
     assert full.embedding.word_embeddings.weight.shape == (32, 32)  # [vocab/tp, h]
     logits = full(torch.randint(0, 64, (2, 8)))
     assert logits.shape == (2, 8, 32)
@@ -52,8 +63,11 @@ def _initialisers_body(rank, world_size):
         # CPU initialisation draws each tensor from its own seeded stream: same draws, other scale.
         factor = 0.05 / 0.02 if name.startswith("embedding.") else 1.0
         torch.testing.assert_close(wide[name], param * factor, rtol=1e-6, atol=0, msg=name)
-    xavier = build_gpt(gpt2_style(init_method=torch.nn.init.xavier_uniform_,
-                                  output_layer_init_method=torch.nn.init.xavier_uniform_), groups, seed=3)
+    xavier = build_gpt(
+        gpt2_style(init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_),
+        groups,
+        seed=3,
+    )
     for name, param in xavier.named_parameters():
         if name.endswith("weight") and param.dim() == 2 and not name.startswith("embedding."):
             bound = math.sqrt(6.0 / sum(param.shape))  # full weights (one rank): fan_in + fan_out

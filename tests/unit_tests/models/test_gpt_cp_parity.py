@@ -34,7 +34,7 @@ def _micro_batches(with_positions: bool):
     mask[0, :6] = 0.0  # CP=2: rank 0 (positions 0-3, 12-15) loses more counted tokens than rank 1
     out = []
     for i in range(0, MICRO * NUM_MB, MICRO):
-        mb = {"tokens": tokens[i:i + MICRO], "labels": labels[i:i + MICRO], "loss_mask": mask[i:i + MICRO]}
+        mb = {"tokens": tokens[i : i + MICRO], "labels": labels[i : i + MICRO], "loss_mask": mask[i : i + MICRO]}
         if with_positions:
             mb["position_ids"] = torch.arange(SEQ).expand(MICRO, SEQ)
         out.append(mb)
@@ -59,9 +59,15 @@ def _run(chunks, groups, with_positions):
     """One schedule call; returns (per-token losses per microbatch, reported mean loss or None)."""
     outputs = []
     func = get_forward_backward_func(groups.size_of("pp"), len(chunks))
-    reports = func(forward_step_func=partial(_forward_step, outputs), data_iterator=iter(_micro_batches(with_positions)),
-                   model=chunks[0], num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MICRO,
-                   pg_collection=groups)
+    reports = func(
+        forward_step_func=partial(_forward_step, outputs),
+        data_iterator=iter(_micro_batches(with_positions)),
+        model=chunks[0],
+        num_microbatches=NUM_MB,
+        seq_length=SEQ,
+        micro_batch_size=MICRO,
+        pg_collection=groups,
+    )
     if not reports:
         return outputs, None
     summed = torch.stack([r["lm loss"] for r in reports]).sum(0)  # [2]
@@ -81,8 +87,14 @@ def _cp_grads_like_ddp(chunk, groups):
 
 
 def _check(style, tp, pp, sp, with_positions, world_size, **extra):
-    groups = build_process_groups(ParallelLayout(world_size=world_size, tensor_model_parallel_size=tp,
-                                                 pipeline_model_parallel_size=pp, context_parallel_size=2))
+    groups = build_process_groups(
+        ParallelLayout(
+            world_size=world_size,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=2,
+        )
+    )
     kwargs = STYLES[style](num_layers=2 * pp, sequence_parallel=sp, **extra)
     what = f"{style} cp=2 tp={tp} pp={pp} sp={sp} {extra}"
     reference = build_gpt(kwargs, single_rank_groups(), seed=7)
@@ -93,13 +105,19 @@ def _check(style, tp, pp, sp, with_positions, world_size, **extra):
     if loss is not None:  # the last pipeline stage
         positions = cp_chunk_positions(SEQ, 2, groups.rank_in("cp"))
         for i, (mine, ref) in enumerate(zip(outputs, ref_outputs)):
-            torch.testing.assert_close(mine, ref[:, positions], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{what} mb {i} token losses: {m}")
+            torch.testing.assert_close(
+                mine, ref[:, positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} mb {i} token losses: {m}"
+            )
         torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} lm loss: {m}")
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     for name, grad in _cp_grads_like_ddp(chunks[0], groups).items():
-        torch.testing.assert_close(grad, ref_grads[reference_name(chunks[0], name)], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{what} grad {name}: {m}")
+        torch.testing.assert_close(
+            grad,
+            ref_grads[reference_name(chunks[0], name)],
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m: f"{what} grad {name}: {m}",
+        )
 
 
 def _two_ranks(rank, world_size):

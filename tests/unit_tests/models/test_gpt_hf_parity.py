@@ -4,60 +4,102 @@ The same weights go into both models; logits must agree within 1e-4 max abs (fp3
 """
 
 import pytest
-import torch
+import transformers  # a test dependency (requirements-test.txt): missing it must fail, not skip
 
 from megatron.core import parallel_state as ps
-from megatron.core.models.gpt.hf_state_dict import (from_hf_llama, from_hf_mixtral, to_hf_gpt2, to_hf_llama,
-                                                    to_hf_mixtral)
+from megatron.core.models.gpt.hf_state_dict import (
+    from_hf_llama,
+    from_hf_mixtral,
+    to_hf_gpt2,
+    to_hf_llama,
+    to_hf_mixtral,
+)
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, batch, build_gpt, gpt2_style, llama_style
 
-import transformers  # a test dependency (requirements-test.txt): missing it must fail, not skip
 MAX_ABS = 1e-4
 
 
 def _gpt2_reference(config):
     hf_config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=16, n_embd=config.hidden_size, n_layer=config.num_layers,
-        n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, activation_function="gelu",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=config.layernorm_epsilon,
-        tie_word_embeddings=True)
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=config.hidden_size,
+        n_layer=config.num_layers,
+        n_head=config.num_attention_heads,
+        n_inner=config.ffn_hidden_size,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=config.layernorm_epsilon,
+        tie_word_embeddings=True,
+    )
     return transformers.GPT2LMHeadModel(hf_config).eval()
 
 
 # Llama 3.1's published RoPE scaling; Megatron's --use-rope-scaling fixes all but the factor.
-LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _llama_reference(config, rope_base, scaled=False):
     rope = dict(LLAMA31_SCALING, rope_theta=rope_base) if scaled else {"rope_type": "default", "rope_theta": rope_base}
     hf_config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, max_position_embeddings=131072 if scaled else 16,
-        rms_norm_eps=config.layernorm_epsilon, rope_parameters=rope, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False)
+        vocab_size=VOCAB,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups,
+        max_position_embeddings=131072 if scaled else 16,
+        rms_norm_eps=config.layernorm_epsilon,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     return transformers.LlamaForCausalLM(hf_config).eval()
 
 
 def _mistral_reference(config, sliding_window):
     hf_config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, max_position_embeddings=16, rms_norm_eps=config.layernorm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=sliding_window,
-        tie_word_embeddings=False)
+        vocab_size=VOCAB,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups,
+        max_position_embeddings=16,
+        rms_norm_eps=config.layernorm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        sliding_window=sliding_window,
+        tie_word_embeddings=False,
+    )
     return transformers.MistralForCausalLM(hf_config).eval()
 
 
 def _mixtral_reference(config):
     hf_config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.moe_ffn_hidden_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, max_position_embeddings=16, rms_norm_eps=config.layernorm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_local_experts=config.num_moe_experts,
-        num_experts_per_tok=config.moe_router_topk, sliding_window=None, tie_word_embeddings=False)
+        vocab_size=VOCAB,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.moe_ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups,
+        max_position_embeddings=16,
+        rms_norm_eps=config.layernorm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_local_experts=config.num_moe_experts,
+        num_experts_per_tok=config.moe_router_topk,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
     return transformers.MixtralForCausalLM(hf_config).eval()
 
 

@@ -31,8 +31,9 @@ def _compare_with_reference(rank, world_size):
     ref_groups = single_rank_groups()
     tokens, labels = batch()
     for name, style in (("gpt2", gpt2_style), ("llama", llama_style)):
-        ref_loss, ref_grads, ref_weights = _loss_and_grads(build_gpt(style(), ref_groups), tokens, labels,
-                                                           ref_groups.tp)
+        ref_loss, ref_grads, ref_weights = _loss_and_grads(
+            build_gpt(style(), ref_groups), tokens, labels, ref_groups.tp
+        )
         for sp in (False, True):
             model = build_gpt(style(sequence_parallel=sp), tp_groups)
             loss, grads, weights = _loss_and_grads(model, tokens, labels, tp_groups.tp)
@@ -40,10 +41,12 @@ def _compare_with_reference(rank, world_size):
             assert set(grads) == set(ref_grads), where
             torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
             for pname in ref_grads:
-                torch.testing.assert_close(weights[pname], ref_weights[pname], rtol=0, atol=0,
-                                           msg=lambda m: f"{where} initial {pname}: {m}")
-                torch.testing.assert_close(grads[pname], ref_grads[pname], rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"{where} grad {pname}: {m}")
+                torch.testing.assert_close(
+                    weights[pname], ref_weights[pname], rtol=0, atol=0, msg=lambda m: f"{where} initial {pname}: {m}"
+                )
+                torch.testing.assert_close(
+                    grads[pname], ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {pname}: {m}"
+                )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -60,7 +63,7 @@ def _logits_gathered(rank, world_size):
     assert parallel.shape[-1] == ref.shape[-1] // world_size
     torch.testing.assert_close(full, ref, rtol=RTOL, atol=ATOL)
     chunk = ref.shape[-1] // world_size
-    torch.testing.assert_close(parallel, ref[..., rank * chunk:(rank + 1) * chunk], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(parallel, ref[..., rank * chunk : (rank + 1) * chunk], rtol=RTOL, atol=ATOL)
 
 
 def test_logits_parallel_and_gathered():

@@ -25,16 +25,23 @@ def _compare_stage(style, groups, ref, vp):
     reference = dict(ref.named_parameters())
     seen = set()
     for chunk in range(vp or 1):
-        model = build_gpt(style, groups, seed=0, initialization_seed=77, vp_stage=chunk if vp else None,
-                          virtual_pipeline_model_parallel_size=vp,
-                          pre_process=pp_rank == 0 and chunk == 0,
-                          post_process=pp_rank == pp - 1 and chunk == (vp or 1) - 1)
+        model = build_gpt(
+            style,
+            groups,
+            seed=0,
+            initialization_seed=77,
+            vp_stage=chunk if vp else None,
+            virtual_pipeline_model_parallel_size=vp,
+            pre_process=pp_rank == 0 and chunk == 0,
+            post_process=pp_rank == pp - 1 and chunk == (vp or 1) - 1,
+        )
         for name, param in model.named_parameters():
             if getattr(param, "shared_embedding", False):
                 continue  # the last stage's tied copy is synced from the first stage at start-up
             key = _global_name(name, model)
-            torch.testing.assert_close(gather_tp(param.data, param, groups.tp), reference[key], rtol=0, atol=0,
-                                       msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                gather_tp(param.data, param, groups.tp), reference[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}"
+            )
             seen.add(key)
     return seen
 

@@ -8,11 +8,14 @@ weights rtol 1e-6 after one more step, the only difference being the order of ad
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                       NonFiniteGradientError, finalize_model_grads)
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    NonFiniteGradientError,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from tests.dist_harness import run_distributed
@@ -25,8 +28,7 @@ def _full(seed, *shape):
 
 def _stage_module(groups):
     """Per stage: a column-sharded weight, a replicated norm; tied embedding on first + last stage."""
-    tp, tp_rank, pp_rank, pp = (groups.size_of("tp"), groups.rank_in("tp"), groups.rank_in("pp"),
-                                groups.size_of("pp"))
+    tp, tp_rank, pp_rank, pp = (groups.size_of("tp"), groups.rank_in("tp"), groups.rank_in("pp"), groups.size_of("pp"))
     module = torch.nn.Module()
     full = {f"col{pp_rank}": _full(10 + pp_rank, 8, 3), f"norm{pp_rank}": _full(20 + pp_rank, 5)}
     for name, value in full.items():
@@ -65,8 +67,12 @@ def test_grad_norm_over_tp_and_pp_counts_replicas_once():
 def _build(groups, distributed, bf16=False):
     kw = {"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}
     model = build_gpt(gpt2_style(**kw), groups)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model, pg_collection=groups)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True),
+        model,
+        pg_collection=groups,
+    )
     config = OptimizerConfig(lr=LR, weight_decay=0.1, adam_eps=EPS, use_distributed_optimizer=distributed, **kw)
     return model, ddp, get_megatron_optimizer(config, [ddp], groups)
 
@@ -99,8 +105,9 @@ def _distributed_state(rank, world_size, bf16):
     train_step(plain_ddp, plain_opt, groups, 2)
     ddp.finish_param_sync()
     for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
-        torch.testing.assert_close(p.float(), q.float(), rtol=1e-6, atol=1e-7 if not bf16 else 1e-2,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.float(), q.float(), rtol=1e-6, atol=1e-7 if not bf16 else 1e-2, msg=lambda m: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -115,8 +122,9 @@ def test_distributed_optimizer_bf16_state():
 def _nan_check(rank, world_size):
     groups = ps.initialize_model_parallel()
     model = build_gpt(gpt2_style(), groups)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(check_for_nan_in_grad=True), model,
-                                  pg_collection=groups)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(check_for_nan_in_grad=True), model, pg_collection=groups
+    )
     tokens, labels = batch()
     ddp(tokens, None, None, labels=labels).mean().backward()
     grad = next(model.parameters()).main_grad.view(-1)

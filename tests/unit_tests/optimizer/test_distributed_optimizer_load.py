@@ -30,8 +30,9 @@ STYLES = {"gpt2": gpt2_style, "llama": llama_style}
 
 def _build(groups, style: str, seed: int):
     model = build_gpt(STYLES[style](**BF16), groups, seed=seed)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
-                                  model, pg_collection=groups)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model, pg_collection=groups
+    )
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True, **BF16)
     return ddp, get_megatron_optimizer(config, [ddp], groups)
 
@@ -50,7 +51,7 @@ def _saved_dtypes(iter_dir: str) -> Dict[str, Dict[str, torch.dtype]]:
     saved: Dict[str, Dict[str, torch.dtype]] = {}
     for key, md in dc.read_metadata(iter_dir).state_dict_metadata.items():
         if key.startswith(dc.OPTIMIZER_STATE_PREFIX):
-            param_key, _, state = key[len(dc.OPTIMIZER_STATE_PREFIX):].rpartition(".")
+            param_key, _, state = key[len(dc.OPTIMIZER_STATE_PREFIX) :].rpartition(".")
             saved.setdefault(param_key, {})[state] = md.properties.dtype
     return saved
 

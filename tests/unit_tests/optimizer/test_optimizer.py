@@ -11,8 +11,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.core.optimizer import (DynamicGradScaler, Float16OptimizerWithFloat16Params, FP32Optimizer,
-                                     OptimizerConfig, get_megatron_optimizer, get_param_groups)
+from megatron.core.optimizer import (
+    DynamicGradScaler,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+    get_param_groups,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from tests.model_utils import batch, build_gpt, gpt2_style
 
@@ -56,9 +62,19 @@ def test_param_groups_no_decay_on_bias_and_norm(groups):
 def test_scheduler_writes_lr_and_weight_decay(groups):
     model = build_gpt(gpt2_style(), groups)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, min_lr=0.0, weight_decay=0.1), [model], groups)
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=10,
-                                    lr_decay_steps=100, lr_decay_style="linear", start_wd=0.1, end_wd=0.1,
-                                    wd_incr_steps=100, wd_incr_style="constant")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=0.0,
+        lr_warmup_steps=10,
+        lr_decay_steps=100,
+        lr_decay_style="linear",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
+    )
     sched.step(5)
     for group in opt.param_groups:
         assert group["lr"] == pytest.approx(sched.get_lr(group))
@@ -80,8 +96,9 @@ def test_step_equals_torch_optimizer(groups, kind, clip):
     decay = [p for n, p in ref.named_parameters() if n not in _no_decay_names(ref)]
     no_decay = [p for n, p in ref.named_parameters() if n in _no_decay_names(ref)]
     ref_groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    ref_opt = (torch.optim.AdamW(ref_groups, lr=1e-2) if kind == "adam"
-               else torch.optim.SGD(ref_groups, lr=1e-2, momentum=0.9))
+    ref_opt = (
+        torch.optim.AdamW(ref_groups, lr=1e-2) if kind == "adam" else torch.optim.SGD(ref_groups, lr=1e-2, momentum=0.9)
+    )
     for step in range(3):
         grads = _random_grads(model, step)
         for m in (model, ref):
@@ -97,8 +114,8 @@ def test_step_equals_torch_optimizer(groups, kind, clip):
 
 
 def test_dynamic_scaler_rule():
-    scaler = DynamicGradScaler(initial_scale=2.0 ** 10, min_scale=1.0, growth_interval=3, hysteresis=2)
-    scale = 2.0 ** 10
+    scaler = DynamicGradScaler(initial_scale=2.0**10, min_scale=1.0, growth_interval=3, hysteresis=2)
+    scale = 2.0**10
     expected = []
     tracker, growth = 2, 0
     # Drive the scaler and an independent model of Megatron's rule with the same events.
@@ -114,7 +131,7 @@ def test_dynamic_scaler_rule():
                 growth, tracker, scale = 0, 2, scale * 2
         expected.append(scale)
         assert float(scaler.scale) == expected[-1]
-    assert expected[0] == 2.0 ** 10 and expected[2] == 2.0 ** 9  # halved only at the second overflow
+    assert expected[0] == 2.0**10 and expected[2] == 2.0**9  # halved only at the second overflow
 
 
 def _tiny_linear(dtype):
@@ -124,8 +141,9 @@ def _tiny_linear(dtype):
 
 def test_fp16_inf_skips_exactly_that_step_and_halves_after_hysteresis(groups):
     model = _tiny_linear(torch.float16)
-    config = OptimizerConfig(lr=1e-2, fp16=True, params_dtype=torch.float16, initial_loss_scale=2.0 ** 8,
-                             hysteresis=2, loss_scale_window=1000)
+    config = OptimizerConfig(
+        lr=1e-2, fp16=True, params_dtype=torch.float16, initial_loss_scale=2.0**8, hysteresis=2, loss_scale_window=1000
+    )
     opt = get_megatron_optimizer(config, [model], groups)
     assert isinstance(opt, Float16OptimizerWithFloat16Params)
     x = torch.randn(4, 8).half()
@@ -140,7 +158,7 @@ def test_fp16_inf_skips_exactly_that_step_and_halves_after_hysteresis(groups):
         ok, norm, _ = opt.step()
         changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
         history.append((ok, changed, scale_before, float(opt.get_loss_scale())))
-    for step, (ok, changed, before, after) in enumerate(history):
+    for step, (ok, changed, _before, _after) in enumerate(history):
         assert ok == (step not in (2, 4)) and changed == ok, (step, history)
     assert history[2][3] == history[2][2]  # first overflow: hysteresis 2 -> 1, scale kept
     assert history[4][3] == history[4][2] / 2  # second overflow: scale halved
@@ -156,7 +174,7 @@ def test_half_precision_follows_fp32_loss_curve(groups, dtype, flag, tol):
     half = {"params_dtype": dtype, flag: True}
     for name, kw in (("fp32", {}), (flag, half)):
         model = build_gpt(gpt2_style(**kw), groups)
-        scale = {"initial_loss_scale": 2.0 ** 12} if name == "fp16" else {}
+        scale = {"initial_loss_scale": 2.0**12} if name == "fp16" else {}
         opt = get_megatron_optimizer(OptimizerConfig(lr=3e-3, clip_grad=1.0, **kw, **scale), [model], groups)
         tokens, labels = batch(seed=0, b=4)
         losses = []
@@ -198,10 +216,15 @@ def test_state_dict_by_param_name_round_trip(groups):
             torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m: f"{kw} {n}: {m}")
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("optimizer", "lamb", "optimizer='lamb'"), ("adam_beta2", 1.0, "adam_beta2=1.0"),
-    ("hysteresis", 0, "hysteresis=0"), ("overlap_param_gather", True, "use_distributed_optimizer"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("optimizer", "lamb", "optimizer='lamb'"),
+        ("adam_beta2", 1.0, "adam_beta2=1.0"),
+        ("hysteresis", 0, "hysteresis=0"),
+        ("overlap_param_gather", True, "use_distributed_optimizer"),
+    ],
+)
 def test_config_errors_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         OptimizerConfig(lr=1e-3, **{field: value})

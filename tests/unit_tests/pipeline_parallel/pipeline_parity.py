@@ -28,15 +28,24 @@ def build_chunks(kwargs: Dict, groups: ProcessGroupCollection, vp: int) -> List[
     """This rank's model chunks (one per virtual stage), pre/post-process on the end stages."""
     pp, rank = groups.size_of("pp"), groups.rank_in("pp")
     extra = {"virtual_pipeline_model_parallel_size": vp} if vp > 1 else {}
-    return [build_gpt(kwargs, groups, seed=99, pre_process=rank == 0 and c == 0,
-                      post_process=rank == pp - 1 and c == vp - 1, vp_stage=c, **extra)
-            for c in range(vp)]
+    return [
+        build_gpt(
+            kwargs,
+            groups,
+            seed=99,
+            pre_process=rank == 0 and c == 0,
+            post_process=rank == pp - 1 and c == vp - 1,
+            vp_stage=c,
+            **extra,
+        )
+        for c in range(vp)
+    ]
 
 
 def reference_name(chunk: GPTModel, name: str) -> str:
     """The reference parameter name of ``name`` in ``chunk`` (global layer numbering)."""
     if name.startswith("decoder.layers."):
-        local, rest = name[len("decoder.layers."):].split(".", 1)
+        local, rest = name[len("decoder.layers.") :].split(".", 1)
         return f"decoder.layers.{chunk.decoder.layers[int(local)].layer_number - 1}.{rest}"
     if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
@@ -50,7 +59,7 @@ def tp_shard(full: torch.Tensor, param: torch.nn.Parameter, groups: ProcessGroup
         return full
     dim, stride = param.partition_dim, param.partition_stride
     blocks = torch.split(full, full.shape[dim] // (stride * world), dim=dim)
-    return torch.cat(blocks[groups.rank_in("tp")::world], dim=dim)
+    return torch.cat(blocks[groups.rank_in("tp") :: world], dim=dim)
 
 
 def load_reference(chunks: List[GPTModel], reference: GPTModel, groups: ProcessGroupCollection) -> None:
@@ -61,15 +70,27 @@ def load_reference(chunks: List[GPTModel], reference: GPTModel, groups: ProcessG
                 param.copy_(tp_shard(ref[reference_name(chunk, name)], param, groups))
 
 
-def compare(chunks: List[GPTModel], reference: GPTModel, groups: ProcessGroupCollection, what: str,
-            rtol: float, atol: float, grads: bool) -> None:
+def compare(
+    chunks: List[GPTModel],
+    reference: GPTModel,
+    groups: ProcessGroupCollection,
+    what: str,
+    rtol: float,
+    atol: float,
+    grads: bool,
+) -> None:
     ref = dict(reference.named_parameters())
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             full = ref[reference_name(chunk, name)]
             mine, expected = (param.grad, full.grad) if grads else (param.data, full.data)
-            torch.testing.assert_close(mine, tp_shard(expected, param, groups), rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{what} {'grad' if grads else 'weight'} {name}: {m}")
+            torch.testing.assert_close(
+                mine,
+                tp_shard(expected, param, groups),
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m: f"{what} {'grad' if grads else 'weight'} {name}: {m}",
+            )
 
 
 def _loss_func(output: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Dict]:
@@ -103,6 +124,7 @@ def check_released(chunks: List[GPTModel], what: str) -> None:
 
 def make_finalize(groups: ProcessGroupCollection) -> Callable:
     """What finalize_model_grads must do for these tests: SP, tied-embedding and DP reductions."""
+
     def finalize(chunks: List[torch.nn.Module], num_tokens) -> None:
         allreduce_sequence_parallel_grads(chunks, groups.tp)
         allreduce_tied_embedding_grads(chunks, groups)
@@ -112,18 +134,26 @@ def make_finalize(groups: ProcessGroupCollection) -> Callable:
                 if p.grad is not None and dp > 1:
                     dist.all_reduce(p.grad, group=groups.dp)
                     p.grad /= dp
+
     return finalize
 
 
 def run_pipeline(chunks, groups, tokens, labels, num_mb: int, forward_only: bool = False):
     """One schedule call on this DP rank's slice of the global batch; returns the mean loss (last stage)."""
     dp_rank, rows = groups.rank_in("dp"), MICRO * num_mb
-    tokens, labels = tokens[dp_rank * rows:(dp_rank + 1) * rows], labels[dp_rank * rows:(dp_rank + 1) * rows]
-    micro = [(tokens[i:i + MICRO], labels[i:i + MICRO]) for i in range(0, rows, MICRO)]
+    tokens, labels = tokens[dp_rank * rows : (dp_rank + 1) * rows], labels[dp_rank * rows : (dp_rank + 1) * rows]
+    micro = [(tokens[i : i + MICRO], labels[i : i + MICRO]) for i in range(0, rows, MICRO)]
     func = get_forward_backward_func(groups.size_of("pp"), len(chunks))
-    reports = func(forward_step_func=_forward_step, data_iterator=[iter(micro) for _ in chunks], model=chunks,
-                   num_microbatches=num_mb, seq_length=SEQ, micro_batch_size=MICRO, forward_only=forward_only,
-                   pg_collection=groups)
+    reports = func(
+        forward_step_func=_forward_step,
+        data_iterator=[iter(micro) for _ in chunks],
+        model=chunks,
+        num_microbatches=num_mb,
+        seq_length=SEQ,
+        micro_batch_size=MICRO,
+        forward_only=forward_only,
+        pg_collection=groups,
+    )
     if not reports:
         return None
     summed = torch.stack([r["lm loss"] for r in reports]).sum(0)
@@ -134,8 +164,9 @@ def run_pipeline(chunks, groups, tokens, labels, num_mb: int, forward_only: bool
     return loss
 
 
-def reference_loss_backward(reference: GPTModel, tokens: torch.Tensor, labels: torch.Tensor,
-                            num_micro: int) -> torch.Tensor:
+def reference_loss_backward(
+    reference: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, num_micro: int
+) -> torch.Tensor:
     """Back-propagate the reference's mean loss; returns it.
 
     With MoE the aux losses depend on which tokens are routed together, so the reference runs
@@ -149,14 +180,22 @@ def reference_loss_backward(reference: GPTModel, tokens: torch.Tensor, labels: t
     MoEAuxLossAutoScaler.set_loss_scale(1.0 / num_micro)
     total = torch.zeros(())
     for i in range(0, tokens.shape[0], MICRO):
-        loss = reference(tokens[i:i + MICRO], None, None, labels=labels[i:i + MICRO]).mean() / num_micro
+        loss = reference(tokens[i : i + MICRO], None, None, labels=labels[i : i + MICRO]).mean() / num_micro
         loss.backward()
         total += loss.detach()
     return total
 
 
-def check_parity(kwargs: Dict, groups: ProcessGroupCollection, vp: int, num_mb: int, what: str,
-                 iterations: int = 3, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def check_parity(
+    kwargs: Dict,
+    groups: ProcessGroupCollection,
+    vp: int,
+    num_mb: int,
+    what: str,
+    iterations: int = 3,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
     """Train the stage chunks and the PP=1 reference side by side; compare loss, grads, weights."""
     reference = build_gpt(kwargs, single_rank_groups(), seed=7)
     chunks = build_chunks(kwargs, groups, vp)
@@ -176,8 +215,9 @@ def check_parity(kwargs: Dict, groups: ProcessGroupCollection, vp: int, num_mb: 
         check_released(chunks, f"{what} iteration {it}")
         ref_loss = reference_loss_backward(reference, tokens, labels, num_mb * groups.size_of("dp"))
         if loss is not None:
-            torch.testing.assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{what} iteration {it} loss: {m}")
+            torch.testing.assert_close(
+                loss, ref_loss.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{what} iteration {it} loss: {m}"
+            )
         compare(chunks, reference, groups, f"{what} iteration {it}", rtol, atol, grads=True)
         opt.step()
         ref_opt.step()

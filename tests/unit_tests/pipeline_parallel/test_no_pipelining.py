@@ -20,7 +20,11 @@ MICRO, NUM_MB = 2, 3
 
 def _loss_func_3(output):  # output: per-token loss [b, s]
     total = output.sum()
-    return total, torch.tensor(output.numel()), {"lm loss": torch.stack([total.detach(), torch.tensor(float(output.numel()))])}
+    return (
+        total,
+        torch.tensor(output.numel()),
+        {"lm loss": torch.stack([total.detach(), torch.tensor(float(output.numel()))])},
+    )
 
 
 def _loss_func_2(output):
@@ -32,17 +36,25 @@ def _step_func(loss_func):
     def step(data_iterator, model):
         tokens, labels = next(data_iterator)
         return model(tokens, None, None, labels=labels), loss_func
+
     return step
 
 
 def _micro_batches(tokens, labels):
-    return iter([(tokens[i:i + MICRO], labels[i:i + MICRO]) for i in range(0, tokens.shape[0], MICRO)])
+    return iter([(tokens[i : i + MICRO], labels[i : i + MICRO]) for i in range(0, tokens.shape[0], MICRO)])
 
 
 def _run(model, tokens, labels, loss_func, forward_only=False):
     func = get_forward_backward_func()
-    return func(forward_step_func=_step_func(loss_func), data_iterator=_micro_batches(tokens, labels), model=[model],
-                num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MICRO, forward_only=forward_only)
+    return func(
+        forward_step_func=_step_func(loss_func),
+        data_iterator=_micro_batches(tokens, labels),
+        model=[model],
+        num_microbatches=NUM_MB,
+        seq_length=SEQ,
+        micro_batch_size=MICRO,
+        forward_only=forward_only,
+    )
 
 
 def _body(rank, world_size):

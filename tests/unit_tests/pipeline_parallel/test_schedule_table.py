@@ -6,13 +6,12 @@ bubble (p-1)/(v*m) to 1e-9, deadlock freedom under blocking untagged transfers.
 
 import pytest
 
+from megatron.core.pipeline_parallel import executor
 from megatron.core.pipeline_parallel import schedule_table as st
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, forward_backward_no_pipelining
-from megatron.core.pipeline_parallel import executor
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining, get_forward_backward_func
 
-CASES = [(p, m, v) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16) for v in (1, 2, 3)
-         if v == 1 or m % p == 0]
+CASES = [(p, m, v) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16) for v in (1, 2, 3) if v == 1 or m % p == 0]
 
 
 @pytest.mark.parametrize("p,m,v", CASES)
@@ -52,11 +51,11 @@ def test_per_op_batches_would_deadlock_interleaved():
 
 def test_known_tables():
     assert st.format_table(st.schedule_table(2, 4)) == (
-        "rank 0: F0 F1 B0 F2 B1 F3 B2 B3\n"
-        "rank 1: F0 B0 F1 B1 F2 B2 F3 B3")
+        "rank 0: F0 F1 B0 F2 B1 F3 B2 B3\nrank 1: F0 B0 F1 B1 F2 B2 F3 B3"
+    )
     assert st.format_table(st.schedule_table(2, 2, 2)) == (
-        "rank 0: F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1\n"
-        "rank 1: F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1")
+        "rank 0: F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1\nrank 1: F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1"
+    )
 
 
 def test_simulate_detects_a_deadlocked_table():
@@ -67,7 +66,9 @@ def test_simulate_detects_a_deadlocked_table():
 
 
 def test_invalid_interleaving_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"num_microbatches \(6\) to be a multiple of pipeline_model_parallel_size \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"num_microbatches \(6\) to be a multiple of pipeline_model_parallel_size \(4\)"
+    ):
         st.schedule_table(4, 6, 2)
     with pytest.raises(ValueError, match="num_microbatches=0"):
         st.schedule_table(2, 0)

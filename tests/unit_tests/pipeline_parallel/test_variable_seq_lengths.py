@@ -11,8 +11,14 @@ from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, build_gpt, gpt2_style, llama_style, single_rank_groups
-from tests.unit_tests.pipeline_parallel.pipeline_parity import (MICRO, _loss_func, build_chunks, compare,
-                                                                load_reference, make_finalize)
+from tests.unit_tests.pipeline_parallel.pipeline_parity import (
+    MICRO,
+    _loss_func,
+    build_chunks,
+    compare,
+    load_reference,
+    make_finalize,
+)
 
 LENGTHS = (8, 16, 4, 12)  # one sequence length per microbatch
 
@@ -39,9 +45,15 @@ def _check(kwargs, groups, vp: int, what: str) -> None:
         chunk.config.finalize_model_grads_func = make_finalize(groups)  # tied-embedding gradient sum
     micro = _microbatches(seed=3)
     func = get_forward_backward_func(groups.size_of("pp"), vp)
-    reports = func(forward_step_func=_forward_step, data_iterator=[iter(micro) for _ in chunks], model=chunks,
-                   num_microbatches=len(micro), seq_length=max(LENGTHS), micro_batch_size=MICRO,
-                   pg_collection=groups)
+    reports = func(
+        forward_step_func=_forward_step,
+        data_iterator=[iter(micro) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(micro),
+        seq_length=max(LENGTHS),
+        micro_batch_size=MICRO,
+        pg_collection=groups,
+    )
     ref_losses = [reference(tokens, None, None, labels=labels).mean() for tokens, labels in micro]
     (torch.stack(ref_losses).sum() / len(micro)).backward()
     if reports:  # last stage: per-microbatch (sum, tokens) as loss_func reported them
@@ -53,8 +65,12 @@ def _check(kwargs, groups, vp: int, what: str) -> None:
 def _body(rank, world_size):
     groups = build_process_groups(ParallelLayout(world_size=world_size, pipeline_model_parallel_size=2))
     _check(gpt2_style(num_layers=4, variable_seq_lengths=True), groups, 1, "gpt2 pp=2")
-    _check(llama_style(num_layers=4, variable_seq_lengths=True, deallocate_pipeline_outputs=True), groups, 2,
-           "llama pp=2 vp=2 dealloc")
+    _check(
+        llama_style(num_layers=4, variable_seq_lengths=True, deallocate_pipeline_outputs=True),
+        groups,
+        2,
+        "llama pp=2 vp=2 dealloc",
+    )
 
 
 def test_variable_sequence_lengths_through_the_pipeline():

@@ -29,8 +29,9 @@ def _piece(x, r, n):
 
 def _torch_loss(logits, target, ls):
     vocab = logits.size(-1)
-    flat = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
-                           label_smoothing=ls * vocab / (vocab - 1))
+    flat = F.cross_entropy(
+        logits.reshape(-1, vocab), target.reshape(-1), reduction="none", label_smoothing=ls * vocab / (vocab - 1)
+    )
     return flat.view(target.shape)
 
 
@@ -59,7 +60,7 @@ def _check(r, n, ls, offset, dtype, label):
     if dtype == torch.float32:
         _close(mine.grad, expected_grad, label + " grad")
     else:  # the fp32 gradient is rounded once to the logits' dtype: allow one bf16 ulp (2**-8 relative)
-        torch.testing.assert_close(mine.grad.float(), expected_grad, rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(mine.grad.float(), expected_grad, rtol=2**-8, atol=1e-6)
 
 
 def _body(rank, world_size):
@@ -71,6 +72,7 @@ def _body(rank, world_size):
         _check(r, world_size, ls, 0, torch.bfloat16, f"ls={ls} bf16 logits, fp32 math")
     # Half-precision logits are processed in row blocks: force blocks of two rows (several per call).
     from megatron.core.tensor_parallel import cross_entropy
+
     cross_entropy._BLOCK_BYTES = 2 * 4 * (V // world_size)
     for ls in (0.0, 0.1):
         _check(r, world_size, ls, 0, torch.bfloat16, f"ls={ls} bf16 logits, 2-row blocks")
@@ -103,22 +105,24 @@ def test_single_rank_and_bad_input():
 def test_rows_per_block_by_device():
     """CPU: cache-sized blocks (many at a large vocab); GPU: one block up to 1 GiB of fp32."""
     from megatron.core.tensor_parallel.cross_entropy import rows_per_block
+
     vocab = 25_152  # 50304 / tp 2
     assert rows_per_block(8192, vocab, torch.device("cpu")) == 83  # 8 MiB / (4 B * vocab)
     assert rows_per_block(8192, vocab, torch.device("cuda", 0)) == 8192  # 824 MB: one block
     assert rows_per_block(32768, vocab, "cuda") == 10_672  # 1 GiB / (4 B * vocab): 4 blocks
-    assert rows_per_block(5, 10 ** 9, "cuda") == 1 and rows_per_block(0, vocab, "cpu") == 1
+    assert rows_per_block(5, 10**9, "cuda") == 1 and rows_per_block(0, vocab, "cpu") == 1
 
 
 def _block_size_body(rank, world_size):
     """bf16 loss and gradient are bitwise the same for 2-row blocks and a single block."""
     from megatron.core.tensor_parallel import cross_entropy
+
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(S, B, V, generator=gen).bfloat16()
     target = torch.randint(0, V, (S, B), generator=gen)
     results = []
-    for block_bytes in (2 * 4 * V, 2 ** 30):
+    for block_bytes in (2 * 4 * V, 2**30):
         cross_entropy._BLOCK_BYTES = block_bytes
         mine = logits.clone().requires_grad_(True)
         loss = tp.vocab_parallel_cross_entropy(mine, target, label_smoothing=0.1)

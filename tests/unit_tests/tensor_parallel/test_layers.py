@@ -52,8 +52,15 @@ def _init_ones(w):
 
 def _check_column(r, n, sequence_parallel, gather_output, skip_bias_add, tied):
     cfg = ModelParallelConfig(tensor_model_parallel_size=n, sequence_parallel=sequence_parallel)
-    layer = tp.ColumnParallelLinear(H, O, config=cfg, init_method=_init_ones, gather_output=gather_output,
-                                    skip_bias_add=skip_bias_add, skip_weight_param_allocation=tied)
+    layer = tp.ColumnParallelLinear(
+        H,
+        O,
+        config=cfg,
+        init_method=_init_ones,
+        gather_output=gather_output,
+        skip_bias_add=skip_bias_add,
+        skip_weight_param_allocation=tied,
+    )
     x, w, b, g = _rand(1, S, B, H), _rand(2, O, H), _rand(3, O), _rand(4, S, B, O)
     ref_out, (ref_dx, ref_dw, ref_db) = _reference(F.linear, [x, w, b], g)
     w_shard = _piece(w, 0, r, n).clone().requires_grad_(True)
@@ -77,8 +84,9 @@ def _check_column(r, n, sequence_parallel, gather_output, skip_bias_add, tied):
 
 def _check_row(r, n, sequence_parallel, input_is_parallel, skip_bias_add):
     cfg = ModelParallelConfig(tensor_model_parallel_size=n, sequence_parallel=sequence_parallel)
-    layer = tp.RowParallelLinear(O, H, config=cfg, init_method=_init_ones, input_is_parallel=input_is_parallel,
-                                 skip_bias_add=skip_bias_add)
+    layer = tp.RowParallelLinear(
+        O, H, config=cfg, init_method=_init_ones, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add
+    )
     x, w, b, g = _rand(5, S, B, O), _rand(6, H, O), _rand(7, H), _rand(8, S, B, H)
     ref_out, (ref_dx, ref_dw, ref_db) = _reference(F.linear, [x, w, b], g)
     _load(layer.weight, _piece(w, 1, r, n))
@@ -102,8 +110,9 @@ def _check_row(r, n, sequence_parallel, input_is_parallel, skip_bias_add):
 
 def _check_embedding(r, n, reduce_scatter):
     cfg = ModelParallelConfig(tensor_model_parallel_size=n)
-    layer = tp.VocabParallelEmbedding(V, H, init_method=_init_ones, config=cfg,
-                                      reduce_scatter_embeddings=reduce_scatter)
+    layer = tp.VocabParallelEmbedding(
+        V, H, init_method=_init_ones, config=cfg, reduce_scatter_embeddings=reduce_scatter
+    )
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(9))
     w, g = _rand(10, V, H), _rand(11, S, B, H)  # g in [s, b, h]
     ref_out, (ref_dw,) = _reference(lambda t: F.embedding(ids, t), [w], g.transpose(0, 1))  # [b, s, h]
@@ -129,8 +138,12 @@ def _check_cpu_initialization(r, n, single_group):
     cfg = ModelParallelConfig(tensor_model_parallel_size=n, use_cpu_initialization=True)
     init = lambda t: torch.nn.init.normal_(t, std=1.0)  # noqa: E731
     builders = {
-        "column": (lambda grp, stride=1: tp.ColumnParallelLinear(
-            H, O, config=cfg, init_method=init, tp_group=grp, stride=stride), 0),
+        "column": (
+            lambda grp, stride=1: tp.ColumnParallelLinear(
+                H, O, config=cfg, init_method=init, tp_group=grp, stride=stride
+            ),
+            0,
+        ),
         "row": (lambda grp: tp.RowParallelLinear(O, H, config=cfg, init_method=init, tp_group=grp), 1),
         "embedding": (lambda grp: tp.VocabParallelEmbedding(V, H, config=cfg, init_method=init, tp_group=grp), 0),
     }
@@ -173,12 +186,21 @@ def _body(rank, world_size):
     tp.model_parallel_cuda_manual_seed(5)  # layers initialize their shards under the tracked TP stream
     singles = [dist.new_group([k]) for k in range(world_size)]
     r, n = ps.get_tensor_model_parallel_rank(), world_size
-    for sp, gather, skip, tied in [(False, False, False, False), (False, True, False, False),
-                                   (False, False, True, False), (True, False, False, False),
-                                   (False, False, False, True), (True, False, True, False)]:
+    for sp, gather, skip, tied in [
+        (False, False, False, False),
+        (False, True, False, False),
+        (False, False, True, False),
+        (True, False, False, False),
+        (False, False, False, True),
+        (True, False, True, False),
+    ]:
         _check_column(r, n, sp, gather, skip, tied)
-    for sp, parallel_in, skip in [(False, False, False), (False, True, False), (True, True, False),
-                                  (False, True, True)]:
+    for sp, parallel_in, skip in [
+        (False, False, False),
+        (False, True, False),
+        (True, True, False),
+        (False, True, True),
+    ]:
         _check_row(r, n, sp, parallel_in, skip)
     _check_embedding(r, n, reduce_scatter=False)
     _check_embedding(r, n, reduce_scatter=True)
@@ -208,8 +230,11 @@ def test_invalid_layer_combinations_are_rejected():
 def test_split_and_vocab_ranges():
     x = torch.arange(24.0).view(2, 12)
     pieces = tp.split_tensor_along_last_dim(x, 3, contiguous_split_chunks=True)
-    assert [p.tolist() for p in pieces] == [[[0, 1, 2, 3], [12, 13, 14, 15]], [[4, 5, 6, 7], [16, 17, 18, 19]],
-                                            [[8, 9, 10, 11], [20, 21, 22, 23]]]
+    assert [p.tolist() for p in pieces] == [
+        [[0, 1, 2, 3], [12, 13, 14, 15]],
+        [[4, 5, 6, 7], [16, 17, 18, 19]],
+        [[8, 9, 10, 11], [20, 21, 22, 23]],
+    ]
     assert all(p.is_contiguous() for p in pieces)
     assert tp.VocabUtility.vocab_range_from_global_vocab_size(64, 2, 4) == (32, 48)
     assert tp.VocabUtility.vocab_range_from_per_partition_vocab_size(16, 3, 4) == (48, 64)

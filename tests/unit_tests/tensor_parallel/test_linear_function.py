@@ -89,6 +89,7 @@ def _recording(fn, name, events):
         events.append(f"{'launch' if async_op else 'sync'} {name}")
         work = fn(*args, async_op=async_op, **kwargs)
         return _RecordedWork(work, name, events) if async_op else work
+
     return wrapped
 
 
@@ -126,9 +127,19 @@ def _order_body(rank, world_size):
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     tp.model_parallel_cuda_manual_seed(5)
     assert _backward_events(world_size, sequence_parallel=False) == [
-        "dgrad", "launch all_reduce", "wgrad", "wait all_reduce"]
+        "dgrad",
+        "launch all_reduce",
+        "wgrad",
+        "wait all_reduce",
+    ]
     assert _backward_events(world_size, sequence_parallel=True) == [
-        "launch all_gather", "dgrad", "wait all_gather", "launch reduce_scatter", "wgrad", "wait reduce_scatter"]
+        "launch all_gather",
+        "dgrad",
+        "wait all_gather",
+        "launch reduce_scatter",
+        "wgrad",
+        "wait reduce_scatter",
+    ]
 
 
 def test_backward_overlaps_input_grad_reduction_with_weight_grad_gemm():
@@ -154,16 +165,19 @@ def _fusion_run(groups, fused, sequence_parallel):
 
     for p in model.parameters():  # registered before DDP's: sees the dummy and the flag
         p.register_post_accumulate_grad_hook(spy)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                                                              bucket_size=3000),
-                                  model, pg_collection=groups)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000),
+        model,
+        pg_collection=groups,
+    )
     assert sum(len(b.buckets) for b in ddp.buffers) > 1
     ddp.zero_grad_buffer()
     tokens, labels = batch(seed=3, b=4)
     for m in range(2):
         ctx = ddp.no_sync() if m == 0 else contextlib.nullcontext()
         with ctx:
-            ddp(tokens[2 * m:2 * m + 2], None, None, labels=labels[2 * m:2 * m + 2]).mean().backward()
+            ddp(tokens[2 * m : 2 * m + 2], None, None, labels=labels[2 * m : 2 * m + 2]).mean().backward()
         assert all(p.grad is None for p in model.parameters())
     assert all(b.dispatched for buf in ddp.buffers for b in buf.buckets), "a DDP hook did not fire"
     ddp.finish_grad_sync()

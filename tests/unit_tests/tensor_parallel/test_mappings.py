@@ -33,28 +33,86 @@ def _cases(n):
     """
     total = lambda ts: torch.stack(ts).sum(0)  # noqa: E731
     return {
-        "copy_to": (tp.copy_to_tensor_model_parallel_region, (S, B, H), (S, B, H), True,
-                    lambda xs, r: xs[r], lambda gs, r: total(gs)),
-        "reduce_from": (tp.reduce_from_tensor_model_parallel_region, (S, B, H), (S, B, H), False,
-                        lambda xs, r: total(xs), lambda gs, r: gs[r]),
-        "scatter_last": (tp.scatter_to_tensor_model_parallel_region, (S, B, H), (S, B, H // n), True,
-                         lambda xs, r: _piece(xs[r], -1, r, n), lambda gs, r: torch.cat(gs, -1)),
-        "gather_last": (tp.gather_from_tensor_model_parallel_region, (S, B, H // n), (S, B, H), False,
-                        lambda xs, r: torch.cat(xs, -1), lambda gs, r: _piece(gs[r], -1, r, n)),
-        "scatter_seq": (tp.scatter_to_sequence_parallel_region, (S, B, H), (S // n, B, H), True,
-                        lambda xs, r: _piece(xs[r], 0, r, n), lambda gs, r: torch.cat(gs, 0)),
+        "copy_to": (
+            tp.copy_to_tensor_model_parallel_region,
+            (S, B, H),
+            (S, B, H),
+            True,
+            lambda xs, r: xs[r],
+            lambda gs, r: total(gs),
+        ),
+        "reduce_from": (
+            tp.reduce_from_tensor_model_parallel_region,
+            (S, B, H),
+            (S, B, H),
+            False,
+            lambda xs, r: total(xs),
+            lambda gs, r: gs[r],
+        ),
+        "scatter_last": (
+            tp.scatter_to_tensor_model_parallel_region,
+            (S, B, H),
+            (S, B, H // n),
+            True,
+            lambda xs, r: _piece(xs[r], -1, r, n),
+            lambda gs, r: torch.cat(gs, -1),
+        ),
+        "gather_last": (
+            tp.gather_from_tensor_model_parallel_region,
+            (S, B, H // n),
+            (S, B, H),
+            False,
+            lambda xs, r: torch.cat(xs, -1),
+            lambda gs, r: _piece(gs[r], -1, r, n),
+        ),
+        "scatter_seq": (
+            tp.scatter_to_sequence_parallel_region,
+            (S, B, H),
+            (S // n, B, H),
+            True,
+            lambda xs, r: _piece(xs[r], 0, r, n),
+            lambda gs, r: torch.cat(gs, 0),
+        ),
         "gather_seq_reduce_grad": (
-            lambda x, g: tp.gather_from_sequence_parallel_region(x, True, group=g), (S // n, B, H), (S, B, H),
-            False, lambda xs, r: torch.cat(xs, 0), lambda gs, r: _piece(total(gs), 0, r, n)),
+            lambda x, g: tp.gather_from_sequence_parallel_region(x, True, group=g),
+            (S // n, B, H),
+            (S, B, H),
+            False,
+            lambda xs, r: torch.cat(xs, 0),
+            lambda gs, r: _piece(total(gs), 0, r, n),
+        ),
         "gather_seq_split_grad": (
-            lambda x, g: tp.gather_from_sequence_parallel_region(x, False, group=g), (S // n, B, H), (S, B, H),
-            False, lambda xs, r: torch.cat(xs, 0), lambda gs, r: _piece(gs[r], 0, r, n)),
-        "reduce_scatter_seq": (tp.reduce_scatter_to_sequence_parallel_region, (S, B, H), (S // n, B, H), False,
-                               lambda xs, r: _piece(total(xs), 0, r, n), lambda gs, r: torch.cat(gs, 0)),
-        "all_gather_last": (tp.all_gather_last_dim_from_tensor_parallel_region, (S, B, H // n), (S, B, H), False,
-                            lambda xs, r: torch.cat(xs, -1), lambda gs, r: _piece(total(gs), -1, r, n)),
-        "reduce_scatter_last": (tp.reduce_scatter_last_dim_to_tensor_parallel_region, (S, B, H), (S, B, H // n),
-                                False, lambda xs, r: _piece(total(xs), -1, r, n), lambda gs, r: torch.cat(gs, -1)),
+            lambda x, g: tp.gather_from_sequence_parallel_region(x, False, group=g),
+            (S // n, B, H),
+            (S, B, H),
+            False,
+            lambda xs, r: torch.cat(xs, 0),
+            lambda gs, r: _piece(gs[r], 0, r, n),
+        ),
+        "reduce_scatter_seq": (
+            tp.reduce_scatter_to_sequence_parallel_region,
+            (S, B, H),
+            (S // n, B, H),
+            False,
+            lambda xs, r: _piece(total(xs), 0, r, n),
+            lambda gs, r: torch.cat(gs, 0),
+        ),
+        "all_gather_last": (
+            tp.all_gather_last_dim_from_tensor_parallel_region,
+            (S, B, H // n),
+            (S, B, H),
+            False,
+            lambda xs, r: torch.cat(xs, -1),
+            lambda gs, r: _piece(total(gs), -1, r, n),
+        ),
+        "reduce_scatter_last": (
+            tp.reduce_scatter_last_dim_to_tensor_parallel_region,
+            (S, B, H),
+            (S, B, H // n),
+            False,
+            lambda xs, r: _piece(total(xs), -1, r, n),
+            lambda gs, r: torch.cat(gs, -1),
+        ),
     }
 
 
@@ -70,8 +128,7 @@ def _check_all(group, label):
         out.backward(gs[r])
         where = f"{label}/{name} (rank {r} of {n})"
         torch.testing.assert_close(out, want_out(xs, r), rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} out: {m}")
-        torch.testing.assert_close(x.grad, want_grad(gs, r), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{where} grad: {m}")
+        torch.testing.assert_close(x.grad, want_grad(gs, r), rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad: {m}")
 
 
 def _check_identity_on_single_rank_group(single):

@@ -89,8 +89,7 @@ def _compare_checkpoint(distribute, seed, tp_group=None):
         x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         if use_checkpoint:
             saved_sizes = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_sizes.append(t.numel()) or t,
-                                                          lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_sizes.append(t.numel()) or t, lambda t: t):
                 out, total = tp.checkpoint(_block, distribute, x, w, 2.0, tp_group=tp_group)
             # Only the inputs are kept; with distribution the first one is split over TP.
             shards = dist.get_world_size(tp_group or ps.get_tensor_model_parallel_group()) if distribute else 1

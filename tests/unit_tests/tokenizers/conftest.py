@@ -17,7 +17,7 @@ def sample_texts():
     return [
         "Hello World! The quick brown fox jumps over 13 lazy dogs.",
         "Return the value of x.\n\n    Numbers 12345 and 3.14159 appear here.",
-        "Accents: émigré café naïve; CJK: 中文字; emoji: \U0001F600.",
+        "Accents: émigré café naïve; CJK: 中文字; emoji: \U0001f600.",
         "<|endoftext|> [CLS] <s> </s> <EOD> <extra_id_0> inside text",
         "",
         " leading and trailing spaces ",

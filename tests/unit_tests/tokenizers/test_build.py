@@ -15,28 +15,34 @@ def test_unknown_type_lists_valid_types():
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("tokenizer_type,kwargs,flag", [
-    ("GPT2BPETokenizer", {}, "--vocab-file"),
-    ("BertWordPieceLowerCase", {}, "--vocab-file"),
-    ("SentencePieceTokenizer", {}, "--tokenizer-model"),
-    ("GPTSentencePieceTokenizer", {}, "--tokenizer-model"),
-    ("Llama2Tokenizer", {}, "--tokenizer-model"),
-    ("TikTokenizer", {"tiktoken_pattern": "v2"}, "--tokenizer-model"),
-    ("HuggingFaceTokenizer", {}, "--tokenizer-model"),
-])
+@pytest.mark.parametrize(
+    "tokenizer_type,kwargs,flag",
+    [
+        ("GPT2BPETokenizer", {}, "--vocab-file"),
+        ("BertWordPieceLowerCase", {}, "--vocab-file"),
+        ("SentencePieceTokenizer", {}, "--tokenizer-model"),
+        ("GPTSentencePieceTokenizer", {}, "--tokenizer-model"),
+        ("Llama2Tokenizer", {}, "--tokenizer-model"),
+        ("TikTokenizer", {"tiktoken_pattern": "v2"}, "--tokenizer-model"),
+        ("HuggingFaceTokenizer", {}, "--tokenizer-model"),
+    ],
+)
 def test_missing_flag_is_named(tokenizer_type, kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         build_tokenizer(tokenizer_type, **kwargs)
 
 
-@pytest.mark.parametrize("tokenizer_type,arg,flag", [
-    ("GPT2BPETokenizer", "vocab_file", "--vocab-file"),
-    ("GPT2BPETokenizer", "merge_file", "--merge-file"),
-    ("BertWordPieceCase", "vocab_file", "--vocab-file"),
-    ("SentencePieceTokenizer", "tokenizer_model", "--tokenizer-model"),
-    ("TikTokenizer", "tokenizer_model", "--tokenizer-model"),
-    ("HuggingFaceTokenizer", "tokenizer_model", "--tokenizer-model"),
-])
+@pytest.mark.parametrize(
+    "tokenizer_type,arg,flag",
+    [
+        ("GPT2BPETokenizer", "vocab_file", "--vocab-file"),
+        ("GPT2BPETokenizer", "merge_file", "--merge-file"),
+        ("BertWordPieceCase", "vocab_file", "--vocab-file"),
+        ("SentencePieceTokenizer", "tokenizer_model", "--tokenizer-model"),
+        ("TikTokenizer", "tokenizer_model", "--tokenizer-model"),
+        ("HuggingFaceTokenizer", "tokenizer_model", "--tokenizer-model"),
+    ],
+)
 def test_missing_file_is_named(tokenizer_files, tmp_path, tokenizer_type, arg, flag):
     kwargs = dict(tokenizer_files[tokenizer_type])
     kwargs[arg] = str(tmp_path / "does-not-exist")
@@ -66,17 +72,25 @@ def test_vocab_extra_ids_refused_where_unsupported(tokenizer_files):
 
 def test_every_type_is_megatrons():
     # The names must be valid values of Megatron's --tokenizer-type.
-    megatron_choices = {"BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
-                        "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                        "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
-                        "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer",
-                        "SFTTokenizer"}
+    megatron_choices = {
+        "BertWordPieceLowerCase",
+        "BertWordPieceCase",
+        "GPT2BPETokenizer",
+        "SentencePieceTokenizer",
+        "GPTSentencePieceTokenizer",
+        "HuggingFaceTokenizer",
+        "Llama2Tokenizer",
+        "TikTokenizer",
+        "MultimodalTokenizer",
+        "NullTokenizer",
+        "NullMultimodalTokenizer",
+        "SFTTokenizer",
+    }
     assert set(TOKENIZER_TYPES) <= megatron_choices
 
 
 def test_import_loads_no_heavy_library():
     heavy = ("torch", "transformers", "tokenizers", "sentencepiece", "tiktoken", "numpy")
-    code = ("import sys, megatron.core.tokenizers; "
-            f"print([m for m in {heavy!r} if m in sys.modules])")
+    code = f"import sys, megatron.core.tokenizers; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

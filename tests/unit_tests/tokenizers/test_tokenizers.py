@@ -7,8 +7,8 @@ import os
 import pytest
 
 from megatron.core.tokenizers import (
-    MissingSpecialTokenError,
     TOKENIZER_TYPES,
+    MissingSpecialTokenError,
     build_tokenizer,
 )
 
@@ -47,7 +47,7 @@ def test_gpt2_bpe_matches_tokenizers_library(tokenizer_files, sample_texts):
     assert tok.eod not in tok.tokenize("a <|endoftext|> b")
     assert tok.detokenize(tok.tokenize("a <|endoftext|> b")) == "a <|endoftext|> b"
     with pytest.raises(MissingSpecialTokenError, match="GPT2BPETokenizer has no padding"):
-        tok.pad
+        _ = tok.pad
 
 
 def _sp(files):
@@ -95,14 +95,18 @@ def test_sentencepiece_special_tokens(tokenizer_files, sample_texts):
     for text in _plain(sample_texts):
         assert tok.tokenize(text) == sp.encode(text)
     text = "first<MASK> second <extra_id_1></s>"
-    expected = (sp.encode("first") + [tok.mask] + sp.encode(" second ")
-                + [tok.additional_special_tokens_ids[1], tok.eos] + sp.encode(""))
+    expected = (
+        sp.encode("first")
+        + [tok.mask]
+        + sp.encode(" second ")
+        + [tok.additional_special_tokens_ids[1], tok.eos]
+        + sp.encode("")
+    )
     assert tok.tokenize(text) == expected
     assert tok.detokenize(tok.tokenize("a<SEP>b")) == sp.decode(sp.encode("a")) + " <SEP> " + "b"
 
 
-@pytest.mark.parametrize("tokenizer_type,lower", [("BertWordPieceLowerCase", True),
-                                                  ("BertWordPieceCase", False)])
+@pytest.mark.parametrize("tokenizer_type,lower", [("BertWordPieceLowerCase", True), ("BertWordPieceCase", False)])
 def test_wordpiece_matches_library(tokenizer_files, sample_texts, tokenizer_type, lower):
     from tokenizers import BertWordPieceTokenizer
 
@@ -150,8 +154,9 @@ def test_tiktoken_matches_library(tokenizer_files, sample_texts):
 
 def test_tiktoken_vocab_size_and_special_tokens(tokenizer_files):
     files = dict(tokenizer_files["TikTokenizer"])
-    files.update(tiktoken_num_special_tokens=10, vocab_size=10 + 300,
-                 tiktoken_special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
+    files.update(
+        tiktoken_num_special_tokens=10, vocab_size=10 + 300, tiktoken_special_tokens=["<unk>", "<s>", "</s>", "<pad>"]
+    )
     tok = build_tokenizer("TikTokenizer", **files)
     assert tok.vocab_size == 310 and tok.pad == 3
     assert tok.vocab["<SPECIAL_9>"] == 9
@@ -184,16 +189,16 @@ def test_huggingface_matches_library(tokenizer_files, sample_texts):
     ref = AutoTokenizer.from_pretrained(files["tokenizer_model"])
     raw = Tokenizer.from_file(os.path.join(files["tokenizer_model"], "tokenizer.json"))
     assert tok.vocab_size == len(ref) == raw.get_vocab_size()
-    assert (tok.eod, tok.bos, tok.pad) == (raw.token_to_id("</s>"), raw.token_to_id("<s>"),
-                                            raw.token_to_id("<pad>"))
+    assert (tok.eod, tok.bos, tok.pad) == (raw.token_to_id("</s>"), raw.token_to_id("<s>"), raw.token_to_id("<pad>"))
     for text in sample_texts:
         ids = tok.tokenize(text)
         assert ids == ref(text).input_ids == raw.encode(text).ids
         assert ids[0] == tok.bos
         assert tok.detokenize(ids) == ref.decode(ids)
     # A bare tokenizer.json file works too.
-    single = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=os.path.join(
-        files["tokenizer_model"], "tokenizer.json"))
+    single = build_tokenizer(
+        "HuggingFaceTokenizer", tokenizer_model=os.path.join(files["tokenizer_model"], "tokenizer.json")
+    )
     assert single.tokenize("Hello World") == raw.encode("Hello World").ids
 
 

@@ -12,10 +12,14 @@ from tests.tokenizer_files import corpus_texts, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOOL = os.path.join(ROOT, "tools", "train_tokenizer.py")
-_ARG_OF_FLAG = {"--vocab-file": "vocab_file", "--merge-file": "merge_file",
-                "--tokenizer-model": "tokenizer_model", "--vocab-size": "vocab_size",
-                "--tiktoken-pattern": "tiktoken_pattern",
-                "--tiktoken-num-special-tokens": "tiktoken_num_special_tokens"}
+_ARG_OF_FLAG = {
+    "--vocab-file": "vocab_file",
+    "--merge-file": "merge_file",
+    "--tokenizer-model": "tokenizer_model",
+    "--vocab-size": "vocab_size",
+    "--tiktoken-pattern": "tiktoken_pattern",
+    "--tiktoken-num-special-tokens": "tiktoken_num_special_tokens",
+}
 
 
 def _run(*args):
@@ -25,7 +29,7 @@ def _run(*args):
 def _flags_to_tokenizer(stdout):
     """Parses the printed Megatron flags and builds the tokenizer they describe."""
     line = next(l for l in stdout.splitlines() if l.startswith("Megatron flags: "))
-    words = shlex.split(line[len("Megatron flags: "):])
+    words = shlex.split(line[len("Megatron flags: ") :])
     flags = dict(zip(words[::2], words[1::2]))
     kwargs = {_ARG_OF_FLAG[f]: v for f, v in flags.items() if f != "--tokenizer-type"}
     for name in ("vocab_size", "tiktoken_num_special_tokens"):
@@ -44,19 +48,34 @@ def corpus(tmp_path_factory):
     return jsonl, str(txt)
 
 
-@pytest.mark.parametrize("kind,expected_type,extra", [
-    ("gpt2bpe", "GPT2BPETokenizer", []),
-    ("sentencepiece-bpe", "GPTSentencePieceTokenizer", []),
-    ("sentencepiece-unigram", "GPTSentencePieceTokenizer", []),
-    ("wordpiece", "BertWordPieceLowerCase", []),
-    ("wordpiece", "BertWordPieceCase", ["--cased"]),
-    ("tiktoken", "TikTokenizer", []),
-    ("huggingface", "HuggingFaceTokenizer", []),
-])
+@pytest.mark.parametrize(
+    "kind,expected_type,extra",
+    [
+        ("gpt2bpe", "GPT2BPETokenizer", []),
+        ("sentencepiece-bpe", "GPTSentencePieceTokenizer", []),
+        ("sentencepiece-unigram", "GPTSentencePieceTokenizer", []),
+        ("wordpiece", "BertWordPieceLowerCase", []),
+        ("wordpiece", "BertWordPieceCase", ["--cased"]),
+        ("tiktoken", "TikTokenizer", []),
+        ("huggingface", "HuggingFaceTokenizer", []),
+    ],
+)
 def test_cli_trains_each_kind(corpus, tmp_path, kind, expected_type, extra):
     jsonl, txt = corpus
-    out = _run("--input", jsonl, txt, "--json-key", "content", "--type", kind,
-               "--vocab-size", "400", "--output-dir", str(tmp_path / kind), *extra)
+    out = _run(
+        "--input",
+        jsonl,
+        txt,
+        "--json-key",
+        "content",
+        "--type",
+        kind,
+        "--vocab-size",
+        "400",
+        "--output-dir",
+        str(tmp_path / kind),
+        *extra,
+    )
     assert out.returncode == 0, out.stderr
     written = [l.split(" ", 1)[1] for l in out.stdout.splitlines() if l.startswith("wrote ")]
     assert written and all(os.path.isfile(p) for p in written)
@@ -68,11 +87,29 @@ def test_cli_trains_each_kind(corpus, tmp_path, kind, expected_type, extra):
 
 def test_cli_errors(corpus, tmp_path):
     jsonl, _ = corpus
-    out = _run("--input", str(tmp_path / "nope.jsonl"), "--type", "gpt2bpe", "--vocab-size", "300",
-               "--output-dir", str(tmp_path))
+    out = _run(
+        "--input",
+        str(tmp_path / "nope.jsonl"),
+        "--type",
+        "gpt2bpe",
+        "--vocab-size",
+        "300",
+        "--output-dir",
+        str(tmp_path),
+    )
     assert out.returncode != 0 and "--input: no such file" in out.stderr and "nope.jsonl" in out.stderr
-    out = _run("--input", jsonl, "--json-key", "body", "--type", "gpt2bpe", "--vocab-size", "300",
-               "--output-dir", str(tmp_path))
+    out = _run(
+        "--input",
+        jsonl,
+        "--json-key",
+        "body",
+        "--type",
+        "gpt2bpe",
+        "--vocab-size",
+        "300",
+        "--output-dir",
+        str(tmp_path),
+    )
     assert out.returncode != 0 and "no key 'body'" in out.stderr
     out = _run("--input", jsonl, "--type", "bpe", "--vocab-size", "300", "--output-dir", str(tmp_path))
     assert out.returncode != 0 and "--type" in out.stderr

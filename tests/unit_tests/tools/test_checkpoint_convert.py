@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import transformers  # a test dependency (requirements-test.txt): missing it must fail, not skip
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
@@ -19,7 +20,6 @@ from tests.functional_tests.gpt_runs import REPO, assert_ok, mock_flags, run_gpt
 from tools.checkpoint import convert
 from tools.checkpoint.hf_config import gpt_model_kwargs
 
-import transformers  # a test dependency (requirements-test.txt): missing it must fail, not skip
 MAX_ABS = 1e-4
 HF_VOCAB = 100  # pads to 128 (TP=1) or 256 (TP=2) with the default --make-vocab-size-divisible-by 128
 
@@ -27,17 +27,26 @@ HF_VOCAB = 100  # pads to 128 (TP=1) or 256 (TP=2) with the default --make-vocab
 def _save_llama(path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=500000.0,
-        tie_word_embeddings=False)
+        vocab_size=HF_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=16,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
 def _save_gpt2(path):
     torch.manual_seed(1)
-    config = transformers.GPT2Config(vocab_size=HF_VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                     activation_function="gelu_new")
+    config = transformers.GPT2Config(
+        vocab_size=HF_VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new"
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(path)
     return str(path)
 
@@ -53,10 +62,14 @@ def _our_logits(save, tokens, groups):
     iter_dir, common = convert.find_checkpoint(save)
     args = dict(common["args"])
     tp = groups.size_of("tp")
-    args["padded_vocab_size"] = convert.dc.read_metadata(iter_dir).state_dict_metadata[
-        convert.EMBEDDING_KEY].size[0]
-    model = GPTModel(pg_collection=groups, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                     parallel_output=False, **gpt_model_kwargs(args)).eval()
+    args["padded_vocab_size"] = convert.dc.read_metadata(iter_dir).state_dict_metadata[convert.EMBEDDING_KEY].size[0]
+    model = GPTModel(
+        pg_collection=groups,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        parallel_output=False,
+        **gpt_model_kwargs(args),
+    ).eval()
     load_checkpoint([model], None, None, CheckpointConfig(load=save, finetune=True), groups)
     with torch.no_grad():
         return model(tokens)
@@ -72,7 +85,7 @@ def _compare_body(rank, world_size, cases):
             expected = hf(tokens).logits
         ours = _our_logits(save, tokens, groups)
         assert ours.shape[-1] >= expected.shape[-1]
-        diffs.append((ours[..., :expected.shape[-1]] - expected).abs().max().item())
+        diffs.append((ours[..., : expected.shape[-1]] - expected).abs().max().item())
     return diffs
 
 
@@ -108,8 +121,16 @@ def test_round_trip_is_exact(hf_dirs, tmp_path, kind):
 
 
 def test_cli_as_script(hf_dirs, tmp_path):
-    cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction",
-           "hf-to-megatron", "--hf-dir", hf_dirs["gpt2"], "--save", str(tmp_path / "ckpt")]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "checkpoint", "convert.py"),
+        "--direction",
+        "hf-to-megatron",
+        "--hf-dir",
+        hf_dirs["gpt2"],
+        "--save",
+        str(tmp_path / "ckpt"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "--make-vocab-size-divisible-by 128" in proc.stdout and "--openai-gelu" in proc.stdout
@@ -120,23 +141,50 @@ def test_clear_errors(hf_dirs, tmp_path, capsys):
         assert convert.main(list(argv)) == 2
         return capsys.readouterr().err
 
-    assert "not found" in error_of("--direction", "hf-to-megatron", "--hf-dir", str(tmp_path / "nope"),
-                                   "--save", str(tmp_path / "s"))
+    assert "not found" in error_of(
+        "--direction", "hf-to-megatron", "--hf-dir", str(tmp_path / "nope"), "--save", str(tmp_path / "s")
+    )
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text('{"architectures": ["BertForMaskedLM"]}')
-    assert "'architectures'" in error_of("--direction", "hf-to-megatron", "--hf-dir", str(bert),
-                                         "--save", str(tmp_path / "s"))
-    assert "not a Megatron checkpoint" in error_of("--direction", "megatron-to-hf", "--load", hf_dirs["gpt2"],
-                                                   "--hf-dir-out", str(tmp_path / "o"), "--model-type", "gpt2")
-    assert "needs --model-type" in error_of("--direction", "megatron-to-hf", "--load", str(tmp_path),
-                                            "--hf-dir-out", str(tmp_path / "o"))
+    assert "'architectures'" in error_of(
+        "--direction", "hf-to-megatron", "--hf-dir", str(bert), "--save", str(tmp_path / "s")
+    )
+    assert "not a Megatron checkpoint" in error_of(
+        "--direction",
+        "megatron-to-hf",
+        "--load",
+        hf_dirs["gpt2"],
+        "--hf-dir-out",
+        str(tmp_path / "o"),
+        "--model-type",
+        "gpt2",
+    )
+    assert "needs --model-type" in error_of(
+        "--direction", "megatron-to-hf", "--load", str(tmp_path), "--hf-dir-out", str(tmp_path / "o")
+    )
 
 
-LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
-               "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
-               "--ffn-hidden-size", "64", "--rotary-base", "500000", "--no-save-optim", "--no-save-rng",
-               "--lr-warmup-iters", "1"]  # 2 iterations: warmup must be shorter than the decay
+LLAMA_FLAGS = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "64",
+    "--rotary-base",
+    "500000",
+    "--no-save-optim",
+    "--no-save-rng",
+    "--lr-warmup-iters",
+    "1",
+]  # 2 iterations: warmup must be shorter than the decay
 
 
 def _trained_body(rank, world_size, save, hf_dir):

@@ -55,13 +55,19 @@ def collectives() -> Dict[str, Any]:
         "cpu_all_reduce": _observe(lambda: dist.all_reduce(torch.ones(2), group=pair)),
         "cuda_all_reduce": _observe(lambda: dist.all_reduce(torch.ones(2, device="cuda"), group=pair) or "ok"),
         "cuda_in_gloo_group": _observe(lambda: dist.all_reduce(torch.ones(2, device="cuda"), group=gloo)),
-        "cpu_p2p": _observe(lambda: dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, torch.ones(2, device="cuda"), 4, group=pair),
-             dist.P2POp(dist.irecv, torch.empty(2), 4, group=pair)])),
+        "cpu_p2p": _observe(
+            lambda: dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, torch.ones(2, device="cuda"), 4, group=pair),
+                    dist.P2POp(dist.irecv, torch.empty(2), 4, group=pair),
+                ]
+            )
+        ),
         "comm_device": _observe(lambda: [str(comm_device(pair)), str(comm_device(gloo))]),
         "backend": _observe(lambda: dist.get_backend(pair)),
-        "all_gather_object": _observe(lambda: (lambda out: dist.all_gather_object(out, {"a": 1}, group=pair)
-                                               or out)([None, None])),
+        "all_gather_object": _observe(
+            lambda: (lambda out: dist.all_gather_object(out, {"a": 1}, group=pair) or out)([None, None])
+        ),
     }
 
 
@@ -87,11 +93,13 @@ def device_rules() -> Dict[str, Any]:
         "cpu_scalar_ok": _observe(lambda: str(x.mul_(torch.tensor(2.0)).device)),
         "fused_cpu_step": _observe(fused_step_on_cpu),
         "foreach_cpu_exp_avg": _observe(foreach_exp_avg_on_cpu),
-        "amp_unscale_cpu_scale": _observe(lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-            [x], torch.zeros(1, device="cuda"), torch.ones(1))),
+        "amp_unscale_cpu_scale": _observe(
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_([x], torch.zeros(1, device="cuda"), torch.ones(1))
+        ),
         "foreach_cpu_scalar_ok": _observe(lambda: (torch._foreach_mul_([x], torch.tensor(2.0)), "ok")[1]),
-        "cuda_rng_state_on_gpu": _observe(lambda: torch.cuda.set_rng_state(torch.zeros(16, dtype=torch.uint8,
-                                                                                        device="cuda"))),
+        "cuda_rng_state_on_gpu": _observe(
+            lambda: torch.cuda.set_rng_state(torch.zeros(16, dtype=torch.uint8, device="cuda"))
+        ),
     }
 
 
@@ -126,8 +134,10 @@ def loop_syncs() -> Dict[str, Any]:
     timers = Timers(log_level=2, log_option="minmax")
     timers("forward-backward", log_level=0).start()
     timers("forward-backward").stop()
-    return {"reduce_losses": _observe(lambda: sorted(reduce_losses(losses, groups))),
-            "timers": _observe(lambda: list(timers._all_ranks_elapsed(["forward-backward"], True, False).shape))}
+    return {
+        "reduce_losses": _observe(lambda: sorted(reduce_losses(losses, groups))),
+        "timers": _observe(lambda: list(timers._all_ranks_elapsed(["forward-backward"], True, False).shape)),
+    }
 
 
 def module_cuda() -> Dict[str, Any]:
@@ -155,9 +165,12 @@ def attention() -> Dict[str, Any]:
         m = torch.ones(16, 16, dtype=torch.bool, device="cuda") if mask else None
         return list(flash_verdict(q, q, q, m))
 
-    return {"bf16": _observe(lambda: verdict(torch.bfloat16)), "fp32": _observe(lambda: verdict(torch.float32)),
-            "mask": _observe(lambda: verdict(torch.float16, mask=True)),
-            "head_dim": _observe(lambda: verdict(torch.bfloat16, head_dim=264))}
+    return {
+        "bf16": _observe(lambda: verdict(torch.bfloat16)),
+        "fp32": _observe(lambda: verdict(torch.float32)),
+        "mask": _observe(lambda: verdict(torch.float16, mask=True)),
+        "head_dim": _observe(lambda: verdict(torch.bfloat16, head_dim=264)),
+    }
 
 
 def main() -> None:

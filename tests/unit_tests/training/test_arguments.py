@@ -24,8 +24,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # The compatibility facts live beside the checkout (shared/docs); CI lays a copy there too.
 SHARED_TSV = os.path.join(os.path.dirname(REPO), "shared", "docs", "megatron-flags.tsv")
 ENTRY_POINTS = ("gpt", "bert", "t5")
-ACTION_KIND = {"storetrue": argparse._StoreTrueAction, "storefalse": argparse._StoreFalseAction,
-               "store": argparse._StoreAction}
+ACTION_KIND = {
+    "storetrue": argparse._StoreTrueAction,
+    "storefalse": argparse._StoreFalseAction,
+    "store": argparse._StoreAction,
+}
 
 
 def _shared_rows():
@@ -105,9 +108,13 @@ def test_every_option_string_parses(entry_point):
 
 
 def test_help_lists_megatron_groups_and_exits_cleanly():
-    out = subprocess.run([sys.executable, "-c", "from megatron.training.arguments import parse_args; "
-                          "parse_args(['--help'])"], capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", "from megatron.training.arguments import parse_args; parse_args(['--help'])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
+    )
     assert out.returncode == 0, out.stderr
     for group in {row["group"] for row in _shared_rows()}:
         assert f"\n{group}:\n" in out.stdout
@@ -127,8 +134,22 @@ def test_status_tables_name_real_flags_with_default_as_harmless():
     assert not NO_OP_FLAGS & set(NOT_SUPPORTED_YET)
 
 
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "2",
-        "--seq-length", "32", "--train-iters", "10", "--lr", "1e-3"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--seq-length",
+    "32",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+]
 
 
 def _validated(extra=(), world_size=1, entry_point="gpt"):
@@ -136,19 +157,27 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
     return A.validate_args(args, world_size)
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
-    (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
-    (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
-    (["--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"], "--moe-shared-expert-intermediate-size"),
-    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
-     "--hierarchical-context-parallel-sizes"),
-    (["--optimizer", "muon"], "--optimizer"),
-    (["--multi-latent-attention"], "--multi-latent-attention"),
-    (["--fp8-format", "hybrid"], "--fp8-format"),
-    (["--position-embedding-type", "relative"], "--position-embedding-type"),
-    (["--window-size", "8,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
+        (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
+        (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
+        (
+            ["--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"],
+            "--moe-shared-expert-intermediate-size",
+        ),
+        (
+            ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
+            "--hierarchical-context-parallel-sizes",
+        ),
+        (["--optimizer", "muon"], "--optimizer"),
+        (["--multi-latent-attention"], "--multi-latent-attention"),
+        (["--fp8-format", "hybrid"], "--fp8-format"),
+        (["--position-embedding-type", "relative"], "--position-embedding-type"),
+        (["--window-size", "8,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq"),
+    ],
+)
 def test_unsupported_flag_is_refused_not_ignored(extra, flag):
     with pytest.raises(A.UnsupportedFlagError) as err:
         _validated(extra, world_size=2)
@@ -157,8 +186,19 @@ def test_unsupported_flag_is_refused_not_ignored(extra, flag):
 
 
 def test_supported_alternatives_and_no_op_flags_are_accepted():
-    args = _validated(["--optimizer", "sgd", "--position-embedding-type", "rope", "--no-masked-softmax-fusion",
-                       "--attention-backend", "flash", "--tp-comm-overlap", "--use-flash-attn"])
+    args = _validated(
+        [
+            "--optimizer",
+            "sgd",
+            "--position-embedding-type",
+            "rope",
+            "--no-masked-softmax-fusion",
+            "--attention-backend",
+            "flash",
+            "--tp-comm-overlap",
+            "--use-flash-attn",
+        ]
+    )
     assert args.optimizer == "sgd" and args.position_embedding_type == "rope"
 
 
@@ -185,8 +225,9 @@ def test_kv_channels_split_tokenizer_and_batch_defaults():
     assert A.parse_args(BASE, entry_point="gpt").tokenizer_type == "GPT2BPETokenizer"
     for ep in ("bert", "t5"):
         assert A.parse_args(BASE, entry_point=ep).tokenizer_type == "BertWordPieceLowerCase"
-    assert A.parse_args(BASE + ["--tokenizer-type", "NullTokenizer"], entry_point="bert").tokenizer_type == \
-        "NullTokenizer"
+    assert (
+        A.parse_args(BASE + ["--tokenizer-type", "NullTokenizer"], entry_point="bert").tokenizer_type == "NullTokenizer"
+    )
 
 
 def test_data_parallel_size_from_world_and_model_sizes():
@@ -194,8 +235,9 @@ def test_data_parallel_size_from_world_and_model_sizes():
     assert args.data_parallel_size * 2 * 2 == 12
 
 
-@pytest.mark.parametrize("vocab, div, tp", [(50257, 128, 1), (50257, 128, 8), (32000, 128, 2), (256, 128, 2),
-                                            (1, 1, 1), (30522, 64, 3)])
+@pytest.mark.parametrize(
+    "vocab, div, tp", [(50257, 128, 1), (50257, 128, 8), (32000, 128, 2), (256, 128, 2), (1, 1, 1), (30522, 64, 3)]
+)
 def test_vocab_padding(vocab, div, tp):
     padded = A.vocab_size_with_padding(vocab, div, tp)
     multiple = div * tp
@@ -220,8 +262,10 @@ def test_extra_args_provider_and_unknown_args():
 
 def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
     flags = tmp_path / "gpt.args"
-    flags.write_text("# model\n--num-layers 6 --hidden-size 64 \\\n  --num-attention-heads 4  # heads\n\n"
-                     "--data-path '/data/my corpus_text_document'\n")
+    flags.write_text(
+        "# model\n--num-layers 6 --hidden-size 64 \\\n  --num-attention-heads 4  # heads\n\n"
+        "--data-path '/data/my corpus_text_document'\n"
+    )
     args = A.parse_args(BASE + [f"@{flags}", "--hidden-size", "128"])
     # The file overrides earlier flags, later command-line flags override the file.
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (6, 128, 4)
@@ -238,38 +282,77 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
 # ----------------------------------------------------------------------------------
 # Validation errors name their flags.
 # ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("extra, world, pattern", [
-    (["--global-batch-size", "6"], 2, r"--global-batch-size \(6\).*--micro-batch-size \(2\).*\(2\)"),
-    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, r"--lr-warmup-fraction.*--lr-warmup-iters"),
-    (["--train-samples", "100"], 1, r"--train-iters and --train-samples"),
-    (["--tensor-model-parallel-size", "2"], 3, r"world size 3.*--tensor-model-parallel-size \(2\)"),
-    (["--tensor-model-parallel-size", "8"], 8, r"--num-attention-heads \(4\).*--tensor-model-parallel-size \(8\)"),
-    (["--fp16", "--bf16"], 1, r"--fp16 and --bf16"),
-    (["--pipeline-model-parallel-size", "3"], 3, r"--num-layers.*--pipeline-model-parallel-size \(3\)"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
-     r"--num-layers-per-virtual-pipeline-stage \(3\)"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--global-batch-size", "6"], 2, r"number of microbatches \(3.*--pipeline-model-parallel-size \(2\)"),
-    (["--group-query-attention", "--num-query-groups", "3"], 1, r"--num-query-groups \(3\)"),
-    (["--batch-size", "4"], 1, r"--batch-size.*--micro-batch-size"),
-    (["--recompute-granularity", "full"], 1, r"--recompute-method"),
-    (["--window-size", "8"], 1, r"--window-size \(8,\): give left,right"),
-    (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
-    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4,
-     r"--num-experts=6 must be divisible by --expert-model-parallel-size=4"),
-    (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size=2 needs --num-experts"),
-    (["--context-parallel-size", "2", "--seq-length", "30"], 2,
-     r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size \(2\) = 4"),
-    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-      "--seq-length", "36"], 4, r"--seq-length \(36\) .*--context-parallel-size \(2\) x "
-                                r"--tensor-model-parallel-size \(2\) = 8 with --sequence-parallel"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, r"--cp-comm-type ring: must be one of p2p"),
-    (["--cp-comm-type", "p2p", "a2a", "p2p"], 1, r"--cp-comm-type gives 3 values.*--num-layers 4"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 2,
-     r"world size 2 .*--tensor-model-parallel-size \(2\) x --expert-model-parallel-size \(2\)"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--ckpt-format", "torch"], 2,
-     r"--ckpt-format torch with --expert-model-parallel-size=2"),
-])
+@pytest.mark.parametrize(
+    "extra, world, pattern",
+    [
+        (["--global-batch-size", "6"], 2, r"--global-batch-size \(6\).*--micro-batch-size \(2\).*\(2\)"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, r"--lr-warmup-fraction.*--lr-warmup-iters"),
+        (["--train-samples", "100"], 1, r"--train-iters and --train-samples"),
+        (["--tensor-model-parallel-size", "2"], 3, r"world size 3.*--tensor-model-parallel-size \(2\)"),
+        (["--tensor-model-parallel-size", "8"], 8, r"--num-attention-heads \(4\).*--tensor-model-parallel-size \(8\)"),
+        (["--fp16", "--bf16"], 1, r"--fp16 and --bf16"),
+        (["--pipeline-model-parallel-size", "3"], 3, r"--num-layers.*--pipeline-model-parallel-size \(3\)"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+            2,
+            r"--num-layers-per-virtual-pipeline-stage \(3\)",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "6",
+            ],
+            2,
+            r"number of microbatches \(3.*--pipeline-model-parallel-size \(2\)",
+        ),
+        (["--group-query-attention", "--num-query-groups", "3"], 1, r"--num-query-groups \(3\)"),
+        (["--batch-size", "4"], 1, r"--batch-size.*--micro-batch-size"),
+        (["--recompute-granularity", "full"], 1, r"--recompute-method"),
+        (["--window-size", "8"], 1, r"--window-size \(8,\): give left,right"),
+        (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
+        (
+            ["--num-experts", "6", "--expert-model-parallel-size", "4"],
+            4,
+            r"--num-experts=6 must be divisible by --expert-model-parallel-size=4",
+        ),
+        (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size=2 needs --num-experts"),
+        (
+            ["--context-parallel-size", "2", "--seq-length", "30"],
+            2,
+            r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size \(2\) = 4",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--seq-length",
+                "36",
+            ],
+            4,
+            r"--seq-length \(36\) .*--context-parallel-size \(2\) x "
+            r"--tensor-model-parallel-size \(2\) = 8 with --sequence-parallel",
+        ),
+        (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, r"--cp-comm-type ring: must be one of p2p"),
+        (["--cp-comm-type", "p2p", "a2a", "p2p"], 1, r"--cp-comm-type gives 3 values.*--num-layers 4"),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+            2,
+            r"world size 2 .*--tensor-model-parallel-size \(2\) x --expert-model-parallel-size \(2\)",
+        ),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--ckpt-format", "torch"],
+            2,
+            r"--ckpt-format torch with --expert-model-parallel-size=2",
+        ),
+    ],
+)
 def test_validation_errors_name_flags_and_values(extra, world, pattern):
     with pytest.raises(A.ArgumentsError, match=pattern):
         _validated(extra, world_size=world)
@@ -303,11 +386,24 @@ def test_sequence_parallel_with_tp1_warns_and_disables():
 
 
 def test_virtual_pipeline_and_uneven_stages():
-    args = _validated(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
-                       "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"], world_size=2)
+    args = _validated(
+        [
+            "--num-layers",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "2",
+            "--global-batch-size",
+            "8",
+        ],
+        world_size=2,
+    )
     assert args.virtual_pipeline_model_parallel_size == 8 // 2 // 2
-    ok = _validated(["--num-layers", "7", "--pipeline-model-parallel-size", "3",
-                     "--decoder-first-pipeline-num-layers", "1"], world_size=3)
+    ok = _validated(
+        ["--num-layers", "7", "--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1"],
+        world_size=3,
+    )
     assert ok.decoder_first_pipeline_num_layers == 1
 
 
@@ -322,35 +418,64 @@ def test_every_transformer_config_field_is_mapped_once():
 
 
 def test_context_parallel_size_is_accepted_and_reaches_the_config():
-    args = _validated(["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                       "--cp-comm-type", "all_gather"], world_size=8)
+    args = _validated(
+        [
+            "--context-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--cp-comm-type",
+            "all_gather",
+        ],
+        world_size=8,
+    )
     assert args.data_parallel_size == 2
     config = A.core_transformer_config_from_args(args)
     assert config.context_parallel_size == 2 and config.sequence_parallel
-    per_layer = _validated(["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "a2a+p2p", "p2p"],
-                           world_size=2)
+    per_layer = _validated(
+        ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "a2a+p2p", "p2p"], world_size=2
+    )
     assert per_layer.cp_comm_type == ["p2p", "a2a", "a2a+p2p", "p2p"]
 
 
 def test_expert_model_parallel_size_is_accepted_and_reaches_the_config():
-    args = _validated(["--num-experts", "4", "--expert-model-parallel-size", "2", "--global-batch-size", "8"],
-                      world_size=4)
+    args = _validated(
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--global-batch-size", "8"], world_size=4
+    )
     assert args.data_parallel_size == 4
     assert A.core_transformer_config_from_args(args).expert_model_parallel_size == 2
 
 
 def test_moe_flags_map_to_config():
-    args = _validated(["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
-                       "--moe-z-loss-coeff", "1e-3", "--moe-layer-freq", "([1]*1+[0])*2", "--moe-router-pre-softmax",
-                       "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"])
+    args = _validated(
+        [
+            "--num-experts",
+            "8",
+            "--moe-router-topk",
+            "2",
+            "--moe-aux-loss-coeff",
+            "1e-2",
+            "--moe-z-loss-coeff",
+            "1e-3",
+            "--moe-layer-freq",
+            "([1]*1+[0])*2",
+            "--moe-router-pre-softmax",
+            "--moe-token-dispatcher-type",
+            "alltoall",
+            "--moe-grouped-gemm",
+        ]
+    )
     cfg = A.core_transformer_config_from_args(args)
     moe = (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff)
     assert moe == (8, 2, 1e-2, 1e-3)
     assert cfg.moe_layer_freq == [1, 0, 1, 0] and cfg.moe_router_pre_softmax
     assert cfg.moe_ffn_hidden_size == cfg.ffn_hidden_size == 256
     assert cfg.moe_router_load_balancing_type == "aux_loss" and cfg.moe_token_dispatcher_type == "alltoall"
-    assert A.core_transformer_config_from_args(_validated(["--num-experts", "4", "--moe-layer-freq", "2"])
-                                               ).moe_layer_freq == 2
+    assert (
+        A.core_transformer_config_from_args(_validated(["--num-experts", "4", "--moe-layer-freq", "2"])).moe_layer_freq
+        == 2
+    )
     with pytest.raises(A.ArgumentsError, match="--moe-router-topk=9"):
         _validated(["--num-experts", "8", "--moe-router-topk", "9"])
     with pytest.raises(A.ArgumentsError, match="--moe-layer-freq"):
@@ -358,14 +483,40 @@ def test_moe_flags_map_to_config():
 
 
 def test_transformer_config_from_args():
-    args = _validated(["--swiglu", "--disable-bias-linear", "--add-qkv-bias", "--group-query-attention",
-                       "--num-query-groups", "2", "--normalization", "RMSNorm", "--bf16", "--hidden-dropout", "0.0",
-                       "--attention-dropout", "0.05", "--init-method-std", "0.01", "--qk-layernorm",
-                       "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations",
-                       "--calculate-per-token-loss", "--apply-layernorm-1p", "--norm-epsilon", "1e-6",
-                       "--window-size", "(7, 0)", "--embedding-init-method-std", "0.05",
-                       "--init-method-xavier-uniform"],
-                      world_size=2)
+    args = _validated(
+        [
+            "--swiglu",
+            "--disable-bias-linear",
+            "--add-qkv-bias",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--normalization",
+            "RMSNorm",
+            "--bf16",
+            "--hidden-dropout",
+            "0.0",
+            "--attention-dropout",
+            "0.05",
+            "--init-method-std",
+            "0.01",
+            "--qk-layernorm",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--recompute-activations",
+            "--calculate-per-token-loss",
+            "--apply-layernorm-1p",
+            "--norm-epsilon",
+            "1e-6",
+            "--window-size",
+            "(7, 0)",
+            "--embedding-init-method-std",
+            "0.05",
+            "--init-method-xavier-uniform",
+        ],
+        world_size=2,
+    )
     cfg = A.core_transformer_config_from_args(args)
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu
     assert cfg.add_bias_linear is False and cfg.add_qkv_bias is True
@@ -406,8 +557,20 @@ def test_rope_flags_reach_the_entry_point_model():
 
 
 def test_scheduler_kwargs_count_samples():
-    args = _validated(["--global-batch-size", "8", "--train-iters", "100", "--lr-warmup-iters", "10",
-                       "--lr-decay-style", "cosine", "--min-lr", "1e-5"])
+    args = _validated(
+        [
+            "--global-batch-size",
+            "8",
+            "--train-iters",
+            "100",
+            "--lr-warmup-iters",
+            "10",
+            "--lr-decay-style",
+            "cosine",
+            "--min-lr",
+            "1e-5",
+        ]
+    )
     kw = A.optimizer_param_scheduler_kwargs(args)
     assert (kw["lr_warmup_steps"], kw["lr_decay_steps"], kw["wd_incr_steps"]) == (10 * 8, 100 * 8, 100 * 8)
     model = torch.nn.Linear(2, 2)

@@ -28,8 +28,10 @@ def results():
 def test_nccl_rules(results):
     got = results["collectives"]
     assert got["cpu_all_reduce"]["error"] == "DeviceRuleError"
-    assert "all_reduce over the group of ranks [4, 5] (nccl) got a cpu float32[2] tensor: NCCL only moves CUDA" \
+    assert (
+        "all_reduce over the group of ranks [4, 5] (nccl) got a cpu float32[2] tensor: NCCL only moves CUDA"
         in got["cpu_all_reduce"]["message"]
+    )
     assert got["cpu_all_reduce"]["site"].startswith(SITE)
     assert got["cuda_all_reduce"]["value"] == "ok"
     assert "gloo group only moves CPU tensors" in got["cuda_in_gloo_group"]["message"]
@@ -47,8 +49,10 @@ def test_device_rules(results):
     assert got["fused_cpu_step"]["error"] == "DeviceRuleError"
     assert "_fused_adamw_: tensor 0 of list 4 is cpu float32[]" in got["fused_cpu_step"]["message"]
     assert "_foreach_lerp_" in got["foreach_cpu_exp_avg"]["message"]
-    assert "_amp_foreach_non_finite_check_and_unscale_: a cpu float32[1] argument" \
+    assert (
+        "_amp_foreach_non_finite_check_and_unscale_: a cpu float32[1] argument"
         in got["amp_unscale_cpu_scale"]["message"]
+    )
     assert got["foreach_cpu_scalar_ok"]["value"] == "ok"
     assert "must be a torch.uint8 tensor on the CPU" in got["cuda_rng_state_on_gpu"]["message"]
 
@@ -56,12 +60,19 @@ def test_device_rules(results):
 def test_host_syncs_and_stand_in_values(results):
     got = results["host_syncs"]
     item = [".item()/bool()/float()/int()"]
-    expected = {"item": (1.0, item), "zeros_item": (0.0, item), "isfinite": (True, item), "isnan": (False, item),
-                "cpu_item": (1.0, []), "tolist": ([1.0, 1.0, 1.0], [".tolist()"]),
-                "cpu_copy": ("cpu", ["device-to-host copy (.cpu())"]),
-                "blocking_h2d": ("cuda:0", ["blocking host-to-device copy"]), "non_blocking_h2d": ("cuda:0", []),
-                "nonzero": ([4, 1], ["nonzero (data-dependent shape)"]),
-                "synchronize": (None, ["torch.cuda.synchronize()"])}
+    expected = {
+        "item": (1.0, item),
+        "zeros_item": (0.0, item),
+        "isfinite": (True, item),
+        "isnan": (False, item),
+        "cpu_item": (1.0, []),
+        "tolist": ([1.0, 1.0, 1.0], [".tolist()"]),
+        "cpu_copy": ("cpu", ["device-to-host copy (.cpu())"]),
+        "blocking_h2d": ("cuda:0", ["blocking host-to-device copy"]),
+        "non_blocking_h2d": ("cuda:0", []),
+        "nonzero": ([4, 1], ["nonzero (data-dependent shape)"]),
+        "synchronize": (None, ["torch.cuda.synchronize()"]),
+    }
     for name, (value, syncs) in expected.items():
         assert (got[name].get("value"), got[name]["syncs"]) == (value, syncs), name
     assert got["numpy_of_cuda"]["error"] == "TypeError"

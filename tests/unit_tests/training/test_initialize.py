@@ -37,13 +37,16 @@ def test_slurm_environment_first_host_and_default_port():
     assert init.read_launch_env({**job, "SLURM_JOB_NODELIST": "n[3-4]"}).master_addr == "n3"
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("node01", ["node01"]),
-    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-    ("a[8-11],b", ["a8", "a9", "a10", "a11", "b"]),
-    ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
-    ("x[001,010-011].cluster,y", ["x001.cluster", "x010.cluster", "x011.cluster", "y"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[8-11],b", ["a8", "a9", "a10", "a11", "b"]),
+        ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
+        ("x[001,010-011].cluster,y", ["x001.cluster", "x010.cluster", "x011.cluster", "y"]),
+    ],
+)
 def test_expand_nodelist(nodelist, hosts):
     assert init.expand_nodelist(nodelist) == hosts
     assert init.first_host(nodelist) == hosts[0]
@@ -72,8 +75,24 @@ def test_backend_choice():
 # ----------------------------------------------------------------------------------
 # Start-up on real processes.
 # ----------------------------------------------------------------------------------
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "1",
-        "--seq-length", "8", "--train-iters", "2", "--lr", "1e-3", "--seed", "77"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--seq-length",
+    "8",
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "77",
+]
 
 
 def _layout_and_seeds(rank, world_size):
@@ -81,15 +100,24 @@ def _layout_and_seeds(rank, world_size):
     from megatron.training.arguments import parse_args, validate_args
 
     out = {}
-    for name, extra in (("pp", ["--pipeline-model-parallel-size", "2"]),
-                        ("tp", ["--tensor-model-parallel-size", "2"]),
-                        ("dp", ["--data-parallel-random-init"])):
+    for name, extra in (
+        ("pp", ["--pipeline-model-parallel-size", "2"]),
+        ("tp", ["--tensor-model-parallel-size", "2"]),
+        ("dp", ["--data-parallel-random-init"]),
+    ):
         args = validate_args(parse_args(BASE + extra), world_size)
         groups = init.initialize_distributed(args)
         used = init.set_random_seed(args.seed, args.data_parallel_random_init)
-        out[name] = dict(seed=used, torch=torch.rand(3).tolist(), numpy=np.random.rand(2).tolist(),
-                         tp=groups.size_of("tp"), pp=groups.size_of("pp"), dp=groups.size_of("dp"),
-                         rank=args.rank, world=args.world_size)
+        out[name] = dict(
+            seed=used,
+            torch=torch.rand(3).tolist(),
+            numpy=np.random.rand(2).tolist(),
+            tp=groups.size_of("tp"),
+            pp=groups.size_of("pp"),
+            dp=groups.size_of("dp"),
+            rank=args.rank,
+            world=args.world_size,
+        )
         init.shutdown_distributed()  # forgets the groups, keeps the harness's own process group
         out[name]["after"] = (torch.distributed.is_initialized(), parallel_state.model_parallel_is_initialized())
     return out
@@ -126,10 +154,16 @@ def test_initialize_megatron_creates_process_group_from_torchrun_env():
         "shutdown_distributed()\n"
         "print(dist.is_initialized(), parallel_state.model_parallel_is_initialized())\n"
     )
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     # The group it started is destroyed again, so no gloo thread outlives the interpreter.
     assert out.stdout.split() == ["gloo", "1", "1", str(4 // 1), "False", "False"]
@@ -157,7 +191,6 @@ def test_fake_process_group_plays_one_rank_of_a_large_world():
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     env.update(RANK="5", WORLD_SIZE="8", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["fake", "5", "8", "1", "1", "2", "False"]

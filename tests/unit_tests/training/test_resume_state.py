@@ -68,8 +68,12 @@ def _as_if_saved_on_cuda(state):
     """``state`` rewritten as a CUDA process would have saved it (16-byte CUDA generator states)."""
     decoded = plain_data.decode(state)
     cuda_state = torch.zeros(16, dtype=torch.uint8)
-    decoded.update(device="cuda", cuda=[cuda_state], cuda_device=0,
-                   tracker={name: cuda_state.clone() for name in decoded["tracker"]})
+    decoded.update(
+        device="cuda",
+        cuda=[cuda_state],
+        cuda_device=0,
+        tracker={name: cuda_state.clone() for name in decoded["tracker"]},
+    )
     return plain_data.encode(decoded)
 
 

@@ -13,8 +13,15 @@ import pytest
 from megatron.core.timers import Timers
 from megatron.training.arguments import parse_args
 from megatron.training.training_log import (
-    FlopsConfig, LoggingConfig, TrainingLogger, flops_config_from_args, format_evaluation_block,
-    format_log_line, logging_config_from_args, num_floating_point_operations, parse_evaluation_line,
+    FlopsConfig,
+    LoggingConfig,
+    TrainingLogger,
+    flops_config_from_args,
+    format_evaluation_block,
+    format_log_line,
+    logging_config_from_args,
+    num_floating_point_operations,
+    parse_evaluation_line,
     parse_log_line,
 )
 from tests.dist_harness import run_distributed
@@ -24,13 +31,24 @@ COMPAT_EXAMPLE = (  # megatron-compat.md section 5
     "[2026-01-01 12:00:00] iteration      100/   10000 | consumed samples:         3200 | "
     "elapsed time per iteration (ms): 812.3 | throughput per GPU (TFLOP/s/GPU): 151.2 | "
     "learning rate: 1.500000E-04 | global batch size:    32 | lm loss: 6.512345E+00 | loss scale: 1.0 | "
-    "grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+    "grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+)
 
 
 def example_line(**overrides):
-    kw = dict(iteration=100, train_iters=10000, consumed_samples=3200, elapsed_ms_per_iter=812.3,
-              tflops_per_gpu=151.2, learning_rate=1.5e-4, global_batch_size=32, losses={"lm loss": 6.512345},
-              loss_scale=1.0, grad_norm=1.234, timestamp=STAMP)
+    kw = dict(
+        iteration=100,
+        train_iters=10000,
+        consumed_samples=3200,
+        elapsed_ms_per_iter=812.3,
+        tflops_per_gpu=151.2,
+        learning_rate=1.5e-4,
+        global_batch_size=32,
+        losses={"lm loss": 6.512345},
+        loss_scale=1.0,
+        grad_norm=1.234,
+        timestamp=STAMP,
+    )
     kw.update(overrides)
     return format_log_line(**kw)
 
@@ -41,13 +59,33 @@ def test_line_matches_the_documented_example_exactly():
 
 
 def test_optional_fields_appear_in_megatron_order():
-    line = example_line(tokens_per_sec_per_gpu=1234.56, decoupled_lr=3e-5, params_norm=250.5, num_zeros=17,
-                        losses={"lm loss": 2.0, "mtp loss": 0.5}, skipped_iters=2, nan_iters=1)
+    line = example_line(
+        tokens_per_sec_per_gpu=1234.56,
+        decoupled_lr=3e-5,
+        params_norm=250.5,
+        num_zeros=17,
+        losses={"lm loss": 2.0, "mtp loss": 0.5},
+        skipped_iters=2,
+        nan_iters=1,
+    )
     names = [piece.split(":")[0].strip() for piece in line.split("] ", 1)[1].split("|")[1:-1]]
-    assert names == ["consumed samples", "elapsed time per iteration (ms)", "throughput per GPU (TFLOP/s/GPU)",
-                     "tokens per second per GPU", "learning rate", "decoupled learning rate", "global batch size",
-                     "lm loss", "mtp loss", "loss scale", "grad norm", "num zeros", "params norm",
-                     "number of skipped iterations", "number of nan iterations"]
+    assert names == [
+        "consumed samples",
+        "elapsed time per iteration (ms)",
+        "throughput per GPU (TFLOP/s/GPU)",
+        "tokens per second per GPU",
+        "learning rate",
+        "decoupled learning rate",
+        "global batch size",
+        "lm loss",
+        "mtp loss",
+        "loss scale",
+        "grad norm",
+        "num zeros",
+        "params norm",
+        "number of skipped iterations",
+        "number of nan iterations",
+    ]
     assert "| tokens per second per GPU: 1234.6 |" in line
     assert "| number of skipped iterations:   2 | number of nan iterations:   1 |" in line
 
@@ -89,8 +127,15 @@ def test_evaluation_block_shape_and_parse():
 def test_flops_formula_against_a_hand_count():
     # 1 layer, h=8, 2 heads of 4 (GQA: 1 group), f=16, s=4, V=10, one sequence; per-token forward MACs:
     # Q 8*8 + K,V 2*8*4 + out 8*8 = 192; scores 4*8 + values 4*8 = 64; MLP 8*16*2 = 256; logits 8*10 = 80.
-    cfg = FlopsConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=16,
-                      seq_length=4, padded_vocab_size=10)
+    cfg = FlopsConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=1,
+        ffn_hidden_size=16,
+        seq_length=4,
+        padded_vocab_size=10,
+    )
     assert num_floating_point_operations(cfg, batch_size=1) == 3 * 2 * 4 * (192 + 64 + 256 + 80)
     # SwiGLU: the first projection is 8 -> 2*16; batch scales linearly.
     swiglu = FlopsConfig(**{**cfg.__dict__, "swiglu": True})
@@ -98,8 +143,16 @@ def test_flops_formula_against_a_hand_count():
 
 
 def test_flops_equal_megatron_closed_form():
-    cfg = FlopsConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
-                      ffn_hidden_size=5632, seq_length=4096, padded_vocab_size=50304, swiglu=True)
+    cfg = FlopsConfig(
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=5632,
+        seq_length=4096,
+        padded_vocab_size=50304,
+        swiglu=True,
+    )
     h, L, s, b = 2048, 24, 4096, 8
     closed = 12 * b * s * L * h * h * ((1 + 4 / 16 + s / h) * 1.0 + 5632 / h * 1.5 + 50304 / (2 * L * h))
     assert num_floating_point_operations(cfg, b) == pytest.approx(closed, rel=1e-12)
@@ -107,6 +160,7 @@ def test_flops_equal_megatron_closed_form():
 
 def _measured_flops(rank, world_size):
     from torch.utils.flop_counter import FlopCounterMode
+
     from tests.model_utils import SEQ, VOCAB, batch, build_gpt, gpt2_style, llama_style, single_rank_groups
 
     results = []
@@ -119,12 +173,20 @@ def _measured_flops(rank, world_size):
         with FlopCounterMode(display=False) as both:
             model(tokens, labels=labels).sum().backward()
         cfg = model.config
-        flops_cfg = FlopsConfig(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                                num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-                                ffn_hidden_size=cfg.ffn_hidden_size, seq_length=SEQ, padded_vocab_size=VOCAB,
-                                kv_channels=cfg.kv_channels, swiglu=cfg.gated_linear_unit)
-        results.append((forward.get_total_flops(), both.get_total_flops(),
-                        num_floating_point_operations(flops_cfg, batch_size=2)))
+        flops_cfg = FlopsConfig(
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_query_groups=cfg.num_query_groups,
+            ffn_hidden_size=cfg.ffn_hidden_size,
+            seq_length=SEQ,
+            padded_vocab_size=VOCAB,
+            kv_channels=cfg.kv_channels,
+            swiglu=cfg.gated_linear_unit,
+        )
+        results.append(
+            (forward.get_total_flops(), both.get_total_flops(), num_floating_point_operations(flops_cfg, batch_size=2))
+        )
     return results
 
 
@@ -135,9 +197,18 @@ def test_flops_formula_matches_counted_matmuls_of_a_gpt():
 
 
 def test_flops_config_from_args():
-    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-                              group_query_attention=True, ffn_hidden_size=128, seq_length=32,
-                              padded_vocab_size=256, kv_channels=8, swiglu=True)
+    args = argparse.Namespace(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_query_attention=True,
+        ffn_hidden_size=128,
+        seq_length=32,
+        padded_vocab_size=256,
+        kv_channels=8,
+        swiglu=True,
+    )
     cfg = flops_config_from_args(args)
     assert (cfg.num_query_groups, cfg.swiglu, cfg.padded_vocab_size) == (2, True, 256)
     with pytest.raises(ValueError, match="padded_vocab_size"):
@@ -146,10 +217,26 @@ def test_flops_config_from_args():
 
 # ---------------------------------------------------------------------- config
 def test_logging_config_from_megatron_flags(tmp_path):
-    args = parse_args(["--log-interval", "5", "--timing-log-level", "2", "--timing-log-option", "all",
-                       "--tensorboard-dir", str(tmp_path), "--log-throughput", "--wandb-project", "p",
-                       "--wandb-exp-name", "e", "--save", str(tmp_path / "ckpt"),
-                       "--no-log-loss-scale-to-tensorboard"])
+    args = parse_args(
+        [
+            "--log-interval",
+            "5",
+            "--timing-log-level",
+            "2",
+            "--timing-log-option",
+            "all",
+            "--tensorboard-dir",
+            str(tmp_path),
+            "--log-throughput",
+            "--wandb-project",
+            "p",
+            "--wandb-exp-name",
+            "e",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--no-log-loss-scale-to-tensorboard",
+        ]
+    )
     cfg = logging_config_from_args(args, environ={})
     assert (cfg.log_interval, cfg.timing_log_level, cfg.timing_log_option) == (5, 2, "all")
     assert cfg.log_throughput and not cfg.log_loss_scale_to_tensorboard
@@ -157,12 +244,15 @@ def test_logging_config_from_megatron_flags(tmp_path):
     assert logging_config_from_args(args, environ={"WANDB_MODE": "online"}).wandb_mode == "online"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(log_interval=0), "--log-interval=0"),
-    (dict(timing_log_option="mean"), "--timing-log-option"),
-    (dict(wandb_project="p"), "--wandb-exp-name"),
-    (dict(wandb_mode="cloud"), "WANDB_MODE"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(log_interval=0), "--log-interval=0"),
+        (dict(timing_log_option="mean"), "--timing-log-option"),
+        (dict(wandb_project="p"), "--wandb-exp-name"),
+        (dict(wandb_mode="cloud"), "WANDB_MODE"),
+    ],
+)
 def test_logging_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoggingConfig(**kwargs)
@@ -170,9 +260,17 @@ def test_logging_config_rejects_bad_values(kwargs, message):
 
 # ---------------------------------------------------------------------- the logger
 def step(logger, iteration, loss, **overrides):
-    kw = dict(train_iters=8, loss_dict={"lm loss": loss}, learning_rate=1e-3, consumed_samples=4 * iteration,
-              global_batch_size=4, elapsed_ms_per_iter=100.0, seq_length=16, grad_norm=0.5,
-              flops_per_iter=2e11)
+    kw = dict(
+        train_iters=8,
+        loss_dict={"lm loss": loss},
+        learning_rate=1e-3,
+        consumed_samples=4 * iteration,
+        global_batch_size=4,
+        elapsed_ms_per_iter=100.0,
+        seq_length=16,
+        grad_norm=0.5,
+        flops_per_iter=2e11,
+    )
     kw.update(overrides)
     return logger.training_log(iteration, **kw)
 
@@ -235,9 +333,15 @@ def read_scalars(log_dir):
 
 
 def test_tensorboard_scalars_are_written(tmp_path):
-    cfg = LoggingConfig(log_interval=2, tensorboard_dir=str(tmp_path / "tb"), log_timers_to_tensorboard=True,
-                        log_validation_ppl_to_tensorboard=True, log_memory_to_tensorboard=True,
-                        log_world_size_to_tensorboard=True, log_params_norm=True)
+    cfg = LoggingConfig(
+        log_interval=2,
+        tensorboard_dir=str(tmp_path / "tb"),
+        log_timers_to_tensorboard=True,
+        log_validation_ppl_to_tensorboard=True,
+        log_memory_to_tensorboard=True,
+        log_world_size_to_tensorboard=True,
+        log_params_norm=True,
+    )
     timers = Timers(log_level=0, log_option="max")
     with TrainingLogger(cfg, rank=0, world_size=1, run_config={"seed": 1234}) as logger:
         for iteration, loss in ((1, 5.0), (2, 4.0)):
@@ -276,12 +380,17 @@ def _service_children():
 
 
 def test_wandb_offline_run_directory(tmp_path, monkeypatch, capsys):
-    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR", "WANDB_MODE",
-                "WANDB_API_KEY"):
+    for var in (
+        "WANDB_CACHE_DIR",
+        "WANDB_CONFIG_DIR",
+        "WANDB_DATA_DIR",
+        "WANDB_ARTIFACT_DIR",
+        "WANDB_MODE",
+        "WANDB_API_KEY",
+    ):
         monkeypatch.delenv(var, raising=False)
     before = _service_children()
-    cfg = LoggingConfig(log_interval=1, wandb_project="proj", wandb_exp_name="exp",
-                        wandb_save_dir=str(tmp_path / "wb"))
+    cfg = LoggingConfig(log_interval=1, wandb_project="proj", wandb_exp_name="exp", wandb_save_dir=str(tmp_path / "wb"))
     logger = TrainingLogger(cfg, rank=0, world_size=1, run_config={"lr": 1e-3})
     step(logger, 1, 2.0)
     logger.evaluation_log(1, "validation", {"lm loss": 2.5})
@@ -311,17 +420,23 @@ def _two_rank_logger(rank, world_size):
     return out.getvalue()
 
 
-@pytest.mark.parametrize("flag, blocked, fields", [
-    ("--tensorboard-dir", ("tensorboard", "torch.utils.tensorboard"), {"tensorboard_dir": "tb"}),
-    ("--wandb-project", ("wandb",), {"wandb_project": "proj", "wandb_exp_name": "exp", "wandb_save_dir": "wb"}),
-], ids=["tensorboard", "wandb"])
-def test_missing_logging_package_warns_naming_the_flag_and_logs_on(flag, blocked, fields, tmp_path, monkeypatch,
-                                                                   capsys, caplog):
+@pytest.mark.parametrize(
+    "flag, blocked, fields",
+    [
+        ("--tensorboard-dir", ("tensorboard", "torch.utils.tensorboard"), {"tensorboard_dir": "tb"}),
+        ("--wandb-project", ("wandb",), {"wandb_project": "proj", "wandb_exp_name": "exp", "wandb_save_dir": "wb"}),
+    ],
+    ids=["tensorboard", "wandb"],
+)
+def test_missing_logging_package_warns_naming_the_flag_and_logs_on(
+    flag, blocked, fields, tmp_path, monkeypatch, capsys, caplog
+):
     """Megatron warns and trains on without TensorBoard; W&B gets the same (it used to kill the last rank)."""
     for name in blocked:
         monkeypatch.setitem(sys.modules, name, None)  # ``import name`` now raises ModuleNotFoundError
-    cfg = LoggingConfig(log_interval=1, **{k: str(tmp_path / v) if k.endswith("_dir") else v
-                                           for k, v in fields.items()})
+    cfg = LoggingConfig(
+        log_interval=1, **{k: str(tmp_path / v) if k.endswith("_dir") else v for k, v in fields.items()}
+    )
     with caplog.at_level(logging.WARNING, logger="megatron.training.log_writers"):
         logger = TrainingLogger(cfg, rank=0, world_size=1)
     assert f"{flag}=" in caplog.text and f"the {blocked[0]} package cannot be imported" in caplog.text

@@ -22,8 +22,14 @@ S, B, HEADS, GROUPS, D = 6, 2, 8, 2, 4
 
 
 def _attention(backend: str = "auto", **kw: Any) -> DotProductAttention:
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * D, num_attention_heads=HEADS,
-                               num_query_groups=GROUPS, attention_backend=backend, **kw)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * D,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        attention_backend=backend,
+        **kw,
+    )
     return DotProductAttention(config, layer_number=1).eval()
 
 
@@ -68,8 +74,13 @@ def test_flash_backend_pins_flash_only_where_it_can_run(monkeypatch):
         cuda_fp32 = torch.zeros(B, HEADS, S, D, device="cuda")
     mask = torch.zeros(S, S, dtype=torch.bool)
     flash, auto = _attention("flash"), _attention("auto")
-    for module, q, m in ((flash, cuda_bf16, None), (flash, cuda_bf16, mask), (flash, cuda_fp32, None),
-                         (flash, torch.zeros(B, HEADS, S, D, dtype=torch.bfloat16), None), (auto, cuda_bf16, None)):
+    for module, q, m in (
+        (flash, cuda_bf16, None),
+        (flash, cuda_bf16, mask),
+        (flash, cuda_fp32, None),
+        (flash, torch.zeros(B, HEADS, S, D, dtype=torch.bfloat16), None),
+        (auto, cuda_bf16, None),
+    ):
         with module._sdpa_kernel(q, m):
             pass
     assert pinned == [[torch.nn.attention.SDPBackend.FLASH_ATTENTION]]  # only the first: CUDA, bf16, no mask
@@ -81,8 +92,9 @@ def test_flash_gqa_on_cuda_matches_math():
     got = _attention("flash").cuda()(q, k, v, None)  # runs pinned to flash (raises if flash cannot)
     repeat = HEADS // GROUPS
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
-        expected = _attention().cuda()(q.float(), k.float().repeat_interleave(repeat, 2),
-                                        v.float().repeat_interleave(repeat, 2), None)
+        expected = _attention().cuda()(
+            q.float(), k.float().repeat_interleave(repeat, 2), v.float().repeat_interleave(repeat, 2), None
+        )
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
@@ -115,9 +127,13 @@ def test_flash_backend_names_why_flash_cannot_run(monkeypatch):
     def enter(q, m):
         with flash._sdpa_kernel(q, m):
             pass
+
     assert _flash_warnings(lambda: enter(bf16, None)) == []
-    for q, m, why in ((bf16, mask, "explicit attention mask"), (fp32, None, "dtype float32"),
-                      (wide, None, "head dim 264")):
+    for q, m, why in (
+        (bf16, mask, "explicit attention mask"),
+        (fp32, None, "dtype float32"),
+        (wide, None, "head dim 264"),
+    ):
         got = _flash_warnings(lambda: [enter(q, m), enter(q, m)])
         assert len(got) == 1 and why in got[0] and "--attention-backend flash" in got[0], (why, got)
     got = _flash_warnings(lambda: _attention("flash", apply_query_key_layer_scaling=True))

@@ -26,8 +26,8 @@ def test_rank_holds_chunks_r_and_mirror(cp):
     for r, piece in enumerate(pieces):
         assert torch.equal(piece, torch.cat([chunks[r], chunks[2 * cp - 1 - r]]))
     # Every rank's slices in chunk order give back the sequence.
-    by_chunk = {r: p[:seq // (2 * cp)] for r, p in enumerate(pieces)}
-    by_chunk.update({2 * cp - 1 - r: p[seq // (2 * cp):] for r, p in enumerate(pieces)})
+    by_chunk = {r: p[: seq // (2 * cp)] for r, p in enumerate(pieces)}
+    by_chunk.update({2 * cp - 1 - r: p[seq // (2 * cp) :] for r, p in enumerate(pieces)})
     assert torch.equal(torch.cat([by_chunk[c] for c in range(2 * cp)]), torch.arange(seq))
     assert torch.equal(torch.cat(pieces)[gathered_order(seq // cp, cp)], torch.arange(seq))
 
@@ -38,8 +38,15 @@ def test_sequence_not_divisible_by_two_cp_is_refused():
 
 
 def _attention(cp_group, window, backend):
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               attention_dropout=0.0, window_size=window, attention_backend=backend)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        attention_dropout=0.0,
+        window_size=window,
+        attention_backend=backend,
+    )
     return DotProductAttention(config, 1, cp_group=cp_group)
 
 
@@ -59,8 +66,13 @@ def _compare_attention(rank, world_size):
     upstream = torch.randn(s, b, 4 * d, generator=g)
     mask = _document_mask(b, s)
     positions = cp_chunk_positions(s, world_size, groups.rank_in("cp"))  # [s/cp]
-    for window, backend, use_mask in ((None, "auto", False), ((3, 0), "auto", False), ((2, 1), "unfused", False),
-                                      (None, "unfused", True), ((4, 0), "auto", True)):
+    for window, backend, use_mask in (
+        (None, "auto", False),
+        ((3, 0), "auto", False),
+        ((2, 1), "unfused", False),
+        (None, "unfused", True),
+        ((4, 0), "auto", True),
+    ):
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = _attention(None, window, backend)(*full, mask if use_mask else None)  # [s, b, 4d]
         ref.backward(upstream)
@@ -71,8 +83,9 @@ def _compare_attention(rank, world_size):
         what = f"cp={world_size} window={window} {backend} mask={use_mask}"
         torch.testing.assert_close(out, ref[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} out: {m}")
         for name, mine, whole in zip("qkv", local, full):
-            torch.testing.assert_close(mine.grad, whole.grad[positions], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{what} grad {name}: {m}")
+            torch.testing.assert_close(
+                mine.grad, whole.grad[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -83,8 +96,12 @@ def test_attention_with_gathered_kv_equals_full_attention(world_size):
 def _slice_batch(rank, world_size):
     groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
     s = 8
-    batch = {"tokens": torch.arange(2 * s).view(2, s), "loss_mask": torch.ones(2, s), "position_ids": None,
-             "attention_mask": torch.arange(2 * s * s).view(2, 1, s, s)}
+    batch = {
+        "tokens": torch.arange(2 * s).view(2, s),
+        "loss_mask": torch.ones(2, s),
+        "position_ids": None,
+        "attention_mask": torch.arange(2 * s * s).view(2, 1, s, s),
+    }
     out = get_batch_on_this_cp_rank(batch, groups.cp)
     chunks = [(0, 1, 6, 7), (2, 3, 4, 5)][rank]
     assert out["tokens"].tolist() == [[row * s + c for c in chunks] for row in range(2)]

@@ -29,9 +29,21 @@ E, K, H, FFN = 4, 2, 32, 48
 
 
 def _config(**kw):
-    base = dict(num_layers=2, hidden_size=H, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=E,
-                moe_router_topk=K, moe_ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu,
-                add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
+    base = dict(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -46,7 +58,7 @@ def _expert_ref(x, expert, config):
     b2 = expert.linear_fc2.bias if expert.linear_fc2.bias is not None else 0.0
     a = w1 @ x + b1
     if config.gated_linear_unit:
-        gate, up = a[:config.moe_ffn_hidden_size], a[config.moe_ffn_hidden_size:]
+        gate, up = a[: config.moe_ffn_hidden_size], a[config.moe_ffn_hidden_size :]
         a = config.activation_func(gate) * up
     else:
         a = config.activation_func(a)
@@ -57,7 +69,7 @@ def _routing_ref(logits_t, config):
     """(chosen experts, their weights) of one token from its logits [E]."""
     probs = torch.exp(logits_t - logits_t.max())
     probs = probs / probs.sum()
-    chosen = sorted(range(E), key=lambda e: -float(probs[e]))[:config.moe_router_topk]
+    chosen = sorted(range(E), key=lambda e: -float(probs[e]))[: config.moe_router_topk]
     if config.moe_router_pre_softmax:
         weights = [probs[e] for e in chosen]
     else:
@@ -73,8 +85,9 @@ def _moe_ref(layer, x):
     rows = []
     for t in range(flat.shape[0]):
         chosen, weights = _routing_ref(layer.router.weight @ flat[t], config)
-        rows.append(sum(w * _expert_ref(flat[t], layer.experts.local_experts[e], config)
-                        for e, w in zip(chosen, weights)))
+        rows.append(
+            sum(w * _expert_ref(flat[t], layer.experts.local_experts[e], config) for e, w in zip(chosen, weights))
+        )
     return torch.stack(rows).view_as(x)
 
 
@@ -95,7 +108,7 @@ def _aux_ref(layer, x, coeff):
 def _z_ref(logits, coeff):
     m = logits.max(dim=1, keepdim=True).values
     lse = m.squeeze(1) + torch.log(torch.exp(logits - m).sum(dim=1))
-    return coeff * (lse ** 2).mean()
+    return coeff * (lse**2).mean()
 
 
 # ----------------------------------------------------------------------------------
@@ -115,9 +128,16 @@ def _layer_body(rank, world_size):
     MoEAuxLossAutoScaler.set_loss_scale(1.0)
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(8, 2, H, generator=g), torch.randn(8, 2, H, generator=g)
-    variants = {"swiglu": {}, "gelu_bias_pre_softmax": dict(gated_linear_unit=False, activation_func=F.gelu,
-                                                            add_bias_linear=True, moe_router_pre_softmax=True,
-                                                            moe_router_topk_scaling_factor=2.5)}
+    variants = {
+        "swiglu": {},
+        "gelu_bias_pre_softmax": dict(
+            gated_linear_unit=False,
+            activation_func=F.gelu,
+            add_bias_linear=True,
+            moe_router_pre_softmax=True,
+            moe_router_topk_scaling_factor=2.5,
+        ),
+    }
     for name, kw in variants.items():
         torch.manual_seed(1)
         layer = MoELayer(_config(**kw), pg_collection=groups)
@@ -136,8 +156,9 @@ def _layer_body(rank, world_size):
         torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} output: {m}")
         torch.testing.assert_close(dx, ref_dx, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} input grad: {m}")
         for pname, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[pname], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{name} grad {pname}: {m}")
+            torch.testing.assert_close(
+                grad, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} grad {pname}: {m}"
+            )
     return (out - ref_out).abs().max().item()
 
 
@@ -206,16 +227,19 @@ def test_topk_softmax_variants_sum_and_select():
     assert pre[0, 2:].abs().sum() == 0
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(moe_router_topk=5), "moe_router_topk=5 must be <= num_moe_experts=4"),
-    (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
-    (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type='flex'"),
-    (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq=[1, 0, 1]"),
-    (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff=-1.0"),
-    (dict(expert_model_parallel_size=3), "num_moe_experts=4 must be divisible by expert_model_parallel_size=3"),
-    (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2"),
-    (dict(moe_ffn_hidden_size=0), "moe_ffn_hidden_size=0"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(moe_router_topk=5), "moe_router_topk=5 must be <= num_moe_experts=4"),
+        (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
+        (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type='flex'"),
+        (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq=[1, 0, 1]"),
+        (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff=-1.0"),
+        (dict(expert_model_parallel_size=3), "num_moe_experts=4 must be divisible by expert_model_parallel_size=3"),
+        (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2"),
+        (dict(moe_ffn_hidden_size=0), "moe_ffn_hidden_size=0"),
+    ],
+)
 def test_config_refuses_bad_moe_settings(kw, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         _config(**kw)
@@ -248,21 +272,22 @@ def _tp_body(rank, world_size):
     ref_groups = single_rank_groups()
     MoEAuxLossAutoScaler.set_loss_scale(1.0)
     tokens, labels = batch()
-    styles = {"llama": llama_style(moe_layer_freq=[1, 0], **MOE),
-              "gpt2_bias": gpt2_style(ffn_hidden_size=64, **MOE)}
+    styles = {"llama": llama_style(moe_layer_freq=[1, 0], **MOE), "gpt2_bias": gpt2_style(ffn_hidden_size=64, **MOE)}
     worst = 0.0
     for name, kw in styles.items():
         ref_loss, ref_grads = _loss_and_grads(build_gpt(kw, ref_groups), tokens, labels, ref_groups.tp)
         for sp in (False, True):
-            loss, grads = _loss_and_grads(build_gpt(dict(kw, sequence_parallel=sp), tp_groups), tokens, labels,
-                                          tp_groups.tp)
+            loss, grads = _loss_and_grads(
+                build_gpt(dict(kw, sequence_parallel=sp), tp_groups), tokens, labels, tp_groups.tp
+            )
             where = f"{name} tp={world_size} sp={sp}"
             assert set(grads) == set(ref_grads) and any(".mlp.router." in n for n in grads), where
             torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
             for pname, ref in ref_grads.items():
                 worst = max(worst, (grads[pname] - ref).abs().max().item())
-                torch.testing.assert_close(grads[pname], ref, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"{where} grad {pname}: {m}")
+                torch.testing.assert_close(
+                    grads[pname], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {pname}: {m}"
+                )
     return worst
 
 
@@ -283,14 +308,22 @@ def test_gpt_moe_pp2_with_aux_loss_equals_single_rank():
 def test_moe_flops_count_topk_experts_per_token():
     from megatron.training.training_log import FlopsConfig, num_floating_point_operations
 
-    dense = FlopsConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
-                        padded_vocab_size=512, swiglu=True)
+    dense = FlopsConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        seq_length=32,
+        padded_vocab_size=512,
+        swiglu=True,
+    )
     one_expert = dataclasses.replace(dense, num_moe_layers=4, moe_ffn_hidden_size=256, moe_router_topk=1)
     assert num_floating_point_operations(one_expert, 8) == num_floating_point_operations(dense, 8)
     two_moe = dataclasses.replace(dense, num_moe_layers=2, moe_ffn_hidden_size=128, moe_router_topk=4)
     extra_per_token = 2 * 4 * 64 * (4 * 128 - 256) * 1.5  # two layers: 4h * (k*f_moe - f) * 3/2
-    assert num_floating_point_operations(two_moe, 8) - num_floating_point_operations(dense, 8) == \
-        pytest.approx(3 * 8 * 32 * extra_per_token)
+    assert num_floating_point_operations(two_moe, 8) - num_floating_point_operations(dense, 8) == pytest.approx(
+        3 * 8 * 32 * extra_per_token
+    )
 
 
 def _recompute_body(rank, world_size):

@@ -45,8 +45,14 @@ def test_sort_by_expert_equals_nonzero_per_expert(dtype):
 def test_experts_forward_without_nonzero_equals_the_per_expert_loop():
     with fake_world(1):
         groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
-        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
-                                   moe_ffn_hidden_size=16, use_cpu_initialization=True)
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=H,
+            num_attention_heads=2,
+            num_moe_experts=E,
+            moe_ffn_hidden_size=16,
+            use_cpu_initialization=True,
+        )
         torch.manual_seed(0)
         experts = SequentialMLP(E, config, pg_collection=groups)
         device = next(experts.parameters()).device  # the GPU where there is one

@@ -32,20 +32,29 @@ WITH_AUX = dict(Z_ONLY, moe_aux_loss_coeff=1e-2)
 
 
 def _kwargs(moe: Dict, **extra) -> Dict:
-    return llama_style(hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                       moe_layer_freq=[1, 0], **moe, **extra)
+    return llama_style(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        moe_layer_freq=[1, 0],
+        **moe,
+        **extra,
+    )
 
 
 def _groups(tp: int, ep: int) -> ProcessGroupCollection:
-    return build_process_groups(ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp,
-                                               expert_model_parallel_size=ep))
+    return build_process_groups(
+        ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    )
 
 
 def global_name(name: str, groups: ProcessGroupCollection) -> str:
     """``local_experts.{i}`` -> ``local_experts.{global index}`` for this rank's EP position."""
     per_rank = E // groups.size_of("ep")
-    return re.sub(r"local_experts\.(\d+)\.",
-                  lambda m: f"local_experts.{groups.rank_in('ep') * per_rank + int(m.group(1))}.", name)
+    return re.sub(
+        r"local_experts\.(\d+)\.", lambda m: f"local_experts.{groups.rank_in('ep') * per_rank + int(m.group(1))}.", name
+    )
 
 
 def _one_step(kwargs: Dict, groups: ProcessGroupCollection, global_batch: int):
@@ -73,8 +82,9 @@ def _compare(where: str, got, ref) -> float:
     worst = (loss - ref_loss).abs().item()
     for name, grad in grads.items():
         worst = max(worst, (grad - ref_grads[name]).abs().max().item())
-        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{where} grad {name}: {m}")
+        torch.testing.assert_close(
+            grad, ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {name}: {m}"
+        )
     return worst
 
 
@@ -109,8 +119,7 @@ DIST = dict(use_distributed_optimizer=True)
 VARIANTS = {
     "plain": ({}, {}),
     "overlap_nan_check": (dict(overlap_grad_reduce=True, bucket_size=2000, check_for_nan_in_grad=True), {}),
-    "distopt_overlap": (dict(DIST, overlap_grad_reduce=True, bucket_size=2000),
-                        dict(DIST, overlap_param_gather=True)),
+    "distopt_overlap": (dict(DIST, overlap_grad_reduce=True, bucket_size=2000), dict(DIST, overlap_param_gather=True)),
 }
 
 
@@ -127,8 +136,12 @@ def _training_body(rank, world_size, tp):
         losses, norms, weights, _, _ = dpt.parallel_run(groups, kwargs, ddp_kw, opt_kw)
         weights = {global_name(n, groups): w for n, w in weights.items()}
         # Expert weights were gathered over TP with the dense TP group: expert-TP has the same ranks.
-        dpt.assert_matches(f"tp={tp} ep=2 {name}", (losses, norms, weights),
-                           (ref_losses, ref_norms, {n: ref_weights[n] for n in weights}), WEIGHT_RTOL)
+        dpt.assert_matches(
+            f"tp={tp} ep=2 {name}",
+            (losses, norms, weights),
+            (ref_losses, ref_norms, {n: ref_weights[n] for n in weights}),
+            WEIGHT_RTOL,
+        )
         worst = max([worst] + [dpt.relative_error(w, ref_weights[n]) for n, w in weights.items()])
     return worst
 
@@ -136,4 +149,3 @@ def _training_body(rank, world_size, tp):
 @pytest.mark.parametrize("world_size,tp", [(2, 1), (4, 1), (4, 2)])  # (4, 1): expert-DP = 2
 def test_ep2_training_with_clipping_equals_single_rank(world_size, tp):
     assert max(run_distributed(_training_body, world_size, tp)) <= WEIGHT_RTOL
-

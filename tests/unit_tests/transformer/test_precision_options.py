@@ -38,8 +38,14 @@ def _body(rank, world_size):
     torch.testing.assert_close(scaled, plain, rtol=1e-5, atol=1e-5)
 
     for fp32_softmax in (True, False):
-        model = build_gpt(gpt2_style(), groups, bf16=True, params_dtype=torch.bfloat16, attention_backend="unfused",
-                          attention_softmax_in_fp32=fp32_softmax)
+        model = build_gpt(
+            gpt2_style(),
+            groups,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            attention_backend="unfused",
+            attention_softmax_in_fp32=fp32_softmax,
+        )
         out[f"softmax_fp32={fp32_softmax}"] = _loss(model, tokens, labels)
     return reference, out
 

@@ -14,21 +14,29 @@ def _cfg(**kw):
     return TransformerConfig(**base)
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(num_attention_heads=6, tensor_model_parallel_size=4),
-     ["num_attention_heads=6", "tensor_model_parallel_size=4"]),
-    (dict(num_query_groups=2, tensor_model_parallel_size=4), ["num_query_groups=2", "tensor_model_parallel_size=4"]),
-    (dict(hidden_size=60, num_attention_heads=8), ["hidden_size=60", "num_attention_heads=8"]),
-    (dict(num_query_groups=3), ["num_attention_heads=8", "num_query_groups=3"]),
-    (dict(normalization="BatchNorm"), ["normalization='BatchNorm'"]),
-    (dict(hidden_dropout=1.5), ["hidden_dropout=1.5"]),
-    (dict(fp16=True, bf16=True), ["fp16", "bf16"]),
-    (dict(num_layers=0), ["num_layers=0"]),
-    (dict(recompute_granularity="full"), ["recompute_method=None"]),
-    (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), ["ffn_hidden_size=30"]),
-    (dict(window_size=(4,)), ["window_size=(4,)", "--window-size"]),
-    (dict(window_size=(4, -2)), ["window_size=(4, -2)"]),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (
+            dict(num_attention_heads=6, tensor_model_parallel_size=4),
+            ["num_attention_heads=6", "tensor_model_parallel_size=4"],
+        ),
+        (
+            dict(num_query_groups=2, tensor_model_parallel_size=4),
+            ["num_query_groups=2", "tensor_model_parallel_size=4"],
+        ),
+        (dict(hidden_size=60, num_attention_heads=8), ["hidden_size=60", "num_attention_heads=8"]),
+        (dict(num_query_groups=3), ["num_attention_heads=8", "num_query_groups=3"]),
+        (dict(normalization="BatchNorm"), ["normalization='BatchNorm'"]),
+        (dict(hidden_dropout=1.5), ["hidden_dropout=1.5"]),
+        (dict(fp16=True, bf16=True), ["fp16", "bf16"]),
+        (dict(num_layers=0), ["num_layers=0"]),
+        (dict(recompute_granularity="full"), ["recompute_method=None"]),
+        (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), ["ffn_hidden_size=30"]),
+        (dict(window_size=(4,)), ["window_size=(4,)", "--window-size"]),
+        (dict(window_size=(4, -2)), ["window_size=(4, -2)"]),
+    ],
+)
 def test_invalid_settings_name_the_field(kw, words):
     with pytest.raises(ValueError) as info:
         _cfg(**kw)
@@ -54,10 +62,17 @@ def _flatten_in_model_order(layout):
     return [n for chunk in range(vp) for rank in range(len(layout)) for n in layout[rank][chunk]]
 
 
-@pytest.mark.parametrize("layers, pp, vp, first, last", [
-    (8, 1, None, None, None), (8, 2, None, None, None), (8, 4, 2, None, None), (10, 4, None, 1, 3),
-    (12, 2, 3, None, None), (7, 3, None, 3, None),
-])
+@pytest.mark.parametrize(
+    "layers, pp, vp, first, last",
+    [
+        (8, 1, None, None, None),
+        (8, 2, None, None, None),
+        (8, 4, 2, None, None),
+        (10, 4, None, 1, 3),
+        (12, 2, 3, None, None),
+        (7, 3, None, 3, None),
+    ],
+)
 def test_layer_layout_covers_every_layer_once_in_order(layers, pp, vp, first, last):
     layout = pipeline_layer_assignment(layers, pp, vp, first, last)
     assert _flatten_in_model_order(layout) == list(range(1, layers + 1))
@@ -67,10 +82,14 @@ def test_layer_layout_covers_every_layer_once_in_order(layers, pp, vp, first, la
         assert sum(len(c) for c in layout[-1]) == last
 
 
-@pytest.mark.parametrize("layers, pp, vp, first, last, word", [
-    (7, 2, None, None, None, "num_layers=7"), (8, 2, 3, None, None, "virtual pipeline"),
-    (10, 4, None, 1, 2, "num_layers_in_first_pipeline_stage=1"),
-])
+@pytest.mark.parametrize(
+    "layers, pp, vp, first, last, word",
+    [
+        (7, 2, None, None, None, "num_layers=7"),
+        (8, 2, 3, None, None, "virtual pipeline"),
+        (10, 4, None, 1, 2, "num_layers_in_first_pipeline_stage=1"),
+    ],
+)
 def test_impossible_layer_layouts_fail_clearly(layers, pp, vp, first, last, word):
     with pytest.raises(ValueError, match=word):
         pipeline_layer_assignment(layers, pp, vp, first, last)

@@ -19,8 +19,9 @@ def _norm(config, hidden_size, eps):
     return build_norm(config, hidden_size, eps)
 
 
-def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
-                             qk_layernorm: bool = False, **unused: object) -> ModuleSpec:
+def get_gpt_layer_local_spec(
+    num_experts: Optional[int] = None, moe_grouped_gemm: bool = False, qk_layernorm: bool = False, **unused: object
+) -> ModuleSpec:
     """Pure-PyTorch decoder layer; with ``num_experts`` its MLP is a ``MoELayer``.
 
     ``qk_layernorm`` is read from the config; ``moe_grouped_gemm`` only picks a GPU kernel
@@ -38,12 +39,14 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
     )
 
 
-def get_gpt_decoder_block_spec(config: TransformerConfig, use_transformer_engine: bool = False,
-                               **unused: object) -> TransformerBlockSubmodules:
+def get_gpt_decoder_block_spec(
+    config: TransformerConfig, use_transformer_engine: bool = False, **unused: object
+) -> TransformerBlockSubmodules:
     """One layer spec per layer: MoE where ``config.moe_layer_freq`` says so, dense elsewhere."""
     dense, moe = get_gpt_layer_local_spec(), get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
     return TransformerBlockSubmodules(
-        layer_specs=[moe if config.is_moe_layer(n) else dense for n in range(1, config.num_layers + 1)])
+        layer_specs=[moe if config.is_moe_layer(n) else dense for n in range(1, config.num_layers + 1)]
+    )
 
 
 def get_gpt_layer_with_transformer_engine_spec(*args: object, **kwargs: object) -> ModuleSpec:

@@ -12,8 +12,12 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
-from megatron.core.tensor_parallel import (ColumnParallelLinear, gather_from_tensor_model_parallel_region,
-                                           initialization_rng, vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    initialization_rng,
+    vocab_parallel_cross_entropy,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -57,16 +61,27 @@ class GPTModel(MegatronModule):
     ``position_ids`` the learned position embedding uses those global positions.
     """
 
-    def __init__(self, config: Optional[TransformerConfig] = None,
-                 transformer_layer_spec: Optional[Union[ModuleSpec, TransformerBlockSubmodules]] = None,
-                 vocab_size: Optional[int] = None, max_sequence_length: Optional[int] = None,
-                 pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
-                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
-                 position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, seq_len_interpolation_factor: Optional[float] = None,
-                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
-                 pg_collection: Optional[ProcessGroupCollection] = None, vp_stage: Optional[int] = None,
-                 **config_fields: Any) -> None:
+    def __init__(
+        self,
+        config: Optional[TransformerConfig] = None,
+        transformer_layer_spec: Optional[Union[ModuleSpec, TransformerBlockSubmodules]] = None,
+        vocab_size: Optional[int] = None,
+        max_sequence_length: Optional[int] = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        seq_len_interpolation_factor: Optional[float] = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        vp_stage: Optional[int] = None,
+        **config_fields: Any,
+    ) -> None:
         config = _config_from_keywords(config, config_fields)
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
@@ -83,22 +98,41 @@ class GPTModel(MegatronModule):
 
         if pre_process:
             with initialization_rng(config.initialization_seed, "embedding"):
-                self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
-                                                        position_embedding_type, pg_collection=groups)
+                self.embedding = LanguageModelEmbedding(
+                    config, self.vocab_size, self.max_sequence_length, position_embedding_type, pg_collection=groups
+                )
         self.rotary_pos_emb = None
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent, config.rotary_interleaved,
-                                                  seq_len_interpolation_factor, rotary_base,
-                                                  rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor)
-        self.decoder = TransformerBlock(config, transformer_layer_spec or get_gpt_decoder_block_spec(config),
-                                        pre_process=pre_process, post_process=post_process,
-                                        pg_collection=groups, vp_stage=vp_stage)
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels,
+                rotary_percent,
+                config.rotary_interleaved,
+                seq_len_interpolation_factor,
+                rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
+            )
+        self.decoder = TransformerBlock(
+            config,
+            transformer_layer_spec or get_gpt_decoder_block_spec(config),
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=groups,
+            vp_stage=vp_stage,
+        )
         if post_process:
             tied = share_embeddings_and_output_weights and pre_process
             with initialization_rng(config.initialization_seed, "output_layer"):
                 self.output_layer = ColumnParallelLinear(
-                    config.hidden_size, self.vocab_size, config=config, init_method=config.init_method, bias=False,
-                    gather_output=False, skip_weight_param_allocation=tied, tp_group=groups.tp)
+                    config.hidden_size,
+                    self.vocab_size,
+                    config=config,
+                    init_method=config.init_method,
+                    bias=False,
+                    gather_output=False,
+                    skip_weight_param_allocation=tied,
+                    tp_group=groups.tp,
+                )
             if tied:
                 # With gradient_accumulation_fusion the output layer hands autograd a dummy weight
                 # gradient that is summed with the embedding's: it must be zeros (DDP adds the sum).
@@ -121,9 +155,15 @@ class GPTModel(MegatronModule):
             return self.output_layer.weight
         return None
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, **unused: Any) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        decoder_input: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        **unused: Any,
+    ) -> torch.Tensor:
         if decoder_input is None and self.pre_process:
             if position_ids is None and self.cp_size > 1:
                 position_ids = self._cp_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
@@ -160,6 +200,7 @@ class GPTModel(MegatronModule):
         logits block by block), so ``fp16_lm_cross_entropy`` changes no number, and an fp32 copy of
         the whole ``[s, b, vocab/tp]`` tensor would only cost time and memory.
         """
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
-                                            tp_group=self.pg_collection.tp)  # [s, b]
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp
+        )  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]

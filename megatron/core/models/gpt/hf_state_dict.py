@@ -22,8 +22,11 @@ def split_qkv(qkv: torch.Tensor, config: TransformerConfig) -> Tuple[torch.Tenso
     per_group = config.num_attention_heads // groups
     grouped = qkv.reshape(groups, per_group + 2, d, *qkv.shape[1:])
     q = grouped[:, :per_group].reshape(groups * per_group * d, *qkv.shape[1:])
-    return q, grouped[:, per_group].reshape(groups * d, *qkv.shape[1:]), grouped[:, per_group + 1].reshape(
-        groups * d, *qkv.shape[1:])
+    return (
+        q,
+        grouped[:, per_group].reshape(groups * d, *qkv.shape[1:]),
+        grouped[:, per_group + 1].reshape(groups * d, *qkv.shape[1:]),
+    )
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
@@ -37,18 +40,25 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Transfor
 
 def _layer_map_gpt2(i: int) -> Dict[str, str]:
     ours, hf = f"decoder.layers.{i}.", f"transformer.h.{i}."
-    return {ours + "input_layernorm.weight": hf + "ln_1.weight", ours + "input_layernorm.bias": hf + "ln_1.bias",
-            ours + "pre_mlp_layernorm.weight": hf + "ln_2.weight", ours + "pre_mlp_layernorm.bias": hf + "ln_2.bias",
-            ours + "self_attention.linear_proj.bias": hf + "attn.c_proj.bias",
-            ours + "mlp.linear_fc1.bias": hf + "mlp.c_fc.bias", ours + "mlp.linear_fc2.bias": hf + "mlp.c_proj.bias"}
+    return {
+        ours + "input_layernorm.weight": hf + "ln_1.weight",
+        ours + "input_layernorm.bias": hf + "ln_1.bias",
+        ours + "pre_mlp_layernorm.weight": hf + "ln_2.weight",
+        ours + "pre_mlp_layernorm.bias": hf + "ln_2.bias",
+        ours + "self_attention.linear_proj.bias": hf + "attn.c_proj.bias",
+        ours + "mlp.linear_fc1.bias": hf + "mlp.c_fc.bias",
+        ours + "mlp.linear_fc2.bias": hf + "mlp.c_proj.bias",
+    }
 
 
 def to_hf_gpt2(sd: StateDict, config: TransformerConfig) -> StateDict:
     """Our GPT-2-style state dict -> ``transformers.GPT2LMHeadModel`` names (Conv1D weights are ``[in, out]``)."""
-    out = {"transformer.wte.weight": sd["embedding.word_embeddings.weight"],
-           "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
-           "transformer.ln_f.weight": sd["decoder.final_layernorm.weight"],
-           "transformer.ln_f.bias": sd["decoder.final_layernorm.bias"]}
+    out = {
+        "transformer.wte.weight": sd["embedding.word_embeddings.weight"],
+        "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
+        "transformer.ln_f.weight": sd["decoder.final_layernorm.weight"],
+        "transformer.ln_f.bias": sd["decoder.final_layernorm.bias"],
+    }
     out["lm_head.weight"] = sd.get("output_layer.weight", out["transformer.wte.weight"])
     for i in range(config.num_layers):
         ours, hf = f"decoder.layers.{i}.", f"transformer.h.{i}."
@@ -70,7 +80,9 @@ def _llama_layer_to_hf(sd: StateDict, config: TransformerConfig, i: int) -> Stat
     return {
         hf + "input_layernorm.weight": sd[ours + "input_layernorm.weight"],
         hf + "post_attention_layernorm.weight": sd[ours + "pre_mlp_layernorm.weight"],
-        hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
+        hf + "self_attn.q_proj.weight": q,
+        hf + "self_attn.k_proj.weight": k,
+        hf + "self_attn.v_proj.weight": v,
         hf + "self_attn.o_proj.weight": sd[ours + "self_attention.linear_proj.weight"],
     }
 
@@ -82,23 +94,30 @@ def _llama_layer_from_hf(hf: StateDict, config: TransformerConfig, i: int) -> St
         ours + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
         ours + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
         ours + "self_attention.linear_qkv.weight": fuse_qkv(
-            hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
-            hf[h + "self_attn.v_proj.weight"], config),
+            hf[h + "self_attn.q_proj.weight"],
+            hf[h + "self_attn.k_proj.weight"],
+            hf[h + "self_attn.v_proj.weight"],
+            config,
+        ),
         ours + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
     }
 
 
 def _llama_outer_to_hf(sd: StateDict) -> StateDict:
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
-           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    out = {
+        "model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
+        "model.norm.weight": sd["decoder.final_layernorm.weight"],
+    }
     out["lm_head.weight"] = sd.get("output_layer.weight", out["model.embed_tokens.weight"])
     return out
 
 
 def _llama_outer_from_hf(hf: StateDict) -> StateDict:
-    return {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-            "decoder.final_layernorm.weight": hf["model.norm.weight"],
-            "output_layer.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+    return {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "output_layer.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"]),
+    }
 
 
 def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
@@ -109,8 +128,13 @@ def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
         ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
         fc1 = sd[ours + "mlp.linear_fc1.weight"]
         out.update(_llama_layer_to_hf(sd, config, i))
-        out.update({hf + "mlp.gate_proj.weight": fc1[:ffn], hf + "mlp.up_proj.weight": fc1[ffn:],
-                    hf + "mlp.down_proj.weight": sd[ours + "mlp.linear_fc2.weight"]})
+        out.update(
+            {
+                hf + "mlp.gate_proj.weight": fc1[:ffn],
+                hf + "mlp.up_proj.weight": fc1[ffn:],
+                hf + "mlp.down_proj.weight": sd[ours + "mlp.linear_fc2.weight"],
+            }
+        )
     return out
 
 
@@ -120,17 +144,23 @@ def from_hf_llama(hf: StateDict, config: TransformerConfig) -> StateDict:
     for i in range(config.num_layers):
         ours, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out.update(_llama_layer_from_hf(hf, config, i))
-        out.update({
-            ours + "mlp.linear_fc1.weight": torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]),
-            ours + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
-        })
+        out.update(
+            {
+                ours + "mlp.linear_fc1.weight": torch.cat(
+                    [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
+                ),
+                ours + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
+            }
+        )
     return out
 
 
 def _check_mixtral(config: TransformerConfig) -> None:
     if not config.num_moe_experts or not all(config.is_moe_layer(n) for n in range(1, config.num_layers + 1)):
-        raise ValueError(f"Mixtral needs every layer to be MoE: num_moe_experts={config.num_moe_experts}, "
-                         f"moe_layer_freq={config.moe_layer_freq!r}")
+        raise ValueError(
+            f"Mixtral needs every layer to be MoE: num_moe_experts={config.num_moe_experts}, "
+            f"moe_layer_freq={config.moe_layer_freq!r}"
+        )
 
 
 def to_hf_mixtral(sd: StateDict, config: TransformerConfig) -> StateDict:
@@ -148,7 +178,8 @@ def to_hf_mixtral(sd: StateDict, config: TransformerConfig) -> StateDict:
         out[hf + "gate.weight"] = sd[ours + "router.weight"]
         for ours_name, hf_name in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
             out[hf + "experts." + hf_name] = torch.stack(
-                [sd[f"{ours}experts.local_experts.{j}.{ours_name}.weight"] for j in experts])
+                [sd[f"{ours}experts.local_experts.{j}.{ours_name}.weight"] for j in experts]
+            )
     return out
 
 
@@ -181,10 +212,12 @@ def from_hf_mixtral(hf: StateDict, config: TransformerConfig) -> StateDict:
 
 def from_hf_gpt2(hf: StateDict, config: TransformerConfig) -> StateDict:
     """``transformers.GPT2LMHeadModel`` state dict -> our names (TP=1, tied embeddings: no output layer)."""
-    out = {"embedding.word_embeddings.weight": hf["transformer.wte.weight"],
-           "embedding.position_embeddings.weight": hf["transformer.wpe.weight"],
-           "decoder.final_layernorm.weight": hf["transformer.ln_f.weight"],
-           "decoder.final_layernorm.bias": hf["transformer.ln_f.bias"]}
+    out = {
+        "embedding.word_embeddings.weight": hf["transformer.wte.weight"],
+        "embedding.position_embeddings.weight": hf["transformer.wpe.weight"],
+        "decoder.final_layernorm.weight": hf["transformer.ln_f.weight"],
+        "decoder.final_layernorm.bias": hf["transformer.ln_f.bias"],
+    }
     hidden = config.hidden_size
     for i in range(config.num_layers):
         ours, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
@@ -192,7 +225,7 @@ def from_hf_gpt2(hf: StateDict, config: TransformerConfig) -> StateDict:
         for kind in ("weight", "bias"):
             fused = hf[h + f"attn.c_attn.{kind}"]
             fused = fused.t() if kind == "weight" else fused  # Conv1D [in, 3h] -> [3h, in]
-            q, k, v = fused[:hidden], fused[hidden:2 * hidden], fused[2 * hidden:]
+            q, k, v = fused[:hidden], fused[hidden : 2 * hidden], fused[2 * hidden :]
             out[ours + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, config).contiguous()
         out[ours + "self_attention.linear_proj.weight"] = hf[h + "attn.c_proj.weight"].t().contiguous()
         out[ours + "mlp.linear_fc1.weight"] = hf[h + "mlp.c_fc.weight"].t().contiguous()

@@ -2,8 +2,15 @@
 
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_aux_loss_tracker, aux_loss_pairs
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 
-__all__ = ["MoEAuxLossAutoScaler", "MoELayer", "MoESubmodules", "SequentialMLP", "TopKRouter",
-           "get_aux_loss_tracker", "aux_loss_pairs"]
+__all__ = [
+    "MoEAuxLossAutoScaler",
+    "MoELayer",
+    "MoESubmodules",
+    "SequentialMLP",
+    "TopKRouter",
+    "get_aux_loss_tracker",
+    "aux_loss_pairs",
+]

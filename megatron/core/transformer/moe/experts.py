@@ -25,7 +25,7 @@ def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[List
     num_tokens = routing_map.shape[0]
     routed = routing_map.t().reshape(-1).bool()  # [E*T], expert-major
     counts = routed.view(-1, num_tokens).sum(dim=1).tolist()  # [E] the one host read
-    order = torch.argsort((~routed).to(torch.uint8), stable=True)[:sum(counts)]  # [sum n_e]
+    order = torch.argsort((~routed).to(torch.uint8), stable=True)[: sum(counts)]  # [sum n_e]
     token_ids = order % num_tokens  # [sum n_e]
     sorted_probs = probs.t().reshape(-1)[order]  # [sum n_e]
     return list(token_ids.split(counts)), list(sorted_probs.split(counts))
@@ -43,20 +43,31 @@ class SequentialMLP(MegatronModule):
     gradient (zeros) each step.
     """
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig,
-                 submodules: Union[ModuleSpec, type, None] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        submodules: Union[ModuleSpec, type, None] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
         self.tp_group = groups.expt_tp
         ep_size = groups.size_of("ep")
         first = groups.rank_in("ep") * num_local_experts
         built = num_local_experts * ep_size if config.use_cpu_initialization and ep_size > 1 else num_local_experts
-        experts = [build_module(submodules or MLP, config, pg_collection=groups,
-                                ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True)
-                   for _ in range(built)]
+        experts = [
+            build_module(
+                submodules or MLP,
+                config,
+                pg_collection=groups,
+                ffn_hidden_size=config.moe_ffn_hidden_size,
+                is_expert=True,
+            )
+            for _ in range(built)
+        ]
         if built > num_local_experts:
-            experts = experts[first:first + num_local_experts]
+            experts = experts[first : first + num_local_experts]
         self.local_experts = torch.nn.ModuleList(experts)
 
     def _bias_share(self, bias: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
-from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                           gather_from_sequence_parallel_region,
-                                           reduce_from_tensor_model_parallel_region,
-                                           reduce_scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -52,23 +54,28 @@ class MoELayer(MegatronModule):
     """``router`` (``mlp.router.weight``) and ``experts`` (``mlp.experts.local_experts.{i}...``, local index;
     checkpoints name experts by their global index)."""
 
-    def __init__(self, config: TransformerConfig, submodules: Optional[MoESubmodules] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None, layer_number: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: Optional[MoESubmodules] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        layer_number: Optional[int] = None,
+    ) -> None:
         super().__init__(config)
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs config.num_moe_experts")
         groups = resolve_process_groups(pg_collection)
         ep_size = groups.size_of("ep")
         if config.num_moe_experts % ep_size:
-            raise ValueError(f"num_moe_experts={config.num_moe_experts} must be divisible by "
-                             f"expert_model_parallel_size={ep_size}")
+            raise ValueError(
+                f"num_moe_experts={config.num_moe_experts} must be divisible by expert_model_parallel_size={ep_size}"
+            )
         self.tp_group, self.ep_group = groups.expt_tp, groups.ep
         self.sequence_parallel = config.sequence_parallel
         self.num_local_experts = config.num_moe_experts // ep_size
         self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
         self.router = TopKRouter(config, self.tp_group)
-        self.experts = SequentialMLP(self.num_local_experts, config, (submodules or MoESubmodules()).experts,
-                                     groups)
+        self.experts = SequentialMLP(self.num_local_experts, config, (submodules or MoESubmodules()).experts, groups)
         if layer_number is not None:
             self.set_layer_number(layer_number)
 
@@ -104,8 +111,9 @@ class MoELayer(MegatronModule):
         tokens = gather_from_sequence_parallel_region(tokens, True, self.ep_group)  # [ep*T, h]
         probs = gather_from_sequence_parallel_region(probs, True, self.ep_group)  # [ep*T, E]
         with torch.no_grad():
-            routing_map = gather_from_sequence_parallel_region(routing_map.to(torch.uint8), False,
-                                                               self.ep_group).bool()  # [ep*T, E]
+            routing_map = gather_from_sequence_parallel_region(
+                routing_map.to(torch.uint8), False, self.ep_group
+            ).bool()  # [ep*T, E]
         local = slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
         partial = self.experts(tokens, probs[:, local], routing_map[:, local])  # [ep*T, h]
         return reduce_scatter_to_sequence_parallel_region(partial, self.ep_group)  # [T, h]

@@ -23,8 +23,9 @@ LOAD_BALANCING_LOSS = "load_balancing_loss"
 Z_LOSS = "z_loss"
 
 
-def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
-                               coeff: float) -> torch.Tensor:
+def switch_load_balancing_loss(
+    probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int, coeff: float
+) -> torch.Tensor:
     """Switch-Transformer balance loss as Megatron defines it.
 
     ``coeff * E / (k * T^2) * sum_e (sum_t p[t, e]) * tokens_per_expert[e]``, with ``probs``
@@ -104,8 +105,9 @@ def tracked_aux_loss_names(config) -> List[str]:
     return names
 
 
-def aux_loss_pairs(config, groups: ProcessGroupCollection, num_microbatches: int,
-                   tracker: AuxLossTracker = _TRACKER) -> Dict[str, torch.Tensor]:
+def aux_loss_pairs(
+    config, groups: ProcessGroupCollection, num_microbatches: int, tracker: AuxLossTracker = _TRACKER
+) -> Dict[str, torch.Tensor]:
     """This iteration's aux losses as ``[sum, count]`` pairs; clears the tracker. Collective over PP.
 
     ``sum`` adds the coefficient-free values of every MoE layer (all pipeline stages) and

@@ -10,14 +10,20 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import (LOAD_BALANCING_LOSS, Z_LOSS, MoEAuxLossAutoScaler,
-                                                     get_aux_loss_tracker, router_z_loss,
-                                                     switch_load_balancing_loss)
+from megatron.core.transformer.moe.moe_utils import (
+    LOAD_BALANCING_LOSS,
+    Z_LOSS,
+    MoEAuxLossAutoScaler,
+    get_aux_loss_tracker,
+    router_z_loss,
+    switch_load_balancing_loss,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def topk_softmax(logits: torch.Tensor, topk: int, pre_softmax: bool,
-                 scaling_factor: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(
+    logits: torch.Tensor, topk: int, pre_softmax: bool, scaling_factor: Optional[float]
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Routing probabilities ``[T, E]`` (zero off the chosen experts) and the routing map ``[T, E]`` (bool).
 
     ``pre_softmax``: softmax over all experts, then keep the top k. Otherwise: top k of the
@@ -48,8 +54,9 @@ class TopKRouter(MegatronModule):
         super().__init__(config)
         self.tp_group = tp_group
         self.topk = config.moe_router_topk
-        self.weight = torch.nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size,
-                                                     dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(
+            torch.empty(config.num_moe_experts, config.hidden_size, dtype=config.params_dtype)
+        )
         if config.perform_initialization:
             with torch.no_grad():
                 config.init_method(self.weight)
@@ -64,14 +71,12 @@ class TopKRouter(MegatronModule):
         weight = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
         logits = F.linear(tokens, weight)  # [T, E]
         c = self.config
-        probs, routing_map = topk_softmax(logits, self.topk, c.moe_router_pre_softmax,
-                                          c.moe_router_topk_scaling_factor)
+        probs, routing_map = topk_softmax(logits, self.topk, c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor)
         if self.training and torch.is_grad_enabled():
             probs = self._attach_aux_losses(logits, probs, routing_map)
         return probs, routing_map
 
-    def _attach_aux_losses(self, logits: torch.Tensor, probs: torch.Tensor,
-                           routing_map: torch.Tensor) -> torch.Tensor:
+    def _attach_aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         c = self.config
         share = 1.0 if dist.get_rank(self.tp_group) == 0 else 0.0
         losses = []

@@ -9,8 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
-from megatron.core.tensor_parallel import (VocabParallelEmbedding, get_cuda_rng_tracker,
-                                           scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel import (
+    VocabParallelEmbedding,
+    get_cuda_rng_tracker,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -25,24 +28,37 @@ class LanguageModelEmbedding(MegatronModule):
     to the same shard before the two are added.
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
-                 position_embedding_type: str = "learned_absolute", num_tokentypes: int = 0,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        position_embedding_type: str = "learned_absolute",
+        num_tokentypes: int = 0,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
         super().__init__(config)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ValueError(f"position_embedding_type={position_embedding_type!r}: must be one of "
-                             f"{POSITION_EMBEDDING_TYPES}")
+            raise ValueError(
+                f"position_embedding_type={position_embedding_type!r}: must be one of {POSITION_EMBEDDING_TYPES}"
+            )
         if num_tokentypes:
             raise ValueError("num_tokentypes > 0 (BERT token types) is not supported yet")
         self.tp_group = resolve_process_groups(pg_collection).tp
         self.sequence_parallel = config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
-            reduce_scatter_embeddings=self.sequence_parallel, tp_group=self.tp_group)
+            vocab_size,
+            config.hidden_size,
+            init_method=config.embedding_init_method,
+            config=config,
+            reduce_scatter_embeddings=self.sequence_parallel,
+            tp_group=self.tp_group,
+        )
         self.position_embeddings = None
         if position_embedding_type == "learned_absolute":
-            self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
-                                                          dtype=config.params_dtype)
+            self.position_embeddings = torch.nn.Embedding(
+                max_sequence_length, config.hidden_size, dtype=config.params_dtype
+            )
             if config.perform_initialization:
                 config.embedding_init_method(self.position_embeddings.weight)
             # Replicated over TP. Under SP its output is scattered along the sequence, and the

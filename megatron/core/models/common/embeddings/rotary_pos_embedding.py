@@ -8,8 +8,13 @@ from typing import Optional
 import torch
 
 
-def llama3_scaled_frequencies(inv_freq: torch.Tensor, factor: float = 8.0, low_freq_factor: float = 1.0,
-                              high_freq_factor: float = 4.0, original_max_position: int = 8192) -> torch.Tensor:
+def llama3_scaled_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> torch.Tensor:
     """Llama 3.1's RoPE scaling: long wavelengths slow down by ``factor``, short ones stay.
 
     Wavelengths below ``original_max_position / high_freq_factor`` keep their frequency,
@@ -37,9 +42,16 @@ class RotaryEmbedding(torch.nn.Module):
         rope_scaling_factor: its ``factor`` (8 for Llama 3.1).
     """
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
-                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: float = 10000.0,
-                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0) -> None:
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float = 1.0,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: Optional[float] = None,
+        rotary_base: float = 10000.0,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+    ) -> None:
         super().__init__()
         if not 0.0 < rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent={rotary_percent}: must be in (0, 1]")
