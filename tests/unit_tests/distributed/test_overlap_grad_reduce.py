@@ -1,0 +1,151 @@
+"""``overlap_grad_reduce``: each bucket's reduction is issued during backward, not in ``finish_grad_sync``.
+
+Two gloo ranks run two microbatches (the first under ``no_sync()``) of a 2-layer GPT wrapped in DDP
+with several buckets, plain (all-reduce) and for the distributed optimizer (reduce-scatter). The
+reduction collectives of ``torch.distributed`` are wrapped to log which bucket's gradient buffer
+they carry; a post-accumulate hook on every parameter logs when its gradient is ready; markers
+log the end of backward and the call of ``finish_grad_sync``. With overlap, every bucket must be
+issued once, asynchronously, in bucket order, before backward ends, and every bucket but the last
+before some gradient of a later bucket is ready (the reduction runs under the rest of backward);
+nothing may be issued during the ``no_sync`` microbatch. Without overlap nothing is issued before
+``finish_grad_sync``. A DDP whose hooks never launch a bucket fails this test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from tests.dist_harness import run_distributed
+from tests.model_utils import batch, build_gpt, gpt2_style
+
+Event = Tuple[str, object]
+BUCKET_SIZE = 3000  # several buckets in the tiny model
+# torch.distributed's reductions DDP may use, by kind (utils.reduce_scatter_tensor takes the first
+# reduce-scatter name torch has, looked up at call time).
+REDUCTIONS = {
+    "all_reduce": "all_reduce",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+@contextlib.contextmanager
+def recorded_reductions(events: List[Event], bucket_of_ptr: Dict[int, int]) -> Iterator[None]:
+    """Log ``("issue", (bucket, async_op, collective))`` for each reduction of a bucket's gradient buffer."""
+
+    def recording(name: str, real: Callable) -> Callable:
+        def wrapped(*args, group=None, async_op=False, **kwargs):
+            carried = args[0] if name == "all_reduce" else args[1]  # reduce-scatter: (output, input)
+            bucket = bucket_of_ptr.get(carried.data_ptr())
+            if bucket is not None:
+                events.append(("issue", (bucket, async_op, REDUCTIONS[name])))
+            return real(*args, group=group, async_op=async_op, **kwargs)
+
+        return wrapped
+
+    originals = {name: getattr(dist, name) for name in REDUCTIONS if hasattr(dist, name)}
+    for name, real in originals.items():
+        setattr(dist, name, recording(name, real))
+    try:
+        yield
+    finally:
+        for name, real in originals.items():
+            setattr(dist, name, real)
+
+
+def _wrapped_model(groups, overlap: bool, distributed_optimizer: bool, events: List[Event]):
+    """A DDP-wrapped GPT whose parameters log ``("grad", bucket)`` when their gradient is ready.
+
+    The logging hooks are registered before DDP's, so they run first: a bucket's collective, issued
+    by DDP's hook on its last parameter, comes after that parameter's event.
+    """
+    model = build_gpt(gpt2_style(num_layers=2), groups)
+    bucket_of_param: Dict[int, int] = {}
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: events.append(("grad", bucket_of_param[id(p)])))
+    config = DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap, use_distributed_optimizer=distributed_optimizer, bucket_size=BUCKET_SIZE
+    )
+    ddp = DistributedDataParallel(model.config, config, model, pg_collection=groups)
+    (buffer,) = ddp.buffers
+    if overlap:
+        assert len(buffer.buckets) >= 3, f"want several buckets, got {len(buffer.buckets)}"
+    bucket_of_param.update({id(p): b.index for b in buffer.buckets for p in b.params})
+    return ddp
+
+
+def _step_events(groups, overlap: bool, distributed_optimizer: bool) -> Tuple[List[Event], int]:
+    """The events of one step of two microbatches, and the number of buckets."""
+    events: List[Event] = []
+    ddp = _wrapped_model(groups, overlap, distributed_optimizer, events)
+    (buffer,) = ddp.buffers
+    tokens, labels = batch(seed=7 + groups.rank_in("dp"), b=4)  # each DP rank its own data
+    ddp.zero_grad_buffer()
+    with recorded_reductions(events, {b.grad_data.data_ptr(): b.index for b in buffer.buckets}):
+        for m in range(2):
+            ctx = ddp.no_sync() if m == 0 else contextlib.nullcontext()
+            with ctx:
+                ddp(tokens[2 * m : 2 * m + 2], None, None, labels=labels[2 * m : 2 * m + 2]).mean().backward()
+            events.append(("backward_end", m))
+        events.append(("finish_grad_sync", None))
+        ddp.finish_grad_sync()
+    return events, len(buffer.buckets)
+
+
+def _issues(events: List[Event]) -> List[Tuple[int, int, bool]]:
+    """``(position in events, bucket, async_op)`` of every recorded reduction."""
+    return [(i, bucket, async_op) for i, (_, (bucket, async_op, _)) in _of_kind(events, "issue")]
+
+
+def _collectives(events: List[Event]) -> set:
+    """The kinds of collective that carried the buckets."""
+    return {collective for _, (_, (_, _, collective)) in _of_kind(events, "issue")}
+
+
+def _of_kind(events: List[Event], kind: str) -> List[Tuple[int, Event]]:
+    return [(i, e) for i, e in enumerate(events) if e[0] == kind]
+
+
+def _check_overlapped(where: str, events: List[Event], num_buckets: int) -> None:
+    """Issued once each, async, in bucket order, during the last backward, under later gradients."""
+    issues = _issues(events)
+    assert [b for _, b, _ in issues] == list(range(num_buckets)), f"{where}: buckets issued {issues}"
+    first_end = events.index(("backward_end", 0))
+    last_end = events.index(("backward_end", 1))
+    for pos, bucket, _ in issues:
+        assert first_end < pos < last_end, f"{where}: bucket {bucket} issued outside the last backward: {events}"
+    assert all(async_op for _, _, async_op in issues), f"{where}: a bucket was reduced synchronously: {issues}"
+    grads = _of_kind(events, "grad")
+    for pos, bucket, _ in issues[:-1]:
+        later = [i for i, (_, b) in grads if i > pos and b > bucket]
+        assert later, f"{where}: bucket {bucket} issued only after every later gradient was ready: {events}"
+
+
+def _check_not_overlapped(where: str, events: List[Event], num_buckets: int) -> None:
+    """Nothing issued before ``finish_grad_sync``; then every bucket once, in order."""
+    finish = events.index(("finish_grad_sync", None))
+    issues = _issues(events)
+    early = [(pos, b) for pos, b, _ in issues if pos < finish]
+    assert not early, f"{where}: reductions issued before finish_grad_sync: {events}"
+    assert [b for _, b, _ in issues] == list(range(num_buckets)), f"{where}: buckets issued {issues}"
+
+
+def _body(rank: int, world_size: int) -> None:
+    groups = ps.initialize_model_parallel()
+    for distributed_optimizer, collective in ((False, "all_reduce"), (True, "reduce_scatter")):
+        where = "distributed optimizer" if distributed_optimizer else "plain DDP"
+        events, num_buckets = _step_events(groups, True, distributed_optimizer)
+        _check_overlapped(f"{where}, overlap", events, num_buckets)
+        assert _collectives(events) == {collective}, f"{where}: buckets carried by {_collectives(events)}"
+        events, num_buckets = _step_events(groups, False, distributed_optimizer)
+        _check_not_overlapped(f"{where}, no overlap", events, num_buckets)
+        assert _collectives(events) == {collective}, f"{where}: buckets carried by {_collectives(events)}"
+
+
+def test_buckets_are_reduced_during_backward_only_with_overlap():
+    run_distributed(_body, 2)
