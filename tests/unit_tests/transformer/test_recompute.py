@@ -4,7 +4,8 @@ recompute replays the RNG states (TP=2 with sequence parallelism, so the tracked
 
 Structurally, each setting must recompute what it names and save less for backward: forward pre-hooks
 count how often each layer and each core attention runs in one forward + backward (twice when
-recomputed), and ``saved_tensors_hooks`` add up the bytes the forward keeps for backward.
+recomputed), and ``saved_tensors_hooks`` add up the bytes the forward keeps for backward (fewer with
+recomputation, fewer again with ``distribute_saved_activations`` at TP=2).
 """
 
 from typing import Dict, Tuple
@@ -72,20 +73,24 @@ def _runs_and_saved_bytes(groups, **recompute) -> Tuple[Dict[str, int], int]:
 
 
 def _structure_body(rank, world_size):
-    groups = ps.initialize_model_parallel()
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=2)
     twice = {
         "full-uniform": {"layer0", "layer1", "layer2", "attention0", "attention1", "attention2"},
         "full-block": {"layer0", "attention0"},  # recompute_num_layers=1: the first layer only
         "selective": {"attention0", "attention1", "attention2"},
     }
     base_runs, base_saved = _runs_and_saved_bytes(groups)
+    assert set(base_runs.values()) == {1}, base_runs
+    saved_by = {}
     for name, recompute in SETTINGS.items():
-        runs, saved = _runs_and_saved_bytes(groups, **recompute)
+        runs, saved_by[name] = _runs_and_saved_bytes(groups, **recompute)
         assert {k for k, n in runs.items() if n == 2} == twice[name], f"{name}: forward runs {runs}"
         assert set(runs.values()) <= {1, 2}, f"{name}: forward runs {runs}"
-        assert saved < base_saved, f"{name}: saved {saved} bytes for backward, {base_saved} without recompute"
-    assert set(base_runs.values()) == {1}, base_runs
+        assert saved_by[name] < base_saved, f"{name}: saved {saved_by[name]} bytes, {base_saved} without recompute"
+    # distribute_saved_activations keeps 1/tp of each recomputed block's input on each TP rank.
+    _, distributed = _runs_and_saved_bytes(groups, distribute_saved_activations=True, **SETTINGS["full-uniform"])
+    assert distributed < saved_by["full-uniform"], f"distributed: saved {distributed} bytes, {saved_by['full-uniform']}"
 
 
 def test_recompute_reruns_what_it_names_and_saves_less():
-    run_distributed(_structure_body, 1)
+    run_distributed(_structure_body, 2)
