@@ -24,7 +24,9 @@ from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gpt2_style
 
 Event = Tuple[str, object]
+Key = Tuple[int, int]  # (buffer, bucket) of DDP's buffers: dense first, then expert
 BUCKET_SIZE = 3000  # several buckets in the tiny model
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0])
 # torch.distributed's reductions DDP may use, by kind (utils.reduce_scatter_tensor takes the first
 # reduce-scatter name torch has, looked up at call time).
 REDUCTIONS = {
@@ -35,7 +37,7 @@ REDUCTIONS = {
 
 
 @contextlib.contextmanager
-def recorded_reductions(events: List[Event], bucket_of_ptr: Dict[int, int]) -> Iterator[None]:
+def recorded_reductions(events: List[Event], bucket_of_ptr: Dict[int, Key]) -> Iterator[None]:
     """Log ``("issue", (bucket, async_op, collective))`` for each reduction of a bucket's gradient buffer."""
 
     def recording(name: str, real: Callable) -> Callable:
@@ -58,35 +60,35 @@ def recorded_reductions(events: List[Event], bucket_of_ptr: Dict[int, int]) -> I
             setattr(dist, name, real)
 
 
-def _wrapped_model(groups, overlap: bool, distributed_optimizer: bool, events: List[Event]):
-    """A DDP-wrapped GPT whose parameters log ``("grad", bucket)`` when their gradient is ready.
+def _wrapped_model(groups, model_kwargs: Dict, overlap: bool, distributed_optimizer: bool, events: List[Event]):
+    """A DDP-wrapped GPT whose parameters log ``("grad", (buffer, bucket))`` when their gradient is ready.
 
     The logging hooks are registered before DDP's, so they run first: a bucket's collective, issued
     by DDP's hook on its last parameter, comes after that parameter's event.
     """
-    model = build_gpt(gpt2_style(num_layers=2), groups)
-    bucket_of_param: Dict[int, int] = {}
+    model = build_gpt(model_kwargs, groups)
+    key_of_param: Dict[int, Key] = {}
     for param in model.parameters():
-        param.register_post_accumulate_grad_hook(lambda p: events.append(("grad", bucket_of_param[id(p)])))
+        param.register_post_accumulate_grad_hook(lambda p: events.append(("grad", key_of_param[id(p)])))
     config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap, use_distributed_optimizer=distributed_optimizer, bucket_size=BUCKET_SIZE
     )
     ddp = DistributedDataParallel(model.config, config, model, pg_collection=groups)
-    (buffer,) = ddp.buffers
-    if overlap:
-        assert len(buffer.buckets) >= 3, f"want several buckets, got {len(buffer.buckets)}"
-    bucket_of_param.update({id(p): b.index for b in buffer.buckets for p in b.params})
+    for i, buffer in enumerate(ddp.buffers):
+        if overlap:
+            assert len(buffer.buckets) >= 2, f"want several buckets in buffer {i}, got {len(buffer.buckets)}"
+        key_of_param.update({id(p): (i, b.index) for b in buffer.buckets for p in b.params})
     return ddp
 
 
-def _step_events(groups, overlap: bool, distributed_optimizer: bool) -> Tuple[List[Event], int]:
-    """The events of one step of two microbatches, and the number of buckets."""
+def _step_events(groups, model_kwargs: Dict, overlap: bool, distributed_optimizer: bool):
+    """The events of one step of two microbatches, and the buckets' keys in bucket order."""
     events: List[Event] = []
-    ddp = _wrapped_model(groups, overlap, distributed_optimizer, events)
-    (buffer,) = ddp.buffers
+    ddp = _wrapped_model(groups, model_kwargs, overlap, distributed_optimizer, events)
+    keys = {b.grad_data.data_ptr(): (i, b.index) for i, buf in enumerate(ddp.buffers) for b in buf.buckets}
     tokens, labels = batch(seed=7 + groups.rank_in("dp"), b=4)  # each DP rank its own data
     ddp.zero_grad_buffer()
-    with recorded_reductions(events, {b.grad_data.data_ptr(): b.index for b in buffer.buckets}):
+    with recorded_reductions(events, keys):
         for m in range(2):
             ctx = ddp.no_sync() if m == 0 else contextlib.nullcontext()
             with ctx:
@@ -94,12 +96,12 @@ def _step_events(groups, overlap: bool, distributed_optimizer: bool) -> Tuple[Li
             events.append(("backward_end", m))
         events.append(("finish_grad_sync", None))
         ddp.finish_grad_sync()
-    return events, len(buffer.buckets)
+    return events, sorted(keys.values())
 
 
-def _issues(events: List[Event]) -> List[Tuple[int, int, bool]]:
-    """``(position in events, bucket, async_op)`` of every recorded reduction."""
-    return [(i, bucket, async_op) for i, (_, (bucket, async_op, _)) in _of_kind(events, "issue")]
+def _issues(events: List[Event], buffer: int) -> List[Tuple[int, int, bool]]:
+    """``(position in events, bucket, async_op)`` of every recorded reduction of ``buffer``."""
+    return [(i, key[1], async_op) for i, (_, (key, async_op, _)) in _of_kind(events, "issue") if key[0] == buffer]
 
 
 def _collectives(events: List[Event]) -> set:
@@ -111,40 +113,49 @@ def _of_kind(events: List[Event], kind: str) -> List[Tuple[int, Event]]:
     return [(i, e) for i, e in enumerate(events) if e[0] == kind]
 
 
-def _check_overlapped(where: str, events: List[Event], num_buckets: int) -> None:
+def _check_overlapped(where: str, events: List[Event], buffer: int, num_buckets: int) -> None:
     """Issued once each, async, in bucket order, during the last backward, under later gradients."""
-    issues = _issues(events)
+    where = f"{where}, buffer {buffer}"
+    issues = _issues(events, buffer)
     assert [b for _, b, _ in issues] == list(range(num_buckets)), f"{where}: buckets issued {issues}"
     first_end = events.index(("backward_end", 0))
     last_end = events.index(("backward_end", 1))
     for pos, bucket, _ in issues:
         assert first_end < pos < last_end, f"{where}: bucket {bucket} issued outside the last backward: {events}"
     assert all(async_op for _, _, async_op in issues), f"{where}: a bucket was reduced synchronously: {issues}"
-    grads = _of_kind(events, "grad")
+    grads = [(i, key[1]) for i, (_, key) in _of_kind(events, "grad") if key[0] == buffer]
     for pos, bucket, _ in issues[:-1]:
-        later = [i for i, (_, b) in grads if i > pos and b > bucket]
+        later = [i for i, b in grads if i > pos and b > bucket]
         assert later, f"{where}: bucket {bucket} issued only after every later gradient was ready: {events}"
 
 
-def _check_not_overlapped(where: str, events: List[Event], num_buckets: int) -> None:
+def _check_not_overlapped(where: str, events: List[Event], buffer: int, num_buckets: int) -> None:
     """Nothing issued before ``finish_grad_sync``; then every bucket once, in order."""
+    where = f"{where}, buffer {buffer}"
     finish = events.index(("finish_grad_sync", None))
-    issues = _issues(events)
+    issues = _issues(events, buffer)
     early = [(pos, b) for pos, b, _ in issues if pos < finish]
     assert not early, f"{where}: reductions issued before finish_grad_sync: {events}"
     assert [b for _, b, _ in issues] == list(range(num_buckets)), f"{where}: buckets issued {issues}"
 
 
+def _check(where: str, model_kwargs: Dict, groups, distributed_optimizer: bool, buffers: int) -> None:
+    """Both settings of ``overlap_grad_reduce`` for one model and optimizer kind."""
+    collective = "reduce_scatter" if distributed_optimizer else "all_reduce"
+    for overlap, check in ((True, _check_overlapped), (False, _check_not_overlapped)):
+        events, keys = _step_events(groups, model_kwargs, overlap, distributed_optimizer)
+        assert len({buffer for buffer, _ in keys}) == buffers, f"{where}: buffers {keys}"
+        for buffer in range(buffers):
+            check(f"{where}, overlap={overlap}", events, buffer, sum(1 for k in keys if k[0] == buffer))
+        assert _collectives(events) == {collective}, f"{where}: buckets carried by {_collectives(events)}"
+
+
 def _body(rank: int, world_size: int) -> None:
     groups = ps.initialize_model_parallel()
-    for distributed_optimizer, collective in ((False, "all_reduce"), (True, "reduce_scatter")):
-        where = "distributed optimizer" if distributed_optimizer else "plain DDP"
-        events, num_buckets = _step_events(groups, True, distributed_optimizer)
-        _check_overlapped(f"{where}, overlap", events, num_buckets)
-        assert _collectives(events) == {collective}, f"{where}: buckets carried by {_collectives(events)}"
-        events, num_buckets = _step_events(groups, False, distributed_optimizer)
-        _check_not_overlapped(f"{where}, no overlap", events, num_buckets)
-        assert _collectives(events) == {collective}, f"{where}: buckets carried by {_collectives(events)}"
+    _check("plain DDP", gpt2_style(num_layers=2), groups, False, buffers=1)
+    _check("distributed optimizer", gpt2_style(num_layers=2), groups, True, buffers=1)
+    # Experts (EP=1: expt_dp is the DP group) get a buffer of their own, overlapped the same way.
+    _check("MoE, plain DDP", gpt2_style(num_layers=2, **MOE), groups, False, buffers=2)
 
 
 def test_buckets_are_reduced_during_backward_only_with_overlap():
