@@ -1,9 +1,11 @@
 """``overlap_param_gather``: each bucket's all-gather is waited for by the first module that needs it.
 
 Two gloo ranks train a 4-layer GPT under DDP + the distributed optimizer with several buckets.
-The all-gathers are wrapped to record their waits next to the layers' forward starts: the wait
-for bucket 0 (the last layers: buckets follow backward order) must come after the first layer's
-forward has started, i.e. the forward overlaps the gathers it does not need yet. Losses and
+The all-gathers are wrapped to record their waits next to the layers' forward starts and the end
+of each forward: every bucket is waited once, in forward order, inside the first forward of the
+iteration (not in the optimizer step before it), and the wait for bucket 0 (the last layers: buckets
+follow backward order) comes after the first layer's forward has started, i.e. the forward overlaps
+the gathers it does not need yet. A step that waits for its own gathers fails this. Losses and
 final weights must equal the run that waits for every gather in the optimizer step, bitwise.
 """
 
@@ -59,6 +61,7 @@ def _overlapped(rank: int, world_size: int) -> None:
         bucket_of_ptr.update({b.param_data.data_ptr(): b.index for b in buffer.buckets})
         for i, layer in enumerate(ddp.module.decoder.layers):
             layer.register_forward_pre_hook(lambda m, a, i=i: events.append(("forward", i)))
+        ddp.module.register_forward_hook(lambda m, a, o: events.append(("forward_done", -1)))
         overlapped = _train(groups, ddp, opt, events)
     finally:
         distrib_optimizer.all_gather_into_tensor = original
@@ -66,8 +69,12 @@ def _overlapped(rank: int, world_size: int) -> None:
     first_forward = log.index(("forward", 0))
     last_wait = log.index(("wait", 0))
     assert last_wait > first_forward, f"bucket 0 waited before the first layer ran: {log}"
+    forward_done = log.index(("forward_done", -1))
+    late = [b for i, (kind, b) in enumerate(log) if kind == "wait" and i > forward_done]
+    assert not late, f"buckets {late} waited after the first forward, not under it: {log}"
     waits = [b for kind, b in log if kind == "wait"]
     assert waits == sorted(waits, reverse=True), f"buckets not waited in forward order: {waits}"
+    assert sorted(waits) == list(range(len(buffer.buckets))), f"not every bucket waited once: {waits}"
 
     plain = parallel_run(groups, model_kwargs, DIST, dict(use_distributed_optimizer=True), iters=0)
     reference = _train(groups, plain[4], plain[3], [])

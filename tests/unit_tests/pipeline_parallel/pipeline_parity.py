@@ -7,7 +7,7 @@ reference layer ``layer_number - 1``), sliced to this rank's TP shard.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -138,14 +138,25 @@ def make_finalize(groups: ProcessGroupCollection) -> Callable:
     return finalize
 
 
-def run_pipeline(chunks, groups, tokens, labels, num_mb: int, forward_only: bool = False):
-    """One schedule call on this DP rank's slice of the global batch; returns the mean loss (last stage)."""
+def run_pipeline(
+    chunks,
+    groups,
+    tokens,
+    labels,
+    num_mb: int,
+    forward_only: bool = False,
+    forward_step_func: Optional[Callable] = None,
+):
+    """One schedule call on this DP rank's slice of the global batch; returns the mean loss (last stage).
+
+    ``forward_step_func`` defaults to one that records the stage outputs for ``check_released``.
+    """
     dp_rank, rows = groups.rank_in("dp"), MICRO * num_mb
     tokens, labels = tokens[dp_rank * rows : (dp_rank + 1) * rows], labels[dp_rank * rows : (dp_rank + 1) * rows]
     micro = [(tokens[i : i + MICRO], labels[i : i + MICRO]) for i in range(0, rows, MICRO)]
     func = get_forward_backward_func(groups.size_of("pp"), len(chunks))
     reports = func(
-        forward_step_func=_forward_step,
+        forward_step_func=forward_step_func or _forward_step,
         data_iterator=[iter(micro) for _ in chunks],
         model=chunks,
         num_microbatches=num_mb,

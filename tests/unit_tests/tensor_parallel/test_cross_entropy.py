@@ -4,11 +4,15 @@ Megatron's label smoothing ``ls`` gives the target ``1 - ls`` and each other cla
 ``ls / (V - 1)``; the references are (a) that target distribution written out
 explicitly and (b) torch's ``label_smoothing=ls * V / (V - 1)``. Loss and logit
 gradients compared in fp32 with rtol 1e-5 / atol 1e-6.
+
+Half-precision logits are processed in row blocks: a dispatch mode records every fp32 tensor the
+forward and backward make, and none may be larger than one block (a one-block loss fails this).
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel as tp
@@ -133,3 +137,42 @@ def _block_size_body(rank, world_size):
 
 def test_block_size_does_not_change_results():
     run_distributed(_block_size_body, 1)
+
+
+class _LargestFloat32(TorchDispatchMode):
+    """Records the element count of the largest fp32 tensor any op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest_fp32(logits: torch.Tensor, target: torch.Tensor) -> int:
+    """Largest fp32 tensor made by the loss's forward and backward on half-precision ``logits``."""
+    logits = logits.clone().requires_grad_(True)
+    with _LargestFloat32() as mode:
+        tp.vocab_parallel_cross_entropy(logits, target).sum().backward()
+    return mode.largest
+
+
+def _block_body(rank, world_size):
+    from megatron.core.tensor_parallel import cross_entropy
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    gen = torch.Generator().manual_seed(4)
+    logits, target = torch.randn(S, B, V, generator=gen).bfloat16(), torch.randint(0, V, (S, B), generator=gen)
+    assert _largest_fp32(logits, target) == S * B * V  # all rows fit the default block: one fp32 block
+    cross_entropy._BLOCK_BYTES = 2 * 4 * V  # two rows of fp32 logits
+    largest = _largest_fp32(logits, target)
+    assert largest == 2 * V, f"an fp32 tensor of {largest} elements; a block of two rows has {2 * V}"
+
+
+def test_half_precision_logits_never_make_an_fp32_copy_larger_than_a_block():
+    run_distributed(_block_body, 1)
