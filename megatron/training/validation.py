@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 
 from megatron.core.context_parallel import CP_COMM_TYPES
-from megatron.training.flag_status import NOT_SUPPORTED_YET, AnyOf
+from megatron.training.flags.registry import not_supported_yet
 from megatron.training.flags_table import FlagSpec
 
 DEFAULT_SPLIT = "969, 30, 1"
@@ -51,17 +51,14 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
 # ----------------------------------------------------------------------------------
 # Flags we do not implement yet.
 # ----------------------------------------------------------------------------------
-def check_not_supported(
-    args: argparse.Namespace, specs: Sequence[FlagSpec], table: Optional[Dict[str, Any]] = None
-) -> None:
-    """Stop on the first flag of ``table`` (default ``NOT_SUPPORTED_YET``) given a harmful value."""
+def check_not_supported(args: argparse.Namespace, specs: Sequence[FlagSpec]) -> None:
+    """Stop on the first flag whose record says not supported yet and whose value is not a harmless one."""
     names = {spec.dest: spec.name for spec in specs}
-    for dest, harmless in (NOT_SUPPORTED_YET if table is None else table).items():
-        value = getattr(args, dest, harmless)
-        ok = value in harmless if isinstance(harmless, AnyOf) else value == harmless
-        if not ok:
-            allowed = f" (supported: {', '.join(map(repr, harmless.values))})" if isinstance(harmless, AnyOf) else ""
-            raise UnsupportedFlagError(f"not supported yet: {names.get(dest, dest)}={value!r}{allowed}")
+    for dest, status in not_supported_yet().items():
+        value = getattr(args, dest)
+        if not status.accepts(value):
+            allowed = f" (supported: {', '.join(map(repr, status.harmless))})" if len(status.harmless) > 1 else ""
+            raise UnsupportedFlagError(f"not supported yet: {names[dest]}={value!r}{allowed}")
 
 
 def check_deprecated(args: argparse.Namespace) -> None:

@@ -1,0 +1,14 @@
+"""Why a no-op flag changes nothing here: the text its ``--help`` shows after "no effect here"."""
+
+KERNEL = "picks a GPU kernel, fusion or RNG implementation; the computed values are the same"
+OVERLAP = "a GPU communication-overlap or scheduling choice; the computed values are the same"
+COMMUNICATORS = "configures NCCL communicators, buffers or backends; the computed values are the same"
+CUDA_GRAPHS = "CUDA graph capture; the computed values are the same"
+MEMORY = "where activations or caches live on a GPU; the computed values are the same"
+INFERENCE = "an inference-time option; training is unchanged"
+DEPRECATED = "Megatron ignores it too (Megatron-Core models are the only ones)"
+P2P = (
+    "every pipeline exchange here is one batch_isend_irecv whose requests are waited for at once "
+    "(core/pipeline_parallel/p2p_communication.py), with or without this flag; it only sets "
+    "TransformerConfig.batch_p2p_comm=False, which nothing reads"
+)
