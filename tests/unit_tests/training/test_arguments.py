@@ -286,8 +286,12 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, r"--lr-warmup-fraction.*--lr-warmup-iters"),
         (["--train-samples", "100"], 1, r"--train-iters and --train-samples"),
         (["--tensor-model-parallel-size", "2"], 3, r"world size 3.*--tensor-model-parallel-size \(2\)"),
-        (["--tensor-model-parallel-size", "8"], 8, r"--num-attention-heads \(4\).*--tensor-model-parallel-size \(8\)"),
-        (["--fp16", "--bf16"], 1, r"--fp16 and --bf16"),
+        (
+            ["--tensor-model-parallel-size", "8"],
+            8,
+            r"--num-attention-heads 4 must be divisible by --tensor-model-parallel-size 8",
+        ),
+        (["--fp16", "--bf16"], 1, r"--fp16 and --bf16: choose at most one"),
         (["--pipeline-model-parallel-size", "3"], 3, r"--num-layers.*--pipeline-model-parallel-size \(3\)"),
         (
             ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
@@ -306,15 +310,33 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
             2,
             r"number of microbatches \(3.*--pipeline-model-parallel-size \(2\)",
         ),
-        (["--group-query-attention", "--num-query-groups", "3"], 1, r"--num-query-groups \(3\)"),
+        (
+            ["--group-query-attention", "--num-query-groups", "3"],
+            1,
+            r"--num-attention-heads 4 must be divisible by --num-query-groups 3",
+        ),
         (["--batch-size", "4"], 1, r"--batch-size.*--micro-batch-size"),
-        (["--recompute-granularity", "full"], 1, r"--recompute-method"),
-        (["--window-size", "8"], 1, r"--window-size \(8,\): give left,right"),
+        (["--recompute-granularity", "full"], 1, r"--recompute-method None: --recompute-granularity 'full' needs"),
+        (["--recompute-method", "block"], 1, r"--recompute-method 'block' needs --recompute-granularity 'full'"),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+            + ["--distribute-saved-activations"],
+            1,
+            r"--distribute-saved-activations needs .*tensor_model_parallel_size > 1 "
+            r"\(got --tensor-model-parallel-size 1\)",
+        ),
+        (
+            ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+            4,
+            r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4",
+        ),
+        (["--hidden-size", "66"], 1, r"--hidden-size 66 must be divisible by --num-attention-heads 4"),
+        (["--window-size", "8"], 1, r"--window-size \(8,\): need \(left, right\) integers"),
         (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
         (
             ["--num-experts", "6", "--expert-model-parallel-size", "4"],
             4,
-            r"--num-experts=6 must be divisible by --expert-model-parallel-size=4",
+            r"--num-experts 6 must be divisible by --expert-model-parallel-size 4",
         ),
         (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size=2 needs --num-experts"),
         (
@@ -466,7 +488,7 @@ def test_moe_flags_map_to_config():
         A.core_transformer_config_from_args(_validated(["--num-experts", "4", "--moe-layer-freq", "2"])).moe_layer_freq
         == 2
     )
-    with pytest.raises(A.ArgumentsError, match="--moe-router-topk=9"):
+    with pytest.raises(A.ArgumentsError, match="--moe-router-topk 9 must be <= --num-experts 8"):
         _validated(["--num-experts", "8", "--moe-router-topk", "9"])
     with pytest.raises(A.ArgumentsError, match="--moe-layer-freq"):
         _validated(["--num-experts", "8", "--moe-layer-freq", "[1,0]"])
