@@ -96,7 +96,7 @@ def check_required(args: argparse.Namespace) -> None:
 # Parallel layout and batch sizes.
 # ----------------------------------------------------------------------------------
 def set_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
-    """World = TP x PP x CP x DP; sequence parallelism needs TP > 1."""
+    """World = TP x PP x CP x DP (sequence parallelism under TP 1 is disabled by the config, with a warning)."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for name, value in (
         ("--tensor-model-parallel-size", tp),
@@ -112,11 +112,6 @@ def set_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     )
     args.world_size = world_size
     args.data_parallel_size = world_size // model
-    if args.sequence_parallel and tp == 1:
-        warnings.warn(
-            "--sequence-parallel with --tensor-model-parallel-size 1 has no effect: disabling it", stacklevel=2
-        )
-        args.sequence_parallel = False
 
 
 def set_virtual_pipeline(args: argparse.Namespace) -> None:
@@ -452,16 +447,22 @@ CHECKED_CONFIGS = (TransformerConfig, DistributedDataParallelConfig, OptimizerCo
 def check_configs(args: argparse.Namespace) -> None:
     """Build each config once so that its ``__post_init__`` rules run now, before any heavy work.
 
-    A rule is written once, on the config owning the field; its error reaches the user with flag
-    names. Defaults the config derives (head size, expert FFN size) are read back into ``args``.
+    A rule is written once, on the config owning the field; its errors and warnings reach the user
+    with flag names. What the config derives or corrects (head size, expert FFN size, sequence
+    parallelism off under TP 1) is read back into ``args``.
     """
     for target in CHECKED_CONFIGS:
-        try:
-            config = config_from_args(target, args)
-        except ValueError as err:
-            raise ArgumentsError(flag_message(target, str(err))) from err
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                config = config_from_args(target, args)
+            except ValueError as err:
+                raise ArgumentsError(flag_message(target, str(err))) from err
+        for warning in caught:
+            warnings.warn(flag_message(target, str(warning.message)), warning.category, stacklevel=2)
         if target is TransformerConfig:
             args.kv_channels, args.moe_ffn_hidden_size = config.kv_channels, config.moe_ffn_hidden_size
+            args.sequence_parallel = config.sequence_parallel
 
 
 STEPS: List[Callable[[argparse.Namespace], None]] = [

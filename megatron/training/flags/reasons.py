@@ -8,7 +8,8 @@ MEMORY = "where activations or caches live on a GPU; the computed values are the
 INFERENCE = "an inference-time option; training is unchanged"
 DEPRECATED = "Megatron ignores it too (Megatron-Core models are the only ones)"
 P2P = (
-    "every pipeline exchange here is one batch_isend_irecv whose requests are waited for at once "
-    "(core/pipeline_parallel/p2p_communication.py), with or without this flag; it only sets "
-    "TransformerConfig.batch_p2p_comm=False, which nothing reads"
+    "every pipeline exchange is one batch_isend_irecv whose requests are waited for at once "
+    "(core/pipeline_parallel/p2p_communication.py), with the flag or without it: pipeline communication is "
+    "never overlapped with compute here; the flag only sets TransformerConfig.batch_p2p_comm (its negation), "
+    "which nothing reads"
 )

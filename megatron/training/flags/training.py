@@ -143,7 +143,12 @@ RECORDS = (
         help="Model chunks per pipeline rank (interleaved 1F1B).",
         type=int,
     ),
-    Flag("overlap_p2p_comm", no_op(reasons.P2P), fills=(to(TC, "batch_p2p_comm", batch_p2p_comm),)),
+    Flag(
+        "overlap_p2p_comm",
+        no_op(reasons.P2P),
+        help="Turn off Megatron's overlap of pipeline sends and receives with compute (on by default there).",
+        fills=(to(TC, "batch_p2p_comm", batch_p2p_comm),),
+    ),
     Flag("distributed_backend", IMPLEMENTED, help="torch.distributed backend; default nccl with GPUs, gloo without."),
     Flag("distributed_timeout_minutes", IMPLEMENTED, help="Timeout of collective operations."),
     Flag("distributed_timeout_seconds_after_init", IMPLEMENTED, type=int),

@@ -398,7 +398,7 @@ def test_train_length_required():
 
 
 def test_sequence_parallel_with_tp1_warns_and_disables():
-    with pytest.warns(UserWarning, match="--sequence-parallel"):
+    with pytest.warns(UserWarning, match="--sequence-parallel with --tensor-model-parallel-size 1: disabling"):
         args = _validated(["--sequence-parallel"])
     assert args.sequence_parallel is False
     assert _validated(["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2).sequence_parallel
