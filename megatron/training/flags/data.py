@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from megatron.training.flags.record import IMPLEMENTED, Flag, not_yet, same
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as GDS
+from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
+from megatron.training.flags.record import IMPLEMENTED, Flag, not_yet, same, to
 from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
-    Flag("data_path", IMPLEMENTED, help="Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ..."),
+    Flag(
+        "data_path",
+        IMPLEMENTED,
+        help="Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...",
+        fills=(to(GDS, "blend", blend),),
+    ),
     Flag("phase_transition_iterations", not_yet(None)),
-    Flag("split", IMPLEMENTED, help="Train/valid/test proportions; default '969, 30, 1' with --data-path."),
-    Flag("train_data_path", IMPLEMENTED),
+    Flag(
+        "split",
+        IMPLEMENTED,
+        help="Train/valid/test proportions; default '969, 30, 1' with --data-path.",
+        fills=(to(GDS, "split", split),),
+    ),
+    Flag("train_data_path", IMPLEMENTED, fills=(to(GDS, "blend_per_split", blend_per_split),)),
     Flag("valid_data_path", IMPLEMENTED),
     Flag("test_data_path", IMPLEMENTED),
     Flag("data_args_path", not_yet(None)),
@@ -17,23 +29,33 @@ RECORDS = (
     Flag("per_dataset_sequences_path", not_yet(None)),
     Flag("dataloader_fast_cache_load", IMPLEMENTED),
     Flag("dataloader_defer_npy_index_mmap", IMPLEMENTED),
-    Flag("data_cache_path", IMPLEMENTED),
-    Flag("mmap_bin_files", IMPLEMENTED),
-    Flag("mock_data", IMPLEMENTED, help="Synthetic data instead of --data-path."),
-    Flag("seq_length", IMPLEMENTED, help="Tokens per training sample.", type=int, fills=same(FL)),
+    Flag("data_cache_path", IMPLEMENTED, fills=(to(GDS, "path_to_cache"),)),
+    Flag("mmap_bin_files", IMPLEMENTED, fills=same(GDS)),
+    Flag("mock_data", IMPLEMENTED, help="Synthetic data instead of --data-path.", fills=(to(GDS, "mock"),)),
+    Flag(
+        "seq_length",
+        IMPLEMENTED,
+        help="Tokens per training sample.",
+        type=int,
+        fills=(*same(FL), to(GDS, "sequence_length")),
+    ),
     Flag("encoder_seq_length", not_yet(None), type=int),
     Flag("decoder_seq_length", not_yet(None), type=int),
     Flag("sample_rate", IMPLEMENTED),
     Flag("mask_prob", IMPLEMENTED),
     Flag("short_seq_prob", IMPLEMENTED),
     Flag("num_workers", IMPLEMENTED),
-    Flag("reset_position_ids", IMPLEMENTED),
-    Flag("reset_attention_mask", IMPLEMENTED),
-    Flag("eod_mask_loss", IMPLEMENTED),
+    Flag("reset_position_ids", IMPLEMENTED, fills=same(GDS)),
+    Flag(
+        "reset_attention_mask",
+        IMPLEMENTED,
+        fills=(*same(GDS), to(GDS, "create_attention_mask", create_attention_mask)),
+    ),
+    Flag("eod_mask_loss", IMPLEMENTED, fills=same(GDS)),
     Flag("create_attention_mask_in_dataloader", IMPLEMENTED),
-    Flag("num_dataset_builder_threads", IMPLEMENTED),
+    Flag("num_dataset_builder_threads", IMPLEMENTED, fills=same(GDS)),
     Flag("object_storage_cache_path", not_yet(None)),
-    Flag("mid_level_dataset_surplus", IMPLEMENTED),
+    Flag("mid_level_dataset_surplus", IMPLEMENTED, fills=same(GDS)),
     Flag("allow_ambiguous_pad_tokens", IMPLEMENTED),
     Flag("fim_data", not_yet(False)),
     Flag("fim_rate", IMPLEMENTED),

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from megatron.core.datasets.utils import get_blend_from_list
 
 Args = argparse.Namespace
 
@@ -140,6 +142,35 @@ def wsd_decay_steps(args: Args) -> Optional[int]:
     if args.train_iters is not None:
         return _samples(args, args.lr_wsd_decay_iters)
     return args.lr_wsd_decay_samples
+
+
+# ------------------------------------------------------------------ data
+def _per_split(args: Args) -> List[Any]:
+    return [args.train_data_path, args.valid_data_path, args.test_data_path]
+
+
+def _uses_per_split(args: Args) -> bool:
+    return any(p is not None for p in _per_split(args))
+
+
+def blend(args: Args) -> Any:
+    """--data-path as (prefixes, weights), unless --train/valid/test-data-path name the splits."""
+    return None if _uses_per_split(args) else get_blend_from_list(args.data_path)
+
+
+def blend_per_split(args: Args) -> Any:
+    """One blend per split from --train-data-path, --valid-data-path, --test-data-path (or None)."""
+    return [get_blend_from_list(p) for p in _per_split(args)] if _uses_per_split(args) else None
+
+
+def split(args: Args) -> Optional[str]:
+    """--split for a single --data-path; None with per-split paths."""
+    return None if _uses_per_split(args) else args.split
+
+
+def create_attention_mask(args: Args) -> bool:
+    """A per-sample mask only with --reset-attention-mask; else the model builds the plain causal mask."""
+    return bool(args.reset_attention_mask)
 
 
 # ------------------------------------------------------------------ logging

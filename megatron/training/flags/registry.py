@@ -19,6 +19,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -52,6 +53,7 @@ CONFIG_TARGETS: Tuple[type, ...] = (
     CheckpointConfig,
     LoggingConfig,
     FlopsConfig,
+    GPTDatasetConfig,
 )
 
 
@@ -92,6 +94,11 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         "timers_to_log": NotAFlag("the fixed list of Megatron's logged timers"),
     },
     FlopsConfig: {},
+    GPTDatasetConfig: {
+        "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
+        "drop_last_partial_validation_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
+        "add_extra_token_to_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
+    },
 }
 
 

@@ -46,13 +46,6 @@ def test_every_config_field_has_exactly_one_source(target):
         assert reason.reason
 
 
-def test_a_removed_mapping_is_noticed(monkeypatch):
-    """Dropping one record's fill leaves its field without a source; the exhaustiveness check sees it."""
-    record = R.RECORDS["sequence_parallel"]
-    monkeypatch.setitem(R.RECORDS, "sequence_parallel", Flag(record.dest, record.status, record.help))
-    assert _sources(R.CONFIG_TARGETS[0])["sequence_parallel"] == []
-
-
 def test_two_records_filling_one_field_are_refused(monkeypatch):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -123,3 +116,22 @@ def test_args_namespace_is_not_read_with_hasattr():
     del args.ddp_bucket_size
     with pytest.raises(AttributeError, match="ddp_bucket_size"):
         A.ddp_config_from_args(argparse.Namespace(**vars(args)))
+
+
+class _Tokenizer:
+    eod = 0
+
+
+def test_dataset_config_from_data_flags():
+    import pretrain_gpt
+
+    tok = _Tokenizer()
+    args = A.validate_args(A.parse_args(BASE + ["--data-path", "0.3", "a", "0.7", "b", "--reset-attention-mask"]), 1)
+    cfg = pretrain_gpt.dataset_config(args, tokenizer=tok)
+    assert (cfg.blend, cfg.blend_per_split, cfg.split) == ((["a", "b"], [0.3, 0.7]), None, "969, 30, 1")
+    assert (cfg.sequence_length, cfg.random_seed, cfg.tokenizer) == (32, args.seed, tok)
+    assert cfg.reset_attention_mask and cfg.create_attention_mask
+    args = A.validate_args(A.parse_args(BASE + ["--train-data-path", "t", "--valid-data-path", "v"]), 1)
+    cfg = pretrain_gpt.dataset_config(args, tokenizer=tok)
+    assert (cfg.blend, cfg.split) == (None, None) and not cfg.create_attention_mask
+    assert cfg.blend_per_split == [(["t"], None), (["v"], None), None]
