@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron.core.context_parallel import CP_COMM_TYPES
+from megatron.core.context_parallel import CP_COMM_TYPES, local_sequence_length
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -380,7 +380,7 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:
-    """--context-parallel-size: 2 x CP equal chunks per sequence (each split over TP with SP); --cp-comm-type.
+    """--cp-comm-type: one value, or one per layer.
 
     Every --cp-comm-type computes the same exact attention; we run the all-gather scheme for any of them.
     """
@@ -391,19 +391,6 @@ def check_context_parallel(args: argparse.Namespace) -> None:
         len(comm_types) in (1, args.num_layers),
         f"--cp-comm-type gives {len(comm_types)} values: give one, or one per layer (--num-layers {args.num_layers})",
     )
-    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
-    if cp == 1:
-        return
-    _require(
-        args.seq_length % (2 * cp) == 0,
-        f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}",
-    )
-    if args.sequence_parallel:
-        _require(
-            args.seq_length % (2 * cp * tp) == 0,
-            f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) x "
-            f"--tensor-model-parallel-size ({tp}) = {2 * cp * tp} with --sequence-parallel",
-        )
 
 
 # ----------------------------------------------------------------------------------
@@ -412,22 +399,25 @@ def check_context_parallel(args: argparse.Namespace) -> None:
 _SETTING = re.compile(r"(?<![\w-])([a-z][a-z0-9_]*)=(\([^)]*\)|\[[^\]]*\]|'[^']*'|[^\s,:;]+)")
 
 
-def _as_flag(target: type, name: str, value: str, specs: Dict[str, FlagSpec]) -> Optional[str]:
-    """``field=value`` of ``target`` as the user wrote it, or None for a field no flag fills."""
-    source = fills_of(target).get(name)
+def _as_flag(target: Optional[type], name: str, value: str, specs: Dict[str, FlagSpec]) -> Optional[str]:
+    """``field=value`` of ``target`` (a flag destination when None) as the user wrote it; None if no flag fills it."""
+    source = fills_of(target).get(name) if target is not None else (name, None) if name in specs else None
     if source is None:
         return None
     dest, fill = source
     spec = specs[dest]
-    if fill.derive is not None:
+    if fill is not None and fill.derive is not None:
         return f"{name}={value} (from {spec.name})"
     if (spec.action, value) in (("storetrue", "True"), ("storefalse", "False")):
         return spec.name
     return f"{spec.name} {value}" if spec.action == "store" else f"{spec.name} ({name}={value})"
 
 
-def flag_message(target: type, message: str) -> str:
-    """A config's error with each ``field=value`` of a flag-filled field rewritten as ``--flag value``."""
+def flag_message(target: Optional[type], message: str) -> str:
+    """A config's error with each ``field=value`` of a flag-filled field rewritten as ``--flag value``.
+
+    With ``target`` None the names are flag destinations (a rule of the core on plain settings).
+    """
     specs = {spec.dest: spec for spec in flag_specs()}
 
     def rewrite(match: re.Match) -> str:
@@ -465,6 +455,18 @@ def check_configs(args: argparse.Namespace) -> None:
             args.sequence_parallel = config.sequence_parallel
 
 
+def check_sequence_split(args: argparse.Namespace) -> None:
+    """--seq-length splits into 2 x CP equal chunks, each split over TP under --sequence-parallel (the core's rule).
+
+    Runs after ``check_configs``, which turns sequence parallelism off under TP 1.
+    """
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    try:
+        local_sequence_length(args.seq_length, cp, tp, args.sequence_parallel)
+    except ValueError as err:
+        raise ArgumentsError(flag_message(None, str(err))) from err
+
+
 STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_deprecated,
     check_required,
@@ -483,6 +485,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_data,
     set_evaluation,
     check_configs,
+    check_sequence_split,
 ]
 
 

@@ -342,7 +342,7 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (
             ["--context-parallel-size", "2", "--seq-length", "30"],
             2,
-            r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size \(2\) = 4",
+            r"--seq-length 30 must be divisible by 2 x --context-parallel-size 2 = 4",
         ),
         (
             [
@@ -355,8 +355,13 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
                 "36",
             ],
             4,
-            r"--seq-length \(36\) .*--context-parallel-size \(2\) x "
-            r"--tensor-model-parallel-size \(2\) = 8 with --sequence-parallel",
+            r"--seq-length 36 must be divisible by 2 x --context-parallel-size 2 x "
+            r"--tensor-model-parallel-size 2 = 8 with --sequence-parallel",
+        ),
+        (
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33"],
+            2,
+            r"--seq-length 33 must be divisible by --tensor-model-parallel-size 2 = 2 with --sequence-parallel",
         ),
         (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, r"--cp-comm-type ring: must be one of p2p"),
         (["--cp-comm-type", "p2p", "a2a", "p2p"], 1, r"--cp-comm-type gives 3 values.*--num-layers 4"),
