@@ -13,3 +13,9 @@ P2P = (
     "never overlapped with compute here; the flag only sets TransformerConfig.batch_p2p_comm (its negation), "
     "which nothing reads"
 )
+UNDER_REFUSED = "only takes effect together with a flag that is not supported yet here (see that flag's help)"
+CHECKPOINT_IO = (
+    "how checkpoint or index files are written or read (parallelism, async, caching); the values are the same"
+)
+DIAGNOSTICS = "a profiling, diagnostic or logging extra this project does not produce; training is unchanged"
+HOUSEKEEPING = "process housekeeping (garbage collection, timeouts, spare process groups); the values are the same"
