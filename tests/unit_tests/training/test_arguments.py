@@ -331,6 +331,10 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
             r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4",
         ),
         (["--hidden-size", "66"], 1, r"--hidden-size 66 must be divisible by --num-attention-heads 4"),
+        (["--overlap-param-gather"], 1, r"--overlap-param-gather requires --use-distributed-optimizer"),
+        (["--save-interval", "0"], 1, r"--save-interval 0: must be an integer >= 1"),
+        (["--adam-beta1", "1.5"], 1, r"--adam-beta1 1.5"),
+        (["--log-interval", "0"], 1, r"--log-interval=0 must be at least 1"),
         (["--window-size", "8"], 1, r"--window-size \(8,\): need \(left, right\) integers"),
         (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
         (
