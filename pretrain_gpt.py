@@ -15,12 +15,12 @@ import torch
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel.schedules import unwrap_model
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags.registry import config_from_args
 from megatron.training.training import pretrain
 
 
@@ -60,25 +60,8 @@ def model_provider(
 
 
 def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
-    """GPT dataset settings from the data flags."""
-    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
-    use_per_split = any(p is not None for p in per_split)
-    return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=None if use_per_split else get_blend_from_list(args.data_path),
-        blend_per_split=[get_blend_from_list(p) for p in per_split] if use_per_split else None,
-        split=None if use_per_split else args.split,
-        path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
-        tokenizer=tokenizer,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        # Without document resets the mask is plain causal: the model builds it, no [s, s] tensor per sample.
-        create_attention_mask=args.reset_attention_mask,
-        mock=args.mock_data,
-    )
+    """GPT dataset settings from the data flags (their records say which field each fills)."""
+    return config_from_args(GPTDatasetConfig, args, tokenizer=tokenizer)
 
 
 def train_valid_test_datasets_provider(

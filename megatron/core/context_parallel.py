@@ -28,14 +28,29 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
+def local_sequence_length(seq_length: int, cp_size: int, tp_size: int, sequence_parallel: bool) -> int:
+    """Tokens of one sequence a rank holds between layers: s / cp, then / tp under sequence parallelism.
+
+    The one home of the rule: CP cuts 2 x cp equal chunks, and under sequence parallelism each
+    chunk is split evenly over TP as well. Raises a ValueError naming the settings otherwise.
+    """
+    chunks = 2 * cp_size if cp_size > 1 else 1
+    if seq_length % chunks:
+        raise ValueError(f"seq_length={seq_length} must be divisible by 2 x context_parallel_size={cp_size} = {chunks}")
+    if sequence_parallel and seq_length % (chunks * tp_size):
+        raise ValueError(
+            f"seq_length={seq_length} must be divisible by "
+            + (f"2 x context_parallel_size={cp_size} x " if cp_size > 1 else "")
+            + f"tensor_model_parallel_size={tp_size} = {chunks * tp_size} with sequence_parallel=True"
+        )
+    return seq_length // cp_size // (tp_size if sequence_parallel else 1)
+
+
 def cp_chunk_positions(
     seq_length: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None
 ) -> torch.Tensor:
     """Global positions ``[s/cp]`` held by CP rank ``cp_rank``: chunk r, then chunk 2cp-1-r."""
-    if seq_length % (2 * cp_size):
-        raise ValueError(
-            f"sequence length {seq_length} must be divisible by 2 x context_parallel_size ({cp_size}) = {2 * cp_size}"
-        )
+    local_sequence_length(seq_length, cp_size, 1, False)  # raises unless 2 x cp chunks are equal
     chunk = seq_length // (2 * cp_size)
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     last_start = (2 * cp_size - 1 - cp_rank) * chunk

@@ -22,6 +22,12 @@ def require_divisible(name: str, value: int, by_name: str, by: int) -> None:
         raise ValueError(f"{name}={value} must be divisible by {by_name}={by}")
 
 
+def require_one_precision(fp16: bool, bf16: bool) -> None:
+    """Raise a ValueError when both half-precision modes are on (shared by the configs that hold both)."""
+    if fp16 and bf16:
+        raise ValueError("fp16=True and bf16=True: choose at most one")
+
+
 @dataclass
 class ModelParallelConfig:
     """Parallel sizes and precision settings (Megatron field names).
@@ -74,8 +80,7 @@ class ModelParallelConfig:
             require_positive(name, getattr(self, name))
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
-        if self.fp16 and self.bf16:
-            raise ValueError("fp16=True and bf16=True: choose at most one")
+        require_one_precision(self.fp16, self.bf16)
         self.sequence_parallel = parallel_state.warn_sequence_parallel_without_tp(
             self.tensor_model_parallel_size, self.sequence_parallel
         )

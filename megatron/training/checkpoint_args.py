@@ -16,7 +16,7 @@ import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from megatron.core.dist_checkpointing import CheckpointingError
-from megatron.training.arguments import flag_specs
+from megatron.training.flags_table import megatron_flag_specs as flag_specs
 
 logger = logging.getLogger(__name__)
 

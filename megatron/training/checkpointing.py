@@ -24,12 +24,10 @@ refuses an unwritable ``--save`` and a run that would overwrite complete checkpo
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +41,7 @@ from megatron.core.dist_checkpointing.validation import apply_strictness, parse_
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
+from megatron.training.checkpoint_config import SUPPORTED_FORMATS, CheckpointConfig  # noqa: F401 - re-exported
 from megatron.training.checkpoint_dirs import (  # noqa: F401
     TRACKER_FILE,
     checkpoint_dir,
@@ -52,6 +51,7 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     refuse_untracked,
     update_tracker,
 )
+from megatron.training.flags.registry import config_from_args
 from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -61,72 +61,6 @@ COMMON_FILE = "common.json"
 RNG_DIR = "rng"
 LEGACY_FILE = "model_optim_rng.pt"
 LEGACY_CHECKSUMS = "checksums.json"  # torch format: size and SHA-256 of each .pt file, written last
-SUPPORTED_FORMATS = ("torch_dist", "torch")
-_MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
-_FLAGS = ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint")
-
-
-@dataclass
-class CheckpointConfig:
-    """Where and what to save and load (Megatron's checkpointing flags).
-
-    Attributes:
-        save: directory to save to (``--save``); None disables saving.
-        load: directory to resume from (``--load``); None starts from scratch.
-        save_interval: iterations between saves (``--save-interval``).
-        no_save_optim / no_save_rng: leave optimizer / RNG state out of saves.
-        no_load_optim / no_load_rng: ignore optimizer (and scheduler) / RNG state on load.
-        finetune: load the model only and start at iteration 0 with a fresh train state.
-        ckpt_format: ``torch_dist`` (sharded, any layout) or ``torch`` (legacy, per TP/PP rank).
-        exit_on_missing_checkpoint: a ``load`` without a checkpoint is an error, not a fresh start.
-        ckpt_step: load this iteration instead of the tracker's (``--ckpt-step``).
-        dist_ckpt_strictness: what a torch_dist load does with keys the model and the checkpoint do
-            not share (``--dist-ckpt-strictness``; see ``dist_checkpointing/validation.py``).
-        verify_checkpoint: check every file against the checksums in ``metadata.json`` on load
-            (``--no-verify-checkpoint`` turns it off).
-    """
-
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_save_optim: bool = False
-    no_save_rng: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    ckpt_format: str = "torch_dist"
-    exit_on_missing_checkpoint: bool = False
-    ckpt_step: Optional[int] = None
-    dist_ckpt_strictness: str = "assume_ok_unexpected"
-    verify_checkpoint: bool = True
-
-    def __post_init__(self) -> None:
-        parse_strictness(self.dist_ckpt_strictness)
-        if not isinstance(self.verify_checkpoint, bool):
-            raise ValueError(f"verify_checkpoint={self.verify_checkpoint!r}: must be True or False")
-        for name in _FLAGS:
-            value = getattr(self, name)
-            if value is None:  # Megatron's store_true flags default to None
-                setattr(self, name, False)
-            elif not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r}: must be True or False")
-        if self.ckpt_format in _MEGATRON_ONLY_FORMATS:
-            raise ValueError(
-                f"ckpt_format={self.ckpt_format!r}: not supported yet: --ckpt-format "
-                f"{self.ckpt_format} (use one of {SUPPORTED_FORMATS})"
-            )
-        if self.ckpt_format not in SUPPORTED_FORMATS:
-            raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {SUPPORTED_FORMATS}")
-        for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):
-                raise ValueError(f"{name}={value!r}: must be an integer >= {lowest} or None")
-
-
-def checkpoint_config_from_args(args: Any) -> CheckpointConfig:
-    """The config from parsed Megatron flags (field names are the flags' destinations)."""
-    names = [f.name for f in dataclasses.fields(CheckpointConfig)]
-    return CheckpointConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def check_save_dir(cfg: CheckpointConfig) -> None:
@@ -493,7 +427,7 @@ def load_args_from_checkpoint(args: Any) -> Optional[str]:
     """
     if not args.load:
         raise CheckpointingError("--use-checkpoint-args needs --load: the checkpoint to take the model flags from")
-    found = _iteration_to_load(checkpoint_config_from_args(args))
+    found = _iteration_to_load(config_from_args(CheckpointConfig, args))
     if found is None:
         return None
     iter_dir = checkpoint_dir(args.load, *found)

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, List
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embeddings
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.arguments import optimizer_param_scheduler_kwargs
+from megatron.training.arguments import (
+    ddp_config_from_args,
+    optimizer_config_from_args,
+    optimizer_param_scheduler_kwargs,
+)
 from megatron.training.utils import call_with_supported
 
 
@@ -27,37 +31,6 @@ class ModelAndOptimizer:
     model: List[DistributedDataParallel]
     optimizer: Any
     scheduler: OptimizerParamScheduler
-
-
-def _from_args(cls: type, args: argparse.Namespace, renamed: dict, **fixed: Any) -> Any:
-    """Build dataclass ``cls`` from same-named flags, ``renamed`` {field: flag dest}, and ``fixed``."""
-    kwargs = {}
-    for f in fields(cls):
-        if not f.init:
-            continue
-        dest = renamed.get(f.name, f.name)
-        if f.name in fixed:
-            kwargs[f.name] = fixed[f.name]
-        elif hasattr(args, dest):
-            kwargs[f.name] = getattr(args, dest)
-    return cls(**kwargs)
-
-
-def optimizer_config_from_args(args: argparse.Namespace, config: TransformerConfig) -> OptimizerConfig:
-    return _from_args(OptimizerConfig, args, {}, params_dtype=config.params_dtype, timers=None)
-
-
-def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    return _from_args(
-        DistributedDataParallelConfig,
-        args,
-        {
-            "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
-            "check_for_nan_in_grad": "check_for_nan_in_loss_and_grad",
-            "bucket_size": "ddp_bucket_size",
-            "average_in_collective": "ddp_average_in_collective",
-        },
-    )
 
 
 def build_model_chunks(
@@ -122,7 +95,7 @@ def setup_model_and_optimizer(
     ]
     for chunk in wrapped:
         chunk.broadcast_params()
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args, config), wrapped, groups)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), wrapped, groups)
     scheduler = OptimizerParamScheduler(optimizer, **optimizer_param_scheduler_kwargs(args))
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = lambda model_chunks, num_tokens=None: finalize_model_grads(

@@ -34,11 +34,15 @@ from megatron.core.timers import Timers
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.moe.moe_utils import aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.utils import comm_device
-from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments import (
+    checkpoint_config_from_args,
+    core_transformer_config_from_args,
+    flops_config_from_args,
+    logging_config_from_args,
+)
 from megatron.training.checkpointing import (
     args_to_plain_data,
     check_save_dir,
-    checkpoint_config_from_args,
     collect_rng_state,
     load_checkpoint,
     restore_rng_state,
@@ -52,8 +56,6 @@ from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
 from megatron.training.training_log import (
     TrainingLogger,
-    flops_config_from_args,
-    logging_config_from_args,
     num_floating_point_operations,
 )
 from megatron.training.utils import call_with_supported

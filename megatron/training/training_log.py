@@ -12,9 +12,7 @@ Three layers, each usable alone:
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -47,34 +45,6 @@ class FlopsConfig:
     num_moe_layers: int = 0  # of num_layers, whose MLP runs moe_router_topk experts of moe_ffn_hidden_size
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
-
-
-def _num_moe_layers(args: argparse.Namespace) -> int:
-    if not getattr(args, "num_experts", None):
-        return 0
-    freq = args.moe_layer_freq
-    return sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
-
-
-def flops_config_from_args(args: argparse.Namespace) -> FlopsConfig:
-    """A ``FlopsConfig`` from validated args (``padded_vocab_size`` must be set by then)."""
-    if getattr(args, "padded_vocab_size", None) is None:
-        raise ValueError("padded_vocab_size is not set: build the tokenizer (which pads the vocabulary) first")
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
-    return FlopsConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        padded_vocab_size=args.padded_vocab_size,
-        num_query_groups=groups or args.num_query_groups,
-        kv_channels=args.kv_channels,
-        swiglu=bool(args.swiglu),
-        num_moe_layers=_num_moe_layers(args),
-        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or 0,
-        moe_router_topk=getattr(args, "moe_router_topk", 0) or 0,
-    )
 
 
 def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
@@ -311,41 +281,6 @@ class LoggingConfig:
             raise ValueError(f"--wandb-project={self.wandb_project!r} needs --wandb-exp-name")
         if self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"wandb mode {self.wandb_mode!r} (WANDB_MODE) must be one of {WANDB_MODES}")
-
-
-def logging_config_from_args(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> LoggingConfig:
-    """The one mapping from Megatron's logging flags to ``LoggingConfig``.
-
-    W&B files default to ``<--save>/wandb`` as in Megatron (``./wandb`` without
-    ``--save``); the W&B mode is ``WANDB_MODE`` when set, else offline.
-    """
-    env = os.environ if environ is None else environ
-    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if getattr(args, "save", None) else "wandb")
-    same = (
-        "log_interval",
-        "log_throughput",
-        "log_params_norm",
-        "log_num_zeros_in_grad",
-        "tensorboard_dir",
-        "tensorboard_log_interval",
-        "tensorboard_queue_size",
-        "log_timers_to_tensorboard",
-        "log_validation_ppl_to_tensorboard",
-        "log_memory_to_tensorboard",
-        "log_world_size_to_tensorboard",
-        "log_loss_scale_to_tensorboard",
-        "wandb_exp_name",
-        "wandb_entity",
-        "timing_log_option",
-    )
-    kwargs = {name: getattr(args, name) for name in same}
-    return LoggingConfig(
-        **kwargs,
-        timing_log_level=int(args.timing_log_level),
-        wandb_project=args.wandb_project or None,
-        wandb_save_dir=save_dir,
-        wandb_mode=env.get("WANDB_MODE", "offline"),
-    )
 
 
 # ====================================================================== the logger

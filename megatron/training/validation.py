@@ -9,14 +9,20 @@ and a non-zero exit code, and ``except Exception`` blocks do not swallow it.
 from __future__ import annotations
 
 import argparse
+import re
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron.core.context_parallel import CP_COMM_TYPES
-from megatron.training.flag_status import NOT_SUPPORTED_YET, AnyOf
+from megatron.core.context_parallel import CP_COMM_TYPES, local_sequence_length
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.flags.registry import config_from_args, fills_of, flag_specs, not_supported_yet
 from megatron.training.flags_table import FlagSpec
+from megatron.training.training_log import LoggingConfig
 
 DEFAULT_SPLIT = "969, 30, 1"
 
@@ -51,17 +57,14 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
 # ----------------------------------------------------------------------------------
 # Flags we do not implement yet.
 # ----------------------------------------------------------------------------------
-def check_not_supported(
-    args: argparse.Namespace, specs: Sequence[FlagSpec], table: Optional[Dict[str, Any]] = None
-) -> None:
-    """Stop on the first flag of ``table`` (default ``NOT_SUPPORTED_YET``) given a harmful value."""
+def check_not_supported(args: argparse.Namespace, specs: Sequence[FlagSpec]) -> None:
+    """Stop on the first flag whose record says not supported yet and whose value is not a harmless one."""
     names = {spec.dest: spec.name for spec in specs}
-    for dest, harmless in (NOT_SUPPORTED_YET if table is None else table).items():
-        value = getattr(args, dest, harmless)
-        ok = value in harmless if isinstance(harmless, AnyOf) else value == harmless
-        if not ok:
-            allowed = f" (supported: {', '.join(map(repr, harmless.values))})" if isinstance(harmless, AnyOf) else ""
-            raise UnsupportedFlagError(f"not supported yet: {names.get(dest, dest)}={value!r}{allowed}")
+    for dest, status in not_supported_yet().items():
+        value = getattr(args, dest)
+        if not status.accepts(value):
+            allowed = f" (supported: {', '.join(map(repr, status.harmless))})" if len(status.harmless) > 1 else ""
+            raise UnsupportedFlagError(f"not supported yet: {names[dest]}={value!r}{allowed}")
 
 
 def check_deprecated(args: argparse.Namespace) -> None:
@@ -93,7 +96,7 @@ def check_required(args: argparse.Namespace) -> None:
 # Parallel layout and batch sizes.
 # ----------------------------------------------------------------------------------
 def set_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
-    """World = TP x PP x CP x DP; sequence parallelism needs TP > 1."""
+    """World = TP x PP x CP x DP (sequence parallelism under TP 1 is disabled by the config, with a warning)."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for name, value in (
         ("--tensor-model-parallel-size", tp),
@@ -109,11 +112,6 @@ def set_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     )
     args.world_size = world_size
     args.data_parallel_size = world_size // model
-    if args.sequence_parallel and tp == 1:
-        warnings.warn(
-            "--sequence-parallel with --tensor-model-parallel-size 1 has no effect: disabling it", stacklevel=2
-        )
-        args.sequence_parallel = False
 
 
 def set_virtual_pipeline(args: argparse.Namespace) -> None:
@@ -199,30 +197,14 @@ def swiglu_ffn_hidden_size(hidden_size: int) -> int:
 
 
 def set_model_shape(args: argparse.Namespace) -> None:
-    """FFN size, head size, query groups and position embeddings; heads split over TP."""
-    h, heads, tp = args.hidden_size, args.num_attention_heads, args.tensor_model_parallel_size
+    """The FFN size under --swiglu, query groups only with --group-query-attention, position embeddings.
+
+    Head size and the divisibility rules of heads, groups and TP are TransformerConfig's (``check_configs``).
+    """
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = swiglu_ffn_hidden_size(h) if args.swiglu else 4 * h
-    if args.kv_channels is None:
-        _require(
-            h % heads == 0,
-            f"--hidden-size ({h}) is not divisible by --num-attention-heads ({heads}); set --kv-channels explicitly",
-        )
-        args.kv_channels = h // heads
-    _require(
-        heads % tp == 0, f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})"
-    )
-    if args.group_query_attention:
-        groups = args.num_query_groups
-        _require(
-            groups > 0 and heads % groups == 0,
-            f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({groups})",
-        )
-        _require(
-            groups % tp == 0, f"--num-query-groups ({groups}) is not divisible by --tensor-model-parallel-size ({tp})"
-        )
-    else:
-        args.num_query_groups = heads
+        args.ffn_hidden_size = swiglu_ffn_hidden_size(args.hidden_size) if args.swiglu else 4 * args.hidden_size
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
     set_position_embeddings(args)
 
 
@@ -240,11 +222,6 @@ def set_position_embeddings(args: argparse.Namespace) -> None:
             f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
             f"({args.seq_length})",
         )
-    window = args.window_size
-    _require(
-        window is None or (len(window) == 2 and min(window) >= -1),
-        f"--window-size {window}: give left,right (e.g. 4095,0), each >= 0 or -1 for unlimited",
-    )
 
 
 def set_moe(args: argparse.Namespace) -> None:
@@ -258,26 +235,11 @@ def set_moe(args: argparse.Namespace) -> None:
                 "are not supported yet; give one value",
             )
             setattr(args, dest, value[0])
-    if args.num_experts is None:
-        return
-    _require(args.num_experts > 0, f"--num-experts={args.num_experts} must be positive")
-    _require(
-        1 <= args.moe_router_topk <= args.num_experts,
-        f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts ({args.num_experts})]",
-    )
-    if args.moe_ffn_hidden_size is None:
-        args.moe_ffn_hidden_size = args.ffn_hidden_size
-    freq = args.moe_layer_freq
-    _require(
-        isinstance(freq, int) and freq > 0 or isinstance(freq, list) and len(freq) == args.num_layers,
-        f"--moe-layer-freq={freq!r}: give N > 0 (every N-th layer) or one 0/1 per layer "
-        f"(--num-layers={args.num_layers})",
-    )
+    # --num-experts, --moe-router-topk, --moe-layer-freq and the expert FFN size: TransformerConfig's rules.
 
 
 def set_precision(args: argparse.Namespace) -> None:
-    """fp16 or bf16 (not both) decide the parameter dtype."""
-    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: choose one")
+    """fp16 or bf16 decide the parameter dtype (both at once: the configs' rule, ``check_configs``)."""
     args.params_dtype = torch.float32
     if args.fp16:
         args.params_dtype = torch.float16
@@ -292,23 +254,9 @@ def set_precision(args: argparse.Namespace) -> None:
 
 
 def set_recompute(args: argparse.Namespace) -> None:
-    """--recompute-activations means selective; full recomputation needs a method and a layer count."""
+    """--recompute-activations means selective (the rules of full recomputation are TransformerConfig's)."""
     if args.recompute_activations:
         args.recompute_granularity = "selective"
-    granularity, method = args.recompute_granularity, args.recompute_method
-    if granularity == "full":
-        _require(method is not None, "--recompute-granularity full needs --recompute-method (uniform or block)")
-        _require(
-            args.recompute_num_layers is not None and args.recompute_num_layers > 0,
-            f"--recompute-granularity full needs a positive --recompute-num-layers (got {args.recompute_num_layers})",
-        )
-    else:
-        _require(method is None, f"--recompute-method {method} needs --recompute-granularity full (got {granularity})")
-    if args.distribute_saved_activations:
-        _require(
-            granularity == "full" and args.tensor_model_parallel_size > 1,
-            "--distribute-saved-activations needs --recompute-granularity full and --tensor-model-parallel-size > 1",
-        )
 
 
 # ----------------------------------------------------------------------------------
@@ -416,14 +364,9 @@ def set_evaluation(args: argparse.Namespace) -> None:
 def check_expert_parallel(args: argparse.Namespace) -> None:
     """--expert-model-parallel-size: experts split evenly; world = TP x EP x expert-DP x PP (expert-TP = TP)."""
     ep = args.expert_model_parallel_size
-    if ep == 1:
+    if ep <= 1:  # a size below 1: TransformerConfig's rule
         return
-    _require(ep > 1, f"--expert-model-parallel-size={ep} must be positive")
     _require(args.num_experts is not None, f"--expert-model-parallel-size={ep} needs --num-experts")
-    _require(
-        args.num_experts % ep == 0,
-        f"--num-experts={args.num_experts} must be divisible by --expert-model-parallel-size={ep}",
-    )
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _require(
         args.world_size % (tp * ep * pp) == 0,
@@ -437,7 +380,7 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:
-    """--context-parallel-size: 2 x CP equal chunks per sequence (each split over TP with SP); --cp-comm-type.
+    """--cp-comm-type: one value, or one per layer.
 
     Every --cp-comm-type computes the same exact attention; we run the all-gather scheme for any of them.
     """
@@ -448,19 +391,80 @@ def check_context_parallel(args: argparse.Namespace) -> None:
         len(comm_types) in (1, args.num_layers),
         f"--cp-comm-type gives {len(comm_types)} values: give one, or one per layer (--num-layers {args.num_layers})",
     )
-    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
-    if cp == 1:
-        return
-    _require(
-        args.seq_length % (2 * cp) == 0,
-        f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}",
-    )
-    if args.sequence_parallel:
-        _require(
-            args.seq_length % (2 * cp * tp) == 0,
-            f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) x "
-            f"--tensor-model-parallel-size ({tp}) = {2 * cp * tp} with --sequence-parallel",
-        )
+
+
+# ----------------------------------------------------------------------------------
+# The configs' own rules, with flag names.
+# ----------------------------------------------------------------------------------
+_SETTING = re.compile(r"(?<![\w-])([a-z][a-z0-9_]*)=(\([^)]*\)|\[[^\]]*\]|'[^']*'|[^\s,:;]+)")
+
+
+def _as_flag(target: Optional[type], name: str, value: str, specs: Dict[str, FlagSpec]) -> Optional[str]:
+    """``field=value`` of ``target`` (a flag destination when None) as the user wrote it; None if no flag fills it."""
+    source = fills_of(target).get(name) if target is not None else (name, None) if name in specs else None
+    if source is None:
+        return None
+    dest, fill = source
+    spec = specs[dest]
+    if fill is not None and fill.derive is not None:
+        return f"{name}={value} (from {spec.name})"
+    if (spec.action, value) in (("storetrue", "True"), ("storefalse", "False")):
+        return spec.name
+    return f"{spec.name} {value}" if spec.action == "store" else f"{spec.name} ({name}={value})"
+
+
+def flag_message(target: Optional[type], message: str) -> str:
+    """A config's error with each ``field=value`` of a flag-filled field rewritten as ``--flag value``.
+
+    With ``target`` None the names are flag destinations (a rule of the core on plain settings).
+    """
+    specs = {spec.dest: spec for spec in flag_specs()}
+
+    def rewrite(match: re.Match) -> str:
+        flag = _as_flag(target, match.group(1), match.group(2), specs)
+        return match.group(0) if flag is None else flag
+
+    text = _SETTING.sub(rewrite, message)
+    for name in re.findall(r" \((--[a-z0-9-]+)\)", text):  # the core's own hint, now said once
+        if text.count(name) > 1:
+            text = text.replace(f" ({name})", "", 1)
+    return text
+
+
+CHECKED_CONFIGS = (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig, CheckpointConfig, LoggingConfig)
+
+
+def check_configs(args: argparse.Namespace) -> None:
+    """Build each config once so that its ``__post_init__`` rules run now, before any heavy work.
+
+    A rule is written once, on the config owning the field; its errors and warnings reach the user
+    with flag names. What the config derives or corrects (head size, expert FFN size, sequence
+    parallelism off under TP 1) is read back into ``args``.
+    """
+    for target in CHECKED_CONFIGS:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                config = config_from_args(target, args)
+            except ValueError as err:
+                raise ArgumentsError(flag_message(target, str(err))) from err
+        for warning in caught:
+            warnings.warn(flag_message(target, str(warning.message)), warning.category, stacklevel=2)
+        if target is TransformerConfig:
+            args.kv_channels, args.moe_ffn_hidden_size = config.kv_channels, config.moe_ffn_hidden_size
+            args.sequence_parallel = config.sequence_parallel
+
+
+def check_sequence_split(args: argparse.Namespace) -> None:
+    """--seq-length splits into 2 x CP equal chunks, each split over TP under --sequence-parallel (the core's rule).
+
+    Runs after ``check_configs``, which turns sequence parallelism off under TP 1.
+    """
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    try:
+        local_sequence_length(args.seq_length, cp, tp, args.sequence_parallel)
+    except ValueError as err:
+        raise ArgumentsError(flag_message(None, str(err))) from err
 
 
 STEPS: List[Callable[[argparse.Namespace], None]] = [
@@ -480,6 +484,8 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_weight_decay,
     set_data,
     set_evaluation,
+    check_configs,
+    check_sequence_split,
 ]
 
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch.nn.functional as F
 
-from megatron.training.arguments import openai_gelu
+from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
 
 Args = Dict[str, Any]

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from megatron.core.model_parallel_config import require_one_precision
+
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -65,8 +67,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
-        if self.fp16 and self.bf16:
-            raise ValueError("fp16=True and bf16=True: choose at most one")
+        require_one_precision(self.fp16, self.bf16)
         for name in ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr"):
             value = getattr(self, name)
             if value is not None and value < 0:

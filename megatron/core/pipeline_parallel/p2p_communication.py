@@ -19,6 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.context_parallel import local_sequence_length
 from megatron.core.parallel_state import ProcessGroupCollection
 
 Shape = Tuple[int, ...]
@@ -27,15 +28,8 @@ SHAPE_RANK = 3  # activations between stages are [s, b, h]
 
 def activation_shape(seq_length: int, micro_batch_size: int, config: Any, groups: ProcessGroupCollection) -> Shape:
     """Shape of the tensor passed between stages: ``[s / cp (/ tp with SP), b, h]``."""
-    seq = seq_length // groups.size_of("cp")
-    if getattr(config, "sequence_parallel", False):
-        tp = groups.size_of("tp")
-        if seq % tp:
-            raise ValueError(
-                f"seq_length={seq_length} (per context-parallel rank: {seq}) must be divisible by "
-                f"tensor_model_parallel_size={tp} with sequence_parallel=True"
-            )
-        seq //= tp
+    sp = getattr(config, "sequence_parallel", False)
+    seq = local_sequence_length(seq_length, groups.size_of("cp"), groups.size_of("tp"), sp)
     return (seq, micro_batch_size, config.hidden_size)
 
 

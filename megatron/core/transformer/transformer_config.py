@@ -241,3 +241,16 @@ class TransformerConfig(ModelParallelConfig):
                     "'uniform' or 'block'"
                 )
             require_positive("recompute_num_layers", self.recompute_num_layers)
+        elif self.recompute_method is not None:
+            raise ValueError(
+                f"recompute_method={self.recompute_method!r} needs recompute_granularity='full' "
+                f"(got recompute_granularity={self.recompute_granularity!r})"
+            )
+        if self.distribute_saved_activations and (
+            self.recompute_granularity != "full" or self.tensor_model_parallel_size == 1
+        ):
+            raise ValueError(
+                f"distribute_saved_activations=True needs recompute_granularity='full' (got "
+                f"recompute_granularity={self.recompute_granularity!r}) and tensor_model_parallel_size > 1 "
+                f"(got tensor_model_parallel_size={self.tensor_model_parallel_size})"
+            )

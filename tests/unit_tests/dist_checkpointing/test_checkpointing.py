@@ -45,12 +45,12 @@ def test_config_validation():
 
 
 def test_config_from_megatron_flags():
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import checkpoint_config_from_args, parse_args
 
     args = parse_args(
         ["--save", "/s", "--load", "/l", "--save-interval", "5", "--no-load-rng", "--ckpt-format", "torch"]
     )
-    cfg = ckpt.checkpoint_config_from_args(args)
+    cfg = checkpoint_config_from_args(args)
     assert (cfg.save, cfg.load, cfg.save_interval, cfg.no_load_rng, cfg.no_save_optim, cfg.ckpt_format) == (
         "/s",
         "/l",

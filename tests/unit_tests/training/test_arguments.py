@@ -2,7 +2,6 @@
 
 import argparse
 import ast
-import dataclasses
 import enum
 import filecmp
 import os
@@ -14,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import arguments as A
-from megatron.training.flag_status import NO_OP_FLAGS, NOT_SUPPORTED_YET, AnyOf
+from megatron.training.flags.registry import no_op_flags, not_supported_yet
 from megatron.training.flags_table import FLAGS_TSV
 from tests.dist_harness import run_distributed
 
@@ -119,6 +117,7 @@ def test_help_lists_megatron_groups_and_exits_cleanly():
     for group in {row["group"] for row in _shared_rows()}:
         assert f"\n{group}:\n" in out.stdout
     assert "not supported yet" in out.stdout and "no effect here" in out.stdout
+    assert "this project's flag; not in Megatron-LM" in " ".join(out.stdout.split())  # --no-verify-checkpoint
 
 
 # ----------------------------------------------------------------------------------
@@ -126,12 +125,10 @@ def test_help_lists_megatron_groups_and_exits_cleanly():
 # ----------------------------------------------------------------------------------
 def test_status_tables_name_real_flags_with_default_as_harmless():
     rows = {row["dest"]: row for row in _shared_rows()}
-    for dest, harmless in NOT_SUPPORTED_YET.items():
+    for dest, status in not_supported_yet().items():
         assert dest in rows, dest
-        default = ast.literal_eval(rows[dest]["default"])
-        assert default in harmless if isinstance(harmless, AnyOf) else default == harmless, dest
-    assert NO_OP_FLAGS <= set(rows)
-    assert not NO_OP_FLAGS & set(NOT_SUPPORTED_YET)
+        assert status.accepts(ast.literal_eval(rows[dest]["default"])), dest
+    assert set(no_op_flags()) <= set(rows)
 
 
 BASE = [
@@ -289,8 +286,12 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, r"--lr-warmup-fraction.*--lr-warmup-iters"),
         (["--train-samples", "100"], 1, r"--train-iters and --train-samples"),
         (["--tensor-model-parallel-size", "2"], 3, r"world size 3.*--tensor-model-parallel-size \(2\)"),
-        (["--tensor-model-parallel-size", "8"], 8, r"--num-attention-heads \(4\).*--tensor-model-parallel-size \(8\)"),
-        (["--fp16", "--bf16"], 1, r"--fp16 and --bf16"),
+        (
+            ["--tensor-model-parallel-size", "8"],
+            8,
+            r"--num-attention-heads 4 must be divisible by --tensor-model-parallel-size 8",
+        ),
+        (["--fp16", "--bf16"], 1, r"--fp16 and --bf16: choose at most one"),
         (["--pipeline-model-parallel-size", "3"], 3, r"--num-layers.*--pipeline-model-parallel-size \(3\)"),
         (
             ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
@@ -309,21 +310,43 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
             2,
             r"number of microbatches \(3.*--pipeline-model-parallel-size \(2\)",
         ),
-        (["--group-query-attention", "--num-query-groups", "3"], 1, r"--num-query-groups \(3\)"),
+        (
+            ["--group-query-attention", "--num-query-groups", "3"],
+            1,
+            r"--num-attention-heads 4 must be divisible by --num-query-groups 3",
+        ),
         (["--batch-size", "4"], 1, r"--batch-size.*--micro-batch-size"),
-        (["--recompute-granularity", "full"], 1, r"--recompute-method"),
-        (["--window-size", "8"], 1, r"--window-size \(8,\): give left,right"),
+        (["--recompute-granularity", "full"], 1, r"--recompute-method None: --recompute-granularity 'full' needs"),
+        (["--recompute-method", "block"], 1, r"--recompute-method 'block' needs --recompute-granularity 'full'"),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+            + ["--distribute-saved-activations"],
+            1,
+            r"--distribute-saved-activations needs .*tensor_model_parallel_size > 1 "
+            r"\(got --tensor-model-parallel-size 1\)",
+        ),
+        (
+            ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+            4,
+            r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4",
+        ),
+        (["--hidden-size", "66"], 1, r"--hidden-size 66 must be divisible by --num-attention-heads 4"),
+        (["--overlap-param-gather"], 1, r"--overlap-param-gather requires --use-distributed-optimizer"),
+        (["--save-interval", "0"], 1, r"--save-interval 0: must be an integer >= 1"),
+        (["--adam-beta1", "1.5"], 1, r"--adam-beta1 1.5"),
+        (["--log-interval", "0"], 1, r"--log-interval=0 must be at least 1"),
+        (["--window-size", "8"], 1, r"--window-size \(8,\): need \(left, right\) integers"),
         (["--lr-decay-samples", "10"], 1, r"--lr-decay-samples.*--train-samples"),
         (
             ["--num-experts", "6", "--expert-model-parallel-size", "4"],
             4,
-            r"--num-experts=6 must be divisible by --expert-model-parallel-size=4",
+            r"--num-experts 6 must be divisible by --expert-model-parallel-size 4",
         ),
         (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size=2 needs --num-experts"),
         (
             ["--context-parallel-size", "2", "--seq-length", "30"],
             2,
-            r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size \(2\) = 4",
+            r"--seq-length 30 must be divisible by 2 x --context-parallel-size 2 = 4",
         ),
         (
             [
@@ -336,8 +359,13 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
                 "36",
             ],
             4,
-            r"--seq-length \(36\) .*--context-parallel-size \(2\) x "
-            r"--tensor-model-parallel-size \(2\) = 8 with --sequence-parallel",
+            r"--seq-length 36 must be divisible by 2 x --context-parallel-size 2 x "
+            r"--tensor-model-parallel-size 2 = 8 with --sequence-parallel",
+        ),
+        (
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33"],
+            2,
+            r"--seq-length 33 must be divisible by --tensor-model-parallel-size 2 = 2 with --sequence-parallel",
         ),
         (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, r"--cp-comm-type ring: must be one of p2p"),
         (["--cp-comm-type", "p2p", "a2a", "p2p"], 1, r"--cp-comm-type gives 3 values.*--num-layers 4"),
@@ -379,7 +407,7 @@ def test_train_length_required():
 
 
 def test_sequence_parallel_with_tp1_warns_and_disables():
-    with pytest.warns(UserWarning, match="--sequence-parallel"):
+    with pytest.warns(UserWarning, match="--sequence-parallel with --tensor-model-parallel-size 1: disabling"):
         args = _validated(["--sequence-parallel"])
     assert args.sequence_parallel is False
     assert _validated(["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2).sequence_parallel
@@ -410,13 +438,6 @@ def test_virtual_pipeline_and_uneven_stages():
 # ----------------------------------------------------------------------------------
 # Flags -> configs.
 # ----------------------------------------------------------------------------------
-def test_every_transformer_config_field_is_mapped_once():
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    tables = [set(A.TRANSFORMER_SAME_NAME), set(A.TRANSFORMER_DERIVED), set(A.TRANSFORMER_NOT_FROM_FLAGS)]
-    assert set.union(*tables) == fields
-    assert sum(len(t) for t in tables) == len(fields)
-
-
 def test_context_parallel_size_is_accepted_and_reaches_the_config():
     args = _validated(
         [
@@ -476,7 +497,7 @@ def test_moe_flags_map_to_config():
         A.core_transformer_config_from_args(_validated(["--num-experts", "4", "--moe-layer-freq", "2"])).moe_layer_freq
         == 2
     )
-    with pytest.raises(A.ArgumentsError, match="--moe-router-topk=9"):
+    with pytest.raises(A.ArgumentsError, match="--moe-router-topk 9 must be <= --num-experts 8"):
         _validated(["--num-experts", "8", "--moe-router-topk", "9"])
     with pytest.raises(A.ArgumentsError, match="--moe-layer-freq"):
         _validated(["--num-experts", "8", "--moe-layer-freq", "[1,0]"])

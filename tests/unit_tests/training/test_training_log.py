@@ -11,15 +11,13 @@ from datetime import datetime
 import pytest
 
 from megatron.core.timers import Timers
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import flops_config_from_args, logging_config_from_args, parse_args
 from megatron.training.training_log import (
     FlopsConfig,
     LoggingConfig,
     TrainingLogger,
-    flops_config_from_args,
     format_evaluation_block,
     format_log_line,
-    logging_config_from_args,
     num_floating_point_operations,
     parse_evaluation_line,
     parse_log_line,
@@ -197,18 +195,12 @@ def test_flops_formula_matches_counted_matmuls_of_a_gpt():
 
 
 def test_flops_config_from_args():
-    args = argparse.Namespace(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=8,
-        num_query_groups=2,
-        group_query_attention=True,
-        ffn_hidden_size=128,
-        seq_length=32,
-        padded_vocab_size=256,
-        kv_channels=8,
-        swiglu=True,
+    args = parse_args(
+        ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention"]
+        + ["--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32", "--kv-channels", "8"]
+        + ["--swiglu"]
     )
+    args.padded_vocab_size = 256
     cfg = flops_config_from_args(args)
     assert (cfg.num_query_groups, cfg.swiglu, cfg.padded_vocab_size) == (2, True, 256)
     with pytest.raises(ValueError, match="padded_vocab_size"):

@@ -33,7 +33,7 @@ def test_rank_holds_chunks_r_and_mirror(cp):
 
 
 def test_sequence_not_divisible_by_two_cp_is_refused():
-    with pytest.raises(ValueError, match=r"sequence length 12 must be divisible by 2 x context_parallel_size \(4\)"):
+    with pytest.raises(ValueError, match=r"seq_length=12 must be divisible by 2 x context_parallel_size=4 = 8"):
         cp_chunk_positions(12, 4, 0)
 
 

@@ -1,0 +1,69 @@
+"""``CheckpointConfig``: what the training application saves and loads, and how strictly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.dist_checkpointing.validation import parse_strictness
+
+SUPPORTED_FORMATS = ("torch_dist", "torch")
+_MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
+_FLAGS = ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and what to save and load (Megatron's checkpointing flags).
+
+    Attributes:
+        save: directory to save to (``--save``); None disables saving.
+        load: directory to resume from (``--load``); None starts from scratch.
+        save_interval: iterations between saves (``--save-interval``).
+        no_save_optim / no_save_rng: leave optimizer / RNG state out of saves.
+        no_load_optim / no_load_rng: ignore optimizer (and scheduler) / RNG state on load.
+        finetune: load the model only and start at iteration 0 with a fresh train state.
+        ckpt_format: ``torch_dist`` (sharded, any layout) or ``torch`` (legacy, per TP/PP rank).
+        exit_on_missing_checkpoint: a ``load`` without a checkpoint is an error, not a fresh start.
+        ckpt_step: load this iteration instead of the tracker's (``--ckpt-step``).
+        dist_ckpt_strictness: what a torch_dist load does with keys the model and the checkpoint do
+            not share (``--dist-ckpt-strictness``; see ``dist_checkpointing/validation.py``).
+        verify_checkpoint: check every file against the checksums in ``metadata.json`` on load
+            (``--no-verify-checkpoint`` turns it off).
+    """
+
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    ckpt_format: str = "torch_dist"
+    exit_on_missing_checkpoint: bool = False
+    ckpt_step: Optional[int] = None
+    dist_ckpt_strictness: str = "assume_ok_unexpected"
+    verify_checkpoint: bool = True
+
+    def __post_init__(self) -> None:
+        parse_strictness(self.dist_ckpt_strictness)
+        if not isinstance(self.verify_checkpoint, bool):
+            raise ValueError(f"verify_checkpoint={self.verify_checkpoint!r}: must be True or False")
+        for name in _FLAGS:
+            value = getattr(self, name)
+            if value is None:  # Megatron's store_true flags default to None
+                setattr(self, name, False)
+            elif not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: must be True or False")
+        if self.ckpt_format in _MEGATRON_ONLY_FORMATS:
+            raise ValueError(
+                f"ckpt_format={self.ckpt_format!r}: not supported yet: --ckpt-format "
+                f"{self.ckpt_format} (use one of {SUPPORTED_FORMATS})"
+            )
+        if self.ckpt_format not in SUPPORTED_FORMATS:
+            raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {SUPPORTED_FORMATS}")
+        for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):
+                raise ValueError(f"{name}={value!r}: must be an integer >= {lowest} or None")

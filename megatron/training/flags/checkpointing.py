@@ -1,0 +1,74 @@
+"""Records of the checkpointing flags."""
+
+from __future__ import annotations
+
+from megatron.training.checkpoint_config import CheckpointConfig as CK
+from megatron.training.flags import reasons
+from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, no_op, not_yet, same
+
+RECORDS = (
+    Flag("save", IMPLEMENTED, help="Directory to save checkpoints to.", fills=same(CK)),
+    Flag("save_interval", IMPLEMENTED, type=int, fills=same(CK)),
+    Flag("save_wgrads_interval", not_yet(None), type=int),
+    Flag("save_dgrads_interval", not_yet(None), type=int),
+    Flag("save_retain_interval", not_yet(None), type=int),
+    Flag("load", IMPLEMENTED, help="Directory to load checkpoints from.", fills=same(CK)),
+    Flag("load_main_params_from_ckpt", not_yet(False)),
+    Flag("non_persistent_save_interval", not_yet(None), type=int),
+    Flag("non_persistent_ckpt_type", no_op(reasons.UNDER_REFUSED)),
+    Flag("non_persistent_global_ckpt_dir", no_op(reasons.UNDER_REFUSED)),
+    Flag("non_persistent_local_ckpt_dir", no_op(reasons.UNDER_REFUSED)),
+    Flag("non_persistent_local_ckpt_algo", no_op(reasons.UNDER_REFUSED)),
+    Flag("finetune", IMPLEMENTED, fills=same(CK)),
+    Flag("pretrained_checkpoint", not_yet(None)),
+    Flag("ckpt_step", IMPLEMENTED, type=int, fills=same(CK)),
+    Flag(
+        "use_checkpoint_args",
+        IMPLEMENTED,
+        help="Take the model flags (architecture, tokenizer type, dropout) from the --load checkpoint.",
+    ),
+    Flag("use_mp_args_from_checkpoint_args", not_yet(False)),
+    Flag("use_tokenizer_model_from_checkpoint_args", not_yet(True)),
+    Flag("exit_on_missing_checkpoint", IMPLEMENTED, fills=same(CK)),
+    Flag("ckpt_format", not_yet("torch", "torch_dist"), fills=same(CK)),
+    Flag("auto_detect_ckpt_format", no_op(reasons.CHECKPOINT_IO)),
+    Flag("ckpt_convert_format", not_yet(None)),
+    Flag("ckpt_convert_save", no_op(reasons.UNDER_REFUSED)),
+    Flag("ckpt_convert_update_legacy_dist_opt_format", no_op(reasons.UNDER_REFUSED)),
+    Flag("ckpt_fully_parallel_save", no_op(reasons.CHECKPOINT_IO)),
+    Flag("async_save", no_op(reasons.CHECKPOINT_IO)),
+    Flag("use_persistent_ckpt_worker", no_op(reasons.CHECKPOINT_IO)),
+    Flag("ckpt_fully_parallel_load", no_op(reasons.CHECKPOINT_IO)),
+    Flag("ckpt_assume_constant_structure", no_op(reasons.CHECKPOINT_IO)),
+    Flag("strict_fsdp_dtensor_load", no_op(reasons.UNDER_REFUSED)),
+    Flag(
+        "dist_ckpt_strictness",
+        IMPLEMENTED,
+        help="Keys the model and a torch_dist checkpoint do not share: the default refuses both kinds "
+        "(also checkpoint tensors the model does not use); see dist_checkpointing/validation.py.",
+        fills=same(CK),
+    ),
+    Flag("dist_ckpt_save_pre_mcore_014", no_op(reasons.CHECKPOINT_IO)),
+    Flag("dist_ckpt_optim_fully_reshardable", no_op(reasons.CHECKPOINT_IO)),
+    Flag("distrib_optim_fully_reshardable_mem_efficient", no_op(reasons.CHECKPOINT_IO)),
+    Flag("replication", not_yet(False)),
+    Flag("replication_jump", no_op(reasons.UNDER_REFUSED), type=int),
+    Flag("replication_factor", no_op(reasons.UNDER_REFUSED)),
+    Flag("no_save_optim", IMPLEMENTED, fills=same(CK)),
+    Flag("no_save_rng", IMPLEMENTED, fills=same(CK)),
+    Flag("no_load_optim", IMPLEMENTED, fills=same(CK)),
+    Flag("no_load_rng", IMPLEMENTED, fills=same(CK)),
+    Flag("use_dist_ckpt_deprecated", IMPLEMENTED),
+    Flag("dist_ckpt_format_deprecated", IMPLEMENTED),
+    Flag("ckpt_fully_parallel_save_deprecated", no_op(reasons.CHECKPOINT_IO)),
+    # This project's own flag (not in Megatron-LM).
+    Flag(
+        "verify_checkpoint",
+        IMPLEMENTED,
+        help="Do not check checkpoint files against the SHA-256 sums in metadata.json on load.",
+        fills=same(CK),
+        project=ProjectFlag(
+            group="checkpointing", option_strings=("--no-verify-checkpoint",), default=True, action="storefalse"
+        ),
+    ),
+)

@@ -1,0 +1,93 @@
+"""Records of the data, dataloader and tokenizer flags."""
+
+from __future__ import annotations
+
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as GDS
+from megatron.training.flags import reasons
+from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
+from megatron.training.flags.record import IMPLEMENTED, Flag, no_op, not_yet, same, to
+from megatron.training.training_log import FlopsConfig as FL
+
+RECORDS = (
+    Flag(
+        "data_path",
+        IMPLEMENTED,
+        help="Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...",
+        fills=(to(GDS, "blend", blend),),
+    ),
+    Flag("phase_transition_iterations", not_yet(None)),
+    Flag(
+        "split",
+        IMPLEMENTED,
+        help="Train/valid/test proportions; default '969, 30, 1' with --data-path.",
+        fills=(to(GDS, "split", split),),
+    ),
+    Flag("train_data_path", IMPLEMENTED, fills=(to(GDS, "blend_per_split", blend_per_split),)),
+    Flag("valid_data_path", IMPLEMENTED),
+    Flag("test_data_path", IMPLEMENTED),
+    Flag("data_args_path", not_yet(None)),
+    Flag("per_split_data_args_path", not_yet(None)),
+    Flag("per_dataset_sequences_path", not_yet(None)),
+    Flag("dataloader_fast_cache_load", no_op(reasons.CHECKPOINT_IO)),
+    Flag("dataloader_defer_npy_index_mmap", no_op(reasons.CHECKPOINT_IO)),
+    Flag("data_cache_path", IMPLEMENTED, fills=(to(GDS, "path_to_cache"),)),
+    Flag("mmap_bin_files", IMPLEMENTED, fills=same(GDS)),
+    Flag("mock_data", IMPLEMENTED, help="Synthetic data instead of --data-path.", fills=(to(GDS, "mock"),)),
+    Flag(
+        "seq_length",
+        IMPLEMENTED,
+        help="Tokens per training sample.",
+        type=int,
+        fills=(*same(FL), to(GDS, "sequence_length")),
+    ),
+    Flag("encoder_seq_length", not_yet(None), type=int),
+    Flag("decoder_seq_length", not_yet(None), type=int),
+    Flag("sample_rate", not_yet(1.0)),
+    Flag("mask_prob", not_yet(0.15)),
+    Flag("short_seq_prob", not_yet(0.1)),
+    Flag("num_workers", IMPLEMENTED),
+    Flag("reset_position_ids", IMPLEMENTED, fills=same(GDS)),
+    Flag(
+        "reset_attention_mask",
+        IMPLEMENTED,
+        fills=(*same(GDS), to(GDS, "create_attention_mask", create_attention_mask)),
+    ),
+    Flag("eod_mask_loss", IMPLEMENTED, fills=same(GDS)),
+    Flag("create_attention_mask_in_dataloader", no_op(reasons.MEMORY)),
+    Flag("num_dataset_builder_threads", IMPLEMENTED, fills=same(GDS)),
+    Flag("object_storage_cache_path", not_yet(None)),
+    Flag("mid_level_dataset_surplus", IMPLEMENTED, fills=same(GDS)),
+    Flag("allow_ambiguous_pad_tokens", not_yet(False)),
+    Flag("fim_data", not_yet(False)),
+    Flag("fim_rate", no_op(reasons.UNDER_REFUSED)),
+    Flag("fim_spm_rate", no_op(reasons.UNDER_REFUSED)),
+    Flag("fim_split_sample", no_op(reasons.UNDER_REFUSED), type=int),
+    Flag("fim_fragment_rate", no_op(reasons.UNDER_REFUSED), type=float),
+    Flag("fim_no_prefix", no_op(reasons.UNDER_REFUSED)),
+    Flag("fim_prefix_token", no_op(reasons.UNDER_REFUSED)),
+    Flag("fim_middle_token", no_op(reasons.UNDER_REFUSED)),
+    Flag("fim_suffix_token", no_op(reasons.UNDER_REFUSED)),
+    Flag("fim_pad_token", no_op(reasons.UNDER_REFUSED)),
+    Flag("fim_eod_token", no_op(reasons.UNDER_REFUSED)),
+    Flag("vocab_size", IMPLEMENTED, type=int),
+    Flag("padded_vocab_size", IMPLEMENTED, type=int, fills=same(FL)),
+    Flag("vocab_file", IMPLEMENTED),
+    Flag("merge_file", IMPLEMENTED),
+    Flag("vocab_extra_ids", IMPLEMENTED),
+    Flag(
+        "tokenizer_type",
+        IMPLEMENTED,
+        help="Tokenizer; default GPT2BPETokenizer (GPT) or BertWordPieceLowerCase (BERT, T5).",
+    ),
+    Flag("tokenizer_model", IMPLEMENTED),
+    Flag("tokenizer_metadata", not_yet(None)),
+    Flag("tokenizer_special_tokens", not_yet(None)),
+    Flag("legacy_tokenizer", not_yet(False)),
+    Flag("tiktoken_pattern", IMPLEMENTED),
+    Flag("tiktoken_num_special_tokens", IMPLEMENTED),
+    Flag("tiktoken_special_tokens", IMPLEMENTED),
+    Flag("tokenizer_sentencepiece_legacy", not_yet(False)),
+    Flag("tokenizer_hf_use_fast", not_yet(False)),
+    Flag("tokenizer_hf_include_special_tokens", not_yet(False)),
+    Flag("trust_remote_code", IMPLEMENTED),
+)

@@ -1,0 +1,179 @@
+"""Named derive functions: config field values computed from validated flags.
+
+Each is referenced by the record of the flag it belongs to (``Fill.derive``); one
+that reads several flags says which in its docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.datasets.utils import get_blend_from_list
+
+Args = argparse.Namespace
+
+
+def _reader(dest: str, convert: Callable[[Any], Any], kind: str) -> Callable[[Args], Any]:
+    def read(args: Args) -> Any:
+        return convert(getattr(args, dest))
+
+    read.__name__ = f"{kind}_{dest}"
+    return read
+
+
+def as_bool(dest: str) -> Callable[[Args], bool]:
+    """``bool(args.<dest>)`` (Megatron's store_true flags may hold None)."""
+    return _reader(dest, bool, "bool")
+
+
+def as_int(dest: str) -> Callable[[Args], int]:
+    """``int(args.<dest>)``."""
+    return _reader(dest, int, "int")
+
+
+def zero_if_none(dest: str) -> Callable[[Args], Any]:
+    """``args.<dest>``, or 0 when unset."""
+    return _reader(dest, lambda v: v or 0, "zero_if_none")
+
+
+def none_if_empty(dest: str) -> Callable[[Args], Any]:
+    """``args.<dest>``, or None for an empty string."""
+    return _reader(dest, lambda v: v or None, "none_if_empty")
+
+
+# ------------------------------------------------------------------ model
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Primer's activation)."""
+    return torch.pow(F.relu(x), 2)
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU with the tanh approximation used by the original GPT."""
+    return F.gelu(x, approximate="tanh")
+
+
+def activation_from_args(args: Args) -> Callable[[torch.Tensor], torch.Tensor]:
+    """--swiglu (SiLU, gated), --squared-relu, --openai-gelu, else exact GeLU; at most one of them."""
+    chosen = [name for name in ("swiglu", "squared_relu", "openai_gelu") if getattr(args, name)]
+    if len(chosen) > 1:
+        raise ValueError(f"choose one activation, got {', '.join('--' + c.replace('_', '-') for c in chosen)}")
+    if args.swiglu:
+        return F.silu
+    if args.squared_relu:
+        return squared_relu
+    if args.openai_gelu:
+        return openai_gelu
+    return F.gelu
+
+
+def bias_activation_fusion(args: Args) -> bool:
+    """--bias-swiglu-fusion under --swiglu, else --bias-gelu-fusion."""
+    return args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
+
+
+def persist_layer_norm(args: Args) -> bool:
+    """Not --no-persist-layer-norm."""
+    return not args.no_persist_layer_norm
+
+
+def batch_p2p_comm(args: Args) -> bool:
+    """Not --overlap-p2p-comm (Megatron's rule; nothing here reads the field)."""
+    return not args.overlap_p2p_comm
+
+
+def attention_backend_name(args: Args) -> str:
+    """The ``AttnBackend`` member's name (``flash``, ``auto`` ...)."""
+    return getattr(args.attention_backend, "name", args.attention_backend)
+
+
+def xavier_or_default(args: Args) -> Optional[Callable[[torch.Tensor], Any]]:
+    """Xavier uniform for every linear layer under --init-method-xavier-uniform, else None (the config's normal)."""
+    return torch.nn.init.xavier_uniform_ if args.init_method_xavier_uniform else None
+
+
+def initialization_seed(args: Args) -> Optional[int]:
+    """--seed under --use-cpu-initialization (each layer seeded from (seed, name): every layout starts equal)."""
+    return args.seed if args.use_cpu_initialization else None
+
+
+def num_moe_layers(args: Args) -> int:
+    """MoE layers among --num-layers: none without --num-experts, else as --moe-layer-freq picks them."""
+    if not args.num_experts:
+        return 0
+    freq = args.moe_layer_freq
+    return sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
+
+
+# ------------------------------------------------------------------ LR schedule (counted in samples)
+def _samples(args: Args, iters: Optional[int]) -> Optional[int]:
+    return None if iters is None else iters * args.global_batch_size
+
+
+def decay_steps(args: Args) -> Optional[int]:
+    """--lr-decay-iters x global batch, or --lr-decay-samples."""
+    if args.train_iters is not None:
+        return _samples(args, args.lr_decay_iters)
+    return args.lr_decay_samples
+
+
+def warmup_steps(args: Args) -> Any:
+    """--lr-warmup-fraction of the decay steps, else --lr-warmup-iters x global batch or --lr-warmup-samples."""
+    if args.lr_warmup_fraction is not None:
+        return args.lr_warmup_fraction * decay_steps(args)
+    if args.train_iters is not None:
+        return _samples(args, args.lr_warmup_iters)
+    return args.lr_warmup_samples
+
+
+def wd_incr_steps(args: Args) -> Optional[int]:
+    """The training length in samples: --train-iters x global batch, or --train-samples."""
+    if args.train_iters is not None:
+        return _samples(args, args.train_iters)
+    return args.train_samples
+
+
+def wsd_decay_steps(args: Args) -> Optional[int]:
+    """--lr-wsd-decay-iters x global batch, or --lr-wsd-decay-samples."""
+    if args.train_iters is not None:
+        return _samples(args, args.lr_wsd_decay_iters)
+    return args.lr_wsd_decay_samples
+
+
+# ------------------------------------------------------------------ data
+def _per_split(args: Args) -> List[Any]:
+    return [args.train_data_path, args.valid_data_path, args.test_data_path]
+
+
+def _uses_per_split(args: Args) -> bool:
+    return any(p is not None for p in _per_split(args))
+
+
+def blend(args: Args) -> Any:
+    """--data-path as (prefixes, weights), unless --train/valid/test-data-path name the splits."""
+    return None if _uses_per_split(args) else get_blend_from_list(args.data_path)
+
+
+def blend_per_split(args: Args) -> Any:
+    """One blend per split from --train-data-path, --valid-data-path, --test-data-path (or None)."""
+    return [get_blend_from_list(p) for p in _per_split(args)] if _uses_per_split(args) else None
+
+
+def split(args: Args) -> Optional[str]:
+    """--split for a single --data-path; None with per-split paths."""
+    return None if _uses_per_split(args) else args.split
+
+
+def create_attention_mask(args: Args) -> bool:
+    """A per-sample mask only with --reset-attention-mask; else the model builds the plain causal mask."""
+    return bool(args.reset_attention_mask)
+
+
+# ------------------------------------------------------------------ logging
+def wandb_save_dir(args: Args) -> str:
+    """--wandb-save-dir, else ``<--save>/wandb`` as in Megatron, else ``./wandb``."""
+    return args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")

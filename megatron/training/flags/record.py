@@ -1,0 +1,113 @@
+"""The shape of a flag's record: what this project knows about one Megatron flag.
+
+Megatron's own facts about a flag (option strings, destination, default, choices,
+nargs, action) stay in ``megatron_flags.tsv``. A :class:`Flag` adds ours, keyed by
+the destination: the value type where the table's default does not tell, the help
+text, the status, and the config fields the flag fills. The parser, ``--help``, the
+refusal of unsupported values and the flag -> config mapping are generated from
+these records (``registry.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple, Union
+
+Derive = Callable[[argparse.Namespace], Any]
+
+
+@dataclass(frozen=True)
+class Implemented:
+    """The flag does what Megatron's does (read by the code named in its record's fills or use)."""
+
+
+@dataclass(frozen=True)
+class NoOp:
+    """Accepted and without effect here; ``reason`` says why the result is the same (shown in ``--help``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotSupportedYet:
+    """Only the ``harmless`` values are accepted (the default, or the choices we implement); others stop the run."""
+
+    harmless: Tuple[Any, ...]
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` is one of the harmless values."""
+        return value in self.harmless
+
+
+Status = Union[Implemented, NoOp, NotSupportedYet]
+IMPLEMENTED = Implemented()
+
+
+def no_op(reason: str) -> NoOp:
+    """Status of a flag that is accepted and changes nothing here, for ``reason``."""
+    return NoOp(reason)
+
+
+def not_yet(*harmless: Any) -> NotSupportedYet:
+    """Status of a flag refused unless its value is one of ``harmless``."""
+    return NotSupportedYet(harmless)
+
+
+@dataclass(frozen=True)
+class Fill:
+    """One config field a flag fills: same-named (``field`` None) or renamed, copied or ``derive``d from the args."""
+
+    target: type
+    field: Optional[str] = None
+    derive: Optional[Derive] = None
+
+    def field_for(self, dest: str) -> str:
+        """The filled field's name for a flag with destination ``dest``."""
+        return self.field or dest
+
+    def value(self, dest: str, args: argparse.Namespace) -> Any:
+        """The field's value from validated ``args``."""
+        return self.derive(args) if self.derive is not None else getattr(args, dest)
+
+
+def same(*targets: type) -> Tuple[Fill, ...]:
+    """Fills of the same-named field in each of ``targets``."""
+    return tuple(Fill(t) for t in targets)
+
+
+def to(target: type, field: str, derive: Optional[Derive] = None) -> Fill:
+    """Fill ``target.field`` from the flag's value, or from ``derive(args)``."""
+    return Fill(target, field, derive)
+
+
+def validated(name: str) -> Derive:
+    """A derive that reads ``args.<name>``, a value ``validate_args`` computes from this flag (and others)."""
+
+    def read(args: argparse.Namespace) -> Any:
+        return getattr(args, name)
+
+    read.__name__ = f"validated_{name}"
+    return read
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag's record, keyed by its destination; see the module docstring."""
+
+    dest: str
+    status: Status
+    help: str = ""
+    type: Optional[Callable[[str], Any]] = None
+    fills: Tuple[Fill, ...] = ()
+    project: Optional[ProjectFlag] = None  # set for this project's own flags only
+
+
+@dataclass(frozen=True)
+class ProjectFlag:
+    """The table facts of a flag of this project that Megatron-LM lacks (its record then is complete)."""
+
+    group: str
+    option_strings: Tuple[str, ...]
+    default: Any
+    action: str  # store | storetrue | storefalse

@@ -1,0 +1,181 @@
+"""All flag records in one index, and what is generated from them.
+
+``RECORDS`` maps each destination to its :class:`~.record.Flag`. From the records
+and Megatron's table this module derives the statuses the parser and the
+refusal use, this project's own table rows, the user-facing flag names, and the
+flag -> config mapping: ``config_kwargs(Config, args)`` fills each field from the
+one record that names it, or from ``NOT_A_FLAG`` (fields no flag sets, each with a
+reason). ``tests/unit_tests/training/test_flag_records.py`` checks that every
+table flag has a record and every field of every ``CONFIG_TARGETS`` entry exactly
+one source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.flags import checkpointing, data, logging, model, training
+from megatron.training.flags.record import Fill, Flag, NoOp, NotSupportedYet
+from megatron.training.flags_table import FlagSpec, megatron_flag_specs
+from megatron.training.training_log import FlopsConfig, LoggingConfig
+
+_ALL: Tuple[Flag, ...] = model.RECORDS + training.RECORDS + checkpointing.RECORDS + data.RECORDS + logging.RECORDS
+
+
+def _index(records: Tuple[Flag, ...]) -> Dict[str, Flag]:
+    index: Dict[str, Flag] = {}
+    for record in records:
+        if record.dest in index:
+            raise ValueError(f"two records for the flag destination {record.dest!r}")
+        index[record.dest] = record
+    return index
+
+
+RECORDS: Dict[str, Flag] = _index(_ALL)
+
+# The configs built from flags; OptimizerParamScheduler stands for its keyword arguments.
+CONFIG_TARGETS: Tuple[type, ...] = (
+    TransformerConfig,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    OptimizerParamScheduler,
+    CheckpointConfig,
+    LoggingConfig,
+    FlopsConfig,
+    GPTDatasetConfig,
+)
+
+
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class NotAFlag:
+    """A config field no flag fills: ``reason`` says why; ``value`` (if given) is what training passes."""
+
+    reason: str
+    value: Any = _UNSET
+
+
+_HOOK = NotAFlag("a callback the training loop installs after building the model")
+NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
+    TransformerConfig: {
+        "timers": NotAFlag("the training loop's Timers object, not a setting"),
+        "finalize_model_grads_func": _HOOK,
+        "grad_scale_func": _HOOK,
+        "no_sync_func": _HOOK,
+        "grad_sync_func": _HOOK,
+        "param_sync_func": _HOOK,
+        "variable_seq_lengths": NotAFlag("fixed-length GPT samples; the config's default"),
+        "embedding_init_method": NotAFlag("built by the config from embedding_init_method_std"),
+        "softmax_scale": NotAFlag("Megatron has no flag for it; 1/sqrt(kv_channels)"),
+        "memory_efficient_layer_norm": NotAFlag("a Transformer-Engine kernel switch with no flag"),
+        "deallocate_pipeline_outputs": NotAFlag("always on in training, as in Megatron", True),
+    },
+    DistributedDataParallelConfig: {
+        "use_custom_fsdp": NotAFlag("Megatron's FSDP is --use-megatron-fsdp, refused as not supported yet"),
+    },
+    OptimizerConfig: {"timers": NotAFlag("the training loop's Timers object, not a setting")},
+    OptimizerParamScheduler: {"optimizer": NotAFlag("the optimizer object the schedule drives")},
+    CheckpointConfig: {},
+    LoggingConfig: {
+        "wandb_mode": NotAFlag("from the WANDB_MODE environment variable (offline when unset)"),
+        "timers_to_log": NotAFlag("the fixed list of Megatron's logged timers"),
+    },
+    FlopsConfig: {},
+    GPTDatasetConfig: {
+        "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
+        "drop_last_partial_validation_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
+        "add_extra_token_to_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
+    },
+}
+
+
+def target_fields(target: type) -> List[str]:
+    """The settable fields of a config dataclass, or the keyword parameters of a class like the scheduler."""
+    if dataclasses.is_dataclass(target):
+        return [f.name for f in dataclasses.fields(target) if f.init]
+    return [name for name in inspect.signature(target).parameters if name != "self"]
+
+
+@functools.cache
+def fills_of(target: type) -> Dict[str, Tuple[str, Fill]]:
+    """``{field: (flag dest, fill)}`` for ``target``; raises if two records fill one field."""
+    found: Dict[str, Tuple[str, Fill]] = {}
+    for record in _ALL:
+        for fill in record.fills:
+            if fill.target is not target:
+                continue
+            name = fill.field_for(record.dest)
+            if name in found:
+                raise ValueError(f"{target.__name__}.{name} is filled by both {found[name][0]} and {record.dest}")
+            found[name] = (record.dest, fill)
+    return found
+
+
+def config_kwargs(target: type, args: argparse.Namespace) -> Dict[str, Any]:
+    """The keyword arguments of ``target`` that validated ``args`` determine, generated from the records."""
+    kwargs = {name: fill.value(dest, args) for name, (dest, fill) in fills_of(target).items()}
+    for name, entry in NOT_A_FLAG[target].items():
+        if entry.value is not _UNSET:
+            kwargs[name] = entry.value
+    return kwargs
+
+
+def config_from_args(target: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """``target(**config_kwargs(target, args))``; ``overrides`` (field names of ``target``) win over the flags."""
+    unknown = sorted(set(overrides) - set(target_fields(target)))
+    if unknown:
+        raise TypeError(f"{target.__name__} has no field(s) {', '.join(unknown)}")
+    return target(**{**config_kwargs(target, args), **overrides})
+
+
+# ------------------------------------------------------------------ statuses and names
+def not_supported_yet() -> Dict[str, NotSupportedYet]:
+    """``{dest: status}`` of the flags refused unless harmless."""
+    return {d: r.status for d, r in RECORDS.items() if isinstance(r.status, NotSupportedYet)}
+
+
+def no_op_flags() -> Dict[str, NoOp]:
+    """``{dest: status}`` of the flags accepted without effect."""
+    return {d: r.status for d, r in RECORDS.items() if isinstance(r.status, NoOp)}
+
+
+def project_specs() -> List[FlagSpec]:
+    """Table rows of this project's own flags, from their records."""
+    return [
+        FlagSpec(
+            group=r.project.group,
+            option_strings=r.project.option_strings,
+            dest=r.dest,
+            default=r.project.default,
+            choices=None,
+            nargs=None,
+            action=r.project.action,
+        )
+        for r in _ALL
+        if r.project is not None
+    ]
+
+
+@functools.lru_cache(maxsize=1)
+def flag_specs() -> List[FlagSpec]:
+    """Megatron's table, then this project's flags: every flag the parser has."""
+    return megatron_flag_specs() + project_specs()
+
+
+@functools.lru_cache(maxsize=1)
+def flag_names() -> Dict[str, str]:
+    """``{dest: '--flag'}``: how a user writes each flag (its first option string)."""
+    return {spec.dest: spec.name for spec in flag_specs()}
