@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from megatron.core.utils import unwrap_model  # noqa: F401 - Megatron-LM's training.utils exports it
+
 
 def _rank_and_world() -> tuple:
     if dist.is_available() and dist.is_initialized():
