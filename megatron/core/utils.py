@@ -72,3 +72,11 @@ def named_model_params(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[st
         prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
         named += [(prefix + name, param) for name, param in unwrap_model(chunk).named_parameters()]
     return named
+
+
+def refuse_unimplemented(where: str, **settings: Tuple[object, object]) -> None:
+    """Raise ``NotImplementedError`` naming each argument given as ``name=(value, only implemented value)``
+    whose value is not the implemented one: accepted for Megatron's signature, never silently ignored."""
+    named = [f"{name}={value!r}" for name, (value, implemented) in settings.items() if value != implemented]
+    if named:
+        raise NotImplementedError(f"{where}: not supported yet: {', '.join(named)}")

@@ -56,7 +56,7 @@ from megatron.training.training_log import (
     logging_config_from_args,
     num_floating_point_operations,
 )
-from megatron.training.utils import call_with_supported
+from megatron.training.utils import call_provider
 
 
 @dataclass
@@ -362,8 +362,10 @@ def pretrain(
             run_args=args_to_plain_data(args),
         )
         state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
-    provider = lambda sizes: call_with_supported(  # noqa: E731 - adapts Megatron's provider signature
-        train_valid_test_dataset_provider, sizes, args=args, tokenizer=tokenizer, pg_collection=groups
+    provider = lambda sizes: call_provider(  # noqa: E731 - adapts Megatron's provider signature
+        train_valid_test_dataset_provider,
+        sizes,
+        offered={"args": args, "tokenizer": tokenizer, "pg_collection": groups},
     )
     with rng_untouched():  # the state seeded at start-up, or restored from the checkpoint, is what step 1 sees
         data = build_data_iterators(

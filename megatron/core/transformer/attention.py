@@ -215,6 +215,9 @@ class SelfAttention(MegatronModule):
     The fused QKV weight is laid out per query group: for each group, its query heads,
     then one key head, then one value head. A column split therefore hands each TP rank
     whole groups, and no communication is needed until the output projection.
+
+    ``qk_layernorm`` (from the layer spec) builds query/key norms (True) or none (False); None
+    follows ``config.qk_layernorm``. The spec may not drop norms the config asks for.
     """
 
     def __init__(
@@ -223,6 +226,7 @@ class SelfAttention(MegatronModule):
         layer_number: int = 1,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        qk_layernorm: Optional[bool] = None,
     ) -> None:
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
@@ -253,8 +257,11 @@ class SelfAttention(MegatronModule):
             skip_bias_add=True,
             tp_group=groups.tp,
         )
-        self.q_layernorm = build_norm(config, d) if config.qk_layernorm else None
-        self.k_layernorm = build_norm(config, d) if config.qk_layernorm else None
+        if qk_layernorm is False and config.qk_layernorm:
+            raise ValueError("the layer spec says qk_layernorm=False but config.qk_layernorm=True (--qk-layernorm)")
+        with_qk_norm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
+        self.q_layernorm = build_norm(config, d) if with_qk_norm else None
+        self.k_layernorm = build_norm(config, d) if with_qk_norm else None
         self.recompute_core_attention = config.recompute_granularity == "selective"
 
     def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
