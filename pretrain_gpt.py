@@ -17,9 +17,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-from megatron.core.pipeline_parallel.schedules import unwrap_model
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import unwrap_model
 from megatron.training.flags.registry import config_from_args
 from megatron.training.training import pretrain
 
@@ -90,7 +90,7 @@ def get_batch(data_iterator: Iterator, model: torch.nn.Module) -> dict:
     batch = next(data_iterator)
     if torch.cuda.is_available():
         batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
-    groups = unwrap_model(model, "pg_collection").pg_collection
+    groups = unwrap_model(model).pg_collection
     return get_batch_on_this_cp_rank(batch, groups.cp if groups.size_of("cp") > 1 else None)
 
 

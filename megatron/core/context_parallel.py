@@ -8,8 +8,8 @@ amount of attention work (an early chunk with few keys, a late one with many).
   along the sequence; an explicit attention mask along its query dimension) this way.
 * ``gather_kv_over_cp`` all-gathers keys or values over CP and puts them back in sequence order;
   its backward reduce-scatters the gradients (every rank's queries used every key).
-* ``cp_attention_mask`` blocks keys by the *global* positions of this rank's queries (causal,
-  optionally a sliding window).
+* attention (``transformer/attention.py``) builds its mask from the *global* positions of this
+  rank's queries with ``transformer.masks.build_attention_mask`` (causal, optionally a sliding window).
 
 This is the "all_gather" scheme of Megatron's ``--cp-comm-type``. The ring (``p2p``), all-to-all
 (``a2a``) and hierarchical (``a2a+p2p``) schemes overlap communication differently on GPUs but
@@ -107,24 +107,3 @@ def gather_kv_over_cp(t: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Ten
         return t
     gathered = gather_from_sequence_parallel_region(t, True, group=cp_group)  # [s, b, g, d], rank order
     return gathered.index_select(0, gathered_order(t.shape[0], cp_size, t.device))  # [s, b, g, d]
-
-
-def cp_attention_mask(
-    query_positions: torch.Tensor, key_length: int, causal: bool, window: Optional[tuple] = None
-) -> Optional[torch.Tensor]:
-    """``[sq, sk]`` boolean, True where a query (at its global position) may not see a key.
-
-    Keys are the whole sequence ``0 .. key_length-1``; ``window = (left, right)`` as
-    ``sliding_window_mask`` (-1 unlimited). None when nothing is blocked.
-    """
-    offset = torch.arange(key_length, device=query_positions.device)[None, :] - query_positions[:, None]  # j - i
-    blocked = torch.zeros_like(offset, dtype=torch.bool)  # [sq, sk]
-    if causal:
-        blocked |= offset > 0
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            blocked |= offset < -left
-        if right >= 0:
-            blocked |= offset > right
-    return blocked if (causal or window is not None) else None

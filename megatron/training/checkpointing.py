@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.serialization import agree_on_error, read_
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.utils import named_model_params, unwrap_model
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
 from megatron.training.checkpoint_config import SUPPORTED_FORMATS, CheckpointConfig  # noqa: F401 - re-exported
 from megatron.training.checkpoint_dirs import (  # noqa: F401
@@ -170,7 +171,7 @@ def save_checkpoint(
     for chunk in model_chunks:  # --overlap-param-gather leaves gathers running after the step
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    groups = dc.model_process_groups(dc.unwrap_model(model_chunks[0]), pg_collection)
+    groups = dc.model_process_groups(unwrap_model(model_chunks[0]), pg_collection)
     iter_dir = checkpoint_dir(ckpt_config.save, iteration)
     common = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -307,7 +308,7 @@ def _save_legacy(
         if not cfg.no_save_rng:
             state["rng_state"] = rng
         for i, chunk in enumerate(model_chunks):
-            state["model" if len(model_chunks) == 1 else f"model{i}"] = dc.unwrap_model(chunk).state_dict()
+            state["model" if len(model_chunks) == 1 else f"model{i}"] = unwrap_model(chunk).state_dict()
         if optim_state is not None:
             state["optimizer"] = optim_state
     _agreed_write(lambda: _write_torch_file(path, state), iter_dir, writer=writer)
@@ -398,7 +399,7 @@ def load_checkpoint(
         return 0, {}
     iteration, release = found
     iter_dir = checkpoint_dir(ckpt_config.load, iteration, release)
-    groups = dc.model_process_groups(dc.unwrap_model(model_chunks[0]), pg_collection)
+    groups = dc.model_process_groups(unwrap_model(model_chunks[0]), pg_collection)
     fresh = ckpt_config.finetune or release
     load_optim = optimizer is not None and not ckpt_config.no_load_optim and not fresh
     load_rng = not ckpt_config.no_load_rng and not fresh
@@ -474,7 +475,7 @@ def _optimizer_template(
     specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
     if hasattr(optimizer, "sharded_state_template"):
         return optimizer.sharded_state_template(model_chunks, specs, saved)
-    params = dict(dc.param_names(model_chunks))
+    params = dict(named_model_params(model_chunks))
     per_param = {
         name: {
             state: torch.empty(params[name].shape, dtype=dtype, device=params[name].device)
@@ -586,7 +587,7 @@ def _load_legacy(
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         try:
-            dc.unwrap_model(chunk).load_state_dict(state[key], strict=True)
+            unwrap_model(chunk).load_state_dict(state[key], strict=True)
         except (KeyError, RuntimeError) as e:
             raise CheckpointingError(f"{path}: model state does not fit: {e}") from e
     if optimizer is not None:

@@ -21,7 +21,7 @@ from megatron.training.arguments import (
     optimizer_config_from_args,
     optimizer_param_scheduler_kwargs,
 )
-from megatron.training.utils import call_with_supported
+from megatron.training.utils import call_provider
 
 
 @dataclass
@@ -45,14 +45,15 @@ def build_model_chunks(
     pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
     chunks = []
     for stage in range(vp or 1):
-        model = call_with_supported(
+        # Megatron-LM passes vp_stage only to providers that declare it; here it is required under
+        # virtual pipelining (without it every chunk would build the first chunk's layers).
+        virtual = {"vp_stage": stage} if vp else {}
+        model = call_provider(
             model_provider,
             pre_process=pp_rank == 0 and stage == 0,
             post_process=pp_rank == pp_size - 1 and stage == (vp or 1) - 1,
-            vp_stage=stage if vp else None,
-            config=config,
-            args=args,
-            pg_collection=groups,
+            **virtual,
+            offered={"config": config, "args": args, "pg_collection": groups, "vp_stage": None},
         )
         model.model_type = model_type
         if torch.cuda.is_available():

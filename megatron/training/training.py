@@ -58,7 +58,7 @@ from megatron.training.training_log import (
     TrainingLogger,
     num_floating_point_operations,
 )
-from megatron.training.utils import call_with_supported
+from megatron.training.utils import call_provider
 
 
 @dataclass
@@ -154,8 +154,11 @@ class Loop:
     logger: TrainingLogger
     timers: Timers
     train_iters: int = 0  # --train-iters, or what --train-samples takes (computed once)
+    process_non_loss_data_func: Optional[Callable] = None  # pretrain()'s: (collected, iteration, writer)
 
-    def schedule(self, data_iterator: List, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
+    def schedule(
+        self, data_iterator: List, forward_only: bool, collect_non_loss_data: bool = False
+    ) -> List[Dict[str, torch.Tensor]]:
         chunks = self.built.model
         return get_forward_backward_func()(
             forward_step_func=self.forward_step_func,
@@ -166,6 +169,7 @@ class Loop:
             micro_batch_size=self.args.micro_batch_size,
             decoder_seq_length=getattr(self.args, "decoder_seq_length", None),
             forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
         )
 
 
@@ -194,27 +198,52 @@ def train_step(loop: Loop) -> tuple:
     return reduce_losses(reported, loop.groups), (0 if success else 1), grad_norm, num_zeros
 
 
+@contextlib.contextmanager
+def _eval_mode(model_chunks: List[torch.nn.Module]) -> Iterator[None]:
+    """The chunks in eval mode without autograd for the block, in training mode after it."""
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+
+
 def evaluate(loop: Loop, iterators: List, num_iters: int) -> Dict[str, float]:
     """Forward-only passes over ``num_iters`` global batches; per-token averaged losses."""
-    for chunk in loop.built.model:
-        chunk.eval()
     collected: List[Dict[str, torch.Tensor]] = []
-    with torch.no_grad():
+    with _eval_mode(loop.built.model):
         for _ in range(num_iters):
             collected.extend(loop.schedule(iterators, forward_only=True))
-    for chunk in loop.built.model:
-        chunk.train()
     return reduce_losses(collected, loop.groups)
+
+
+def collect_non_loss_data(loop: Loop, iterators: List) -> List[Any]:
+    """One more forward-only global batch, as Megatron runs for ``process_non_loss_data_func``.
+
+    Each microbatch's ``loss_func(output, non_loss_data=True)`` result, on the last pipeline stage
+    (``[]`` elsewhere). Every rank runs the forward: the model's collectives need them all
+    (Megatron runs it on the last rank alone, which only works without model parallelism).
+    """
+    with _eval_mode(loop.built.model):
+        return loop.schedule(iterators, forward_only=True, collect_non_loss_data=True)
 
 
 def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> None:
     if iterators is None or loop.args.eval_iters <= 0:
         return
+    process = loop.process_non_loss_data_func
     with rng_untouched():
         losses = evaluate(loop, iterators, loop.args.eval_iters)
-    if prefix == "validation":
-        loop.state.consumed_valid_samples += loop.args.eval_iters * get_current_global_batch_size()
+        non_loss_data = collect_non_loss_data(loop, iterators) if process is not None else None
+    if prefix == "validation":  # the extra batch too: a resumed run reads the samples the straight run reads
+        batches = loop.args.eval_iters + (non_loss_data is not None)
+        loop.state.consumed_valid_samples += batches * get_current_global_batch_size()
     loop.logger.evaluation_log(loop.state.iteration, prefix, losses)
+    if process is not None and dist.get_rank() == dist.get_world_size() - 1:
+        process(non_loss_data, loop.state.iteration, loop.logger.writers.tensorboard)
 
 
 def _save(loop: Loop) -> None:
@@ -344,7 +373,13 @@ def pretrain(
     argv: Optional[List[str]] = None,
     entry_point: str = "gpt",
 ) -> TrainState:
-    """Parse flags, build everything, train, evaluate, save. Returns the final train state."""
+    """Parse flags, build everything, train, evaluate, save. Returns the final train state.
+
+    ``process_non_loss_data_func(collected, iteration, tensorboard_writer)`` is called, as in
+    Megatron, on the last rank after each evaluation (every ``--eval-interval`` iterations and at
+    the end, validation and test) with what ``collect_non_loss_data`` gathered: the forward step's
+    ``loss_func`` must then accept ``non_loss_data=True``. The writer is None without TensorBoard.
+    """
     args = initialize_megatron(argv, extra_args_provider, args_defaults or {}, entry_point)
     groups = parallel_state.default_process_groups()
     tokenizer = build_tokenizer_from_args(args)
@@ -364,15 +399,18 @@ def pretrain(
             run_args=args_to_plain_data(args),
         )
         state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
-    provider = lambda sizes: call_with_supported(  # noqa: E731 - adapts Megatron's provider signature
-        train_valid_test_dataset_provider, sizes, args=args, tokenizer=tokenizer, pg_collection=groups
+    provider = lambda sizes: call_provider(  # noqa: E731 - adapts Megatron's provider signature
+        train_valid_test_dataset_provider,
+        sizes,
+        offered={"args": args, "tokenizer": tokenizer, "pg_collection": groups},
     )
     with rng_untouched():  # the state seeded at start-up, or restored from the checkpoint, is what step 1 sees
         data = build_data_iterators(
             provider, args, groups, len(built.model), state.consumed_train_samples, state.consumed_valid_samples
         )
         logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
-    loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers, _train_iters(args))
+    iters, non_loss = _train_iters(args), process_non_loss_data_func
+    loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers, iters, non_loss)
     try:
         reason = None
         if not args.skip_train and loop.train_iters > state.iteration:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Dict, Optional
 
 import torch.distributed as dist
+
+from megatron.core.utils import unwrap_model  # noqa: F401 - Megatron-LM's training.utils exports it
 
 
 def _rank_and_world() -> tuple:
@@ -37,13 +39,20 @@ def print_rank_last(message: Any) -> None:
         print(message, flush=True)
 
 
-def call_with_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with only the keyword arguments its signature accepts.
+def call_provider(fn: Callable, *args: Any, offered: Optional[Dict[str, Any]] = None, **required: Any) -> Any:
+    """Call an entry point's provider: ``required`` keywords always, ``offered`` ones where it declares them.
 
-    Providers written for Megatron-LM take ``(pre_process, post_process)`` and read
-    ``get_args()``; ours also accept ``config``, ``args``, ``tokenizer`` and ``pg_collection``.
+    ``required`` keywords decide what the provider must build (``pre_process``, ``post_process``,
+    ``vp_stage`` under virtual pipelining): a provider that cannot take one raises ``TypeError``
+    naming it, before it is called, as Megatron-LM's call would. ``offered`` keywords (``config``,
+    ``args``, ``tokenizer``, ``pg_collection``) carry what a provider written for Megatron-LM reads
+    from ``get_args()`` and the global groups instead, so such a provider works without declaring
+    them; a provider taking ``**kwargs`` receives them all. A name in both is passed as required.
     """
     params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(*args, **kwargs)
-    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    missing = [name for name in required if not takes_any and name not in params]
+    if missing:
+        raise TypeError(f"{getattr(fn, '__name__', fn)} does not take {', '.join(missing)}, which this run passes")
+    extra = {k: v for k, v in (offered or {}).items() if (takes_any or k in params) and k not in required}
+    return fn(*args, **required, **extra)

@@ -18,6 +18,7 @@ from megatron.core.datasets import helpers
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split, load_or_build_indices
+from megatron.core.transformer.masks import build_attention_mask
 
 # Label id of padding when the tokenizer defines none; never a real token id.
 _NO_PAD_ID = -1
@@ -101,10 +102,10 @@ def get_ltor_masks_and_position_ids(
         position_ids = positions - torch.cummax(starts, 0).values
     attention_mask = None
     if create_attention_mask:
-        allowed = torch.ones(s, s, dtype=torch.bool).tril()  # [s, s]
+        blocked = build_attention_mask(s, s)  # [s, s]
         if reset_attention_mask:
-            allowed &= doc[:, None] == doc[None, :]
-        attention_mask = (~allowed).unsqueeze(0)  # [1, s, s]
+            blocked |= doc[:, None] != doc[None, :]
+        attention_mask = blocked.unsqueeze(0)  # [1, s, s]
     return attention_mask, loss_mask, position_ids
 
 

@@ -28,11 +28,9 @@ from megatron.core.dist_checkpointing.state_dict import (
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
     optimizer_state_key,
-    param_names,
     sharded_state_dict,
     sharded_tensors_by_param_name,
     split_optimizer_state,
-    unwrap_model,
 )
 
 __all__ = [
@@ -49,7 +47,6 @@ __all__ = [
     "model_sharded_state_dict",
     "optimizer_sharded_state_dict",
     "optimizer_state_key",
-    "param_names",
     "read_metadata",
     "save",
     "sharded_state_dict",
@@ -57,6 +54,5 @@ __all__ = [
     "sharded_tensors_by_param_name",
     "split_optimizer_state",
     "tensor_parallel_geometry",
-    "unwrap_model",
     "verify_checksums",
 ]

@@ -19,16 +19,10 @@ from megatron.core.parallel_state import ProcessGroupCollection, resolve_process
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import named_model_params, unwrap_model
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
-
-
-def unwrap_model(model_chunk: torch.nn.Module) -> torch.nn.Module:
-    """Strip wrappers that hold the real model as ``.module`` (DDP, precision wrappers)."""
-    while isinstance(getattr(model_chunk, "module", None), torch.nn.Module):
-        model_chunk = model_chunk.module
-    return model_chunk
 
 
 def model_process_groups(
@@ -121,25 +115,15 @@ def model_sharded_state_dict(
     return out
 
 
-def param_names(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) as the optimizer's by-name state uses them: names of the unwrapped
-    chunk, prefixed ``chunk{i}.`` when there are several chunks (virtual pipeline)."""
-    named = []
-    for i, chunk in enumerate(model_chunks):
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
-        named += [(prefix + name, param) for name, param in unwrap_model(chunk).named_parameters()]
-    return named
-
-
 def sharded_tensors_by_param_name(
     model_chunks: Sequence[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection] = None
 ) -> Dict[str, ShardedTensor]:
-    """Parameter name (see ``param_names``) -> the parameter's ShardedTensor."""
+    """Parameter name (see ``megatron.core.utils.named_model_params``) -> the parameter's ShardedTensor."""
     by_id: Dict[int, ShardedTensor] = {}
     for chunk in model_chunks:
         groups = model_process_groups(unwrap_model(chunk), pg_collection)
         by_id.update({id(tensor): spec for tensor, spec in _entries(chunk, "", groups)})
-    return {name: by_id[id(param)] for name, param in param_names(model_chunks)}
+    return {name: by_id[id(param)] for name, param in named_model_params(model_chunks)}
 
 
 def optimizer_state_key(param_key: str, state_name: str) -> str:

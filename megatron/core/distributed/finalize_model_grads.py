@@ -20,18 +20,12 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
-from megatron.core.utils import comm_device
+from megatron.core.utils import comm_device, unwrap_model
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
     # The data-parallel wrapper accumulates into ``main_grad``; plain modules use ``grad``.
     return getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while getattr(chunk, "is_ddp_wrapper", False):
-        chunk = chunk.module
-    return chunk
 
 
 def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], tp_group: dist.ProcessGroup) -> None:
@@ -65,9 +59,9 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: P
     pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
     chunk = None
     if pp_rank == 0:
-        chunk = _unwrap(model_chunks[0])
+        chunk = unwrap_model(model_chunks[0])
     elif pp_rank == pp_size - 1:
-        chunk = _unwrap(model_chunks[-1])
+        chunk = unwrap_model(model_chunks[-1])
     if chunk is None or not getattr(chunk, "share_embeddings_and_output_weights", False):
         return
     weight = chunk.shared_embedding_or_output_weight()

@@ -16,10 +16,10 @@ from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
-    unwrap_model,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.utils import unwrap_model
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
-from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer, named_model_params
+from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.utils import all_gather_into_tensor, comm_device
+from megatron.core.utils import all_gather_into_tensor, comm_device, named_model_params
 
 # Elements per rank in one all-gather of a checkpoint save: bounds the device memory it takes
 # (64 MiB per rank of fp32) whatever the bucket size (a single bucket holds the whole model).

@@ -28,8 +28,9 @@ Checkpoint contract (``state_dict_by_param_name``)::
       "loss_scaler": {"scale": float, ...} or None,
     }
 
-``<param name>`` is the name in ``unwrap(chunk).named_parameters()`` (data-parallel wrappers
-removed); with several model chunks (virtual pipeline) it is prefixed ``"chunk{i}."``.
+``<param name>`` is ``megatron.core.utils.named_model_params``' name: the one in
+``unwrap_model(chunk).named_parameters()``, prefixed ``"chunk{i}."`` with several model chunks
+(virtual pipeline).
 Every tensor has the parameter's *local* shape (this rank's TP shard, fp32), so the
 checkpoint code shards it exactly like the parameter (same global shape, same slice).
 The distributed optimizer gathers its DP slices so that it honours the same contract.
@@ -42,7 +43,7 @@ parameter, with ``"flat_start": int`` (what ``DistributedOptimizer.sharded_state
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel.layers import is_expert_param
+from megatron.core.utils import named_model_params
 
 # Keys of a param group that describe it (kept in state dicts); 'params' is not one.
 GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "max_lr", "min_lr")
@@ -89,21 +91,6 @@ class MainLink:
     def model_data(self) -> torch.Tensor:
         data = self.model.data
         return data if self.flat_range is None else data.view(-1)[self.flat_range[0] : self.flat_range[1]]
-
-
-def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
-    """Strip data-parallel wrappers (anything exposing ``.module`` and ``is_ddp_wrapper``)."""
-    while getattr(chunk, "is_ddp_wrapper", False):
-        chunk = chunk.module
-    return chunk
-
-
-def named_model_params(model_chunks: Sequence[torch.nn.Module]) -> Iterator[Tuple[str, torch.nn.Parameter]]:
-    """(checkpoint name, parameter) for every parameter of every chunk (see module docstring)."""
-    for i, chunk in enumerate(model_chunks):
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
-        for name, param in unwrap_model(chunk).named_parameters():
-            yield prefix + name, param
 
 
 def _fused_adam_available(groups: List[Dict[str, Any]]) -> bool:

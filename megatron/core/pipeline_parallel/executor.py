@@ -16,11 +16,10 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.pipeline_parallel import schedule_table as st
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
-from megatron.core.pipeline_parallel.schedules import (
+from megatron.core.pipeline_parallel.microbatch import (
     ModelArg,
-    _as_iterator_list,
     as_chunk_list,
+    as_iterator_list,
     backward_step,
     context_parallel_group,
     deallocate_output,
@@ -28,6 +27,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_step,
     get_model_config,
 )
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
 
 Key = Tuple[str, int, int]
 
@@ -174,7 +174,7 @@ def run_schedule(
     )
     run = _PipelineRun(
         chunks,
-        _as_iterator_list(data_iterator, len(chunks)),
+        as_iterator_list(data_iterator, len(chunks)),
         config,
         comm,
         forward_step_func,

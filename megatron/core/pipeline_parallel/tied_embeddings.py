@@ -14,14 +14,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.utils import unwrap_model
 
 
 def _tied_weight(model_chunks: Iterable[torch.nn.Module]) -> Optional[torch.nn.Parameter]:
     """This rank's copy of a tied embedding weight, or None."""
     for chunk in model_chunks:
-        inner = chunk
-        while not hasattr(inner, "shared_embedding_or_output_weight") and hasattr(inner, "module"):
-            inner = inner.module
+        inner = unwrap_model(chunk)
         if getattr(inner, "share_embeddings_and_output_weights", False):
             weight = inner.shared_embedding_or_output_weight()
             if weight is not None:

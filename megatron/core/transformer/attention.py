@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron.core.context_parallel import cp_attention_mask, cp_chunk_positions, gather_kv_over_cp
-from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.context_parallel import cp_chunk_positions, gather_kv_over_cp
 from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.masks import build_attention_mask
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _SDPA_BACKENDS = ("auto", "flash", "fused")
@@ -61,14 +62,6 @@ def _dropout_rng(active: bool, sequence_parallel: bool):
     random numbers.
     """
     return get_cuda_rng_tracker().fork() if active and not sequence_parallel else contextlib.nullcontext()
-
-
-def sliding_window_mask(sq: int, sk: int, window: Tuple[int, int], device: torch.device) -> torch.Tensor:
-    """``[sq, sk]`` boolean, True where query i may not see key j: outside ``i - left <= j <= i + right``.
-
-    ``window = (left, right)`` as Megatron's ``--window-size``; -1 means unlimited on that side.
-    """
-    return cp_attention_mask(torch.arange(sq, device=device), sk, causal=False, window=window)
 
 
 def repeat_kv(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -176,7 +169,9 @@ class DotProductAttention(MegatronModule):
         value = gather_kv_over_cp(value, self.cp_group)
         rank = torch.distributed.get_rank(self.cp_group)
         positions = cp_chunk_positions(key.shape[0], self.cp_size, rank, key.device)  # [s/cp] global
-        blocked = cp_attention_mask(positions, key.shape[0], causal, self.config.window_size)  # [s/cp, s]
+        blocked = build_attention_mask(
+            positions.numel(), key.shape[0], causal, self.config.window_size, query_positions=positions
+        )  # [s/cp, s]
         if blocked is None:
             return key, value, mask
         return key, value, blocked if mask is None else mask | blocked
@@ -185,9 +180,7 @@ class DotProductAttention(MegatronModule):
         self, mask: Optional[torch.Tensor], causal: bool, sq: int, sk: int, device: torch.device
     ) -> torch.Tensor:
         """``mask`` (True = blocked) with the sliding window, and the causal mask, folded in."""
-        blocked = sliding_window_mask(sq, sk, self.config.window_size, device)  # [sq, sk]
-        if causal:
-            blocked = blocked | torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+        blocked = build_attention_mask(sq, sk, causal, self.config.window_size, device=device)  # [sq, sk]
         return blocked if mask is None else mask | blocked
 
     def _unfused(
@@ -208,7 +201,7 @@ class DotProductAttention(MegatronModule):
         scores = scores * coeff
         if causal:
             sq, sk = scores.shape[-2:]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+            mask = build_attention_mask(sq, sk, device=scores.device)  # [sq, sk]
         if mask is not None:
             scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -222,6 +215,9 @@ class SelfAttention(MegatronModule):
     The fused QKV weight is laid out per query group: for each group, its query heads,
     then one key head, then one value head. A column split therefore hands each TP rank
     whole groups, and no communication is needed until the output projection.
+
+    ``qk_layernorm`` (from the layer spec) builds query/key norms (True) or none (False); None
+    follows ``config.qk_layernorm``. The spec may not drop norms the config asks for.
     """
 
     def __init__(
@@ -230,6 +226,7 @@ class SelfAttention(MegatronModule):
         layer_number: int = 1,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        qk_layernorm: Optional[bool] = None,
     ) -> None:
         super().__init__(config)
         groups = resolve_process_groups(pg_collection)
@@ -260,8 +257,11 @@ class SelfAttention(MegatronModule):
             skip_bias_add=True,
             tp_group=groups.tp,
         )
-        self.q_layernorm = build_norm(config, d) if config.qk_layernorm else None
-        self.k_layernorm = build_norm(config, d) if config.qk_layernorm else None
+        if qk_layernorm is False and config.qk_layernorm:
+            raise ValueError("the layer spec says qk_layernorm=False but config.qk_layernorm=True (--qk-layernorm)")
+        with_qk_norm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
+        self.q_layernorm = build_norm(config, d) if with_qk_norm else None
+        self.k_layernorm = build_norm(config, d) if with_qk_norm else None
         self.recompute_core_attention = config.recompute_granularity == "selective"
 
     def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

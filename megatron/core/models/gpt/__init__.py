@@ -1,13 +1,6 @@
-"""GPT: ``GPTModel`` and its layer specs (``GPTModel`` imported on first use, see ``megatron.core.models``)."""
+"""GPT: ``GPTModel`` and its layer specs."""
 
-from typing import Any
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
 
-__all__ = ["GPTModel"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "GPTModel":
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        return GPTModel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["GPTModel", "get_gpt_decoder_block_spec", "get_gpt_layer_local_spec"]

@@ -1,7 +1,13 @@
-"""Layer specs for GPT: which classes make up a decoder layer."""
+"""Layer specs for GPT: which classes make up a decoder layer.
+
+The functions take Megatron-core's keyword arguments, and nothing else (an unknown keyword is a
+``TypeError``). What they cannot build is refused with ``NotImplementedError`` naming the argument;
+arguments that in Megatron only pick a GPU kernel are accepted and said so in the docstrings.
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 from megatron.core.transformer.attention import SelfAttention
@@ -13,6 +19,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.utils import refuse_unimplemented
+
+NORMALIZATIONS = (None, "LayerNorm", "RMSNorm")
 
 
 def _norm(config, hidden_size, eps):
@@ -20,19 +29,57 @@ def _norm(config, hidden_size, eps):
 
 
 def get_gpt_layer_local_spec(
-    num_experts: Optional[int] = None, moe_grouped_gemm: bool = False, qk_layernorm: bool = False, **unused: object
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = None,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
 ) -> ModuleSpec:
-    """Pure-PyTorch decoder layer; with ``num_experts`` its MLP is a ``MoELayer``.
+    """Pure-PyTorch decoder layer (Megatron-core's keyword arguments); with ``num_experts`` its MLP is a ``MoELayer``.
 
-    ``qk_layernorm`` is read from the config; ``moe_grouped_gemm`` only picks a GPU kernel
-    in Megatron, so the experts compute the same either way.
+    Args:
+        num_experts: experts of the MoE MLP; None for a dense MLP.
+        moe_grouped_gemm: Megatron's GroupedMLP runs all experts in one grouped GEMM; here the
+            experts are always a ``SequentialMLP`` of ``MLP``s, which computes the same (the
+            ``--moe-grouped-gemm`` flag is likewise a GPU-only no-op). ``moe_use_legacy_grouped_gemm``
+            picks between two such kernels and is accepted the same way.
+        qk_layernorm: True builds the query/key norms, False builds none, None (our default) follows
+            ``config.qk_layernorm``. False with ``config.qk_layernorm`` True is refused when the
+            layer is built (Megatron would silently build no norms).
+        fp8: deprecated in Megatron, which warns and ignores it; so do we.
+        normalization: ``"LayerNorm"`` / ``"RMSNorm"`` pick a norm kernel in Megatron's local spec,
+            whose norms still compute ``config.normalization``; ours always compute
+            ``config.normalization``.
+        multi_latent_attention, qk_l2_norm, use_kitchen, use_kitchen_attention, kitchen_attention_backend:
+            only their defaults are implemented; another value raises ``NotImplementedError``.
     """
+    refuse_unimplemented(
+        "get_gpt_layer_local_spec",
+        multi_latent_attention=(multi_latent_attention, False),
+        qk_l2_norm=(qk_l2_norm, False),
+        use_kitchen=(use_kitchen, False),
+        use_kitchen_attention=(use_kitchen_attention, False),
+        kitchen_attention_backend=(kitchen_attention_backend, "sdpa"),
+    )
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r}: must be one of {NORMALIZATIONS}")
+    if fp8 is not None:
+        warnings.warn("get_gpt_layer_local_spec: the fp8 argument is deprecated and has no effect", stacklevel=2)
+    attention_params = {"attn_mask_type": AttnMaskType.causal}
+    if qk_layernorm is not None:
+        attention_params["qk_layernorm"] = bool(qk_layernorm)
     mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP)) if num_experts else MLP
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=_norm,
-            self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal}),
+            self_attention=ModuleSpec(module=SelfAttention, params=attention_params),
             pre_mlp_layernorm=_norm,
             mlp=mlp,
         ),
@@ -40,15 +87,53 @@ def get_gpt_layer_local_spec(
 
 
 def get_gpt_decoder_block_spec(
-    config: TransformerConfig, use_transformer_engine: bool = False, **unused: object
+    config: TransformerConfig,
+    use_transformer_engine: bool = False,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """One layer spec per layer: MoE where ``config.moe_layer_freq`` says so, dense elsewhere."""
-    dense, moe = get_gpt_layer_local_spec(), get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
+    """One layer spec per layer of the model: MoE where ``config.moe_layer_freq`` says so, dense elsewhere.
+
+    Megatron-core's arguments. Transformer Engine layers compute what the PyTorch ones do, so
+    ``use_transformer_engine`` picks the same spec. Megatron returns only the specs of the layers of
+    ``(pp_rank, vp_stage)``; ``TransformerBlock`` here picks its stage's layers from the full list
+    itself, so both arguments are accepted and the list always covers every layer.
+    """
+    dense = get_gpt_layer_local_spec(
+        qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
+    )
+    moe = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        qk_layernorm=config.qk_layernorm,
+        normalization=normalization,
+        qk_l2_norm=qk_l2_norm,
+    )
     return TransformerBlockSubmodules(
         layer_specs=[moe if config.is_moe_layer(n) else dense for n in range(1, config.num_layers + 1)]
     )
 
 
-def get_gpt_layer_with_transformer_engine_spec(*args: object, **kwargs: object) -> ModuleSpec:
-    """Transformer-Engine layers are an optional accelerator; the PyTorch layers compute the same."""
-    return get_gpt_layer_local_spec(*args, **kwargs)
+def get_gpt_layer_with_transformer_engine_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = None,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    qk_l2_norm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_te_activation_func: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+) -> ModuleSpec:
+    """Transformer-Engine layers are an optional accelerator: the PyTorch layers compute the same.
+
+    Megatron-core's arguments; ``use_te_op_fuser`` and ``use_te_activation_func`` choose TE kernels
+    and are accepted; the rest mean what they mean in ``get_gpt_layer_local_spec``.
+    """
+    settings = dict(locals())
+    del settings["use_te_op_fuser"], settings["use_te_activation_func"]
+    return get_gpt_layer_local_spec(**settings)

@@ -22,6 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import refuse_unimplemented
 
 # Defaults of the short keyword form only (GPT-2's vocabulary padded to 128, its context).
 SHORT_FORM_VOCAB_SIZE = 50304
@@ -162,8 +163,29 @@ class GPTModel(MegatronModule):
         attention_mask: Optional[torch.Tensor] = None,
         decoder_input: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
-        **unused: Any,
+        inference_context: Optional[Any] = None,
+        packed_seq_params: Optional[Any] = None,
+        extra_block_kwargs: Optional[dict] = None,
+        runtime_gather_output: Optional[bool] = None,
+        *,
+        inference_params: Optional[Any] = None,
+        loss_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """Megatron-core's ``GPTModel.forward`` arguments; those not implemented must keep their defaults.
+
+        ``runtime_gather_output`` overrides ``parallel_output`` for the returned logits (None: keep
+        it). ``loss_mask`` is used by Megatron only for multi-token prediction, which is not built
+        here (``mtp_num_layers`` is refused), so as there it does not change the result: the loss
+        function applies the mask. ``inference_context`` / ``inference_params``, ``packed_seq_params``
+        and ``extra_block_kwargs`` raise ``NotImplementedError`` unless None.
+        """
+        refuse_unimplemented(
+            "GPTModel.forward",
+            inference_context=(inference_context, None),
+            inference_params=(inference_params, None),
+            packed_seq_params=(packed_seq_params, None),
+            extra_block_kwargs=(extra_block_kwargs or None, None),
+        )
         if decoder_input is None and self.pre_process:
             if position_ids is None and self.cp_size > 1:
                 position_ids = self._cp_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
@@ -180,7 +202,7 @@ class GPTModel(MegatronModule):
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/tp]
         if labels is None:
-            if not self.parallel_output:
+            if (not self.parallel_output) if runtime_gather_output is None else runtime_gather_output:
                 logits = gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         return self.compute_language_model_loss(labels, logits)

@@ -1,4 +1,8 @@
-"""Rotary position embeddings (RoPE), applied to queries and keys inside attention."""
+"""Rotary position embeddings (RoPE): the angles; attention rotates queries and keys with them.
+
+``apply_rotary_pos_emb`` lives in ``megatron.core.transformer.rope_utils`` (attention uses it, and
+the transformer never imports models); it is re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,10 @@ import math
 from typing import Optional
 
 import torch
+
+from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
+
+__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb", "llama3_scaled_frequencies"]
 
 
 def llama3_scaled_frequencies(
@@ -78,20 +86,3 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             emb = torch.cat((freqs, freqs), dim=-1)  # [s, dim]: f0 f1 ... f0 f1 ...
         return emb[:, None, None, :]  # [s, 1, 1, dim]
-
-
-def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((-x2, x1), dim=-1).flatten(-2)
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the leading ``freqs.shape[-1]`` channels of ``t`` ``[s, b, n, d]`` by ``freqs`` ``[s, 1, 1, r]``."""
-    rot_dim = freqs.shape[-1]
-    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
-    return torch.cat((t_rot, t_pass), dim=-1)

@@ -1,0 +1,195 @@
+"""The per-microbatch primitives that every schedule runs: one forward, one backward, and their helpers.
+
+``forward_step`` runs the model on one microbatch and, on the last stage, scales its loss (see the
+loss convention in ``schedules``); ``backward_step`` back-propagates it; ``deallocate_output`` frees a
+sent activation. ``schedules`` (no pipelining, the schedule selection) and ``executor`` (the
+pipelined tables) both build on this module, and neither imports the other's internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.utils import comm_device, unwrap_model
+
+ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+
+
+# ----------------------------------------------------------------------------------
+# Small helpers.
+# ----------------------------------------------------------------------------------
+def as_chunk_list(model: ModelArg) -> List[torch.nn.Module]:
+    """``model`` as a list of chunks (one chunk without virtual pipelining)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def get_model_config(model: ModelArg) -> Any:
+    """The config of the (first) model chunk, inside its data-parallel wrapper."""
+    return unwrap_model(as_chunk_list(model)[0]).config
+
+
+def as_iterator_list(data_iterator: Any, num_chunks: int) -> List[Optional[Iterator]]:
+    """One data iterator per model chunk: a list as given (its length checked), else the one repeated."""
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != num_chunks:
+            raise ValueError(f"got {len(data_iterator)} data iterators for {num_chunks} model chunks")
+        return list(data_iterator)
+    return [data_iterator] * num_chunks
+
+
+def context_parallel_group(
+    config: Any, pg_collection: Optional[parallel_state.ProcessGroupCollection]
+) -> Optional[torch.distributed.ProcessGroup]:
+    """The CP group when ``config.context_parallel_size`` > 1 (from ``pg_collection`` or the default groups)."""
+    if getattr(config, "context_parallel_size", 1) == 1:
+        return None
+    return parallel_state.resolve_process_groups(pg_collection).cp
+
+
+def finalize_grads(config: Any, model_chunks: List[torch.nn.Module], total_num_tokens: torch.Tensor) -> None:
+    """Call ``config.finalize_model_grads_func`` (DP / tied-embedding reductions) if set."""
+    if config.finalize_model_grads_func is None:
+        return
+    per_token = getattr(config, "calculate_per_token_loss", False)
+    config.finalize_model_grads_func(model_chunks, total_num_tokens if per_token else None)
+
+
+# ----------------------------------------------------------------------------------
+# One microbatch forward / backward.
+# ----------------------------------------------------------------------------------
+def _cp_token_count(num_tokens: torch.Tensor, cp_group: Optional[torch.distributed.ProcessGroup]) -> torch.Tensor:
+    """``num_tokens`` summed over the context-parallel group (unchanged without one)."""
+    if cp_group is None or torch.distributed.get_world_size(cp_group) == 1:
+        return num_tokens
+    total = num_tokens.clone().to(device=comm_device(cp_group))
+    torch.distributed.all_reduce(total, group=cp_group)
+    return total.to(num_tokens.device)
+
+
+def _scaled_loss(
+    outputs: tuple, num_microbatches: int, per_token: bool, cp_group: Optional[torch.distributed.ProcessGroup] = None
+) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+    """(loss to back-propagate, num_tokens, reporting) from a ``loss_func`` result.
+
+    A 3-tuple carries a loss summed over ``num_tokens`` tokens; a 2-tuple an averaged loss.
+    ``num_tokens`` is returned as this rank's count (``finalize_model_grads`` sums it over ``dp_cp``).
+    """
+    cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
+    if len(outputs) == 3:
+        loss, num_tokens, reporting = outputs
+        num_tokens = torch.as_tensor(num_tokens).detach()
+        if not per_token:
+            loss = loss / _cp_token_count(num_tokens, cp_group) * cp_size / num_microbatches
+        return loss, num_tokens, reporting
+    if len(outputs) == 2:
+        if per_token:
+            raise ValueError(
+                "calculate_per_token_loss=True needs loss_func to return "
+                "(loss_sum, num_tokens, reporting_dict), got a 2-tuple"
+            )
+        loss, reporting = outputs
+        return loss * cp_size / num_microbatches, torch.tensor(0, dtype=torch.int), reporting
+    raise ValueError(f"loss_func must return 2 or 3 values, got {len(outputs)}")
+
+
+def parameter_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s (first) parameter lives; the CPU for a model without parameters."""
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def set_aux_loss_scale(config: Any, num_microbatches: int, device: Optional[torch.device] = None) -> None:
+    """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token).
+
+    The scale is made on ``device`` (the model's), where the fp16 loss scale and the aux losses
+    live: no host-device copy per microbatch or per layer.
+    """
+    scale = torch.ones(1, device=device)
+    if config.grad_scale_func is not None:
+        scale = config.grad_scale_func(scale)
+    if not getattr(config, "calculate_per_token_loss", False):
+        scale = scale / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+def forward_step(
+    forward_step_func: Callable,
+    data_iterator: Optional[Iterator],
+    model: torch.nn.Module,
+    num_microbatches: int,
+    input_tensor: Optional[torch.Tensor],
+    forward_data_store: List[Any],
+    config: Any,
+    is_last_stage: bool = True,
+    collect_non_loss_data: bool = False,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run one microbatch through ``model``; on the last stage apply the loss function.
+
+    ``cp_group``: the context-parallel group when CP > 1 (see the module docstring), else None.
+
+    Returns:
+        ``(output, num_tokens)``: the activation to send on (non-last stages) or the loss
+        scaled for backward (last stage); ``num_tokens`` is 0 off the last stage.
+    """
+    unwrap_model(model).set_input_tensor([input_tensor])
+    if getattr(config, "num_moe_experts", None):
+        set_aux_loss_scale(config, num_microbatches, parameter_device(model))
+    output_tensor, loss_func = forward_step_func(data_iterator, model)
+    # On the parameters' device: finalize_model_grads broadcasts it over PP without a host copy.
+    zero = torch.zeros((), dtype=torch.int, device=parameter_device(model))
+    if not is_last_stage:
+        return output_tensor, zero
+    if collect_non_loss_data:
+        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        return output_tensor, zero
+    per_token = getattr(config, "calculate_per_token_loss", False)
+    loss, num_tokens, reporting = _scaled_loss(loss_func(output_tensor), num_microbatches, per_token, cp_group)
+    forward_data_store.append(reporting)
+    return loss, num_tokens
+
+
+def backward_step(
+    input_tensor: Optional[torch.Tensor],
+    output_tensor: torch.Tensor,
+    output_tensor_grad: Optional[torch.Tensor],
+    config: Any,
+) -> Optional[torch.Tensor]:
+    """Back-propagate one microbatch; return the gradient of its input activation.
+
+    On the last stage ``output_tensor`` is the loss (scaled by ``config.grad_scale_func``
+    for fp16 loss scaling) and ``output_tensor_grad`` is None.
+    """
+    if input_tensor is not None:
+        input_tensor.retain_grad()
+    if output_tensor_grad is None and config.grad_scale_func is not None:
+        output_tensor = config.grad_scale_func(output_tensor)
+    target = output_tensor
+    if output_tensor_grad is not None and output_tensor.shape != output_tensor_grad.shape:
+        # The output's storage was released after it was sent (deallocate_output); the
+        # graph edge still knows the real shape, so backward starts from the edge.
+        target = torch.autograd.graph.get_gradient_edge(output_tensor)
+    torch.autograd.backward(target, grad_tensors=output_tensor_grad)
+    return input_tensor.grad if input_tensor is not None else None
+
+
+def deallocate_output(output_tensor: torch.Tensor) -> bool:
+    """Release the storage of a stage output that has been sent to the next stage.
+
+    Only its autograd node is needed for backward (the next stage returns the gradient),
+    so its data is swapped for one element; ``backward_step`` then starts from the graph
+    edge. A view or a tensor without a graph node keeps its data. (If an autograd node
+    saved the output itself, that node keeps the old storage alive: still correct, but
+    nothing is saved.)
+
+    Returns:
+        Whether the storage was released.
+    """
+    if output_tensor._base is not None or output_tensor.grad_fn is None or output_tensor.numel() <= 1:
+        return False
+    output_tensor.data = torch.empty((1,), dtype=output_tensor.dtype, device=output_tensor.device)
+    return True
