@@ -31,7 +31,8 @@ token count summed over ``dp_cp``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -87,12 +88,70 @@ def _no_sync_context(config: Any) -> contextlib.AbstractContextManager:
 
 
 def context_parallel_group(
-    config: Any, pg_collection: Optional[parallel_state.ProcessGroupCollection]
+    config: Any, pg_collection: parallel_state.ProcessGroupCollection
 ) -> Optional[torch.distributed.ProcessGroup]:
-    """The CP group when ``config.context_parallel_size`` > 1 (from ``pg_collection`` or the default groups)."""
+    """``pg_collection.cp`` when ``config.context_parallel_size`` > 1, else None."""
     if getattr(config, "context_parallel_size", 1) == 1:
         return None
-    return parallel_state.resolve_process_groups(pg_collection).cp
+    return pg_collection.cp
+
+
+@dataclass
+class ScheduleArgs:
+    """The keywords of Megatron-core's forward-backward functions (all three take the same set).
+
+    ``decoder_seq_length``, when given, sets the length of the activations sent between
+    stages (as in Megatron). ``first_val_step`` only selects fp8 weight caching in
+    Megatron, which this code base does not have: accepted, no effect. ``pg_collection``
+    None means the groups of ``initialize_model_parallel`` (a library caller; the training
+    loop passes its own). ``adjust_tensor_shapes_fn``, ``p2p_communicator`` and
+    ``force_all_reduce`` are refused with ``NotImplementedError`` when set.
+    """
+
+    forward_step_func: Callable
+    data_iterator: Any
+    model: ModelArg
+    num_microbatches: int
+    seq_length: int
+    micro_batch_size: int
+    decoder_seq_length: Optional[int] = None
+    forward_only: bool = False
+    collect_non_loss_data: bool = False
+    first_val_step: Optional[bool] = None
+    adjust_tensor_shapes_fn: Optional[Callable] = None
+    p2p_communicator: Any = None
+    pg_collection: Optional[parallel_state.ProcessGroupCollection] = None
+    force_all_reduce: Optional[bool] = False
+
+    @classmethod
+    def parse(cls, schedule: str, kwargs: Dict[str, Any]) -> ScheduleArgs:
+        """Check ``kwargs`` of a call to ``schedule``: unknown or missing keywords raise ``TypeError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{schedule}() got unexpected keyword arguments: {', '.join(unknown)}")
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a required keyword is missing
+            raise TypeError(f"{schedule}(): {e}") from None
+
+    def __post_init__(self) -> None:
+        refused = [
+            name for name in ("adjust_tensor_shapes_fn", "p2p_communicator", "force_all_reduce") if getattr(self, name)
+        ]
+        if refused:
+            raise NotImplementedError(
+                f"forward-backward schedule: {', '.join(refused)} not supported yet "
+                "(the executor builds its own communicator from pg_collection.pp)"
+            )
+        if self.pg_collection is None:
+            self.pg_collection = parallel_state.ProcessGroupCollection.use_mpu_process_groups()
+
+    @property
+    def groups(self) -> parallel_state.ProcessGroupCollection:
+        """The resolved process groups (never None after construction)."""
+        assert self.pg_collection is not None
+        return self.pg_collection
 
 
 def finalize_grads(config: Any, model_chunks: List[torch.nn.Module], total_num_tokens: torch.Tensor) -> None:
@@ -243,35 +302,26 @@ def deallocate_output(output_tensor: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------
 # No pipelining.
 # ----------------------------------------------------------------------------------
-def forward_backward_no_pipelining(
-    *,
-    forward_step_func: Callable,
-    data_iterator: Any,
-    model: ModelArg,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: Optional[int] = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: Optional[bool] = None,
-    pg_collection: Optional[parallel_state.ProcessGroupCollection] = None,
-) -> List[Any]:
+def forward_backward_no_pipelining(**kwargs: Any) -> List[Any]:
     """Forward (and backward) every microbatch in turn on a single pipeline stage.
 
-    Gradients of all but the last microbatch accumulate under ``config.no_sync_func``.
+    Takes Megatron's keywords (``ScheduleArgs``). Gradients of all but the last microbatch
+    accumulate under ``config.no_sync_func``.
 
     Returns:
         The reporting dicts of ``loss_func``, one per microbatch.
     """
-    chunks = as_chunk_list(model)
+    call = ScheduleArgs.parse("forward_backward_no_pipelining", kwargs)
+    forward_step_func, num_microbatches = call.forward_step_func, call.num_microbatches
+    forward_only, collect_non_loss_data = call.forward_only, call.collect_non_loss_data
+    chunks = as_chunk_list(call.model)
     if len(chunks) != 1:
         raise ValueError(f"no-pipelining schedule takes one model chunk, got {len(chunks)}")
-    iterator = _as_iterator_list(data_iterator, 1)[0]
+    iterator = _as_iterator_list(call.data_iterator, 1)[0]
     config = get_model_config(chunks)
     store: List[Any] = []
     total_tokens = torch.tensor(0, dtype=torch.int)
-    cp_group = context_parallel_group(config, pg_collection)
+    cp_group = context_parallel_group(config, call.groups)
 
     def one(grad_enabled: bool) -> None:
         nonlocal total_tokens
@@ -309,8 +359,9 @@ def forward_backward_no_pipelining(
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
     """The schedule for ``pp_size`` stages and ``vp_size`` virtual chunks per stage.
 
-    Without arguments the sizes come from the groups built by ``initialize_model_parallel``
-    (one stage if none were built).
+    Without arguments (a library caller) the sizes come from the groups built by
+    ``initialize_model_parallel`` (one stage if none were built); the training loop passes
+    the sizes of its own groups.
     """
     if pp_size is None:
         initialized = parallel_state.model_parallel_is_initialized()
