@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
+from megatron.core.transformer.moe.moe_utils import AuxLossTracker
 
 # True once initialize_distributed started torch.distributed itself; only then
 # does shutdown_distributed tear it down (a harness's own group is left alone).
@@ -301,10 +302,12 @@ class RunState:
     ``groups`` and ``microbatches`` are also installed as the defaults behind Megatron's
     module-level accessors (``parallel_state.get_*``, ``get_num_microbatches()``) for
     library users and entry points; the loop itself never reads those accessors.
+    ``aux_losses`` is the run's own MoE aux-loss state; ``pretrain`` binds the routers to it.
     """
 
     groups: parallel_state.ProcessGroupCollection
     microbatches: NumMicroBatchesCalculator
+    aux_losses: AuxLossTracker
 
 
 def initialize_megatron(
@@ -346,4 +349,4 @@ def initialize_run(
         args.data_parallel_size,
         args.decrease_batch_size_if_needed,
     )
-    return args, RunState(groups, microbatches)
+    return args, RunState(groups, microbatches, AuxLossTracker())

@@ -26,7 +26,7 @@ from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
 from megatron.core.timers import Timers
 from megatron.core.transformer.enums import ModelType
-from megatron.core.transformer.moe.moe_utils import aux_loss_pairs, get_aux_loss_tracker
+from megatron.core.transformer.moe.moe_utils import AuxLossTracker, aux_loss_pairs, use_aux_loss_tracker
 from megatron.core.utils import comm_device
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import (
@@ -137,13 +137,14 @@ def _train_iters(args: argparse.Namespace) -> int:
 class Loop:
     """Everything one run's iterations need, bundled so helpers take one argument.
 
-    ``groups`` and ``microbatches`` are the run's own (``initialize_run``): the loop passes
-    them on and never reads Megatron's module-level accessors.
+    ``groups``, ``microbatches`` and ``aux_losses`` are the run's own (``initialize_run``): the
+    loop passes them on and never reads Megatron's module-level accessors.
     """
 
     args: argparse.Namespace
     groups: ProcessGroupCollection
     microbatches: NumMicroBatchesCalculator
+    aux_losses: AuxLossTracker
     forward_step_func: Callable
     built: ModelAndOptimizer
     data: DataIterators
@@ -181,11 +182,11 @@ def train_step(loop: Loop) -> tuple:
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.zero_grad()
-    get_aux_loss_tracker().clear()
+    loop.aux_losses.clear()
     timers("forward-backward", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     losses = loop.schedule(loop.data.train, forward_only=False)
     timers("forward-backward").stop()
-    aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, loop.microbatches.get())
+    aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, loop.microbatches.get(), loop.aux_losses)
     timers("optimizer", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     success, grad_norm, num_zeros = built.optimizer.step()
     timers("optimizer").stop()
@@ -354,6 +355,7 @@ def pretrain(
     timers = Timers(args.timing_log_level, args.timing_log_option)
     check_save_dir(checkpoint_config_from_args(args))  # before any heavy work: not at the first save
     built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
+    use_aux_loss_tracker(built.model, run.aux_losses)
     state = TrainState()
     if args.load:
         iteration, saved_state = load_checkpoint(
@@ -373,9 +375,8 @@ def pretrain(
             provider, args, groups, len(built.model), state.consumed_train_samples, state.consumed_valid_samples
         )
         logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
-    loop = Loop(
-        args, groups, run.microbatches, forward_step_func, built, data, state, logger, timers, _train_iters(args)
-    )
+    loop = Loop(args, groups, run.microbatches, run.aux_losses, forward_step_func, built, data, state, logger, timers)
+    loop.train_iters = _train_iters(args)
     try:
         reason = None
         if not args.skip_train and loop.train_iters > state.iteration:

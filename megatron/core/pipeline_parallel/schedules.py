@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.moe_utils import AuxLossTracker, aux_loss_tracker_of
 from megatron.core.utils import comm_device
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -206,8 +206,12 @@ def parameter_device(model: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def set_aux_loss_scale(config: Any, num_microbatches: int, device: Optional[torch.device] = None) -> None:
+def set_aux_loss_scale(
+    config: Any, num_microbatches: int, tracker: AuxLossTracker, device: Optional[torch.device] = None
+) -> None:
     """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token).
+
+    The scale is set on ``tracker``, the aux-loss state the model's routers are bound to.
 
     The scale is made on ``device`` (the model's), where the fp16 loss scale and the aux losses
     live: no host-device copy per microbatch or per layer.
@@ -217,7 +221,7 @@ def set_aux_loss_scale(config: Any, num_microbatches: int, device: Optional[torc
         scale = config.grad_scale_func(scale)
     if not getattr(config, "calculate_per_token_loss", False):
         scale = scale / num_microbatches
-    MoEAuxLossAutoScaler.set_loss_scale(scale)
+    tracker.set_loss_scale(scale)
 
 
 def forward_step(
@@ -242,7 +246,7 @@ def forward_step(
     """
     unwrap_model(model, "set_input_tensor").set_input_tensor([input_tensor])
     if getattr(config, "num_moe_experts", None):
-        set_aux_loss_scale(config, num_microbatches, parameter_device(model))
+        set_aux_loss_scale(config, num_microbatches, aux_loss_tracker_of(model), parameter_device(model))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     # On the parameters' device: finalize_model_grads broadcasts it over PP without a host copy.
     zero = torch.zeros((), dtype=torch.int, device=parameter_device(model))

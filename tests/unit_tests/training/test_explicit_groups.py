@@ -3,7 +3,8 @@
 ``parallel_state.forbid_default_process_groups()`` makes every read of the default collection
 (all of Megatron's module-level getters go through it) raise. A whole ``pretrain()`` run with
 TP x PP x virtual pipeline, sequence parallelism, MoE, evaluation and a checkpoint save runs
-inside it, so any module that fell back to the default groups would fail the run.
+inside it, so any module that fell back to the default groups would fail the run; the process-wide
+MoE aux-loss tracker must stay untouched (the run binds its routers to its own).
 
 The second test lists, from the source, every call into the facade from ``megatron/core`` and
 ``megatron/training``: only the public boundaries whose Megatron signature keeps
@@ -112,6 +113,7 @@ def test_facade_reads_raise_while_forbidden():
 def _pretrain_forbidden(rank: int, world_size: int, save_dir: str) -> int:
     import pretrain_gpt
     from megatron.core.transformer.enums import ModelType
+    from megatron.core.transformer.moe import get_aux_loss_tracker
     from megatron.training.training import pretrain
     from tests.functional_tests.gpt_runs import mock_flags, tiny_gpt_flags, with_flags
 
@@ -128,6 +130,8 @@ def _pretrain_forbidden(rank: int, world_size: int, save_dir: str) -> int:
             argv=flags,
         )
     assert dist.is_initialized()  # the harness's group is left alone
+    default = get_aux_loss_tracker()  # the routers wrote to the run's tracker, the schedule scaled that one
+    assert not default.values and float(default.loss_scale) == 1.0, (default.values, default.loss_scale)
     return state.iteration
 
 
