@@ -11,11 +11,11 @@ import pytest
 
 from megatron.core import parallel_state as ps
 from tests.dist_harness import run_distributed
+from tests.model_utils import gpt2_style
 from tests.unit_tests.distributed.dp_training import (
     MICRO_BATCH,
     NUM_MICRO,
     assert_matches,
-    gpt2_style,
     parallel_run,
     reference_run,
 )

@@ -14,7 +14,8 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import distrib_optimizer
 from tests.dist_harness import run_distributed
-from tests.unit_tests.distributed.dp_training import gpt2_style, parallel_run, train_step
+from tests.model_utils import gpt2_style
+from tests.unit_tests.distributed.dp_training import parallel_run, train_step
 
 DIST = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000)
 ITERS = 3

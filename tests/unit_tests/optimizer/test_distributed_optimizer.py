@@ -19,7 +19,8 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from tests.dist_harness import run_distributed
-from tests.unit_tests.distributed.dp_training import EPS, LR, batch, build_gpt, gpt2_style, train_step
+from tests.model_utils import batch, build_gpt, gpt2_style
+from tests.unit_tests.distributed.dp_training import EPS, LR, train_step
 
 
 def _full(seed, *shape):
