@@ -151,11 +151,10 @@ def run_schedule(call: ScheduleArgs) -> List[Any]:
     config = get_model_config(chunks)
     pp_size, rank = groups.size_of("pp"), groups.rank_in("pp")
     num_microbatches, forward_only = call.num_microbatches, call.forward_only
-    seq_length = call.decoder_seq_length if call.decoder_seq_length is not None else call.seq_length
     comm = P2PCommunicator(
         groups.pp,
         groups.ranks["pp"],
-        activation_shape(seq_length, call.micro_batch_size, config, groups),
+        activation_shape(call.seq_length, call.micro_batch_size, config, groups),
         config.pipeline_dtype,
         variable_shapes=bool(getattr(config, "variable_seq_lengths", False)),
     )

@@ -100,12 +100,12 @@ def context_parallel_group(
 class ScheduleArgs:
     """The keywords of Megatron-core's forward-backward functions (all three take the same set).
 
-    ``decoder_seq_length``, when given, sets the length of the activations sent between
-    stages (as in Megatron). ``first_val_step`` only selects fp8 weight caching in
-    Megatron, which this code base does not have: accepted, no effect. ``pg_collection``
-    None means the groups of ``initialize_model_parallel`` (a library caller; the training
-    loop passes its own). ``adjust_tensor_shapes_fn``, ``p2p_communicator`` and
-    ``force_all_reduce`` are refused with ``NotImplementedError`` when set.
+    ``first_val_step`` only selects fp8 weight caching in Megatron, which this code base does
+    not have: accepted, no effect. ``pg_collection`` None means the groups of
+    ``initialize_model_parallel`` (a library caller; the training loop passes its own).
+    ``adjust_tensor_shapes_fn``, ``p2p_communicator``, ``force_all_reduce`` and a
+    ``decoder_seq_length`` other than ``seq_length`` (encoder-decoder pipelines) are refused
+    with ``NotImplementedError``.
     """
 
     forward_step_func: Callable
@@ -139,6 +139,8 @@ class ScheduleArgs:
         refused = [
             name for name in ("adjust_tensor_shapes_fn", "p2p_communicator", "force_all_reduce") if getattr(self, name)
         ]
+        if self.decoder_seq_length not in (None, self.seq_length):
+            refused.append(f"decoder_seq_length={self.decoder_seq_length} != seq_length={self.seq_length}")
         if refused:
             raise NotImplementedError(
                 f"forward-backward schedule: {', '.join(refused)} not supported yet "

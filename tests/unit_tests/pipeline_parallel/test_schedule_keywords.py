@@ -54,6 +54,7 @@ def test_missing_keyword_is_named(schedule):
         ("adjust_tensor_shapes_fn", lambda recv, send: (recv, send)),
         ("p2p_communicator", object()),
         ("force_all_reduce", True),
+        ("decoder_seq_length", 8),
     ],
 )
 def test_unimplemented_keywords_are_refused(schedule, keyword, value):
