@@ -5,15 +5,21 @@ modules receive explicitly. ``initialize_model_parallel`` builds one such
 collection, keeps it as the process-wide default and exposes it through Megatron's
 getter functions (``get_tensor_model_parallel_group()`` ...), so code written
 against Megatron keeps working. Core modules never look the default up on their
-own: only ``default_process_groups()`` does, and it raises if nothing was built.
+own: internal modules require their groups, and the public constructors and
+functions whose Megatron signature keeps ``pg_collection=None`` / ``tp_group=None``
+resolve it through ``ProcessGroupCollection.use_mpu_process_groups()`` or
+``get_tensor_model_parallel_group_if_none()``, the only two ways in from outside this
+module (both raise if nothing was built). ``forbid_default_process_groups()`` makes
+every read of the default raise, to prove a code path passes its groups.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -157,6 +163,15 @@ class ProcessGroupCollection:
         """Number of ranks in group ``name``."""
         return len(self.ranks[name])
 
+    @classmethod
+    def use_mpu_process_groups(cls) -> ProcessGroupCollection:
+        """The collection built by ``initialize_model_parallel`` (Megatron's name for this look-up).
+
+        For library users calling a public API without groups; code inside ``megatron/core`` and
+        ``megatron/training`` passes its collection instead. Raises if nothing was built.
+        """
+        return default_process_groups()
+
 
 class _GroupFactory:
     """Creates each distinct rank list's group once (every rank calls in the same order)."""
@@ -209,6 +224,7 @@ def build_process_groups(
 # ----------------------------------------------------------------------------------
 _DEFAULT: Optional[ProcessGroupCollection] = None
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
+_FORBIDDEN: Optional[str] = None  # why reading the default raises now (see forbid_default_process_groups)
 
 
 def initialize_model_parallel(
@@ -258,7 +274,12 @@ def model_parallel_is_initialized() -> bool:
 
 
 def default_process_groups() -> ProcessGroupCollection:
-    """The collection built by ``initialize_model_parallel``; raises if there is none."""
+    """The collection built by ``initialize_model_parallel``; raises if there is none.
+
+    Every facade getter reads the default through here.
+    """
+    if _FORBIDDEN is not None:
+        raise RuntimeError(f"the default process groups were read while forbidden: {_FORBIDDEN}")
     if _DEFAULT is None:
         raise RuntimeError(
             "model parallel groups are not initialized: call "
@@ -267,9 +288,27 @@ def default_process_groups() -> ProcessGroupCollection:
     return _DEFAULT
 
 
-def resolve_process_groups(groups: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
-    """``groups`` itself, or the default collection when a caller passed none."""
-    return groups if groups is not None else default_process_groups()
+@contextlib.contextmanager
+def forbid_default_process_groups(reason: str = "this code must receive its groups") -> Iterator[None]:
+    """Within the block, reading the default collection (any facade getter) raises ``RuntimeError``.
+
+    Building the default (``initialize_model_parallel``) stays allowed. Used by tests to prove
+    that a code path (the training loop, a model) uses only the groups it was given.
+    """
+    global _FORBIDDEN
+    previous, _FORBIDDEN = _FORBIDDEN, reason
+    try:
+        yield
+    finally:
+        _FORBIDDEN = previous
+
+
+def get_tensor_model_parallel_group_if_none(tp_group: Optional[ProcessGroup], is_expert: bool = False) -> ProcessGroup:
+    """``tp_group`` itself, or the default (expert-)TP group for a public API called without one."""
+    if tp_group is not None:
+        return tp_group
+    groups = default_process_groups()
+    return groups.expt_tp if is_expert else groups.tp
 
 
 def destroy_model_parallel() -> None:
@@ -291,7 +330,10 @@ def _rank(name: str) -> int:
     return default_process_groups().rank_in(name)
 
 
-def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup:
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    """The TP group; without ``check_initialized``, None when no groups were built (Megatron's rule)."""
+    if not check_initialized and _DEFAULT is None:
+        return None
     return _group("tp")
 
 

@@ -6,7 +6,8 @@ them, Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the first host of
 SLURM_NODELIST as master) describe a job started by ``srun`` directly.
 ``initialize_distributed`` then creates the default process group (unless one
 exists already), sets the CUDA device from the local rank, and builds the model
-parallel groups from the validated args.
+parallel groups from the validated args. ``initialize_run`` returns them with the
+other per-run objects (``RunState``) that the training loop holds and passes on.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import re
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
+from megatron.core.transformer.moe.moe_utils import AuxLossTracker
 
 # True once initialize_distributed started torch.distributed itself; only then
 # does shutdown_distributed tear it down (a harness's own group is left alone).
@@ -241,7 +244,7 @@ def initialize_distributed(
     args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
     if parallel_state.model_parallel_is_initialized():
         warnings.warn("model parallel groups are already initialized; keeping them", stacklevel=2)
-        return parallel_state.default_process_groups()
+        return parallel_state.ProcessGroupCollection.use_mpu_process_groups()  # built by the caller
     return parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -268,9 +271,7 @@ def shutdown_distributed() -> None:
     _OWNS_PROCESS_GROUP = False
 
 
-def set_random_seed(
-    seed: int, data_parallel_random_init: bool = False, groups: Optional[parallel_state.ProcessGroupCollection] = None
-) -> int:
+def set_random_seed(seed: int, data_parallel_random_init: bool, groups: parallel_state.ProcessGroupCollection) -> int:
     """Seed python, numpy and torch; returns the seed this rank used.
 
     Megatron's rule: pipeline stages get different streams (seed + 100 x pp rank),
@@ -280,7 +281,6 @@ def set_random_seed(
     """
     if seed is None or seed <= 0:
         raise ValueError(f"--seed={seed}: must be a positive integer")
-    groups = parallel_state.default_process_groups() if groups is None else groups
     seed = seed + 100 * groups.rank_in("pp")
     if data_parallel_random_init:
         seed += 10 * groups.rank_in("dp")
@@ -295,6 +295,21 @@ def set_random_seed(
     return seed
 
 
+@dataclass
+class RunState:
+    """The per-run objects the training loop holds and hands to what uses them.
+
+    ``groups`` and ``microbatches`` are also installed as the defaults behind Megatron's
+    module-level accessors (``parallel_state.get_*``, ``get_num_microbatches()``) for
+    library users and entry points; the loop itself never reads those accessors.
+    ``aux_losses`` is the run's own MoE aux-loss state; ``pretrain`` binds the routers to it.
+    """
+
+    groups: parallel_state.ProcessGroupCollection
+    microbatches: NumMicroBatchesCalculator
+    aux_losses: AuxLossTracker
+
+
 def initialize_megatron(
     argv: Optional[Sequence[str]] = None,
     extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None,
@@ -303,7 +318,17 @@ def initialize_megatron(
     environ: Optional[Mapping[str, str]] = None,
 ) -> argparse.Namespace:
     """Parse and validate flags, start torch.distributed, build groups, seed, set up microbatches."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    return initialize_run(argv, extra_args_provider, args_defaults, entry_point, environ)[0]
+
+
+def initialize_run(
+    argv: Optional[Sequence[str]] = None,
+    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None,
+    args_defaults: Optional[Mapping[str, Any]] = None,
+    entry_point: str = "gpt",
+    environ: Optional[Mapping[str, str]] = None,
+) -> Tuple[argparse.Namespace, RunState]:
+    """``initialize_megatron``, also returning the run's groups and microbatch calculator."""
     from megatron.training.arguments import parse_args, validate_args
 
     args = parse_args(argv, extra_args_provider, defaults=args_defaults, entry_point=entry_point)
@@ -316,7 +341,7 @@ def initialize_megatron(
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)
     set_random_seed(args.seed, args.data_parallel_random_init, groups)
-    init_num_microbatches_calculator(
+    microbatches = init_num_microbatches_calculator(
         args.rank,
         args.rampup_batch_size,
         args.global_batch_size,
@@ -324,4 +349,4 @@ def initialize_megatron(
         args.data_parallel_size,
         args.decrease_batch_size_if_needed,
     )
-    return args
+    return args, RunState(groups, microbatches, AuxLossTracker())

@@ -19,20 +19,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.distributed import NonFiniteGradientError
-from megatron.core.num_microbatches_calculator import (
-    build_num_microbatches_calculator,
-    get_current_global_batch_size,
-    get_num_microbatches,
-    update_num_microbatches,
-)
+from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
 from megatron.core.timers import Timers
 from megatron.core.transformer.enums import ModelType
-from megatron.core.transformer.moe.moe_utils import aux_loss_pairs, get_aux_loss_tracker
+from megatron.core.transformer.moe.moe_utils import AuxLossTracker, aux_loss_pairs, use_aux_loss_tracker
 from megatron.core.utils import comm_device
 from megatron.training.arguments import (
     checkpoint_config_from_args,
@@ -50,7 +44,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
-from megatron.training.initialize import initialize_megatron, shutdown_distributed
+from megatron.training.initialize import initialize_run, shutdown_distributed
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
@@ -143,10 +137,16 @@ def _train_iters(args: argparse.Namespace) -> int:
 
 @dataclass
 class Loop:
-    """Everything one run's iterations need, bundled so helpers take one argument."""
+    """Everything one run's iterations need, bundled so helpers take one argument.
+
+    ``groups``, ``microbatches`` and ``aux_losses`` are the run's own (``initialize_run``): the
+    loop passes them on and never reads Megatron's module-level accessors.
+    """
 
     args: argparse.Namespace
     groups: ProcessGroupCollection
+    microbatches: NumMicroBatchesCalculator
+    aux_losses: AuxLossTracker
     forward_step_func: Callable
     built: ModelAndOptimizer
     data: DataIterators
@@ -160,16 +160,20 @@ class Loop:
         self, data_iterator: List, forward_only: bool, collect_non_loss_data: bool = False
     ) -> List[Dict[str, torch.Tensor]]:
         chunks = self.built.model
-        return get_forward_backward_func()(
+        schedule = get_forward_backward_func(
+            self.groups.size_of("pp"), self.groups.layout.virtual_pipeline_model_parallel_size
+        )
+        return schedule(
             forward_step_func=self.forward_step_func,
             data_iterator=data_iterator if len(chunks) > 1 else data_iterator[0],
             model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=get_num_microbatches(),
+            num_microbatches=self.microbatches.get(),
             seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size,
             decoder_seq_length=getattr(self.args, "decoder_seq_length", None),
             forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data,
+            pg_collection=self.groups,
         )
 
 
@@ -184,16 +188,16 @@ def train_step(loop: Loop) -> tuple:
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.zero_grad()
-    get_aux_loss_tracker().clear()
+    loop.aux_losses.clear()
     timers("forward-backward", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     losses = loop.schedule(loop.data.train, forward_only=False)
     timers("forward-backward").stop()
-    aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, get_num_microbatches())
+    aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, loop.microbatches.get(), loop.aux_losses)
     timers("optimizer", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
     success, grad_norm, num_zeros = built.optimizer.step()
     timers("optimizer").stop()
     if success:
-        built.scheduler.step(increment=get_current_global_batch_size())
+        built.scheduler.step(increment=loop.microbatches.get_current_global_batch_size())
     reported = losses + [aux_losses] if losses and aux_losses else losses  # last stage: add the aux pairs
     return reduce_losses(reported, loop.groups), (0 if success else 1), grad_norm, num_zeros
 
@@ -240,7 +244,7 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> Non
         non_loss_data = collect_non_loss_data(loop, iterators) if process is not None else None
     if prefix == "validation":  # the extra batch too: a resumed run reads the samples the straight run reads
         batches = loop.args.eval_iters + (non_loss_data is not None)
-        loop.state.consumed_valid_samples += batches * get_current_global_batch_size()
+        loop.state.consumed_valid_samples += batches * loop.microbatches.get_current_global_batch_size()
     loop.logger.evaluation_log(loop.state.iteration, prefix, losses)
     if process is not None and dist.get_rank() == dist.get_world_size() - 1:
         process(non_loss_data, loop.state.iteration, loop.logger.writers.tensorboard)
@@ -308,7 +312,7 @@ def _log_iteration(
     elapsed_ms: float,
 ) -> None:
     args, state, built = loop.args, loop.state, loop.built
-    batch = get_current_global_batch_size()
+    batch = loop.microbatches.get_current_global_batch_size()
     loop.logger.training_log(
         iteration=state.iteration,
         train_iters=loop.train_iters,
@@ -337,14 +341,14 @@ def train(loop: Loop) -> Optional[str]:
     handler_ctx = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else contextlib.nullcontext()
     with handler_ctx as handler:
         while state.iteration < loop.train_iters:
-            update_num_microbatches(state.consumed_train_samples, consistency_check=True)
+            loop.microbatches.update(state.consumed_train_samples, consistency_check=True)
             t0 = time.time()
             try:
                 losses, skipped, grad_norm, num_zeros = train_step(loop)
             except NonFiniteGradientError as err:
                 raise NonFiniteGradientError(f"iteration {state.iteration + 1}: {err}") from err
             state.iteration += 1
-            batch = get_current_global_batch_size()
+            batch = loop.microbatches.get_current_global_batch_size()
             state.consumed_train_samples += batch
             state.floating_point_operations_so_far += num_floating_point_operations(flops_config_from_args(args), batch)
             _log_iteration(loop, losses, skipped, grad_norm, num_zeros, (time.time() - t0) * 1000.0)
@@ -380,14 +384,15 @@ def pretrain(
     the end, validation and test) with what ``collect_non_loss_data`` gathered: the forward step's
     ``loss_func`` must then accept ``non_loss_data=True``. The writer is None without TensorBoard.
     """
-    args = initialize_megatron(argv, extra_args_provider, args_defaults or {}, entry_point)
-    groups = parallel_state.default_process_groups()
+    args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
+    groups = run.groups
     tokenizer = build_tokenizer_from_args(args)
     set_global_variables(args, tokenizer)
     config = core_transformer_config_from_args(args)
     timers = Timers(args.timing_log_level, args.timing_log_option)
     check_save_dir(checkpoint_config_from_args(args))  # before any heavy work: not at the first save
     built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
+    use_aux_loss_tracker(built.model, run.aux_losses)
     state = TrainState()
     if args.load:
         iteration, saved_state = load_checkpoint(
@@ -409,8 +414,8 @@ def pretrain(
             provider, args, groups, len(built.model), state.consumed_train_samples, state.consumed_valid_samples
         )
         logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
-    iters, non_loss = _train_iters(args), process_non_loss_data_func
-    loop = Loop(args, groups, forward_step_func, built, data, state, logger, timers, iters, non_loss)
+    loop = Loop(args, groups, run.microbatches, run.aux_losses, forward_step_func, built, data, state, logger, timers)
+    loop.train_iters, loop.process_non_loss_data_func = _train_iters(args), process_non_loss_data_func
     try:
         reason = None
         if not args.skip_train and loop.train_iters > state.iteration:

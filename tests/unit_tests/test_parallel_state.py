@@ -105,3 +105,10 @@ def test_groups_on_eight_ranks():
         # expert grid: etp=2 (defaults to tp), ep=2, edp=1, pp=2
         assert out["ep"] == [r for r in range(8) if r // 4 == rank // 4 and r % 2 == rank % 2]
         assert out["expt_dp"] == [rank]
+
+
+def test_tp_group_without_check_is_none_before_initialization():
+    assert not ps.model_parallel_is_initialized()
+    assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
+    with pytest.raises(RuntimeError, match="not initialized"):
+        ps.get_tensor_model_parallel_group()

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, sharded_tensor_for
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -28,8 +28,17 @@ OPTIMIZER_STATE_PREFIX = "optimizer.state."
 def model_process_groups(
     model: torch.nn.Module, pg_collection: Optional[ProcessGroupCollection]
 ) -> ProcessGroupCollection:
-    """The explicit collection, else the one the model was built with, else the default (raises if none)."""
-    return resolve_process_groups(pg_collection or getattr(model, "pg_collection", None))
+    """The explicit collection, else the one the model was built with (``model.pg_collection``).
+
+    Raises:
+        ValueError: neither is there.
+    """
+    groups = pg_collection if pg_collection is not None else getattr(model, "pg_collection", None)
+    if groups is None:
+        raise ValueError(
+            f"{type(model).__name__} has no pg_collection attribute: pass pg_collection= to describe its shards"
+        )
+    return groups
 
 
 def _layer_prefixes(model: torch.nn.Module) -> Dict[str, str]:

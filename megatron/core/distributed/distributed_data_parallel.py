@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import reduce_scatter_tensor
@@ -77,7 +77,9 @@ class DistributedDataParallel(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.ddp_config, self.module = config, ddp_config, module
-        self.pg_collection = resolve_process_groups(pg_collection)
+        self.pg_collection = (
+            pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+        )
         self.dp_group = self.pg_collection.dp_cp
         self.dp_size = dist.get_world_size(self.dp_group)
         bucket_size = None if disable_bucketing else _default_bucket_size(ddp_config, self.dp_size)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.utils import comm_device, unwrap_model
 
 
@@ -87,15 +87,18 @@ def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection)
 
 def finalize_model_grads(
     model_chunks: Sequence[torch.nn.Module],
-    num_tokens: Optional[torch.Tensor] = None,
-    pg_collection: Optional[ProcessGroupCollection] = None,
+    num_tokens: Optional[torch.Tensor],
+    pg_collection: ProcessGroupCollection,
 ) -> None:
     """All reductions a step needs after backward (see the module docstring).
+
+    The groups are required: bind them (``functools.partial(finalize_model_grads,
+    pg_collection=groups)``) to make ``config.finalize_model_grads_func``.
 
     Raises:
         ValueError: a chunk is not DDP-wrapped while data parallelism is > 1.
     """
-    groups = resolve_process_groups(pg_collection)
+    groups = pg_collection
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()

@@ -18,7 +18,7 @@ from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
@@ -131,7 +131,7 @@ def get_megatron_optimizer(
     optimizer, whose ranks hold different slices); those of expert parameters over
     ``tp_ep_pp`` (plus ``expt_dp``), since each expert-parallel rank holds other experts.
     """
-    groups = resolve_process_groups(pg_collection)
+    groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     tp_rank = groups.rank_in("tp")
     scaler = _grad_scaler(config)

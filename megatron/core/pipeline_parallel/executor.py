@@ -13,11 +13,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.core import parallel_state
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
 from megatron.core.pipeline_parallel import schedule_table as st
 from megatron.core.pipeline_parallel.microbatch import (
-    ModelArg,
+    ScheduleArgs,
     as_chunk_list,
     as_iterator_list,
     backward_step,
@@ -107,8 +105,6 @@ class _PipelineRun:
         if not first:
             input_tensor = self.inbox.pop((st.FORWARD, op.microbatch, stage - 1))  # [s, b, h]
             input_tensor.requires_grad_(not self.forward_only)
-        if self.vp_size > 1:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(op.chunk)
         with torch.set_grad_enabled(not self.forward_only):
             output, tokens = forward_step(
                 self.forward_step_func,
@@ -144,43 +140,33 @@ def _last_backward_per_chunk(slots: List[List[st.Op]]) -> Dict[st.Op, bool]:
     return {op: op == backwards[-1] for op in last.values()}
 
 
-def run_schedule(
-    *,
-    forward_step_func: Callable,
-    data_iterator: Any,
-    model: ModelArg,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    pg_collection: Optional[ProcessGroupCollection] = None,
-) -> List[Any]:
+def run_schedule(call: ScheduleArgs) -> List[Any]:
     """Execute this rank's slots of the (interleaved) 1F1B table with p2p transfers between them.
 
     Returns:
         The reporting dicts of ``loss_func`` (one per microbatch) on the last stage, ``[]`` elsewhere.
     """
-    chunks = as_chunk_list(model)
-    groups = resolve_process_groups(pg_collection)
+    chunks = as_chunk_list(call.model)
+    groups = call.groups
     config = get_model_config(chunks)
     pp_size, rank = groups.size_of("pp"), groups.rank_in("pp")
+    num_microbatches, forward_only = call.num_microbatches, call.forward_only
     comm = P2PCommunicator(
         groups.pp,
         groups.ranks["pp"],
-        activation_shape(seq_length, micro_batch_size, config, groups),
+        activation_shape(call.seq_length, call.micro_batch_size, config, groups),
         config.pipeline_dtype,
         variable_shapes=bool(getattr(config, "variable_seq_lengths", False)),
     )
     run = _PipelineRun(
         chunks,
-        as_iterator_list(data_iterator, len(chunks)),
+        as_iterator_list(call.data_iterator, len(chunks)),
         config,
         comm,
-        forward_step_func,
+        call.forward_step_func,
         num_microbatches,
         forward_only,
-        collect_non_loss_data,
+        call.collect_non_loss_data,
     )
     run.cp_group = context_parallel_group(config, groups)
     slots = st.rank_slots(rank, pp_size, num_microbatches, len(chunks), forward_only)
@@ -197,28 +183,25 @@ def run_schedule(
                 gate.before_last_backward(op.chunk, last_backward[op])
             run.backward(op)
     run.exchange(plan[-1])
-    if len(chunks) > 1:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     if not forward_only:
         finalize_grads(config, chunks, run.total_tokens)
     return run.store if rank == pp_size - 1 else []
 
 
 def forward_backward_pipelining_without_interleaving(**kwargs: Any) -> List[Any]:
-    """1F1B: ``p - rank - 1`` warm-up forwards, then one forward and one backward at a time."""
-    if len(as_chunk_list(kwargs["model"])) != 1:
+    """1F1B: ``p - rank - 1`` warm-up forwards, then one forward and one backward at a time.
+
+    Takes Megatron's keywords (``microbatch.ScheduleArgs``); an unknown one raises ``TypeError``.
+    """
+    call = ScheduleArgs.parse("forward_backward_pipelining_without_interleaving", kwargs)
+    if len(as_chunk_list(call.model)) != 1:
         raise ValueError("the 1F1B schedule without interleaving takes one model chunk")
-    return _call(kwargs)
+    return run_schedule(call)
 
 
 def forward_backward_pipelining_with_interleaving(**kwargs: Any) -> List[Any]:
-    """Interleaved 1F1B over the model chunks (virtual stages) of each rank; m must be a multiple of p."""
-    return _call(kwargs)
+    """Interleaved 1F1B over the model chunks (virtual stages) of each rank; m must be a multiple of p.
 
-
-def _call(kwargs: Dict[str, Any]) -> List[Any]:
-    # Megatron's keyword interface; decoder_seq_length (encoder-decoder) and first_val_step
-    # (fp8 weight caching) do not change what a GPT pipeline computes.
-    kwargs.pop("decoder_seq_length", None)
-    kwargs.pop("first_val_step", None)
-    return run_schedule(**kwargs)
+    Takes Megatron's keywords (``microbatch.ScheduleArgs``); an unknown one raises ``TypeError``.
+    """
+    return run_schedule(ScheduleArgs.parse("forward_backward_pipelining_with_interleaving", kwargs))

@@ -8,12 +8,13 @@ pipelined tables) both build on this module, and neither imports the other's int
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.moe_utils import AuxLossTracker, aux_loss_tracker_of
 from megatron.core.utils import comm_device, unwrap_model
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -42,12 +43,72 @@ def as_iterator_list(data_iterator: Any, num_chunks: int) -> List[Optional[Itera
 
 
 def context_parallel_group(
-    config: Any, pg_collection: Optional[parallel_state.ProcessGroupCollection]
+    config: Any, pg_collection: parallel_state.ProcessGroupCollection
 ) -> Optional[torch.distributed.ProcessGroup]:
-    """The CP group when ``config.context_parallel_size`` > 1 (from ``pg_collection`` or the default groups)."""
+    """``pg_collection.cp`` when ``config.context_parallel_size`` > 1, else None."""
     if getattr(config, "context_parallel_size", 1) == 1:
         return None
-    return parallel_state.resolve_process_groups(pg_collection).cp
+    return pg_collection.cp
+
+
+@dataclass
+class ScheduleArgs:
+    """The keywords of Megatron-core's forward-backward functions (all three take the same set).
+
+    ``first_val_step`` only selects fp8 weight caching in Megatron, which this code base does
+    not have: accepted, no effect. ``pg_collection`` None means the groups of
+    ``initialize_model_parallel`` (a library caller; the training loop passes its own).
+    ``adjust_tensor_shapes_fn``, ``p2p_communicator``, ``force_all_reduce`` and a
+    ``decoder_seq_length`` other than ``seq_length`` (encoder-decoder pipelines) are refused
+    with ``NotImplementedError``.
+    """
+
+    forward_step_func: Callable
+    data_iterator: Any
+    model: ModelArg
+    num_microbatches: int
+    seq_length: int
+    micro_batch_size: int
+    decoder_seq_length: Optional[int] = None
+    forward_only: bool = False
+    collect_non_loss_data: bool = False
+    first_val_step: Optional[bool] = None
+    adjust_tensor_shapes_fn: Optional[Callable] = None
+    p2p_communicator: Any = None
+    pg_collection: Optional[parallel_state.ProcessGroupCollection] = None
+    force_all_reduce: Optional[bool] = False
+
+    @classmethod
+    def parse(cls, schedule: str, kwargs: Dict[str, Any]) -> ScheduleArgs:
+        """Check ``kwargs`` of a call to ``schedule``: unknown or missing keywords raise ``TypeError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{schedule}() got unexpected keyword arguments: {', '.join(unknown)}")
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a required keyword is missing
+            raise TypeError(f"{schedule}(): {e}") from None
+
+    def __post_init__(self) -> None:
+        refused = [
+            name for name in ("adjust_tensor_shapes_fn", "p2p_communicator", "force_all_reduce") if getattr(self, name)
+        ]
+        if self.decoder_seq_length not in (None, self.seq_length):
+            refused.append(f"decoder_seq_length={self.decoder_seq_length} != seq_length={self.seq_length}")
+        if refused:
+            raise NotImplementedError(
+                f"forward-backward schedule: {', '.join(refused)} not supported yet "
+                "(the executor builds its own communicator from pg_collection.pp)"
+            )
+        if self.pg_collection is None:
+            self.pg_collection = parallel_state.ProcessGroupCollection.use_mpu_process_groups()
+
+    @property
+    def groups(self) -> parallel_state.ProcessGroupCollection:
+        """The resolved process groups (never None after construction)."""
+        assert self.pg_collection is not None
+        return self.pg_collection
 
 
 def finalize_grads(config: Any, model_chunks: List[torch.nn.Module], total_num_tokens: torch.Tensor) -> None:
@@ -102,8 +163,12 @@ def parameter_device(model: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def set_aux_loss_scale(config: Any, num_microbatches: int, device: Optional[torch.device] = None) -> None:
+def set_aux_loss_scale(
+    config: Any, num_microbatches: int, tracker: AuxLossTracker, device: Optional[torch.device] = None
+) -> None:
     """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token).
+
+    The scale is set on ``tracker``, the aux-loss state the model's routers are bound to.
 
     The scale is made on ``device`` (the model's), where the fp16 loss scale and the aux losses
     live: no host-device copy per microbatch or per layer.
@@ -113,7 +178,7 @@ def set_aux_loss_scale(config: Any, num_microbatches: int, device: Optional[torc
         scale = config.grad_scale_func(scale)
     if not getattr(config, "calculate_per_token_loss", False):
         scale = scale / num_microbatches
-    MoEAuxLossAutoScaler.set_loss_scale(scale)
+    tracker.set_loss_scale(scale)
 
 
 def forward_step(
@@ -138,7 +203,7 @@ def forward_step(
     """
     unwrap_model(model).set_input_tensor([input_tensor])
     if getattr(config, "num_moe_experts", None):
-        set_aux_loss_scale(config, num_microbatches, parameter_device(model))
+        set_aux_loss_scale(config, num_microbatches, aux_loss_tracker_of(model), parameter_device(model))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     # On the parameters' device: finalize_model_grads broadcasts it over PP without a host copy.
     zero = torch.zeros((), dtype=torch.int, device=parameter_device(model))

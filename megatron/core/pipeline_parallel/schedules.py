@@ -42,7 +42,7 @@ from megatron.core.pipeline_parallel.executor import (
     forward_backward_pipelining_without_interleaving,
 )
 from megatron.core.pipeline_parallel.microbatch import (
-    ModelArg,
+    ScheduleArgs,
     as_chunk_list,
     as_iterator_list,
     backward_step,
@@ -80,35 +80,26 @@ def _no_sync_context(config: Any) -> contextlib.AbstractContextManager:
 # ----------------------------------------------------------------------------------
 # No pipelining.
 # ----------------------------------------------------------------------------------
-def forward_backward_no_pipelining(
-    *,
-    forward_step_func: Callable,
-    data_iterator: Any,
-    model: ModelArg,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: Optional[int] = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: Optional[bool] = None,
-    pg_collection: Optional[parallel_state.ProcessGroupCollection] = None,
-) -> List[Any]:
+def forward_backward_no_pipelining(**kwargs: Any) -> List[Any]:
     """Forward (and backward) every microbatch in turn on a single pipeline stage.
 
-    Gradients of all but the last microbatch accumulate under ``config.no_sync_func``.
+    Takes Megatron's keywords (``ScheduleArgs``). Gradients of all but the last microbatch
+    accumulate under ``config.no_sync_func``.
 
     Returns:
         The reporting dicts of ``loss_func``, one per microbatch.
     """
-    chunks = as_chunk_list(model)
+    call = ScheduleArgs.parse("forward_backward_no_pipelining", kwargs)
+    forward_step_func, num_microbatches = call.forward_step_func, call.num_microbatches
+    forward_only, collect_non_loss_data = call.forward_only, call.collect_non_loss_data
+    chunks = as_chunk_list(call.model)
     if len(chunks) != 1:
         raise ValueError(f"no-pipelining schedule takes one model chunk, got {len(chunks)}")
-    iterator = as_iterator_list(data_iterator, 1)[0]
+    iterator = as_iterator_list(call.data_iterator, 1)[0]
     config = get_model_config(chunks)
     store: List[Any] = []
     total_tokens = torch.tensor(0, dtype=torch.int)
-    cp_group = context_parallel_group(config, pg_collection)
+    cp_group = context_parallel_group(config, call.groups)
 
     def one(grad_enabled: bool) -> None:
         nonlocal total_tokens
@@ -146,8 +137,9 @@ def forward_backward_no_pipelining(
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
     """The schedule for ``pp_size`` stages and ``vp_size`` virtual chunks per stage.
 
-    Without arguments the sizes come from the groups built by ``initialize_model_parallel``
-    (one stage if none were built).
+    Without arguments (a library caller) the sizes come from the groups built by
+    ``initialize_model_parallel`` (one stage if none were built); the training loop passes
+    the sizes of its own groups.
     """
     if pp_size is None:
         initialized = parallel_state.model_parallel_is_initialized()

@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
 
@@ -35,16 +35,13 @@ def _embedding_group(groups: ProcessGroupCollection) -> Optional[dist.ProcessGro
     return groups.embd if groups.size_of("embd") > 1 else None
 
 
-def sync_tied_embeddings(
-    model_chunks: Iterable[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection] = None
-) -> None:
+def sync_tied_embeddings(model_chunks: Iterable[torch.nn.Module], pg_collection: ProcessGroupCollection) -> None:
     """Copy the first stage's word embedding into the last stage's output weight.
 
     Call once after building the model, on every rank (ranks outside the embedding group
     return at once). The last stage zeroes its copy and the group sums, as Megatron does.
     """
-    groups = resolve_process_groups(pg_collection)
-    group = _embedding_group(groups)
+    group = _embedding_group(pg_collection)
     chunks = list(model_chunks)
     weight = _tied_weight(chunks)
     if group is None or weight is None:
@@ -56,11 +53,10 @@ def sync_tied_embeddings(
 
 
 def allreduce_tied_embedding_grads(
-    model_chunks: Iterable[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection] = None
+    model_chunks: Iterable[torch.nn.Module], pg_collection: ProcessGroupCollection
 ) -> None:
     """Sum the gradients of the two tied copies over the embedding group (``main_grad`` if present)."""
-    groups = resolve_process_groups(pg_collection)
-    group = _embedding_group(groups)
+    group = _embedding_group(pg_collection)
     weight = _tied_weight(list(model_chunks))
     if group is None or weight is None:
         return

@@ -69,14 +69,6 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def _resolve_group(tp_group: Optional[dist.ProcessGroup], is_expert: bool) -> dist.ProcessGroup:
-    """``tp_group``, or the default (expert-)TP group."""
-    if tp_group is not None:
-        return tp_group
-    groups = parallel_state.default_process_groups()
-    return groups.expt_tp if is_expert else groups.tp
-
-
 def _init_common(
     layer: torch.nn.Module,
     config: ModelParallelConfig,
@@ -97,7 +89,7 @@ def _init_common(
     layer.skip_bias_add, layer.is_expert = skip_bias_add, is_expert
     layer.sequence_parallel = config.sequence_parallel
     layer.tp_comm_buffer_name = tp_comm_buffer_name  # userbuffer overlap (GPU only): unused
-    layer.tp_group = _resolve_group(tp_group, is_expert)
+    layer.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group, is_expert)
     world = dist.get_world_size(layer.tp_group)
     layer.explicit_expert_comm = is_expert and world > 1
     return world
@@ -373,7 +365,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.tp_group = _resolve_group(tp_group, False)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
         rank, world = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
             num_embeddings, rank, world

@@ -7,9 +7,10 @@ an all-gather. "Last dim" functions work on the hidden dimension (tensor
 parallelism); "sequence" functions work on dim 0, the sequence dimension of the
 ``[s, b, h]`` activations (sequence parallelism).
 
-Every function takes the group explicitly. ``group=None`` means the TP group of
-``parallel_state.default_process_groups()``, which raises when
-``initialize_model_parallel`` has not run. With a group of one rank every
+Every function takes the group explicitly. ``group=None`` (Megatron's public signature)
+means the TP group built by ``initialize_model_parallel``, looked up through
+``parallel_state.get_tensor_model_parallel_group_if_none`` (raises when none was built);
+code in ``megatron/core`` always passes its group. With a group of one rank every
 function is the identity in forward and backward.
 """
 
@@ -28,8 +29,8 @@ ProcessGroup = dist.ProcessGroup
 
 
 def resolve_tp_group(group: Optional[ProcessGroup]) -> ProcessGroup:
-    """``group`` itself, or the default TP group when it is None."""
-    return group if group is not None else parallel_state.default_process_groups().tp
+    """``group`` itself, or the default TP group for a library caller that passed none."""
+    return parallel_state.get_tensor_model_parallel_group_if_none(group)
 
 
 # ----------------------------------------------------------------------------------

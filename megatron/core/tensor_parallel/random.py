@@ -132,10 +132,11 @@ def model_parallel_cuda_manual_seed(
 ) -> None:
     """Seed the default generator and the tracked TP/expert streams (see module doc).
 
-    Ranks left as None are read from ``parallel_state.default_process_groups()``.
+    Ranks left as None (Megatron's public signature) are read from the groups built by
+    ``initialize_model_parallel``; the training application passes them.
     """
     if tp_rank is None or ep_rank is None or etp_rank is None:
-        groups = parallel_state.default_process_groups()
+        groups = parallel_state.ProcessGroupCollection.use_mpu_process_groups()
         tp_rank = groups.rank_in("tp") if tp_rank is None else tp_rank
         ep_rank = groups.rank_in("ep") if ep_rank is None else ep_rank
         etp_rank = groups.rank_in("expt_tp") if etp_rank is None else etp_rank
@@ -250,7 +251,7 @@ def checkpoint(
     """
     group = None
     if distribute_saved_activations:
-        group = tp_group if tp_group is not None else parallel_state.default_process_groups().tp
+        group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
         if dist.get_world_size(group) == 1:
             group = None
     return CheckpointFunction.apply(function, group, *args)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.context_parallel import cp_chunk_positions, gather_kv_over_cp
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.masks import build_attention_mask
@@ -225,11 +225,12 @@ class SelfAttention(MegatronModule):
         config: TransformerConfig,
         layer_number: int = 1,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        pg_collection: ProcessGroupCollection,
         qk_layernorm: Optional[bool] = None,
     ) -> None:
         super().__init__(config)
-        groups = resolve_process_groups(pg_collection)
+        groups = pg_collection
         tp = groups.size_of("tp")
         self.heads_per_rank = config.num_attention_heads // tp
         self.groups_per_rank = config.num_query_groups // tp

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -22,13 +22,12 @@ class MLP(MegatronModule):
     def __init__(
         self,
         config: TransformerConfig,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        pg_collection: ProcessGroupCollection,
         ffn_hidden_size: Optional[int] = None,
         is_expert: bool = False,
     ) -> None:
         super().__init__(config)
-        groups = resolve_process_groups(pg_collection)
-        tp_group = groups.expt_tp if is_expert else groups.tp
+        tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
         ffn = ffn_hidden_size or config.ffn_hidden_size
         gated = config.gated_linear_unit
         self.linear_fc1 = ColumnParallelLinear(

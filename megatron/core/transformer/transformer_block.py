@@ -8,7 +8,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
 from megatron.core.transformer.module import MegatronModule
@@ -48,11 +48,13 @@ class TransformerBlock(MegatronModule):
         post_layer_norm: bool = True,
         pre_process: bool = True,
         post_process: bool = True,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        pg_collection: ProcessGroupCollection,
         vp_stage: Optional[int] = None,
     ) -> None:
         super().__init__(config)
-        groups = resolve_process_groups(pg_collection)
+        groups = pg_collection
+        self.tp_group = groups.tp  # activations saved for recompute are distributed over it
         self.pre_process, self.post_process = pre_process, post_process
         numbers = layer_numbers_to_build(config, groups.rank_in("pp"), groups.size_of("pp"), vp_stage)
         self.layers = torch.nn.ModuleList(self._build_layer(spec, n, groups) for n in numbers)
@@ -119,6 +121,7 @@ class TransformerBlock(MegatronModule):
                         lambda h, s=start, e=end: self._run_layers(h, s, e, attention_mask, rotary_pos_emb),
                         bool(self.config.distribute_saved_activations),
                         hidden_states,
+                        tp_group=self.tp_group,
                     )
                 else:
                     hidden_states = self._run_layers(hidden_states, start, end, attention_mask, rotary_pos_emb)

@@ -32,7 +32,8 @@ class TransformerLayer(MegatronModule):
         config: TransformerConfig,
         submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        pg_collection: ProcessGroupCollection,
     ) -> None:
         super().__init__(config)
         self.layer_number = layer_number

@@ -25,7 +25,7 @@ from megatron.core.optimizer.clip_grads import (
     unscale_and_find_nonfinite,
 )
 from megatron.core.pipeline_parallel.schedules import forward_step
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_aux_loss_tracker
 from tests.unit_tests.gpu.fake_cuda import FakeCuda, fake_world, nccl_like, on_cuda
 
 
@@ -160,8 +160,8 @@ def test_a_microbatch_copies_nothing_to_the_device(fp16):
                 loss, _ = forward_step(_forward_step_func, None, chunk, 2, None, [], config)
             scaled = config.grad_scale_func(loss)  # what backward_step back-propagates
             aux = torch.zeros((), device="cuda")
-            ctx = SimpleNamespace(saved_tensors=(aux,), weight=1.0)
-            _, aux_grad, _ = MoEAuxLossAutoScaler.backward(ctx, torch.ones(4, 8, device="cuda"))
+            ctx = SimpleNamespace(saved_tensors=(aux,), weight=1.0, tracker=get_aux_loss_tracker())
+            _, aux_grad, _, _ = MoEAuxLossAutoScaler.backward(ctx, torch.ones(4, 8, device="cuda"))
         assert mode.counts() == before, f"(host syncs, host-to-device copies) {before} -> {mode.counts()}"
         assert on_cuda(scaled) and on_cuda(aux_grad)
 

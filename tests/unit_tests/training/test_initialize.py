@@ -107,7 +107,7 @@ def _layout_and_seeds(rank, world_size):
     ):
         args = validate_args(parse_args(BASE + extra), world_size)
         groups = init.initialize_distributed(args)
-        used = init.set_random_seed(args.seed, args.data_parallel_random_init)
+        used = init.set_random_seed(args.seed, args.data_parallel_random_init, groups)
         out[name] = dict(
             seed=used,
             torch=torch.rand(3).tolist(),

@@ -11,7 +11,7 @@ from megatron.core.context_parallel import cp_chunk_positions
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     gather_from_tensor_model_parallel_region,
@@ -85,7 +85,7 @@ class GPTModel(MegatronModule):
     ) -> None:
         config = _config_from_keywords(config, config_fields)
         super().__init__(config)
-        groups = resolve_process_groups(pg_collection)
+        groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         config.check_against(groups)
         self.pg_collection = groups
         self.vocab_size = vocab_size if vocab_size is not None else SHORT_FORM_VOCAB_SIZE

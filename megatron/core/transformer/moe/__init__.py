@@ -2,10 +2,17 @@
 
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, aux_loss_pairs, get_aux_loss_tracker
+from megatron.core.transformer.moe.moe_utils import (
+    AuxLossTracker,
+    MoEAuxLossAutoScaler,
+    aux_loss_pairs,
+    get_aux_loss_tracker,
+    use_aux_loss_tracker,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 
 __all__ = [
+    "AuxLossTracker",
     "MoEAuxLossAutoScaler",
     "MoELayer",
     "MoESubmodules",
@@ -13,4 +20,5 @@ __all__ = [
     "TopKRouter",
     "get_aux_loss_tracker",
     "aux_loss_pairs",
+    "use_aux_loss_tracker",
 ]

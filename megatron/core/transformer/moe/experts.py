@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import List, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -48,10 +48,11 @@ class SequentialMLP(MegatronModule):
         num_local_experts: int,
         config: TransformerConfig,
         submodules: Union[ModuleSpec, type, None] = None,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        pg_collection: ProcessGroupCollection,
     ) -> None:
         super().__init__(config)
-        groups = resolve_process_groups(pg_collection)
+        groups = pg_collection
         self.tp_group = groups.expt_tp
         ep_size = groups.size_of("ep")
         first = groups.rank_in("ep") * num_local_experts

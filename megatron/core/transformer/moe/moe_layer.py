@@ -28,7 +28,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -58,13 +58,14 @@ class MoELayer(MegatronModule):
         self,
         config: TransformerConfig,
         submodules: Optional[MoESubmodules] = None,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        pg_collection: ProcessGroupCollection,
         layer_number: Optional[int] = None,
     ) -> None:
         super().__init__(config)
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs config.num_moe_experts")
-        groups = resolve_process_groups(pg_collection)
+        groups = pg_collection
         ep_size = groups.size_of("ep")
         if config.num_moe_experts % ep_size:
             raise ValueError(
@@ -75,7 +76,9 @@ class MoELayer(MegatronModule):
         self.num_local_experts = config.num_moe_experts // ep_size
         self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
         self.router = TopKRouter(config, self.tp_group)
-        self.experts = SequentialMLP(self.num_local_experts, config, (submodules or MoESubmodules()).experts, groups)
+        self.experts = SequentialMLP(
+            self.num_local_experts, config, (submodules or MoESubmodules()).experts, pg_collection=groups
+        )
         if layer_number is not None:
             self.set_layer_number(layer_number)
 

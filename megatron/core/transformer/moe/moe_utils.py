@@ -5,13 +5,15 @@ unchanged and, in backward, also back-propagates the aux loss with gradient ``lo
 The pipeline ``forward_step`` sets that scale exactly like the main loss is scaled (1 /
 number of microbatches, or 1 with ``calculate_per_token_loss``, times the fp16 loss scale).
 
-``AuxLossTracker`` keeps, per global layer, the detached coefficient-free values
-(aux / coeff, as Megatron logs them) summed over the microbatches of one iteration.
+``AuxLossTracker`` is one run's aux-loss state: that scale and, per global layer, the detached
+coefficient-free values (aux / coeff, as Megatron logs them) summed over the microbatches of
+one iteration. Routers start bound to a process-wide default (Megatron's accessors); the
+training loop binds them to its run's tracker with ``use_aux_loss_tracker``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,38 +44,17 @@ def router_z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.square(torch.logsumexp(logits.float(), dim=-1)).mean() * coeff
 
 
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Identity on ``output``; backward also sends ``loss_scale * weight`` into ``aux_loss``.
-
-    ``weight`` lets tensor-parallel ranks that all compute the same aux loss contribute it
-    once (see ``MoELayer``).
-    """
-
-    loss_scale: torch.Tensor = torch.tensor(1.0)
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        ctx.weight = weight
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.loss_scale.to(aux_loss.device, aux_loss.dtype)
-        return grad_output, torch.ones_like(aux_loss) * scale * ctx.weight, None
-
-    @staticmethod
-    def set_loss_scale(scale: Union[torch.Tensor, float]) -> None:
-        """Gradient given to every aux loss in backward (what the main loss is multiplied by)."""
-        MoEAuxLossAutoScaler.loss_scale = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(())
-
-
 class AuxLossTracker:
-    """Per-layer sums of detached aux-loss values (``name -> [num_layers]``) since the last clear."""
+    """One run's aux-loss state: what the routers add and the gradient they get back.
+
+    ``values``: per-layer sums of detached aux-loss values (``name -> [num_layers]``) since the
+    last clear. ``loss_scale``: the gradient ``MoEAuxLossAutoScaler`` gives every aux loss in
+    backward, set by the schedule's ``forward_step``.
+    """
 
     def __init__(self) -> None:
         self.values: Dict[str, torch.Tensor] = {}
+        self.loss_scale = torch.tensor(1.0)
 
     def add(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
         """Add ``value`` to global 1-based ``layer_number``'s entry of ``name``."""
@@ -84,13 +65,59 @@ class AuxLossTracker:
     def clear(self) -> None:
         self.values.clear()
 
+    def set_loss_scale(self, scale: Union[torch.Tensor, float]) -> None:
+        """Gradient given to every aux loss in backward (what the main loss is multiplied by)."""
+        self.loss_scale = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(())
 
-_TRACKER = AuxLossTracker()
+
+_TRACKER = AuxLossTracker()  # the default behind Megatron's process-wide accessors
 
 
 def get_aux_loss_tracker() -> AuxLossTracker:
-    """The tracker every router writes to (one per process, like Megatron's)."""
+    """The process-wide default tracker (routers are bound to it until ``use_aux_loss_tracker``)."""
     return _TRACKER
+
+
+def use_aux_loss_tracker(model_chunks: Iterable[torch.nn.Module], tracker: AuxLossTracker) -> None:
+    """Bind every router of ``model_chunks`` to ``tracker`` (the training loop passes its run's)."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(getattr(module, "aux_loss_tracker", None), AuxLossTracker):
+                module.aux_loss_tracker = tracker
+
+
+def aux_loss_tracker_of(model: torch.nn.Module) -> AuxLossTracker:
+    """The tracker ``model``'s routers are bound to; the default for a model without routers."""
+    bound = (getattr(m, "aux_loss_tracker", None) for m in model.modules())
+    return next((t for t in bound if isinstance(t, AuxLossTracker)), _TRACKER)
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``output``; backward also sends ``tracker.loss_scale * weight`` into ``aux_loss``.
+
+    ``weight`` lets tensor-parallel ranks that all compute the same aux loss contribute it
+    once (see ``MoELayer``). ``tracker`` None means the process-wide default.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, output: torch.Tensor, aux_loss: torch.Tensor, weight: float, tracker: Optional[AuxLossTracker] = None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.weight = weight
+        ctx.tracker = tracker if tracker is not None else _TRACKER
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        scale = ctx.tracker.loss_scale.to(aux_loss.device, aux_loss.dtype)
+        return grad_output, torch.ones_like(aux_loss) * scale * ctx.weight, None, None
+
+    @staticmethod
+    def set_loss_scale(scale: Union[torch.Tensor, float]) -> None:
+        """Megatron's process-wide setter: the default tracker's ``loss_scale``."""
+        _TRACKER.set_loss_scale(scale)
 
 
 def tracked_aux_loss_names(config) -> List[str]:

@@ -13,6 +13,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
     LOAD_BALANCING_LOSS,
     Z_LOSS,
+    AuxLossTracker,
     MoEAuxLossAutoScaler,
     get_aux_loss_tracker,
     router_z_loss,
@@ -61,6 +62,7 @@ class TopKRouter(MegatronModule):
             with torch.no_grad():
                 config.init_method(self.weight)
         self.layer_number: Optional[int] = None
+        self.aux_loss_tracker: AuxLossTracker = get_aux_loss_tracker()  # a run rebinds it (use_aux_loss_tracker)
 
     def set_layer_number(self, layer_number: int) -> None:
         """Global 1-based layer number, under which the aux losses are tracked."""
@@ -87,7 +89,7 @@ class TopKRouter(MegatronModule):
         if c.moe_z_loss_coeff:
             losses.append((Z_LOSS, router_z_loss(logits, c.moe_z_loss_coeff), c.moe_z_loss_coeff))
         for name, loss, coeff in losses:
-            probs = MoEAuxLossAutoScaler.apply(probs, loss, share)
+            probs = MoEAuxLossAutoScaler.apply(probs, loss, share, self.aux_loss_tracker)
             if self.layer_number is not None:
-                get_aux_loss_tracker().add(name, loss / coeff, self.layer_number, c.num_layers)
+                self.aux_loss_tracker.add(name, loss / coeff, self.layer_number, c.num_layers)
         return probs

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.parallel_state import ProcessGroupCollection, resolve_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     get_cuda_rng_tracker,
@@ -35,7 +35,8 @@ class LanguageModelEmbedding(MegatronModule):
         max_sequence_length: int,
         position_embedding_type: str = "learned_absolute",
         num_tokentypes: int = 0,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        pg_collection: ProcessGroupCollection,
     ) -> None:
         super().__init__(config)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -44,7 +45,7 @@ class LanguageModelEmbedding(MegatronModule):
             )
         if num_tokentypes:
             raise ValueError("num_tokentypes > 0 (BERT token types) is not supported yet")
-        self.tp_group = resolve_process_groups(pg_collection).tp
+        self.tp_group = pg_collection.tp
         self.sequence_parallel = config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size,
