@@ -33,7 +33,7 @@ _ALLOWED_TABLE = """
 megatron/core/models/gpt/gpt_model.py GPTModel.__init__ use_mpu_process_groups
 megatron/core/distributed/distributed_data_parallel.py DistributedDataParallel.__init__ use_mpu_process_groups
 megatron/core/optimizer/__init__.py get_megatron_optimizer use_mpu_process_groups
-megatron/core/pipeline_parallel/schedules.py ScheduleArgs.__post_init__ use_mpu_process_groups
+megatron/core/pipeline_parallel/microbatch.py ScheduleArgs.__post_init__ use_mpu_process_groups
 megatron/core/pipeline_parallel/schedules.py get_forward_backward_func model_parallel_is_initialized
 megatron/core/pipeline_parallel/schedules.py get_forward_backward_func get_pipeline_model_parallel_world_size
 megatron/core/pipeline_parallel/schedules.py get_forward_backward_func get_virtual_pipeline_model_parallel_world_size
