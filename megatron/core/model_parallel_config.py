@@ -67,6 +67,9 @@ class ModelParallelConfig:
     finalize_model_grads_func: Optional[object] = None
     grad_scale_func: Optional[object] = None
     no_sync_func: Optional[object] = None
+    # Megatron's loops set these to launch bucket reductions / parameter gathers from the schedule. Not called
+    # here: DDP launches each bucket's reduction from its gradient hooks and waits for each gather in a forward
+    # pre-hook (tested structurally), so what they would do already happens; kept so such loops run unchanged.
     grad_sync_func: Optional[object] = None
     param_sync_func: Optional[object] = None
 
