@@ -51,7 +51,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     remove_dataset,
     temporary_prefix,
 )
-from megatron.core.tokenizers import TOKENIZER_TYPES  # noqa: E402  (standard library only: fast start-up)
+from megatron.core.tokenizers import TOKENIZER_KEYWORDS, TOKENIZER_TYPES  # noqa: E402  (standard library only: fast start-up)
 from tools.long_texts import tokenize_all  # noqa: E402
 from tools.merge_datasets import write_merged  # noqa: E402
 
@@ -143,16 +143,8 @@ def check_output_prefix(prefix: str) -> None:
 
 def tokenizer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """Keyword arguments of ``build_tokenizer``; it checks the files each type needs, naming the flag."""
-    return dict(
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
-        vocab_extra_ids=args.vocab_extra_ids,
-        tiktoken_pattern=args.tiktoken_pattern,
-        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-        tiktoken_special_tokens=args.tiktoken_special_tokens,
-    )
+    # This tool has no --trust-remote-code (Megatron's preprocess_data.py neither): left at its default.
+    return {name: getattr(args, name) for name in TOKENIZER_KEYWORDS if name != "trust_remote_code"}
 
 
 def build_tokenizer(tokenizer_type: str, kwargs: Dict[str, Any]) -> Any:

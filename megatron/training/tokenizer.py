@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.core.tokenizers import MegatronTokenizer, build_tokenizer
+from megatron.core.tokenizers import TOKENIZER_KEYWORDS, MegatronTokenizer, build_tokenizer
 from megatron.training.validation import vocab_size_with_padding
 
 
@@ -14,18 +14,7 @@ def build_tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
     The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` x TP so
     that every tensor-parallel rank holds an equal, aligned slice of the embedding.
     """
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
-        vocab_extra_ids=args.vocab_extra_ids,
-        tiktoken_pattern=args.tiktoken_pattern,
-        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-        tiktoken_special_tokens=args.tiktoken_special_tokens,
-        trust_remote_code=args.trust_remote_code,
-    )
+    tokenizer = build_tokenizer(args.tokenizer_type, **{name: getattr(args, name) for name in TOKENIZER_KEYWORDS})
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )

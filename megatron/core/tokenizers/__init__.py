@@ -5,7 +5,7 @@ Importing this package loads only the standard library; each tokenizer imports i
 """
 
 from megatron.core.tokenizers.base import MegatronTokenizer, MissingSpecialTokenError
-from megatron.core.tokenizers.build import TOKENIZER_TYPES, build_tokenizer
+from megatron.core.tokenizers.build import TOKENIZER_KEYWORDS, TOKENIZER_TYPES, build_tokenizer
 from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron.core.tokenizers.huggingface import HuggingFaceTokenizer
 from megatron.core.tokenizers.null import NullTokenizer
@@ -18,6 +18,7 @@ from megatron.core.tokenizers.tiktoken_tokenizer import TikTokenizer
 from megatron.core.tokenizers.wordpiece import BertWordPieceTokenizer
 
 __all__ = [
+    "TOKENIZER_KEYWORDS",
     "TOKENIZER_TYPES",
     "BertWordPieceTokenizer",
     "GPT2BPETokenizer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, List, Optional
 
 from megatron.core.tokenizers.base import MegatronTokenizer
@@ -102,3 +103,8 @@ def build_tokenizer(
             trust_remote_code=trust_remote_code,
         )
     )
+
+
+# The keyword arguments of ``build_tokenizer``, each filled by the Megatron flag of the same name
+# (training and preprocessing build the tokenizer from the same flags).
+TOKENIZER_KEYWORDS = tuple(inspect.signature(build_tokenizer).parameters)[1:]
