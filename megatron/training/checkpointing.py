@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.serialization import agree_on_error, read_
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
 from megatron.core.utils import named_model_params, unwrap_model
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
 from megatron.training.checkpoint_config import SUPPORTED_FORMATS, CheckpointConfig  # noqa: F401 - re-exported
@@ -158,11 +159,13 @@ def save_checkpoint(
     train_state: Dict[str, Any],
     args_dict: Dict[str, Any],
     pg_collection: Optional[ProcessGroupCollection] = None,
+    rng_tracker: Optional[CudaRNGStatesTracker] = None,
 ) -> str:
     """Write ``SAVE/iter_{iteration:07d}`` on every rank, then point the tracker at it; returns the dir.
 
     Collective over the world. ``train_state`` (consumed samples, FLOPs so far, ...) and
-    ``args_dict`` must be plain data (see ``args_to_plain_data``).
+    ``args_dict`` must be plain data (see ``args_to_plain_data``). ``rng_tracker`` is the run's
+    model-parallel RNG tracker (the training loop passes its own; None: ``get_cuda_rng_tracker()``).
     """
     if ckpt_config.save is None:
         raise ValueError("save_checkpoint needs CheckpointConfig.save (--save)")
@@ -185,9 +188,10 @@ def save_checkpoint(
     _require_plain("opt_param_scheduler.state_dict()", common["opt_param_scheduler"])
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
     saver = _save_sharded if ckpt_config.ckpt_format == "torch_dist" else _save_legacy
+    rng_state = None if ckpt_config.no_save_rng else collect_rng_state(rng_tracker or get_cuda_rng_tracker())
     try:
         _agreed_write(lambda: _start_directory(iter_dir), iter_dir)
-        saver(iter_dir, model_chunks, optimizer if save_optim else None, groups, ckpt_config, common)
+        saver(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
         dist.barrier()
     except CheckpointingError as e:
         raise CheckpointingError(f"{e}; {_tracker_note(ckpt_config.save)}") from e
@@ -249,8 +253,8 @@ def _save_sharded(
     model_chunks: Sequence[torch.nn.Module],
     optimizer: Any,
     groups: ProcessGroupCollection,
-    cfg: CheckpointConfig,
     common: Dict[str, Any],
+    rng_state: Optional[Dict[str, Any]],
 ) -> None:
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     common["optimizer"] = None
@@ -259,7 +263,6 @@ def _save_sharded(
         per_param, scalars = dc.split_optimizer_state(optimizer.state_dict_by_param_name(model_chunks), specs)
         sharded.update(dc.optimizer_sharded_state_dict(per_param, specs))
         common["optimizer"] = plain_data.encode(scalars, "optimizer")
-    rng_state = None if cfg.no_save_rng else collect_rng_state()
     _agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
     dc.save(sharded, iter_dir)  # DCP files, checksums, then metadata.json last
 
@@ -288,13 +291,13 @@ def _save_legacy(
     model_chunks: Sequence[torch.nn.Module],
     optimizer: Any,
     groups: ProcessGroupCollection,
-    cfg: CheckpointConfig,
     common: Dict[str, Any],
+    rng_state: Optional[Dict[str, Any]],
 ) -> None:
     _refuse_legacy_with_ep(groups)
     rng: List[Any] = [None] * groups.size_of("dp")
-    if not cfg.no_save_rng:
-        dist.all_gather_object(rng, collect_rng_state(), group=groups.dp)
+    if rng_state is not None:
+        dist.all_gather_object(rng, rng_state, group=groups.dp)
     # On every rank: the distributed optimizer gathers its DP slices collectively.
     optim_state = optimizer.state_dict_by_param_name(model_chunks) if optimizer is not None else None
     writer = groups.rank_in("dp") == 0 and groups.rank_in("cp") == 0
@@ -305,7 +308,7 @@ def _save_legacy(
             common,
             num_floating_point_operations_so_far=common["train_state"].get("num_floating_point_operations_so_far", 0),
         )
-        if not cfg.no_save_rng:
+        if rng_state is not None:
             state["rng_state"] = rng
         for i, chunk in enumerate(model_chunks):
             state["model" if len(model_chunks) == 1 else f"model{i}"] = unwrap_model(chunk).state_dict()
@@ -382,6 +385,7 @@ def load_checkpoint(
     ckpt_config: CheckpointConfig,
     pg_collection: Optional[ProcessGroupCollection] = None,
     run_args: Optional[Dict[str, Any]] = None,
+    rng_tracker: Optional[CudaRNGStatesTracker] = None,
 ) -> Tuple[int, Dict[str, Any]]:
     """Restore from ``ckpt_config.load``; returns (iteration, train_state).
 
@@ -391,6 +395,7 @@ def load_checkpoint(
     returns (0, {}) (or raises with ``exit_on_missing_checkpoint``; a directory holding
     complete checkpoints but no tracker raises). ``run_args`` (this run's flags as plain
     data) must agree with the checkpoint's on every architecture flag, finetuning included.
+    The saved model-parallel RNG streams go into ``rng_tracker`` (None: ``get_cuda_rng_tracker()``).
     """
     if ckpt_config.load is None:
         return 0, {}
@@ -412,7 +417,7 @@ def load_checkpoint(
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
-        restore_rng_state(rng)
+        restore_rng_state(rng, rng_tracker or get_cuda_rng_tracker())
     logger.info("loaded checkpoint %s (%s)", iter_dir, fmt)
     if fresh:
         return 0, {}

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, seed_rng_tracker
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker
 
 # True once initialize_distributed started torch.distributed itself; only then
@@ -271,8 +272,14 @@ def shutdown_distributed() -> None:
     _OWNS_PROCESS_GROUP = False
 
 
-def set_random_seed(seed: int, data_parallel_random_init: bool, groups: parallel_state.ProcessGroupCollection) -> int:
-    """Seed python, numpy and torch; returns the seed this rank used.
+def set_random_seed(
+    seed: int,
+    data_parallel_random_init: bool,
+    groups: parallel_state.ProcessGroupCollection,
+    *,
+    tracker: CudaRNGStatesTracker,
+) -> int:
+    """Seed python, numpy, torch and the run's model-parallel ``tracker``; returns the seed this rank used.
 
     Megatron's rule: pipeline stages get different streams (seed + 100 x pp rank),
     data-parallel replicas the same one unless ``data_parallel_random_init``
@@ -286,12 +293,8 @@ def set_random_seed(seed: int, data_parallel_random_init: bool, groups: parallel
         seed += 10 * groups.rank_in("dp")
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)
-    from megatron.core import tensor_parallel  # imported here: it depends on the groups built above
-
-    tensor_parallel.model_parallel_cuda_manual_seed(
-        seed, tp_rank=groups.rank_in("tp"), ep_rank=groups.rank_in("ep"), etp_rank=groups.rank_in("expt_tp")
-    )
+    torch.manual_seed(seed)  # the CPU generator, and every CUDA device's
+    seed_rng_tracker(tracker, seed, groups.rank_in("tp"), groups.rank_in("ep"), groups.rank_in("expt_tp"))
     return seed
 
 
@@ -303,11 +306,15 @@ class RunState:
     module-level accessors (``parallel_state.get_*``, ``get_num_microbatches()``) for
     library users and entry points; the loop itself never reads those accessors.
     ``aux_losses`` is the run's own MoE aux-loss state; ``pretrain`` binds the routers to it.
+    ``rng_tracker`` holds the run's named model-parallel RNG streams; ``pretrain`` installs it
+    (``use_rng_tracker``) behind Megatron's ``get_cuda_rng_tracker()`` for the run's duration and
+    hands it to checkpoint save/load explicitly.
     """
 
     groups: parallel_state.ProcessGroupCollection
     microbatches: NumMicroBatchesCalculator
     aux_losses: AuxLossTracker
+    rng_tracker: CudaRNGStatesTracker
 
 
 def initialize_megatron(
@@ -340,7 +347,8 @@ def initialize_run(
     world_size = dist.get_world_size() if dist.is_initialized() else launch_env_for(args, environ).world_size
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)
-    set_random_seed(args.seed, args.data_parallel_random_init, groups)
+    rng_tracker = CudaRNGStatesTracker()
+    set_random_seed(args.seed, args.data_parallel_random_init, groups, tracker=rng_tracker)
     microbatches = init_num_microbatches_calculator(
         args.rank,
         args.rampup_batch_size,
@@ -349,4 +357,4 @@ def initialize_run(
         args.data_parallel_size,
         args.decrease_batch_size_if_needed,
     )
-    return args, RunState(groups, microbatches, AuxLossTracker())
+    return args, RunState(groups, microbatches, AuxLossTracker(), rng_tracker)

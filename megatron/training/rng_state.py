@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from megatron.core.dist_checkpointing import plain_data
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
 logger = logging.getLogger(__name__)
 
 
-def collect_rng_state() -> Dict[str, Any]:
-    """This rank's generator states as plain data.
+def collect_rng_state(tracker: CudaRNGStatesTracker) -> Dict[str, Any]:
+    """This rank's generator states as plain data, ``tracker``'s named streams among them.
 
     Python ``random``, NumPy's global generator, the torch CPU generator, every CUDA
     device's generator (a list, one per visible device; None without CUDA) and the
@@ -41,13 +41,13 @@ def collect_rng_state() -> Dict[str, Any]:
         "device": "cuda" if on_cuda else "cpu",
         "cuda": list(torch.cuda.get_rng_state_all()) if on_cuda else None,
         "cuda_device": torch.cuda.current_device() if on_cuda else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
+        "tracker": tracker.get_states(),
     }
     return plain_data.encode(state, "rng_state")
 
 
-def restore_rng_state(encoded: Dict[str, Any]) -> None:
-    """Inverse of ``collect_rng_state``.
+def restore_rng_state(encoded: Dict[str, Any], tracker: CudaRNGStatesTracker) -> None:
+    """Inverse of ``collect_rng_state``: the named streams go back into ``tracker``.
 
     Device states saved on another kind of device (CPU vs CUDA) are not restored and a
     warning says so; the host generators always are.
@@ -77,7 +77,7 @@ def restore_rng_state(encoded: Dict[str, Any]) -> None:
         return
     if running_on == "cuda":
         _restore_cuda_rng(state["cuda"], state.get("cuda_device"))
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker.set_states(state["tracker"])
 
 
 def _restore_cuda_rng(saved: Any, saved_device: Optional[int]) -> None:

@@ -24,6 +24,7 @@ from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator,
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, use_rng_tracker
 from megatron.core.timers import Timers
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker, aux_loss_pairs, use_aux_loss_tracker
@@ -44,7 +45,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
-from megatron.training.initialize import initialize_run, shutdown_distributed
+from megatron.training.initialize import RunState, initialize_run, shutdown_distributed
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
@@ -97,7 +98,7 @@ def params_l2_norm(model_chunks: List[torch.nn.Module], groups: ProcessGroupColl
 
 
 @contextlib.contextmanager
-def rng_untouched() -> Iterator[None]:
+def rng_untouched(tracker: CudaRNGStatesTracker) -> Iterator[None]:
     """Run a block that must not move any generator the training steps draw from.
 
     Building data iterators (a DataLoader draws its workers' base seed from the default
@@ -105,12 +106,13 @@ def rng_untouched() -> Iterator[None]:
     evaluating and saving happen at different points of a straight and a resumed run, so
     they leave python, NumPy, torch CPU/CUDA and the tracked model-parallel states as they
     found them: dropout then draws the same numbers whether or not a run was resumed.
+    ``tracker`` is the run's model-parallel RNG tracker.
     """
-    saved = collect_rng_state()
+    saved = collect_rng_state(tracker)
     try:
         yield
     finally:
-        restore_rng_state(saved)
+        restore_rng_state(saved, tracker)
 
 
 def _train_iters(args: argparse.Namespace) -> int:
@@ -139,14 +141,12 @@ def _train_iters(args: argparse.Namespace) -> int:
 class Loop:
     """Everything one run's iterations need, bundled so helpers take one argument.
 
-    ``groups``, ``microbatches`` and ``aux_losses`` are the run's own (``initialize_run``): the
-    loop passes them on and never reads Megatron's module-level accessors.
+    ``run`` holds the run's own groups, microbatch calculator, aux-loss and RNG trackers
+    (``initialize_run``): the loop passes them on and never reads Megatron's module-level accessors.
     """
 
     args: argparse.Namespace
-    groups: ProcessGroupCollection
-    microbatches: NumMicroBatchesCalculator
-    aux_losses: AuxLossTracker
+    run: RunState
     forward_step_func: Callable
     built: ModelAndOptimizer
     data: DataIterators
@@ -155,6 +155,22 @@ class Loop:
     timers: Timers
     train_iters: int = 0  # --train-iters, or what --train-samples takes (computed once)
     process_non_loss_data_func: Optional[Callable] = None  # pretrain()'s: (collected, iteration, writer)
+
+    @property
+    def groups(self) -> ProcessGroupCollection:
+        return self.run.groups
+
+    @property
+    def microbatches(self) -> NumMicroBatchesCalculator:
+        return self.run.microbatches
+
+    @property
+    def aux_losses(self) -> AuxLossTracker:
+        return self.run.aux_losses
+
+    @property
+    def rng_tracker(self) -> CudaRNGStatesTracker:
+        return self.run.rng_tracker
 
     def schedule(
         self, data_iterator: List, forward_only: bool, collect_non_loss_data: bool = False
@@ -239,7 +255,7 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> Non
     if iterators is None or loop.args.eval_iters <= 0:
         return
     process = loop.process_non_loss_data_func
-    with rng_untouched():
+    with rng_untouched(loop.rng_tracker):
         losses = evaluate(loop, iterators, loop.args.eval_iters)
         non_loss_data = collect_non_loss_data(loop, iterators) if process is not None else None
     if prefix == "validation":  # the extra batch too: a resumed run reads the samples the straight run reads
@@ -252,7 +268,7 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> Non
 
 def _save(loop: Loop) -> None:
     args, built = loop.args, loop.built
-    with rng_untouched():
+    with rng_untouched(loop.rng_tracker):
         save_checkpoint(
             loop.state.iteration,
             built.model,
@@ -262,6 +278,7 @@ def _save(loop: Loop) -> None:
             train_state=asdict(loop.state),
             args_dict=args_to_plain_data(args),
             pg_collection=loop.groups,
+            rng_tracker=loop.rng_tracker,
         )
 
 
@@ -385,6 +402,23 @@ def pretrain(
     ``loss_func`` must then accept ``non_loss_data=True``. The writer is None without TensorBoard.
     """
     args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
+    with use_rng_tracker(run.rng_tracker):  # the run's own streams behind get_cuda_rng_tracker()
+        loop = _build_loop(args, run, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func)
+        loop.process_non_loss_data_func = process_non_loss_data_func
+        _run_loop(loop)
+    shutdown_distributed()  # on success only: after an error, peers may still hold in-flight work
+    return loop.state
+
+
+def _build_loop(
+    args: argparse.Namespace,
+    run: RunState,
+    train_valid_test_dataset_provider: Callable,
+    model_provider: Callable,
+    model_type: ModelType,
+    forward_step_func: Callable,
+) -> Loop:
+    """Tokenizer, model and optimizer, the checkpoint to resume from, data iterators and log writers."""
     groups = run.groups
     tokenizer = build_tokenizer_from_args(args)
     set_global_variables(args, tokenizer)
@@ -402,6 +436,7 @@ def pretrain(
             checkpoint_config_from_args(args),
             pg_collection=groups,
             run_args=args_to_plain_data(args),
+            rng_tracker=run.rng_tracker,
         )
         state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
     provider = lambda sizes: call_provider(  # noqa: E731 - adapts Megatron's provider signature
@@ -409,13 +444,19 @@ def pretrain(
         sizes,
         offered={"args": args, "tokenizer": tokenizer, "pg_collection": groups},
     )
-    with rng_untouched():  # the state seeded at start-up, or restored from the checkpoint, is what step 1 sees
+    with rng_untouched(run.rng_tracker):  # the state seeded at start-up, or restored, is what step 1 sees
         data = build_data_iterators(
             provider, args, groups, len(built.model), state.consumed_train_samples, state.consumed_valid_samples
         )
         logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
-    loop = Loop(args, groups, run.microbatches, run.aux_losses, forward_step_func, built, data, state, logger, timers)
-    loop.train_iters, loop.process_non_loss_data_func = _train_iters(args), process_non_loss_data_func
+    loop = Loop(args, run, forward_step_func, built, data, state, logger, timers)
+    loop.train_iters = _train_iters(args)
+    return loop
+
+
+def _run_loop(loop: Loop) -> None:
+    """Train (saving at the end unless just saved), then evaluate on validation and test."""
+    args, state = loop.args, loop.state
     try:
         reason = None
         if not args.skip_train and loop.train_iters > state.iteration:
@@ -424,9 +465,7 @@ def pretrain(
             if reason is None and args.save and not saved_now:
                 _save(loop)
         if reason is None:
-            _evaluate_and_log(loop, "validation", data.valid)
-            _evaluate_and_log(loop, "test", data.test)
+            _evaluate_and_log(loop, "validation", loop.data.valid)
+            _evaluate_and_log(loop, "test", loop.data.test)
     finally:
-        logger.close()
-    shutdown_distributed()  # on success only: after an error, peers may still hold in-flight work
-    return state
+        loop.logger.close()

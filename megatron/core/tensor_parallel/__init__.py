@@ -33,6 +33,8 @@ from megatron.core.tensor_parallel.random import (
     get_rng_tracker,
     initialization_rng,
     model_parallel_cuda_manual_seed,
+    seed_rng_tracker,
+    use_rng_tracker,
 )
 from megatron.core.tensor_parallel.utils import (
     VocabUtility,
@@ -67,6 +69,8 @@ __all__ = [
     "get_rng_tracker",
     "initialization_rng",
     "model_parallel_cuda_manual_seed",
+    "seed_rng_tracker",
+    "use_rng_tracker",
     "VocabUtility",
     "divide",
     "gather_split_1d_tensor",

@@ -116,24 +116,49 @@ class CudaRNGStatesTracker:
             _set_device_rng_state(outer)
 
 
-_RNG_TRACKER = CudaRNGStatesTracker()
+_DEFAULT_RNG_TRACKER = CudaRNGStatesTracker()  # library users' tracker, until a run installs its own
+_current_rng_tracker = _DEFAULT_RNG_TRACKER
 
 
 def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
-    """The process-wide tracker."""
-    return _RNG_TRACKER
+    """The tracker in use: the run's own inside ``use_rng_tracker``, else the process default.
+
+    Megatron's accessor, kept as a facade: the training loop owns its run's tracker
+    (``RunState.rng_tracker``) and installs it with ``use_rng_tracker`` for the run's duration,
+    so the modules' dropout forks, activation recomputation and checkpoints all see that one.
+    """
+    return _current_rng_tracker
 
 
 get_rng_tracker = get_cuda_rng_tracker
 
 
+@contextlib.contextmanager
+def use_rng_tracker(tracker: CudaRNGStatesTracker) -> Iterator[CudaRNGStatesTracker]:
+    """Make ``tracker`` the one ``get_cuda_rng_tracker()`` returns inside the block, then restore the previous."""
+    global _current_rng_tracker
+    previous, _current_rng_tracker = _current_rng_tracker, tracker
+    try:
+        yield tracker
+    finally:
+        _current_rng_tracker = previous
+
+
+def seed_rng_tracker(tracker: CudaRNGStatesTracker, seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    """Reset ``tracker`` to the two seeded streams of the module doc (TP and expert parallel)."""
+    tracker.reset()
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EXPERT_SEED_OFFSET + 100 * ep_rank + etp_rank)
+
+
 def model_parallel_cuda_manual_seed(
     seed: int, tp_rank: Optional[int] = None, ep_rank: Optional[int] = None, etp_rank: Optional[int] = None
 ) -> None:
-    """Seed the default generator and the tracked TP/expert streams (see module doc).
+    """Seed the default generator and the tracked TP/expert streams of ``get_cuda_rng_tracker()``.
 
     Ranks left as None (Megatron's public signature) are read from the groups built by
-    ``initialize_model_parallel``; the training application passes them.
+    ``initialize_model_parallel``. The training application does not call this: it seeds its
+    run's own tracker with ``seed_rng_tracker``.
     """
     if tp_rank is None or ep_rank is None or etp_rank is None:
         groups = parallel_state.ProcessGroupCollection.use_mpu_process_groups()
@@ -141,9 +166,7 @@ def model_parallel_cuda_manual_seed(
         ep_rank = groups.rank_in("ep") if ep_rank is None else ep_rank
         etp_rank = groups.rank_in("expt_tp") if etp_rank is None else etp_rank
     _seed_device_rng(seed)
-    _RNG_TRACKER.reset()
-    _RNG_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET + tp_rank)
-    _RNG_TRACKER.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EXPERT_SEED_OFFSET + 100 * ep_rank + etp_rank)
+    seed_rng_tracker(get_cuda_rng_tracker(), seed, tp_rank, ep_rank, etp_rank)
 
 
 # ----------------------------------------------------------------------------------
@@ -169,7 +192,7 @@ def initialization_rng(seed: Optional[int], component: str) -> Iterator[None]:
 
 def _capture_rng() -> Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, torch.Tensor]]:
     cuda_state = torch.cuda.get_rng_state() if _on_cuda() else None
-    return torch.get_rng_state(), cuda_state, _RNG_TRACKER.get_states()
+    return torch.get_rng_state(), cuda_state, get_cuda_rng_tracker().get_states()
 
 
 def _restore_rng(states: Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, torch.Tensor]]) -> None:
@@ -177,7 +200,7 @@ def _restore_rng(states: Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, t
     torch.set_rng_state(cpu_state)
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state)
-    _RNG_TRACKER.set_states(tracked)
+    get_cuda_rng_tracker().set_states(tracked)
 
 
 class CheckpointFunction(torch.autograd.Function):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig as DS
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as GDS
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
@@ -13,16 +14,16 @@ RECORDS = (
         "data_path",
         IMPLEMENTED,
         help="Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...",
-        fills=(to(GDS, "blend", blend),),
+        fills=(to(DS, "blend", blend),),
     ),
     Flag("phase_transition_iterations", not_yet(None)),
     Flag(
         "split",
         IMPLEMENTED,
         help="Train/valid/test proportions; default '969, 30, 1' with --data-path.",
-        fills=(to(GDS, "split", split),),
+        fills=(to(DS, "split", split),),
     ),
-    Flag("train_data_path", IMPLEMENTED, fills=(to(GDS, "blend_per_split", blend_per_split),)),
+    Flag("train_data_path", IMPLEMENTED, fills=(to(DS, "blend_per_split", blend_per_split),)),
     Flag("valid_data_path", IMPLEMENTED),
     Flag("test_data_path", IMPLEMENTED),
     Flag("data_args_path", not_yet(None)),
@@ -30,15 +31,15 @@ RECORDS = (
     Flag("per_dataset_sequences_path", not_yet(None)),
     Flag("dataloader_fast_cache_load", no_op(reasons.CHECKPOINT_IO)),
     Flag("dataloader_defer_npy_index_mmap", no_op(reasons.CHECKPOINT_IO)),
-    Flag("data_cache_path", IMPLEMENTED, fills=(to(GDS, "path_to_cache"),)),
-    Flag("mmap_bin_files", IMPLEMENTED, fills=same(GDS)),
-    Flag("mock_data", IMPLEMENTED, help="Synthetic data instead of --data-path.", fills=(to(GDS, "mock"),)),
+    Flag("data_cache_path", IMPLEMENTED, fills=(to(DS, "path_to_cache"),)),
+    Flag("mmap_bin_files", IMPLEMENTED, fills=same(DS)),
+    Flag("mock_data", IMPLEMENTED, help="Synthetic data instead of --data-path.", fills=(to(DS, "mock"),)),
     Flag(
         "seq_length",
         IMPLEMENTED,
         help="Tokens per training sample.",
         type=int,
-        fills=(*same(FL), to(GDS, "sequence_length")),
+        fills=(*same(FL), to(DS, "sequence_length")),
     ),
     Flag("encoder_seq_length", not_yet(None), type=int),
     Flag("decoder_seq_length", not_yet(None), type=int),
@@ -54,9 +55,9 @@ RECORDS = (
     ),
     Flag("eod_mask_loss", IMPLEMENTED, fills=same(GDS)),
     Flag("create_attention_mask_in_dataloader", no_op(reasons.MEMORY)),
-    Flag("num_dataset_builder_threads", IMPLEMENTED, fills=same(GDS)),
+    Flag("num_dataset_builder_threads", IMPLEMENTED, fills=same(DS)),
     Flag("object_storage_cache_path", not_yet(None)),
-    Flag("mid_level_dataset_surplus", IMPLEMENTED, fills=same(GDS)),
+    Flag("mid_level_dataset_surplus", IMPLEMENTED, fills=same(DS)),
     Flag("allow_ambiguous_pad_tokens", not_yet(False)),
     Flag("fim_data", not_yet(False)),
     Flag("fim_rate", no_op(reasons.UNDER_REFUSED)),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as GDS
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig as DS
 from megatron.core.distributed import DistributedDataParallelConfig as DDP
 from megatron.core.optimizer import OptimizerConfig as OPT
 from megatron.core.transformer.transformer_config import TransformerConfig as TC
@@ -309,7 +309,7 @@ RECORDS = (
         "seed",
         IMPLEMENTED,
         help="Random seed; each pipeline stage adds 100 x its rank.",
-        fills=(to(TC, "initialization_seed", initialization_seed), to(GDS, "random_seed")),
+        fills=(to(TC, "initialization_seed", initialization_seed), to(DS, "random_seed")),
     ),
     Flag("te_rng_tracker", no_op(reasons.KERNEL)),
     Flag("inference_rng_tracker", no_op(reasons.KERNEL)),

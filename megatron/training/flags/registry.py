@@ -19,6 +19,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -94,12 +95,22 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         "timers_to_log": NotAFlag("the fixed list of Megatron's logged timers"),
     },
     FlopsConfig: {},
-    GPTDatasetConfig: {
+    BlendedMegatronDatasetConfig: {
         "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
+    },
+    GPTDatasetConfig: {
         "drop_last_partial_validation_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
         "add_extra_token_to_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
     },
 }
+
+
+def not_a_flag(target: type) -> Dict[str, NotAFlag]:
+    """``NOT_A_FLAG`` entries of ``target`` and of its base classes (a base's entries hold for every subclass)."""
+    merged: Dict[str, NotAFlag] = {}
+    for cls in reversed(target.__mro__):
+        merged.update(NOT_A_FLAG.get(cls, {}))
+    return merged
 
 
 def target_fields(target: type) -> List[str]:
@@ -115,7 +126,7 @@ def fills_of(target: type) -> Dict[str, Tuple[str, Fill]]:
     found: Dict[str, Tuple[str, Fill]] = {}
     for record in _ALL:
         for fill in record.fills:
-            if fill.target is not target:
+            if not issubclass(target, fill.target):
                 continue
             name = fill.field_for(record.dest)
             if name in found:
@@ -127,7 +138,7 @@ def fills_of(target: type) -> Dict[str, Tuple[str, Fill]]:
 def config_kwargs(target: type, args: argparse.Namespace) -> Dict[str, Any]:
     """The keyword arguments of ``target`` that validated ``args`` determine, generated from the records."""
     kwargs = {name: fill.value(dest, args) for name, (dest, fill) in fills_of(target).items()}
-    for name, entry in NOT_A_FLAG[target].items():
+    for name, entry in not_a_flag(target).items():
         if entry.value is not _UNSET:
             kwargs[name] = entry.value
     return kwargs

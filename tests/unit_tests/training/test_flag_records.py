@@ -28,9 +28,9 @@ def _sources(target):
     found = {name: [] for name in R.target_fields(target)}
     for record in R.RECORDS.values():
         for fill in record.fills:
-            if fill.target is target:
+            if issubclass(target, fill.target):  # a base class's fill holds for its subclasses
                 found.setdefault(fill.field_for(record.dest), []).append(record.dest)
-    for name in R.NOT_A_FLAG[target]:
+    for name in R.not_a_flag(target):
         found.setdefault(name, []).append("NOT_A_FLAG")
     return found
 
@@ -42,7 +42,7 @@ def test_every_config_field_has_exactly_one_source(target):
     assert not set(sources) - fields, f"{target.__name__}: records fill fields it lacks: {set(sources) - fields}"
     bad = {name: who for name, who in sources.items() if len(who) != 1}
     assert not bad, f"{target.__name__}: fields with no source or several: {bad}"
-    for reason in R.NOT_A_FLAG[target].values():
+    for reason in R.not_a_flag(target).values():
         assert reason.reason
 
 

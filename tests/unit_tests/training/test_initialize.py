@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from megatron.training import initialize as init
 from tests.dist_harness import run_distributed
 
@@ -107,7 +108,7 @@ def _layout_and_seeds(rank, world_size):
     ):
         args = validate_args(parse_args(BASE + extra), world_size)
         groups = init.initialize_distributed(args)
-        used = init.set_random_seed(args.seed, args.data_parallel_random_init, groups)
+        used = init.set_random_seed(args.seed, args.data_parallel_random_init, groups, tracker=CudaRNGStatesTracker())
         out[name] = dict(
             seed=used,
             torch=torch.rand(3).tolist(),
