@@ -66,7 +66,17 @@ def dump_case(spec):
     numpy.savez(spec["out"], **arrays)
 
 
+def check_is_megatron_core():
+    """Refuse to run on megatron-open's package (also named ``megatron``) by mistake."""
+    from megatron.core.datasets import bert_dataset
+
+    folder = os.path.dirname(bert_dataset.__file__)
+    if not os.path.isfile(os.path.join(folder, "helpers.cpp")):
+        sys.exit(f"{folder} is not megatron-core's datasets package: point PYTHONPATH at a megatron-core install")
+
+
 def main(cases_path):
+    check_is_megatron_core()
     with open(cases_path) as f:
         cases = json.load(f)
     init_single_process_group()
