@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from megatron.core.datasets.sentence_mapping import build_mapping
 from tests.unit_tests.datasets.bert_corpus import (
     FIELDS,
     SPLITS,
@@ -104,3 +105,32 @@ def test_samples_equal_megatron_core(corpus, oracle, tmp_path, name, overrides, 
             np.testing.assert_array_equal(ours[field], theirs, err_msg=f"{name} {split} {field}")
         compared += len(dataset)
     assert compared >= sum(SIZES)
+
+
+def test_sample_index_equals_build_mapping_at_scale(tmp_path):
+    """Our build_mapping against the compiled one on 20k documents (empty, one-sentence and
+    long-sentence ones included), for 64 combinations of its parameters."""
+    oracle_path = _oracle_dir()
+    rng = np.random.RandomState(0)
+    bounds = np.concatenate([[0], np.cumsum(rng.randint(0, 10, 20000))]).astype(np.int64)
+    lengths = rng.randint(1, 80, bounds[-1]).astype(np.int32)
+    lengths[rng.randint(0, bounds[-1], 50)] = 700
+    cases = [
+        [n, length, p, seed, m]
+        for n in (None, 50000)
+        for length in (61, 509)
+        for p in (0.0, 0.1, 0.4, 0.33)
+        for seed in (1, 1234)
+        for m in (1, 2)
+    ]
+    np.savez(tmp_path / "in.npz", bounds=bounds, lengths=lengths)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    script = os.path.join(REPO, "tests", "oracles", "mcore_build_mapping.py")
+    args = [sys.executable, script, oracle_path, "in.npz", "cases.json", "out.npz"]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = np.load(tmp_path / "out.npz")
+    for k, (n, length, p, seed, m) in enumerate(cases):
+        ours = build_mapping(bounds, lengths, n, length, p, seed, m)
+        assert ours.dtype == expected[str(k)].dtype, cases[k]
+        np.testing.assert_array_equal(ours, expected[str(k)], err_msg=str(cases[k]))
