@@ -44,7 +44,9 @@ def pad_token_id(tokenizer: Any) -> int:
     return int(pad)
 
 
-def split_pair(sentences: List[List[int]], classification_head: bool, rng: np.random.RandomState):
+def split_pair(
+    sentences: List[List[int]], classification_head: bool, rng: np.random.RandomState
+) -> Tuple[List[int], List[int], bool]:
     """Segments A and B of a sample and whether they were swapped (the "random next" label)."""
     pivot, swapped = len(sentences), False
     if classification_head:
@@ -123,7 +125,15 @@ class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):
         tokens, positions, labels = self._create_masked_lm_predictions(tokens, target, rng)
         return self._arrays(tokens, types, positions, labels, swapped, truncated)
 
-    def _arrays(self, tokens, types, positions, labels, swapped: bool, truncated: bool) -> Dict[str, Any]:
+    def _arrays(
+        self,
+        tokens: List[int],
+        types: List[int],
+        positions: List[int],
+        labels: List[int],
+        swapped: bool,
+        truncated: bool,
+    ) -> Dict[str, Any]:
         """Pad to ``sequence_length``; pad ids become 0 in ``text`` and ``labels`` (as upstream)."""
         length, pad = self.config.sequence_length, self._pad_token_id
         extra = length - len(tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -192,7 +192,9 @@ class MaskedWordPieceDataset(MegatronDataset):
         """Token positions of the N-gram of ``n`` candidates from ``start`` (fewer at the end)."""
         return [i for word in candidates[start : start + n] for i in word]
 
-    def _fit_ngram(self, candidates: List[List[int]], start: int, n: int, used: int, budget: float) -> Optional[List]:
+    def _fit_ngram(
+        self, candidates: List[List[int]], start: int, n: int, used: int, budget: float
+    ) -> Optional[List[int]]:
         """The longest N-gram from ``start`` of at most ``n`` candidates that fits the budget."""
         while n >= 1:
             positions = self._ngram_positions(candidates, start, n)
@@ -201,7 +203,7 @@ class MaskedWordPieceDataset(MegatronDataset):
             n -= 1
         return None
 
-    def _draw_n(self, rng: np.random.RandomState, draw_choice) -> int:
+    def _draw_n(self, rng: np.random.RandomState, draw_choice: Callable[..., Any]) -> int:
         """The initial N of a candidate N-gram."""
         if self.config.masking_use_geometric_distribution:
             return min(int(rng.geometric(GEOMETRIC_P)), self.config.masking_max_ngram)
@@ -209,12 +211,17 @@ class MaskedWordPieceDataset(MegatronDataset):
         return int(draw_choice(nvals, p=probs / probs.sum(keepdims=True)))
 
     def _mask_ngrams(
-        self, token_ids: List[int], candidates: List[List[int]], order: List[int], budget: float, rng
-    ) -> Tuple[List[int], List[Tuple[int, int]], set]:
+        self,
+        token_ids: List[int],
+        candidates: List[List[int]],
+        order: List[int],
+        budget: float,
+        rng: np.random.RandomState,
+    ) -> Tuple[List[int], List[Tuple[int, int]], Set[int]]:
         """Mask N-grams in ``order`` until ``budget`` tokens are masked (80/10/10 replacement)."""
         masked = list(token_ids)
         labelled: List[Tuple[int, int]] = []
-        taken: set = set()
+        taken: Set[int] = set()
         for start in order:
             if len(labelled) >= budget:
                 break
@@ -229,14 +236,20 @@ class MaskedWordPieceDataset(MegatronDataset):
         return masked, labelled, taken
 
     def _permute_ngrams(
-        self, masked: List[int], candidates: List[List[int]], order: List[int], budget: float, taken: set, rng
+        self,
+        masked: List[int],
+        candidates: List[List[int]],
+        order: List[int],
+        budget: float,
+        taken: Set[int],
+        rng: np.random.RandomState,
     ) -> List[Tuple[int, int]]:
         """Shuffle the tokens of unmasked N-grams among themselves; returns their (position, label).
 
         As upstream, N is drawn from NumPy's global RandomState, not the sample's (so these
         samples depend on the process's global seed too).
         """
-        chosen: set = set()
+        chosen: Set[int] = set()
         for start in order:
             if len(chosen) >= budget:
                 break

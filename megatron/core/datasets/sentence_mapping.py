@@ -16,7 +16,7 @@ shuffle about 1 s per 10^6 rows).
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -116,7 +116,12 @@ def eligible_documents(document_bounds: np.ndarray, sentence_lengths: np.ndarray
 
 
 def _walk_epoch(
-    bounds: List[int], sizes: List[int], docs: List[int], min_num_sent: int, target, rows: List[Tuple[int, int, int]]
+    bounds: List[int],
+    sizes: List[int],
+    docs: List[int],
+    min_num_sent: int,
+    target: Callable[[], int],
+    rows: List[Tuple[int, int, int]],
 ) -> None:
     """Append one epoch of samples: greedy runs of sentences that reach the target length."""
     for d in docs:
