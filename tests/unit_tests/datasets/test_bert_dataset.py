@@ -173,3 +173,18 @@ def test_mock_dataset_through_the_builder(corpus):
 
 def test_long_sentence_limit_is_upstreams():
     assert sentence_mapping.LONG_SENTENCE_LEN == 512
+
+
+def test_unweighted_blend_builds_one_epoch_of_each(corpus, tmp_path):
+    """num_samples=None (an unweighted blend) walks one epoch; megatron-core's build_mapping
+    rejects None with a TypeError there."""
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
+
+    other = write_bert_corpus(str(tmp_path), seed=3)["prefix"]
+    config = BERTMaskedWordPieceDatasetConfig(
+        random_seed=1, sequence_length=64, blend=([corpus["prefix"], other], None), split="80,20,0",
+        path_to_cache=str(tmp_path / "cache"), tokenizer=corpus["tokenizer"],
+    )  # fmt: skip
+    train = build_bert_datasets(config, [30, 0, 0])[0]
+    assert len(train) == 30
+    assert set(train[0]) >= set(FIELDS)
