@@ -1,0 +1,1 @@
+"""Scripts run in a separate process against an installed megatron-core, to compare with ours."""
