@@ -108,6 +108,7 @@ def bert_config(groups: ProcessGroupCollection, **overrides) -> TransformerConfi
         attention_dropout=0.0,
         layernorm_epsilon=1e-12,
         use_cpu_initialization=True,
+        initialization_seed=1234,  # weights depend on each module's name only: the same for any layout
         tensor_model_parallel_size=groups.size_of("tp"),
         pipeline_model_parallel_size=groups.size_of("pp"),
     )
