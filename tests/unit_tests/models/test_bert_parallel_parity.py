@@ -92,7 +92,8 @@ def _tp_body(rank, world_size):
 
 
 def _logits_body(rank, world_size):
-    """Gathered logits (``parallel_output=False``) and the binary logits equal the one-rank model's."""
+    """Under TP=2 + SP: gathered logits (``parallel_output=False``), vocab-parallel logits, binary logits
+    and return_embeddings equal the one-rank model's."""
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     data = bert_batch()
     args = (data["tokens"], data["padding"], data["types"])
@@ -104,6 +105,10 @@ def _logits_body(rank, world_size):
     local, _ = build_bert(groups, config=config)(*args)  # [b, s, v/tp]
     chunk = ref_logits.shape[-1] // world_size
     torch.testing.assert_close(local, ref_logits[..., rank * chunk : (rank + 1) * chunk], rtol=RTOL, atol=ATOL)
+    # return_embeddings gathers the sequence shards under SP before averaging.
+    ref_means = build_bert(single_rank_groups(), return_embeddings=True)(*args)  # [b, h]
+    means = build_bert(groups, config=config, return_embeddings=True)(*args)
+    torch.testing.assert_close(means, ref_means, rtol=RTOL, atol=ATOL)
 
 
 def _pipeline_step(model, data, first: bool, shape):
