@@ -49,7 +49,9 @@ class BertModel(LanguageModule):
     ``binary_logits`` is None without ``add_binary_head``. With ``return_embeddings`` it returns
     instead the fp32 mean ``[b, h]`` of each sequence's hidden states between its first and last
     real token (both excluded). Other stages return the hidden states ``[s(/tp with SP), b, h]``.
-    Context parallelism is refused.
+    The loss is always computed from the vocab-parallel logits (``parallel_output`` only decides
+    whether returned logits are gathered), in fp32 whatever ``fp16_lm_cross_entropy`` says, as in
+    ``GPTModel``. Context parallelism is refused.
     """
 
     def __init__(
