@@ -26,13 +26,17 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-_PADDING_ATTENTION = ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.padding})
+
+def _padding_attention() -> ModuleSpec:
+    """Bidirectional self-attention taking a padding mask (a fresh spec: callers may edit its params)."""
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.padding})
+
 
 bert_layer_local_spec = ModuleSpec(
     module=TransformerLayer,
     submodules=TransformerLayerSubmodules(
         input_layernorm=build_norm,
-        self_attention=_PADDING_ATTENTION,
+        self_attention=_padding_attention(),
         pre_mlp_layernorm=build_norm,
         mlp=MLP,
     ),
@@ -42,7 +46,7 @@ bert_layer_post_ln_spec = ModuleSpec(
     module=TransformerLayer,
     submodules=TransformerLayerSubmodules(
         input_layernorm=IdentityOp,
-        self_attention=_PADDING_ATTENTION,
+        self_attention=_padding_attention(),
         pre_mlp_layernorm=IdentityOp,
         mlp=MLP,
         post_self_attn_layernorm=build_norm,
