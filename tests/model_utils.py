@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core.models import GPTModel
+from megatron.core.models import BertModel, GPTModel
+from megatron.core.models.bert import bert_layer_post_ln_spec
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
+from megatron.core.transformer import TransformerConfig
 
 VOCAB = 128
 SEQ = 16
@@ -93,3 +95,49 @@ def batch(seed: int = 0, b: int = 2, s: int = SEQ, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def bert_config(groups: ProcessGroupCollection, **overrides) -> TransformerConfig:
+    """A tiny BERT config (Hugging Face's LayerNorm eps) for ``groups``' TP/PP sizes; no dropout."""
+    kw = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_epsilon=1e-12,
+        use_cpu_initialization=True,
+        initialization_seed=1234,  # weights depend on each module's name only: the same for any layout
+        tensor_model_parallel_size=groups.size_of("tp"),
+        pipeline_model_parallel_size=groups.size_of("pp"),
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_bert(groups: ProcessGroupCollection, spec=None, seed: int = 1234, config=None, **model_kwargs) -> BertModel:
+    """A BertModel (post-LN spec unless ``spec``), 2 token types, initialized from ``seed``."""
+    torch.manual_seed(seed)
+    kw = dict(num_tokentypes=2, vocab_size=VOCAB, max_sequence_length=SEQ, pg_collection=groups)
+    kw.update(model_kwargs)
+    return BertModel(config=config or bert_config(groups), transformer_layer_spec=spec or bert_layer_post_ln_spec, **kw)
+
+
+def bert_batch(seed: int = 0, b: int = 3, s: int = SEQ, vocab: int = VOCAB) -> Dict[str, torch.Tensor]:
+    """Token ids, padding mask (1 = token; sequence i has ``3*i`` padded positions at the end),
+    token types (0 then 1), MLM labels, loss mask (a random ~30% of the real tokens) and NSP labels."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([s - 3 * i for i in range(b)])  # [b]
+    positions = torch.arange(s)  # [s]
+    padding = (positions[None, :] < lengths[:, None]).long()  # [b, s]
+    types = (positions[None, :] >= lengths[:, None] // 2).long() * padding  # [b, s]
+    loss_mask = (torch.rand(b, s, generator=g) < 0.3).float() * padding  # [b, s]
+    return {
+        "tokens": torch.randint(0, vocab, (b, s), generator=g),
+        "padding": padding,
+        "types": types,
+        "labels": torch.randint(0, vocab, (b, s), generator=g),
+        "loss_mask": loss_mask,
+        "nsp": torch.randint(0, 2, (b,), generator=g),
+    }

@@ -1,5 +1,6 @@
 """Model families built from the transformer blocks (models import ``megatron.core.transformer``, never the reverse)."""
 
+from megatron.core.models.bert import BertModel
 from megatron.core.models.gpt import GPTModel
 
-__all__ = ["GPTModel"]
+__all__ = ["BertModel", "GPTModel"]

@@ -1,4 +1,9 @@
-"""A pre-LN transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""A transformer layer: pre-LN ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (GPT, Megatron's BERT).
+
+The optional ``post_self_attn_layernorm`` / ``post_mlp_layernorm`` submodules normalize the sum
+after each residual add; with the pre-norms set to ``IdentityOp`` the layer is the original
+post-LN transformer (``norm(x + attn(x))``, then ``norm(x + mlp(x))``) of BERT and Hugging Face.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ class TransformerLayerSubmodules:
     self_attention: Union[ModuleSpec, type, None] = None
     pre_mlp_layernorm: Union[ModuleSpec, type, None] = None
     mlp: Union[ModuleSpec, type, None] = None
+    post_self_attn_layernorm: Union[ModuleSpec, type, None] = None  # None: not built (pre-LN)
+    post_mlp_layernorm: Union[ModuleSpec, type, None] = None  # None: not built (pre-LN)
 
 
 class TransformerLayer(MegatronModule):
@@ -44,8 +51,15 @@ class TransformerLayer(MegatronModule):
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, h, config.layernorm_epsilon)
         self.mlp = build_module(submodules.mlp, config, pg_collection=pg_collection)
+        self.post_self_attn_layernorm = self._optional_norm(submodules.post_self_attn_layernorm)
+        self.post_mlp_layernorm = self._optional_norm(submodules.post_mlp_layernorm)
         if hasattr(self.mlp, "set_layer_number"):  # MoE: aux losses are tracked per layer
             self.mlp.set_layer_number(layer_number)
+
+    def _optional_norm(self, spec: Union[ModuleSpec, type, None]) -> Optional[torch.nn.Module]:
+        if spec is None:
+            return None
+        return build_module(spec, self.config, self.config.hidden_size, self.config.layernorm_epsilon)
 
     def _bias_dropout_add(
         self, out: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor
@@ -65,7 +79,11 @@ class TransformerLayer(MegatronModule):
         normed = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(normed, attention_mask, rotary_pos_emb=rotary_pos_emb)
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, normed if post_ln_residual else hidden_states)
+        if self.post_self_attn_layernorm is not None:
+            hidden_states = self.post_self_attn_layernorm(hidden_states)
         normed = self.pre_mlp_layernorm(hidden_states)
         mlp_out, mlp_bias = self.mlp(normed)
         hidden_states = self._bias_dropout_add(mlp_out, mlp_bias, normed if post_ln_residual else hidden_states)
+        if self.post_mlp_layernorm is not None:
+            hidden_states = self.post_mlp_layernorm(hidden_states)
         return hidden_states, None

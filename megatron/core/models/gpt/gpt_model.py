@@ -10,15 +10,14 @@ import torch
 from megatron.core.context_parallel import cp_chunk_positions
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module import LanguageModule
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     gather_from_tensor_model_parallel_region,
     initialization_rng,
-    vocab_parallel_cross_entropy,
 )
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,7 +40,7 @@ def _config_from_keywords(config: Optional[TransformerConfig], fields: dict) -> 
     return TransformerConfig(**fields)
 
 
-class GPTModel(MegatronModule):
+class GPTModel(LanguageModule):
     """A decoder-only language model split over tensor- and pipeline-parallel ranks.
 
     Built either Megatron's way, ``GPTModel(config=..., transformer_layer_spec=...,
@@ -134,27 +133,13 @@ class GPTModel(MegatronModule):
                     skip_weight_param_allocation=tied,
                     tp_group=groups.tp,
                 )
-            if tied:
-                # With gradient_accumulation_fusion the output layer hands autograd a dummy weight
-                # gradient that is summed with the embedding's: it must be zeros (DDP adds the sum).
-                self.embedding.word_embeddings.weight.zero_out_wgrad = True
-            if share_embeddings_and_output_weights and not pre_process:
-                # The last stage's copy; the training code keeps it equal to the first stage's.
-                self.output_layer.weight.shared_embedding = True
+            self.mark_tied_output_weight(share_embeddings_and_output_weights)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Activation from the previous pipeline stage (a tensor or a one-element list)."""
         if isinstance(input_tensor, (list, tuple)):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
-
-    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
-        """The word-embedding weight on the first stage, the output weight on the last."""
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process:
-            return self.output_layer.weight
-        return None
 
     def forward(
         self,
@@ -214,15 +199,3 @@ class GPTModel(MegatronModule):
     def _cp_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """Global positions ``[s/cp]`` of this CP rank's ``local_length`` tokens."""
         return cp_chunk_positions(local_length * self.cp_size, self.cp_size, self.pg_collection.rank_in("cp"), device)
-
-    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy ``[b, s]`` from labels ``[b, s]`` and logits ``[s, b, vocab/tp]``.
-
-        The logits go in their own dtype: the cross entropy computes in fp32 either way (bf16/fp16
-        logits block by block), so ``fp16_lm_cross_entropy`` changes no number, and an fp32 copy of
-        the whole ``[s, b, vocab/tp]`` tensor would only cost time and memory.
-        """
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp
-        )  # [s, b]
-        return loss.transpose(0, 1).contiguous()  # [b, s]

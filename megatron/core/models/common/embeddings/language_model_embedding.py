@@ -1,4 +1,4 @@
-"""Token (vocab-parallel) plus optional learned position embeddings, output ``[s, b, h]``."""
+"""Token (vocab-parallel) plus optional learned position and token-type embeddings, output ``[s, b, h]``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
@@ -24,8 +25,12 @@ class LanguageModelEmbedding(MegatronModule):
     """Embeds token ids ``[b, s]`` into ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).
 
     With sequence parallelism the word embedding is reduce-scattered straight into
-    sequence shards (no all-reduce), and the replicated position embedding is sliced
-    to the same shard before the two are added.
+    sequence shards (no all-reduce), and the replicated position (and token-type)
+    embeddings are sliced to the same shard before they are added.
+
+    ``num_tokentypes > 0`` builds BERT's ``tokentype_embeddings`` (replicated over TP);
+    ``forward`` then needs ``tokentype_ids [b, s]``. ``embedding_layernorm=True`` (ours, for
+    post-LN BERT as in Hugging Face) normalizes the sum before dropout.
     """
 
     def __init__(
@@ -37,14 +42,16 @@ class LanguageModelEmbedding(MegatronModule):
         num_tokentypes: int = 0,
         *,
         pg_collection: ProcessGroupCollection,
+        embedding_layernorm: bool = False,
     ) -> None:
         super().__init__(config)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type={position_embedding_type!r}: must be one of {POSITION_EMBEDDING_TYPES}"
             )
-        if num_tokentypes:
-            raise ValueError("num_tokentypes > 0 (BERT token types) is not supported yet")
+        if num_tokentypes < 0:
+            raise ValueError(f"num_tokentypes={num_tokentypes}: must be >= 0")
+        self.num_tokentypes = num_tokentypes
         self.tp_group = pg_collection.tp
         self.sequence_parallel = config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
@@ -55,27 +62,42 @@ class LanguageModelEmbedding(MegatronModule):
             reduce_scatter_embeddings=self.sequence_parallel,
             tp_group=self.tp_group,
         )
+        # Position and token-type embeddings are replicated over TP. Under SP their output is
+        # scattered along the sequence, and the scatter's backward all-gathers, so every rank
+        # already gets the whole gradient.
         self.position_embeddings = None
         if position_embedding_type == "learned_absolute":
-            self.position_embeddings = torch.nn.Embedding(
-                max_sequence_length, config.hidden_size, dtype=config.params_dtype
-            )
-            if config.perform_initialization:
-                config.embedding_init_method(self.position_embeddings.weight)
-            # Replicated over TP. Under SP its output is scattered along the sequence, and the
-            # scatter's backward all-gathers, so every rank already gets the whole gradient.
+            self.position_embeddings = self._replicated_embedding(max_sequence_length)
+        self.tokentype_embeddings = self._replicated_embedding(num_tokentypes) if num_tokentypes else None
+        self.embedding_layernorm = build_norm(config, config.hidden_size) if embedding_layernorm else None
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def _replicated_embedding(self, rows: int) -> torch.nn.Embedding:
+        table = torch.nn.Embedding(rows, self.config.hidden_size, dtype=self.config.params_dtype)
+        if self.config.perform_initialization:
+            self.config.embedding_init_method(table.weight)
+        return table
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor],
+        tokentype_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``input_ids``, ``position_ids``, ``tokentype_ids`` ``[b, s]`` -> ``[s(/tp with SP), b, h]``."""
+        if (tokentype_ids is None) != (self.tokentype_embeddings is None):
+            raise ValueError(
+                f"tokentype_ids must be given exactly when num_tokentypes > 0 (num_tokentypes={self.num_tokentypes})"
+            )
         words = self.word_embeddings(input_ids)  # [s/tp, b, h] with SP, else [b, s, h]
         if not self.sequence_parallel:
             words = words.transpose(0, 1)  # [s, b, h]
-        if self.position_embeddings is not None:
-            if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            positions = self.position_embeddings(position_ids).transpose(0, 1)  # [s, b, h]
+        replicated = self._replicated_sum(input_ids, position_ids, tokentype_ids)  # [s, b, h] or None
+        if replicated is not None:
             if self.sequence_parallel:
-                positions = scatter_to_sequence_parallel_region(positions, group=self.tp_group)  # [s/tp, b, h]
-            words = words + positions
+                replicated = scatter_to_sequence_parallel_region(replicated, group=self.tp_group)  # [s/tp, b, h]
+            words = words + replicated
+        if self.embedding_layernorm is not None:
+            words = self.embedding_layernorm(words)
         p = self.config.hidden_dropout if self.training else 0.0
         # Sequence shards differ per TP rank, so their dropout masks must too.
         rng = get_cuda_rng_tracker().fork() if self.sequence_parallel and p > 0 else contextlib.nullcontext()
@@ -83,3 +105,17 @@ class LanguageModelEmbedding(MegatronModule):
             words = F.dropout(words, p=p, training=p > 0)
         # fp32_residual_connection: the residual stream starts here, in fp32.
         return words.float() if self.config.fp32_residual_connection else words
+
+    def _replicated_sum(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor], tokentype_ids: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """Position plus token-type embeddings ``[s, b, h]`` (None when neither is built)."""
+        total = None
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            total = self.position_embeddings(position_ids).transpose(0, 1)  # [s, b, h]
+        if self.tokentype_embeddings is not None:
+            types = self.tokentype_embeddings(tokentype_ids).transpose(0, 1)  # [s, b, h]
+            total = types if total is None else total + types
+        return total
