@@ -1,13 +1,124 @@
-"""Pretrain a BERT model: not implemented yet.
+"""Pretrain a BERT model: ``torchrun --nproc-per-node N pretrain_bert.py <Megatron flags>``.
 
-The flags parse (so a Megatron launch script fails here with this message, not with
-"unrecognized arguments"), then the run stops with a non-zero exit.
+Like ``pretrain_gpt.py``, this file only wires a model provider, a dataset provider and a forward
+step into the shared loop (``megatron.training.pretrain``). The model is Megatron's pre-LN BERT
+(``bert_layer_local_spec``), or with ``--bert-post-layernorm`` the original post-LN BERT that
+Hugging Face checkpoints hold (``bert_layer_post_ln_spec``). The data are masked-LM samples over a
+sentence-split corpus (``tools/preprocess_data.py --split-sentences``), the same samples
+megatron-core 0.16's ``BERTMaskedWordPieceDataset`` draws for the same files, config and seed.
+The loss is Megatron's: the masked-LM loss averaged over the micro batch's masked tokens, plus the
+sentence-order loss of the binary head (``--bert-no-binary-head`` drops the head and token types).
 """
 
-import sys
+from __future__ import annotations
 
-from megatron.training.arguments import parse_args
+import argparse
+from functools import partial
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.datasets.bert_dataset import (
+    BERTMaskedWordPieceDataset,
+    BERTMaskedWordPieceDatasetConfig,
+    MockBERTMaskedWordPieceDataset,
+)
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.models.bert import BertModel
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec, bert_layer_post_ln_spec
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import unwrap_model
+from megatron.training.flags.registry import config_from_args
+from megatron.training.training import pretrain
+
+BATCH_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    *,
+    config: TransformerConfig,
+    args: argparse.Namespace,
+    pg_collection=None,
+) -> BertModel:
+    """The BERT model (this rank's pipeline stage / virtual chunk) described by the flags."""
+    if config.calculate_per_token_loss:
+        raise ValueError("--calculate-per-token-loss: pretrain_bert.py averages the loss per micro batch, as Megatron")
+    return BertModel(
+        config=config,
+        num_tokentypes=2 if args.bert_binary_head else 0,
+        transformer_layer_spec=bert_layer_post_ln_spec if args.bert_post_layernorm else bert_layer_local_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        add_binary_head=args.bert_binary_head,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def dataset_config(args: argparse.Namespace, tokenizer) -> BERTMaskedWordPieceDatasetConfig:
+    """BERT dataset settings from the data flags (their records say which field each fills; the
+    masking options without a flag take the values Megatron's pretrain_bert.py fixes)."""
+    return config_from_args(BERTMaskedWordPieceDatasetConfig, args, tokenizer=tokenizer)
+
+
+def train_valid_test_datasets_provider(
+    num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer, pg_collection=None
+) -> List:
+    """[train, valid, test] masked-LM datasets (synthetic sentences with ``--mock-data``)."""
+    cls = MockBERTMaskedWordPieceDataset if args.mock_data else BERTMaskedWordPieceDataset
+    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, dataset_config(args, tokenizer)).build()
+
+
+def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tensor):
+    """Masked-LM loss averaged over the masked tokens, plus the binary head's cross entropy.
+
+    Returns Megatron's pair (loss, report): ``lm loss`` and, with the binary head, ``sop loss``.
+    """
+    lm_losses, binary_logits = output_tensor  # [b, s], [b, 2] or None
+    mask = loss_mask.float().view(-1)
+    lm_loss = torch.sum(lm_losses.float().view(-1) * mask) / mask.sum().clamp(min=1)
+    if binary_logits is None:
+        return lm_loss, {"lm loss": lm_loss.detach()}
+    sop_loss = F.cross_entropy(binary_logits.view(-1, 2).float(), sentence_order.view(-1), ignore_index=-1)
+    return lm_loss + sop_loss, {"lm loss": lm_loss.detach(), "sop loss": sop_loss.detach()}
+
+
+def get_batch(data_iterator: Iterator) -> dict:
+    """The next micro batch's tensors (``BATCH_KEYS``), on the GPU if there is one."""
+    batch = next(data_iterator)
+    batch = {key: torch.as_tensor(batch[key]) for key in BATCH_KEYS}
+    if torch.cuda.is_available():
+        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+    return batch
+
+
+def forward_step(data_iterator: Iterator, model: BertModel):
+    """Run one micro batch; returns the model output and the loss function to apply to it.
+
+    Token types go in only with the binary head (the model then has token-type embeddings).
+    """
+    batch = get_batch(data_iterator)
+    types = batch["types"] if unwrap_model(model).add_binary_head else None
+    output = model(batch["text"], batch["padding_mask"], tokentype_ids=types, lm_labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"], batch["is_random"])
+
 
 if __name__ == "__main__":
-    parse_args(entry_point="bert")
-    sys.exit("pretrain_bert.py: BERT pretraining is not implemented yet (only pretrain_gpt.py trains)")
+    pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        entry_point="bert",
+    )

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 import numpy as np
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.gpt_dataset import special_token
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.sentence_mapping import LONG_SENTENCE_LEN, build_mapping, eligible_documents
 from megatron.core.datasets.utils import load_or_build_indices
@@ -66,6 +67,13 @@ class MaskedWordPieceDatasetConfig(BlendedMegatronDatasetConfig):
                 raise ValueError(f"{name}=None: must be set")
         if self.tokenizer is None:
             raise ValueError("tokenizer=None: masked WordPiece datasets need the tokenizer (cls, sep, mask, inv_vocab)")
+        # special_token reads any attribute the tokenizer may lack (or raise NotImplementedError for).
+        missing = [name for name in ("cls", "sep", "mask", "inv_vocab") if special_token(self.tokenizer, name) is None]
+        if missing:
+            raise ValueError(
+                f"tokenizer {type(self.tokenizer).__name__} lacks {', '.join(missing)}: masked-LM data needs a "
+                "WordPiece vocabulary with [CLS], [SEP] and [MASK] (--tokenizer-type BertWordPieceLowerCase/Case)"
+            )
         if not 0.0 < self.masking_probability < 1.0:
             raise ValueError(f"masking_probability={self.masking_probability}: must be in (0, 1)")
         if not 0.0 <= self.short_sequence_probability <= 1.0:

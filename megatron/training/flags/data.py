@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig as DS
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as GDS
+from megatron.core.datasets.masked_dataset import MaskedWordPieceDatasetConfig as MDS
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
 from megatron.training.flags.record import IMPLEMENTED, Flag, no_op, not_yet, same, to
@@ -44,8 +45,18 @@ RECORDS = (
     Flag("encoder_seq_length", not_yet(None), type=int),
     Flag("decoder_seq_length", not_yet(None), type=int),
     Flag("sample_rate", not_yet(1.0)),
-    Flag("mask_prob", not_yet(0.15)),
-    Flag("short_seq_prob", not_yet(0.1)),
+    Flag(
+        "mask_prob",
+        IMPLEMENTED,
+        help="BERT: probability that a token is masked ([MASK] 8 times in 10, else a random token or itself).",
+        fills=(to(MDS, "masking_probability"),),
+    ),
+    Flag(
+        "short_seq_prob",
+        IMPLEMENTED,
+        help="BERT: probability that a sample is cut to a random length shorter than --seq-length.",
+        fills=(to(MDS, "short_sequence_probability"),),
+    ),
     Flag("num_workers", IMPLEMENTED),
     Flag("reset_position_ids", IMPLEMENTED, fills=same(GDS)),
     Flag(

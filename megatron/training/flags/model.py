@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig as BDS
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig as DS
 from megatron.core.distributed import DistributedDataParallelConfig as DDP
 from megatron.core.optimizer import OptimizerConfig as OPT
@@ -16,7 +17,7 @@ from megatron.training.flags.derive import (
     xavier_or_default,
     zero_if_none,
 )
-from megatron.training.flags.record import IMPLEMENTED, Flag, no_op, not_yet, same, to, validated
+from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, no_op, not_yet, same, to, validated
 from megatron.training.flags_table import attn_backend, int_tuple, moe_layer_freq, str_to_bool
 from megatron.training.training_log import FlopsConfig as FL
 
@@ -287,7 +288,22 @@ RECORDS = (
     ),
     Flag("quick_geglu", not_yet(False)),
     Flag("onnx_safe", no_op(reasons.INFERENCE), type=str_to_bool),
-    Flag("bert_binary_head", not_yet(True)),
+    Flag(
+        "bert_binary_head",
+        IMPLEMENTED,
+        help="BERT without the sentence-order head and token types (samples need not hold two sentences).",
+        fills=(to(BDS, "classification_head"),),
+    ),
+    # This project's own flag (not in Megatron-LM, whose BERT is pre-LN only).
+    Flag(
+        "bert_post_layernorm",
+        IMPLEMENTED,
+        help="BERT: the original post-LN layers of Hugging Face's BertForPreTraining (LayerNorm after each residual "
+        "add and after the embeddings, no final LayerNorm), as in converted checkpoints.",
+        project=ProjectFlag(
+            group="network size", option_strings=("--bert-post-layernorm",), default=False, action="storetrue"
+        ),
+    ),
     Flag("untie_embeddings_and_output_weights", IMPLEMENTED, help="Separate input embedding and output layer weights."),
     Flag("weight_decay", IMPLEMENTED, help="Weight-decay coefficient.", fills=same(OPT)),
     Flag("apply_wd_to_qk_layernorm", not_yet(False)),

@@ -19,8 +19,10 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
+from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.datasets.masked_dataset import MaskedWordPieceDatasetConfig
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -55,6 +57,7 @@ CONFIG_TARGETS: Tuple[type, ...] = (
     LoggingConfig,
     FlopsConfig,
     GPTDatasetConfig,
+    BERTMaskedWordPieceDatasetConfig,
 )
 
 
@@ -97,6 +100,16 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     FlopsConfig: {},
     BlendedMegatronDatasetConfig: {
         "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
+    },
+    MaskedWordPieceDatasetConfig: {
+        name: NotAFlag("no flag: Megatron's pretrain_bert.py fixes it to this value", value)
+        for name, value in (
+            ("masking_max_ngram", 3),
+            ("masking_do_full_word", True),
+            ("masking_do_permutation", False),
+            ("masking_use_longer_ngrams", False),
+            ("masking_use_geometric_distribution", False),
+        )
     },
     GPTDatasetConfig: {
         "drop_last_partial_validation_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
