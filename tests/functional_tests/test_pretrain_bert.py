@@ -7,11 +7,13 @@ printed 7 digits but for last-digit float noise).
 """
 
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from megatron.training.training_log import parse_log_line
 from tests.functional_tests.gpt_runs import REPO, RUN_TIMEOUT_S, assert_ok, run_gpt, tiny_gpt_flags
 from tests.tokenizer_files import corpus_texts, make_tokenizer_files, write_jsonl
 
@@ -89,24 +91,26 @@ def test_no_binary_head_and_mock_data(corpus, tmp_path):
     assert all("sop loss" not in line for line in result.lines) and len(result.lines) == 3
 
 
-def test_megatron_example_flags_scaled_down(corpus, tmp_path):
-    """examples/bert/train_bert_340m_distributed.sh's flags, sizes cut to CPU scale, as the script passes them."""
-    flags = [
-        *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
-        *("--seq-length", "64", "--max-position-embeddings", "64", "--attention-backend", "auto"),
-        *("--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3"),
-        *("--weight-decay", "1e-2", "--clip-grad", "1.0", "--fp16", "--lr", "0.0001"),
-        *("--lr-decay-iters", "3", "--lr-decay-style", "linear", "--min-lr", "1.0e-5", "--lr-warmup-fraction", ".01"),
-        *("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"),
-        *("--data-path", corpus["data_prefix"], "--vocab-file", corpus["vocab_file"], "--split", "949,50,1"),
-        *("--log-interval", "1", "--save-interval", "3", "--eval-interval", "2", "--eval-iters", "1"),
-        *("--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")),
-        *("--tensorboard-dir", str(tmp_path / "tb"), "--num-workers", "0"),
-    ]
-    result = run_bert(2, flags, str(tmp_path))
-    assert_ok(result, "Megatron's BERT example flags")
-    assert len(result.lines) == 3
-    assert os.path.exists(tmp_path / "ckpt" / "iter_0000003" / "metadata.json")
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_megatron_example_script_scaled_down(corpus, tmp_path):
+    """examples/bert/train_bert_340m_distributed.sh (Megatron's flags: fp16, PP) with CPU sizes from the environment."""
+    sizes = dict(GPUS_PER_NODE="2", NUM_LAYERS="2", HIDDEN="32", HEADS="4", SEQ="64", MBS="2", GBS="8", ITERS="3")
+    sizes.update(DECAY_ITERS="3", TP="1", PP="2", LOG_INTERVAL="1", SAVE_INTERVAL="3", EVAL_INTERVAL="2")
+    env = dict(os.environ, **sizes, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_PORT=str(_free_port()))
+    env.update(EXTRA="--num-workers 0", TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+    script = os.path.join(REPO, "examples", "bert", "train_bert_340m_distributed.sh")
+    ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    cmd = ["bash", script, ckpt, tb, corpus["vocab_file"], corpus["data_prefix"]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert len([p for p in map(parse_log_line, output.splitlines()) if p is not None]) == 3
+    assert os.path.exists(os.path.join(ckpt, "iter_0000003", "metadata.json"))
 
 
 def test_corpus_without_sentence_split_is_refused_before_training(corpus, tmp_path):
