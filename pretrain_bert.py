@@ -48,6 +48,8 @@ def model_provider(
     """The BERT model (this rank's pipeline stage / virtual chunk) described by the flags."""
     if config.calculate_per_token_loss:
         raise ValueError("--calculate-per-token-loss: pretrain_bert.py averages the loss per micro batch, as Megatron")
+    if config.num_moe_experts:
+        raise ValueError(f"not supported yet: --num-experts={config.num_moe_experts} (BERT layers are dense)")
     return BertModel(
         config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,
