@@ -27,7 +27,27 @@ CASES = [
                         "masking_use_longer_ngrams": True}, 0),
     ("permutation", {"masking_do_permutation": True, "masking_use_geometric_distribution": False,
                      "masking_max_ngram": 2}, 5),
+    ("megatron_lengths", {"sequence_length": 512, "sequence_length_decoder": 128}, 0),
+    ("pad_is_eos", {"random_seed": 3}, 0),
 ]  # fmt: skip
+
+
+class _PadIsEos:
+    """The corpus tokenizer with pad = eos: both datasets then pad with -1 (and make it 0)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @property
+    def pad(self):
+        return self._inner.eos
+
+
+def _tokenizer(name, tokenizer):
+    return _PadIsEos(tokenizer) if name == "pad_is_eos" else tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +59,21 @@ def corpus(tmp_path_factory):
 def oracle(corpus, tmp_path_factory):
     """Run the oracle once for all cases; case id -> its .npz contents."""
     root = str(tmp_path_factory.mktemp("t5_oracle"))
-    spec = {"prefix": corpus["prefix"], "tokenizer": tokenizer_spec(corpus["tokenizer"])}
     cases = []
     for name, overrides, global_seed in CASES:
         config = t5_settings(cache_dir(root, name), **overrides)
         out = os.path.join(root, f"{name}.npz")
+        spec = {"prefix": corpus["prefix"], "tokenizer": tokenizer_spec(_tokenizer(name, corpus["tokenizer"]))}
         cases.append(dict(spec, config=config, sizes=SIZES, global_seed=global_seed, out=out))
     return run_oracle(oracle_script("mcore_t5_samples.py"), cases, root)
 
 
 @pytest.mark.parametrize("name,overrides,global_seed", CASES, ids=[c[0] for c in CASES])
 def test_samples_equal_megatron_core(corpus, oracle, tmp_path, name, overrides, global_seed):
-    config = t5_config(corpus["tokenizer"], corpus["prefix"], str(tmp_path), **overrides)
+    config = t5_config(_tokenizer(name, corpus["tokenizer"]), corpus["prefix"], str(tmp_path), **overrides)
     datasets = build_t5_datasets(config, SIZES)
     assert datasets[2] is None
     compared = assert_splits_equal(name, datasets, oracle[name], T5_FIELDS, global_seed)
     assert compared >= sum(SIZES)
+    if name == "pad_is_eos":  # the -1 pad path was taken: labels pad with 0, not -1
+        assert datasets[0]._pad_token_id == -1 and (oracle[name]["train_labels"] != -1).all()
