@@ -115,7 +115,9 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
         encoder, targets = self._corrupt(idx, masking.tokens, masking.spans)
         return self._arrays(encoder, targets, truncated)
 
-    def _corrupt(self, idx: int, tokens: List[int], spans: List[Tuple[List[int], List[int]]]) -> Tuple[List, List]:
+    def _corrupt(
+        self, idx: int, tokens: List[int], spans: List[Tuple[List[int], List[int]]]
+    ) -> Tuple[List[int], List[int]]:
         """The encoder input and the decoder targets (sentinel + original tokens per span)."""
         if len(spans) > len(self._sentinels):
             raise ValueError(
