@@ -13,11 +13,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 
 from megatron.core.datasets.gpt_dataset import special_token
-from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset, MaskedWordPieceDatasetConfig
+from megatron.core.datasets.masked_dataset import (
+    MaskedWordPieceDataset,
+    MaskedWordPieceDatasetConfig,
+    pad_token_id,
+)
 from megatron.core.datasets.utils import Split
-
-# Pad id when the tokenizer has none or its pad id is also its eos/eod id (as megatron-core).
-_NO_PAD_ID = -1
 
 
 @dataclass
@@ -32,16 +33,8 @@ class BERTMaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
         super().__post_init__()
         if not isinstance(self.classification_head, bool):
             raise ValueError(f"classification_head={self.classification_head!r}: must be True or False")
-
-
-def pad_token_id(tokenizer: Any) -> int:
-    """The tokenizer's pad id, or -1 when it has none or it collides with eos/eod."""
-    pad = special_token(tokenizer, "pad")
-    if pad is None:
-        return _NO_PAD_ID
-    if pad in (special_token(tokenizer, "eos"), special_token(tokenizer, "eod")):
-        return _NO_PAD_ID
-    return int(pad)
+        if self.sequence_length < 4:
+            raise ValueError(f"sequence_length={self.sequence_length}: must be >= 4 ([CLS] A [SEP] B [SEP])")
 
 
 def split_pair(
@@ -122,8 +115,8 @@ class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):
         a, b, swapped = split_pair(sentences, self.config.classification_head, rng)
         truncated = truncate_pair(a, b, target, rng)
         tokens, types = self._tokens_and_types(a, b)
-        tokens, positions, labels = self._create_masked_lm_predictions(tokens, target, rng)
-        return self._arrays(tokens, types, positions, labels, swapped, truncated)
+        masking = self._create_masked_lm_predictions(tokens, target, rng)
+        return self._arrays(masking.tokens, types, masking.positions, masking.labels, swapped, truncated)
 
     def _arrays(
         self,
@@ -200,7 +193,11 @@ class MockBERTMaskedWordPieceDataset(BERTMaskedWordPieceDataset):
 
     @staticmethod
     def build_low_level_dataset(dataset_path: Optional[str], config: BERTMaskedWordPieceDatasetConfig) -> Any:
-        tok = config.tokenizer
-        special = {special_token(tok, name) for name in ("cls", "sep", "pad", "mask")}
-        ids = np.array(sorted(i for i in tok.inv_vocab if i not in special), dtype=np.int64)
+        ids = mock_token_ids(config.tokenizer, ("cls", "sep", "pad", "mask"))
         return MockSentenceDataset(config.random_seed, ids, max_sentence_length=max(2, config.sequence_length // 4))
+
+
+def mock_token_ids(tokenizer: Any, roles: Iterable[str], also: Iterable[int] = ()) -> np.ndarray:
+    """The tokenizer's ids, ascending, without its ``roles`` special tokens and the ids ``also``."""
+    special = {special_token(tokenizer, name) for name in roles} | set(also)
+    return np.array(sorted(i for i in tokenizer.inv_vocab if i not in special), dtype=np.int64)

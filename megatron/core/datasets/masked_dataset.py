@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.sentence_mapping import LONG_SENTENCE_LEN, build_mapping, eligible_documents
 from megatron.core.datasets.utils import load_or_build_indices
 
+# Pad id when the tokenizer has none or its pad id is also its eos/eod id (as megatron-core).
+NO_PAD_ID = -1
 # SpanBERT's span-length distribution: geometric with this p, clipped at masking_max_ngram.
 GEOMETRIC_P = 0.2
 _MASKING_FIELDS = (
@@ -87,8 +89,30 @@ class MaskedWordPieceDatasetConfig(BlendedMegatronDatasetConfig):
             )
         if not 0 <= self.random_seed < 2**31 - 1:
             raise ValueError(f"random_seed={self.random_seed}: the sample index needs 0 <= seed < 2**31 - 1")
-        if self.sequence_length < 4:
-            raise ValueError(f"sequence_length={self.sequence_length}: must be >= 4 ([CLS] A [SEP] B [SEP])")
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, or -1 when it has none or it collides with eos/eod (as megatron-core)."""
+    pad = special_token(tokenizer, "pad")
+    if pad is None:
+        return NO_PAD_ID
+    if pad in (special_token(tokenizer, "eos"), special_token(tokenizer, "eod")):
+        return NO_PAD_ID
+    return int(pad)
+
+
+class MaskedLMPredictions(NamedTuple):
+    """What masking did to one sample's tokens."""
+
+    tokens: List[int]
+    """The tokens after masking (and permutation)."""
+    positions: List[int]
+    """Masked (and permuted) positions, ascending."""
+    labels: List[int]
+    """The original ids at ``positions``."""
+    spans: List[Tuple[List[int], List[int]]]
+    """Each masked N-gram as (its positions, their original ids), by first position (permuted
+    N-grams are not spans)."""
 
 
 def ngram_probabilities(max_ngram: int, longer: bool) -> Tuple[np.ndarray, np.ndarray]:
@@ -225,11 +249,14 @@ class MaskedWordPieceDataset(MegatronDataset):
         order: List[int],
         budget: float,
         rng: np.random.RandomState,
-    ) -> Tuple[List[int], List[Tuple[int, int]], Set[int]]:
-        """Mask N-grams in ``order`` until ``budget`` tokens are masked (80/10/10 replacement)."""
+    ) -> Tuple[List[int], List[Tuple[int, int]], Set[int], List[Tuple[List[int], List[int]]]]:
+        """Mask N-grams in ``order`` until ``budget`` tokens are masked (replacement from
+        :meth:`_get_token_mask`); returns the tokens, (position, label) pairs, masked positions
+        and the masked N-grams as (positions, labels) in masking order."""
         masked = list(token_ids)
         labelled: List[Tuple[int, int]] = []
         taken: Set[int] = set()
+        spans: List[Tuple[List[int], List[int]]] = []
         for start in order:
             if len(labelled) >= budget:
                 break
@@ -241,7 +268,8 @@ class MaskedWordPieceDataset(MegatronDataset):
                 replacement = self._get_token_mask(rng)
                 masked[i] = token_ids[i] if replacement is None else replacement
                 labelled.append((i, token_ids[i]))
-        return masked, labelled, taken
+            spans.append((positions, [token_ids[i] for i in positions]))
+        return masked, labelled, taken, spans
 
     def _permute_ngrams(
         self,
@@ -275,12 +303,9 @@ class MaskedWordPieceDataset(MegatronDataset):
 
     def _create_masked_lm_predictions(
         self, token_ids: List[int], target_sequence_length: int, rng: np.random.RandomState
-    ) -> Tuple[List[int], List[int], List[int]]:
-        """Mask (and optionally permute) N-grams of ``token_ids``.
-
-        Returns:
-            ``(masked token ids, masked positions ascending, their original ids)``.
-        """
+    ) -> MaskedLMPredictions:
+        """Mask (and optionally permute) N-grams of ``token_ids``, drawing from ``rng`` in
+        megatron-core's order (shuffle, mask, shuffle, permute)."""
         cfg = self.config
         candidates = self._word_candidates(token_ids)
         budget = min(
@@ -289,12 +314,13 @@ class MaskedWordPieceDataset(MegatronDataset):
         )
         order = list(range(len(candidates)))
         rng.shuffle(order)
-        masked, labelled, taken = self._mask_ngrams(token_ids, candidates, order, budget, rng)
+        masked, labelled, taken, spans = self._mask_ngrams(token_ids, candidates, order, budget, rng)
         rng.shuffle(order)
         if cfg.masking_do_permutation:
             labelled += self._permute_ngrams(masked, candidates, order, budget, taken, rng)
         labelled.sort(key=lambda pair: pair[0])
-        return masked, [p for p, _ in labelled], [t for _, t in labelled]
+        spans.sort(key=lambda span: span[0][0])
+        return MaskedLMPredictions(masked, [p for p, _ in labelled], [t for _, t in labelled], spans)
 
     @abc.abstractmethod
     def _get_token_mask(self, rng: np.random.RandomState) -> Optional[int]:

@@ -11,15 +11,16 @@ from megatron.core.tokenizers.wordpiece import BertWordPieceTokenizer
 from tests.unit_tests.datasets.fixtures import random_sentence_documents, write_bert_vocab, write_sentence_dataset
 
 FIELDS = ("text", "types", "labels", "is_random", "padding_mask", "loss_mask", "truncated")
-SPLITS = ("train", "valid", "test")
 
 
-def write_bert_corpus(directory: str, seed: int = 0) -> Dict[str, Any]:
+def write_bert_corpus(directory: str, seed: int = 0, vocab_extra_ids: int = 0) -> Dict[str, Any]:
     """~50 documents of 1-8 sentences over a vocab with ``##`` pieces, plus two long-sentence ones.
 
-    Returns ``prefix`` and ``tokenizer`` (our BertWordPieceTokenizer of that vocab).
+    Returns ``prefix`` and ``tokenizer`` (our BertWordPieceTokenizer of that vocab, with
+    ``vocab_extra_ids`` T5 sentinels).
     """
-    tokenizer = BertWordPieceTokenizer(write_bert_vocab(directory), lower_case=False)
+    vocab = write_bert_vocab(directory)
+    tokenizer = BertWordPieceTokenizer(vocab, lower_case=False, vocab_extra_ids=vocab_extra_ids)
     first = 5  # after [PAD] [UNK] [CLS] [SEP] [MASK]
     last = tokenizer.vocab["[BOS]"]  # words and pieces only
     docs = random_sentence_documents(seed, 50, first, last)
@@ -42,18 +43,13 @@ def build_bert_datasets(config: BERTMaskedWordPieceDatasetConfig, sizes: List[Op
     return BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, sizes, lambda: True, config).build()
 
 
-def stacked_samples(dataset: Any, global_seed: int) -> Dict[str, np.ndarray]:
-    """Every sample's fields stacked, read after seeding NumPy's global RandomState (as the oracle)."""
-    np.random.seed(global_seed)
-    samples = [dataset[i] for i in range(len(dataset))]
-    return {field: np.array([s[field] for s in samples]) for field in FIELDS}
-
-
 def tokenizer_spec(tokenizer: Any) -> Dict[str, Any]:
     """What the oracle's stand-in tokenizer needs: token strings in id order and special ids."""
     inv = tokenizer.inv_vocab
     spec = {name: getattr(tokenizer, name) for name in ("cls", "sep", "mask", "pad", "eos")}
     spec["inv_vocab"] = [inv[i] for i in range(len(inv))]
+    if tokenizer.additional_special_tokens_ids:  # T5: sentinels and bos
+        spec.update(bos=tokenizer.bos, sentinels=list(tokenizer.additional_special_tokens_ids))
     assert list(inv.keys()) == list(range(len(inv))), "the oracle rebuilds inv_vocab in id order"
     return spec
 

@@ -17,17 +17,14 @@ import pytest
 from megatron.core.datasets.sentence_mapping import build_mapping
 from tests.unit_tests.datasets.bert_corpus import (
     FIELDS,
-    SPLITS,
     bert_config,
     build_bert_datasets,
     cache_dir,
-    stacked_samples,
     tokenizer_spec,
     write_bert_corpus,
 )
+from tests.unit_tests.datasets.masked_oracle import assert_splits_equal, oracle_dir, oracle_script, run_oracle
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracles", "mcore_bert_samples.py")
 SIZES = [240, 40, 0]
 
 # (case id, config overrides, NumPy global seed)
@@ -43,16 +40,6 @@ CASES = [
 ]
 
 
-def _oracle_dir() -> str:
-    path = os.environ.get("MCORE_ORACLE")
-    if not path or not os.path.isdir(os.path.join(path, "megatron", "core", "datasets")):
-        pytest.skip(
-            "megatron-core oracle not installed: run `pip install --no-deps --target DIR megatron-core==0.16.1` "
-            "and set MCORE_ORACLE=DIR (scripts/run_tests.sh does both)"
-        )
-    return path
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return write_bert_corpus(str(tmp_path_factory.mktemp("bert_corpus")))
@@ -61,7 +48,6 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(corpus, tmp_path_factory):
     """Run the oracle once for all cases; case id -> its .npz contents."""
-    oracle_path = _oracle_dir()
     root = str(tmp_path_factory.mktemp("bert_oracle"))
     cases = []
     for name, overrides, global_seed in CASES:
@@ -75,15 +61,7 @@ def oracle(corpus, tmp_path_factory):
         out = os.path.join(root, f"{name}.npz")
         spec = {"prefix": corpus["prefix"], "tokenizer": tokenizer_spec(corpus["tokenizer"]), "config": config}
         cases.append(dict(spec, sizes=SIZES, global_seed=global_seed, out=out))
-    cases_path = os.path.join(root, "cases.json")
-    with open(cases_path, "w") as f:
-        json.dump(cases, f)
-    env = dict(os.environ, PYTHONPATH=oracle_path)
-    proc = subprocess.run(
-        [sys.executable, ORACLE_SCRIPT, cases_path], env=env, cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"oracle failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return {case["out"].rsplit(os.sep, 1)[1][:-4]: dict(np.load(case["out"])) for case in cases}
+    return run_oracle(oracle_script("mcore_bert_samples.py"), cases, root)
 
 
 @pytest.mark.parametrize("name,overrides,global_seed", CASES, ids=[c[0] for c in CASES])
@@ -91,26 +69,14 @@ def test_samples_equal_megatron_core(corpus, oracle, tmp_path, name, overrides, 
     expected = oracle[name]
     config = bert_config(corpus["tokenizer"], corpus["prefix"], str(tmp_path), **overrides)
     datasets = build_bert_datasets(config, SIZES)
-    compared = 0
-    for split, dataset in zip(SPLITS, datasets):
-        if dataset is None:
-            assert f"{split}_text" not in expected
-            continue
-        np.testing.assert_array_equal(np.asarray(dataset.sample_index), expected[f"{split}_sample_index"])
-        assert np.asarray(dataset.sample_index).dtype == expected[f"{split}_sample_index"].dtype
-        ours = stacked_samples(dataset, global_seed)
-        for field in FIELDS:
-            theirs = expected[f"{split}_{field}"]
-            assert ours[field].dtype == theirs.dtype, (split, field)
-            np.testing.assert_array_equal(ours[field], theirs, err_msg=f"{name} {split} {field}")
-        compared += len(dataset)
+    compared = assert_splits_equal(name, datasets, expected, FIELDS, global_seed)
     assert compared >= sum(SIZES)
 
 
 def test_sample_index_equals_build_mapping_at_scale(tmp_path):
     """Our build_mapping against the compiled one on 20k documents (empty, one-sentence and
     long-sentence ones included), for 64 combinations of its parameters."""
-    oracle_path = _oracle_dir()
+    oracle_path = oracle_dir()
     rng = np.random.RandomState(0)
     bounds = np.concatenate([[0], np.cumsum(rng.randint(0, 10, 20000))]).astype(np.int64)
     lengths = rng.randint(1, 80, bounds[-1]).astype(np.int32)
@@ -125,7 +91,7 @@ def test_sample_index_equals_build_mapping_at_scale(tmp_path):
     ]
     np.savez(tmp_path / "in.npz", bounds=bounds, lengths=lengths)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    script = os.path.join(REPO, "tests", "oracles", "mcore_build_mapping.py")
+    script = oracle_script("mcore_build_mapping.py")
     args = [sys.executable, script, oracle_path, "in.npz", "cases.json", "out.npz"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -210,3 +210,19 @@ def test_null_tokenizer():
     assert tok.detokenize([5, 17, 3]) == "5 17 3"
     with pytest.raises(ValueError, match="--vocab-size"):
         build_tokenizer("NullTokenizer")
+
+
+def test_wordpiece_t5_ids_reuse_tokens_the_vocab_has(tmp_path):
+    """As Megatron's _BertWordPieceTokenizer: [BOS], [EOS] and <extra_id_N> keep the id the vocab.txt
+    gives them, and only the absent ones are appended, in that order (the T5 dataset's bos/eos/sentinels)."""
+    from megatron.core.tokenizers.wordpiece import BertWordPieceTokenizer
+
+    lines = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[EOS]", "<extra_id_1>", "word", "##piece"]
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(lines) + "\n")
+    tok = BertWordPieceTokenizer(str(vocab), lower_case=False, vocab_extra_ids=3)
+    n = len(lines)
+    assert (tok.bos, tok.eos) == (n, lines.index("[EOS]"))
+    assert tok.additional_special_tokens_ids == [n + 1, lines.index("<extra_id_1>"), n + 2]
+    assert tok.vocab_size == n + 3 and tok.inv_vocab[n + 2] == "<extra_id_2>"
+    assert BertWordPieceTokenizer(str(vocab), vocab_extra_ids=0).additional_special_tokens_ids == []
