@@ -86,6 +86,21 @@ def check_deprecated(args: argparse.Namespace) -> None:
         args.ckpt_format = "torch_dist"
 
 
+def set_encoder_decoder(args: argparse.Namespace) -> None:
+    """Megatron's rule: ``--encoder-num-layers`` / ``--encoder-seq-length`` stand for ``--num-layers`` /
+    ``--seq-length`` (one of each pair); the decoder defaults to the encoder's layer count."""
+    for encoder, plain in (("encoder_num_layers", "num_layers"), ("encoder_seq_length", "seq_length")):
+        given = getattr(args, encoder)
+        if given is None:
+            setattr(args, encoder, getattr(args, plain))
+            continue
+        flags = f"--{encoder.replace('_', '-')}={given} and --{plain.replace('_', '-')}={getattr(args, plain)}"
+        _require(getattr(args, plain) is None, f"{flags}: give one of the two")
+        setattr(args, plain, given)
+    if args.decoder_num_layers is None:
+        args.decoder_num_layers = args.encoder_num_layers
+
+
 def check_required(args: argparse.Namespace) -> None:
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length"):
         _require(getattr(args, dest) is not None, f"--{dest.replace('_', '-')} is required")
@@ -469,6 +484,7 @@ def check_sequence_split(args: argparse.Namespace) -> None:
 
 STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_deprecated,
+    set_encoder_decoder,
     check_required,
     set_virtual_pipeline,
     check_pipeline_layers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig as DS
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as GDS
 from megatron.core.datasets.masked_dataset import MaskedWordPieceDatasetConfig as MDS
+from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig as T5DS
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
 from megatron.training.flags.record import IMPLEMENTED, Flag, no_op, not_yet, same, to
@@ -42,8 +43,19 @@ RECORDS = (
         type=int,
         fills=(*same(FL), to(DS, "sequence_length")),
     ),
-    Flag("encoder_seq_length", not_yet(None), type=int),
-    Flag("decoder_seq_length", not_yet(None), type=int),
+    Flag(
+        "encoder_seq_length",
+        IMPLEMENTED,
+        help="T5: encoder tokens per sample; stands for --seq-length (give one of the two).",
+        type=int,
+    ),
+    Flag(
+        "decoder_seq_length",
+        IMPLEMENTED,
+        help="T5: decoder tokens per sample ([BOS], sentinels and masked spans).",
+        type=int,
+        fills=(to(T5DS, "sequence_length_decoder"),),
+    ),
     Flag("sample_rate", not_yet(1.0)),
     Flag(
         "mask_prob",

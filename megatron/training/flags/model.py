@@ -247,8 +247,13 @@ RECORDS = (
     Flag("fine_grained_activation_offloading", no_op(reasons.MEMORY)),
     Flag("offload_modules", no_op(reasons.MEMORY)),
     Flag("min_offloaded_tensor_size", no_op(reasons.MEMORY)),
-    Flag("encoder_num_layers", not_yet(None), type=int),
-    Flag("decoder_num_layers", not_yet(None), type=int),
+    Flag(
+        "encoder_num_layers",
+        IMPLEMENTED,
+        help="T5: encoder layers; stands for --num-layers (give one of the two).",
+        type=int,
+    ),
+    Flag("decoder_num_layers", IMPLEMENTED, help="T5: decoder layers (default: the encoder's).", type=int),
     Flag(
         "group_query_attention",
         IMPLEMENTED,

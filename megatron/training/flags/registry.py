@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Tuple
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-from megatron.core.datasets.masked_dataset import MaskedWordPieceDatasetConfig
+from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -58,6 +58,7 @@ CONFIG_TARGETS: Tuple[type, ...] = (
     FlopsConfig,
     GPTDatasetConfig,
     BERTMaskedWordPieceDatasetConfig,
+    T5MaskedWordPieceDatasetConfig,
 )
 
 
@@ -70,6 +71,15 @@ class NotAFlag:
 
     reason: str
     value: Any = _UNSET
+
+
+def _fixed_masking(entry_point: str, **values: Any) -> Dict[str, NotAFlag]:
+    """The masking options no flag sets, at the values Megatron's ``entry_point`` fixes."""
+    fields = {"max_ngram": "masking_max_ngram", "full_word": "masking_do_full_word"}
+    fields.update(permutation="masking_do_permutation", longer_ngrams="masking_use_longer_ngrams")
+    fields.update(geometric="masking_use_geometric_distribution")
+    reason = f"no flag: Megatron's {entry_point} fixes it to this value"
+    return {fields[key]: NotAFlag(reason, value) for key, value in values.items()}
 
 
 _HOOK = NotAFlag("a callback the training loop installs after building the model")
@@ -101,16 +111,12 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     BlendedMegatronDatasetConfig: {
         "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
     },
-    MaskedWordPieceDatasetConfig: {
-        name: NotAFlag("no flag: Megatron's pretrain_bert.py fixes it to this value", value)
-        for name, value in (
-            ("masking_max_ngram", 3),
-            ("masking_do_full_word", True),
-            ("masking_do_permutation", False),
-            ("masking_use_longer_ngrams", False),
-            ("masking_use_geometric_distribution", False),
-        )
-    },
+    BERTMaskedWordPieceDatasetConfig: _fixed_masking(
+        "pretrain_bert.py", max_ngram=3, full_word=True, permutation=False, longer_ngrams=False, geometric=False
+    ),
+    T5MaskedWordPieceDatasetConfig: _fixed_masking(
+        "pretrain_t5.py", max_ngram=10, full_word=True, permutation=False, longer_ngrams=False, geometric=True
+    ),
     GPTDatasetConfig: {
         "drop_last_partial_validation_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
         "add_extra_token_to_sequence": NotAFlag("not in Megatron's flag table; the config's default"),

@@ -601,3 +601,17 @@ def test_scheduler_kwargs_count_samples():
     frac = _validated(["--train-iters", "100", "--lr-warmup-fraction", "0.25", "--lr-decay-iters", "40"])
     kw = A.optimizer_param_scheduler_kwargs(frac)
     assert kw["lr_warmup_steps"] == pytest.approx(0.25 * 40 * frac.global_batch_size)
+
+
+def test_encoder_flags_stand_for_num_layers_and_seq_length():
+    """Megatron's T5 flags: --encoder-num-layers / --encoder-seq-length instead of --num-layers / --seq-length."""
+    plain = list(BASE)
+    for flag in ("--num-layers", "--seq-length"):
+        del plain[plain.index(flag) : plain.index(flag) + 2]
+    t5 = ["--encoder-num-layers", "3", "--encoder-seq-length", "48", "--decoder-seq-length", "16"]
+    args = A.validate_args(A.parse_args(plain + t5, entry_point="t5"), 1)
+    assert (args.num_layers, args.encoder_num_layers, args.decoder_num_layers) == (3, 3, 3)
+    assert (args.seq_length, args.encoder_seq_length, args.decoder_seq_length) == (48, 48, 16)
+    assert _validated(["--decoder-num-layers", "2"]).decoder_num_layers == 2
+    with pytest.raises(A.ArgumentsError, match=r"--encoder-num-layers=3 and --num-layers=4: give one of the two"):
+        _validated(["--encoder-num-layers", "3"])
