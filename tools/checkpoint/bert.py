@@ -10,7 +10,7 @@ zero token-type rows (``type_vocab_size`` 2), so the exported model computes the
 from __future__ import annotations
 
 import os
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
@@ -79,3 +79,12 @@ def tokenizer_flags(hf_dir: str) -> List[str]:
     settings = os.path.join(hf_dir, "tokenizer_config.json")
     lower = read_json(settings, "tokenizer config").get("do_lower_case", True) if os.path.isfile(settings) else True
     return ["--tokenizer-type", "BertWordPieceLowerCase" if lower else "BertWordPieceCase", "--vocab-file", vocab]
+
+
+def wordpiece_vocab_size(args: Args) -> Optional[int]:
+    """The unpadded vocabulary of a checkpoint trained with a BertWordPiece tokenizer: its vocab file's lines."""
+    path = args.get("vocab_file")
+    if not str(args.get("tokenizer_type")).startswith("BertWordPiece") or not path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)

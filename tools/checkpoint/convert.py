@@ -21,8 +21,9 @@ Vocabulary: our model pads the vocabulary to a multiple of
 ``--make-vocab-size-divisible-by x TP``. Converting in pads the embedding (and untied
 output) rows with zeros for the target TP; the checkpoint then loads under any layout
 whose flags give the same padded size. Converting out strips the padded rows to
-``--vocab-size`` (default: the HF vocabulary recorded by hf-to-megatron, else none
-stripped). The sharded format loads under any TP/PP, so the target sizes only set the
+``--vocab-size`` (default: the HF vocabulary recorded by hf-to-megatron, else for a
+checkpoint trained with a BertWordPiece tokenizer the lines of its ``--vocab-file``, else
+none stripped). The sharded format loads under any TP/PP, so the target sizes only set the
 padding and the printed flags; the checkpoint is always written from this one process.
 
 Nothing is unpickled: HF weights are read from safetensors (``pytorch_model.bin`` only
@@ -67,7 +68,14 @@ from megatron.training.checkpointing import (
     detect_format,
     read_tracker,
 )
-from tools.checkpoint.bert import BINARY_HEAD_KEY, bert_from_hf, bert_to_hf, build_bert, tokenizer_flags
+from tools.checkpoint.bert import (
+    BINARY_HEAD_KEY,
+    bert_from_hf,
+    bert_to_hf,
+    build_bert,
+    tokenizer_flags,
+    wordpiece_vocab_size,
+)
 from tools.checkpoint.hf_config import (
     Args,
     ConversionError,
@@ -268,7 +276,7 @@ def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int]
     """Write ``out_dir`` (config.json + model.safetensors) from the checkpoint under ``load``; returns the vocab."""
     with single_process_group() as groups:
         sd, args, common = load_megatron(load, groups, verify, kind)
-    vocab = vocab_size or common.get(HF_VOCAB_KEY) or args["padded_vocab_size"]
+    vocab = vocab_size or common.get(HF_VOCAB_KEY) or wordpiece_vocab_size(args) or args["padded_vocab_size"]
     if vocab > args["padded_vocab_size"]:
         raise ConversionError(f"--vocab-size {vocab} exceeds the checkpoint's {args['padded_vocab_size']} rows")
     config = gpt_model_kwargs(args)
