@@ -70,6 +70,7 @@ from megatron.training.checkpointing import (
 )
 from tools.checkpoint.bert import (
     BINARY_HEAD_KEY,
+    LM_HEAD_KEY,
     bert_from_hf,
     bert_to_hf,
     build_bert,
@@ -232,6 +233,9 @@ def load_megatron(
     if EMBEDDING_KEY not in saved:
         raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT or BERT checkpoint")
     args["padded_vocab_size"] = int(saved[EMBEDDING_KEY].size[0])  # whatever TP it was saved under
+    if (LM_HEAD_KEY in saved) != (kind == "bert"):
+        found = "a BERT" if LM_HEAD_KEY in saved else "not a BERT"
+        raise ConversionError(f"{iter_dir} is {found} checkpoint ({LM_HEAD_KEY!r}); --model-type is {kind}")
     if kind == "bert":
         args["bert_binary_head"] = BINARY_HEAD_KEY in saved
     model = build_model(args, groups, kind)

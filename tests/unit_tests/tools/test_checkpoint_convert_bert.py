@@ -190,6 +190,8 @@ def test_clear_errors(hf_dirs, tmp_path, capsys):
     argv = ["--direction", "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "o"), "--model-type"]
     assert convert.main(argv + ["bert", "--no-verify-checkpoint"]) == 2
     assert "bert_post_layernorm" in capsys.readouterr().err
+    assert convert.main(argv + ["gpt2", "--no-verify-checkpoint"]) == 2  # the wrong family is named, not a failed load
+    assert "is a BERT checkpoint" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- end to end with pretrain_bert.py
