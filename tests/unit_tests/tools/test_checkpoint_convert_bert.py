@@ -63,6 +63,7 @@ def hf_dirs(tmp_path_factory):
     return {
         "pretraining": _save(root / "pretraining", transformers.BertForPreTraining, 0),
         "masked_lm": _save(root / "masked_lm", transformers.BertForMaskedLM, 1),
+        "untied_masked_lm": _save(root / "untied", transformers.BertForMaskedLM, 3, tie_word_embeddings=False),
     }
 
 
@@ -116,7 +117,8 @@ def test_hf_to_megatron_logits_and_flags(hf_dirs, tmp_path):
     for kind, hf_dir in hf_dirs.items():
         save = str(tmp_path / kind)
         flags = convert.hf_to_megatron(hf_dir, save)
-        assert "--bert-post-layernorm" in flags and ("--bert-no-binary-head" in flags) == (kind == "masked_lm")
+        assert "--bert-post-layernorm" in flags and ("--bert-no-binary-head" in flags) == ("masked_lm" in kind)
+        assert ("--untie-embeddings-and-output-weights" in flags) == kind.startswith("untied")
         assert flags[flags.index("--seq-length") + 1] == str(SEQ) and "--openai-gelu" not in flags
         assert flags[flags.index("--norm-epsilon") + 1] == "1e-12"
         cases.append((hf_dir, save))
@@ -138,19 +140,24 @@ def test_tp2_padding(hf_dirs, tmp_path):
 
 def test_round_trip(hf_dirs, tmp_path):
     """BertForPreTraining comes back tensor for tensor; BertForMaskedLM as the same function (type 0 folded)."""
-    for kind, cls in (("pretraining", "BertForPreTraining"), ("masked_lm", "BertForMaskedLM")):
+    for kind, hf_dir in hf_dirs.items():
+        cls = "BertForPreTraining" if kind == "pretraining" else "BertForMaskedLM"
         save, out = str(tmp_path / kind), str(tmp_path / (kind + "_out"))
-        convert.hf_to_megatron(hf_dirs[kind], save)
+        convert.hf_to_megatron(hf_dir, save)
         assert convert.megatron_to_hf(save, out, "bert") == HF_VOCAB  # padding stripped
         assert convert.read_hf_config(out)["architectures"] == [cls]
-        original, exported = convert.read_hf_weights(hf_dirs[kind]), convert.read_hf_weights(out)
+        original, exported = convert.read_hf_weights(hf_dir), convert.read_hf_weights(out)
         assert exported.keys() == original.keys()
+        assert ("cls.predictions.decoder.weight" in original) == kind.startswith("untied")
         folded = {"bert.embeddings.token_type_embeddings.weight", "bert.embeddings.position_embeddings.weight"}
+        if kind.startswith("untied"):  # untied, HF's forward adds the decoder's bias; cls.predictions.bias is unused
+            folded.add("cls.predictions.bias")
+            assert torch.equal(exported["cls.predictions.bias"], original["cls.predictions.decoder.bias"])
         for name, tensor in original.items():
-            if kind == "masked_lm" and name in folded:
+            if cls == "BertForMaskedLM" and name in folded:
                 continue
             assert torch.equal(exported[name], tensor), (kind, name)
-        if kind == "masked_lm":
+        if cls == "BertForMaskedLM":
             types = original["bert.embeddings.token_type_embeddings.weight"]
             assert not exported["bert.embeddings.token_type_embeddings.weight"].any()
             positions = original["bert.embeddings.position_embeddings.weight"] + types[0]
