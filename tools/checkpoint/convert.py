@@ -1,21 +1,29 @@
-"""Convert between Hugging Face GPT-2 / Llama directories and our torch_dist checkpoints, on one process.
+"""Convert between Hugging Face GPT-2 / Llama / BERT directories and our torch_dist checkpoints, on one process.
 
     python tools/checkpoint/convert.py --direction hf-to-megatron --hf-dir HF --save CKPT \
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama [--vocab-size V]
+        --model-type gpt2|llama|bert [--vocab-size V]
 
 hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
 ``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it
 with ``--load CKPT`` (a release checkpoint starts at iteration 0) or ``--finetune``.
 
+BERT (``architectures`` BertForPreTraining or BertForMaskedLM): the model is
+``pretrain_bert.py --bert-post-layernorm``'s (Hugging Face's post-LN layout), with the pooler
+and binary head only for BertForPreTraining (BertForMaskedLM: ``--bert-no-binary-head``, token
+type 0 folded into the position embeddings, see ``tools/checkpoint/bert.py``); the printed flags
+are ``pretrain_bert.py``'s. ``--model-type bert`` exports BertForPreTraining, or BertForMaskedLM
+when the checkpoint has no binary head; pre-LN BERT checkpoints are refused.
+
 Vocabulary: our model pads the vocabulary to a multiple of
 ``--make-vocab-size-divisible-by x TP``. Converting in pads the embedding (and untied
 output) rows with zeros for the target TP; the checkpoint then loads under any layout
 whose flags give the same padded size. Converting out strips the padded rows to
-``--vocab-size`` (default: the HF vocabulary recorded by hf-to-megatron, else none
-stripped). The sharded format loads under any TP/PP, so the target sizes only set the
+``--vocab-size`` (default: the HF vocabulary recorded by hf-to-megatron, else for a
+checkpoint trained with a BertWordPiece tokenizer the lines of its ``--vocab-file``, else
+none stripped). The sharded format loads under any TP/PP, so the target sizes only set the
 padding and the printed flags; the checkpoint is always written from this one process.
 
 Nothing is unpickled: HF weights are read from safetensors (``pytorch_model.bin`` only
@@ -30,7 +38,7 @@ import os
 import sys
 import tempfile
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -41,6 +49,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
+from megatron.core.models.bert import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.hf_state_dict import (
     StateDict,
@@ -58,6 +67,15 @@ from megatron.training.checkpointing import (
     checkpoint_dir,
     detect_format,
     read_tracker,
+)
+from tools.checkpoint.bert import (
+    BINARY_HEAD_KEY,
+    LM_HEAD_KEY,
+    bert_from_hf,
+    bert_to_hf,
+    build_bert,
+    tokenizer_flags,
+    wordpiece_vocab_size,
 )
 from tools.checkpoint.hf_config import (
     Args,
@@ -126,11 +144,11 @@ def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str
     import transformers
 
     config = hf_config_from_args(args, kind, vocab_size, where)
-    cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    cls = getattr(transformers, config.architectures[0])
     model = cls(config)
     result = model.load_state_dict(sd, strict=False)
-    # GPT-2 keeps its causal mask as (non-learned) buffers; anything else missing is a bug.
-    missing = [k for k in result.missing_keys if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    # GPT-2's causal mask, BERT's position / token type ids are (non-learned) buffers; anything else missing is a bug.
+    missing = [k for k in result.missing_keys if not k.endswith(_BUFFERS)]
     if missing or result.unexpected_keys:
         raise ConversionError(
             f"state dict does not fit {cls.__name__}: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
@@ -138,9 +156,14 @@ def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str
     model.save_pretrained(out_dir)
 
 
+_BUFFERS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
+
+
 # ---------------------------------------------------------------- Megatron side
-def build_model(args: Args, groups: ProcessGroupCollection) -> GPTModel:
-    """Our TP=1 GPTModel for ``args`` (weights are overwritten right after)."""
+def build_model(args: Args, groups: ProcessGroupCollection, kind: str = "gpt2") -> Union[GPTModel, BertModel]:
+    """Our TP=1 GPTModel (``kind`` bert: BertModel) for ``args`` (weights are overwritten right after)."""
+    if kind == "bert":
+        return build_bert(args, groups)
     return GPTModel(
         pg_collection=groups, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **gpt_model_kwargs(args)
     )
@@ -153,7 +176,9 @@ def _write_tracker_release(root: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def save_release(model: GPTModel, args: Args, groups: ProcessGroupCollection, root: str, hf_vocab_size: int) -> str:
+def save_release(
+    model: torch.nn.Module, args: Args, groups: ProcessGroupCollection, root: str, hf_vocab_size: int
+) -> str:
     """``root/release``: common.json (the model flags), the model's tensors, then the tracker."""
     iter_dir = checkpoint_dir(root, 0, release=True)
     os.makedirs(iter_dir, exist_ok=True)
@@ -193,11 +218,12 @@ def find_checkpoint(root: str) -> Tuple[str, Dict[str, Any]]:
 
 
 def load_megatron(
-    root: str, groups: ProcessGroupCollection, verify: bool = True
+    root: str, groups: ProcessGroupCollection, verify: bool = True, kind: str = "gpt2"
 ) -> Tuple[StateDict, Args, Dict[str, Any]]:
     """Full (TP=1) state dict, model flags and common.json of the checkpoint under ``root``.
 
-    ``verify``: check every file against the checksums ``metadata.json`` records first.
+    ``verify``: check every file against the checksums ``metadata.json`` records first. ``kind``
+    bert: a BertModel, with the binary head exactly when the checkpoint holds one.
     """
     iter_dir, common = find_checkpoint(root)
     args = dict(common["args"])
@@ -205,16 +231,29 @@ def load_megatron(
         dc.verify_checksums(iter_dir)  # a flipped bit is named before any tensor is read
     saved = dc.read_metadata(iter_dir).state_dict_metadata
     if EMBEDDING_KEY not in saved:
-        raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT checkpoint")
+        raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT or BERT checkpoint")
     args["padded_vocab_size"] = int(saved[EMBEDDING_KEY].size[0])  # whatever TP it was saved under
-    model = build_model(args, groups)
+    if (LM_HEAD_KEY in saved) != (kind == "bert"):
+        found = "a BERT" if LM_HEAD_KEY in saved else "not a BERT"
+        raise ConversionError(f"{iter_dir} is {found} checkpoint ({LM_HEAD_KEY!r}); --model-type is {kind}")
+    if kind == "bert":
+        args["bert_binary_head"] = BINARY_HEAD_KEY in saved
+    model = build_model(args, groups, kind)
     dc.load(dc.model_sharded_state_dict([model], pg_collection=groups), iter_dir)
     return {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, args, common
 
 
 # ---------------------------------------------------------------- the two directions
+_FROM_HF = {
+    "gpt2": lambda hf_sd, model: from_hf_gpt2(hf_sd, model.config),
+    "llama": lambda hf_sd, model: from_hf_llama(hf_sd, model.config),
+    "bert": bert_from_hf,
+}
+
+
 def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_by: int = 128) -> List[str]:
-    """Convert ``hf_dir`` into ``save/release``; returns the matching ``pretrain_gpt.py`` flags."""
+    """Convert ``hf_dir`` into ``save/release``; returns the matching ``pretrain_gpt.py`` (BERT:
+    ``pretrain_bert.py``) flags."""
     where = os.path.join(hf_dir, "config.json")
     hf_config = read_hf_config(hf_dir)
     kind, args = megatron_args_from_hf(hf_config, where, tp, divisible_by)
@@ -224,24 +263,24 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_b
         )
     hf_sd = read_hf_weights(hf_dir)
     with single_process_group() as groups:
-        model = build_model(args, groups)
-        mapper = from_hf_gpt2 if kind == "gpt2" else from_hf_llama
+        model = build_model(args, groups, kind)
         try:
-            sd = resize_vocab(mapper(hf_sd, model.config), args["padded_vocab_size"])
+            sd = resize_vocab(_FROM_HF[kind](hf_sd, model), args["padded_vocab_size"])
         except KeyError as e:
             raise ConversionError(f"{hf_dir}: weight {e.args[0]!r} is missing") from None
         if not args["untie_embeddings_and_output_weights"]:
             sd.pop("output_layer.weight", None)  # tied: our output layer reads the embedding
         model.load_state_dict(sd, strict=True)
         save_release(model, args, groups, save, hf_config["vocab_size"])
-    return megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
+    flags = megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
+    return flags + (tokenizer_flags(hf_dir) if kind == "bert" else [])
 
 
 def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int] = None, verify: bool = True) -> int:
     """Write ``out_dir`` (config.json + model.safetensors) from the checkpoint under ``load``; returns the vocab."""
     with single_process_group() as groups:
-        sd, args, common = load_megatron(load, groups, verify)
-    vocab = vocab_size or common.get(HF_VOCAB_KEY) or args["padded_vocab_size"]
+        sd, args, common = load_megatron(load, groups, verify, kind)
+    vocab = vocab_size or common.get(HF_VOCAB_KEY) or wordpiece_vocab_size(args) or args["padded_vocab_size"]
     if vocab > args["padded_vocab_size"]:
         raise ConversionError(f"--vocab-size {vocab} exceeds the checkpoint's {args['padded_vocab_size']} rows")
     config = gpt_model_kwargs(args)
@@ -253,8 +292,11 @@ def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int]
         ffn_hidden_size=config["ffn_hidden_size"],
         kv_channels=config["kv_channels"] or config["hidden_size"] // config["num_attention_heads"],
     )
-    mapper = to_hf_gpt2 if kind == "gpt2" else to_hf_llama
-    hf_sd = mapper(resize_vocab(sd, vocab), model_config)
+    sd = resize_vocab(sd, vocab)
+    if kind == "bert":
+        hf_sd = bert_to_hf(sd, model_config, args["bert_binary_head"])
+    else:
+        hf_sd = (to_hf_gpt2 if kind == "gpt2" else to_hf_llama)(sd, model_config)
     write_hf(hf_sd, args, kind, vocab, out_dir, os.path.join(load, COMMON_FILE))
     return vocab
 
@@ -270,7 +312,7 @@ class _ConfigView:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
-    p.add_argument("--hf-dir", help="hf-to-megatron: a save_pretrained directory (GPT-2 or Llama/Mistral)")
+    p.add_argument("--hf-dir", help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, BERT)")
     p.add_argument("--save", help="hf-to-megatron: checkpoint root to write (release/ and the tracker)")
     p.add_argument(
         "--target-tensor-parallel-size",
@@ -287,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
-    p.add_argument("--model-type", choices=["gpt2", "llama"], help="megatron-to-hf: the HF class to write")
+    p.add_argument("--model-type", choices=["gpt2", "llama", "bert"], help="megatron-to-hf: the HF family to write")
     p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
     p.add_argument(
         "--no-verify-checkpoint",
@@ -315,14 +357,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.target_pipeline_model_parallel_size,
                 args.make_vocab_size_divisible_by,
             )
-            print(f"wrote {checkpoint_dir(args.save, 0, release=True)}; train or evaluate with:")
+            script = "pretrain_bert.py" if "--bert-post-layernorm" in flags else "pretrain_gpt.py"
+            print(f"wrote {checkpoint_dir(args.save, 0, release=True)}; train or evaluate with {script}:")
             print("  --load " + args.save + " --finetune " + " ".join(flags))
         else:
             _required(args, ["load", "hf_dir_out", "model_type"])
             vocab = megatron_to_hf(
                 args.load, args.hf_dir_out, args.model_type, args.vocab_size, verify=not args.no_verify_checkpoint
             )
-            print(f"wrote {args.hf_dir_out} ({args.model_type}, vocabulary {vocab})")
+            written = read_hf_config(args.hf_dir_out)["architectures"][0]
+            print(f"wrote {args.hf_dir_out} ({written}, vocabulary {vocab})")
     except (ConversionError, CheckpointingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

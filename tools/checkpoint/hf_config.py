@@ -1,9 +1,10 @@
-"""Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2 and Llama.
+"""Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, Llama and BERT.
 
 The Megatron side is a plain dict keyed by flag destination (``num_layers``,
 ``untie_embeddings_and_output_weights``, ...): the same keys ``pretrain_gpt.py`` stores
-under ``args`` in a checkpoint's ``common.json``, so one reader serves both our
-converted checkpoints and trained ones.
+under ``args`` in a checkpoint's ``common.json`` (``pretrain_bert.py`` the same, plus
+``bert_binary_head`` / ``bert_post_layernorm``), so one reader serves both our converted
+checkpoints and trained ones.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
 
 Args = Dict[str, Any]
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
+ARCHITECTURES = {
+    "GPT2LMHeadModel": "gpt2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "BertForPreTraining": "bert",
+    "BertForMaskedLM": "bert",
+}
+BERT_CLASSES = {True: "BertForPreTraining", False: "BertForMaskedLM"}  # by binary head (pooler + NSP)
 _GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --openai-gelu
 
 
@@ -25,7 +33,7 @@ class ConversionError(ValueError):
 
 
 def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
-    """``gpt2`` or ``llama`` from the ``architectures`` field of ``config.json``."""
+    """``gpt2``, ``llama`` or ``bert`` from the ``architectures`` field of ``config.json``."""
     names = hf_config.get("architectures") or []
     known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
     if not known:
@@ -40,30 +48,39 @@ def _require(hf: Dict[str, Any], field: str, allowed: Tuple[Any, ...], where: st
         )
 
 
+def _gpt2_like(num_layers: int, hidden: int, heads: int, ffn: int, max_positions: int) -> Args:
+    """The layout GPT-2 and BERT share: LayerNorm, gelu MLP with biases, learned absolute positions, tied output."""
+    return dict(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        group_query_attention=False,
+        num_query_groups=heads,
+        ffn_hidden_size=ffn,
+        kv_channels=hidden // heads,
+        normalization="LayerNorm",
+        swiglu=False,
+        openai_gelu=False,
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        untie_embeddings_and_output_weights=False,
+        add_bias_linear=True,
+        max_position_embeddings=max_positions,
+    )
+
+
 def _gpt2_args(hf: Dict[str, Any], where: str) -> Args:
     _require(hf, "activation_function", tuple(_GPT2_ACTIVATIONS), where)
     for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         _require(hf, field, (None, False), where)
     _require(hf, "tie_word_embeddings", (None, True), where)
     hidden = hf["n_embd"]
-    return dict(
-        num_layers=hf["n_layer"],
-        hidden_size=hidden,
-        num_attention_heads=hf["n_head"],
-        group_query_attention=False,
-        num_query_groups=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
-        kv_channels=hidden // hf["n_head"],
-        normalization="LayerNorm",
-        swiglu=False,
+    args = _gpt2_like(hf["n_layer"], hidden, hf["n_head"], hf.get("n_inner") or 4 * hidden, hf["n_positions"])
+    args.update(
         openai_gelu=_GPT2_ACTIVATIONS[hf["activation_function"]],
-        position_embedding_type="learned_absolute",
-        rotary_base=10000,
-        untie_embeddings_and_output_weights=False,
-        add_bias_linear=True,
         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        max_position_embeddings=hf["n_positions"],
     )
+    return args
 
 
 def _rope_theta(hf: Dict[str, Any], where: str) -> float:
@@ -110,11 +127,39 @@ def _llama_args(hf: Dict[str, Any], where: str) -> Args:
     )
 
 
+def _bert_args(hf: Dict[str, Any], where: str) -> Args:
+    """Post-LN BERT (``pretrain_bert.py --bert-post-layernorm``); the binary head only for BertForPreTraining."""
+    _require(hf, "hidden_act", ("gelu",), where)  # the exact (erf) gelu: our F.gelu
+    _require(hf, "position_embedding_type", (None, "absolute"), where)
+    for field in ("is_decoder", "add_cross_attention"):
+        _require(hf, field, (None, False), where)
+    binary = BERT_CLASSES[True] in (hf.get("architectures") or [])
+    if binary:
+        _require(hf, "type_vocab_size", (2,), where)  # pretrain_bert.py's binary head comes with 2 token types
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if hidden % heads:
+        raise ConversionError(f"{where}: field 'hidden_size' {hidden} is not a multiple of num_attention_heads {heads}")
+    args = _gpt2_like(hf["num_hidden_layers"], hidden, heads, hf["intermediate_size"], hf["max_position_embeddings"])
+    args.update(
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+        layernorm_epsilon=hf.get("layer_norm_eps", 1e-12),
+        seq_length=hf["max_position_embeddings"],
+        hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
+        attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+        bert_binary_head=binary,
+        bert_post_layernorm=True,
+    )
+    return args
+
+
+_ARGS_OF = {"gpt2": _gpt2_args, "llama": _llama_args, "bert": _bert_args}
+
+
 def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by: int) -> Tuple[str, Args]:
-    """(``gpt2``/``llama``, model flags by destination) for a HF config; the vocabulary padded for ``tp``."""
+    """(``gpt2``/``llama``/``bert``, model flags by destination) for a HF config; the vocabulary padded for ``tp``."""
     kind = architecture_of(hf, where)
     try:
-        args = _gpt2_args(hf, where) if kind == "gpt2" else _llama_args(hf, where)
+        args = _ARGS_OF[kind](hf, where)
     except KeyError as e:
         raise ConversionError(f"{where}: field {e.args[0]!r} is missing") from None
     args.update(
@@ -127,7 +172,7 @@ def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by:
 
 
 def megatron_flags(args: Args) -> List[str]:
-    """The ``pretrain_gpt.py`` flags that build the model ``args`` describes."""
+    """The ``pretrain_gpt.py`` (BERT: ``pretrain_bert.py``) flags that build the model ``args`` describes."""
     flags = [
         "--num-layers",
         args["num_layers"],
@@ -168,7 +213,16 @@ def megatron_flags(args: Args) -> List[str]:
             flags.append(flag)
     if not args["add_bias_linear"]:
         flags.append("--disable-bias-linear")
+    if args.get("bert_post_layernorm"):
+        flags += _bert_flags(args)
     return [str(f) for f in flags]
+
+
+def _bert_flags(args: Args) -> List[Any]:
+    """``pretrain_bert.py``'s own: post-LN layers, the binary head (or not), sequence length, dropout."""
+    flags = ["--bert-post-layernorm", "--seq-length", args["seq_length"]]
+    flags += ["--hidden-dropout", args["hidden_dropout"], "--attention-dropout", args["attention_dropout"]]
+    return flags + ([] if args["bert_binary_head"] else ["--bert-no-binary-head"])
 
 
 def _check_supported(args: Args, kind: str, where: str) -> None:
@@ -182,6 +236,15 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
             untie_embeddings_and_output_weights=False,
         ),
         "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False),
+        "bert": dict(
+            normalization="LayerNorm",
+            position_embedding_type="learned_absolute",
+            swiglu=False,
+            openai_gelu=False,
+            add_bias_linear=True,
+            bert_post_layernorm=True,  # Hugging Face's BERT is post-LN; Megatron's default pre-LN BERT is not
+            group_query_attention=False,
+        ),
     }[kind]
     expected.update(
         add_qkv_bias=False,
@@ -206,6 +269,8 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
     import transformers
 
     _check_supported(args, kind, where)
+    if kind == "bert":
+        return _bert_config(args, vocab_size)
     if kind == "gpt2":
         return transformers.GPT2Config(
             vocab_size=vocab_size,
@@ -235,6 +300,30 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
         attention_bias=False,
         mlp_bias=False,
         architectures=["LlamaForCausalLM"],
+    )
+
+
+def _bert_config(args: Args, vocab_size: int) -> Any:
+    """``BertConfig`` of BertForPreTraining (binary head) or BertForMaskedLM; always 2 token types."""
+    import transformers
+
+    heads = args["num_attention_heads"]
+    if args.get("kv_channels") not in (None, args["hidden_size"] // heads):
+        raise ConversionError(f"flag kv_channels is {args['kv_channels']}; --model-type bert needs hidden/heads")
+    return transformers.BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=args["hidden_size"],
+        num_hidden_layers=args["num_layers"],
+        num_attention_heads=heads,
+        intermediate_size=args["ffn_hidden_size"],
+        hidden_act="gelu",
+        hidden_dropout_prob=args.get("hidden_dropout", 0.1),
+        attention_probs_dropout_prob=args.get("attention_dropout", 0.1),
+        max_position_embeddings=args["max_position_embeddings"],
+        type_vocab_size=2,
+        layer_norm_eps=args["layernorm_epsilon"],
+        tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
+        architectures=[BERT_CLASSES[bool(args.get("bert_binary_head", True))]],
     )
 
 

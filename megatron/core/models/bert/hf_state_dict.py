@@ -64,10 +64,15 @@ def to_hf_bert(sd: StateDict, config: TransformerConfig, binary_head: bool = Tru
 
 
 def from_hf_bert(hf: StateDict, config: TransformerConfig, binary_head: bool = True, tied: bool = True) -> StateDict:
-    """Inverse of ``to_hf_bert``; ``tied=False`` keeps ``cls.predictions.decoder.weight`` as ``output_layer.weight``."""
+    """Inverse of ``to_hf_bert``; ``tied=False`` keeps ``cls.predictions.decoder.weight`` as ``output_layer.weight``.
+
+    Untied, Hugging Face (transformers 5) no longer ties ``cls.predictions.decoder.bias`` to
+    ``cls.predictions.bias`` either, and its forward adds the decoder's: that one is taken when present.
+    """
     out = {ours: hf[name] for ours, name in _rename_pairs(config, binary_head).items()}
     if not tied:
         out["output_layer.weight"] = hf["cls.predictions.decoder.weight"]
+        out["output_layer.bias"] = hf.get("cls.predictions.decoder.bias", out["output_layer.bias"])
     for i in range(config.num_layers):
         fused, h = f"encoder.layers.{i}.self_attention.linear_qkv.", f"bert.encoder.layer.{i}.attention.self."
         for p in _PARAMS:

@@ -233,7 +233,7 @@ def from_hf_gpt2(hf: StateDict, config: TransformerConfig) -> StateDict:
     return out
 
 
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")  # bias: BERT
 
 
 def resize_vocab(sd: StateDict, rows: int) -> StateDict:
