@@ -8,6 +8,7 @@ for a tiny model, and helpers that launch a run with a timeout and parse its log
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -57,6 +58,25 @@ def build_corpus(tmp_dir: str) -> Dict[str, str]:
     ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
     return {"vocab_file": tok["vocab_file"], "merge_file": tok["merge_file"], "data_prefix": prefix + "_text_document"}
+
+
+def build_sentence_corpus(tmp_dir: str) -> Dict[str, str]:
+    """A WordPiece vocabulary and the sample corpus preprocessed with ``--split-sentences`` (BERT, T5)."""
+    vocab = make_tokenizer_files(os.path.join(tmp_dir, "tok"))["BertWordPieceLowerCase"]["vocab_file"]
+    texts = write_jsonl(os.path.join(tmp_dir, "corpus.jsonl"), corpus_texts(200_000))
+    prefix = os.path.join(tmp_dir, "data")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", texts]
+    cmd += ["--output-prefix", prefix, "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab]
+    cmd += ["--split-sentences", "--workers", "1"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
+    return {"vocab_file": vocab, "data_prefix": prefix + "_text_sentence", "jsonl": texts}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for launch scripts that take --master_port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def tiny_gpt_flags(train_iters: int, seed: int = 1234) -> List[str]:

@@ -7,15 +7,21 @@ printed 7 digits but for last-digit float noise).
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from megatron.training.training_log import parse_log_line
-from tests.functional_tests.gpt_runs import REPO, RUN_TIMEOUT_S, assert_ok, run_gpt, tiny_gpt_flags
-from tests.tokenizer_files import corpus_texts, make_tokenizer_files, write_jsonl
+from tests.functional_tests.gpt_runs import (
+    REPO,
+    RUN_TIMEOUT_S,
+    assert_ok,
+    build_sentence_corpus,
+    free_port,
+    run_gpt,
+    tiny_gpt_flags,
+)
 
 ITERS = 6
 REL_TOL = 2e-6
@@ -24,16 +30,7 @@ BERT = [os.path.join(REPO, "pretrain_bert.py")]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A WordPiece vocabulary and the sample corpus preprocessed with ``--split-sentences``."""
-    work = tmp_path_factory.mktemp("bert_corpus")
-    vocab = make_tokenizer_files(str(work / "tok"))["BertWordPieceLowerCase"]["vocab_file"]
-    texts = write_jsonl(str(work / "corpus.jsonl"), corpus_texts(200_000))
-    prefix = str(work / "data")
-    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", texts]
-    cmd += ["--output-prefix", prefix, "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab]
-    cmd += ["--split-sentences", "--workers", "1"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
-    return {"vocab_file": vocab, "data_prefix": prefix + "_text_sentence", "jsonl": texts}
+    return build_sentence_corpus(str(tmp_path_factory.mktemp("bert_corpus")))
 
 
 def bert_flags(corpus, iters: int = ITERS):
@@ -91,17 +88,11 @@ def test_no_binary_head_and_mock_data(corpus, tmp_path):
     assert all("sop loss" not in line for line in result.lines) and len(result.lines) == 3
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_megatron_example_script_scaled_down(corpus, tmp_path):
     """examples/bert/train_bert_340m_distributed.sh (Megatron's flags: fp16, PP) with CPU sizes from the environment."""
     sizes = dict(GPUS_PER_NODE="2", NUM_LAYERS="2", HIDDEN="32", HEADS="4", SEQ="64", MBS="2", GBS="8", ITERS="3")
     sizes.update(DECAY_ITERS="3", TP="1", PP="2", LOG_INTERVAL="1", SAVE_INTERVAL="3", EVAL_INTERVAL="2")
-    env = dict(os.environ, **sizes, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, **sizes, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_PORT=str(free_port()))
     env.update(EXTRA="--num-workers 0", TORCHRUN=f"{sys.executable} -m torch.distributed.run")
     script = os.path.join(REPO, "examples", "bert", "train_bert_340m_distributed.sh")
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
