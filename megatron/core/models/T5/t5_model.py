@@ -190,8 +190,14 @@ class T5Model(LanguageModule):
 
     @property
     def output_layer(self) -> ColumnParallelLinear:
-        """``lm_head.output_layer`` (Megatron-core's alias; one entry in the state dict)."""
+        """``lm_head.output_layer``: Megatron-core's alias, a property here so that the state dict
+        holds the tensors once (Megatron-core registers the module twice)."""
         return self.lm_head.output_layer
+
+    @property
+    def position_embeddings(self) -> Optional[torch.nn.Embedding]:
+        """``embedding.position_embeddings`` (learned positions, else None): an alias, as ``output_layer``."""
+        return self.embedding.position_embeddings
 
     def _build_embeddings(self, rotary_percent: float, seq_len_interpolation_factor: Optional[float]) -> None:
         config, kind = self.config, self.position_embedding_type
@@ -203,7 +209,6 @@ class T5Model(LanguageModule):
                 kind if kind != "relative" else "none",
                 pg_collection=self.pg_collection,
             )
-        self.position_embeddings = self.embedding.position_embeddings
         self.rotary_pos_emb = None
         if kind == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
