@@ -4,8 +4,8 @@ Both layouts are tested: T5 v1.1 (RMSNorm, gated GeLU, relative position bias sp
 heads, untied head) and Megatron's local spec (LayerNorm, biases, learned positions, tied head with
 bias). Each spawned group builds a one-rank reference on every rank from the same initialization
 seed (the same weights for any layout, checked exactly) and compares the loss (mean over the decoder
-padding) and every parameter's gradient, TP shards gathered back to full tensors; also full
-recomputation (the encoder output and the bias enter the checkpoint as inputs), and the gathered
+padding) and every parameter's gradient, TP shards gathered back to full tensors; also full and
+selective recomputation (the encoder output and the bias enter the checkpoints as inputs), and the gathered
 and vocab-parallel logits under TP=2+SP. fp32; rtol=1e-5, atol=1e-6.
 """
 
@@ -58,13 +58,12 @@ def _tp_body(rank, world_size):
     for v11 in (True, False):
         alone = single_rank_groups()
         ref = _run(build_t5(alone, v11), data, alone.tp)
-        for sp, recompute in ((False, False), (True, False), (True, True)):
-            extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-            config = t5_config(groups, v11, sequence_parallel=sp, **(extra if recompute else {}))
+        full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        for sp, recompute in ((False, {}), (True, {}), (True, full), (False, {"recompute_granularity": "selective"})):
+            config = t5_config(groups, v11, sequence_parallel=sp, **recompute)
             model = build_t5(groups, v11, config=config)
-            _assert_matches(
-                f"v11={v11} tp={world_size} sp={sp} recompute={recompute}", _run(model, data, groups.tp), ref
-            )
+            where = f"v11={v11} tp={world_size} sp={sp} recompute={recompute.get('recompute_granularity')}"
+            _assert_matches(where, _run(model, data, groups.tp), ref)
 
 
 def _logits_body(rank, world_size):
