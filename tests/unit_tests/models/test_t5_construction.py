@@ -105,6 +105,9 @@ def _single_body(rank, world_size):
     specs = (t5.get_t5_encoder_with_local_block_spec(1), t5.get_t5_decoder_with_local_block_spec(1))
     model = T5Model(config, config, *specs, 96, 32, share_embeddings_and_output_weights=True, pg_collection=groups)
     assert set(model.state_dict()) == MCORE_KEYS
+    # Without pg_collection the model takes the groups initialize_model_parallel set up.
+    default = T5Model(config, config, *specs, 96, 32, share_embeddings_and_output_weights=True)
+    assert default.pg_collection.size_of("tp") == 1 and set(default.state_dict()) == MCORE_KEYS
     assert isinstance(model.decoder.final_layernorm, LayerNorm) and model.output_layer is model.lm_head.output_layer
     assert not hasattr(model, "encoder_relative_pos_emb")
     with pytest.raises(TypeError, match="not_an_argument"):
