@@ -141,3 +141,61 @@ def bert_batch(seed: int = 0, b: int = 3, s: int = SEQ, vocab: int = VOCAB) -> D
         "loss_mask": loss_mask,
         "nsp": torch.randint(0, 2, (b,), generator=g),
     }
+
+
+T5_VOCAB, T5_ENC, T5_DEC = 96, 12, 10
+
+
+def t5_config(groups: ProcessGroupCollection, v11: bool = True, **overrides) -> TransformerConfig:
+    """A tiny T5 config for ``groups``' TP size: T5 v1.1 numerics (``t5_v11_config``) or Megatron's
+    (LayerNorm, biases, GeLU); 2 layers, 4 heads of 8, no dropout, layout-independent initialization."""
+    from megatron.core.models.T5 import t5_v11_config
+
+    kw = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        kv_channels=8,
+        ffn_hidden_size=48,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        initialization_seed=1234,
+        tensor_model_parallel_size=groups.size_of("tp"),
+    )
+    kw.update(overrides)
+    return t5_v11_config(**kw) if v11 else TransformerConfig(**kw)
+
+
+def build_t5(groups: ProcessGroupCollection, v11: bool = True, config=None, **model_kwargs):
+    """A T5Model from ``t5_config``: the v1.1 layout (relative bias, untied head) or Megatron's local spec
+    (learned absolute positions, tied head with bias)."""
+    from megatron.core.models import T5
+
+    config = config or t5_config(groups, v11)
+    if v11:
+        specs = (T5.get_t5_v11_encoder_block_spec(2), T5.get_t5_v11_decoder_block_spec(2))
+        kw = dict(position_embedding_type="relative", relative_attention_num_buckets=8)
+        kw.update(relative_attention_max_distance=16, share_embeddings_and_output_weights=False)
+    else:
+        specs = (T5.get_t5_encoder_with_local_block_spec(2), T5.get_t5_decoder_with_local_block_spec(2))
+        kw = dict(share_embeddings_and_output_weights=True)
+    kw.update(model_kwargs)
+    return T5.T5Model(config, config, *specs, T5_VOCAB, 32, pg_collection=groups, **kw)
+
+
+def t5_batch(seed: int = 0, b: int = 3) -> Dict[str, torch.Tensor]:
+    """Encoder and decoder token ids (from 1), padding masks ``[b, s]`` (1 = token; sample i has ``3*i``
+    encoder and ``2*i`` decoder pads at the end), labels, and the loss mask (the decoder padding)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(b)[:, None]  # [b, 1]
+    enc_pad = (torch.arange(T5_ENC)[None, :] < T5_ENC - 3 * rows).long()  # [b, s_enc]
+    dec_pad = (torch.arange(T5_DEC)[None, :] < T5_DEC - 2 * rows).long()  # [b, s_dec]
+    return {
+        "enc": torch.randint(1, T5_VOCAB, (b, T5_ENC), generator=g),
+        "dec": torch.randint(1, T5_VOCAB, (b, T5_DEC), generator=g),
+        "enc_pad": enc_pad,
+        "dec_pad": dec_pad,
+        "labels": torch.randint(0, T5_VOCAB, (b, T5_DEC), generator=g),
+        "loss_mask": dec_pad.float(),
+    }

@@ -77,6 +77,8 @@ class DotProductAttention(MegatronModule):
     attention): SDPA takes them as they are (``enable_gqa``) when no explicit mask is needed,
     otherwise they are repeated to match. ``attention_mask`` is boolean with True where
     attention is NOT allowed (Megatron's convention); None means plain causal.
+    ``attention_bias`` (T5's relative position bias), broadcastable to ``[b, heads, sq, sk]``, is
+    added to the scaled scores before the mask.
 
     With a context-parallel group of size > 1 the inputs are this rank's ``[s/cp, b, ., d]``
     (chunks r and 2cp-1-r, see ``megatron.core.context_parallel``): keys and values are
@@ -104,10 +106,17 @@ class DotProductAttention(MegatronModule):
             warn_flash_unavailable(["--apply-query-key-layer-scaling runs the unfused softmax"])
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attention_bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         s, b, heads, d = query.shape
         causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if attention_bias is not None and self.cp_size > 1:
+            raise NotImplementedError("DotProductAttention: attention_bias with context parallelism")
         if self.cp_size > 1:
             key, value, attention_mask = self._gather_over_cp(key, value, attention_mask, causal)
             causal = False
@@ -116,6 +125,11 @@ class DotProductAttention(MegatronModule):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if self.config.window_size is not None and self.cp_size == 1:
             attention_mask = self._with_window(attention_mask, causal, q.shape[-2], k.shape[-2], q.device)
+            causal = False
+        if attention_bias is not None:
+            attention_mask = self._additive(
+                attention_bias, attention_mask, causal, q, k.shape[-2]
+            )  # [b|1, heads, sq, sk]
             causal = False
         with _dropout_rng(dropout_p > 0, self.config.sequence_parallel):
             if self.use_sdpa:
@@ -144,7 +158,7 @@ class DotProductAttention(MegatronModule):
         gqa = k.shape[1] != heads
         if gqa and mask is not None:
             k, v, gqa = repeat_kv(k, heads), repeat_kv(v, heads), False
-        keep = None if mask is None else ~mask
+        keep = mask if mask is None or mask.is_floating_point() else ~mask  # SDPA: True = attend, or additive
         with self._sdpa_kernel(q, mask):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
@@ -176,6 +190,19 @@ class DotProductAttention(MegatronModule):
             return key, value, mask
         return key, value, blocked if mask is None else mask | blocked
 
+    def _additive(
+        self, bias: torch.Tensor, mask: Optional[torch.Tensor], causal: bool, q: torch.Tensor, sk: int
+    ) -> torch.Tensor:
+        """An additive float mask: ``bias`` (added to the already scaled scores) with the blocked
+        positions (``mask``, or causal) at the dtype's minimum. ``q`` is ``[b, heads, sq, d]``."""
+        if causal:
+            mask = build_attention_mask(q.shape[-2], sk, device=q.device)  # [sq, sk]
+        dtype = torch.float32 if self.config.attention_softmax_in_fp32 and not self.use_sdpa else q.dtype
+        additive = bias.to(dtype)
+        if mask is not None:
+            additive = additive.masked_fill(mask, torch.finfo(dtype).min)
+        return additive
+
     def _with_window(
         self, mask: Optional[torch.Tensor], causal: bool, sq: int, sk: int, device: torch.device
     ) -> torch.Tensor:
@@ -202,11 +229,30 @@ class DotProductAttention(MegatronModule):
         if causal:
             sq, sk = scores.shape[-2:]
             mask = build_attention_mask(sq, sk, device=scores.device)  # [sq, sk]
-        if mask is not None:
+        if mask is not None and mask.is_floating_point():  # relative position bias and blocked positions
+            scores = scores + mask
+        elif mask is not None:
             scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, v)  # [b, heads, s, d]
+
+
+def run_core_attention(
+    attention: MegatronModule,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``attention.core_attention`` on ``[s, b, heads, d]`` inputs, recomputed in backward under selective
+    recomputation (the bias, which carries a gradient, goes in as a checkpointed input)."""
+    if not (attention.recompute_core_attention and attention.training):
+        return attention.core_attention(query, key, value, mask, bias)
+    if bias is None:
+        return checkpoint(lambda q, k, v: attention.core_attention(q, k, v, mask), False, query, key, value)
+    return checkpoint(lambda q, k, v, t: attention.core_attention(q, k, v, mask, t), False, query, key, value, bias)
 
 
 class SelfAttention(MegatronModule):
@@ -279,8 +325,12 @@ class SelfAttention(MegatronModule):
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``[s(/tp with SP), b, h]`` -> (output ``[s(/tp), b, h]``, output bias or None)."""
+        """``[s(/tp with SP), b, h]`` -> (output ``[s(/tp), b, h]``, output bias or None).
+
+        ``attention_bias`` ``[1|b, heads/tp, s, s]`` is added to the scores (T5's relative position bias).
+        """
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, qkv/tp]
         query, key, value = self.split_qkv(mixed)
         if self.q_layernorm is not None:
@@ -289,8 +339,5 @@ class SelfAttention(MegatronModule):
             interleaved = self.config.rotary_interleaved
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
-        if self.recompute_core_attention and self.training:
-            context = checkpoint(lambda q, k, v: self.core_attention(q, k, v, attention_mask), False, query, key, value)
-        else:
-            context = self.core_attention(query, key, value, attention_mask)  # [s, b, heads/tp*d]
+        context = run_core_attention(self, query, key, value, attention_mask, attention_bias)  # [s, b, heads/tp*d]
         return self.linear_proj(context)

@@ -51,8 +51,10 @@ class TransformerBlock(MegatronModule):
         *,
         pg_collection: ProcessGroupCollection,
         vp_stage: Optional[int] = None,
+        name: str = "decoder",
     ) -> None:
         super().__init__(config)
+        self.name = name  # layer N is initialized from (initialization_seed, f"{name}.layers.{N}")
         groups = pg_collection
         self.tp_group = groups.tp  # activations saved for recompute are distributed over it
         self.pre_process, self.post_process = pre_process, post_process
@@ -71,7 +73,7 @@ class TransformerBlock(MegatronModule):
                     f"num_layers={self.config.num_layers}"
                 )
             spec = spec.layer_specs[number - 1]
-        with initialization_rng(self.config.initialization_seed, f"decoder.layers.{number - 1}"):
+        with initialization_rng(self.config.initialization_seed, f"{self.name}.layers.{number - 1}"):
             return build_module(spec, self.config, layer_number=number, pg_collection=groups)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
@@ -85,9 +87,15 @@ class TransformerBlock(MegatronModule):
         end: int,
         attention_mask: Optional[torch.Tensor],
         rotary_pos_emb: Optional[torch.Tensor],
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        extra = {} if context is None else {"context": context, "context_mask": context_mask}
+        if attention_bias is not None:
+            extra["attention_bias"] = attention_bias
         for layer in self.layers[start:end]:
-            hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb)
+            hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb, **extra)
         return hidden
 
     def _recomputed(self, start: int) -> bool:
@@ -102,8 +110,17 @@ class TransformerBlock(MegatronModule):
         hidden_states: Optional[torch.Tensor],
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``[s(/tp with SP), b, h]`` -> same shape."""
+        """``[s(/tp with SP), b, h]`` -> same shape.
+
+        ``context`` / ``context_mask``: the encoder output ``[sk(/tp), b, h]`` and the encoder-decoder
+        mask (True = blocked) for layers with cross-attention. ``attention_bias`` ``[1|b, heads/tp, s, s]``
+        is added to every layer's self-attention scores (T5's relative position bias, computed once).
+        Under full recomputation both tensors enter the checkpoint as inputs, so their gradients flow.
+        """
         if not self.pre_process:
             hidden_states = self.input_tensor
         # With sequence parallelism each TP rank holds different tokens, so dropout there must
@@ -118,13 +135,19 @@ class TransformerBlock(MegatronModule):
                 end = min(start + (step or 1), len(self.layers))
                 if self._recomputed(start):
                     hidden_states = checkpoint(
-                        lambda h, s=start, e=end: self._run_layers(h, s, e, attention_mask, rotary_pos_emb),
+                        lambda h, c, a, s=start, e=end: self._run_layers(
+                            h, s, e, attention_mask, rotary_pos_emb, c, context_mask, a
+                        ),
                         bool(self.config.distribute_saved_activations),
                         hidden_states,
+                        context,
+                        attention_bias,
                         tp_group=self.tp_group,
                     )
                 else:
-                    hidden_states = self._run_layers(hidden_states, start, end, attention_mask, rotary_pos_emb)
+                    hidden_states = self._run_layers(
+                        hidden_states, start, end, attention_mask, rotary_pos_emb, context, context_mask, attention_bias
+                    )
                 start = end
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)

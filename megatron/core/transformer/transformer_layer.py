@@ -1,5 +1,9 @@
 """A transformer layer: pre-LN ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (GPT, Megatron's BERT).
 
+A decoder layer of an encoder-decoder model (T5) also has ``pre_cross_attn_layernorm`` and
+``cross_attention`` between the two: ``x + cross_attn(norm(x), context)``, the keys and values
+coming from ``context``, the encoder output.
+
 The optional ``post_self_attn_layernorm`` / ``post_mlp_layernorm`` submodules normalize the sum
 after each residual add; with the pre-norms set to ``IdentityOp`` the layer is the original
 post-LN transformer (``norm(x + attn(x))``, then ``norm(x + mlp(x))``) of BERT and Hugging Face.
@@ -29,6 +33,8 @@ class TransformerLayerSubmodules:
     mlp: Union[ModuleSpec, type, None] = None
     post_self_attn_layernorm: Union[ModuleSpec, type, None] = None  # None: not built (pre-LN)
     post_mlp_layernorm: Union[ModuleSpec, type, None] = None  # None: not built (pre-LN)
+    pre_cross_attn_layernorm: Union[ModuleSpec, type, None] = None  # None: not built (no cross-attention)
+    cross_attention: Union[ModuleSpec, type, None] = None  # None: not built (GPT, BERT, T5's encoder)
 
 
 class TransformerLayer(MegatronModule):
@@ -53,6 +59,12 @@ class TransformerLayer(MegatronModule):
         self.mlp = build_module(submodules.mlp, config, pg_collection=pg_collection)
         self.post_self_attn_layernorm = self._optional_norm(submodules.post_self_attn_layernorm)
         self.post_mlp_layernorm = self._optional_norm(submodules.post_mlp_layernorm)
+        self.pre_cross_attn_layernorm = self._optional_norm(submodules.pre_cross_attn_layernorm)
+        self.cross_attention = None
+        if submodules.cross_attention is not None:
+            self.cross_attention = build_module(
+                submodules.cross_attention, config, layer_number=layer_number, pg_collection=pg_collection
+            )
         if hasattr(self.mlp, "set_layer_number"):  # MoE: aux losses are tracked per layer
             self.mlp.set_layer_number(layer_number)
 
@@ -73,17 +85,45 @@ class TransformerLayer(MegatronModule):
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
-    ) -> Tuple[torch.Tensor, None]:
-        """``[s(/tp with SP), b, h]`` -> (same shape, None); the None stands for cross-attention context."""
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``[s(/tp with SP), b, h]`` -> (same shape, ``context``).
+
+        ``context`` (the encoder output ``[sk(/tp), b, h]``) and ``context_mask`` (True = blocked) feed
+        the cross-attention of layers that have one; ``attention_bias`` is added to the self-attention
+        scores (T5's relative position bias).
+        """
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         normed = self.input_layernorm(hidden_states)
-        attn_out, attn_bias = self.self_attention(normed, attention_mask, rotary_pos_emb=rotary_pos_emb)
+        attn_out, attn_bias = self.self_attention(
+            normed, attention_mask, rotary_pos_emb=rotary_pos_emb, **_given(attention_bias=attention_bias)
+        )
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, normed if post_ln_residual else hidden_states)
         if self.post_self_attn_layernorm is not None:
             hidden_states = self.post_self_attn_layernorm(hidden_states)
+        if self.cross_attention is not None:
+            hidden_states = self._cross_attention(hidden_states, context, context_mask)
         normed = self.pre_mlp_layernorm(hidden_states)
         mlp_out, mlp_bias = self.mlp(normed)
         hidden_states = self._bias_dropout_add(mlp_out, mlp_bias, normed if post_ln_residual else hidden_states)
         if self.post_mlp_layernorm is not None:
             hidden_states = self.post_mlp_layernorm(hidden_states)
-        return hidden_states, None
+        return hidden_states, context
+
+    def _cross_attention(
+        self, hidden_states: torch.Tensor, context: Optional[torch.Tensor], context_mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """``x + cross_attn(norm(x), context)``: ``[s(/tp), b, h]`` -> same shape."""
+        normed = (
+            hidden_states if self.pre_cross_attn_layernorm is None else self.pre_cross_attn_layernorm(hidden_states)
+        )
+        out, bias = self.cross_attention(normed, context_mask, key_value_states=context)
+        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        return self._bias_dropout_add(out, bias, residual)
+
+
+def _given(**kwargs: Optional[torch.Tensor]) -> dict:
+    """The keyword arguments that are not None: self-attention modules without them keep working."""
+    return {k: v for k, v in kwargs.items() if v is not None}
