@@ -1,13 +1,147 @@
-"""Pretrain a T5 model: not implemented yet.
+"""Pretrain a T5 model: ``torchrun --nproc-per-node N pretrain_t5.py <Megatron flags>``.
 
-The flags parse (so a Megatron launch script fails here with this message, not with
-"unrecognized arguments"), then the run stops with a non-zero exit.
+Like ``pretrain_gpt.py``, this file only wires a model provider, a dataset provider and a forward
+step into the shared loop (``megatron.training.pretrain``). The model is Megatron's T5 (encoder of
+``--encoder-num-layers``, decoder of ``--decoder-num-layers`` layers with cross-attention, one shared
+vocab-parallel embedding), or with ``--t5-v11`` the layers of Hugging Face's T5 v1.1 that converted
+checkpoints hold. The data are span-corruption samples over a sentence-split corpus preprocessed
+with a WordPiece vocabulary and ``--vocab-extra-ids`` sentinels, the same samples megatron-core
+0.16's ``T5MaskedWordPieceDataset`` draws. The loss is Megatron's: summed over the decoder's
+target tokens and divided by their count over the global batch (``lm loss``).
 """
 
-import sys
+from __future__ import annotations
 
-from megatron.training.arguments import parse_args
+import argparse
+import dataclasses
+from functools import partial
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.t5_dataset import (
+    MockT5MaskedWordPieceDataset,
+    T5MaskedWordPieceDataset,
+    T5MaskedWordPieceDatasetConfig,
+)
+from megatron.core.models.T5 import (
+    T5Model,
+    get_t5_decoder_with_local_block_spec,
+    get_t5_encoder_with_local_block_spec,
+    get_t5_v11_decoder_block_spec,
+    get_t5_v11_encoder_block_spec,
+    t5_padding_attention_masks,
+)
+from megatron.core.models.T5.t5_spec import gelu_tanh
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags.registry import config_from_args
+from megatron.training.training import pretrain
+
+BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    *,
+    config: TransformerConfig,
+    args: argparse.Namespace,
+    pg_collection=None,
+) -> T5Model:
+    """The T5 model described by the flags (pipeline parallelism is refused by ``T5Model``)."""
+    if config.num_moe_experts:
+        raise ValueError(f"not supported yet: --num-experts={config.num_moe_experts} (T5 layers are dense)")
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"not supported yet: --pipeline-model-parallel-size={args.pipeline_model_parallel_size} "
+            "(T5 trains with tensor, sequence and data parallelism; Megatron-core deprecated T5 pipelining)"
+        )
+    v11 = args.t5_v11
+    if v11:
+        config = t5_v11_numerics(config)
+    encoder_config = dataclasses.replace(config, num_layers=args.encoder_num_layers)
+    decoder_config = dataclasses.replace(config, num_layers=args.decoder_num_layers)
+    encoder_spec = get_t5_v11_encoder_block_spec if v11 else get_t5_encoder_with_local_block_spec
+    decoder_spec = get_t5_v11_decoder_block_spec if v11 else get_t5_decoder_with_local_block_spec
+    return T5Model(
+        config=decoder_config,
+        encoder_config=encoder_config,
+        transformer_encoder_layer_spec=encoder_spec(args.encoder_num_layers),
+        transformer_decoder_layer_spec=decoder_spec(args.decoder_num_layers),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        relative_attention_num_buckets=args.relative_attention_num_buckets,
+        relative_attention_max_distance=args.relative_attention_max_distance,
+        pg_collection=pg_collection,
+    )
+
+
+def t5_v11_numerics(config: TransformerConfig) -> TransformerConfig:
+    """``config`` with what ``--t5-v11`` means beyond Megatron's flags: gated tanh-GeLU MLPs and unscaled
+    attention scores (T5 folds the 1/sqrt(d) into its initialisation). The rest of v1.1 has Megatron flags, which
+    must be given: RMSNorm, no biases, untied embeddings, relative positions."""
+    wrong = []
+    if config.normalization != "RMSNorm":
+        wrong.append(f"--normalization {config.normalization} (needs RMSNorm)")
+    if config.add_bias_linear:
+        wrong.append("biases on (needs --disable-bias-linear)")
+    if wrong:
+        raise ValueError(f"--t5-v11 with {', '.join(wrong)}")
+    return dataclasses.replace(config, gated_linear_unit=True, activation_func=gelu_tanh, softmax_scale=1.0)
+
+
+def train_valid_test_datasets_provider(
+    num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer, pg_collection=None
+) -> List:
+    """[train, valid, test] span-corruption datasets (synthetic sentences with ``--mock-data``)."""
+    config = config_from_args(T5MaskedWordPieceDatasetConfig, args, tokenizer=tokenizer)
+    cls = MockT5MaskedWordPieceDataset if args.mock_data else T5MaskedWordPieceDataset
+    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Summed loss over the target tokens, their count, and the ``lm loss`` entry to report."""
+    losses = output_tensor.float().view(-1)  # [b*s_dec]
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def get_batch(data_iterator: Iterator) -> dict:
+    """The next micro batch's tensors (``BATCH_KEYS``), on the GPU if there is one."""
+    batch = next(data_iterator)
+    batch = {key: torch.as_tensor(batch[key]) for key in BATCH_KEYS}
+    if torch.cuda.is_available():
+        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+    return batch
+
+
+def forward_step(data_iterator: Iterator, model: T5Model):
+    """Run one micro batch; returns the per-token loss and the loss function to apply to it."""
+    batch = get_batch(data_iterator)
+    enc_mask, dec_mask, enc_dec_mask = t5_padding_attention_masks(batch["enc_mask"], batch["dec_mask"])
+    output = model(
+        batch["text_enc"], batch["text_dec"], enc_mask, dec_mask, enc_dec_mask, lm_labels=batch["labels"]
+    )  # [b, s_dec]
+    return output, partial(loss_func, batch["loss_mask"])
+
 
 if __name__ == "__main__":
-    parse_args(entry_point="t5")
-    sys.exit("pretrain_t5.py: T5 pretraining is not implemented yet (only pretrain_gpt.py trains)")
+    pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_and_decoder,
+        forward_step,
+        entry_point="t5",
+    )

@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.pipeline_parallel.microbatch import get_model_config
 from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embeddings
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -98,10 +99,13 @@ def setup_model_and_optimizer(
         chunk.broadcast_params()
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), wrapped, groups)
     scheduler = OptimizerParamScheduler(optimizer, **optimizer_param_scheduler_kwargs(args))
-    config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = lambda model_chunks, num_tokens=None: finalize_model_grads(
-        model_chunks, num_tokens, pg_collection=groups
-    )
-    config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    # The schedule reads the chunks' own config, which a provider may have derived from ``config``
+    # (T5 builds encoder and decoder copies): both get the hooks.
+    for target in {id(c): c for c in (config, get_model_config(wrapped))}.values():
+        target.grad_scale_func = optimizer.scale_loss
+        target.finalize_model_grads_func = lambda model_chunks, num_tokens=None: finalize_model_grads(
+            model_chunks, num_tokens, pg_collection=groups
+        )
+        target.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     dist.barrier()
     return ModelAndOptimizer(wrapped, optimizer, scheduler)

@@ -51,6 +51,14 @@ def context_parallel_group(
     return pg_collection.cp
 
 
+def _refuse(keywords: List[str]) -> None:
+    if keywords:
+        raise NotImplementedError(
+            f"forward-backward schedule: {', '.join(keywords)} not supported yet "
+            "(the executor builds its own communicator from pg_collection.pp)"
+        )
+
+
 @dataclass
 class ScheduleArgs:
     """The keywords of Megatron-core's forward-backward functions (all three take the same set).
@@ -58,9 +66,10 @@ class ScheduleArgs:
     ``first_val_step`` only selects fp8 weight caching in Megatron, which this code base does
     not have: accepted, no effect. ``pg_collection`` None means the groups of
     ``initialize_model_parallel`` (a library caller; the training loop passes its own).
-    ``adjust_tensor_shapes_fn``, ``p2p_communicator``, ``force_all_reduce`` and a
-    ``decoder_seq_length`` other than ``seq_length`` (encoder-decoder pipelines) are refused
-    with ``NotImplementedError``.
+    ``adjust_tensor_shapes_fn``, ``p2p_communicator``, ``force_all_reduce`` and, with more than one
+    pipeline stage, a ``decoder_seq_length`` other than ``seq_length`` (encoder-decoder pipelines) are
+    refused with ``NotImplementedError``; without pipelining no activation is sent, so the decoder
+    length (T5) changes nothing here.
     """
 
     forward_step_func: Callable
@@ -94,15 +103,11 @@ class ScheduleArgs:
         refused = [
             name for name in ("adjust_tensor_shapes_fn", "p2p_communicator", "force_all_reduce") if getattr(self, name)
         ]
-        if self.decoder_seq_length not in (None, self.seq_length):
-            refused.append(f"decoder_seq_length={self.decoder_seq_length} != seq_length={self.seq_length}")
-        if refused:
-            raise NotImplementedError(
-                f"forward-backward schedule: {', '.join(refused)} not supported yet "
-                "(the executor builds its own communicator from pg_collection.pp)"
-            )
+        _refuse(refused)
         if self.pg_collection is None:
             self.pg_collection = parallel_state.ProcessGroupCollection.use_mpu_process_groups()
+        if self.pg_collection.size_of("pp") > 1 and self.decoder_seq_length not in (None, self.seq_length):
+            _refuse([f"decoder_seq_length={self.decoder_seq_length} != seq_length={self.seq_length}"])
 
     @property
     def groups(self) -> parallel_state.ProcessGroupCollection:

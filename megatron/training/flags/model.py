@@ -267,9 +267,13 @@ RECORDS = (
         help="Size of the learned position table; default --seq-length.",
         type=int,
     ),
-    Flag("position_embedding_type", not_yet("learned_absolute", "rope", "none"), help="Position encoding."),
-    Flag("relative_attention_num_buckets", no_op(reasons.UNDER_REFUSED)),
-    Flag("relative_attention_max_distance", no_op(reasons.UNDER_REFUSED)),
+    Flag(
+        "position_embedding_type",
+        not_yet("learned_absolute", "rope", "none", "relative"),
+        help="Position encoding (relative: T5's bucketed attention bias, pretrain_t5.py only).",
+    ),
+    Flag("relative_attention_num_buckets", IMPLEMENTED, help="T5 relative position bias: number of buckets."),
+    Flag("relative_attention_max_distance", IMPLEMENTED, help="T5 relative position bias: largest bucketed distance."),
     Flag("use_rotary_position_embeddings", IMPLEMENTED),
     Flag("rotary_base", IMPLEMENTED),
     Flag("rotary_percent", IMPLEMENTED),
@@ -299,7 +303,14 @@ RECORDS = (
         help="BERT without the sentence-order head and token types (samples need not hold two sentences).",
         fills=(to(BDS, "classification_head"),),
     ),
-    # This project's own flag (not in Megatron-LM, whose BERT is pre-LN only).
+    # This project's own flags (not in Megatron-LM, whose BERT is pre-LN only and T5 Megatron's own layout).
+    Flag(
+        "t5_v11",
+        IMPLEMENTED,
+        help="T5: Hugging Face T5 v1.1 layers (RMSNorm, no biases, gated tanh-GeLU, unscaled attention scores), as in "
+        "converted checkpoints; give --normalization RMSNorm --disable-bias-linear and untied embeddings with it.",
+        project=ProjectFlag(group="network size", option_strings=("--t5-v11",), default=False, action="storetrue"),
+    ),
     Flag(
         "bert_post_layernorm",
         IMPLEMENTED,

@@ -5,6 +5,8 @@ keywords accepted for Megatron compatibility but not implemented raise ``NotImpl
 naming them; all before any communication (no process group is needed).
 """
 
+import types
+
 import pytest
 import torch
 
@@ -54,12 +56,19 @@ def test_missing_keyword_is_named(schedule):
         ("adjust_tensor_shapes_fn", lambda recv, send: (recv, send)),
         ("p2p_communicator", object()),
         ("force_all_reduce", True),
-        ("decoder_seq_length", 8),
     ],
 )
 def test_unimplemented_keywords_are_refused(schedule, keyword, value):
     with pytest.raises(NotImplementedError, match=keyword):
         schedule(**_keywords(**{keyword: value}))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda f: f.__name__)
+def test_a_decoder_length_of_its_own_is_refused_when_pipelined(schedule):
+    """Encoder-decoder pipelines would send two activation shapes; without pipelining nothing is sent (T5 runs)."""
+    two_stages = types.SimpleNamespace(size_of=lambda dim: 2 if dim == "pp" else 1)
+    with pytest.raises(NotImplementedError, match="decoder_seq_length=8 != seq_length=4"):
+        schedule(**_keywords(decoder_seq_length=8, pg_collection=two_stages))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda f: f.__name__)
