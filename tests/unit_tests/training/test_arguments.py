@@ -171,7 +171,7 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
         (["--optimizer", "muon"], "--optimizer"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--fp8-format", "hybrid"], "--fp8-format"),
-        (["--position-embedding-type", "relative"], "--position-embedding-type"),
+        (["--position-embedding-type", "mrope"], "--position-embedding-type"),
         (["--window-size", "8,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq"),
     ],
 )
