@@ -47,8 +47,7 @@ def _check_v11_config(hf: Dict[str, Any], where: str) -> None:
         raise ConversionError(
             f"{where}: field {field!r} is {scaled!r} (tied, rescaled LM head); {_V11_ONLY}, which has False"
         )
-    for field in ("is_encoder_decoder",):
-        require_field(hf, field, (None, True), where)
+    require_field(hf, "is_encoder_decoder", (None, True), where)
     for field in ("relative_attention_num_buckets", "relative_attention_max_distance"):
         value = hf.get(field, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -1,6 +1,7 @@
 """tools/checkpoint/convert.py for T5: Hugging Face T5ForConditionalGeneration (v1.1) <-> our T5Model (--t5-v11).
 
-Random tiny models, offline, with 2 encoder and 3 decoder layers (the stacks are sized apart). The
+Random tiny models, offline, with 2 encoder and 3 decoder layers (the stacks are sized apart) and
+4 heads of 12 channels on a hidden size of 32 (``d_kv`` is not ``d_model / num_heads``). The
 HF files are what transformers 5 writes for v1.1: their own ``lm_head.weight`` next to
 ``shared.weight`` (transformers 5 ties the two in the module, so the test unties it before saving).
 Our logits come from the model the training loader (``load_checkpoint`` with ``--finetune``) fills
@@ -37,7 +38,7 @@ def _hf_config(vocab: int = HF_VOCAB) -> transformers.T5Config:
     return transformers.T5Config(
         vocab_size=vocab,
         d_model=32,
-        d_kv=8,
+        d_kv=12,  # heads x d_kv = 48, not d_model: the projections are not square
         d_ff=48,
         num_layers=ENC_LAYERS,
         num_decoder_layers=DEC_LAYERS,
@@ -110,7 +111,7 @@ def test_hf_to_megatron_logits_and_flags(hf_dir, tmp_path):
     save = str(tmp_path / "c")
     flags = convert.hf_to_megatron(hf_dir, save)
     print(" ".join(flags))
-    expected = {"--encoder-num-layers": "2", "--decoder-num-layers": "3", "--kv-channels": "8"}
+    expected = {"--encoder-num-layers": "2", "--decoder-num-layers": "3", "--kv-channels": "12"}
     expected.update({"--ffn-hidden-size": "48", "--relative-attention-num-buckets": "8", "--norm-epsilon": "1e-06"})
     expected.update({"--relative-attention-max-distance": "16", "--position-embedding-type": "relative"})
     for flag, value in expected.items():
@@ -122,6 +123,14 @@ def test_hf_to_megatron_logits_and_flags(hf_dir, tmp_path):
     print({"max_abs_logits_diff": diff, "padded_vocab": padded})
     assert padded == 128 and pad_rows == 0.0
     assert diff <= MAX_ABS, f"max |logits diff| {diff:.3g}"
+
+
+def test_tp2_padding(hf_dir, tmp_path):
+    flags = convert.hf_to_megatron(hf_dir, str(tmp_path / "c"), tp=2)
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == "2"
+    iter_dir, _ = convert.find_checkpoint(str(tmp_path / "c"))
+    saved = convert.dc.read_metadata(iter_dir).state_dict_metadata
+    assert saved[convert.EMBEDDING_KEY].size[0] == 256 and saved["lm_head.output_layer.weight"].size[0] == 256
 
 
 def test_round_trip(hf_dir, tmp_path):
