@@ -231,8 +231,12 @@ def _trained_body(rank, world_size, save, out_dir, original_dir):
     return same, (got - before).abs().max().item(), info
 
 
-def test_convert_train_export(tmp_path):
-    """HF -> release checkpoint -> pretrain_t5.py (printed flags, 2 iterations, --finetune, mock data) -> HF."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_convert_train_export(tmp_path, tp):
+    """HF -> release checkpoint -> pretrain_t5.py (printed flags, 2 iterations, --finetune, mock data) -> HF.
+
+    With ``tp`` 2 the checkpoint converted for TP=1 trains on 2 ranks (the 702-token vocabulary pads to 768
+    either way) and the sharded result exports the same."""
     vocab_file = make_tokenizer_files(str(tmp_path / "tok"))["BertWordPieceLowerCase"]["vocab_file"]
     tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab_file, vocab_extra_ids=int(EXTRA_IDS))
     vocab = tokenizer.vocab_size  # the WordPiece lines, [BOS], [EOS] and the sentinels: the padding agrees
@@ -244,7 +248,8 @@ def test_convert_train_export(tmp_path):
     training += ["--mock-data", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab_file]
     training += ["--vocab-extra-ids", EXTRA_IDS, "--decoder-seq-length", "16"]
     training += ["--save", trained, "--save-interval", "2", "--no-save-optim", "--no-save-rng"]
-    result = run_gpt(1, training + printed, cwd=str(tmp_path), script=[os.path.join(REPO, "pretrain_t5.py")])
+    printed = with_flags(printed, {"--tensor-model-parallel-size": str(tp)})
+    result = run_gpt(tp, training + printed, cwd=str(tmp_path), script=[os.path.join(REPO, "pretrain_t5.py")])
     assert_ok(result, "pretrain_t5.py from the converted checkpoint")
     assert len(result.lines) == 2
     argv = ["--direction", "megatron-to-hf", "--load", trained, "--hf-dir-out", out, "--model-type", "t5"]
