@@ -83,9 +83,16 @@ def tokenizer_flags(hf_dir: str) -> List[str]:
 
 
 def wordpiece_vocab_size(args: Args) -> Optional[int]:
-    """The unpadded vocabulary of a checkpoint trained with a BertWordPiece tokenizer: its vocab file's lines."""
+    """The unpadded vocabulary of a checkpoint trained with a BertWordPiece tokenizer: its vocab file's lines;
+    with ``--vocab-extra-ids`` (T5) the tokenizer's whole vocabulary, the added [BOS]/[EOS] and sentinels included."""
     path = args.get("vocab_file")
     if not str(args.get("tokenizer_type")).startswith("BertWordPiece") or not path or not os.path.isfile(path):
         return None
+    if args.get("vocab_extra_ids"):
+        from megatron.core.tokenizers.build import build_tokenizer
+
+        return build_tokenizer(
+            args["tokenizer_type"], vocab_file=path, vocab_extra_ids=args["vocab_extra_ids"]
+        ).vocab_size
     with open(path, encoding="utf-8") as f:
         return sum(1 for _ in f)

@@ -1,10 +1,10 @@
-"""Convert between Hugging Face GPT-2 / Llama / BERT directories and our torch_dist checkpoints, on one process.
+"""Convert between Hugging Face GPT-2 / Llama / BERT / T5 directories and our torch_dist checkpoints, on one process.
 
     python tools/checkpoint/convert.py --direction hf-to-megatron --hf-dir HF --save CKPT \
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama|bert [--vocab-size V]
+        --model-type gpt2|llama|bert|t5 [--vocab-size V]
 
 hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
 ``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it
@@ -17,12 +17,19 @@ type 0 folded into the position embeddings, see ``tools/checkpoint/bert.py``); t
 are ``pretrain_bert.py``'s. ``--model-type bert`` exports BertForPreTraining, or BertForMaskedLM
 when the checkpoint has no binary head; pre-LN BERT checkpoints are refused.
 
+T5 (``architectures`` T5ForConditionalGeneration, v1.1 only: ``feed_forward_proj`` gated-gelu and
+an untied LM head; v1.0 is refused): the model is ``pretrain_t5.py --t5-v11``'s, the printed flags
+are ``pretrain_t5.py``'s (give the sequence lengths and ``--vocab-extra-ids`` of the run). ``--model-type
+t5`` exports T5ForConditionalGeneration with ``tie_word_embeddings=False`` and its own
+``lm_head.weight`` (see ``tools/checkpoint/t5.py``); T5 has no pipeline parallelism.
+
 Vocabulary: our model pads the vocabulary to a multiple of
 ``--make-vocab-size-divisible-by x TP``. Converting in pads the embedding (and untied
 output) rows with zeros for the target TP; the checkpoint then loads under any layout
 whose flags give the same padded size. Converting out strips the padded rows to
 ``--vocab-size`` (default: the HF vocabulary recorded by hf-to-megatron, else for a
-checkpoint trained with a BertWordPiece tokenizer the lines of its ``--vocab-file``, else
+checkpoint trained with a BertWordPiece tokenizer the lines of its ``--vocab-file`` (with
+``--vocab-extra-ids``: the tokenizer's vocabulary, sentinels included), else
 none stripped). The sharded format loads under any TP/PP, so the target sizes only set the
 padding and the printed flags; the checkpoint is always written from this one process.
 
@@ -59,6 +66,7 @@ from megatron.core.models.gpt.hf_state_dict import (
     to_hf_gpt2,
     to_hf_llama,
 )
+from megatron.core.models.T5 import T5Model
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION,
@@ -84,6 +92,17 @@ from tools.checkpoint.hf_config import (
     hf_config_from_args,
     megatron_args_from_hf,
     megatron_flags,
+)
+from tools.checkpoint.t5 import (
+    CROSS_ATTENTION_KEY,
+    build_t5,
+    check_t5_args,
+    mark_untied,
+    t5_flags,
+    t5_from_hf,
+    t5_hf_config,
+    t5_to_hf,
+    untie_lm_head,
 )
 
 HF_VOCAB_KEY = "hf_vocab_size"  # in common.json: the unpadded vocabulary of a converted model
@@ -143,9 +162,11 @@ def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str
     """Build the HF model of ``kind``, load ``sd`` strictly (buffers aside) and ``save_pretrained``."""
     import transformers
 
-    config = hf_config_from_args(args, kind, vocab_size, where)
+    config = t5_hf_config(args, vocab_size) if kind == "t5" else hf_config_from_args(args, kind, vocab_size, where)
     cls = getattr(transformers, config.architectures[0])
     model = cls(config)
+    if kind == "t5":
+        untie_lm_head(model)  # else loading lm_head.weight would overwrite shared.weight
     result = model.load_state_dict(sd, strict=False)
     # GPT-2's causal mask, BERT's position / token type ids are (non-learned) buffers; anything else missing is a bug.
     missing = [k for k in result.missing_keys if not k.endswith(_BUFFERS)]
@@ -154,16 +175,20 @@ def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str
             f"state dict does not fit {cls.__name__}: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
         )
     model.save_pretrained(out_dir)
+    if kind == "t5":
+        mark_untied(out_dir)
 
 
 _BUFFERS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
 
 
 # ---------------------------------------------------------------- Megatron side
-def build_model(args: Args, groups: ProcessGroupCollection, kind: str = "gpt2") -> Union[GPTModel, BertModel]:
-    """Our TP=1 GPTModel (``kind`` bert: BertModel) for ``args`` (weights are overwritten right after)."""
+def build_model(args: Args, groups: ProcessGroupCollection, kind: str = "gpt2") -> Union[GPTModel, BertModel, T5Model]:
+    """Our TP=1 GPTModel (``kind`` bert: BertModel, t5: T5Model) for ``args`` (weights are overwritten right after)."""
     if kind == "bert":
         return build_bert(args, groups)
+    if kind == "t5":
+        return build_t5(args, groups)
     return GPTModel(
         pg_collection=groups, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **gpt_model_kwargs(args)
     )
@@ -231,16 +256,27 @@ def load_megatron(
         dc.verify_checksums(iter_dir)  # a flipped bit is named before any tensor is read
     saved = dc.read_metadata(iter_dir).state_dict_metadata
     if EMBEDDING_KEY not in saved:
-        raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT or BERT checkpoint")
+        raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT, BERT or T5 checkpoint")
     args["padded_vocab_size"] = int(saved[EMBEDDING_KEY].size[0])  # whatever TP it was saved under
-    if (LM_HEAD_KEY in saved) != (kind == "bert"):
-        found = "a BERT" if LM_HEAD_KEY in saved else "not a BERT"
-        raise ConversionError(f"{iter_dir} is {found} checkpoint ({LM_HEAD_KEY!r}); --model-type is {kind}")
+    _check_family(saved, kind, iter_dir)
     if kind == "bert":
         args["bert_binary_head"] = BINARY_HEAD_KEY in saved
+    if kind == "t5":
+        check_t5_args(args, os.path.join(iter_dir, COMMON_FILE))
     model = build_model(args, groups, kind)
     dc.load(dc.model_sharded_state_dict([model], pg_collection=groups), iter_dir)
     return {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, args, common
+
+
+_FAMILY_KEYS = {"bert": ("a BERT", LM_HEAD_KEY), "t5": ("a T5", CROSS_ATTENTION_KEY)}
+
+
+def _check_family(saved: Any, kind: str, iter_dir: str) -> None:
+    """Refuse ``--model-type kind`` for a checkpoint of another family (BERT, T5 or GPT), naming both."""
+    for family, (name, key) in _FAMILY_KEYS.items():
+        if (key in saved) != (kind == family):
+            found = name if key in saved else "not " + name
+            raise ConversionError(f"{iter_dir} is {found} checkpoint ({key!r}); --model-type is {kind}")
 
 
 # ---------------------------------------------------------------- the two directions
@@ -248,15 +284,18 @@ _FROM_HF = {
     "gpt2": lambda hf_sd, model: from_hf_gpt2(hf_sd, model.config),
     "llama": lambda hf_sd, model: from_hf_llama(hf_sd, model.config),
     "bert": bert_from_hf,
+    "t5": t5_from_hf,
 }
 
 
 def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_by: int = 128) -> List[str]:
     """Convert ``hf_dir`` into ``save/release``; returns the matching ``pretrain_gpt.py`` (BERT:
-    ``pretrain_bert.py``) flags."""
+    ``pretrain_bert.py``, T5: ``pretrain_t5.py``) flags."""
     where = os.path.join(hf_dir, "config.json")
     hf_config = read_hf_config(hf_dir)
     kind, args = megatron_args_from_hf(hf_config, where, tp, divisible_by)
+    if kind == "t5" and pp > 1:
+        raise ConversionError(f"--target-pipeline-model-parallel-size {pp}: T5 has no pipeline parallelism")
     if args["num_layers"] % pp:
         raise ConversionError(
             f"--target-pipeline-model-parallel-size {pp} does not divide the {args['num_layers']} layers of {where}"
@@ -272,6 +311,8 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_b
             sd.pop("output_layer.weight", None)  # tied: our output layer reads the embedding
         model.load_state_dict(sd, strict=True)
         save_release(model, args, groups, save, hf_config["vocab_size"])
+    if kind == "t5":
+        return t5_flags(args)
     flags = megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
     return flags + (tokenizer_flags(hf_dir) if kind == "bert" else [])
 
@@ -283,6 +324,15 @@ def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int]
     vocab = vocab_size or common.get(HF_VOCAB_KEY) or wordpiece_vocab_size(args) or args["padded_vocab_size"]
     if vocab > args["padded_vocab_size"]:
         raise ConversionError(f"--vocab-size {vocab} exceeds the checkpoint's {args['padded_vocab_size']} rows")
+    sd = resize_vocab(sd, vocab)
+    write_hf(_to_hf_names(sd, args, kind), args, kind, vocab, out_dir, os.path.join(load, COMMON_FILE))
+    return vocab
+
+
+def _to_hf_names(sd: StateDict, args: Args, kind: str) -> StateDict:
+    """Hugging Face names of our full state dict (vocabulary already stripped)."""
+    if kind == "t5":
+        return t5_to_hf(sd, args)
     config = gpt_model_kwargs(args)
     model_config = _ConfigView(
         num_layers=config["num_layers"],
@@ -292,13 +342,9 @@ def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int]
         ffn_hidden_size=config["ffn_hidden_size"],
         kv_channels=config["kv_channels"] or config["hidden_size"] // config["num_attention_heads"],
     )
-    sd = resize_vocab(sd, vocab)
     if kind == "bert":
-        hf_sd = bert_to_hf(sd, model_config, args["bert_binary_head"])
-    else:
-        hf_sd = (to_hf_gpt2 if kind == "gpt2" else to_hf_llama)(sd, model_config)
-    write_hf(hf_sd, args, kind, vocab, out_dir, os.path.join(load, COMMON_FILE))
-    return vocab
+        return bert_to_hf(sd, model_config, args["bert_binary_head"])
+    return (to_hf_gpt2 if kind == "gpt2" else to_hf_llama)(sd, model_config)
 
 
 class _ConfigView:
@@ -312,7 +358,7 @@ class _ConfigView:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
-    p.add_argument("--hf-dir", help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, BERT)")
+    p.add_argument("--hf-dir", help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, BERT, T5 v1.1)")
     p.add_argument("--save", help="hf-to-megatron: checkpoint root to write (release/ and the tracker)")
     p.add_argument(
         "--target-tensor-parallel-size",
@@ -329,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
-    p.add_argument("--model-type", choices=["gpt2", "llama", "bert"], help="megatron-to-hf: the HF family to write")
+    families = ["gpt2", "llama", "bert", "t5"]
+    p.add_argument("--model-type", choices=families, help="megatron-to-hf: the HF family to write")
     p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
     p.add_argument(
         "--no-verify-checkpoint",
@@ -337,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="megatron-to-hf: skip checking the files against metadata.json's checksums",
     )
     return p
+
+
+def _script_of(flags: Sequence[str]) -> str:
+    """The training script the printed flags are for."""
+    if "--t5-v11" in flags:
+        return "pretrain_t5.py"
+    return "pretrain_bert.py" if "--bert-post-layernorm" in flags else "pretrain_gpt.py"
 
 
 def _required(args: argparse.Namespace, names: Sequence[str]) -> None:
@@ -357,7 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.target_pipeline_model_parallel_size,
                 args.make_vocab_size_divisible_by,
             )
-            script = "pretrain_bert.py" if "--bert-post-layernorm" in flags else "pretrain_gpt.py"
+            script = _script_of(flags)
             print(f"wrote {checkpoint_dir(args.save, 0, release=True)}; train or evaluate with {script}:")
             print("  --load " + args.save + " --finetune " + " ".join(flags))
         else:

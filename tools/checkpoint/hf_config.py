@@ -1,10 +1,10 @@
-"""Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, Llama and BERT.
+"""Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, Llama, BERT and T5.
 
 The Megatron side is a plain dict keyed by flag destination (``num_layers``,
 ``untie_embeddings_and_output_weights``, ...): the same keys ``pretrain_gpt.py`` stores
 under ``args`` in a checkpoint's ``common.json`` (``pretrain_bert.py`` the same, plus
-``bert_binary_head`` / ``bert_post_layernorm``), so one reader serves both our converted
-checkpoints and trained ones.
+``bert_binary_head`` / ``bert_post_layernorm``, ``pretrain_t5.py`` its encoder/decoder flags),
+so one reader serves both our converted checkpoints and trained ones.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "BertForPreTraining": "bert",
     "BertForMaskedLM": "bert",
+    "T5ForConditionalGeneration": "t5",
 }
 BERT_CLASSES = {True: "BertForPreTraining", False: "BertForMaskedLM"}  # by binary head (pooler + NSP)
 _GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --openai-gelu
@@ -33,7 +34,7 @@ class ConversionError(ValueError):
 
 
 def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
-    """``gpt2``, ``llama`` or ``bert`` from the ``architectures`` field of ``config.json``."""
+    """``gpt2``, ``llama``, ``bert`` or ``t5`` from the ``architectures`` field of ``config.json``."""
     names = hf_config.get("architectures") or []
     known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
     if not known:
@@ -41,7 +42,7 @@ def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
     return known[0]
 
 
-def _require(hf: Dict[str, Any], field: str, allowed: Tuple[Any, ...], where: str) -> None:
+def require_field(hf: Dict[str, Any], field: str, allowed: Tuple[Any, ...], where: str) -> None:
     if hf.get(field) not in allowed:
         raise ConversionError(
             f"{where}: field {field!r} is {hf.get(field)!r}; the converter supports {' or '.join(map(repr, allowed))}"
@@ -70,10 +71,10 @@ def _gpt2_like(num_layers: int, hidden: int, heads: int, ffn: int, max_positions
 
 
 def _gpt2_args(hf: Dict[str, Any], where: str) -> Args:
-    _require(hf, "activation_function", tuple(_GPT2_ACTIVATIONS), where)
+    require_field(hf, "activation_function", tuple(_GPT2_ACTIVATIONS), where)
     for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        _require(hf, field, (None, False), where)
-    _require(hf, "tie_word_embeddings", (None, True), where)
+        require_field(hf, field, (None, False), where)
+    require_field(hf, "tie_word_embeddings", (None, True), where)
     hidden = hf["n_embd"]
     args = _gpt2_like(hf["n_layer"], hidden, hf["n_head"], hf.get("n_inner") or 4 * hidden, hf["n_positions"])
     args.update(
@@ -96,9 +97,9 @@ def _rope_theta(hf: Dict[str, Any], where: str) -> float:
 
 
 def _llama_args(hf: Dict[str, Any], where: str) -> Args:
-    _require(hf, "hidden_act", ("silu",), where)
+    require_field(hf, "hidden_act", ("silu",), where)
     for field in ("attention_bias", "mlp_bias"):
-        _require(hf, field, (None, False), where)
+        require_field(hf, field, (None, False), where)
     window = hf.get("sliding_window")
     if window is not None and window < hf["max_position_embeddings"]:
         raise ConversionError(
@@ -129,13 +130,13 @@ def _llama_args(hf: Dict[str, Any], where: str) -> Args:
 
 def _bert_args(hf: Dict[str, Any], where: str) -> Args:
     """Post-LN BERT (``pretrain_bert.py --bert-post-layernorm``); the binary head only for BertForPreTraining."""
-    _require(hf, "hidden_act", ("gelu",), where)  # the exact (erf) gelu: our F.gelu
-    _require(hf, "position_embedding_type", (None, "absolute"), where)
+    require_field(hf, "hidden_act", ("gelu",), where)  # the exact (erf) gelu: our F.gelu
+    require_field(hf, "position_embedding_type", (None, "absolute"), where)
     for field in ("is_decoder", "add_cross_attention"):
-        _require(hf, field, (None, False), where)
+        require_field(hf, field, (None, False), where)
     binary = BERT_CLASSES[True] in (hf.get("architectures") or [])
     if binary:
-        _require(hf, "type_vocab_size", (2,), where)  # pretrain_bert.py's binary head comes with 2 token types
+        require_field(hf, "type_vocab_size", (2,), where)  # pretrain_bert.py's binary head comes with 2 token types
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     if hidden % heads:
         raise ConversionError(f"{where}: field 'hidden_size' {hidden} is not a multiple of num_attention_heads {heads}")
@@ -152,11 +153,18 @@ def _bert_args(hf: Dict[str, Any], where: str) -> Args:
     return args
 
 
-_ARGS_OF = {"gpt2": _gpt2_args, "llama": _llama_args, "bert": _bert_args}
+def _t5_args(hf: Dict[str, Any], where: str) -> Args:
+    """T5 v1.1 (``pretrain_t5.py --t5-v11``): see ``tools/checkpoint/t5.py``, which builds on this module."""
+    from tools.checkpoint.t5 import t5_args
+
+    return t5_args(hf, where)
+
+
+_ARGS_OF = {"gpt2": _gpt2_args, "llama": _llama_args, "bert": _bert_args, "t5": _t5_args}
 
 
 def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by: int) -> Tuple[str, Args]:
-    """(``gpt2``/``llama``/``bert``, model flags by destination) for a HF config; the vocabulary padded for ``tp``."""
+    """(``gpt2``/``llama``/``bert``/``t5``, model flags by destination) of a HF config; vocab padded for ``tp``."""
     kind = architecture_of(hf, where)
     try:
         args = _ARGS_OF[kind](hf, where)

@@ -146,7 +146,7 @@ def test_clear_errors(hf_dirs, tmp_path, capsys):
     )
     bert = tmp_path / "bert"
     bert.mkdir()
-    (bert / "config.json").write_text('{"architectures": ["T5ForConditionalGeneration"]}')
+    (bert / "config.json").write_text('{"architectures": ["BartForConditionalGeneration"]}')
     assert "'architectures'" in error_of(
         "--direction", "hf-to-megatron", "--hf-dir", str(bert), "--save", str(tmp_path / "s")
     )

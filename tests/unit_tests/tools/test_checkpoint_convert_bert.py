@@ -10,8 +10,6 @@ into ``transformers``.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from megatron.training.checkpointing import CheckpointConfig, load_checkpoint
 from tests.dist_harness import run_distributed
 from tests.functional_tests.gpt_runs import REPO, assert_ok, run_gpt, tiny_gpt_flags, with_flags
 from tests.tokenizer_files import make_tokenizer_files
+from tests.unit_tests.tools.convert_helpers import convert_to_megatron, write_config
 from tools.checkpoint import convert
 
 MAX_ABS = 1e-4
@@ -166,12 +165,6 @@ def test_round_trip(hf_dirs, tmp_path):
         assert results["mlm"] <= MAX_ABS and results.get("nsp", 0.0) <= MAX_ABS, results
 
 
-def _write_config(path, **changes):
-    config = json.loads(open(os.path.join(path, "config.json")).read())
-    config.update(changes)
-    open(os.path.join(path, "config.json"), "w").write(json.dumps(config))
-
-
 def test_clear_errors(hf_dirs, tmp_path, capsys):
     def error_of(hf_dir):
         assert convert.main(["--direction", "hf-to-megatron", "--hf-dir", hf_dir, "--save", str(tmp_path / "s")]) == 2
@@ -185,7 +178,7 @@ def test_clear_errors(hf_dirs, tmp_path, capsys):
     ):
         bad = tmp_path / field
         shutil.copytree(hf_dirs["pretraining"], bad)
-        _write_config(bad, **{field: value})
+        write_config(str(bad), **{field: value})
         assert f"field {field!r} is {value!r}" in error_of(str(bad)), field
     # A pre-LN BERT checkpoint (pretrain_bert.py without --bert-post-layernorm) is not Hugging Face's layout.
     save = str(tmp_path / "pre_ln")
@@ -230,11 +223,8 @@ def test_convert_train_export(tmp_path):
     hf_dir = _save(tmp_path / "hf", transformers.BertForPreTraining, 2, vocab=vocab, max_position_embeddings=32)
     shutil.copy(vocab_file, os.path.join(hf_dir, "vocab.txt"))  # the converter prints --vocab-file for it
     converted, trained, out = (str(tmp_path / n) for n in ("converted", "trained", "out"))
-    cmd = [sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--direction", "hf-to-megatron"]
-    proc = subprocess.run(cmd + ["--hf-dir", hf_dir, "--save", converted], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    printed = proc.stdout.splitlines()[-1].split()
-    assert "pretrain_bert.py" in proc.stdout and "--bert-post-layernorm" in printed and "--vocab-file" in printed
+    stdout, printed = convert_to_megatron(hf_dir, converted)
+    assert "pretrain_bert.py" in stdout and "--bert-post-layernorm" in printed and "--vocab-file" in printed
     training = with_flags(tiny_gpt_flags(2), {**dict.fromkeys(_MODEL_FLAGS), "--lr-warmup-iters": "1"})
     training += ["--mock-data", "--save", trained, "--save-interval", "2", "--no-save-optim", "--no-save-rng"]
     result = run_gpt(1, training + printed, cwd=str(tmp_path), script=[os.path.join(REPO, "pretrain_bert.py")])

@@ -234,6 +234,7 @@ def from_hf_gpt2(hf: StateDict, config: TransformerConfig) -> StateDict:
 
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")  # bias: BERT
+VOCAB_KEYS += ("lm_head.output_layer.weight",)  # T5Model's untied output layer
 
 
 def resize_vocab(sd: StateDict, rows: int) -> StateDict:
