@@ -36,6 +36,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="Longest prompt + generation served (default: --max-position-embeddings, else --seq-length).",
     )
+    parser.set_defaults(skip_train=True)  # nothing is trained: no --train-iters needed
     return parser
 
 
