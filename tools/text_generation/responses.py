@@ -49,7 +49,7 @@ def decode_result(result: Any, request: GenerationRequest, tokenizer: Any) -> De
     prompt, generated = list(result.prompt_tokens), list(result.generated_tokens)
     gen_lps = list(result.generated_log_probs) if result.generated_log_probs is not None else None
     stop_ids = set(request.sampling.get("stop_token_ids") or [])
-    finish = result.finish_reason
+    finish = result.finish_reason or "length"  # nothing to generate (0 tokens): no reason given
     if generated and generated[-1] in stop_ids:
         generated, gen_lps, finish = generated[:-1], gen_lps[:-1] if gen_lps is not None else None, "stop"
     prompt_text = tokenizer.detokenize(prompt)
