@@ -25,6 +25,7 @@ MC_DIR = os.path.join(REPO, "tests", "fixtures", "lm_eval")
 MC_JSONL = os.path.join(MC_DIR, "megatron_tiny_mc.jsonl")
 GREEDY_TOKENS = 8
 TIMEOUT_S = 300
+SEED = 7
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def trained(tmp_path_factory):
     flags, ckpt = train_checkpoint(tmp)
     flags = flags + ["--load", ckpt]
     wanted = {
-        "greedy": [{"prompt": p, "tokens": GREEDY_TOKENS} for p in PROMPTS],
+        "greedy": [{"prompt": p, "tokens": GREEDY_TOKENS, "seed": SEED} for p in PROMPTS],
         "loss_texts": LOSS_TEXTS,
         "mc_jsonl": MC_JSONL,
     }
@@ -65,6 +66,17 @@ def test_greedy_answers_equal_the_engine_and_each_other(server, trained):
     status, answer = completions(server, {"prompt": PROMPTS, "max_tokens": GREEDY_TOKENS, "temperature": 0})
     assert status == 200, answer
     assert [c["text"] for c in answer["choices"]] == reference["greedy"]
+
+
+def test_seeded_sampling_equals_the_engine_on_both_endpoints(server, trained):
+    _, reference, _ = trained
+    for prompt, expected in zip(PROMPTS, reference["sampled"]):
+        body = {"prompts": [prompt], "tokens_to_generate": GREEDY_TOKENS, "temperature": 1.0, "random_seed": SEED}
+        status, answer = api(server, body)
+        assert status == 200 and answer["text"] == [prompt + expected], answer
+        body = {"prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 1.0, "seed": SEED}
+        status, answer = completions(server, body)
+        assert status == 200 and answer["choices"][0]["text"] == expected, answer
 
 
 def test_echoed_prompt_logprobs_give_the_models_loss(server, trained):
@@ -110,7 +122,7 @@ def test_lm_eval_accuracy_equals_scoring_with_the_engine(server, trained):
     model_args += ",max_length=63,num_concurrent=1,max_retries=1,model=tiny"
     cmd = [os.path.join(os.path.dirname(sys.executable), "lm_eval"), "--model", "local-completions"]
     cmd += ["--model_args", model_args, "--tasks", "megatron_tiny_mc", "--include_path", MC_DIR]
-    cmd += ["--output_path", out_dir, "--batch_size", "1"]
+    cmd += ["--output_path", out_dir, "--batch_size", "1", "--log_samples"]
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env["HF_DATASETS_CACHE"] = os.path.join(tmp, "hf_datasets")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=env)
@@ -119,6 +131,13 @@ def test_lm_eval_accuracy_equals_scoring_with_the_engine(server, trained):
     with open(results_file) as f:
         accuracy = json.load(f)["results"]["megatron_tiny_mc"]["acc,none"]
     scores, answers = reference["mc_scores"], reference["mc_answers"]
+    (samples_file,) = glob.glob(os.path.join(out_dir, "**", "samples_megatron_tiny_mc_*.jsonl"), recursive=True)
+    with open(samples_file) as f:
+        samples = sorted((json.loads(line) for line in f if line.strip()), key=lambda s: s["doc_id"])
+    lm_eval_scores = [[float(resp[0]) for resp in sample["filtered_resps"]] for sample in samples]
+    assert len(lm_eval_scores) == len(scores)
+    for got, want in zip(lm_eval_scores, scores):  # the same tokens scored: lm-eval's tokenizer agrees with ours
+        assert got == pytest.approx(want, abs=1e-4)
     expected = sum(max(range(len(s)), key=s.__getitem__) == a for s, a in zip(scores, answers)) / len(answers)
     assert accuracy == pytest.approx(expected)
 

@@ -1,10 +1,11 @@
 """What the server's answers must equal, computed in-process from the same checkpoint (one rank).
 
 ``python -m torch.distributed.run --nproc-per-node 1 text_generation_reference.py <server flags>``
-with ``REFERENCE_IN`` (JSON: ``greedy`` [{prompt, tokens}], ``loss_texts`` [str], ``mc_jsonl`` path) and
+with ``REFERENCE_IN`` (JSON: ``greedy`` [{prompt, tokens, seed}], ``loss_texts`` [str], ``mc_jsonl`` path) and
 ``REFERENCE_OUT`` (where the JSON answer goes) in the environment. It writes:
 
 - ``greedy``: the engine's greedy continuation (text after the prompt) of each prompt;
+- ``sampled``: its continuation sampled at temperature 1 with each prompt's ``seed``;
 - ``losses``: the model's own mean per-token loss (``GPTModel(..., labels=...)``) on each text, not the engine's;
 - ``mc_scores``: per item of the multiple-choice JSONL, the sum of the engine's log probs of each
   `` <choice>`` after the question, tokenized as lm-eval does (whole text encoded, context length split).
@@ -38,8 +39,9 @@ def model_loss(served: ServedModel, text: str) -> float:
     return float(losses.float().mean())
 
 
-def greedy(engine: Any, served: ServedModel, prompt: str, tokens: int) -> str:
-    params = SamplingParams(temperature=0.0, num_tokens_to_generate=tokens, stop_token_ids=[served.tokenizer.eod])
+def continuation(engine: Any, served: ServedModel, prompt: str, tokens: int, **sampling: Any) -> str:
+    """The engine's continuation of ``prompt`` (text after it) with the server's stop token."""
+    params = SamplingParams(num_tokens_to_generate=tokens, stop_token_ids=[served.tokenizer.eod], **sampling)
     (result,) = engine.generate([served.tokenizer.tokenize(prompt)], params)
     generated = [t for t in result.generated_tokens if t != served.tokenizer.eod]
     return served.tokenizer.detokenize(list(result.prompt_tokens) + generated)[len(prompt) :]
@@ -65,7 +67,13 @@ def main() -> None:
     engine = build_engine(served)
     with use_rng_tracker(served.run.rng_tracker), torch.no_grad():
         out = {
-            "greedy": [greedy(engine, served, g["prompt"], g["tokens"]) for g in wanted["greedy"]],
+            "greedy": [
+                continuation(engine, served, g["prompt"], g["tokens"], temperature=0.0) for g in wanted["greedy"]
+            ],
+            "sampled": [
+                continuation(engine, served, g["prompt"], g["tokens"], temperature=1.0, seed=g["seed"])
+                for g in wanted["greedy"]
+            ],
             "losses": [model_loss(served, text) for text in wanted["loss_texts"]],
         }
         with open(wanted["mc_jsonl"]) as f:

@@ -33,19 +33,20 @@ REFERENCE = os.path.join(REPO, "tests", "functional_tests", "text_generation_ref
 START_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 120
 SEQ_LENGTH = 64
+TRAIN_ITERS = 30  # enough for greedy continuations that are not all one token
 
 
 def model_flags(corpus: Dict[str, str]) -> List[str]:
     """The tiny GPT of the functional tests, with 64-token sequences (room for prompts and generations)."""
     changes = {"--seq-length": str(SEQ_LENGTH), "--max-position-embeddings": str(SEQ_LENGTH)}
-    return with_flags(tiny_gpt_flags(6), changes) + data_flags(corpus)
+    return with_flags(tiny_gpt_flags(TRAIN_ITERS), changes) + data_flags(corpus)
 
 
 def train_checkpoint(tmp_dir: str) -> Tuple[List[str], str]:
-    """Trains the tiny GPT for 6 iterations; returns its flags (without training-only ones needed) and checkpoint."""
+    """Trains the tiny GPT for ``TRAIN_ITERS`` iterations; returns its flags and the checkpoint directory."""
     corpus = build_corpus(tmp_dir)
     ckpt = os.path.join(tmp_dir, "ckpt")
-    result = run_gpt(1, model_flags(corpus) + ["--save", ckpt, "--save-interval", "6"], tmp_dir)
+    result = run_gpt(1, model_flags(corpus) + ["--save", ckpt, "--save-interval", str(TRAIN_ITERS)], tmp_dir)
     assert_ok(result, "training the checkpoint to serve")
     return model_flags(corpus), ckpt
 
