@@ -10,7 +10,6 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from tools.text_generation.responses import api_answer, completions_answer, decode_result
 from tools.text_generation.validation import (
-    GenerationRequest,
     PromptContext,
     RequestError,
     parse_api,
@@ -71,9 +70,3 @@ class GenerationService:
             return 400, error_body(str(err))
         decoded = [decode_result(r, request, self.ctx.tokenizer) for r in results]
         return 200, build(decoded, request)
-
-
-def describe(request: GenerationRequest) -> str:
-    """A one-line log summary of a request."""
-    lengths = [len(p) for p in request.prompts]
-    return f"{len(lengths)} prompt(s) of {lengths} tokens, sampling {request.sampling}"

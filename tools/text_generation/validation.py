@@ -160,7 +160,10 @@ COMPLETIONS_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "logprobs"
 
 
 def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
-    """Megatron's ``PUT /api`` body (its defaults: 64 tokens, temperature 1, no top-k/top-p)."""
+    """Megatron's ``PUT /api`` body (its defaults: 64 tokens, temperature 1, no top-k/top-p).
+
+    Unlike Megatron, temperature 0 is accepted and means greedy (as ``top_k`` 1 does).
+    """
     body = check_fields(body, API_FIELDS, ["prompts"])
     prompts = body["prompts"]
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
@@ -176,9 +179,10 @@ def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
     seed = get_int(body, "random_seed", -1, -1)
     stop = ["\n\n"] if get_bool(body, "stop_on_double_eol") else []
     stop = ["\n"] if get_bool(body, "stop_on_eol") else stop
-    bos = ctx.eod if get_bool(body, "add_BOS") else None
-    if bos is None and get_bool(body, "add_BOS"):
+    add_bos = get_bool(body, "add_BOS")
+    if add_bos and ctx.eod is None:
         raise RequestError("add_BOS: the tokenizer has no end-of-document token to use as BOS")
+    bos = ctx.eod if add_bos else None
     ids = encode_prompts(prompts, ctx.tokenizer, ctx.vocab_size, bos)
     check_lengths(ids, tokens, ctx.max_sequence_length)
     sampling = dict(
@@ -196,8 +200,7 @@ def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
 def parse_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
     """OpenAI's ``POST /v1/completions`` body (its defaults: 16 tokens, temperature 1, top_p 1)."""
     body = check_fields(body, COMPLETIONS_FIELDS, ["prompt"])
-    if get_int(body, "n", 1, 1, 1) != 1:  # pragma: no cover - get_int already refused it
-        raise RequestError("n must be 1")
+    get_int(body, "n", 1, 1, 1)  # one completion per prompt only
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError(f"model must be a string, got {body['model']!r}")
     prompts = completion_prompts(body["prompt"])
