@@ -150,7 +150,7 @@ class InferenceEngine:
                 chosen, log_probs = self._choose(logits, targets, cur < prompt_lengths, sampling_params, generator)
                 tokens[:, cur] = chosen
                 record.record(cur, chosen.tolist(), None if log_probs is None else log_probs.tolist())
-                if record.done:
+                if record.done and cur >= max(lengths) - 1:  # echo: every prompt's log-probs are in
                     break
                 prev = cur
         return record.results()

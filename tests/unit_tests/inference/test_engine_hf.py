@@ -2,15 +2,18 @@
 
 A batch of three prompts of different lengths; each HF reference generates its prompt alone. The
 same on one rank, under TP=2 and under PP=2 (two gloo ranks each), where every rank must return
-the same results.
+the same results. Under TP/PP, seeded sampling with log-probabilities and a greedy run with a stop
+token must also equal a single-rank engine over the same weights (tokens exactly, log-probs 1e-5).
 """
 
 import pytest
+import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.inference.engine import InferenceEngine
 from megatron.core.inference.sampling_params import SamplingParams
 from tests.dist_harness import run_distributed
+from tests.model_utils import single_rank_groups
 from tests.unit_tests.inference.hf_models import hf_greedy, hf_model, our_model, random_prompts
 
 NEW_TOKENS = 10
@@ -29,7 +32,25 @@ def _greedy_body(rank, world_size, tp, pp):
             "hf": hf_greedy(hf, prompts, NEW_TOKENS),
             "finish": [r.finish_reason for r in results],
         }
+        if tp * pp > 1:
+            reference = InferenceEngine(our_model(hf, single_rank_groups()), single_rank_groups())
+            stop = report[kind]["hf"][1][4]
+            for params in (
+                SamplingParams(temperature=0.8, top_k=20, seed=11, num_tokens_to_generate=NEW_TOKENS),
+                SamplingParams(temperature=0.0, stop_token_ids=(stop,), num_tokens_to_generate=NEW_TOKENS),
+            ):
+                params.return_log_probs = True
+                _assert_same(engine.generate(prompts, params), reference.generate(prompts, params), f"{kind} {params}")
     return report
+
+
+def _assert_same(results, expected, what):
+    for r, e in zip(results, expected):
+        assert (r.generated_tokens, r.finish_reason) == (e.generated_tokens, e.finish_reason), what
+        for field in ("prompt_log_probs", "generated_log_probs"):
+            got, want = torch.tensor(getattr(r, field)), torch.tensor(getattr(e, field))
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{what} {field}: {m}")
+    assert any(e.finish_reason == "stop" for e in expected) or "stop_token_ids=()" in what, what
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])

@@ -1,7 +1,7 @@
 """The KV cache: logits of a prefill then one token per call equal a full recompute (fp32, atol 1e-5).
 
 GPT-2 style (learned positions, MHA) and Llama style (RoPE, grouped-query attention), with the SDPA
-and unfused softmax backends; a single rank.
+and unfused softmax backends, and Llama style with MoE layers; a single rank.
 """
 
 import pytest
@@ -26,22 +26,30 @@ def _cached_logits(model, tokens, prefill):
     return torch.cat(out, dim=1)
 
 
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)
+CASES = [
+    ("gpt2", gpt2_style(attention_backend="auto")),
+    ("gpt2 unfused", gpt2_style(attention_backend="unfused")),
+    ("llama", llama_style(attention_backend="auto")),
+    ("llama unfused", llama_style(attention_backend="unfused")),
+    ("llama moe", llama_style(**MOE)),
+]
+
+
 def _parity_body(rank, world_size):
     groups = ps.initialize_model_parallel(1, 1)
     tokens, _ = batch(b=3)  # [3, 16]
     diffs = {}
-    for name, style in (("gpt2", gpt2_style), ("llama", llama_style)):
-        for backend in ("auto", "unfused"):
-            model = build_gpt(style(attention_backend=backend), groups).eval()
-            with torch.no_grad():
-                full = model(tokens)  # [b, s, V]
-                for prefill in (1, 5):
-                    cached = _cached_logits(model, tokens, prefill)
-                    diffs[f"{name} {backend} prefill={prefill}"] = (cached - full).abs().max().item()
-                context = StaticInferenceContext(3, 16, materialize_only_last_token_logits=True)
-                last = model(tokens[:, :7], None, None, inference_context=context)  # [b, 1, V]
-                assert last.shape == (3, 1, full.shape[-1])
-                diffs[f"{name} {backend} last-token-only"] = (last[:, 0] - full[:, 6]).abs().max().item()
+    for name, kwargs in CASES:
+        model = build_gpt(kwargs, groups).eval()
+        with torch.no_grad():
+            full = model(tokens)  # [b, s, V]
+            for prefill in (1, 5):
+                diffs[f"{name} prefill={prefill}"] = (_cached_logits(model, tokens, prefill) - full).abs().max().item()
+            context = StaticInferenceContext(3, 16, materialize_only_last_token_logits=True)
+            last = model(tokens[:, :7], None, None, inference_context=context)  # [b, 1, V]
+        assert last.shape == (3, 1, full.shape[-1])
+        diffs[f"{name} last-token-only"] = (last[:, 0] - full[:, 6]).abs().max().item()
     return diffs
 
 
