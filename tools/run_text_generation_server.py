@@ -40,18 +40,6 @@ def sampling_params(sampling: Dict[str, Any]) -> Any:
     return SamplingParams(**sampling)
 
 
-def generate_with(engine: Any, prompts: List[List[int]], params: Any) -> List[Any]:
-    """``engine.generate``, one prompt at a time when there is nothing to generate and lengths differ.
-
-    The engine stops a batch once every sequence is done; with 0 tokens to generate that happens
-    before the longer prompts' log probs are computed (is14-engine's first version), so each prompt
-    is scored alone. Every rank takes the same branch (same arguments).
-    """
-    if params.num_tokens_to_generate == 0 and len({len(p) for p in prompts}) > 1:
-        return [result for prompt in prompts for result in engine.generate([prompt], params)]
-    return engine.generate(prompts, params)
-
-
 def eod_or_none(tokenizer: Any) -> Optional[int]:
     """The tokenizer's end-of-document id, which ends generations; None when it has none."""
     try:
@@ -94,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     engine = build_engine(served)
 
     def run_generation(prompts: List[List[int]], sampling: Dict[str, Any]):
-        return generate_with(engine, prompts, sampling_params(sampling))
+        return engine.generate(prompts, sampling_params(sampling))
 
     with use_rng_tracker(served.run.rng_tracker), torch.no_grad():
         if dist.get_rank() == 0:
