@@ -64,6 +64,11 @@ def load_served_model(model_provider, argv: Optional[Sequence[str]] = None) -> S
     args, run = initialize_run(argv, add_server_args, SERVER_ARG_DEFAULTS, "gpt")
     if not args.load:
         raise SystemExit("--load is required: the checkpoint to serve")
+    limit = args.max_position_embeddings
+    if args.inference_max_seq_length and limit and args.inference_max_seq_length > limit:
+        raise SystemExit(
+            f"--inference-max-seq-length={args.inference_max_seq_length} exceeds --max-position-embeddings={limit}"
+        )
     tokenizer = build_tokenizer_from_args(args)
     config = core_transformer_config_from_args(args)
     chunks = build_model_chunks(model_provider, ModelType.encoder_or_decoder, args, config, run.groups)
