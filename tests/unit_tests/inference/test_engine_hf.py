@@ -29,7 +29,7 @@ def _greedy_reports(tp, pp):
     prompts = random_prompts([3, 9, 6])
     report = {}
     for kind in ("gpt2", "llama"):
-        hf = hf_model(kind)
+        hf = hf_model(kind, seed=1)
         engine = InferenceEngine(our_model(hf, groups), groups)
         results = engine.generate(prompts, SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS))
         report[kind] = {
