@@ -158,6 +158,7 @@ class InferenceEngine:
     def _validate(self, prompts: List[List[int]], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
         if self.model.training:
             raise ValueError("InferenceEngine.generate: the model is in training mode; call model.eval() first")
         vocab = self.module.vocab_size

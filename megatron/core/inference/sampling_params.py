@@ -28,6 +28,10 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, its value and the rule it breaks (also after later edits)."""
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         checks = (
             ("temperature", self.temperature, self.temperature >= 0, "must be >= 0 (0.0 = greedy)"),

@@ -156,6 +156,10 @@ def _engine_errors_body(rank, world_size):
     with pytest.raises(ValueError, match="max_sequence_length=8"):
         InferenceEngine(model, groups, max_sequence_length=8).generate([[1, 2]], params)
     assert engine.generate([], params) == []
+    params.top_k = -2  # edited after construction: generate checks again
+    with pytest.raises(ValueError, match="top_k=-2"):
+        engine.generate([[1, 2]], params)
+    params.top_k = 0
     model.train()
     with pytest.raises(ValueError, match="model.eval"):
         engine.generate([[1, 2]], params)
