@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import List, Optional, Set, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -310,6 +310,7 @@ class SelfAttention(MegatronModule):
         self.q_layernorm = build_norm(config, d) if with_qk_norm else None
         self.k_layernorm = build_norm(config, d) if with_qk_norm else None
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.layer_number = layer_number  # global: names this layer's KV cache
 
     def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, groups/tp * (q_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
@@ -326,10 +327,14 @@ class SelfAttention(MegatronModule):
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
+        inference_context: Optional[Any] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s(/tp with SP), b, h]`` -> (output ``[s(/tp), b, h]``, output bias or None).
 
         ``attention_bias`` ``[1|b, heads/tp, s, s]`` is added to the scores (T5's relative position bias).
+        ``inference_context`` (a ``megatron.core.inference.StaticInferenceContext``): this call's tokens
+        are the positions from its ``sequence_len_offset`` on; their keys and values (rotated) join its
+        cache, and the queries attend over every cached position up to their own.
         """
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, qkv/tp]
         query, key, value = self.split_qkv(mixed)
@@ -339,5 +344,29 @@ class SelfAttention(MegatronModule):
             interleaved = self.config.rotary_interleaved
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+        if inference_context is not None:
+            key, value, attention_mask = self._with_kv_cache(inference_context, key, value, attention_mask)
         context = run_core_attention(self, query, key, value, attention_mask, attention_bias)  # [s, b, heads/tp*d]
         return self.linear_proj(context)
+
+    def _with_kv_cache(
+        self, inference_context: Any, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append ``key``/``value`` ``[s, b, groups/tp, d]`` to the cache; return every cached position's
+        ``[offset + s, b, groups/tp, d]`` and the causal mask ``[s, offset + s]`` of this call's queries
+        (True = blocked), or-ed with ``mask``."""
+        self._refuse_in_inference()
+        s = key.shape[0]
+        positions = inference_context.query_positions(s, key.device)  # [s]
+        key, value = inference_context.append_key_value(self.layer_number, key, value)  # [offset + s, b, g, d]
+        blocked = build_attention_mask(s, key.shape[0], query_positions=positions)  # [s, offset + s]
+        return key, value, blocked if mask is None else mask | blocked
+
+    def _refuse_in_inference(self) -> None:
+        c = self.config
+        if self.core_attention.cp_size > 1 or c.window_size is not None or c.sequence_parallel:
+            raise NotImplementedError(
+                "SelfAttention with inference_context: not supported yet with context parallelism, "
+                f"window_size or sequence_parallel (cp={self.core_attention.cp_size}, window_size={c.window_size}, "
+                f"sequence_parallel={c.sequence_parallel})"
+            )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 import torch
 
@@ -90,10 +90,13 @@ class TransformerBlock(MegatronModule):
         context: Optional[torch.Tensor] = None,
         context_mask: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
+        inference_context: Optional[Any] = None,
     ) -> torch.Tensor:
         extra = {} if context is None else {"context": context, "context_mask": context_mask}
         if attention_bias is not None:
             extra["attention_bias"] = attention_bias
+        if inference_context is not None:
+            extra["inference_context"] = inference_context
         for layer in self.layers[start:end]:
             hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb, **extra)
         return hidden
@@ -113,6 +116,7 @@ class TransformerBlock(MegatronModule):
         context: Optional[torch.Tensor] = None,
         context_mask: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
+        inference_context: Optional[Any] = None,
     ) -> torch.Tensor:
         """``[s(/tp with SP), b, h]`` -> same shape.
 
@@ -120,6 +124,7 @@ class TransformerBlock(MegatronModule):
         mask (True = blocked) for layers with cross-attention. ``attention_bias`` ``[1|b, heads/tp, s, s]``
         is added to every layer's self-attention scores (T5's relative position bias, computed once).
         Under full recomputation both tensors enter the checkpoint as inputs, so their gradients flow.
+        ``inference_context`` (the KV cache, ``megatron.core.inference``) goes to every layer.
         """
         if not self.pre_process:
             hidden_states = self.input_tensor
@@ -136,7 +141,7 @@ class TransformerBlock(MegatronModule):
                 if self._recomputed(start):
                     hidden_states = checkpoint(
                         lambda h, c, a, s=start, e=end: self._run_layers(
-                            h, s, e, attention_mask, rotary_pos_emb, c, context_mask, a
+                            h, s, e, attention_mask, rotary_pos_emb, c, context_mask, a, inference_context
                         ),
                         bool(self.config.distribute_saved_activations),
                         hidden_states,
@@ -146,7 +151,15 @@ class TransformerBlock(MegatronModule):
                     )
                 else:
                     hidden_states = self._run_layers(
-                        hidden_states, start, end, attention_mask, rotary_pos_emb, context, context_mask, attention_bias
+                        hidden_states,
+                        start,
+                        end,
+                        attention_mask,
+                        rotary_pos_emb,
+                        context,
+                        context_mask,
+                        attention_bias,
+                        inference_context,
                     )
                 start = end
         if self.final_layernorm is not None:

@@ -12,7 +12,7 @@ post-LN transformer (``norm(x + attn(x))``, then ``norm(x + mlp(x))``) of BERT a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -88,17 +88,23 @@ class TransformerLayer(MegatronModule):
         context: Optional[torch.Tensor] = None,
         context_mask: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
+        inference_context: Optional[Any] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s(/tp with SP), b, h]`` -> (same shape, ``context``).
 
         ``context`` (the encoder output ``[sk(/tp), b, h]``) and ``context_mask`` (True = blocked) feed
         the cross-attention of layers that have one; ``attention_bias`` is added to the self-attention
-        scores (T5's relative position bias).
+        scores (T5's relative position bias); ``inference_context`` holds the self-attention's KV cache.
         """
+        if inference_context is not None and self.cross_attention is not None:
+            raise NotImplementedError("TransformerLayer: inference_context with cross-attention (no KV cache for it)")
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         normed = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(
-            normed, attention_mask, rotary_pos_emb=rotary_pos_emb, **_given(attention_bias=attention_bias)
+            normed,
+            attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            **_given(attention_bias=attention_bias, inference_context=inference_context),
         )
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, normed if post_ln_residual else hidden_states)
         if self.post_self_attn_layernorm is not None:
@@ -124,6 +130,6 @@ class TransformerLayer(MegatronModule):
         return self._bias_dropout_add(out, bias, residual)
 
 
-def _given(**kwargs: Optional[torch.Tensor]) -> dict:
+def _given(**kwargs: Any) -> dict:
     """The keyword arguments that are not None: self-attention modules without them keep working."""
     return {k: v for k, v in kwargs.items() if v is not None}

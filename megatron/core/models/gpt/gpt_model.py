@@ -161,29 +161,41 @@ class GPTModel(LanguageModule):
         ``runtime_gather_output`` overrides ``parallel_output`` for the returned logits (None: keep
         it). ``loss_mask`` is used by Megatron only for multi-token prediction, which is not built
         here (``mtp_num_layers`` is refused), so as there it does not change the result: the loss
-        function applies the mask. ``inference_context`` / ``inference_params``, ``packed_seq_params``
-        and ``extra_block_kwargs`` raise ``NotImplementedError`` unless None.
+        function applies the mask. ``inference_params`` (megatron-core's deprecated name of
+        ``inference_context``), ``packed_seq_params`` and ``extra_block_kwargs`` raise
+        ``NotImplementedError`` unless None.
+
+        ``inference_context`` (``megatron.core.inference.StaticInferenceContext``) makes this call the
+        positions from the context's ``sequence_len_offset`` on: attention caches their keys and
+        values and attends over the cached ones (the caller advances the offset). With
+        ``materialize_only_last_token_logits`` only the last position's logits ``[b, 1, vocab(/tp)]``
+        are computed. Not supported with context parallelism.
         """
         refuse_unimplemented(
             "GPTModel.forward",
-            inference_context=(inference_context, None),
             inference_params=(inference_params, None),
             packed_seq_params=(packed_seq_params, None),
             extra_block_kwargs=(extra_block_kwargs or None, None),
         )
+        if inference_context is not None and self.cp_size > 1:
+            raise NotImplementedError(
+                f"GPTModel.forward: inference_context with context parallelism (cp={self.cp_size})"
+            )
+        if inference_context is not None and position_ids is None and input_ids is not None:
+            position_ids = inference_context.query_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
         if decoder_input is None and self.pre_process:
             if position_ids is None and self.cp_size > 1:
                 position_ids = self._cp_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
             decoder_input = self.embedding(input_ids, position_ids)  # [s/cp(/tp), b, h]
-        rotary = None
-        if self.rotary_pos_emb is not None:
-            local = input_ids.shape[1] if input_ids is not None else decoder_input.shape[0]
-            rotary = self.rotary_pos_emb(local * self.cp_size)  # [s, 1, 1, dim], the whole sequence
-            if self.cp_size > 1:
-                rotary = rotary.index_select(0, self._cp_positions(local, rotary.device))  # [s/cp, 1, 1, dim]
-        hidden = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary)  # [s(/tp), b, h]
+        local = input_ids.shape[1] if input_ids is not None else decoder_input.shape[0]
+        rotary = self._rotary(local, inference_context)
+        hidden = self.decoder(
+            decoder_input, attention_mask, rotary_pos_emb=rotary, **_given(inference_context=inference_context)
+        )  # [s(/tp), b, h]
         if not self.post_process:
             return hidden
+        if inference_context is not None and inference_context.materialize_only_last_token_logits:
+            hidden = hidden[-1:]  # [1, b, h]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/tp]
         if labels is None:
@@ -192,6 +204,21 @@ class GPTModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         return self.compute_language_model_loss(labels, logits)
 
+    def _rotary(self, local: int, inference_context: Optional[Any]) -> Optional[torch.Tensor]:
+        """RoPE angles ``[s(/cp), 1, 1, dim]`` of this call's ``local`` positions (None without RoPE).
+
+        With a KV cache the positions start at the context's ``sequence_len_offset``; under context
+        parallelism angles are computed for the whole sequence and sliced to this rank's chunks.
+        """
+        if self.rotary_pos_emb is None:
+            return None
+        if inference_context is not None:
+            return self.rotary_pos_emb(local, offset=inference_context.sequence_len_offset)  # [s, 1, 1, dim]
+        rotary = self.rotary_pos_emb(local * self.cp_size)  # [s, 1, 1, dim], the whole sequence
+        if self.cp_size > 1:
+            rotary = rotary.index_select(0, self._cp_positions(local, rotary.device))  # [s/cp, 1, 1, dim]
+        return rotary
+
     @property
     def cp_size(self) -> int:
         return self.pg_collection.size_of("cp")
@@ -199,3 +226,8 @@ class GPTModel(LanguageModule):
     def _cp_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """Global positions ``[s/cp]`` of this CP rank's ``local_length`` tokens."""
         return cp_chunk_positions(local_length * self.cp_size, self.cp_size, self.pg_collection.rank_in("cp"), device)
+
+
+def _given(**kwargs: Any) -> dict:
+    """The keyword arguments that are not None (blocks built from custom specs need not take them)."""
+    return {k: v for k, v in kwargs.items() if v is not None}

@@ -1,0 +1,225 @@
+"""The server's HTTP layer with a fake engine: request checks, answers of both endpoints, stop handling.
+
+The fake tokenizer maps one character to one id (its code point), so texts, offsets and cuts are easy
+to state; the fake engine continues every prompt with a fixed script of characters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+pytest.importorskip("flask")
+
+from tools.text_generation.app import create_app  # noqa: E402
+from tools.text_generation.service import GenerationService  # noqa: E402
+from tools.text_generation.validation import PromptContext  # noqa: E402
+
+EOD = 0
+SCRIPT = "ab\ncd\n\nef"
+
+
+class CharTokenizer:
+    vocab_size = 256
+    eod = EOD
+
+    def tokenize(self, text: str) -> List[int]:
+        return [ord(c) for c in text]
+
+    def detokenize(self, ids) -> str:
+        return "".join(chr(i) for i in ids if i != EOD) if ids else ""
+
+
+@dataclass
+class FakeResult:
+    prompt_tokens: List[int]
+    generated_tokens: List[int]
+    prompt_log_probs: Optional[List[float]]
+    generated_log_probs: Optional[List[float]]
+    finish_reason: str
+
+
+def lp(token: int) -> float:
+    """The fake model's log prob of a token: distinct per token, so misalignment shows."""
+    return -token / 100.0
+
+
+class FakeEngine:
+    """Continues each prompt with ``script`` (then EOD when ``end_with_eod``), recording its calls."""
+
+    def __init__(self, script: str = SCRIPT, end_with_eod: bool = False):
+        self.script, self.end_with_eod, self.calls = script, end_with_eod, []
+
+    def generate(self, prompts: List[List[int]], sampling: Dict[str, Any]) -> List[FakeResult]:
+        self.calls.append((prompts, sampling))
+        out = []
+        n = sampling["num_tokens_to_generate"]
+        for prompt in prompts:
+            gen = [ord(c) for c in self.script][:n]
+            reason = "length"
+            if self.end_with_eod and len(gen) < n:
+                gen, reason = gen + [EOD], "stop"
+            lps = sampling["return_log_probs"]
+            out.append(
+                FakeResult(
+                    prompt,
+                    gen,
+                    [lp(t) for t in prompt[1:]] if lps else None,
+                    [lp(t) for t in gen] if lps else None,
+                    reason,
+                )
+            )
+        return out
+
+
+def check_sampling(sampling: Dict[str, Any]) -> None:
+    if sampling["temperature"] > 50:
+        raise ValueError("the engine refuses temperature above 50")
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine()
+
+
+def make_client(engine: FakeEngine, max_len: int = 32):
+    ctx = PromptContext(CharTokenizer(), 256, max_len, EOD)
+    return create_app(GenerationService(engine.generate, ctx, check_sampling, "tiny")).test_client()
+
+
+def put_api(client, body):
+    return client.put("/api", json=body)
+
+
+def post_completions(client, body):
+    return client.post("/v1/completions", json=body)
+
+
+def test_api_returns_prompt_plus_generation_and_token_segments(engine):
+    res = put_api(make_client(engine), {"prompts": ["hi", "yo"], "tokens_to_generate": 2, "top_k": 1})
+    assert res.status_code == 200, res.json
+    assert res.json["text"] == ["hiab", "yoab"]
+    assert res.json["segments"][0] == ["h", "i", "a", "b"]
+    assert res.json["logprobs"] is None
+    prompts, sampling = engine.calls[0]
+    assert prompts == [[ord("h"), ord("i")], [ord("y"), ord("o")]]
+    assert sampling["top_k"] == 1 and sampling["num_tokens_to_generate"] == 2 and sampling["stop_token_ids"] == [EOD]
+
+
+def test_api_logprobs_cover_every_token_after_the_first(engine):
+    res = put_api(make_client(engine), {"prompts": ["hi"], "tokens_to_generate": 2, "logprobs": True})
+    assert res.json["logprobs"] == [[lp(ord(c)) for c in "iab"]]
+
+
+def test_api_stop_on_eol_keeps_the_newline_and_add_bos_prepends_eod(engine):
+    res = put_api(
+        make_client(engine), {"prompts": ["x"], "tokens_to_generate": 8, "stop_on_eol": True, "add_BOS": True}
+    )
+    assert res.json["text"] == ["xab\n"]
+    assert engine.calls[0][0] == [[EOD, ord("x")]]
+    res = put_api(make_client(engine), {"prompts": ["x"], "tokens_to_generate": 9, "stop_on_double_eol": True})
+    assert res.json["text"] == ["xab\ncd\n\n"]
+
+
+def test_completions_shape_and_stop_string_cut(engine):
+    body = {"prompt": "hi", "max_tokens": 9, "temperature": 0, "stop": ["\n\n", "d"], "logprobs": 1, "model": "x"}
+    res = post_completions(make_client(engine), body)
+    assert res.status_code == 200, res.json
+    answer = res.json
+    assert answer["object"] == "text_completion" and answer["model"] == "tiny"
+    (choice,) = answer["choices"]
+    assert choice["text"] == "ab\nc" and choice["finish_reason"] == "stop" and choice["index"] == 0
+    assert choice["logprobs"]["tokens"] == ["a", "b", "\n", "c"]
+    assert choice["logprobs"]["token_logprobs"] == [lp(ord(c)) for c in "ab\nc"]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert engine.calls[0][1]["temperature"] == 0.0 and engine.calls[0][1]["top_p"] == 0.0
+
+
+def test_completions_echo_logprobs_zero_tokens_scores_the_prompt(engine):
+    res = post_completions(make_client(engine), {"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 0})
+    (choice,) = res.json["choices"]
+    assert choice["text"] == "abc"
+    assert choice["logprobs"]["token_logprobs"] == [None, lp(ord("b")), lp(ord("c"))]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"b": lp(ord("b"))}, {"c": lp(ord("c"))}]
+
+
+def test_completions_accepts_token_id_prompts_as_lm_eval_sends_them(engine):
+    body = {"prompt": [[104, 105], [120]], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0, "seed": 1234}
+    res = post_completions(make_client(engine), body)
+    assert [c["text"] for c in res.json["choices"]] == ["hia", "xa"]
+    assert res.json["choices"][0]["logprobs"]["token_logprobs"] == [None, lp(105), lp(ord("a"))]
+    assert engine.calls[0][1]["seed"] == 1234
+
+
+def test_end_of_document_ends_the_generation_and_is_not_shown():
+    engine = FakeEngine("ab", end_with_eod=True)
+    res = post_completions(make_client(engine), {"prompt": "x", "max_tokens": 5, "logprobs": 0})
+    (choice,) = res.json["choices"]
+    assert choice["text"] == "ab" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["tokens"] == ["a", "b"]
+    res = post_completions(make_client(FakeEngine("ab")), {"prompt": "x", "max_tokens": 2})
+    assert res.json["choices"][0]["finish_reason"] == "length"
+
+
+BAD_REQUESTS = [
+    ("/api", {"prompts": "hi"}, "prompts must be"),
+    ("/api", {"prompts": []}, "prompts must be"),
+    ("/api", {"prompts": ["hi"], "tokens_to_generate": -1}, "tokens_to_generate must be at least 0"),
+    ("/api", {"prompts": ["hi"], "tokens_to_generate": "3"}, "tokens_to_generate must be an integer"),
+    ("/api", {"prompts": ["hi"], "tokens_to_generate": 0}, "logprobs should be true"),
+    ("/api", {"prompts": ["hi"], "top_k": 2, "top_p": 0.5}, "cannot set both"),
+    ("/api", {"prompts": ["hi"], "beam_width": 2}, "unknown field"),
+    ("/api", {"prompts": ["hi"], "tokens_to_generate": 31}, "over the maximum sequence length 32"),
+    ("/api", {"prompts": [""]}, "prompt 0 is empty"),
+    ("/api", {"prompts": ["hi"], "logprobs": "yes"}, "logprobs must be true or false"),
+    ("/v1/completions", {"max_tokens": 1}, "missing field"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -2}, "max_tokens must be at least 0"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n must be between 1 and 1"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature must be between"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs must be between 0 and 5"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop must be"),
+    ("/v1/completions", {"prompt": [1, 999]}, "outside [0, 256)"),
+    ("/v1/completions", {"prompt": {"a": 1}}, "prompt must be"),
+    ("/v1/completions", {"prompt": "hi", "stream": True}, "unknown field"),
+    ("/v1/completions", {"prompt": "x" * 30, "max_tokens": 3}, "over the maximum sequence length"),
+    ("/v1/completions", [1, 2], "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("path,body,message", BAD_REQUESTS)
+def test_bad_requests_get_400_and_never_reach_the_engine(engine, path, body, message):
+    client = make_client(engine)
+    res = client.open(path, method="PUT" if path == "/api" else "POST", json=body)
+    assert res.status_code == 400
+    assert message in res.json["error"]["message"]
+    assert engine.calls == []
+    assert put_api(client, {"prompts": ["ok"], "tokens_to_generate": 1}).status_code == 200
+
+
+def test_malformed_json_and_wrong_method(engine):
+    client = make_client(engine)
+    res = client.put("/api", data="{not json", content_type="application/json")
+    assert res.status_code == 400 and "valid JSON" in res.json["error"]["message"]
+    assert client.get("/api").status_code == 405
+    assert post_completions(client, {"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_engine_value_errors_are_the_clients_400(engine):
+    def refuse(prompts, sampling):
+        raise ValueError("prompt too long for the engine")
+
+    ctx = PromptContext(CharTokenizer(), 256, 32, EOD)
+    client = create_app(GenerationService(refuse, ctx, check_sampling)).test_client()
+    res = post_completions(client, {"prompt": "hi", "max_tokens": 1})
+    assert res.status_code == 400 and "too long" in res.json["error"]["message"]
+
+
+def test_sampling_check_refuses_before_generating(engine):
+    client = make_client(engine)
+    res = put_api(client, {"prompts": ["hi"], "temperature": 60})
+    assert res.status_code == 400 and engine.calls == []
+    assert put_api(client, {"prompts": ["hi"], "tokens_to_generate": 1}).status_code == 200

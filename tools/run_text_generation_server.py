@@ -1,0 +1,99 @@
+"""Serve a GPT checkpoint over HTTP.
+
+``torchrun --nproc-per-node N tools/run_text_generation_server.py <model flags> --load CKPT``:
+
+Rank 0 answers Megatron's ``PUT /api`` and OpenAI's ``POST /v1/completions`` (``--port``, default
+5000; ``--port 0`` picks a free one, printed at start). Each request is checked on rank 0, then
+broadcast so that every rank runs the same collective ``engine.generate``. SIGTERM (or Ctrl-C) on
+rank 0 finishes the request in flight, tells the other ranks to stop, and every rank exits 0;
+the other ranks ignore their own SIGTERM and wait for that stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: the repository root holds megatron/ and tools/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.core.tensor_parallel.random import use_rng_tracker  # noqa: E402
+from megatron.training.initialize import shutdown_distributed  # noqa: E402
+from pretrain_gpt import model_provider  # noqa: E402
+from tools.text_generation.app import create_app  # noqa: E402
+from tools.text_generation.model_loading import ServedModel, build_engine, load_served_model  # noqa: E402
+from tools.text_generation.ranks import Leader, follow  # noqa: E402
+from tools.text_generation.service import GenerationService  # noqa: E402
+from tools.text_generation.validation import PromptContext  # noqa: E402
+
+
+def sampling_params(sampling: Dict[str, Any]) -> Any:
+    """The engine's ``SamplingParams`` (its ``__post_init__`` raises ``ValueError`` on bad values)."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    return SamplingParams(**sampling)
+
+
+def eod_or_none(tokenizer: Any) -> Optional[int]:
+    """The tokenizer's end-of-document id, which ends generations; None when it has none."""
+    try:
+        return tokenizer.eod
+    except NotImplementedError:  # MissingSpecialTokenError
+        return None
+
+
+def heartbeat_seconds(served: ServedModel) -> float:
+    """Idle followers must hear from rank 0 well within the process-group timeout."""
+    return min(60.0, served.args.distributed_timeout_minutes * 60.0 / 4)
+
+
+def serve(served: ServedModel, run_generation) -> None:
+    """Rank 0: the HTTP server until SIGTERM/SIGINT, then the stop command to every rank."""
+    from werkzeug.serving import make_server
+
+    lock = threading.Lock()
+    leader = Leader(run_generation, lock, heartbeat_seconds(served))
+    tok = served.tokenizer
+    ctx = PromptContext(tok, tok.vocab_size, served.max_sequence_length, eod_or_none(tok))
+    name = os.path.basename(os.path.normpath(served.args.load))
+    service = GenerationService(leader.generate, ctx, check_sampling=sampling_params, model_name=name)
+    server = make_server(served.args.host, served.args.port, create_app(service, lock), threaded=False)
+    stop = lambda *_: threading.Thread(target=server.shutdown, daemon=True).start()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    leader.start()
+    print(f"text generation server listening on http://{served.args.host}:{server.port}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        leader.stop()
+    print("text generation server stopped", flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    served = load_served_model(model_provider, argv)
+    engine = build_engine(served)
+
+    def run_generation(prompts: List[List[int]], sampling: Dict[str, Any]):
+        return engine.generate(prompts, sampling_params(sampling))
+
+    with use_rng_tracker(served.run.rng_tracker), torch.no_grad():
+        if dist.get_rank() == 0:
+            serve(served, run_generation)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 sends the stop
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            follow(run_generation)
+    shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
