@@ -254,3 +254,17 @@ def test_train_samples_with_batch_rampup(tmp_path):
         for key, top, bottom in (("learning rate", 3e-3, 0.0), ("decoupled learning rate", 1e-2, 1e-3)):
             want = top * done / 8 if done <= 8 else bottom + (top - bottom) * max(0.0, (40 - done) / 32)
             assert math.isclose(line[key], want, rel_tol=1e-5, abs_tol=1e-12), (key, done, line[key])
+
+
+def test_skip_train_with_load_evaluates_the_checkpoint(tmp_path):
+    """``--skip-train --load CKPT`` (Megatron's evaluation run) reports the validation and test losses the training
+    run reported after saving that checkpoint."""
+    base = tiny_gpt_flags(3) + mock_flags()
+    ckpt = str(tmp_path / "ckpt")
+    trained = run_gpt(1, base + ["--save", ckpt], str(tmp_path))
+    assert_ok(trained, "training run")
+    evaluated = run_gpt(1, base + ["--load", ckpt, "--skip-train"], str(tmp_path))
+    assert_ok(evaluated, "--skip-train run")
+    assert not evaluated.lines  # no training iteration
+    assert [e["prefix"] for e in evaluated.evaluations] == ["validation", "test"]
+    assert evaluated.evaluations == trained.evaluations
