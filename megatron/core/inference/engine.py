@@ -118,6 +118,12 @@ class InferenceEngine:
                 f"(sequence_parallel={self.config.sequence_parallel}, cp={pg_collection.size_of('cp')})"
             )
         self.max_sequence_length = max_sequence_length or self.module.max_sequence_length
+        learned = self.module.position_embedding_type == "learned_absolute"
+        if learned and self.max_sequence_length > self.module.max_sequence_length:
+            raise ValueError(
+                f"InferenceEngine: max_sequence_length={self.max_sequence_length} exceeds the model's "
+                f"{self.module.max_sequence_length} learned positions"
+            )
         self.device = next(self.module.parameters()).device
         self.p2p = None
         if pg_collection.size_of("pp") > 1:

@@ -206,8 +206,13 @@ class DotProductAttention(MegatronModule):
     def _with_window(
         self, mask: Optional[torch.Tensor], causal: bool, sq: int, sk: int, device: torch.device
     ) -> torch.Tensor:
-        """``mask`` (True = blocked) with the sliding window, and the causal mask, folded in."""
-        blocked = build_attention_mask(sq, sk, causal, self.config.window_size, device=device)  # [sq, sk]
+        """``mask`` (True = blocked) with the sliding window, and the causal mask, folded in.
+
+        The queries are the last ``sq`` of the ``sk`` positions: the same ones when ``sq == sk``, and
+        with a KV cache (``sq < sk``) this call's tokens after the cached ones.
+        """
+        positions = torch.arange(sk - sq, sk, device=device)  # [sq]
+        blocked = build_attention_mask(sq, sk, causal, self.config.window_size, query_positions=positions)
         return blocked if mask is None else mask | blocked
 
     def _unfused(
@@ -364,9 +369,8 @@ class SelfAttention(MegatronModule):
 
     def _refuse_in_inference(self) -> None:
         c = self.config
-        if self.core_attention.cp_size > 1 or c.window_size is not None or c.sequence_parallel:
+        if self.core_attention.cp_size > 1 or c.sequence_parallel:
             raise NotImplementedError(
-                "SelfAttention with inference_context: not supported yet with context parallelism, "
-                f"window_size or sequence_parallel (cp={self.core_attention.cp_size}, window_size={c.window_size}, "
-                f"sequence_parallel={c.sequence_parallel})"
+                "SelfAttention with inference_context: not supported yet with context parallelism or "
+                f"sequence_parallel (cp={self.core_attention.cp_size}, sequence_parallel={c.sequence_parallel})"
             )

@@ -4,17 +4,20 @@ A batch of three prompts of different lengths; each HF reference generates its p
 same on one rank, and under TP=2 and PP=2 (both layouts in one spawned group of two gloo ranks),
 where every rank must return the same results. Under TP/PP, seeded sampling with log-probabilities
 and a greedy run with a stop token must also equal a single-rank engine over the same weights
-(tokens exactly, log-probs 1e-5).
+(tokens exactly, log-probs 1e-5). A sliding window (ours exported to Mistral) equals Mistral's greedy.
 """
 
 import pytest
 import torch
+import transformers
 
+from megatron.core import parallel_state as ps
 from megatron.core.inference.engine import InferenceEngine
 from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.models.gpt.hf_state_dict import to_hf_llama
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
-from tests.model_utils import single_rank_groups
+from tests.model_utils import VOCAB, build_gpt, llama_style, single_rank_groups
 from tests.unit_tests.inference.hf_models import hf_greedy, hf_model, our_model, random_prompts
 
 NEW_TOKENS = 10
@@ -68,3 +71,37 @@ def test_greedy_equals_hugging_face(layouts):
         for kind, got in kinds.items():
             assert got["ours"] == got["hf"], f"{kind} tp={tp} pp={pp}: ours {got['ours']} != HF {got['hf']}"
             assert got["finish"] == ["length"] * 3
+
+
+def _mistral_body(rank, world_size):
+    """Sliding-window attention (window 4) over the KV cache against Mistral's own cache."""
+    groups = ps.initialize_model_parallel(1, 1)
+    ours = build_gpt(llama_style(window_size=(3, 0), max_sequence_length=32, init_method_std=0.2), groups).eval()
+    hf = transformers.MistralForCausalLM(
+        transformers.MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=ours.config.hidden_size,
+            intermediate_size=ours.config.ffn_hidden_size,
+            num_hidden_layers=ours.config.num_layers,
+            num_attention_heads=ours.config.num_attention_heads,
+            num_key_value_heads=ours.config.num_query_groups,
+            max_position_embeddings=32,
+            rms_norm_eps=ours.config.layernorm_epsilon,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            sliding_window=4,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).eval()
+    hf.load_state_dict(to_hf_llama(ours.state_dict(), ours.config), strict=True)
+    prompts = random_prompts([3, 9, 6])
+    results = InferenceEngine(ours, groups).generate(
+        prompts, SamplingParams(temperature=0.0, num_tokens_to_generate=12)
+    )
+    return [r.generated_tokens for r in results], hf_greedy(hf, prompts, 12)
+
+
+def test_sliding_window_equals_mistral():
+    ours, hf = run_distributed(_mistral_body, 1)[0]
+    assert ours == hf, f"ours {ours} != Mistral {hf}"

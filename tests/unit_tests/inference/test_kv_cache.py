@@ -1,7 +1,7 @@
 """The KV cache: logits of a prefill then one token per call equal a full recompute (fp32, atol 1e-5).
 
 GPT-2 style (learned positions, MHA) and Llama style (RoPE, grouped-query attention), with the SDPA
-and unfused softmax backends, and Llama style with MoE layers; a single rank.
+and unfused softmax backends, Llama style with MoE layers and with a sliding window; a single rank.
 """
 
 import pytest
@@ -33,6 +33,8 @@ CASES = [
     ("llama", llama_style(attention_backend="auto")),
     ("llama unfused", llama_style(attention_backend="unfused")),
     ("llama moe", llama_style(**MOE)),
+    ("llama window", llama_style(window_size=(3, 0))),  # Mistral's sliding_window=4
+    ("llama window unfused", llama_style(window_size=(3, 0), attention_backend="unfused")),
 ]
 
 
@@ -59,19 +61,19 @@ def test_cached_logits_equal_full_recompute():
         assert diff <= ATOL, f"{name}: max |cached - full| = {diff:.3g} > {ATOL}"
 
 
-def _refusals_body(rank, world_size):
+def _limits_body(rank, world_size):
     groups = ps.initialize_model_parallel(1, 1)
-    tokens, _ = batch(b=1)
-    context = StaticInferenceContext(1, 16)
-    model = build_gpt(llama_style(window_size=(3, 0)), groups).eval()
-    with pytest.raises(NotImplementedError, match="window_size"):
-        model(tokens, inference_context=context)
-    small = StaticInferenceContext(1, 4)
-    with pytest.raises(ValueError, match="KV cache overflow"):
-        build_gpt(gpt2_style(), groups).eval()(tokens, inference_context=small)
+    tokens, _ = batch(b=2)  # [2, 16]
+    model = build_gpt(gpt2_style(), groups).eval()
+    with pytest.raises(ValueError, match="KV cache overflow: positions 0..15 .*max_sequence_length=4"):
+        model(tokens, inference_context=StaticInferenceContext(2, 4))
+    with pytest.raises(ValueError, match="KV cache overflow: .* of batch 2.*max_batch_size=1"):
+        model(tokens, inference_context=StaticInferenceContext(1, 16))
     with pytest.raises(ValueError, match="max_batch_size=0"):
         StaticInferenceContext(0, 4)
+    with pytest.raises(NotImplementedError, match="inference_params"):
+        model(tokens, inference_params=StaticInferenceContext(2, 16))
 
 
-def test_unsupported_features_refused():
-    run_distributed(_refusals_body, 1)
+def test_cache_limits_checked():
+    run_distributed(_limits_body, 1)

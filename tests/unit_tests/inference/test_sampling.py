@@ -11,7 +11,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.inference import InferenceEngine, SamplingParams
 from megatron.core.inference.sampling import sample_tokens
 from tests.dist_harness import run_distributed
-from tests.model_utils import VOCAB, build_gpt, llama_style
+from tests.model_utils import VOCAB, build_gpt, gpt2_style, llama_style
 from tests.unit_tests.inference.hf_models import random_prompts
 
 ATOL = 1e-5
@@ -156,6 +156,12 @@ def _engine_errors_body(rank, world_size):
     with pytest.raises(ValueError, match="max_sequence_length=8"):
         InferenceEngine(model, groups, max_sequence_length=8).generate([[1, 2]], params)
     assert engine.generate([], params) == []
+    with pytest.raises(NotImplementedError, match="2 model chunks"):
+        InferenceEngine([model, model], groups)
+    with pytest.raises(TypeError, match="must be SamplingParams"):
+        engine.generate([[1, 2]], {"temperature": 0.0})
+    with pytest.raises(ValueError, match="max_sequence_length=64 exceeds the model's 16 learned positions"):
+        InferenceEngine(build_gpt(gpt2_style(), groups).eval(), groups, max_sequence_length=64)
     params.top_k = -2  # edited after construction: generate checks again
     with pytest.raises(ValueError, match="top_k=-2"):
         engine.generate([[1, 2]], params)

@@ -190,7 +190,7 @@ class GPTModel(LanguageModule):
         local = input_ids.shape[1] if input_ids is not None else decoder_input.shape[0]
         rotary = self._rotary(local, inference_context)
         hidden = self.decoder(
-            decoder_input, attention_mask, rotary_pos_emb=rotary, **_given(inference_context=inference_context)
+            decoder_input, attention_mask, rotary_pos_emb=rotary, inference_context=inference_context
         )  # [s(/tp), b, h]
         if not self.post_process:
             return hidden
@@ -226,8 +226,3 @@ class GPTModel(LanguageModule):
     def _cp_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """Global positions ``[s/cp]`` of this CP rank's ``local_length`` tokens."""
         return cp_chunk_positions(local_length * self.cp_size, self.cp_size, self.pg_collection.rank_in("cp"), device)
-
-
-def _given(**kwargs: Any) -> dict:
-    """The keyword arguments that are not None (blocks built from custom specs need not take them)."""
-    return {k: v for k, v in kwargs.items() if v is not None}
