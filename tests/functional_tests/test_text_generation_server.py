@@ -159,7 +159,10 @@ def test_two_ranks_tensor_parallel_answer_like_one_and_stop_on_sigterm(trained):
     flags, reference, tmp = trained
     tp_dir = os.path.join(tmp, "tp2")
     os.makedirs(tp_dir, exist_ok=True)
-    with ServerRanks(flags + ["--tensor-model-parallel-size", "2"], tp_dir, world=2) as ranks:
+    # Served as the README does it, without --use-cpu-initialization: TP layers then initialise (before the
+    # checkpoint overwrites them) from the run's model-parallel RNG stream, which must be installed.
+    served = [f for f in flags if f != "--use-cpu-initialization"] + ["--tensor-model-parallel-size", "2"]
+    with ServerRanks(served, tp_dir, world=2) as ranks:
         status, answer = completions(ranks, {"prompt": PROMPTS, "max_tokens": GREEDY_TOKENS, "temperature": 0})
         assert status == 200, answer
         assert [c["text"] for c in answer["choices"]] == reference["greedy"]

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import use_rng_tracker
 from megatron.core.transformer.enums import ModelType
 from megatron.training.arguments import checkpoint_config_from_args, core_transformer_config_from_args
 from megatron.training.checkpointing import args_to_plain_data, load_checkpoint
@@ -71,7 +72,8 @@ def load_served_model(model_provider, argv: Optional[Sequence[str]] = None) -> S
         )
     tokenizer = build_tokenizer_from_args(args)
     config = core_transformer_config_from_args(args)
-    chunks = build_model_chunks(model_provider, ModelType.encoder_or_decoder, args, config, run.groups)
+    with use_rng_tracker(run.rng_tracker):  # TP layers initialise from the run's model-parallel stream
+        chunks = build_model_chunks(model_provider, ModelType.encoder_or_decoder, args, config, run.groups)
     load_checkpoint(
         chunks,
         None,
