@@ -97,6 +97,9 @@ class InferenceEngine:
     of ``pg_collection``: this rank's stage, or a one-element list of it (no virtual pipelining).
 
     ``max_sequence_length`` (default: the model's) bounds prompt length + tokens to generate.
+    ``vocab_size`` (default: the model's): the tokenizer's vocabulary when the model's is padded (a
+    multiple of ``make_vocab_size_divisible_by x TP``): ids from it on are never chosen, and
+    log-probabilities are normalized over the tokenizer's ids only, as in the unpadded model.
     """
 
     def __init__(
@@ -104,6 +107,8 @@ class InferenceEngine:
         model: Union[torch.nn.Module, List[torch.nn.Module]],
         pg_collection: ProcessGroupCollection,
         max_sequence_length: Optional[int] = None,
+        *,
+        vocab_size: Optional[int] = None,
     ) -> None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if len(chunks) != 1:
@@ -124,6 +129,9 @@ class InferenceEngine:
                 f"InferenceEngine: max_sequence_length={self.max_sequence_length} exceeds the model's "
                 f"{self.module.max_sequence_length} learned positions"
             )
+        self.vocab_size = vocab_size or self.module.vocab_size
+        if not 0 < self.vocab_size <= self.module.vocab_size:
+            raise ValueError(f"InferenceEngine: vocab_size={vocab_size} must be in [1, {self.module.vocab_size}]")
         self.device = next(self.module.parameters()).device
         self.p2p = None
         if pg_collection.size_of("pp") > 1:
@@ -167,7 +175,7 @@ class InferenceEngine:
         params.validate()
         if self.model.training:
             raise ValueError("InferenceEngine.generate: the model is in training mode; call model.eval() first")
-        vocab = self.module.vocab_size
+        vocab = self.vocab_size
         limit = self.max_sequence_length - params.num_tokens_to_generate
         for j, prompt in enumerate(prompts):
             if len(prompt) == 0:
@@ -221,6 +229,7 @@ class InferenceEngine:
         chosen = torch.empty(b, dtype=torch.long, device=self.device)
         log_probs = torch.empty(b, s, device=self.device) if params.return_log_probs else None
         if logits is not None:
+            logits = logits[..., : self.vocab_size]  # [b, s|1, V]: the tokenizer's ids, not the padding
             sampled = sample_tokens(logits[:, -1].float(), params, generator)  # [b]
             chosen = torch.where(in_prompt, targets[:, -1], sampled)
             if log_probs is not None:

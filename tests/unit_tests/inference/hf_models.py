@@ -92,7 +92,7 @@ def hf_greedy(hf: transformers.PreTrainedModel, prompts: List[List[int]], new_to
     return out
 
 
-def random_prompts(lengths: List[int], seed: int = 0) -> List[List[int]]:
-    """Random token ids, one prompt per length."""
+def random_prompts(lengths: List[int], seed: int = 0, vocab: int = HF_VOCAB) -> List[List[int]]:
+    """Random token ids below ``vocab``, one prompt per length."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, HF_VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

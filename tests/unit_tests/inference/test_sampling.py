@@ -171,5 +171,35 @@ def _engine_errors_body(rank, world_size):
         engine.generate([[1, 2]], params)
 
 
+def _padded_vocab_body(rank, world_size):
+    """With the tokenizer's ``vocab_size`` the padded ids (boosted here so they would win) are never chosen:
+    greedy tokens and log-probs equal a full-recompute loop over the first ``vocab_size`` logits."""
+    groups = ps.initialize_model_parallel(1, 1)
+    model, _ = _engine(groups)
+    with torch.no_grad():
+        model.output_layer.weight[100:] *= 5
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=6, return_log_probs=True)
+    prompts = random_prompts(LENGTHS, vocab=100)
+    unrestricted = InferenceEngine(model, groups).generate(prompts, params)
+    assert any(t >= 100 for r in unrestricted for t in r.generated_tokens), "padding never wins: nothing tested"
+    for prompt, r in zip(prompts, InferenceEngine(model, groups, vocab_size=100).generate(prompts, params)):
+        tokens, log_probs = list(prompt), []
+        for _ in range(6):
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens]))[0, -1, :100].float()  # [100]
+            tokens.append(int(logits.argmax()))
+            log_probs.append(torch.log_softmax(logits, -1)[tokens[-1]].item())
+        assert r.generated_tokens == tokens[len(prompt) :]
+        torch.testing.assert_close(torch.tensor(r.generated_log_probs), torch.tensor(log_probs), rtol=0, atol=ATOL)
+    with pytest.raises(ValueError, match="outside the vocabulary \\[0, 100\\)"):
+        InferenceEngine(model, groups, vocab_size=100).generate([[1, 100]], params)
+    with pytest.raises(ValueError, match="vocab_size=129 must be in \\[1, 128\\]"):
+        InferenceEngine(model, groups, vocab_size=129)
+
+
+def test_padded_vocabulary_never_sampled():
+    run_distributed(_padded_vocab_body, 1)
+
+
 def test_generate_rejects_bad_prompts_before_any_work():
     run_distributed(_engine_errors_body, 1)
