@@ -93,4 +93,7 @@ def build_engine(served: ServedModel) -> Any:
     from megatron.core.inference.engine import InferenceEngine
 
     model = served.chunks[0] if len(served.chunks) == 1 else served.chunks
-    return InferenceEngine(model, served.groups, max_sequence_length=served.max_sequence_length)
+    # The tokenizer's size: the padded vocabulary rows (zero weights, logit 0) must never be sampled.
+    return InferenceEngine(
+        model, served.groups, max_sequence_length=served.max_sequence_length, vocab_size=served.tokenizer.vocab_size
+    )

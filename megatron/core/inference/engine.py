@@ -98,8 +98,9 @@ class InferenceEngine:
 
     ``max_sequence_length`` (default: the model's) bounds prompt length + tokens to generate.
     ``vocab_size`` (default: the model's): the tokenizer's vocabulary when the model's is padded (a
-    multiple of ``make_vocab_size_divisible_by x TP``): ids from it on are never chosen, and
-    log-probabilities are normalized over the tokenizer's ids only, as in the unpadded model.
+    multiple of ``make_vocab_size_divisible_by x TP``): ids from it on are never chosen. Log-probabilities
+    stay normalized over the whole padded vocabulary, the distribution the model was trained with (as
+    Megatron's), so the echoed prompt's log-probabilities reproduce the training loss.
     """
 
     def __init__(
@@ -229,8 +230,8 @@ class InferenceEngine:
         chosen = torch.empty(b, dtype=torch.long, device=self.device)
         log_probs = torch.empty(b, s, device=self.device) if params.return_log_probs else None
         if logits is not None:
-            logits = logits[..., : self.vocab_size]  # [b, s|1, V]: the tokenizer's ids, not the padding
-            sampled = sample_tokens(logits[:, -1].float(), params, generator)  # [b]
+            choosable = logits[:, -1, : self.vocab_size].float()  # [b, V]: the tokenizer's ids, not the padding
+            sampled = sample_tokens(choosable, params, generator)  # [b]
             chosen = torch.where(in_prompt, targets[:, -1], sampled)
             if log_probs is not None:
                 targets = torch.cat([targets[:, :-1], chosen[:, None]], dim=1)  # [b, s]
