@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 from megatron.training.flags.registry import config_from_args
 from megatron.training.training import pretrain
+from megatron.training.utils import next_batch_on_device
 
 BATCH_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
 
@@ -96,21 +97,12 @@ def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tens
     return lm_loss + sop_loss, {"lm loss": lm_loss.detach(), "sop loss": sop_loss.detach()}
 
 
-def get_batch(data_iterator: Iterator) -> dict:
-    """The next micro batch's tensors (``BATCH_KEYS``), on the GPU if there is one."""
-    batch = next(data_iterator)
-    batch = {key: torch.as_tensor(batch[key]) for key in BATCH_KEYS}
-    if torch.cuda.is_available():
-        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
-    return batch
-
-
 def forward_step(data_iterator: Iterator, model: BertModel):
     """Run one micro batch; returns the model output and the loss function to apply to it.
 
     Token types go in only with the binary head (the model then has token-type embeddings).
     """
-    batch = get_batch(data_iterator)
+    batch = next_batch_on_device(data_iterator, BATCH_KEYS)
     types = batch["types"] if unwrap_model(model).add_binary_head else None
     output = model(batch["text"], batch["padding_mask"], tokentype_ids=types, lm_labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"], batch["is_random"])

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 from megatron.training.flags.registry import config_from_args
 from megatron.training.training import pretrain
+from megatron.training.utils import masked_token_loss, next_batch_on_device
 
 
 def model_provider(
@@ -72,24 +73,12 @@ def train_valid_test_datasets_provider(
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, dataset_config(args, tokenizer)).build()
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked sum of per-token losses, its token count, and the ``lm loss`` entry to report.
-
-    Under context parallelism both cover this CP rank's tokens only: the schedule sums the counts
-    over CP before dividing, and the report's [sum, count] pairs are summed over ``dp_cp``.
-    """
-    losses = output_tensor.float().view(-1)  # [b*s(/cp)]
-    mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+loss_func = masked_token_loss  # (loss_mask, output_tensor) -> (loss sum, token count, {"lm loss": [sum, count]})
 
 
 def get_batch(data_iterator: Iterator, model: torch.nn.Module) -> dict:
     """The next micro batch, on the GPU if there is one, cut to this context-parallel rank's chunks."""
-    batch = next(data_iterator)
-    if torch.cuda.is_available():
-        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+    batch = next_batch_on_device(data_iterator)
     groups = unwrap_model(model).pg_collection
     return get_batch_on_this_cp_rank(batch, groups.cp if groups.size_of("cp") > 1 else None)
 

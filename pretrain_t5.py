@@ -17,8 +17,6 @@ import dataclasses
 from functools import partial
 from typing import Iterator, List, Optional, Sequence
 
-import torch
-
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.t5_dataset import (
     MockT5MaskedWordPieceDataset,
@@ -38,6 +36,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.registry import config_from_args
 from megatron.training.training import pretrain
+from megatron.training.utils import masked_token_loss, next_batch_on_device
 
 BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
 
@@ -109,32 +108,14 @@ def train_valid_test_datasets_provider(
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Summed loss over the target tokens, their count, and the ``lm loss`` entry to report."""
-    losses = output_tensor.float().view(-1)  # [b*s_dec]
-    mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
-
-
-def get_batch(data_iterator: Iterator) -> dict:
-    """The next micro batch's tensors (``BATCH_KEYS``), on the GPU if there is one."""
-    batch = next(data_iterator)
-    batch = {key: torch.as_tensor(batch[key]) for key in BATCH_KEYS}
-    if torch.cuda.is_available():
-        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
-    return batch
-
-
 def forward_step(data_iterator: Iterator, model: T5Model):
     """Run one micro batch; returns the per-token loss and the loss function to apply to it."""
-    batch = get_batch(data_iterator)
+    batch = next_batch_on_device(data_iterator, BATCH_KEYS)
     enc_mask, dec_mask, enc_dec_mask = t5_padding_attention_masks(batch["enc_mask"], batch["dec_mask"])
     output = model(
         batch["text_enc"], batch["text_dec"], enc_mask, dec_mask, enc_dec_mask, lm_labels=batch["labels"]
     )  # [b, s_dec]
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(masked_token_loss, batch["loss_mask"])
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from megatron.core.utils import unwrap_model  # noqa: F401 - Megatron-LM's training.utils exports it
@@ -56,3 +57,26 @@ def call_provider(fn: Callable, *args: Any, offered: Optional[Dict[str, Any]] = 
         raise TypeError(f"{getattr(fn, '__name__', fn)} does not take {', '.join(missing)}, which this run passes")
     extra = {k: v for k, v in (offered or {}).items() if (takes_any or k in params) and k not in required}
     return fn(*args, **required, **extra)
+
+
+def next_batch_on_device(data_iterator: Iterator, keys: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+    """The next micro batch as tensors (only ``keys`` when given), on the GPU if there is one."""
+    batch = next(data_iterator)
+    batch = {key: torch.as_tensor(batch[key]) for key in (keys if keys is not None else batch)}
+    if torch.cuda.is_available():
+        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+    return batch
+
+
+def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Dict]:
+    """Megatron's token-summed LM loss: the masked sum of per-token losses, its token count, and the
+    ``lm loss`` ``[sum, count]`` pair to report (GPT and T5 forward steps).
+
+    Under context parallelism both cover this CP rank's tokens only: the schedule sums the counts
+    over CP before dividing, and the report's pairs are summed over ``dp_cp``.
+    """
+    losses = output_tensor.float().view(-1)  # [b*s(/cp)]
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
