@@ -216,15 +216,25 @@ def to_hf_mixtral(sd: StateDict, config: TransformerConfig) -> StateDict:
     return to_hf_llama(sd, config)
 
 
+# Per-expert names of saved checkpoints (what save_pretrained writes and the Hub holds): the
+# prefix under the layer and the gate, up and down projections (Qwen3-MoE, then Mixtral).
+_PER_EXPERT_NAMES = (
+    ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    ("block_sparse_moe.experts", "w1", "w3", "w2"),
+)
+
+
 def _mixtral_experts_from_hf(hf: StateDict, layer: int, num_experts: int) -> Tuple[list, list]:
-    """(fc1 ``[2*ffn, h]``, fc2 ``[h, ffn]``) per expert, from transformers v5's stacked tensors
-    or the older per-expert ``block_sparse_moe.experts.{j}.w1/w3/w2`` (gate/up/down)."""
-    new = f"model.layers.{layer}.mlp.experts."
-    if new + "gate_up_proj" in hf:
-        return list(hf[new + "gate_up_proj"].unbind(0)), list(hf[new + "down_proj"].unbind(0))
-    old = f"model.layers.{layer}.block_sparse_moe.experts."
-    fc1 = [torch.cat([hf[f"{old}{j}.w1.weight"], hf[f"{old}{j}.w3.weight"]]) for j in range(num_experts)]
-    return fc1, [hf[f"{old}{j}.w2.weight"] for j in range(num_experts)]
+    """(fc1 ``[2*ffn, h]``, fc2 ``[h, ffn]``) per expert, from transformers v5's stacked in-memory tensors
+    or a saved checkpoint's per-expert ``{prefix}.{j}.{gate, up, down}`` weights."""
+    stacked = f"model.layers.{layer}.mlp.experts."
+    if stacked + "gate_up_proj" in hf:
+        return list(hf[stacked + "gate_up_proj"].unbind(0)), list(hf[stacked + "down_proj"].unbind(0))
+    saved = (n for n in _PER_EXPERT_NAMES if f"model.layers.{layer}.{n[0]}.0.{n[1]}.weight" in hf)
+    prefix, gate, up, down = next(saved, _PER_EXPERT_NAMES[-1])  # none found: the KeyError names Mixtral's
+    p = f"model.layers.{layer}.{prefix}."
+    fc1 = [torch.cat([hf[f"{p}{j}.{gate}.weight"], hf[f"{p}{j}.{up}.weight"]]) for j in range(num_experts)]
+    return fc1, [hf[f"{p}{j}.{down}.weight"] for j in range(num_experts)]
 
 
 def from_hf_mixtral(hf: StateDict, config: TransformerConfig) -> StateDict:
