@@ -396,4 +396,8 @@ def _moe_kwargs(args: Args) -> Dict[str, Any]:
         moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
         moe_router_topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
         moe_layer_freq=args.get("moe_layer_freq", 1),
+        moe_router_score_function=args.get("moe_router_score_function") or "softmax",
+        moe_router_num_groups=args.get("moe_router_num_groups"),
+        moe_router_group_topk=args.get("moe_router_group_topk"),
+        moe_router_enable_expert_bias=bool(args.get("moe_router_enable_expert_bias")),
     )
