@@ -117,7 +117,7 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_force_load_balancing: bool = False
     """Benchmarking only: route on random logits (balanced on average), gradient straight through."""
     moe_input_jitter_eps: Optional[float] = None
-    """Multiply router inputs by noise uniform in [1 - eps, 1 + eps]."""
+    """Multiply router inputs by noise uniform in [1 - eps, 1 + eps] (in eval too, as Megatron does)."""
     moe_token_dispatcher_type: str = "allgather"
     """'allgather' or 'alltoall': the same computation here (tokens all-gathered over EP)."""
     moe_layer_freq: Union[int, List[int]] = 1

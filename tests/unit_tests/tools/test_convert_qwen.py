@@ -93,6 +93,7 @@ def test_convert_train_export(tmp_path, kind, tp):
     assert any(not torch.equal(before[k], after[k]) for k in before), "training changed nothing"
     diff, clean, cls = run_distributed(_exported_body, 1, trained, hf_out)[0]
     assert clean and cls == transformers.AutoConfig.from_pretrained(hf_in).architectures[0]
+    print(f"{kind} TP={tp}: max |logits diff| {diff:.3g}")
     assert diff <= MAX_ABS, f"{kind} TP={tp}: max |logits diff| {diff:.3g}"
 
 
