@@ -6,9 +6,12 @@ sequence balance loss, and its checkpoint holds each MoE layer's expert bias, mo
 multiples of the update rate (one per step: +-1 three times cannot sum to 0) from zero.
 """
 
+import pytest
 import torch
 
+from megatron.training import arguments as A
 from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags
+from tests.unit_tests.training.test_arguments import BASE
 from tools.checkpoint import convert
 
 RATE = 0.01
@@ -36,3 +39,25 @@ def test_deepseek_router_flags_train_and_checkpoint_the_bias(tmp_path):
         steps = bias / RATE
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 3
         assert (steps.abs() > 0).any()  # 3 steps of +-1 (0 only if an expert met the mean exactly)
+
+
+def _config_of(extra):
+    args = A.parse_args(BASE + ["--num-experts", "4"] + list(extra), entry_point="gpt")
+    return A.core_transformer_config_from_args(A.validate_args(args, 1))
+
+
+def test_router_flags_fill_the_config():
+    cfg = _config_of(ROUTER_FLAGS[4:] + ["--moe-router-force-load-balancing"])
+    assert (cfg.moe_router_score_function, cfg.moe_router_num_groups, cfg.moe_router_group_topk) == ("sigmoid", 2, 1)
+    assert cfg.moe_router_enable_expert_bias and cfg.moe_router_bias_update_rate == RATE
+    assert (cfg.moe_router_load_balancing_type, cfg.moe_router_dtype, cfg.moe_input_jitter_eps) == (
+        "seq_aux_loss",
+        "fp32",
+        0.01,
+    )
+    assert cfg.moe_router_force_load_balancing and cfg.moe_router_topk_scaling_factor == 2.5
+    assert _config_of(["--moe-router-load-balancing-type", "global_aux_loss"]).moe_router_load_balancing_type == (
+        "global_aux_loss"
+    )
+    with pytest.raises(A.ArgumentsError, match="not supported yet.*sinkhorn"):
+        _config_of(["--moe-router-load-balancing-type", "sinkhorn"])
