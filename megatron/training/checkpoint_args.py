@@ -91,6 +91,10 @@ ARCHITECTURE_ARGS: Dict[str, Callable[[PlainArgs], bool]] = {
             "moe_layer_freq",
             "moe_router_pre_softmax",
             "moe_router_topk_scaling_factor",
+            "moe_router_score_function",
+            "moe_router_num_groups",
+            "moe_router_group_topk",
+            "moe_router_enable_expert_bias",
         )
     },
 }

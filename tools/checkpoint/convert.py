@@ -1,10 +1,16 @@
-"""Convert between Hugging Face GPT-2 / Llama / BERT / T5 directories and our torch_dist checkpoints, on one process.
+"""Convert Hugging Face GPT-2 / Llama-family / BERT / T5 directories to and from our torch_dist checkpoints.
 
     python tools/checkpoint/convert.py --direction hf-to-megatron --hf-dir HF --save CKPT \
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama|bert|t5 [--vocab-size V]
+        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|bert|t5 [--vocab-size V]
+
+Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM and MistralForCausalLM
+(``llama``), Qwen2ForCausalLM (``qwen2``: ``--add-qkv-bias``), Qwen3ForCausalLM (``qwen3``:
+``--qk-layernorm``) and Qwen3MoeForCausalLM (``qwen3_moe``: ``--qk-layernorm`` and MoE MLPs,
+``--num-experts ... --moe-router-topk ... --moe-ffn-hidden-size ...``, ``--moe-router-pre-softmax``
+when ``norm_topk_prob`` is false, ``--moe-layer-freq`` for ``mlp_only_layers``).
 
 hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
 ``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it
@@ -93,6 +99,7 @@ from tools.checkpoint.hf_config import (
     megatron_args_from_hf,
     megatron_flags,
 )
+from tools.checkpoint.llama_family import DECODER_FAMILIES
 from tools.checkpoint.t5 import (
     CROSS_ATTENTION_KEY,
     build_t5,
@@ -282,9 +289,9 @@ def _check_family(saved: Any, kind: str, iter_dir: str) -> None:
 # ---------------------------------------------------------------- the two directions
 _FROM_HF = {
     "gpt2": lambda hf_sd, model: from_hf_gpt2(hf_sd, model.config),
-    "llama": lambda hf_sd, model: from_hf_llama(hf_sd, model.config),
     "bert": bert_from_hf,
     "t5": t5_from_hf,
+    **{kind: lambda hf_sd, model: from_hf_llama(hf_sd, model.config) for kind in DECODER_FAMILIES},
 }
 
 
@@ -341,6 +348,7 @@ def _to_hf_names(sd: StateDict, args: Args, kind: str) -> StateDict:
         hidden_size=config["hidden_size"],
         ffn_hidden_size=config["ffn_hidden_size"],
         kv_channels=config["kv_channels"] or config["hidden_size"] // config["num_attention_heads"],
+        num_moe_experts=config.get("num_moe_experts"),
     )
     if kind == "bert":
         return bert_to_hf(sd, model_config, args["bert_binary_head"])
@@ -358,7 +366,10 @@ class _ConfigView:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
-    p.add_argument("--hf-dir", help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, BERT, T5 v1.1)")
+    p.add_argument(
+        "--hf-dir",
+        help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, Qwen2/Qwen3/Qwen3-MoE, BERT, T5 v1.1)",
+    )
     p.add_argument("--save", help="hf-to-megatron: checkpoint root to write (release/ and the tracker)")
     p.add_argument(
         "--target-tensor-parallel-size",
@@ -375,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
-    families = ["gpt2", "llama", "bert", "t5"]
+    families = ["gpt2", *DECODER_FAMILIES, "bert", "t5"]
     p.add_argument("--model-type", choices=families, help="megatron-to-hf: the HF family to write")
     p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
     p.add_argument(

@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, Llama, BERT and T5.
+"""Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, the Llama family
+(Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE: ``tools/checkpoint/llama_family.py``), BERT and T5.
 
 The Megatron side is a plain dict keyed by flag destination (``num_layers``,
 ``untie_embeddings_and_output_weights``, ...): the same keys ``pretrain_gpt.py`` stores
@@ -9,18 +10,20 @@ so one reader serves both our converted checkpoints and trained ones.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Tuple
 
 import torch.nn.functional as F
 
 from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
+from tools.checkpoint import llama_family
+from tools.checkpoint.llama_family import DECODER_FAMILIES
 
 Args = Dict[str, Any]
 ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
+    **llama_family.ARCHITECTURES,
     "BertForPreTraining": "bert",
     "BertForMaskedLM": "bert",
     "T5ForConditionalGeneration": "t5",
@@ -34,7 +37,7 @@ class ConversionError(ValueError):
 
 
 def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
-    """``gpt2``, ``llama``, ``bert`` or ``t5`` from the ``architectures`` field of ``config.json``."""
+    """``gpt2``, a Llama-family kind (``llama``, ``qwen2``...), ``bert`` or ``t5`` from ``architectures``."""
     names = hf_config.get("architectures") or []
     known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
     if not known:
@@ -96,11 +99,13 @@ def _rope_theta(hf: Dict[str, Any], where: str) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _llama_args(hf: Dict[str, Any], where: str) -> Args:
+def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
+    """Flags of a Llama-family config; ``kind`` adds its QKV bias, query/key norms or MoE MLPs."""
     require_field(hf, "hidden_act", ("silu",), where)
     for field in ("attention_bias", "mlp_bias"):
         require_field(hf, field, (None, False), where)
-    window = hf.get("sliding_window")
+    # Qwen configs carry a sliding_window that only use_sliding_window switches on.
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
     if window is not None and window < hf["max_position_embeddings"]:
         raise ConversionError(
             f"{where}: field 'sliding_window' is {window}; sliding-window attention is not "
@@ -108,7 +113,8 @@ def _llama_args(hf: Dict[str, Any], where: str) -> Args:
         )
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
-    return dict(
+    family = DECODER_FAMILIES[kind]
+    args = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
@@ -125,7 +131,12 @@ def _llama_args(hf: Dict[str, Any], where: str) -> Args:
         add_bias_linear=False,
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         max_position_embeddings=hf["max_position_embeddings"],
+        add_qkv_bias=family.add_qkv_bias,
+        qk_layernorm=family.qk_layernorm,
     )
+    if family.moe:
+        args.update(llama_family.moe_args_from_hf(hf, args["num_layers"]))
+    return args
 
 
 def _bert_args(hf: Dict[str, Any], where: str) -> Args:
@@ -160,11 +171,12 @@ def _t5_args(hf: Dict[str, Any], where: str) -> Args:
     return t5_args(hf, where)
 
 
-_ARGS_OF = {"gpt2": _gpt2_args, "llama": _llama_args, "bert": _bert_args, "t5": _t5_args}
+_ARGS_OF = {"gpt2": _gpt2_args, "bert": _bert_args, "t5": _t5_args}
+_ARGS_OF.update({kind: functools.partial(_llama_args, kind=kind) for kind in DECODER_FAMILIES})
 
 
 def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by: int) -> Tuple[str, Args]:
-    """(``gpt2``/``llama``/``bert``/``t5``, model flags by destination) of a HF config; vocab padded for ``tp``."""
+    """(kind, model flags by destination) of a HF config (kind as ``architecture_of``); vocab padded for ``tp``."""
     kind = architecture_of(hf, where)
     try:
         args = _ARGS_OF[kind](hf, where)
@@ -221,6 +233,7 @@ def megatron_flags(args: Args) -> List[str]:
             flags.append(flag)
     if not args["add_bias_linear"]:
         flags.append("--disable-bias-linear")
+    flags += llama_family.family_flags(args)
     if args.get("bert_post_layernorm"):
         flags += _bert_flags(args)
     return [str(f) for f in flags]
@@ -235,6 +248,20 @@ def _bert_flags(args: Args) -> List[Any]:
 
 def _check_supported(args: Args, kind: str, where: str) -> None:
     """Refuse model features the HF class of ``kind`` cannot express, naming the flag."""
+    shared = dict(
+        add_qkv_bias=False,
+        qk_layernorm=False,
+        rotary_interleaved=False,
+        squared_relu=False,
+        layernorm_zero_centered_gamma=False,
+        rotary_percent=1.0,
+    )
+    if kind in DECODER_FAMILIES:
+        shared.update(llama_family.expected_args(kind))
+        if DECODER_FAMILIES[kind].moe and not args.get("num_experts"):
+            raise ConversionError(f"{where}: flag num_experts is not set; --model-type {kind} needs MoE layers")
+    else:
+        shared["num_experts"] = None
     expected = {
         "gpt2": dict(
             normalization="LayerNorm",
@@ -243,7 +270,6 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
             add_bias_linear=True,
             untie_embeddings_and_output_weights=False,
         ),
-        "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False),
         "bert": dict(
             normalization="LayerNorm",
             position_embedding_type="learned_absolute",
@@ -253,15 +279,8 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
             bert_post_layernorm=True,  # Hugging Face's BERT is post-LN; Megatron's default pre-LN BERT is not
             group_query_attention=False,
         ),
-    }[kind]
-    expected.update(
-        add_qkv_bias=False,
-        qk_layernorm=False,
-        rotary_interleaved=False,
-        squared_relu=False,
-        layernorm_zero_centered_gamma=False,
-        rotary_percent=1.0,
-    )
+    }.get(kind, {})
+    expected = {**shared, **expected}
     for dest, value in expected.items():
         if dest in args and args[dest] is not None and args[dest] != value:
             raise ConversionError(f"{where}: flag {dest} is {args[dest]!r}; --model-type {kind} needs {value!r}")
@@ -292,7 +311,9 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
             tie_word_embeddings=True,
             architectures=["GPT2LMHeadModel"],
         )
-    return transformers.LlamaConfig(
+    family = DECODER_FAMILIES[kind]
+    config_class = getattr(transformers, family.config_class)
+    return config_class(
         vocab_size=vocab_size,
         hidden_size=args["hidden_size"],
         intermediate_size=args["ffn_hidden_size"],
@@ -305,9 +326,8 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
         rope_theta=float(args["rotary_base"]),
         hidden_act="silu",
         tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
-        attention_bias=False,
-        mlp_bias=False,
-        architectures=["LlamaForCausalLM"],
+        architectures=[family.hf_class],
+        **llama_family.config_fields(args, kind),
     )
 
 
@@ -349,6 +369,9 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         gated_linear_unit=bool(args.get("swiglu")),
         activation_func=activation,
         add_bias_linear=args["add_bias_linear"],
+        add_qkv_bias=bool(args.get("add_qkv_bias")),
+        qk_layernorm=bool(args.get("qk_layernorm")),
+        **_moe_kwargs(args),
         layernorm_epsilon=args["layernorm_epsilon"],
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -359,4 +382,22 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
         vocab_size=args["padded_vocab_size"],
         max_sequence_length=args["max_position_embeddings"],
+    )
+
+
+def _moe_kwargs(args: Args) -> Dict[str, Any]:
+    """The MoE fields of ``TransformerConfig`` that change what the weights compute (none without experts)."""
+    if not args.get("num_experts"):
+        return {}
+    return dict(
+        num_moe_experts=args["num_experts"],
+        moe_router_topk=args["moe_router_topk"],
+        moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"),
+        moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
+        moe_router_topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
+        moe_layer_freq=args.get("moe_layer_freq", 1),
+        moe_router_score_function=args.get("moe_router_score_function") or "softmax",
+        moe_router_num_groups=args.get("moe_router_num_groups"),
+        moe_router_group_topk=args.get("moe_router_group_topk"),
+        moe_router_enable_expert_bias=bool(args.get("moe_router_enable_expert_bias")),
     )

@@ -8,7 +8,10 @@ schedule calls (as ``config.finalize_model_grads_func``) after the last backward
 3. with pipeline parallelism and tied embeddings, the word-embedding grad of the first stage
    and the output-layer grad of the last stage are summed over the embedding group;
 4. with ``num_tokens`` (``calculate_per_token_loss``) the token count is taken from the last
-   pipeline stage, summed over DP, and every gradient is divided by it.
+   pipeline stage, summed over DP, and every gradient is divided by it;
+5. MoE routers end their step: with expert bias, their token counts are summed over data x
+   context parallel (one all-reduce for all routers of the stage) and each bias is updated
+   from the sum, so every replica keeps the same bias; ``global_aux_loss`` counts restart.
 """
 
 from __future__ import annotations
@@ -85,6 +88,28 @@ def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection)
     return num_tokens
 
 
+def _routers(model_chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
+    """The MoE routers of ``model_chunks`` (modules with ``reset_global_aux_loss_tracker``), in module order."""
+    return [m for chunk in model_chunks for m in chunk.modules() if hasattr(m, "reset_global_aux_loss_tracker")]
+
+
+def finish_router_step(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection) -> None:
+    """Update every router's expert bias from the step's token counts summed over DP x CP; reset
+    the ``global_aux_loss`` counts. Every rank of a stage holds the same routers in the same order."""
+    routers = _routers(model_chunks)
+    for router in routers:
+        router.reset_global_aux_loss_tracker()
+    biased = [r for r in routers if getattr(r, "expert_bias", None) is not None]
+    if not biased:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in biased])  # [routers, E]
+    if groups.size_of("dp_cp") > 1:
+        counts = counts.to(comm_device(groups.dp_cp))
+        dist.all_reduce(counts, group=groups.dp_cp)
+    for router, total in zip(biased, counts):
+        router.update_expert_bias(total)
+
+
 def finalize_model_grads(
     model_chunks: Sequence[torch.nn.Module],
     num_tokens: Optional[torch.Tensor],
@@ -119,3 +144,4 @@ def finalize_model_grads(
                 for param in chunk.parameters():
                     if _grad_of(param) is not None:
                         _grad_of(param).mul_(scale)
+    finish_router_step(model_chunks, groups)

@@ -102,6 +102,22 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_pre_softmax: bool = False
     """True: softmax over all experts, then top-k. False: top-k logits, softmax over those k."""
     moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_score_function: str = "softmax"
+    """'softmax' or 'sigmoid' (top-k sigmoid scores renormalised); see moe/routing.py."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: experts in this many equal groups (with moe_router_group_topk)."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may route into: those with the largest sums of their topk/group_topk best scores."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias (sigmoid routing only) picks the experts, updated each step."""
+    moe_router_bias_update_rate: float = 1e-3
+    """How far each step moves the expert bias (sign of mean count minus the expert's count)."""
+    moe_router_dtype: Optional[str] = None
+    """'fp32' or 'fp64': router logits and routing computed in that dtype; None: the model's."""
+    moe_router_force_load_balancing: bool = False
+    """Benchmarking only: route on random logits (balanced on average), gradient straight through."""
+    moe_input_jitter_eps: Optional[float] = None
+    """Multiply router inputs by noise uniform in [1 - eps, 1 + eps] (in eval too, as Megatron does)."""
     moe_token_dispatcher_type: str = "allgather"
     """'allgather' or 'alltoall': the same computation here (tokens all-gathered over EP)."""
     moe_layer_freq: Union[int, List[int]] = 1
@@ -187,8 +203,10 @@ class TransformerConfig(ModelParallelConfig):
             self.expert_tensor_parallel_size,
         )
         choices = {
-            "moe_router_load_balancing_type": ("aux_loss", "none"),
+            "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
             "moe_token_dispatcher_type": ("allgather", "alltoall"),
+            "moe_router_score_function": ("softmax", "sigmoid"),
+            "moe_router_dtype": (None, "fp32", "fp64"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -201,6 +219,7 @@ class TransformerConfig(ModelParallelConfig):
         factor = self.moe_router_topk_scaling_factor
         if factor is not None and factor <= 0:
             raise ValueError(f"moe_router_topk_scaling_factor={factor}: must be > 0")
+        self._check_router()
         require_divisible(
             "num_moe_experts", self.num_moe_experts, "expert_model_parallel_size", self.expert_model_parallel_size
         )
@@ -210,6 +229,33 @@ class TransformerConfig(ModelParallelConfig):
                 f"tensor_model_parallel_size={self.tensor_model_parallel_size} is supported yet"
             )
         self._check_moe_layer_freq()
+
+    def _check_router(self) -> None:
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
+                f"(got {self.moe_router_score_function!r})"
+            )
+        eps = self.moe_input_jitter_eps
+        if eps is not None and not 0 < eps < 1:
+            raise ValueError(f"moe_input_jitter_eps={eps}: must be in (0, 1)")
+        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
+            raise ValueError(
+                f"moe_router_num_groups={self.moe_router_num_groups}, moe_router_group_topk="
+                f"{self.moe_router_group_topk}: group-limited routing needs both"
+            )
+        if self.moe_router_group_topk is None:
+            return
+        groups, picked, k = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk
+        require_positive("moe_router_num_groups", groups)
+        require_positive("moe_router_group_topk", picked)
+        require_divisible("num_moe_experts", self.num_moe_experts, "moe_router_num_groups", groups)
+        require_divisible("moe_router_topk", k, "moe_router_group_topk", picked)
+        if picked > groups or k > picked * (self.num_moe_experts // groups):
+            raise ValueError(
+                f"moe_router_group_topk={picked}, moe_router_num_groups={groups}, moe_router_topk={k}: "
+                "need group_topk <= num_groups and topk <= group_topk * experts per group"
+            )
 
     def _check_moe_layer_freq(self) -> None:
         freq = self.moe_layer_freq

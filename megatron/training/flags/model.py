@@ -21,6 +21,8 @@ from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, no_op
 from megatron.training.flags_table import attn_backend, int_tuple, moe_layer_freq, str_to_bool
 from megatron.training.training_log import FlopsConfig as FL
 
+_BALANCE_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
 RECORDS = (
     Flag(
         "tensor_model_parallel_size", IMPLEMENTED, help="Ranks that split each layer's matrices (TP).", fills=same(TC)
@@ -197,19 +199,19 @@ RECORDS = (
     Flag("moe_enable_routing_replay", not_yet(False)),
     Flag("moe_router_padding_for_quantization", not_yet(False)),
     Flag("moe_router_padding_for_fp8", not_yet(False)),
-    Flag("moe_router_num_groups", not_yet(None), type=int),
-    Flag("moe_router_group_topk", not_yet(None), type=int),
+    Flag("moe_router_num_groups", IMPLEMENTED, type=int, fills=same(TC)),
+    Flag("moe_router_group_topk", IMPLEMENTED, type=int, fills=same(TC)),
     Flag("moe_router_pre_softmax", IMPLEMENTED, fills=same(TC)),
     Flag("moe_router_topk_scaling_factor", IMPLEMENTED, type=float, fills=same(TC)),
-    Flag("moe_router_score_function", not_yet("softmax")),
-    Flag("moe_router_dtype", not_yet(None)),
-    Flag("moe_router_enable_expert_bias", not_yet(False)),
-    Flag("moe_router_bias_update_rate", not_yet(0.001)),
-    Flag("moe_router_force_load_balancing", not_yet(False)),
+    Flag("moe_router_score_function", IMPLEMENTED, fills=same(TC)),
+    Flag("moe_router_dtype", IMPLEMENTED, fills=same(TC)),
+    Flag("moe_router_enable_expert_bias", IMPLEMENTED, fills=same(TC)),
+    Flag("moe_router_bias_update_rate", IMPLEMENTED, type=float, fills=same(TC)),
+    Flag("moe_router_force_load_balancing", IMPLEMENTED, fills=same(TC)),
     Flag("moe_grouped_gemm", no_op(reasons.KERNEL)),
     Flag("moe_use_legacy_grouped_gemm", no_op(reasons.KERNEL)),
     Flag("moe_z_loss_coeff", IMPLEMENTED, type=float, fills=same(TC)),
-    Flag("moe_input_jitter_eps", not_yet(None), type=float),
+    Flag("moe_input_jitter_eps", IMPLEMENTED, type=float, fills=same(TC)),
     Flag("moe_token_dispatcher_type", not_yet("allgather", "alltoall"), fills=same(TC)),
     Flag("moe_enable_deepep", not_yet(False)),
     Flag("moe_flex_dispatcher_backend", no_op(reasons.KERNEL)),
@@ -369,7 +371,11 @@ RECORDS = (
     ),
     Flag("moe_layer_freq", IMPLEMENTED, type=moe_layer_freq, fills=same(TC)),
     Flag("moe_use_upcycling", not_yet(False)),
-    Flag("moe_router_load_balancing_type", not_yet("aux_loss", "none", ["aux_loss"], ["none"]), fills=same(TC)),
+    Flag(
+        "moe_router_load_balancing_type",
+        not_yet(*_BALANCE_TYPES, *([t] for t in _BALANCE_TYPES)),  # sinkhorn and several at once: refused
+        fills=same(TC),
+    ),
     Flag("moe_aux_loss_coeff", IMPLEMENTED, fills=same(TC)),
     Flag("moe_upcycling_granularity", not_yet(1)),
     Flag("moe_pad_experts_for_cuda_graph_inference", no_op(reasons.CUDA_GRAPHS)),

@@ -1,4 +1,7 @@
-"""Map full (TP=1) GPTModel state dicts to and from Hugging Face GPT-2, Llama and Mixtral names.
+"""Map full (TP=1) GPTModel state dicts to and from Hugging Face GPT-2 and Llama-family names.
+
+Llama-family: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (query/key RMSNorm), and with MoE layers
+Mixtral and Qwen3-MoE; which optional tensors a layer has is read from the state dict itself.
 
 Our fused QKV weight is laid out per query group ``[q heads of the group, k, v]``; GPT-2
 stacks ``[all q, all k, all v]`` in a Conv1D (``[in, out]``) weight, Llama keeps three
@@ -73,34 +76,45 @@ def to_hf_gpt2(sd: StateDict, config: TransformerConfig) -> StateDict:
     return out
 
 
+# Optional attention tensors, present exactly when the model has them: QKV bias (Qwen2,
+# --add-qkv-bias) and per-head query/key RMSNorm (Qwen3, --qk-layernorm).
+_QK_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))
+
+
 def _llama_layer_to_hf(sd: StateDict, config: TransformerConfig, i: int) -> StateDict:
-    """Norms and attention of layer ``i`` (everything but the MLP) in Llama/Mixtral names."""
+    """Norms and attention of layer ``i`` (everything but the MLP) in Llama/Mixtral/Qwen names."""
     ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-    q, k, v = split_qkv(sd[ours + "self_attention.linear_qkv.weight"], config)
-    return {
+    out = {
         hf + "input_layernorm.weight": sd[ours + "input_layernorm.weight"],
         hf + "post_attention_layernorm.weight": sd[ours + "pre_mlp_layernorm.weight"],
-        hf + "self_attn.q_proj.weight": q,
-        hf + "self_attn.k_proj.weight": k,
-        hf + "self_attn.v_proj.weight": v,
         hf + "self_attn.o_proj.weight": sd[ours + "self_attention.linear_proj.weight"],
     }
+    kinds = ("weight", "bias") if ours + "self_attention.linear_qkv.bias" in sd else ("weight",)
+    for kind in kinds:
+        q, k, v = split_qkv(sd[ours + f"self_attention.linear_qkv.{kind}"], config)
+        out.update({hf + f"self_attn.{n}_proj.{kind}": t for n, t in zip("qkv", (q, k, v))})
+    for our_norm, hf_norm in _QK_NORMS:
+        if ours + f"self_attention.{our_norm}.weight" in sd:
+            out[hf + f"self_attn.{hf_norm}.weight"] = sd[ours + f"self_attention.{our_norm}.weight"]
+    return out
 
 
 def _llama_layer_from_hf(hf: StateDict, config: TransformerConfig, i: int) -> StateDict:
     """Inverse of ``_llama_layer_to_hf``."""
     ours, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    return {
+    out = {
         ours + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
         ours + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
-        ours + "self_attention.linear_qkv.weight": fuse_qkv(
-            hf[h + "self_attn.q_proj.weight"],
-            hf[h + "self_attn.k_proj.weight"],
-            hf[h + "self_attn.v_proj.weight"],
-            config,
-        ),
         ours + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
     }
+    kinds = ("weight", "bias") if h + "self_attn.q_proj.bias" in hf else ("weight",)
+    for kind in kinds:
+        q, k, v = (hf[h + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
+        out[ours + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, config)
+    for our_norm, hf_norm in _QK_NORMS:
+        if h + f"self_attn.{hf_norm}.weight" in hf:
+            out[ours + f"self_attention.{our_norm}.weight"] = hf[h + f"self_attn.{hf_norm}.weight"]
+    return out
 
 
 def _llama_outer_to_hf(sd: StateDict) -> StateDict:
@@ -120,38 +134,71 @@ def _llama_outer_from_hf(hf: StateDict) -> StateDict:
     }
 
 
-def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
-    """Our Llama-style state dict -> ``transformers.LlamaForCausalLM`` names."""
-    out = _llama_outer_to_hf(sd)
-    ffn = config.ffn_hidden_size
-    for i in range(config.num_layers):
-        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        fc1 = sd[ours + "mlp.linear_fc1.weight"]
-        out.update(_llama_layer_to_hf(sd, config, i))
-        out.update(
-            {
-                hf + "mlp.gate_proj.weight": fc1[:ffn],
-                hf + "mlp.up_proj.weight": fc1[ffn:],
-                hf + "mlp.down_proj.weight": sd[ours + "mlp.linear_fc2.weight"],
-            }
+def _dense_mlp_to_hf(sd: StateDict, i: int) -> StateDict:
+    ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    gate, up = sd[ours + "linear_fc1.weight"].chunk(2)  # [gate; up], each [ffn, h]
+    return {
+        hf + "gate_proj.weight": gate,
+        hf + "up_proj.weight": up,
+        hf + "down_proj.weight": sd[ours + "linear_fc2.weight"],
+    }
+
+
+def _moe_mlp_to_hf(sd: StateDict, i: int, num_experts: int) -> StateDict:
+    """Router ``mlp.gate.weight`` ``[E, h]``; experts stacked: ``gate_up_proj`` ``[E, 2*ffn, h]``
+    (our ``[gate; up]`` fc1) and ``down_proj`` ``[E, h, ffn]`` (transformers v5 names)."""
+    ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    out = {hf + "gate.weight": sd[ours + "router.weight"]}
+    for ours_name, hf_name in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
+        out[hf + "experts." + hf_name] = torch.stack(
+            [sd[f"{ours}experts.local_experts.{j}.{ours_name}.weight"] for j in range(num_experts)]
         )
     return out
 
 
+def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
+    """Our Llama-style state dict -> Hugging Face decoder names (``LlamaForCausalLM``, Qwen2/Qwen3,
+    and per MoE layer Mixtral/Qwen3-MoE's ``mlp.gate`` and stacked experts)."""
+    out = _llama_outer_to_hf(sd)
+    for i in range(config.num_layers):
+        out.update(_llama_layer_to_hf(sd, config, i))
+        if f"decoder.layers.{i}.mlp.router.weight" in sd:
+            out.update(_moe_mlp_to_hf(sd, i, config.num_moe_experts))
+        else:
+            out.update(_dense_mlp_to_hf(sd, i))
+    return out
+
+
+def _dense_mlp_from_hf(hf: StateDict, i: int) -> StateDict:
+    ours, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    fc1 = torch.cat([hf[h + "gate_proj.weight"], hf[h + "up_proj.weight"]])  # [2*ffn, h]
+    return {ours + "linear_fc1.weight": fc1, ours + "linear_fc2.weight": hf[h + "down_proj.weight"]}
+
+
+def _moe_mlp_from_hf(hf: StateDict, i: int, num_experts: int) -> StateDict:
+    ours = f"decoder.layers.{i}.mlp."
+    gate = f"model.layers.{i}.mlp.gate.weight"
+    out = {ours + "router.weight": hf[gate] if gate in hf else hf[f"model.layers.{i}.block_sparse_moe.gate.weight"]}
+    fc1, fc2 = _mixtral_experts_from_hf(hf, i, num_experts)
+    for j in range(num_experts):
+        out[f"{ours}experts.local_experts.{j}.linear_fc1.weight"] = fc1[j].contiguous()
+        out[f"{ours}experts.local_experts.{j}.linear_fc2.weight"] = fc2[j].contiguous()
+    return out
+
+
+def _is_moe_in_hf(hf: StateDict, i: int) -> bool:
+    return any(f"model.layers.{i}.{m}.gate.weight" in hf for m in ("mlp", "block_sparse_moe"))
+
+
 def from_hf_llama(hf: StateDict, config: TransformerConfig) -> StateDict:
-    """``transformers.LlamaForCausalLM`` state dict -> our names (TP=1)."""
+    """Hugging Face decoder state dict (Llama, Mistral, Qwen2/Qwen3, Mixtral, Qwen3-MoE) -> our names (TP=1)."""
     out = _llama_outer_from_hf(hf)
     for i in range(config.num_layers):
-        ours, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out.update(_llama_layer_from_hf(hf, config, i))
-        out.update(
-            {
-                ours + "mlp.linear_fc1.weight": torch.cat(
-                    [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
-                ),
-                ours + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
-            }
-        )
+        moe = _is_moe_in_hf(hf, i)
+        if moe != config.is_moe_layer(i + 1):
+            raise ValueError(f"layer {i}: MoE in the Hugging Face weights is {moe}, in the config {not moe}")
+        out.update(_moe_mlp_from_hf(hf, i, config.num_moe_experts) if moe else _dense_mlp_from_hf(hf, i))
     return out
 
 
@@ -164,50 +211,36 @@ def _check_mixtral(config: TransformerConfig) -> None:
 
 
 def to_hf_mixtral(sd: StateDict, config: TransformerConfig) -> StateDict:
-    """Our MoE Llama-style state dict -> ``transformers.MixtralForCausalLM`` (v5) names.
-
-    Per layer: ``mlp.gate.weight`` ``[E, h]`` (our router), ``mlp.experts.gate_up_proj``
-    ``[E, 2*ffn, h]`` (our stacked ``[gate; up]`` fc1) and ``mlp.experts.down_proj`` ``[E, h, ffn]``.
-    """
+    """Our all-MoE Llama-style state dict -> ``transformers.MixtralForCausalLM`` (v5) names."""
     _check_mixtral(config)
-    out = _llama_outer_to_hf(sd)
-    for i in range(config.num_layers):
-        ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-        experts = range(config.num_moe_experts)
-        out.update(_llama_layer_to_hf(sd, config, i))
-        out[hf + "gate.weight"] = sd[ours + "router.weight"]
-        for ours_name, hf_name in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
-            out[hf + "experts." + hf_name] = torch.stack(
-                [sd[f"{ours}experts.local_experts.{j}.{ours_name}.weight"] for j in experts]
-            )
-    return out
+    return to_hf_llama(sd, config)
+
+
+# Per-expert names of saved checkpoints (what save_pretrained writes and the Hub holds): the
+# prefix under the layer and the gate, up and down projections (Qwen3-MoE, then Mixtral).
+_PER_EXPERT_NAMES = (
+    ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    ("block_sparse_moe.experts", "w1", "w3", "w2"),
+)
 
 
 def _mixtral_experts_from_hf(hf: StateDict, layer: int, num_experts: int) -> Tuple[list, list]:
-    """(fc1 ``[2*ffn, h]``, fc2 ``[h, ffn]``) per expert, from transformers v5's stacked tensors
-    or the older per-expert ``block_sparse_moe.experts.{j}.w1/w3/w2`` (gate/up/down)."""
-    new = f"model.layers.{layer}.mlp.experts."
-    if new + "gate_up_proj" in hf:
-        return list(hf[new + "gate_up_proj"].unbind(0)), list(hf[new + "down_proj"].unbind(0))
-    old = f"model.layers.{layer}.block_sparse_moe.experts."
-    fc1 = [torch.cat([hf[f"{old}{j}.w1.weight"], hf[f"{old}{j}.w3.weight"]]) for j in range(num_experts)]
-    return fc1, [hf[f"{old}{j}.w2.weight"] for j in range(num_experts)]
+    """(fc1 ``[2*ffn, h]``, fc2 ``[h, ffn]``) per expert, from transformers v5's stacked in-memory tensors
+    or a saved checkpoint's per-expert ``{prefix}.{j}.{gate, up, down}`` weights."""
+    stacked = f"model.layers.{layer}.mlp.experts."
+    if stacked + "gate_up_proj" in hf:
+        return list(hf[stacked + "gate_up_proj"].unbind(0)), list(hf[stacked + "down_proj"].unbind(0))
+    saved = (n for n in _PER_EXPERT_NAMES if f"model.layers.{layer}.{n[0]}.0.{n[1]}.weight" in hf)
+    prefix, gate, up, down = next(saved, _PER_EXPERT_NAMES[-1])  # none found: the KeyError names Mixtral's
+    p = f"model.layers.{layer}.{prefix}."
+    fc1 = [torch.cat([hf[f"{p}{j}.{gate}.weight"], hf[f"{p}{j}.{up}.weight"]]) for j in range(num_experts)]
+    return fc1, [hf[f"{p}{j}.{down}.weight"] for j in range(num_experts)]
 
 
 def from_hf_mixtral(hf: StateDict, config: TransformerConfig) -> StateDict:
     """``transformers.MixtralForCausalLM`` state dict -> our names (TP=1)."""
     _check_mixtral(config)
-    out = _llama_outer_from_hf(hf)
-    for i in range(config.num_layers):
-        ours = f"decoder.layers.{i}.mlp."
-        gate = f"model.layers.{i}.mlp.gate.weight"
-        out.update(_llama_layer_from_hf(hf, config, i))
-        out[ours + "router.weight"] = hf[gate] if gate in hf else hf[f"model.layers.{i}.block_sparse_moe.gate.weight"]
-        fc1, fc2 = _mixtral_experts_from_hf(hf, i, config.num_moe_experts)
-        for j in range(config.num_moe_experts):
-            out[f"{ours}experts.local_experts.{j}.linear_fc1.weight"] = fc1[j].contiguous()
-            out[f"{ours}experts.local_experts.{j}.linear_fc2.weight"] = fc2[j].contiguous()
-    return out
+    return from_hf_llama(hf, config)
 
 
 def from_hf_gpt2(hf: StateDict, config: TransformerConfig) -> StateDict:

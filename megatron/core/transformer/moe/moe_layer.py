@@ -75,7 +75,7 @@ class MoELayer(MegatronModule):
         self.sequence_parallel = config.sequence_parallel
         self.num_local_experts = config.num_moe_experts // ep_size
         self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
-        self.router = TopKRouter(config, self.tp_group)
+        self.router = TopKRouter(config, self.tp_group, dp_group=groups.dp_cp)
         self.experts = SequentialMLP(
             self.num_local_experts, config, (submodules or MoESubmodules()).experts, pg_collection=groups
         )
@@ -103,7 +103,8 @@ class MoELayer(MegatronModule):
         """``[s(/tp with SP), b, h]`` -> (same shape, None): no bias left to add."""
         full = self._gather_tokens(hidden_states)  # [s, b, h]
         tokens = full.reshape(-1, full.shape[-1])  # [T, h]
-        probs, routing_map = self.router(tokens)  # [T, E] each
+        probs, routing_map = self.router(tokens, batch_size=full.shape[1])  # [T, E] each
+        probs = probs.to(tokens.dtype)  # routed in moe_router_dtype, mixed in the model's
         partial = self._run_experts(tokens, probs, routing_map)  # [T, h]
         return self._reduce_output(partial.view_as(full)), None
 

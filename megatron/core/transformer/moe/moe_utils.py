@@ -23,18 +23,26 @@ from megatron.core.utils import comm_device
 
 LOAD_BALANCING_LOSS = "load_balancing_loss"
 Z_LOSS = "z_loss"
+# --moe-router-load-balancing-type -> the name its loss is tracked and logged under (Megatron's).
+BALANCE_LOSS_NAMES = {
+    "aux_loss": LOAD_BALANCING_LOSS,
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
 
 
 def switch_load_balancing_loss(
-    probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int, coeff: float
+    probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int, coeff: float, num_tokens: Optional[int] = None
 ) -> torch.Tensor:
     """Switch-Transformer balance loss as Megatron defines it.
 
     ``coeff * E / (k * T^2) * sum_e (sum_t p[t, e]) * tokens_per_expert[e]``, with ``probs``
     ``[T, E]`` the softmax over all experts and ``tokens_per_expert`` ``[E]`` the top-k counts.
-    Uniform routing gives ``coeff``.
+    Uniform routing gives ``coeff``. ``num_tokens`` (default ``T``): the tokens ``tokens_per_expert``
+    counts, when those are more than ``probs``' own (``global_aux_loss``).
     """
-    num_tokens, num_experts = probs.shape
+    num_experts = probs.shape[1]
+    num_tokens = probs.shape[0] if num_tokens is None else num_tokens
     per_expert = probs.sum(dim=0) * tokens_per_expert.to(probs.dtype)  # [E]
     return per_expert.sum() * (coeff * num_experts / (topk * num_tokens * num_tokens))
 
@@ -125,8 +133,9 @@ def tracked_aux_loss_names(config) -> List[str]:
     if config.num_moe_experts is None:
         return []
     names = []
-    if config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff > 0:
-        names.append(LOAD_BALANCING_LOSS)
+    kind = config.moe_router_load_balancing_type
+    if kind in BALANCE_LOSS_NAMES and config.moe_aux_loss_coeff > 0:
+        names.append(BALANCE_LOSS_NAMES[kind])
     if config.moe_z_loss_coeff:
         names.append(Z_LOSS)
     return names

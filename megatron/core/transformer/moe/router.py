@@ -1,4 +1,4 @@
-"""Top-k router: a bias-free linear gate, softmax scores, and the load-balancing losses."""
+"""Top-k router: a bias-free linear gate, the routing variants of ``routing.py``, balance losses and expert bias."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
-    LOAD_BALANCING_LOSS,
+    BALANCE_LOSS_NAMES,
     Z_LOSS,
     AuxLossTracker,
     MoEAuxLossAutoScaler,
@@ -19,28 +19,22 @@ from megatron.core.transformer.moe.moe_utils import (
     router_z_loss,
     switch_load_balancing_loss,
 )
+from megatron.core.transformer.moe.routing import (
+    random_logits_straight_through,
+    route,
+    scores_for_aux_loss,
+    sequence_load_balancing_loss,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def topk_softmax(
     logits: torch.Tensor, topk: int, pre_softmax: bool, scaling_factor: Optional[float]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Routing probabilities ``[T, E]`` (zero off the chosen experts) and the routing map ``[T, E]`` (bool).
-
-    ``pre_softmax``: softmax over all experts, then keep the top k. Otherwise: top k of the
-    logits, softmax over those k (= Mixtral's softmax, top-k, renormalise). Softmax in fp32.
-    """
-    if pre_softmax:
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)  # [T, E]
-        top_probs, top_idx = torch.topk(scores, k=topk, dim=-1)  # [T, k]
-    else:
-        top_logits, top_idx = torch.topk(logits, k=topk, dim=-1)  # [T, k]
-        top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
-    if scaling_factor is not None:
-        top_probs = top_probs * scaling_factor
-    probs = torch.zeros_like(logits).scatter(1, top_idx, top_probs)  # [T, E]
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)  # [T, E]
-    return probs, routing_map
+    """Softmax routing (``routing.route`` with ``score_function='softmax'``): probs and map ``[T, E]``."""
+    return route(logits, topk, "softmax", pre_softmax, scaling_factor=scaling_factor)
 
 
 class TopKRouter(MegatronModule):
@@ -49,18 +43,34 @@ class TopKRouter(MegatronModule):
     Every TP rank routes the same tokens. Gradients inside the MoE layer are partial sums
     over TP (the experts are TP-sharded), so ``W`` enters through ``copy_to`` (its gradient is
     all-reduced) and the aux losses, equal on every rank, are back-propagated by TP rank 0 only.
+    Random draws (input jitter, forced balancing) use the default generator, which TP ranks share.
+
+    With ``moe_router_enable_expert_bias`` the router holds ``expert_bias`` ``[E]`` (fp32, a
+    checkpointed buffer) and counts the tokens it sends each expert while gradients are on
+    (``local_tokens_per_expert``); ``finalize_model_grads`` all-reduces the counts over the
+    data-parallel group after each step's backward and calls ``update_expert_bias``, so every
+    replica keeps the same bias. ``dp_group`` (data x context parallel) is also the group over
+    which ``global_aux_loss`` sums the token counts.
     """
 
-    def __init__(self, config: TransformerConfig, tp_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, config: TransformerConfig, tp_group: dist.ProcessGroup, dp_group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         super().__init__(config)
-        self.tp_group = tp_group
+        self.tp_group, self.dp_group = tp_group, dp_group
         self.topk = config.moe_router_topk
-        self.weight = torch.nn.Parameter(
-            torch.empty(config.num_moe_experts, config.hidden_size, dtype=config.params_dtype)
-        )
+        experts = config.num_moe_experts
+        self.weight = torch.nn.Parameter(torch.empty(experts, config.hidden_size, dtype=config.params_dtype))
         if config.perform_initialization:
             with torch.no_grad():
                 config.init_method(self.weight)
+        bias = config.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(experts) if bias else None)  # fp32, checkpointed
+        self.register_buffer("local_tokens_per_expert", torch.zeros(experts) if bias else None, persistent=False)
+        # global_aux_loss: running sum over this step's microbatches of the DP-summed counts, and how many.
+        is_global = config.moe_router_load_balancing_type == "global_aux_loss"
+        self.register_buffer("global_tokens_per_expert", torch.zeros(experts) if is_global else None, persistent=False)
+        self.register_buffer("global_microbatches", torch.zeros(()) if is_global else None, persistent=False)
         self.layer_number: Optional[int] = None
         self.aux_loss_tracker: AuxLossTracker = get_aux_loss_tracker()  # a run rebinds it (use_aux_loss_tracker)
 
@@ -68,24 +78,77 @@ class TopKRouter(MegatronModule):
         """Global 1-based layer number, under which the aux losses are tracked."""
         self.layer_number = layer_number
 
-    def forward(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``tokens`` ``[T, h]`` -> (probs ``[T, E]``, routing map ``[T, E]``)."""
+    def jitter(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` times noise uniform in ``[1 - eps, 1 + eps]`` (``moe_input_jitter_eps``), else unchanged."""
+        eps = self.config.moe_input_jitter_eps
+        if eps is None:
+            return tokens
+        return tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
+
+    def gating(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[T, E]`` of ``tokens`` ``[T, h]``, in ``moe_router_dtype`` when set."""
         weight = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
-        logits = F.linear(tokens, weight)  # [T, E]
+        dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype)
+        if dtype is not None:
+            tokens, weight = tokens.to(dtype), weight.to(dtype)
+        return F.linear(tokens, weight)  # [T, E]
+
+    def forward(self, tokens: torch.Tensor, batch_size: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``tokens`` ``[T, h]`` (``[s, b]`` order, ``batch_size`` = b) -> (probs ``[T, E]``, routing map ``[T, E]``).
+
+        Probabilities are in the router dtype (``moe_router_dtype``, else the tokens').
+        """
         c = self.config
-        probs, routing_map = topk_softmax(logits, self.topk, c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor)
+        logits = self.gating(self.jitter(tokens))  # [T, E]
+        if c.moe_router_force_load_balancing:
+            logits = random_logits_straight_through(logits)
+        probs, routing_map = route(
+            logits,
+            self.topk,
+            c.moe_router_score_function,
+            c.moe_router_pre_softmax,
+            c.moe_router_num_groups,
+            c.moe_router_group_topk,
+            c.moe_router_topk_scaling_factor,
+            self.expert_bias,
+        )
         if self.training and torch.is_grad_enabled():
-            probs = self._attach_aux_losses(logits, probs, routing_map)
+            probs = self._attach_aux_losses(logits, probs, batch_size)
+        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+            self.local_tokens_per_expert += routing_map.sum(dim=0)  # not in eval or a no-grad pass
         return probs, routing_map
 
-    def _attach_aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+    def _balance_loss(self, logits: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The ``moe_router_load_balancing_type`` loss (its coefficient included)."""
+        c = self.config
+        scores, aux_map = scores_for_aux_loss(logits, self.topk, c.moe_router_score_function)  # [T, E] each
+        kind, coeff = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
+        if kind == "seq_aux_loss":
+            return sequence_load_balancing_loss(scores, aux_map, batch_size, self.topk, coeff)
+        counts = aux_map.sum(dim=0).float()  # [E]
+        if kind == "aux_loss":
+            return switch_load_balancing_loss(scores, counts, self.topk, coeff)
+        return self._global_balance_loss(scores, counts, coeff)
+
+    def _global_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor, coeff: float) -> torch.Tensor:
+        """``global_aux_loss``: local scores against the counts of the whole data-parallel batch, averaged
+        over this step's microbatches so far (reset by ``reset_global_aux_loss_tracker``)."""
+        replicas = 1
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+            replicas = dist.get_world_size(self.dp_group)
+        self.global_tokens_per_expert += counts
+        self.global_microbatches += 1
+        mean_counts = self.global_tokens_per_expert / self.global_microbatches  # [E]
+        return switch_load_balancing_loss(scores, mean_counts, self.topk, coeff, scores.shape[0] * replicas)
+
+    def _attach_aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, batch_size: int) -> torch.Tensor:
         c = self.config
         share = 1.0 if dist.get_rank(self.tp_group) == 0 else 0.0
         losses = []
-        if c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff > 0:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-            aux = switch_load_balancing_loss(scores, routing_map.sum(dim=0), self.topk, c.moe_aux_loss_coeff)
-            losses.append((LOAD_BALANCING_LOSS, aux, c.moe_aux_loss_coeff))
+        if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
+            name = BALANCE_LOSS_NAMES[c.moe_router_load_balancing_type]
+            losses.append((name, self._balance_loss(logits, batch_size), c.moe_aux_loss_coeff))
         if c.moe_z_loss_coeff:
             losses.append((Z_LOSS, router_z_loss(logits, c.moe_z_loss_coeff), c.moe_z_loss_coeff))
         for name, loss, coeff in losses:
@@ -93,3 +156,17 @@ class TopKRouter(MegatronModule):
             if self.layer_number is not None:
                 self.aux_loss_tracker.add(name, loss / coeff, self.layer_number, c.num_layers)
         return probs
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-loss-free balancing: raise the bias of experts below the mean count by the update rate,
+        lower those above it; then clear the local counts. ``tokens_per_expert`` ``[E]``: all replicas' counts."""
+        gap = tokens_per_expert.mean() - tokens_per_expert.to(self.expert_bias.device)  # [E]
+        self.expert_bias += torch.sign(gap) * self.config.moe_router_bias_update_rate
+        self.local_tokens_per_expert.zero_()
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Start a new step's ``global_aux_loss`` counts (``finalize_model_grads`` calls it)."""
+        if self.global_tokens_per_expert is not None:
+            self.global_tokens_per_expert.zero_()
+            self.global_microbatches.zero_()

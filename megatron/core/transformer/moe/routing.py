@@ -1,0 +1,117 @@
+"""Routing as pure functions of the router logits: scores, top-k choice, and the balance losses' inputs.
+
+Everything here maps ``logits`` ``[T, E]`` (T tokens, E experts) to tensors; the router module
+(``router.py``) owns the parameters, buffers and communication. Megatron's semantics:
+
+* ``softmax``: with ``pre_softmax`` the softmax over all E experts, then the top k of those
+  probabilities; without it the top k logits, then a softmax over those k.
+* ``sigmoid``: per-expert sigmoid scores; the top k are renormalised to sum to 1 (k > 1). An
+  ``expert_bias`` ``[E]`` is added to the scores only to choose the experts (aux-loss-free
+  balancing); the weights stay the unbiased scores.
+* group-limited: the E experts form ``num_groups`` equal groups; each token first keeps the
+  ``group_topk`` groups with the largest sum of their ``topk / group_topk`` best scores, then
+  picks its k experts inside them.
+* ``scaling_factor`` multiplies the chosen weights.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def group_limited_topk(
+    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top ``topk`` of ``scores`` ``[T, E]`` within each token's ``group_topk`` best groups -> ``[T, k]`` each."""
+    tokens, experts = scores.shape
+    per_group = experts // num_groups
+    grouped = scores.view(tokens, num_groups, per_group)  # [T, G, E/G]
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    kept = group_scores.topk(group_topk, dim=-1).indices  # [T, group_topk]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, kept, True)  # [T, G]
+    allowed = allowed.repeat_interleave(per_group, dim=1)  # [T, E]
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
+def _select(
+    scores: torch.Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    if group_topk:
+        return group_limited_topk(scores, topk, num_groups, group_topk)
+    return torch.topk(scores, k=topk, dim=-1)
+
+
+def route(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    expert_bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights ``[T, E]`` (zero off the chosen experts) and bool routing map ``[T, E]`` of ``logits``."""
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)  # [T, E]
+            weights, chosen = _select(scores, topk, num_groups, group_topk)  # [T, k]
+        else:
+            top_logits, chosen = _select(logits, topk, num_groups, group_topk)  # [T, k]
+            weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float()).type_as(logits)  # [T, E]
+        if expert_bias is not None:
+            _, chosen = _select(scores + expert_bias, topk, num_groups, group_topk)  # the bias only picks
+            weights = scores.gather(1, chosen)  # [T, k]
+        else:
+            weights, chosen = _select(scores, topk, num_groups, group_topk)
+        if topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score_function={score_function!r}: must be one of {SCORE_FUNCTIONS}")
+    if scaling_factor:
+        weights = weights * scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, chosen, weights)  # [T, E]
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)  # [T, E]
+    return probs, routing_map
+
+
+def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What the balance losses see: scores ``[T, E]`` over all experts (softmax, or sigmoid normalised per
+    token) and the top-k map ``[T, E]`` of those scores (no groups, no expert bias), in fp32."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    chosen = torch.topk(scores, k=topk, dim=-1).indices  # [T, k]
+    return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, chosen, True)
+
+
+def sequence_load_balancing_loss(
+    scores: torch.Tensor, routing_map: torch.Tensor, batch_size: int, topk: int, coeff: float
+) -> torch.Tensor:
+    """DeepSeek's sequence-wise balance loss: the Switch loss of each sequence alone, averaged over sequences.
+
+    ``scores`` and ``routing_map`` are ``[s*b, E]`` in the MoE layer's ``[s, b]`` token order.
+    Per sequence: ``coeff * E / (k * s^2) * sum_e (sum_t p[t, e]) * count[e]``.
+    """
+    tokens, experts = scores.shape
+    seq = tokens // batch_size
+    per_seq_scores = scores.view(seq, batch_size, experts).sum(dim=0)  # [b, E]
+    per_seq_counts = routing_map.view(seq, batch_size, experts).sum(dim=0).to(scores.dtype)  # [b, E]
+    total = (per_seq_scores * per_seq_counts).sum()
+    return total * (coeff * experts / (topk * seq * seq)) / batch_size
+
+
+def random_logits_straight_through(logits: torch.Tensor) -> torch.Tensor:
+    """``--moe-router-force-load-balancing``: standard-normal logits in forward (the default generator);
+    the gradient passes to ``logits`` unchanged."""
+    with torch.no_grad():
+        noise = torch.randn_like(logits)  # [T, E]
+    return logits + (noise - logits).detach()

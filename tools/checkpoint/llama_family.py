@@ -1,0 +1,129 @@
+"""The Llama-like Hugging Face decoders as data: what each adds to Llama, and its config both ways.
+
+Every family here is Llama's layout (RMSNorm, SwiGLU, RoPE, grouped-query attention, no
+linear biases) plus a few switches: Qwen2 a QKV bias (``--add-qkv-bias``), Qwen3 a per-head
+RMSNorm on queries and keys (``--qk-layernorm``), Qwen3-MoE that and MoE MLPs (softmax
+routing; ``norm_topk_prob`` renormalises the top k, which is our top-k-then-softmax, else
+``--moe-router-pre-softmax``). The weight names are one mapping for all of them
+(``megatron.core.models.gpt.hf_state_dict``); this module holds only what differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+Args = Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """One Hugging Face decoder class: its ``transformers`` names and what it adds to Llama."""
+
+    hf_class: str
+    config_class: str
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    moe: bool = False
+    config_extras: Tuple[Tuple[str, Any], ...] = field(default=())
+    """Fields the config class has and our model fixes (biases off)."""
+
+
+NO_ATTENTION_BIAS = (("attention_bias", False),)
+DECODER_FAMILIES: Dict[str, DecoderFamily] = {
+    "llama": DecoderFamily("LlamaForCausalLM", "LlamaConfig", config_extras=NO_ATTENTION_BIAS + (("mlp_bias", False),)),
+    "qwen2": DecoderFamily("Qwen2ForCausalLM", "Qwen2Config", add_qkv_bias=True),
+    "qwen3": DecoderFamily("Qwen3ForCausalLM", "Qwen3Config", qk_layernorm=True, config_extras=NO_ATTENTION_BIAS),
+    "qwen3_moe": DecoderFamily(
+        "Qwen3MoeForCausalLM", "Qwen3MoeConfig", qk_layernorm=True, moe=True, config_extras=NO_ATTENTION_BIAS
+    ),
+}
+ARCHITECTURES = {f.hf_class: kind for kind, f in DECODER_FAMILIES.items()}
+ARCHITECTURES["MistralForCausalLM"] = "llama"
+
+
+def moe_args_from_hf(hf: Dict[str, Any], num_layers: int) -> Args:
+    """MoE flags (by destination) of a Qwen3-MoE config: a layer is MoE unless listed in
+    ``mlp_only_layers`` or skipped by ``decoder_sparse_step`` (layer i when (i+1) % step == 0)."""
+    step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
+    return dict(
+        num_experts=hf["num_experts"]
+        if "num_experts" in hf
+        else hf["num_local_experts"],  # transformers v5 saves the latter
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_layer_freq=1 if all(pattern) else pattern,
+    )
+
+
+def moe_pattern(args: Args) -> List[int]:
+    """One 0/1 per layer: whether ``--moe-layer-freq`` makes it MoE (an int N: layers 0, N, 2N...)."""
+    freq = args.get("moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(args["num_layers"])]
+    return [int(p) for p in freq]
+
+
+def family_flags(args: Args) -> List[Any]:
+    """``pretrain_gpt.py`` flags for the QKV bias, query/key norms and MoE MLPs ``args`` describe."""
+    flags: List[Any] = []
+    if args.get("add_qkv_bias"):
+        flags.append("--add-qkv-bias")
+    if args.get("qk_layernorm"):
+        flags.append("--qk-layernorm")
+    if args.get("num_experts"):
+        flags += ["--num-experts", args["num_experts"], "--moe-router-topk", args["moe_router_topk"]]
+        flags += ["--moe-ffn-hidden-size", args["moe_ffn_hidden_size"]]
+        if args.get("moe_router_pre_softmax"):
+            flags.append("--moe-router-pre-softmax")
+        if args.get("moe_layer_freq", 1) != 1:
+            flags += ["--moe-layer-freq", "[" + ",".join(map(str, moe_pattern(args))) + "]"]
+    return flags
+
+
+# What a Hugging Face MoE block cannot express (the router of transformers' Qwen3-MoE is a plain softmax).
+_HF_ROUTER = dict(
+    moe_router_topk_scaling_factor=None,
+    moe_router_score_function="softmax",
+    moe_router_num_groups=None,
+    moe_router_enable_expert_bias=False,
+    moe_shared_expert_intermediate_size=None,
+)
+
+
+def expected_args(kind: str) -> Args:
+    """Flag values (by destination) the Hugging Face class of ``kind`` needs; ``_check_supported`` adds
+    what all families share."""
+    family = DECODER_FAMILIES[kind]
+    expected: Args = dict(
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=family.add_qkv_bias,
+        qk_layernorm=family.qk_layernorm,
+    )
+    if family.moe:
+        expected.update(_HF_ROUTER)
+    else:
+        expected["num_experts"] = None
+    return expected
+
+
+def config_fields(args: Args, kind: str) -> Dict[str, Any]:
+    """The fields, beyond Llama's, of the ``transformers`` config of ``kind`` for ``args``."""
+    family = DECODER_FAMILIES[kind]
+    fields = dict(family.config_extras)
+    if family.moe:
+        pattern = moe_pattern(args)
+        fields.update(
+            num_experts=args["num_experts"],
+            num_experts_per_tok=args["moe_router_topk"],
+            moe_intermediate_size=args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"],
+            norm_topk_prob=not args.get("moe_router_pre_softmax", False),
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+        )
+    return fields
