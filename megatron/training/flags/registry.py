@@ -163,6 +163,16 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     FlopsConfig: {},
     BlendedMegatronDatasetConfig: {
         "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
+        **{
+            name: _CORE_API_ONLY
+            for name in (
+                "multiple_validation_sets",
+                "full_validation",
+                "allow_ambiguous_pad_tokens",
+                "fast_cache_load",
+                "defer_npy_index_mmap",
+            )
+        },  # fmt: skip
     },
     BERTMaskedWordPieceDatasetConfig: _fixed_masking(
         "pretrain_bert.py", max_ngram=3, full_word=True, permutation=False, longer_ngrams=False, geometric=False
@@ -173,6 +183,17 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     GPTDatasetConfig: {
         "drop_last_partial_validation_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
         "add_extra_token_to_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
+        **{
+            name: _CORE_API_ONLY
+            for name in (
+                "object_storage_cache_path",
+                "data_parallel_size",
+                "sequence_parallel_size",
+                "hybrid_context_parallel",
+                "sequences_per_dataset",
+                "context_parallel_size",
+            )
+        },  # fmt: skip
     },
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import typing
@@ -16,6 +17,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
 )
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder, get_idx_path
 from megatron.core.datasets.megatron_dataset import LowLevelDataset, MegatronDataset
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
@@ -146,3 +148,25 @@ def test_encoder_encode_and_split_per_line():
     splitting.initializer()
     split, _ = splitting.split(json.dumps({"text": "First one here. Second one there."}))
     assert json.loads(split) == {"text": ["First one here.", "Second one there."]}
+
+
+def test_gpt_dataset_config_has_upstream_fields_and_mock_without_blend():
+    upstream = [
+        "random_seed", "sequence_length", "blend", "blend_per_split", "multiple_validation_sets", "full_validation",
+        "split", "split_matrix", "num_dataset_builder_threads", "path_to_cache", "mmap_bin_files", "mock",
+        "tokenizer", "mid_level_dataset_surplus", "allow_ambiguous_pad_tokens", "fast_cache_load",
+        "defer_npy_index_mmap", "reset_position_ids", "reset_attention_mask", "eod_mask_loss",
+        "create_attention_mask", "drop_last_partial_validation_sequence", "add_extra_token_to_sequence",
+        "object_storage_cache_path", "data_parallel_size", "sequence_parallel_size", "hybrid_context_parallel",
+        "sequences_per_dataset", "token_dtype_code", "context_parallel_size",
+    ]  # fmt: skip
+    assert [f.name for f in dataclasses.fields(GPTDatasetConfig)] == upstream
+    config = GPTDatasetConfig(
+        random_seed=0, sequence_length=8, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        tokenizer=_NullTokenizer(vocab_size=64),
+    )  # fmt: skip
+    assert config.mock and config.split == "1,1,1" and config.token_dtype_code == DType.code_from_dtype(np.uint16)
+    assert GPTDatasetConfig(random_seed=0, sequence_length=8, tokenizer=_NullTokenizer(70_000)).token_dtype_code == 4
+    for refused in ({"full_validation": True}, {"hybrid_context_parallel": True}):
+        with pytest.raises(ValueError, match=next(iter(refused))):
+            GPTDatasetConfig(random_seed=0, sequence_length=8, **refused)
