@@ -201,6 +201,28 @@ def forward_step(
     if getattr(config, "num_moe_experts", None):
         set_aux_loss_scale(config, num_microbatches, aux_loss_tracker_of(model), parameter_device(model))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
+    return calc_loss(
+        model, output_tensor, loss_func, config, num_microbatches, forward_data_store,
+        is_last_stage, collect_non_loss_data, cp_group,
+    )  # fmt: skip
+
+
+def calc_loss(
+    model: torch.nn.Module,
+    output_tensor: torch.Tensor,
+    loss_func: Callable,
+    config: Any,
+    num_microbatches: int,
+    forward_data_store: List[Any],
+    is_last_stage: bool,
+    collect_non_loss_data: bool,
+    cp_group: Optional[torch.distributed.ProcessGroup],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(loss scaled for backward, num_tokens)`` on the last stage, ``(output_tensor, 0)`` elsewhere.
+
+    On the last stage the reporting dict of ``loss_func`` (or, with ``collect_non_loss_data``, its
+    ``non_loss_data=True`` result) is appended to ``forward_data_store``.
+    """
     # On the parameters' device: finalize_model_grads broadcasts it over PP without a host copy.
     zero = torch.zeros((), dtype=torch.int, device=parameter_device(model))
     if not is_last_stage:

@@ -63,6 +63,7 @@ from megatron.core.pipeline_parallel.schedule_utils import (
     get_tensor_shapes,
     set_current_microbatch,
 )
+from megatron.core.utils import unwrap_model
 
 ProcessGroupCollection = parallel_state.ProcessGroupCollection
 DataIterator = Union[Iterator, List[Iterator], None]
@@ -80,6 +81,7 @@ __all__ = [
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
     "forward_step",
+    "forward_step_calc_loss",
     "get_forward_backward_func",
     "get_model_config",
     "get_pp_rank_microbatches",
@@ -268,6 +270,33 @@ def forward_step(
     return microbatch.forward_step(
         forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
         is_last_stage=is_last_stage, collect_non_loss_data=collect_non_loss_data,
+    )  # fmt: skip
+
+
+def forward_step_calc_loss(
+    model: torch.nn.Module,
+    output_tensor: torch.Tensor,
+    loss_func: Callable,
+    config: Any,
+    vp_stage: Optional[int],
+    collect_non_loss_data: bool,
+    num_microbatches: int,
+    forward_data_store: List[Any],
+    cp_group_size: Optional[int] = None,
+    is_last_stage: Optional[bool] = None,
+) -> tuple:
+    """The loss half of ``forward_step`` in Megatron-core's form: ``(loss scaled for backward, num_tokens)``.
+
+    ``is_last_stage`` None means the model's ``post_process`` (True for a model without one);
+    ``vp_stage`` is unused; a context-parallel size over 1 is refused as in ``forward_step``.
+    """
+    if cp_group_size not in (None, 1):
+        raise NotImplementedError(f"forward_step_calc_loss: cp_group_size={cp_group_size} not supported yet")
+    if is_last_stage is None:
+        is_last_stage = bool(getattr(unwrap_model(model), "post_process", True))
+    return microbatch.calc_loss(
+        model, output_tensor, loss_func, config, num_microbatches, forward_data_store,
+        is_last_stage, collect_non_loss_data, None,
     )  # fmt: skip
 
 

@@ -229,3 +229,22 @@ def _pipeline_body(rank, world_size):
 
 def test_two_stage_pipeline_through_the_default_groups_matches_reference():
     run_distributed(_pipeline_body, 2)
+
+
+def test_forward_step_and_calc_loss_upstream_form():
+    """The loss is divided by the token count and the microbatches; the reporting dict is stored."""
+    config = types.SimpleNamespace(calculate_per_token_loss=False, grad_scale_func=None, num_moe_experts=None)
+    model = _Stage(config, first=True)
+    x = torch.randn(SEQ, MBS, HIDDEN)
+    store = []
+    loss, tokens = schedules.forward_step(lambda it, m: _forward_step(it, m), iter([x]), model, 4, None, store, config)
+    expected = torch.tanh(model.linear(x)).square().sum() / x.numel() / 4
+    torch.testing.assert_close(loss, expected)
+    assert int(tokens) == x.numel() and len(store) == 1 and "loss" in store[0]
+    out = model(x)
+    loss2, _ = schedules.forward_step_calc_loss(model, out, _loss_func, config, None, False, 4, store, None, True)
+    torch.testing.assert_close(loss2, expected)
+    passed, zero = schedules.forward_step_calc_loss(model, out, _loss_func, config, None, False, 4, store, 1, False)
+    assert passed is out and int(zero) == 0 and len(store) == 2  # not the last stage: the activation, unchanged
+    with pytest.raises(NotImplementedError):
+        schedules.forward_step(_forward_step, iter([x]), model, 4, None, store, config, 2)  # cp_group_size=2
