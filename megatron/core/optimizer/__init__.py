@@ -18,14 +18,16 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
 )
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
 
 __all__ = [
+    "AdamOptimizerConfig",
     "OptimizerConfig",
+    "SGDOptimizerConfig",
     "MegatronOptimizer",
     "ChainedOptimizer",
     "FP32Optimizer",

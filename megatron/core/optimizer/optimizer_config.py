@@ -153,3 +153,17 @@ class OptimizerConfig:
             raise ValueError(f"fp16=True with params_dtype={self.params_dtype}: expected torch.float16")
         if self.bf16 and self.params_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"bf16=True with params_dtype={self.params_dtype}: expected torch.bfloat16")
+
+
+@dataclass
+class AdamOptimizerConfig(OptimizerConfig):
+    """``OptimizerConfig`` for Adam (Megatron-core's subclass): ``optimizer="adam"`` and the Adam fields."""
+
+    optimizer: str = "adam"
+
+
+@dataclass
+class SGDOptimizerConfig(OptimizerConfig):
+    """``OptimizerConfig`` for SGD (Megatron-core's subclass): ``optimizer="sgd"`` and ``sgd_momentum``."""
+
+    optimizer: str = "sgd"

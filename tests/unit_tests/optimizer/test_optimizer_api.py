@@ -18,7 +18,13 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    AdamOptimizerConfig,
+    ChainedOptimizer,
+    OptimizerConfig,
+    SGDOptimizerConfig,
+    get_megatron_optimizer,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from tests.dist_harness import run_distributed
@@ -53,6 +59,8 @@ def test_optimizer_config_fields_and_defaults_are_upstream():
     assert [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)] == UPSTREAM_FIELDS
     with pytest.raises(TypeError):
         OptimizerConfig(learning_rate=1.0)
+    assert AdamOptimizerConfig(lr=1.0).optimizer == "adam" and SGDOptimizerConfig(lr=1.0).optimizer == "sgd"
+    assert [f.name for f in dataclasses.fields(SGDOptimizerConfig)] == [name for name, _ in UPSTREAM_FIELDS]
     for changes in ({"use_precision_aware_optimizer": True}, {"exp_avg_dtype": torch.bfloat16}):
         with pytest.raises(ValueError, match=next(iter(changes))):
             OptimizerConfig(**changes)
