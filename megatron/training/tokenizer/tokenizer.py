@@ -11,8 +11,9 @@ from typing import List, Optional
 
 from megatron.core.tokenizers import MegatronTokenizer, NullTokenizer
 from megatron.training.tokenizer import build_tokenizer_from_args
+from megatron.training.validation import vocab_size_with_padding
 
-__all__ = ["_NullTokenizer", "build_tokenizer"]
+__all__ = ["_NullTokenizer", "_vocab_size_with_padding", "build_tokenizer"]
 
 
 def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizer:
@@ -25,6 +26,17 @@ def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizer:
     if padded is not None:
         args.padded_vocab_size = padded
     return tokenizer
+
+
+def _vocab_size_with_padding(orig_vocab_size: int, args: argparse.Namespace, logging_enabled: bool = True) -> int:
+    """``orig_vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by x`` TP (Megatron-LM's helper)."""
+    padded = vocab_size_with_padding(
+        orig_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
+    if logging_enabled and getattr(args, "rank", 0) == 0:
+        extra = padded - orig_vocab_size
+        print(f" > padded vocab (size: {orig_vocab_size}) with {extra} dummy tokens (new size: {padded})")
+    return padded
 
 
 class _NullTokenizer(NullTokenizer):

@@ -22,7 +22,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from megatron.core.datasets.megatron_dataset import LowLevelDataset, MegatronDataset
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 from megatron.core.datasets.utils import Split
-from megatron.training.tokenizer.tokenizer import _NullTokenizer, build_tokenizer
+from megatron.training.tokenizer.tokenizer import _NullTokenizer, _vocab_size_with_padding, build_tokenizer
 from tools.preprocess_data import Encoder, get_args
 
 DOCS = [[[1, 2, 3], [4, 5]], [[6]], [[7, 8, 9, 10], [11], [12, 13]]]  # documents of sequences
@@ -119,6 +119,10 @@ def test_null_tokenizer_upstream_sentinels():
         setattr(args, name, 0 if name == "vocab_extra_ids" else 1000)
     args.tiktoken_special_tokens, args.trust_remote_code = None, False
     assert build_tokenizer(args).vocab_size == 101 and args.padded_vocab_size == 128
+    assert (
+        _vocab_size_with_padding(101, argparse.Namespace(make_vocab_size_divisible_by=8, tensor_model_parallel_size=4))
+        == 128
+    )
     args.padded_vocab_size = 256  # a size from a checkpoint's arguments stays
     build_tokenizer(args)
     assert args.padded_vocab_size == 256
