@@ -72,7 +72,9 @@ def _measure(rank: int, world_size: int, distributed: bool) -> Dict[str, float]:
         model,
         pg_collection=groups,
     )
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, use_distributed_optimizer=distributed, **bf16), [ddp], groups)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-4, use_distributed_optimizer=distributed, **bf16), [ddp], pg_collection=groups
+    )
     tokens, labels = batch(b=2, s=64, vocab=1024)
     ddp(tokens, None, None, labels=labels).mean().backward()
     ddp.finish_grad_sync()
@@ -120,7 +122,7 @@ def _step_times(kwargs: Dict, b: int, s: int, iters: int) -> Dict[str, List[Tupl
     runs = {}
     for name, kw in (("fp32", {}), ("bf16", {"params_dtype": torch.bfloat16, "bf16": True})):
         model = build_gpt(gpt2_style(**kwargs, **kw), groups)
-        runs[name] = (model, get_megatron_optimizer(OptimizerConfig(lr=1e-4, **kw), [model], groups))
+        runs[name] = (model, get_megatron_optimizer(OptimizerConfig(lr=1e-4, **kw), [model], pg_collection=groups))
     times: Dict[str, List[Tuple[float, float]]] = {name: [] for name in runs}
     for _ in range(iters + 1):
         for name, (model, opt) in runs.items():

@@ -49,7 +49,7 @@ def build(groups):
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=groups)
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, clip_grad=1.0), [ddp], groups)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, clip_grad=1.0), [ddp], pg_collection=groups)
     model.config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups)
     return ddp, optimizer
 

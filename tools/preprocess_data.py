@@ -63,6 +63,7 @@ from tools.jsonl_input import (  # noqa: E402
 )
 from tools.long_texts import tokenize_all  # noqa: E402
 from tools.merge_datasets import write_merged  # noqa: E402
+from tools.preprocess_encoder import Encoder  # noqa: E402, F401  (Megatron-LM's per-line API, re-exported)
 
 BAD_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "non_string", "empty_text")
 MAX_REPORTED = 10

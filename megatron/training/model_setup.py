@@ -97,7 +97,7 @@ def setup_model_and_optimizer(
     ]
     for chunk in wrapped:
         chunk.broadcast_params()
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), wrapped, groups)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), wrapped, pg_collection=groups)
     scheduler = OptimizerParamScheduler(optimizer, **optimizer_param_scheduler_kwargs(args))
     # The schedule reads the chunks' own config, which a provider may have derived from ``config``
     # (T5 builds encoder and decoder copies): both get the hooks.

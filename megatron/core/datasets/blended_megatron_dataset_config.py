@@ -37,7 +37,9 @@ def _check_blend(name: str, blend: Blend) -> None:
 class BlendedMegatronDatasetConfig:
     """Settings shared by all datasets (Megatron Core field names).
 
-    Exactly one of ``blend`` and ``blend_per_split`` is given, unless ``mock``.
+    At most one of ``blend`` and ``blend_per_split`` is given; with neither the data are synthetic
+    (``mock`` becomes True and, as upstream, ``split`` is ``"1,1,1"``). ``mock=True`` may also be
+    passed (``--mock-data``; the split then defaults to Megatron's ``"969,30,1"``).
     """
 
     random_seed: int
@@ -51,6 +53,12 @@ class BlendedMegatronDatasetConfig:
 
     blend_per_split: Optional[List[Optional[Blend]]] = None
     """Separate ``(prefixes, weights)`` for train, valid and test (entries may be None)."""
+
+    multiple_validation_sets: Optional[bool] = None
+    """One validation dataset per validation prefix: not supported yet (None or False only)."""
+
+    full_validation: Optional[bool] = None
+    """Validate on the whole validation split each time: not supported yet (None or False only)."""
 
     split: Optional[str] = None
     """Split of ``blend`` documents, e.g. ``"969,30,1"``; normalised to fractions."""
@@ -68,7 +76,7 @@ class BlendedMegatronDatasetConfig:
     """Memory-map the .bin files rather than reading them."""
 
     mock: bool = False
-    """Synthetic data, no files (``--mock-data``)."""
+    """Synthetic data, no files (``--mock-data``, or neither blend given)."""
 
     tokenizer: Optional[Any] = None
     """Tokenizer: supplies eod/pad ids and identifies the vocabulary in cache keys."""
@@ -76,11 +84,24 @@ class BlendedMegatronDatasetConfig:
     mid_level_dataset_surplus: float = 0.005
     """Extra samples each blended component is built with, so the blend never runs short."""
 
+    allow_ambiguous_pad_tokens: Optional[bool] = False
+    """Upstream's opt-in to a pad id shared with another special token: not supported yet."""
+
+    fast_cache_load: bool = False
+    """Upstream skips re-reading index headers; ours are memory-mapped anyway: no effect."""
+
+    defer_npy_index_mmap: bool = False
+    """Upstream maps cached index arrays on first use; a loading-time knob: no effect."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.sequence_length, int) or self.sequence_length < 1:
             raise ValueError(f"sequence_length={self.sequence_length!r}: must be a positive integer")
         if not isinstance(self.random_seed, int):
             raise ValueError(f"random_seed={self.random_seed!r}: must be an integer")
+        unbuilt = ("multiple_validation_sets", "full_validation", "allow_ambiguous_pad_tokens")
+        on = [f"{name}=True" for name in unbuilt if getattr(self, name)]
+        if on:
+            raise ValueError(f"{', '.join(on)}: not supported yet")
         if self.mid_level_dataset_surplus < 0:
             raise ValueError(f"mid_level_dataset_surplus={self.mid_level_dataset_surplus}: must be >= 0")
         self._check_sources()
@@ -88,14 +109,16 @@ class BlendedMegatronDatasetConfig:
             self.split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
 
     def _check_sources(self) -> None:
-        """Exactly one of blend / blend_per_split (none with mock); split goes with blend."""
+        """At most one of blend / blend_per_split (none with mock); split goes with blend."""
+        if not self.mock and self.blend is None and self.blend_per_split is None:
+            self.mock, self.split = True, "1,1,1"  # upstream's synthetic data and even split
         if self.mock:
             if self.split is None:
                 self.split = "969,30,1"  # Megatron's default split when none is given
             return
         if (self.blend is None) == (self.blend_per_split is None):
             raise ValueError(
-                "blend and blend_per_split: exactly one must be given (or mock=True), "
+                "blend and blend_per_split: at most one may be given (none with mock=True), "
                 f"got blend={self.blend!r}, blend_per_split={self.blend_per_split!r}"
             )
         if self.blend is not None:

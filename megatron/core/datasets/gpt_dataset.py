@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
@@ -16,6 +16,7 @@ import torch
 
 from megatron.core.datasets import helpers
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split, load_or_build_indices
 from megatron.core.transformer.masks import build_attention_mask
@@ -59,8 +60,37 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     add_extra_token_to_sequence: bool = True
     """Samples hold ``sequence_length + 1`` tokens so inputs and labels are both full length."""
 
+    object_storage_cache_path: Optional[str] = None
+    """Local cache of object-storage data: object storage is not supported yet (None only)."""
+
+    data_parallel_size: int = 1
+    """Upstream reads it only for hybrid context parallelism (not supported yet): no effect."""
+
+    sequence_parallel_size: int = 0
+    """Upstream reads it only for hybrid context parallelism (not supported yet): no effect."""
+
+    hybrid_context_parallel: bool = False
+    """Upstream's variable-length context-parallel batching: not supported yet (False only)."""
+
+    sequences_per_dataset: Optional[Dict[str, Any]] = None
+    """Upstream's per-prefix sequence counts that skip reading the indices: not supported yet."""
+
+    token_dtype_code: Optional[int] = field(init=False, default=None)
+    """Derived: the ``DType`` code of the token ids for the tokenizer's vocabulary (uint16 or int32)."""
+
+    context_parallel_size: Optional[int] = None
+    """Upstream reads it only for hybrid context parallelism (not supported yet): no effect."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.object_storage_cache_path is not None or self.hybrid_context_parallel or self.sequences_per_dataset:
+            raise ValueError(
+                "object_storage_cache_path / hybrid_context_parallel / sequences_per_dataset: not supported yet"
+            )
+        vocab_size = getattr(self.tokenizer, "vocab_size", None)
+        if vocab_size is not None:
+            wide = vocab_size > np.iinfo(np.uint16).max + 1  # upstream's rule (ids up to 65535 fit uint16)
+            self.token_dtype_code = DType.code_from_dtype(np.int32 if wide else np.uint16)
         needs_eod = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
         if needs_eod and special_token(self.tokenizer, "eod") is None:
             raise ValueError(

@@ -125,6 +125,30 @@ def build_sample_index(
     return index
 
 
+def build_sample_idx(
+    sizes: np.ndarray,
+    document_indices: np.ndarray,
+    sequence_length: int,
+    num_epochs: int,
+    tokens_per_epoch: int,
+    drop_last_partial_sequence: bool = True,
+    add_extra_token_to_sequence: bool = True,
+) -> np.ndarray:
+    """Megatron-core's name and arguments for ``build_sample_index``.
+
+    ``num_epochs x tokens_per_epoch`` must be the number of tokens ``document_indices`` lists
+    (upstream sizes the index from them; here they are checked, ``ValueError``).
+    """
+    stream = int(np.asarray(sizes)[np.asarray(document_indices)].astype(np.int64).sum())
+    if num_epochs * tokens_per_epoch != stream:
+        raise ValueError(
+            f"num_epochs={num_epochs} x tokens_per_epoch={tokens_per_epoch} != {stream} tokens in document_indices"
+        )
+    return build_sample_index(
+        sizes, document_indices, sequence_length, drop_last_partial_sequence, add_extra_token_to_sequence
+    )
+
+
 def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
     """A permutation of ``range(total_size)`` that shuffles ``[0, num_samples)`` and the rest apart."""
     dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64

@@ -222,11 +222,48 @@ class IndexedDataset:
         mmap: memory-map the ``.bin`` (zero-copy reads); ``False`` reads it with plain file I/O.
 
     ``ds[i]`` is sequence ``i`` as a NumPy array (``(array, mode)`` when multimodal); ``ds[a:b]``
-    is a list of them.
+    is a list of them. Megatron-core's other arguments: object storage (``object_storage_config``,
+    ``s3_config``) is not supported yet; ``fast_cache_load`` changes nothing (the index is always
+    memory-mapped); ``sequences_per_dataset`` ((sequences, documents)) and ``dtype_code``, which
+    upstream trusts instead of reading the header, are checked against it (``ValueError``).
     """
 
-    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True) -> None:
+    def __init__(
+        self,
+        path_prefix: str,
+        multimodal: bool = False,
+        mmap: bool = True,
+        object_storage_config: Any = None,
+        s3_config: Any = None,
+        fast_cache_load: bool = False,
+        sequences_per_dataset: Optional[Tuple[int, int]] = None,
+        dtype_code: Optional[int] = None,
+    ) -> None:
+        if s3_config is not None:
+            raise NotImplementedError("IndexedDataset: s3_config (object storage) is not supported yet")
+        self.initialize(
+            path_prefix, multimodal, mmap, object_storage_config, fast_cache_load, sequences_per_dataset, dtype_code
+        )
+
+    def initialize(
+        self,
+        path_prefix: str,
+        multimodal: bool,
+        mmap: bool,
+        object_storage_config: Any,
+        fast_cache_load: bool = False,
+        sequences_per_dataset: Optional[Tuple[int, int]] = None,
+        dtype_code: Optional[int] = None,
+    ) -> None:
+        """(Re)open the files at ``path_prefix`` (Megatron-core's name; see the class docstring)."""
+        if object_storage_config is not None:
+            raise NotImplementedError("IndexedDataset: object_storage_config is not supported yet")
         self._open(path_prefix, multimodal, mmap)
+        found = (len(self.sequence_lengths), len(self.document_indices) - 1)
+        if sequences_per_dataset is not None and tuple(sequences_per_dataset) != found:
+            raise ValueError(f"{path_prefix}: sequences_per_dataset={sequences_per_dataset}, the index has {found}")
+        if dtype_code is not None and DType.dtype_from_code(dtype_code) != self.dtype:
+            raise ValueError(f"{path_prefix}: dtype_code={dtype_code}, the index holds {np.dtype(self.dtype).name}")
 
     def _open(self, path_prefix: str, multimodal: bool, mmap: bool) -> None:
         self.path_prefix = path_prefix
@@ -281,6 +318,22 @@ class IndexedDataset:
     def document_indices(self) -> np.ndarray:
         """int64 ``[D]``: sequence index where each document starts, then ``N``."""
         return self.index.document_indices
+
+    def get_document_indices(self) -> np.ndarray:
+        """``document_indices`` (Megatron-core's accessor)."""
+        return self.index.document_indices
+
+    def set_document_indices(self, document_indices: np.ndarray) -> None:
+        """Replace the document boundaries in memory (the files are untouched), as upstream allows.
+
+        Raises:
+            ValueError: not non-decreasing int boundaries from 0 to the number of sequences.
+        """
+        doc = np.asarray(document_indices, dtype=np.int64)
+        n = len(self.sequence_lengths)
+        if doc.ndim != 1 or doc.size == 0 or doc[0] != 0 or doc[-1] != n or (np.diff(doc) < 0).any():
+            raise ValueError(f"document_indices must rise from 0 to the number of sequences {n}")
+        self.index.document_indices = doc
 
     @property
     def sequence_modes(self) -> Optional[np.ndarray]:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import abc
 import json
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Union
 
 import numpy as np
 import torch
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, description_hash
+
+# What a MegatronDataset is built on (Megatron-core's alias): an IndexedDataset or any sized iterable.
+LowLevelDataset = Union[IndexedDataset, Iterable]
 
 
 def tokenizer_identity(tokenizer: Any) -> Any:
@@ -38,7 +42,7 @@ class MegatronDataset(abc.ABC, torch.utils.data.Dataset):
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: LowLevelDataset,
         dataset_path: Optional[str],
         indices: np.ndarray,
         num_samples: Optional[int],
@@ -79,14 +83,17 @@ class MegatronDataset(abc.ABC, torch.utils.data.Dataset):
         return ["random_seed", "sequence_length", "split", "split_matrix", "tokenizer"]
 
     @staticmethod
-    def numel_low_level_dataset(low_level_dataset: Any) -> int:
-        """Number of documents of a low-level dataset."""
+    def numel_low_level_dataset(low_level_dataset: LowLevelDataset) -> int:
+        """Number of documents of a low-level dataset (its ``len``; upstream's base raises instead)."""
         return len(low_level_dataset)
 
     @staticmethod
-    @abc.abstractmethod
-    def build_low_level_dataset(dataset_path: Optional[str], config: BlendedMegatronDatasetConfig) -> Any:
-        """Open the low-level dataset at ``dataset_path``."""
+    def build_low_level_dataset(dataset_path: Optional[str], config: BlendedMegatronDatasetConfig) -> LowLevelDataset:
+        """Open the low-level dataset at ``dataset_path``; subclasses the builder uses must override it.
+
+        Not abstract, as upstream: a subclass built from an in-memory dataset need not define it.
+        """
+        raise NotImplementedError("MegatronDataset.build_low_level_dataset: a subclass must define it")
 
     @abc.abstractmethod
     def __len__(self) -> int:

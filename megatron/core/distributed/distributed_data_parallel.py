@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megatron.core.distributed.param_and_grad_buffer import Bucket, BucketGroup, ParamAndGradBuffer
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -61,8 +61,14 @@ class DistributedDataParallel(torch.nn.Module):
         config: the model's TransformerConfig (``calculate_per_token_loss`` is read).
         ddp_config: buffer and reduction settings.
         module: the model chunk.
-        disable_bucketing: one bucket whatever ``bucket_size`` says.
+        disable_bucketing: one bucket whatever ``bucket_size`` says (so do pipeline stages after the
+            first, as upstream: only the first stage's backward ends the step, the others have nothing
+            to overlap with).
         pg_collection: groups; gradients are reduced over ``pg_collection.dp_cp`` (experts: ``expt_dp``).
+
+    Megatron-core's attributes: ``buffers`` (dense) and ``expert_parallel_buffers``, the matching
+    ``bucket_groups`` / ``expert_parallel_bucket_groups`` (one bucket each), ``param_to_bucket_group``,
+    ``params_with_grad`` and ``bucket_size`` (the size in use; ``ddp_config`` is not modified).
     """
 
     is_ddp_wrapper = True
@@ -82,7 +88,8 @@ class DistributedDataParallel(torch.nn.Module):
         )
         self.dp_group = self.pg_collection.dp_cp
         self.dp_size = dist.get_world_size(self.dp_group)
-        bucket_size = None if disable_bucketing else _default_bucket_size(ddp_config, self.dp_size)
+        first_stage = self.pg_collection.rank_in("pp") == 0
+        bucket_size = _default_bucket_size(ddp_config, self.dp_size) if first_stage and not disable_bucketing else None
         self.bucket_size = bucket_size
         # Pre-scale by 1/dp unless the loss is a token sum or the division happens after the sum.
         self.pre_scale = (
@@ -91,14 +98,30 @@ class DistributedDataParallel(torch.nn.Module):
         self.post_scale = (
             1.0 / self.dp_size if ddp_config.average_in_collective and not config.calculate_per_token_loss else 1.0
         )
-        self.buffers = self._build_buffers(bucket_size)
-        self._buffer_of: Dict[int, ParamAndGradBuffer] = {id(p): b for b in self.buffers for p in b.params}
+        buffers = self._build_buffers(bucket_size)
+        self.buffers = [b for b in buffers if not b.is_expert]
+        self.expert_parallel_buffers = [b for b in buffers if b.is_expert]
+        self.bucket_groups = [BucketGroup([bucket]) for b in self.buffers for bucket in b.buckets]
+        self.expert_parallel_bucket_groups = [
+            BucketGroup([bucket]) for b in self.expert_parallel_buffers for bucket in b.buckets
+        ]
+        self.param_to_bucket_group = {
+            p: group for group in self.bucket_groups + self.expert_parallel_bucket_groups for p in group.params
+        }
+        self.params_with_grad = [p for p in self.module.parameters() if p.requires_grad]
+        self._buffer_of: Dict[int, ParamAndGradBuffer] = {id(p): b for b in self.all_buffers for p in b.params}
         self.is_last_microbatch = True
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._accumulate_hook) for b in self.buffers for p in b.params
+            p.register_post_accumulate_grad_hook(self._accumulate_hook) for b in self.all_buffers for p in b.params
         ]
+        self._param_gather_hooks: List[Any] = []
         if ddp_config.use_distributed_optimizer:
-            self._hooks += self._register_param_gather_waits()
+            self.enable_forward_pre_hook()
+
+    @property
+    def all_buffers(self) -> List[ParamAndGradBuffer]:
+        """Dense buffers, then expert-parallel ones: the order every rank reduces them in."""
+        return self.buffers + self.expert_parallel_buffers
 
     def _build_buffers(self, bucket_size: Optional[int]) -> List[ParamAndGradBuffer]:
         """One buffer per (param dtype, grad dtype, expert or not); dense buffers first."""
@@ -124,7 +147,7 @@ class DistributedDataParallel(torch.nn.Module):
             )
         return buffers
 
-    def _register_param_gather_waits(self) -> List[Any]:
+    def _param_gather_waits(self) -> List[Any]:
         """A forward pre-hook per module with parameters: wait for their buckets' all-gathers.
 
         Buckets are in backward order, so the first module of the forward waits for the last
@@ -209,16 +232,22 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=buffer.dp_group, async_op=async_op)
 
-    def start_grad_sync(self) -> None:
-        """Dispatch every bucket not yet dispatched (asynchronously)."""
-        for buffer in self.buffers:
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Dispatch every bucket not yet dispatched (asynchronously); arguments are ignored (hook use)."""
+        for buffer in self.all_buffers:
             for bucket in buffer.buckets:
                 if not bucket.dispatched:
                     self._start_bucket(buffer, bucket, async_op=True)
 
-    def finish_grad_sync(self) -> None:
-        """Complete the data-parallel reduction of every bucket (blocking)."""
-        for buffer in self.buffers:
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """Complete the data-parallel reduction of every bucket (blocking).
+
+        ``force_all_reduce`` (all-reduce instead of the distributed optimizer's reduce-scatter) is
+        not supported yet; without the distributed optimizer it is what happens anyway.
+        """
+        if force_all_reduce and self.ddp_config.use_distributed_optimizer:
+            raise NotImplementedError("finish_grad_sync(force_all_reduce=True) with the distributed optimizer")
+        for buffer in self.all_buffers:
             for bucket in buffer.buckets:
                 if not bucket.dispatched:
                     # Without overlap, or a bucket with a parameter that got no gradient.
@@ -246,13 +275,13 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad = None
             if getattr(param, "grad_added_to_main_grad", False):  # left set by a backward that raised
                 param.grad_added_to_main_grad = False
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             buffer.grad_data.zero_()
             buffer.reset()
 
     def scale_gradients(self, scaling_factor: Union[float, torch.Tensor]) -> None:
         """Multiply every main grad by ``scaling_factor`` (a 0-dim tensor: no host read)."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             buffer.scale_gradients(scaling_factor)
 
     def broadcast_params(self) -> None:
@@ -262,19 +291,50 @@ class DistributedDataParallel(torch.nn.Module):
             name = "expt_dp" if is_expert_param(param) else "dp_cp"
             dist.broadcast(param.data, src=groups.ranks[name][0], group=getattr(groups, name))
 
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """All-gather the distributed optimizer's updated parameters (asynchronously, last bucket first).
+
+        ``force_sync`` waits for them; ``force_dispatch`` (upstream: dispatch even while the
+        pre-hooks would) changes nothing here, where every gather is dispatched at once.
+        """
+        for buffer in self.all_buffers:
+            buffer.start_param_gather()
+        if force_sync:
+            self.finish_param_sync()
+
+    def enable_forward_pre_hook(self) -> None:
+        """Make each module's forward wait for the all-gather of its own parameters (distributed optimizer)."""
+        if not self.ddp_config.use_distributed_optimizer:
+            raise ValueError("forward pre-hooks wait for parameter gathers: needs use_distributed_optimizer=True")
+        if not self._param_gather_hooks:
+            self._param_gather_hooks = self._param_gather_waits()
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove those pre-hooks; with ``param_sync`` gather and wait for every parameter now."""
+        for hook in self._param_gather_hooks:
+            hook.remove()
+        self._param_gather_hooks = []
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
     def finish_param_sync(self) -> None:
         """Wait for every pending parameter all-gather (distributed optimizer with
         ``overlap_param_gather``); call before reading the parameters outside forward."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             for bucket in buffer.buckets:
                 bucket.finish_param_gather()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)  # each module's pre-hook waits for its parameters
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+        """The wrapped module's state dict, once pending parameter gathers have finished."""
         self.finish_param_sync()
-        return self.module.state_dict(*args, **kwargs)
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+        """Megatron-core's name for ``state_dict`` at save time."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict)

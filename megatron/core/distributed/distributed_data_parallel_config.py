@@ -16,6 +16,13 @@ class DistributedDataParallelConfig:
     single bucket otherwise. ``average_in_collective`` divides after the sum instead of
     before it (same result up to rounding; gloo has no averaging all-reduce).
     ``check_for_nan_in_grad`` raises, naming the rank, before a bucket with inf/NaN is reduced.
+
+    Every field of megatron-core 0.16 exists with its default. Kernel, NCCL-buffer and FSDP-tuning
+    switches (``gradient_reduce_div_fusion``, ``nccl_ub``, ``suggested_communication_unit_size``,
+    ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``, ``fsdp_double_buffer``,
+    ``disable_symmetric_registration``, ``fsdp_manual_registration``) have no effect here; the
+    features not built yet (FSDP, fp8 gathers, fp32-accumulating reduce-scatter, delayed weight
+    gradients, more than one optimizer instance) raise ``ValueError`` when switched on.
     """
 
     grad_reduce_in_fp32: bool = False
@@ -28,10 +35,23 @@ class DistributedDataParallelConfig:
     check_for_large_grads: bool = False
     bucket_size: Optional[int] = None
     pad_buckets_for_high_nccl_busbw: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
     average_in_collective: bool = False
     fp8_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_megatron_fsdp: bool = False
     use_custom_fsdp: bool = False
     data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: Optional[int] = None
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    fsdp_manual_registration: bool = False
+    delay_wgrad_compute: bool = False
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and (isinstance(self.bucket_size, bool) or self.bucket_size < 1):
@@ -43,7 +63,20 @@ class DistributedDataParallelConfig:
                 f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
                 "not supported yet (only 1)"
             )
-        if self.fp8_param_gather:
-            raise ValueError("fp8_param_gather=True: not supported yet")
-        if self.use_custom_fsdp or self.data_parallel_sharding_strategy != "no_shard":
-            raise ValueError("use_custom_fsdp / data_parallel_sharding_strategy: not supported yet")
+        switched_on = [
+            name
+            for name in (
+                "fp8_param_gather",
+                "reuse_grad_buf_for_mxfp8_param_ag",
+                "reduce_scatter_with_fp32_accumulation",
+                "use_megatron_fsdp",
+                "use_custom_fsdp",
+                "delay_wgrad_compute",
+            )
+            if getattr(self, name)
+        ]
+        if switched_on:
+            raise ValueError(f"{', '.join(f'{name}=True' for name in switched_on)}: not supported yet")
+        for name in ("data_parallel_sharding_strategy", "outer_dp_sharding_strategy"):
+            if getattr(self, name) != "no_shard":
+                raise ValueError(f"{name}={getattr(self, name)!r}: not supported yet (only 'no_shard')")

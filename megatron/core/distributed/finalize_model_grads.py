@@ -1,6 +1,6 @@
 """Gradient reductions at the end of a step: data parallel, sequence parallel, tied embeddings, tokens.
 
-``finalize_model_grads(model_chunks, num_tokens, pg_collection)`` is what the pipeline
+``finalize_model_grads(model, num_tokens=None, pg_collection=None)`` is what the pipeline
 schedule calls (as ``config.finalize_model_grads_func``) after the last backward:
 
 1. each DDP-wrapped chunk finishes its data-parallel reduction;
@@ -111,22 +111,26 @@ def finish_router_step(model_chunks: Sequence[torch.nn.Module], groups: ProcessG
 
 
 def finalize_model_grads(
-    model_chunks: Sequence[torch.nn.Module],
-    num_tokens: Optional[torch.Tensor],
-    pg_collection: ProcessGroupCollection,
+    model: Sequence[torch.nn.Module],
+    num_tokens: Optional[torch.Tensor] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    force_all_reduce: Optional[bool] = False,
 ) -> None:
-    """All reductions a step needs after backward (see the module docstring).
+    """All reductions a step needs after backward (see the module docstring), Megatron-core's signature.
 
-    The groups are required: bind them (``functools.partial(finalize_model_grads,
-    pg_collection=groups)``) to make ``config.finalize_model_grads_func``.
+    ``model`` is the list of model chunks. The training loop binds its groups
+    (``functools.partial(finalize_model_grads, pg_collection=groups)``) to make
+    ``config.finalize_model_grads_func``; None means the groups of ``initialize_model_parallel``
+    (a library caller). ``force_all_reduce`` is handed to each chunk's ``finish_grad_sync``.
 
     Raises:
         ValueError: a chunk is not DDP-wrapped while data parallelism is > 1.
     """
-    groups = pg_collection
+    model_chunks = model
+    groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):
-            chunk.finish_grad_sync()
+            chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
         elif groups.size_of("dp_cp") > 1:
             raise ValueError(
                 "finalize_model_grads: data-parallel size "

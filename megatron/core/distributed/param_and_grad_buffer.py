@@ -18,6 +18,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import all_gather_into_tensor
+
 
 @dataclass
 class BucketPlan:
@@ -96,6 +98,21 @@ class Bucket:
         return tensor[dp_rank * size : (dp_rank + 1) * size]
 
 
+@dataclass
+class BucketGroup:
+    """Buckets whose collectives are issued together (Megatron-core's ``bucket_groups`` entries).
+
+    Here every group holds one bucket, as upstream does without fp8 parameters.
+    """
+
+    buckets: List[Bucket]
+
+    @property
+    def params(self) -> Set[torch.nn.Parameter]:
+        """The parameters of the group's buckets."""
+        return {p for bucket in self.buckets for p in bucket.params}
+
+
 class ParamAndGradBuffer:
     """One flat gradient buffer (and optional parameter buffer) for params of one dtype pair.
 
@@ -165,6 +182,20 @@ class ParamAndGradBuffer:
         if isinstance(factor, torch.Tensor) and self.grad_data.dtype in (torch.float16, torch.bfloat16):
             factor = float(factor)
         self.grad_data.mul_(factor)
+
+    def start_param_gather(self) -> None:
+        """All-gather every bucket's parameters from the DP shards (asynchronously), last bucket first.
+
+        Buckets are laid out in backward order, so the last one holds the first layers: the order
+        in which the next forward needs them (the same on every rank). Distributed optimizer only.
+        """
+        if self.param_data is None or self.dp_size == 1:
+            return
+        for bucket in reversed(self.buckets):
+            shard = bucket.shard(bucket.param_data, self.dp_rank, self.dp_size)
+            bucket.param_gather_handle = all_gather_into_tensor(
+                bucket.param_data, shard, group=self.dp_group, async_op=True
+            )
 
     def local_range(self, param: torch.nn.Parameter) -> Optional[Tuple[int, int]]:
         """The part of ``param.view(-1)`` inside this DP rank's shard, or None."""

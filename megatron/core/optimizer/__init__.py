@@ -1,6 +1,6 @@
 """Optimizers for Megatron models: param groups, mixed precision, the distributed optimizer.
 
-Entry point: ``get_megatron_optimizer(config, model_chunks, pg_collection)``. See
+Entry point: ``get_megatron_optimizer(config, model_chunks, pg_collection=groups)``. See
 ``optimizer.py`` for the step and the by-name checkpoint contract.
 """
 
@@ -13,19 +13,23 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
 )
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
 
 __all__ = [
+    "AdamOptimizerConfig",
     "OptimizerConfig",
+    "SGDOptimizerConfig",
     "MegatronOptimizer",
+    "ChainedOptimizer",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer",
@@ -118,12 +122,23 @@ def _grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: Sequence[torch.nn.Module],
+    config_overrides: Optional[Dict[Any, Any]] = None,
+    use_gloo_process_groups: bool = True,
     pg_collection: Optional[ProcessGroupCollection] = None,
+    dump_param_to_param_group_map: Optional[str] = None,
+    *,
     no_weight_decay_cond: Optional[ParamCond] = None,
     scale_lr_cond: Optional[ParamCond] = None,
     lr_mult: float = 1.0,
 ) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (DDP-wrapped chunks for the distributed optimizer).
+
+    Megatron-core 0.16's signature; ``pg_collection`` None means the groups of
+    ``initialize_model_parallel``. ``use_gloo_process_groups`` only selects extra gloo groups for
+    upstream's CPU-side checkpoint gathers: no effect (ours gather on each group's device).
+    Per-parameter ``config_overrides`` and ``dump_param_to_param_group_map`` are not supported yet
+    (``NotImplementedError``); the keyword-only ``no_weight_decay_cond`` / ``scale_lr_cond`` /
+    ``lr_mult`` are Megatron's earlier way to vary weight decay and learning rate per parameter.
 
     fp32 -> ``FP32Optimizer``; bf16/fp16 -> ``Float16OptimizerWithFloat16Params`` (fp16 with a
     loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision).
@@ -131,6 +146,11 @@ def get_megatron_optimizer(
     optimizer, whose ranks hold different slices); those of expert parameters over
     ``tp_ep_pp`` (plus ``expt_dp``), since each expert-parallel rank holds other experts.
     """
+    if config_overrides or dump_param_to_param_group_map is not None:
+        raise NotImplementedError(
+            "get_megatron_optimizer: config_overrides / dump_param_to_param_group_map not supported yet "
+            "(use no_weight_decay_cond, scale_lr_cond and lr_mult)"
+        )
     groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     tp_rank = groups.rank_in("tp")

@@ -56,7 +56,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     "use_distributed_optimizer=True needs every model chunk wrapped in "
                     "DistributedDataParallel with ddp_config.use_distributed_optimizer=True"
                 )
-            self.buffers.extend(chunk.buffers)
+            self.buffers.extend(chunk.all_buffers)
         self._buffer_of = {id(p): b for b in self.buffers for p in b.params}
         super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler, expert_stat_groups)
 
@@ -92,13 +92,7 @@ class DistributedOptimizer(MegatronOptimizer):
         which the next forward needs them (the same on every rank).
         """
         for buffer in self.buffers:
-            if buffer.dp_size == 1:
-                continue
-            for bucket in reversed(buffer.buckets):
-                shard = bucket.shard(bucket.param_data, buffer.dp_rank, buffer.dp_size)
-                bucket.param_gather_handle = all_gather_into_tensor(
-                    bucket.param_data, shard, group=buffer.dp_group, async_op=True
-                )
+            buffer.start_param_gather()
 
     def finish_param_sync(self) -> None:
         """Wait for every outstanding parameter all-gather (no-op when none is running)."""

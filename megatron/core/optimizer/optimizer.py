@@ -279,9 +279,34 @@ class MegatronOptimizer:
             return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """Step the torch optimizer on main grads already prepared (and clipped); update the model."""
         self.optimizer.step()
         self._after_step()
-        return True, grad_norm, num_zeros
+        return True
+
+    def get_parameters(self) -> List[torch.nn.Parameter]:
+        """The main parameters the torch optimizer updates, group by group."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        """Megatron-core's name for ``grads_for_norm``."""
+        return self.grads_for_norm()
+
+    @torch.no_grad()
+    def reload_model_params(self, state_dict: Optional[Dict[str, Any]] = None) -> None:
+        """Copy the model parameters into the fp32 main copies (after loading a model checkpoint).
+
+        ``state_dict`` (upstream: main parameters for fp8 models) is not supported yet.
+        """
+        if state_dict is not None:
+            raise NotImplementedError("reload_model_params(state_dict=...) is not supported yet")
+        for link in self.links:
+            if link.is_copy:
+                link.main.copy_(link.model_data())
 
     # --- state ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -404,3 +429,76 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             return [MainLink(main=param, model=param)]
         main = torch.nn.Parameter(param.detach().clone().float())
         return [MainLink(main=main, model=param, is_copy=True)]
+
+
+class ChainedOptimizer:
+    """Several ``MegatronOptimizer``s over disjoint parameters stepped as one (Megatron-core's class).
+
+    ``get_megatron_optimizer`` returns one optimizer for dense and expert parameters (its norm
+    already spans both), so this is for callers that build their own list. The gradient norm is
+    the root of the sum of each optimizer's squared global norm; an inf/NaN in any skips every
+    step; the clip threshold is the first optimizer's ``config.clip_grad``.
+    """
+
+    def __init__(self, chained_optimizers: Sequence[MegatronOptimizer]) -> None:
+        if not chained_optimizers:
+            raise ValueError("ChainedOptimizer needs at least one optimizer")
+        self.chained_optimizers = list(chained_optimizers)
+        self.config = self.chained_optimizers[0].config
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return [group for opt in self.chained_optimizers for group in opt.param_groups]
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Dict[str, Any]]:
+        return {k: v for opt in self.chained_optimizers for k, v in opt.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.chained_optimizers:
+            opt.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.chained_optimizers[0].get_loss_scale()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.chained_optimizers[0].scale_loss(loss)
+
+    def reload_model_params(self, state_dict: Optional[Dict[str, Any]] = None) -> None:
+        for opt in self.chained_optimizers:
+            opt.reload_model_params(state_dict)
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        return [opt.state_dict() for opt in self.chained_optimizers]
+
+    def load_state_dict(self, state_dict: Sequence[Dict[str, Any]]) -> None:
+        if len(state_dict) != len(self.chained_optimizers):
+            raise ValueError(f"{len(state_dict)} states for {len(self.chained_optimizers)} chained optimizers")
+        for opt, state in zip(self.chained_optimizers, state_dict):
+            opt.load_state_dict(state)
+
+    def prepare_grads(self) -> bool:
+        """Prepare every optimizer's grads (each runs its collectives); True if any found inf/NaN."""
+        found = [opt.prepare_grads() for opt in self.chained_optimizers]
+        return any(found)
+
+    def get_grad_norm(self) -> float:
+        return sum(opt.get_grad_norm() ** 2 for opt in self.chained_optimizers) ** 0.5
+
+    def count_zeros(self) -> int:
+        return sum(opt.count_zeros() for opt in self.chained_optimizers)
+
+    def step_with_ready_grads(self) -> bool:
+        return all([opt.step_with_ready_grads() for opt in self.chained_optimizers])
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """One update of every optimizer. Returns (update_successful, grad_norm, num_zeros_in_grad)."""
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        if self.config.clip_grad > 0.0:
+            for opt in self.chained_optimizers:
+                clip_grad_by_total_norm_fp32(opt.main_grads(), self.config.clip_grad, grad_norm)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, num_zeros

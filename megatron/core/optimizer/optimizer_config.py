@@ -33,18 +33,34 @@ class OptimizerConfig:
     scale; when it is None and ``fp16`` is set, the scale is dynamic (``initial_loss_scale``,
     ``min_loss_scale``, ``loss_scale_window``, ``hysteresis``). ``clip_grad`` <= 0 disables
     clipping (the norm is still computed and returned).
+
+    Every field of megatron-core 0.16 exists with its default, in its order. Those of features not
+    built here (precision-aware optimizer and its dtypes, Muon, CPU offloading, Adam without
+    decoupled weight decay, weight decay on QK layernorms, overlapping the gather with the step,
+    the config logger) raise ``ValueError`` when set off their default (``_refuse_unbuilt``); the
+    Muon and offloading sub-settings only matter once those are on; ``fp8_recipe``,
+    ``store_param_remainders`` and ``barrier_with_L1_time`` (a timing barrier) have no effect.
     """
 
-    optimizer: str = "adam"
     lr: Optional[float] = None
     min_lr: Optional[float] = None
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
     weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
 
+    fp8_recipe: Optional[str] = None
     fp16: bool = False
     bf16: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
     params_dtype: torch.dtype = torch.float32
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True
+    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    optimizer: str = "adam"
 
     loss_scale: Optional[float] = None
     initial_loss_scale: float = 2.0**32
@@ -55,16 +71,54 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    decoupled_weight_decay: bool = True
     sgd_momentum: float = 0.9
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_use_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_extra_scale_factor: float = 1.0
 
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
 
     clip_grad: float = 1.0
     log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
     timers: Optional[object] = None
+    config_logger_dir: str = ""
+
+    def _refuse_unbuilt(self) -> None:
+        """``ValueError`` naming every field of an unbuilt feature that is off its default."""
+        defaults = {
+            "apply_wd_to_qk_layernorm": False,
+            "reuse_grad_buf_for_mxfp8_param_ag": False,
+            "use_precision_aware_optimizer": False,
+            "main_grads_dtype": torch.float32,
+            "main_params_dtype": torch.float32,
+            "exp_avg_dtype": torch.float32,
+            "exp_avg_sq_dtype": torch.float32,
+            "decoupled_weight_decay": True,
+            "overlap_param_gather_with_optimizer_step": False,
+            "optimizer_cpu_offload": False,
+            "config_logger_dir": "",
+        }
+        off = [f"{name}={getattr(self, name)!r}" for name, value in defaults.items() if getattr(self, name) != value]
+        if off:
+            raise ValueError(f"{', '.join(off)}: not supported yet (only the default)")
 
     def __post_init__(self) -> None:
+        self._refuse_unbuilt()
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
         require_one_precision(self.fp16, self.bf16)
@@ -99,3 +153,17 @@ class OptimizerConfig:
             raise ValueError(f"fp16=True with params_dtype={self.params_dtype}: expected torch.float16")
         if self.bf16 and self.params_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"bf16=True with params_dtype={self.params_dtype}: expected torch.bfloat16")
+
+
+@dataclass
+class AdamOptimizerConfig(OptimizerConfig):
+    """``OptimizerConfig`` for Adam (Megatron-core's subclass): ``optimizer="adam"`` and the Adam fields."""
+
+    optimizer: str = "adam"
+
+
+@dataclass
+class SGDOptimizerConfig(OptimizerConfig):
+    """``OptimizerConfig`` for SGD (Megatron-core's subclass): ``optimizer="sgd"`` and ``sgd_momentum``."""
+
+    optimizer: str = "sgd"

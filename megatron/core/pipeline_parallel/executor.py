@@ -1,9 +1,9 @@
 """Runs a pipeline schedule table: the ops of ``schedule_table.rank_slots`` with the
 point-to-point batches of ``schedule_table.comm_plan`` between them.
 
-``forward_backward_pipelining_without_interleaving`` (1F1B) and
-``forward_backward_pipelining_with_interleaving`` (one model chunk per virtual stage)
-are the same executor on different tables.
+``schedules.forward_backward_pipelining_without_interleaving`` (1F1B) and
+``schedules.forward_backward_pipelining_with_interleaving`` (one model chunk per virtual
+stage) are the same executor on different tables.
 """
 
 from __future__ import annotations
@@ -186,22 +186,3 @@ def run_schedule(call: ScheduleArgs) -> List[Any]:
     if not forward_only:
         finalize_grads(config, chunks, run.total_tokens)
     return run.store if rank == pp_size - 1 else []
-
-
-def forward_backward_pipelining_without_interleaving(**kwargs: Any) -> List[Any]:
-    """1F1B: ``p - rank - 1`` warm-up forwards, then one forward and one backward at a time.
-
-    Takes Megatron's keywords (``microbatch.ScheduleArgs``); an unknown one raises ``TypeError``.
-    """
-    call = ScheduleArgs.parse("forward_backward_pipelining_without_interleaving", kwargs)
-    if len(as_chunk_list(call.model)) != 1:
-        raise ValueError("the 1F1B schedule without interleaving takes one model chunk")
-    return run_schedule(call)
-
-
-def forward_backward_pipelining_with_interleaving(**kwargs: Any) -> List[Any]:
-    """Interleaved 1F1B over the model chunks (virtual stages) of each rank; m must be a multiple of p.
-
-    Takes Megatron's keywords (``microbatch.ScheduleArgs``); an unknown one raises ``TypeError``.
-    """
-    return run_schedule(ScheduleArgs.parse("forward_backward_pipelining_with_interleaving", kwargs))

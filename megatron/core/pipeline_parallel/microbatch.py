@@ -8,8 +8,8 @@ pipelined tables) both build on this module, and neither imports the other's int
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -63,6 +63,9 @@ def _refuse(keywords: List[str]) -> None:
 class ScheduleArgs:
     """The keywords of Megatron-core's forward-backward functions (all three take the same set).
 
+    The schedules in ``schedules`` spell these keywords out in their signatures (so a typo is
+    Python's own ``TypeError``) and hand them here, where the shared checks run.
+
     ``first_val_step`` only selects fp8 weight caching in Megatron, which this code base does
     not have: accepted, no effect. ``pg_collection`` None means the groups of
     ``initialize_model_parallel`` (a library caller; the training loop passes its own).
@@ -86,18 +89,6 @@ class ScheduleArgs:
     p2p_communicator: Any = None
     pg_collection: Optional[parallel_state.ProcessGroupCollection] = None
     force_all_reduce: Optional[bool] = False
-
-    @classmethod
-    def parse(cls, schedule: str, kwargs: Dict[str, Any]) -> ScheduleArgs:
-        """Check ``kwargs`` of a call to ``schedule``: unknown or missing keywords raise ``TypeError``."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"{schedule}() got unexpected keyword arguments: {', '.join(unknown)}")
-        try:
-            return cls(**kwargs)
-        except TypeError as e:  # a required keyword is missing
-            raise TypeError(f"{schedule}(): {e}") from None
 
     def __post_init__(self) -> None:
         refused = [
@@ -210,6 +201,28 @@ def forward_step(
     if getattr(config, "num_moe_experts", None):
         set_aux_loss_scale(config, num_microbatches, aux_loss_tracker_of(model), parameter_device(model))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
+    return calc_loss(
+        model, output_tensor, loss_func, config, num_microbatches, forward_data_store,
+        is_last_stage, collect_non_loss_data, cp_group,
+    )  # fmt: skip
+
+
+def calc_loss(
+    model: torch.nn.Module,
+    output_tensor: torch.Tensor,
+    loss_func: Callable,
+    config: Any,
+    num_microbatches: int,
+    forward_data_store: List[Any],
+    is_last_stage: bool,
+    collect_non_loss_data: bool,
+    cp_group: Optional[torch.distributed.ProcessGroup],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(loss scaled for backward, num_tokens)`` on the last stage, ``(output_tensor, 0)`` elsewhere.
+
+    On the last stage the reporting dict of ``loss_func`` (or, with ``collect_non_loss_data``, its
+    ``non_loss_data=True`` result) is appended to ``forward_data_store``.
+    """
     # On the parameters' device: finalize_model_grads broadcasts it over PP without a host copy.
     zero = torch.zeros((), dtype=torch.int, device=parameter_device(model))
     if not is_last_stage:
@@ -238,28 +251,56 @@ def backward_step(
         input_tensor.retain_grad()
     if output_tensor_grad is None and config.grad_scale_func is not None:
         output_tensor = config.grad_scale_func(output_tensor)
-    target = output_tensor
     if output_tensor_grad is not None and output_tensor.shape != output_tensor_grad.shape:
-        # The output's storage was released after it was sent (deallocate_output); the
-        # graph edge still knows the real shape, so backward starts from the edge.
-        target = torch.autograd.graph.get_gradient_edge(output_tensor)
-    torch.autograd.backward(target, grad_tensors=output_tensor_grad)
+        # The output's storage was released after it was sent (deallocate_output_tensor).
+        custom_backward(output_tensor, output_tensor_grad)
+    else:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
     return input_tensor.grad if input_tensor is not None else None
 
 
+def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False) -> None:
+    """Swap the data of a stage output already sent on for a 1-element tensor (Megatron-core's name).
+
+    Backward needs only the output's autograd node (the next stage returns its gradient), so the
+    ``[s, b, h]`` storage can go; ``custom_backward`` starts backward from that node. Nothing happens
+    for ``None`` or unless ``deallocate_pipeline_outputs``. (If an autograd node saved the output
+    itself, that node keeps the old storage alive: still correct, nothing saved.)
+
+    Raises:
+        AssertionError: ``out`` is not a tensor, or is a view (freeing it would free nothing).
+    """
+    if out is None or not deallocate_pipeline_outputs:
+        return
+    assert isinstance(out, torch.Tensor), f"expected a Tensor, got {type(out).__name__}"
+    assert out._base is None, "a view shares its base's storage: deallocating it frees nothing"
+    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+
+
+def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -> None:
+    """Back-propagate ``grad_output`` through ``output``'s graph, even when its data was deallocated.
+
+    ``torch.autograd.backward`` compares the shapes of the tensor and its gradient; starting from
+    the output's gradient edge (``torch.autograd.graph.get_gradient_edge``), whose node knows the
+    real shape, avoids that check, so the 1-element placeholder of ``deallocate_output_tensor``
+    works. ``grad_output`` None means a one-element output (a loss): its gradient is 1. Gradients
+    accumulate into ``.grad`` like a normal backward; the graph is freed.
+    """
+    if grad_output is None:
+        if output.numel() != 1:
+            raise ValueError(f"an implicit gradient needs a one-element output, got shape {tuple(output.shape)}")
+        torch.autograd.backward(output)
+        return
+    edge = torch.autograd.graph.get_gradient_edge(output)
+    torch.autograd.backward(edge, grad_tensors=grad_output)
+
+
 def deallocate_output(output_tensor: torch.Tensor) -> bool:
-    """Release the storage of a stage output that has been sent to the next stage.
+    """``deallocate_output_tensor`` for the executor: skips what cannot be freed, says whether it freed.
 
-    Only its autograd node is needed for backward (the next stage returns the gradient),
-    so its data is swapped for one element; ``backward_step`` then starts from the graph
-    edge. A view or a tensor without a graph node keeps its data. (If an autograd node
-    saved the output itself, that node keeps the old storage alive: still correct, but
-    nothing is saved.)
-
-    Returns:
-        Whether the storage was released.
+    A view or a tensor without a graph node keeps its data.
     """
     if output_tensor._base is not None or output_tensor.grad_fn is None or output_tensor.numel() <= 1:
         return False
-    output_tensor.data = torch.empty((1,), dtype=output_tensor.dtype, device=output_tensor.device)
+    deallocate_output_tensor(output_tensor, deallocate_pipeline_outputs=True)
     return True

@@ -82,6 +82,7 @@ def _fixed_masking(entry_point: str, **values: Any) -> Dict[str, NotAFlag]:
     return {fields[key]: NotAFlag(reason, value) for key, value in values.items()}
 
 
+_CORE_API_ONLY = NotAFlag("megatron-core's field, for library callers; its flag, if any, is a no-op or refused here")
 _HOOK = NotAFlag("a callback the training loop installs after building the model")
 NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     TransformerConfig: {
@@ -99,8 +100,60 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     },
     DistributedDataParallelConfig: {
         "use_custom_fsdp": NotAFlag("Megatron's FSDP is --use-megatron-fsdp, refused as not supported yet"),
+        **{
+            name: _CORE_API_ONLY
+            for name in (
+                "reduce_scatter_with_fp32_accumulation",
+                "reuse_grad_buf_for_mxfp8_param_ag",
+                "use_megatron_fsdp",
+                "gradient_reduce_div_fusion",
+                "suggested_communication_unit_size",
+                "preserve_fp32_weights",
+                "keep_fp8_transpose_cache",
+                "nccl_ub",
+                "fsdp_double_buffer",
+                "outer_dp_sharding_strategy",
+                "disable_symmetric_registration",
+                "fsdp_manual_registration",
+                "delay_wgrad_compute",
+            )
+        },  # fmt: skip
     },
-    OptimizerConfig: {"timers": NotAFlag("the training loop's Timers object, not a setting")},
+    OptimizerConfig: {
+        "timers": NotAFlag("the training loop's Timers object, not a setting"),
+        **{
+            name: _CORE_API_ONLY
+            for name in (
+                "apply_wd_to_qk_layernorm",
+                "fp8_recipe",
+                "reuse_grad_buf_for_mxfp8_param_ag",
+                "use_precision_aware_optimizer",
+                "store_param_remainders",
+                "main_grads_dtype",
+                "main_params_dtype",
+                "exp_avg_dtype",
+                "exp_avg_sq_dtype",
+                "decoupled_weight_decay",
+                "muon_momentum",
+                "muon_split_qkv",
+                "muon_use_nesterov",
+                "muon_scale_mode",
+                "muon_fp32_matmul_prec",
+                "muon_num_ns_steps",
+                "muon_tp_mode",
+                "muon_extra_scale_factor",
+                "overlap_param_gather_with_optimizer_step",
+                "optimizer_cpu_offload",
+                "optimizer_offload_fraction",
+                "use_torch_optimizer_for_cpu_offload",
+                "overlap_cpu_optimizer_d2h_h2d",
+                "pin_cpu_grads",
+                "pin_cpu_params",
+                "barrier_with_L1_time",
+                "config_logger_dir",
+            )
+        },  # fmt: skip
+    },
     OptimizerParamScheduler: {"optimizer": NotAFlag("the optimizer object the schedule drives")},
     CheckpointConfig: {},
     LoggingConfig: {
@@ -110,6 +163,16 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     FlopsConfig: {},
     BlendedMegatronDatasetConfig: {
         "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
+        **{
+            name: _CORE_API_ONLY
+            for name in (
+                "multiple_validation_sets",
+                "full_validation",
+                "allow_ambiguous_pad_tokens",
+                "fast_cache_load",
+                "defer_npy_index_mmap",
+            )
+        },  # fmt: skip
     },
     BERTMaskedWordPieceDatasetConfig: _fixed_masking(
         "pretrain_bert.py", max_ngram=3, full_word=True, permutation=False, longer_ngrams=False, geometric=False
@@ -120,6 +183,17 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
     GPTDatasetConfig: {
         "drop_last_partial_validation_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
         "add_extra_token_to_sequence": NotAFlag("not in Megatron's flag table; the config's default"),
+        **{
+            name: _CORE_API_ONLY
+            for name in (
+                "object_storage_cache_path",
+                "data_parallel_size",
+                "sequence_parallel_size",
+                "hybrid_context_parallel",
+                "sequences_per_dataset",
+                "context_parallel_size",
+            )
+        },  # fmt: skip
     },
 }
 

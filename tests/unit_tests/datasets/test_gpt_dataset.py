@@ -249,8 +249,10 @@ def test_rank_zero_builds_others_load(corpus, tmp_path):
 
 def test_config_validation(corpus):
     prefix, _ = corpus
-    with pytest.raises(ValueError, match="exactly one"):
-        GPTDatasetConfig(random_seed=1, sequence_length=4)
+    neither = GPTDatasetConfig(random_seed=1, sequence_length=4)  # as upstream: synthetic data, even split
+    assert neither.mock and neither.split == "1,1,1"
+    with pytest.raises(ValueError, match="at most one"):
+        GPTDatasetConfig(random_seed=1, sequence_length=4, blend=([prefix], None), blend_per_split=[None] * 3)
     with pytest.raises(ValueError, match="split=None"):
         GPTDatasetConfig(random_seed=1, sequence_length=4, blend=([prefix], None))
     with pytest.raises(ValueError, match="sequence_length=0"):

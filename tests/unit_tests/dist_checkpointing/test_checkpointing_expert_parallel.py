@@ -25,7 +25,7 @@ def _build(tp: int, ep: int, seed: int, distributed: bool):
         model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model, pg_collection=groups
     )
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=distributed, **BF16)
-    return groups, model, ddp, get_megatron_optimizer(config, [ddp], groups)
+    return groups, model, ddp, get_megatron_optimizer(config, [ddp], pg_collection=groups)
 
 
 def _state(groups, model, ddp, opt):

@@ -24,7 +24,7 @@ def _build(tp, seed, distributed):
         model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model, pg_collection=groups
     )
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=distributed, **BF16)
-    return groups, model, ddp, get_megatron_optimizer(config, [ddp], groups)
+    return groups, model, ddp, get_megatron_optimizer(config, [ddp], pg_collection=groups)
 
 
 def _train_step(groups, ddp, opt, it):

@@ -50,7 +50,7 @@ def parallel_run(groups, kwargs: Dict, ddp_kwargs: Dict, opt_kwargs: Dict, iters
         model.config, DistributedDataParallelConfig(**ddp_kwargs), model, pg_collection=groups
     )
     config = OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=CLIP, adam_eps=EPS, **opt_kwargs)
-    opt = get_megatron_optimizer(config, [ddp], groups)
+    opt = get_megatron_optimizer(config, [ddp], pg_collection=groups)
     losses, norms = [], []
     for it in range(iters):
         loss, norm = train_step(ddp, opt, groups, it, per_token)

@@ -33,7 +33,7 @@ from tests.model_utils import batch, build_gpt, gpt2_style
 from tests.unit_tests.pipeline_parallel.pipeline_parity import MICRO, build_chunks, run_pipeline
 
 Event = Tuple[str, object]
-Key = Tuple[int, int]  # (buffer, bucket) of DDP's buffers: dense first, then expert
+Key = Tuple[int, int]  # (buffer, bucket) of DDP.all_buffers: dense first, then expert
 BUCKET_SIZE = 3000  # several buckets in the tiny model
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0])
 # torch.distributed's reductions DDP may use, by kind (utils.reduce_scatter_tensor takes the first
@@ -98,7 +98,7 @@ def _wrapped_model(groups, model_kwargs: Dict, overlap: bool, distributed_optimi
         overlap_grad_reduce=overlap, use_distributed_optimizer=distributed_optimizer, bucket_size=BUCKET_SIZE
     )
     ddp = DistributedDataParallel(model.config, config, model, pg_collection=groups)
-    for i, buffer in enumerate(ddp.buffers):
+    for i, buffer in enumerate(ddp.all_buffers):
         if overlap:
             assert len(buffer.buckets) >= 2, f"want several buckets in buffer {i}, got {len(buffer.buckets)}"
         key_of_param.update({id(p): (i, b.index) for b in buffer.buckets for p in b.params})
@@ -109,7 +109,7 @@ def _step_events(groups, model_kwargs: Dict, overlap: bool, distributed_optimize
     """The events of one step of two microbatches, and the buckets' keys in bucket order."""
     events: List[Event] = []
     ddp = _wrapped_model(groups, model_kwargs, overlap, distributed_optimizer, events)
-    keys = _bucket_keys(ddp.buffers)
+    keys = _bucket_keys(ddp.all_buffers)
     tokens, labels = batch(seed=7 + groups.rank_in("dp"), b=4)  # each DP rank its own data
     ddp.zero_grad_buffer()
     with recorded_reductions(events, keys):

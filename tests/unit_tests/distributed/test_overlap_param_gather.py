@@ -14,7 +14,7 @@ from typing import List, Tuple
 import torch
 
 from megatron.core import parallel_state as ps
-from megatron.core.optimizer import distrib_optimizer
+from megatron.core.distributed import param_and_grad_buffer
 from tests.dist_harness import run_distributed
 from tests.model_utils import gpt2_style
 from tests.unit_tests.distributed.dp_training import parallel_run, train_step
@@ -35,7 +35,7 @@ class _RecordedWork:
 
 
 def _record(events: List[Tuple[str, int]], bucket_of_ptr: dict):
-    real = distrib_optimizer.all_gather_into_tensor
+    real = param_and_grad_buffer.all_gather_into_tensor
 
     def gather(output, inp, group=None, async_op=False):
         work = real(output, inp, group=group, async_op=async_op)
@@ -49,8 +49,8 @@ def _overlapped(rank: int, world_size: int) -> None:
     model_kwargs = gpt2_style(num_layers=4)
     events: List[Tuple[str, int]] = []
     bucket_of_ptr: dict = {}
-    original = distrib_optimizer.all_gather_into_tensor
-    distrib_optimizer.all_gather_into_tensor = _record(events, bucket_of_ptr)
+    original = param_and_grad_buffer.all_gather_into_tensor
+    param_and_grad_buffer.all_gather_into_tensor = _record(events, bucket_of_ptr)
     try:
         got = parallel_run(
             groups, model_kwargs, DIST, dict(use_distributed_optimizer=True, overlap_param_gather=True), iters=0
@@ -64,7 +64,7 @@ def _overlapped(rank: int, world_size: int) -> None:
         ddp.module.register_forward_hook(lambda m, a, o: events.append(("forward_done", -1)))
         overlapped = _train(groups, ddp, opt, events)
     finally:
-        distrib_optimizer.all_gather_into_tensor = original
+        param_and_grad_buffer.all_gather_into_tensor = original
     log = overlapped[2]
     first_forward = log.index(("forward", 0))
     last_wait = log.index(("wait", 0))
@@ -148,7 +148,7 @@ def _step_waits_and_issue_order(rank: int, world_size: int) -> None:
     groups = ps.initialize_model_parallel()
     issued: List[int] = []
     bucket_of_ptr: dict = {}
-    real_gather = distrib_optimizer.all_gather_into_tensor
+    real_gather = param_and_grad_buffer.all_gather_into_tensor
 
     def gather(output, inp, group=None, async_op=False):
         issued.append(bucket_of_ptr.get(output.data_ptr(), -1))
@@ -166,13 +166,13 @@ def _step_waits_and_issue_order(rank: int, world_size: int) -> None:
         assert not pending, f"the update writes the parameter buffer while buckets {pending} are gathering"
         return real_step(self)
 
-    distrib_optimizer.all_gather_into_tensor, MegatronOptimizer.step = gather, checked_step
+    param_and_grad_buffer.all_gather_into_tensor, MegatronOptimizer.step = gather, checked_step
     try:
         train_step(ddp, opt, groups, 0)  # leaves the gathers running
         assert issued == sorted(issued, reverse=True) and len(issued) == len(buffer.buckets), issued
         opt.step()  # again with no forward in between: nothing waited for the gathers yet
     finally:
-        distrib_optimizer.all_gather_into_tensor, MegatronOptimizer.step = real_gather, real_step
+        param_and_grad_buffer.all_gather_into_tensor, MegatronOptimizer.step = real_gather, real_step
 
 
 def test_step_waits_for_the_gathers_issued_last_bucket_first():

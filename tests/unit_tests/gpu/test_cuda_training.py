@@ -41,7 +41,7 @@ def _build(groups) -> Tuple[torch.nn.Module, DistributedDataParallel, object]:
             log_num_zeros_in_grad=True,
         ),
         [ddp],
-        groups,
+        pg_collection=groups,
     )
     model.config.grad_scale_func = opt.scale_loss
     model.config.no_sync_func = ddp.no_sync

@@ -62,7 +62,7 @@ def test_fp16_step_unscales_on_device_with_one_sync_per_statistic(monkeypatch, n
         groups = ps.build_process_groups(ps.ParallelLayout(world_size=2, tensor_model_parallel_size=2))
         model = _layers(num_layers, torch.float16)
         config = OptimizerConfig(lr=1e-3, fp16=True, params_dtype=torch.float16, log_num_zeros_in_grad=True)
-        opt = get_megatron_optimizer(config, [model], groups)
+        opt = get_megatron_optimizer(config, [model], pg_collection=groups)
         _set_grads(model, opt)
         before = mode.counts()
         ok, _, _ = opt.step()  # unscaling by a CPU [1] tensor raised FakeTensorDeviceMismatchError
@@ -76,7 +76,9 @@ def test_loss_scale_loaded_from_a_checkpoint_stays_on_device():
     with fake_world(1), FakeCuda():
         groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
         opt = get_megatron_optimizer(
-            OptimizerConfig(lr=1e-3, fp16=True, params_dtype=torch.float16), [_layers(1, torch.float16)], groups
+            OptimizerConfig(lr=1e-3, fp16=True, params_dtype=torch.float16),
+            [_layers(1, torch.float16)],
+            pg_collection=groups,
         )
         opt.grad_scaler.load_state_dict({"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 2})
         assert on_cuda(opt.get_loss_scale())
@@ -152,7 +154,7 @@ def test_a_microbatch_copies_nothing_to_the_device(fp16):
         chunk = _Chunk(config)
         precision = {"fp16": True, "params_dtype": torch.float32} if fp16 else {"bf16": True}
         config.grad_scale_func = get_megatron_optimizer(
-            OptimizerConfig(lr=1e-3, **precision), [chunk], groups
+            OptimizerConfig(lr=1e-3, **precision), [chunk], pg_collection=groups
         ).scale_loss
         before = mode.counts()
         for _ in range(2):
@@ -177,7 +179,7 @@ def _distributed_optimizer(groups) -> tuple:
         pg_collection=groups,
     )
     config = OptimizerConfig(lr=1e-3, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True)
-    opt = get_megatron_optimizer(config, [ddp], groups)
+    opt = get_megatron_optimizer(config, [ddp], pg_collection=groups)
     for param in model.parameters():
         param.main_grad.normal_()
     assert opt.step()[0]
@@ -224,7 +226,7 @@ def test_resumed_optimizer_state_lives_with_its_parameter(precision):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         model = _layers(2, dtype)
         kw = {"bf16": True, "params_dtype": dtype} if precision == "bf16" else {}
-        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, **kw), [model], groups)
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, **kw), [model], pg_collection=groups)
         opt.load_state_dict_by_param_name([model], _cpu_state(model, with_main=precision == "bf16"))
         fused = precision == "bf16"
         for group in opt.optimizer.param_groups:

@@ -54,7 +54,9 @@ def _stage_module(groups):
 def _grad_norm_counts_each_tensor_once(rank, world_size):
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     module, expected = _stage_module(groups)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=0.0, weight_decay=0.0, clip_grad=1.0), [module], groups)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(lr=0.0, weight_decay=0.0, clip_grad=1.0), [module], pg_collection=groups
+    )
     ok, norm, _ = opt.step()
     assert ok and norm == pytest.approx(expected, rel=1e-6)
     for param in module.parameters():  # clipped in place by max_norm / (norm + 1e-6)
@@ -75,7 +77,7 @@ def _build(groups, distributed, bf16=False):
         pg_collection=groups,
     )
     config = OptimizerConfig(lr=LR, weight_decay=0.1, adam_eps=EPS, use_distributed_optimizer=distributed, **kw)
-    return model, ddp, get_megatron_optimizer(config, [ddp], groups)
+    return model, ddp, get_megatron_optimizer(config, [ddp], pg_collection=groups)
 
 
 def _distributed_state(rank, world_size, bf16):

@@ -34,7 +34,7 @@ def _build(groups, style: str, seed: int):
         model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model, pg_collection=groups
     )
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True, **BF16)
-    return ddp, get_megatron_optimizer(config, [ddp], groups)
+    return ddp, get_megatron_optimizer(config, [ddp], pg_collection=groups)
 
 
 def _train(groups, ddp, opt) -> None:

@@ -61,7 +61,7 @@ def test_param_groups_no_decay_on_bias_and_norm(groups):
 
 def test_scheduler_writes_lr_and_weight_decay(groups):
     model = build_gpt(gpt2_style(), groups)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, min_lr=0.0, weight_decay=0.1), [model], groups)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, min_lr=0.0, weight_decay=0.1), [model], pg_collection=groups)
     sched = OptimizerParamScheduler(
         opt,
         init_lr=0.0,
@@ -91,7 +91,7 @@ def test_step_equals_torch_optimizer(groups, kind, clip):
     model = build_gpt(gpt2_style(), groups)
     ref = build_gpt(gpt2_style(), groups)  # same seed: same weights
     config = OptimizerConfig(optimizer=kind, lr=1e-2, weight_decay=0.1, clip_grad=clip)
-    opt = get_megatron_optimizer(config, [model], groups)
+    opt = get_megatron_optimizer(config, [model], pg_collection=groups)
     assert isinstance(opt, FP32Optimizer)
     decay = [p for n, p in ref.named_parameters() if n not in _no_decay_names(ref)]
     no_decay = [p for n, p in ref.named_parameters() if n in _no_decay_names(ref)]
@@ -144,7 +144,7 @@ def test_fp16_inf_skips_exactly_that_step_and_halves_after_hysteresis(groups):
     config = OptimizerConfig(
         lr=1e-2, fp16=True, params_dtype=torch.float16, initial_loss_scale=2.0**8, hysteresis=2, loss_scale_window=1000
     )
-    opt = get_megatron_optimizer(config, [model], groups)
+    opt = get_megatron_optimizer(config, [model], pg_collection=groups)
     assert isinstance(opt, Float16OptimizerWithFloat16Params)
     x = torch.randn(4, 8).half()
     history = []
@@ -175,7 +175,9 @@ def test_half_precision_follows_fp32_loss_curve(groups, dtype, flag, tol):
     for name, kw in (("fp32", {}), (flag, half)):
         model = build_gpt(gpt2_style(**kw), groups)
         scale = {"initial_loss_scale": 2.0**12} if name == "fp16" else {}
-        opt = get_megatron_optimizer(OptimizerConfig(lr=3e-3, clip_grad=1.0, **kw, **scale), [model], groups)
+        opt = get_megatron_optimizer(
+            OptimizerConfig(lr=3e-3, clip_grad=1.0, **kw, **scale), [model], pg_collection=groups
+        )
         tokens, labels = batch(seed=0, b=4)
         losses = []
         for _ in range(30):
@@ -194,7 +196,7 @@ def test_state_dict_by_param_name_round_trip(groups):
     for kw in ({}, {"params_dtype": torch.bfloat16, "bf16": True}):
         model = build_gpt(gpt2_style(**kw), groups)
         config = OptimizerConfig(lr=1e-2, **kw)
-        opt = get_megatron_optimizer(config, [model], groups)
+        opt = get_megatron_optimizer(config, [model], pg_collection=groups)
         for step in range(2):
             for n, p in model.named_parameters():
                 p.grad = _random_grads(model, step)[n].to(p.dtype)
@@ -206,7 +208,7 @@ def test_state_dict_by_param_name_round_trip(groups):
             assert ("main_param" in state[name]) == (param.dtype != torch.float32)
         clone = build_gpt(gpt2_style(**kw), groups)
         clone.load_state_dict(model.state_dict())
-        opt2 = get_megatron_optimizer(config, [clone], groups)
+        opt2 = get_megatron_optimizer(config, [clone], pg_collection=groups)
         opt2.load_state_dict_by_param_name([clone], state)
         for m, o in ((model, opt), (clone, opt2)):
             for n, p in m.named_parameters():

@@ -10,13 +10,13 @@ import types
 import pytest
 import torch
 
-from megatron.core.pipeline_parallel import executor
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
 SCHEDULES = [
     forward_backward_no_pipelining,
-    executor.forward_backward_pipelining_without_interleaving,
-    executor.forward_backward_pipelining_with_interleaving,
+    schedules.forward_backward_pipelining_without_interleaving,
+    schedules.forward_backward_pipelining_with_interleaving,
 ]
 
 
@@ -35,9 +35,7 @@ def _keywords(**changes):
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda f: f.__name__)
 def test_unknown_keyword_is_named(schedule):
-    with pytest.raises(
-        TypeError, match=rf"{schedule.__name__}\(\) got unexpected keyword arguments: grad_scaler, tyop"
-    ):
+    with pytest.raises(TypeError, match=rf"{schedule.__name__}\(\) got an unexpected keyword argument .tyop."):
         schedule(**_keywords(tyop=1, grad_scaler=None))
 
 

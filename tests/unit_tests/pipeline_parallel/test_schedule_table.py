@@ -6,8 +6,8 @@ bubble (p-1)/(v*m) to 1e-9, deadlock freedom under blocking untagged transfers.
 
 import pytest
 
-from megatron.core.pipeline_parallel import executor
 from megatron.core.pipeline_parallel import schedule_table as st
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining, get_forward_backward_func
 
@@ -83,6 +83,6 @@ def test_invalid_layer_split_is_a_clear_error():
 
 def test_schedule_selection():
     assert get_forward_backward_func(1) is forward_backward_no_pipelining
-    assert get_forward_backward_func(2) is executor.forward_backward_pipelining_without_interleaving
-    assert get_forward_backward_func(2, 1) is executor.forward_backward_pipelining_without_interleaving
-    assert get_forward_backward_func(2, 2) is executor.forward_backward_pipelining_with_interleaving
+    assert get_forward_backward_func(2) is schedules.forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(2, 1) is schedules.forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(2, 2) is schedules.forward_backward_pipelining_with_interleaving

@@ -146,7 +146,7 @@ def test_every_cuda_device_generator_is_captured_and_restored(seeded):
 # ----------------------------------------------------------------------------------
 def _optimizer(model, process_groups):
     config = OptimizerConfig(lr=1e-3, min_lr=1e-4, weight_decay=0.1)
-    return get_megatron_optimizer(config, [model], process_groups)
+    return get_megatron_optimizer(config, [model], pg_collection=process_groups)
 
 
 def test_group_settings_load_by_kind_not_position(groups):  # noqa: F811 - the fixture
