@@ -42,13 +42,14 @@ TOY_GPT = dict(
 )
 GPT3 = os.path.join("examples", "gpt3", "train_gpt3_175b_distributed.sh")
 SBATCH_GPT = os.path.join("examples", "slurm", "pretrain_gpt.sbatch")
-# The variables a Slurm job sets that would make a script pick srun.
-SLURM_JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NODELIST")
+# Variables of an enclosing job that would change how a script launches: Slurm's (srun) and torchrun's.
+LAUNCH_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NODELIST", "LAUNCHER")
+LAUNCH_VARS += ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "EXTRA")
 
 
 def toy_env(iters: int, launcher: Optional[str] = "torchrun", **changes: str) -> Dict[str, str]:
     """The environment for a toy run of ``iters`` iterations on 2 ranks; ``changes`` override any variable."""
-    env = {k: v for k, v in os.environ.items() if k not in SLURM_JOB_VARS + ("LAUNCHER", "EXTRA")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(TOY_GPT, ITERS=str(iters), DECAY_ITERS=str(iters), GPUS_PER_NODE="2")
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHON=sys.executable, MASTER_PORT=str(free_port()))
     env.update(TORCHRUN=f"{sys.executable} -m torch.distributed.run", TOKENIZERS_PARALLELISM="false")

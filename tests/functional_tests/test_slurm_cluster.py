@@ -81,6 +81,14 @@ def _run(cmd: List[str]) -> str:
     return proc.stdout
 
 
+def slurm_env(**changes: str) -> Dict[str, str]:
+    """The toy environment for a job: the script picks its launcher (srun), MASTER_ADDR comes from the node list.
+
+    GPUS_PER_NODE=1: were torchrun started instead of srun, the job would hold one rank and TP=2 would fail.
+    """
+    return toy_env(ITERS, launcher=None, GPUS_PER_NODE="1", **changes)
+
+
 def submit(tmp_path, env: Dict[str, str], name: str) -> str:
     """sbatch the GPT script at toy size (its output appended to tmp_path/NAME.log); the job id."""
     args = [str(tmp_path / f"{name}-ckpt"), str(tmp_path / "tb"), "-", "-", "MOCK"]
@@ -142,7 +150,7 @@ def torchrun_losses(tmp_path_factory) -> Dict[int, float]:
 
 
 def test_sbatch_with_two_tasks_prints_the_torchrun_losses(tmp_path, torchrun_losses):
-    job_id = submit(tmp_path, toy_env(ITERS, launcher=None), "same-losses")
+    job_id = submit(tmp_path, slurm_env(), "same-losses")
     log = tmp_path / "same-losses.log"
     assert_job(wait_for_end(job_id, log), "COMPLETED", 0, job_id, log)
     losses = {line["iteration"]: line["lm loss"] for line in logged(log).lines}
@@ -151,7 +159,7 @@ def test_sbatch_with_two_tasks_prints_the_torchrun_losses(tmp_path, torchrun_los
 
 
 def test_signal_saves_exits_zero_requeues_and_resumes(tmp_path, torchrun_losses):
-    job_id = submit(tmp_path, toy_env(ITERS, launcher=None), "requeue")
+    job_id = submit(tmp_path, slurm_env(), "requeue")
     log = tmp_path / "requeue.log"
     wait_until(job_id, log, lambda: len(logged(log).lines) >= 3, "3 logged iterations")
     _run(["scancel", "--signal=TERM", job_id])
@@ -170,7 +178,7 @@ def test_signal_saves_exits_zero_requeues_and_resumes(tmp_path, torchrun_losses)
 
 
 def test_impossible_layout_fails_the_job_with_the_validation_message(tmp_path):
-    job_id = submit(tmp_path, toy_env(ITERS, launcher=None, TP="3", HIDDEN="48", HEADS="6"), "bad-layout")
+    job_id = submit(tmp_path, slurm_env(TP="3", HIDDEN="48", HEADS="6"), "bad-layout")
     log = tmp_path / "bad-layout.log"
     job = wait_for_end(job_id, log)
     assert_job(job, "FAILED", 0, job_id, log)
