@@ -116,6 +116,8 @@ main() {
   install_slurm
   refuse_running_cluster
   HOST=$(hostname -s)
+  # The node's name is also the rendezvous host the training ranks take from SLURM_NODELIST.
+  getent hosts "$HOST" >/dev/null || die "this host's name $HOST does not resolve; add it to /etc/hosts"
   DIR=$(mktemp -d "${TMPDIR:-/tmp}/megatron-slurm.XXXXXX")
   STEPD_BEFORE=$(pgrep -x slurmstepd || true)
   trap cleanup EXIT
