@@ -1,26 +1,19 @@
 #!/usr/bin/env bash
-# GPT pretraining with torchrun on several nodes: run this script once on every node.
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash examples/pretrain_gpt_multinode.sh
+# GPT 350M pretraining with torchrun on several nodes: run this script once on every node.
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 DATA=/data/corpus_text_document TOKENIZER_DIR=/data/tok \
+#     bash examples/pretrain_gpt_multinode.sh
+# The GPT-3 script (examples/gpt3/train_gpt3_175b_distributed.sh) with 350M sizes on TP=2, sequence parallel and
+# the distributed optimizer; every size it reads can still be overridden (DATA=MOCK: mock data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-DATA=${DATA:?set DATA to a preprocessed prefix such as /data/corpus_text_document}
-TOKENIZER_DIR=${TOKENIZER_DIR:?set TOKENIZER_DIR to the folder with vocab.json and merges.txt}
+DATA=${DATA:?set DATA to a preprocessed prefix such as /data/corpus_text_document, or MOCK}
+TOKENIZER_DIR=${TOKENIZER_DIR:-}
 CKPT=${CKPT:-checkpoints/gpt-350m}
-
-torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_gpt.py \
-  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel \
-  --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \
-  --seq-length 2048 --max-position-embeddings 2048 \
-  --micro-batch-size 4 --global-batch-size 256 --train-iters 100000 \
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01 \
-  --weight-decay 0.1 --clip-grad 1.0 --bf16 --use-distributed-optimizer --overlap-grad-reduce \
-  --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json" \
-  --merge-file "$TOKENIZER_DIR/merges.txt" --data-path "$DATA" --split 969,30,1 \
-  --save "$CKPT" --load "$CKPT" --save-interval 1000 \
-  --log-interval 10 --eval-interval 1000 --eval-iters 10 --tensorboard-dir "$CKPT/tensorboard"
+export NUM_NODES=${NNODES:-${NUM_NODES:-1}} NODE_RANK=${NODE_RANK:-0} MASTER_ADDR=${MASTER_ADDR:-localhost}
+export NUM_LAYERS=${NUM_LAYERS:-24} HIDDEN=${HIDDEN:-1024} HEADS=${HEADS:-16} SEQ=${SEQ:-2048}
+export MBS=${MBS:-4} GBS=${GBS:-256} ITERS=${ITERS:-100000} DECAY_ITERS=${DECAY_ITERS:-100000} RAMPUP=${RAMPUP-}
+export TP=${TP:-2} PP=${PP:-1} PRECISION=${PRECISION---bf16} LOG_INTERVAL=${LOG_INTERVAL:-10}
+export SAVE_INTERVAL=${SAVE_INTERVAL:-1000} EVAL_INTERVAL=${EVAL_INTERVAL:-1000}
+export EXTRA="--sequence-parallel --use-distributed-optimizer --overlap-grad-reduce ${EXTRA:-}"
+exec bash examples/gpt3/train_gpt3_175b_distributed.sh "$CKPT" "$CKPT/tensorboard" \
+  "$TOKENIZER_DIR/vocab.json" "$TOKENIZER_DIR/merges.txt" "$DATA"

@@ -5,6 +5,7 @@
 #
 #   bash examples/quickstart.sh            # everything under runs/quickstart
 #   QUICKSTART_DIR=/tmp/q TRAIN_ITERS=50 bash examples/quickstart.sh
+#   QUICKSTART_DIR=/tmp/smoke CORPUS_MB=0.3 TRAIN_ITERS=3 LOG_INTERVAL=1 bash examples/quickstart.sh   # a quick smoke test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -12,9 +13,10 @@ bash scripts/setup_env.sh
 
 DIR=${QUICKSTART_DIR:-runs/quickstart}
 ITERS=${TRAIN_ITERS:-200}
+WARMUP=$((ITERS / 10 < 20 ? ITERS / 10 : 20))
 mkdir -p "$DIR"
 
-python tools/make_sample_corpus.py --output "$DIR/corpus.jsonl" --max-mb 3
+python tools/make_sample_corpus.py --output "$DIR/corpus.jsonl" --max-mb "${CORPUS_MB:-3}"
 python tools/train_tokenizer.py --input "$DIR/corpus.jsonl" --type gpt2bpe --vocab-size 8000 \
   --output-dir "$DIR/tokenizer"
 python tools/preprocess_data.py --input "$DIR/corpus.jsonl" --output-prefix "$DIR/data" \
@@ -26,10 +28,10 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 pretrain_gpt.py \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
   --seq-length 128 --max-position-embeddings 128 \
   --micro-batch-size 4 --global-batch-size 16 \
-  --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
+  --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" \
   --weight-decay 0.1 --clip-grad 1.0 \
   --tokenizer-type GPT2BPETokenizer --vocab-file "$DIR/tokenizer/vocab.json" \
   --merge-file "$DIR/tokenizer/merges.txt" \
   --data-path "$DIR/data_text_document" --split 949,50,1 --num-workers 0 \
-  --log-interval 10 --eval-interval 100 --eval-iters 5 \
+  --log-interval "${LOG_INTERVAL:-10}" --eval-interval 100 --eval-iters 5 \
   --save "$DIR/checkpoints" --save-interval 100 --tensorboard-dir "$DIR/tensorboard"

@@ -437,7 +437,7 @@ def load_args_from_checkpoint(args: Any) -> Optional[str]:
     if found is None:
         return None
     iter_dir = checkpoint_dir(args.load, *found)
-    saved = _saved_args(iter_dir)
+    saved = saved_args(iter_dir)
     if not isinstance(saved, dict):
         raise CheckpointingError(
             f"checkpoint {iter_dir} holds no arguments (args is {type(saved).__name__}): "
@@ -447,7 +447,7 @@ def load_args_from_checkpoint(args: Any) -> Optional[str]:
     return iter_dir
 
 
-def _saved_args(iter_dir: str) -> Any:
+def saved_args(iter_dir: str) -> Any:
     """The ``args`` a checkpoint was saved with: ``common.json``'s, or the first legacy file's."""
     if detect_format(iter_dir) == "torch_dist":
         return read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state").get("args")

@@ -61,29 +61,41 @@ class LaunchEnv:
 
 # ----------------------------------------------------------------------------------
 # Slurm host lists: "node[01-04,07],login1" -> node01 node02 node03 node04 node07 login1
+# (the order of `scontrol show hostnames`; several bracket groups multiply, the first varying slowest).
 # ----------------------------------------------------------------------------------
 def _split_top_level(text: str) -> List[str]:
-    """Split on commas that are not inside brackets."""
+    """Split on commas that are not inside brackets; unbalanced brackets are an error."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise LaunchEnvError(f"Slurm node list {text!r}: unbalanced or nested brackets at character {i}")
         if ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
+    if depth != 0:
+        raise LaunchEnvError(f"Slurm node list {text!r}: a '[' is never closed")
     parts.append(text[start:])
     return [p for p in (s.strip() for s in parts) if p]
 
 
-def _expand_range(spec: str) -> List[str]:
+def _expand_range(spec: str, nodelist: str) -> List[str]:
     """'01-03' -> ['01', '02', '03'] keeping zero padding; '7' -> ['7']."""
-    if "-" not in spec:
-        return [spec]
-    lo, hi = spec.split("-", 1)
+    match = re.fullmatch(r"(\d+)(?:-(\d+))?", spec)
+    if match is None:
+        raise LaunchEnvError(f"Slurm node list {nodelist!r}: {spec!r} in brackets is not a number or a range N-M")
+    lo, hi = match.group(1), match.group(2) or match.group(1)
+    if int(hi) < int(lo):
+        raise LaunchEnvError(f"Slurm node list {nodelist!r}: range {spec!r} runs backwards")
     return [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
 
 
 def expand_nodelist(nodelist: str) -> List[str]:
-    """All host names of a Slurm node list, in order (several bracket groups multiply)."""
+    """All host names of a Slurm node list (``SLURM_NODELIST``), in order.
+
+    Raises:
+        LaunchEnvError: the list is malformed (unbalanced brackets, a bracket item that is not N or N-M).
+    """
     hosts: List[str] = []
     for item in _split_top_level(nodelist):
         match = re.search(r"\[([^\]]*)\]", item)
@@ -92,12 +104,13 @@ def expand_nodelist(nodelist: str) -> List[str]:
             continue
         head, tail = item[: match.start()], item[match.end() :]
         for spec in match.group(1).split(","):
-            for number in _expand_range(spec.strip()):
+            for number in _expand_range(spec.strip(), nodelist):
                 hosts.extend(expand_nodelist(head + number + tail))
     return hosts
 
 
 def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: the rendezvous host of a job started by ``srun``."""
     hosts = expand_nodelist(nodelist)
     if not hosts:
         raise LaunchEnvError(f"empty Slurm node list {nodelist!r}")

@@ -115,7 +115,7 @@ def rng_untouched(tracker: CudaRNGStatesTracker) -> Iterator[None]:
         restore_rng_state(saved, tracker)
 
 
-def _train_iters(args: argparse.Namespace) -> int:
+def total_train_iters(args: argparse.Namespace) -> int:
     """``--train-iters``, or the iterations ``--train-samples`` takes (batch ramp-up included)."""
     if args.train_iters is not None:
         return args.train_iters
@@ -450,7 +450,7 @@ def _build_loop(
         )
         logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
     loop = Loop(args, run, forward_step_func, built, data, state, logger, timers)
-    loop.train_iters = _train_iters(args)
+    loop.train_iters = total_train_iters(args)
     return loop
 
 

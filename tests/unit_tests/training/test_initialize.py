@@ -1,6 +1,7 @@
 """Launch-environment parsing, backend choice, and start-up on two gloo ranks."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -51,6 +52,40 @@ def test_slurm_environment_first_host_and_default_port():
 def test_expand_nodelist(nodelist, hosts):
     assert init.expand_nodelist(nodelist) == hosts
     assert init.first_host(nodelist) == hosts[0]
+
+
+# The forms issue 18 names, as `scontrol show hostnames` expands them (tests/functional_tests/test_slurm_cluster.py
+# compares with scontrol itself where a cluster runs).
+SLURM_FORMS = {
+    "a": ["a"],
+    "a,b": ["a", "b"],
+    "node[1-3]": ["node1", "node2", "node3"],
+    "node[01-04,07]": ["node01", "node02", "node03", "node04", "node07"],
+    "rack[1-2]-node[1-2]": ["rack1-node1", "rack1-node2", "rack2-node1", "rack2-node2"],
+}
+
+
+@pytest.mark.parametrize("nodelist", sorted(SLURM_FORMS))
+def test_slurm_nodelist_forms_rendezvous_at_the_first_host(nodelist):
+    assert init.expand_nodelist(nodelist) == SLURM_FORMS[nodelist]
+    job = {k: v for k, v in SLURM.items() if k != "SLURM_NODELIST"}
+    assert init.read_launch_env({**job, "SLURM_NODELIST": nodelist}).master_addr == SLURM_FORMS[nodelist][0]
+
+
+@pytest.mark.parametrize(
+    "nodelist, problem",
+    [
+        ("node[1-3", "never closed"),
+        ("node]1[", "unbalanced"),
+        ("node[3-1]", "runs backwards"),
+        ("node[a-b]", "not a number or a range"),
+        ("node[]", "not a number or a range"),
+        ("", "empty Slurm node list"),
+    ],
+)
+def test_malformed_nodelist_is_refused_by_name(nodelist, problem):
+    with pytest.raises(init.LaunchEnvError, match=re.escape(problem)):
+        init.first_host(nodelist)
 
 
 def test_incomplete_environment_names_missing_variables():

@@ -1,0 +1,81 @@
+"""Every launch script under ``examples/`` runs at toy size on CPU (2 gloo ranks) and prints Megatron's log lines.
+
+The scripts take their sizes from the environment (``example_runs.toy_env``); each runs a few iterations of a
+hidden-32/64 model on mock data. A script run by another test is listed in ``COVERED_ELSEWHERE`` with that test,
+which must exist; a new script that is in neither table fails ``test_every_example_script_is_run``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import pytest
+
+from tests.functional_tests.example_runs import GPT3, SBATCH_GPT, run_script, toy_env
+from tests.functional_tests.gpt_runs import REPO
+
+ITERS = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to run one script: its arguments ({tmp} is a fresh directory) and environment changes."""
+
+    args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+GPT_FAMILY_ARGS = ["{tmp}/ckpt", "{tmp}/tb", "-", "MOCK"]
+QUICKSTART_ENV = dict(QUICKSTART_DIR="{tmp}/q", CORPUS_MB="0.3", TRAIN_ITERS=str(ITERS))
+CASES = {
+    GPT3: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
+    "examples/llama/train_llama3_8b_distributed.sh": Case(GPT_FAMILY_ARGS, dict(HIDDEN="64", PRECISION="--bf16")),
+    "examples/mixtral/train_mixtral_8x7b_distributed.sh": Case(GPT_FAMILY_ARGS, dict(TP="1", EP="2")),
+    "examples/pretrain_gpt_multinode.sh": Case([], dict(DATA="MOCK", CKPT="{tmp}/ckpt", PRECISION="")),
+    # Outside a Slurm job the sbatch script trains with torchrun and has nothing to requeue.
+    SBATCH_GPT: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
+    "examples/quickstart.sh": Case([], QUICKSTART_ENV),
+    "examples/bert/quickstart.sh": Case([], QUICKSTART_ENV),
+    "examples/t5/quickstart.sh": Case([], QUICKSTART_ENV),
+}
+COVERED_ELSEWHERE = {
+    "examples/bert/train_bert_340m_distributed.sh": (
+        "tests/functional_tests/test_pretrain_bert.py",
+        "test_megatron_example_script_scaled_down",
+    ),
+    "examples/t5/train_t5_220m_distributed.sh": (
+        "tests/functional_tests/test_pretrain_t5.py",
+        "test_megatron_example_script_scaled_down",
+    ),
+}
+
+
+def launch_scripts() -> List[str]:
+    """Every ``*.sh`` and ``*.sbatch`` under examples/, relative to the repository."""
+    found = glob.glob(os.path.join(REPO, "examples", "**", "*.sh"), recursive=True)
+    found += glob.glob(os.path.join(REPO, "examples", "**", "*.sbatch"), recursive=True)
+    return sorted(os.path.relpath(path, REPO) for path in found)
+
+
+def test_every_example_script_is_run():
+    assert launch_scripts() == sorted(set(CASES) | set(COVERED_ELSEWHERE))
+    for test_file, test_name in COVERED_ELSEWHERE.values():
+        with open(os.path.join(REPO, test_file)) as f:
+            assert f"def {test_name}(" in f.read(), f"{test_file} has no {test_name}"
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_example_script_runs_at_toy_size(script):
+    case = CASES[script]
+    if script.endswith("quickstart.sh") and not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")):
+        pytest.skip(f"{script} sets up and uses {REPO}/.venv (bash scripts/setup_env.sh creates it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [a.format(tmp=tmp) for a in case.args]
+        env = toy_env(ITERS, **{k: v.format(tmp=tmp) for k, v in case.env.items()})
+        result = run_script(script, args, env)
+    assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.output[-6000:]}"
+    assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), result.output[-6000:]
