@@ -21,7 +21,7 @@ from typing import Set, Tuple
 import pytest
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, process_groups
 from tests.dist_harness import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -49,6 +49,7 @@ megatron/training/initialize.py initialize_distributed use_mpu_process_groups
 megatron/training/initialize.py initialize_distributed initialize_model_parallel
 megatron/training/initialize.py shutdown_distributed destroy_model_parallel
 """
+FACADE_MODULES = {"megatron/core/parallel_state.py", "megatron/core/process_groups.py"}
 ALLOWED_FACADE_CALLS = {tuple(line.split()) for line in _ALLOWED_TABLE.strip().splitlines()}
 
 
@@ -56,10 +57,12 @@ def _facade_names() -> Set[str]:
     """Public functions of parallel_state that read or change the default collection."""
     names = {
         name
-        for name, obj in vars(parallel_state).items()
-        if inspect.isfunction(obj) and obj.__module__ == parallel_state.__name__ and not name.startswith("_")
+        for module in (parallel_state, process_groups)
+        for name, obj in vars(module).items()
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("_")
     }
     names -= {"build_process_groups", "warn_sequence_parallel_without_tp", "forbid_default_process_groups"}
+    names -= {"is_initialized"}  # reads no group; its name is torch.distributed.is_initialized's too
     return names | {"use_mpu_process_groups"}
 
 
@@ -89,7 +92,7 @@ def _facade_calls() -> Set[Tuple[str, str, str]]:
         for root, _, files in os.walk(os.path.join(REPO, top)):
             for file in files:
                 path = os.path.relpath(os.path.join(root, file), REPO)
-                if not file.endswith(".py") or path == "megatron/core/parallel_state.py":
+                if not file.endswith(".py") or path in FACADE_MODULES:
                     continue
                 with open(os.path.join(REPO, path), encoding="utf-8") as f:
                     visitor = _Calls(path, names)
