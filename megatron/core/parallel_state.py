@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from megatron.core.process_groups import (
     LayoutError,
-    NotInitializedError,
     ParallelLayout,
+    ParallelStateError,
     ProcessGroup,
     ProcessGroupCollection,
     build_process_groups,
@@ -43,7 +43,7 @@ from megatron.core.rank_grid import position_embedding_ranks as default_position
 
 __all__ = [  # re-exported building blocks (the facade functions below are public too)
     "LayoutError",
-    "NotInitializedError",
+    "ParallelStateError",
     "ParallelLayout",
     "ProcessGroupCollection",
     "RankGenerator",
@@ -114,9 +114,9 @@ def initialize_model_parallel(
         get_position_embedding_ranks=get_position_embedding_ranks,
     )
     if not dist.is_initialized():
-        raise NotInitializedError("torch.distributed is not initialized: call torch.distributed.init_process_group")
+        raise ParallelStateError("torch.distributed is not initialized: call torch.distributed.init_process_group")
     if has_default_process_groups():
-        raise NotInitializedError("model parallel groups are already initialized; call destroy_model_parallel() first")
+        raise ParallelStateError("model parallel groups are already initialized; call destroy_model_parallel() first")
     layout = ParallelLayout(
         world_size=dist.get_world_size(),
         tensor_model_parallel_size=tensor_model_parallel_size,
@@ -246,7 +246,7 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> Optiona
 def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Optional[List[ProcessGroup]]:
     """Not supported yet (``hierarchical_context_parallel_sizes`` is refused): raises, or None unchecked."""
     if check_initialized:
-        raise NotInitializedError("hierarchical context parallel groups are not supported yet")
+        raise ParallelStateError("hierarchical context parallel groups are not supported yet")
     return None
 
 
@@ -316,7 +316,7 @@ def get_inter_distributed_optimizer_instance_group(check_initialized: bool = Tru
     """The group joining the distributed-optimizer instances (exists with more than one instance)."""
     group = _group("inter_dist_opt", check_initialized)
     if group is None and check_initialized:
-        raise NotInitializedError(
+        raise ParallelStateError(
             "inter distributed optimizer instance group needs num_distributed_optimizer_instances > 1"
         )
     return group

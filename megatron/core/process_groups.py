@@ -27,8 +27,8 @@ class LayoutError(ValueError, RuntimeError):
     """A layout that does not fit the world (a ``RuntimeError`` as Megatron raises it)."""
 
 
-class NotInitializedError(RuntimeError, AssertionError):
-    """The default groups were read before being built (Megatron asserts: ``AssertionError``)."""
+class ParallelStateError(RuntimeError, AssertionError):
+    """Groups read before being built, or built twice (Megatron asserts: an ``AssertionError`` too)."""
 
 
 def _check_positive(layout: ParallelLayout) -> None:
@@ -294,7 +294,7 @@ def default_process_groups() -> ProcessGroupCollection:
     if _FORBIDDEN is not None:
         raise RuntimeError(f"the default process groups were read while forbidden: {_FORBIDDEN}")
     if _DEFAULT is None:
-        raise NotInitializedError(
+        raise ParallelStateError(
             "model parallel groups are not initialized: call "
             "megatron.core.parallel_state.initialize_model_parallel(...) or pass process groups explicitly"
         )
