@@ -394,7 +394,9 @@ class _CheckpointWithoutOutputFunction(torch.autograd.Function):
     def forward(ctx, run_function, owner, *args):
         with torch.no_grad():
             outputs = run_function(*args)
-        ctx.save_for_backward(*(a.detach() if torch.is_tensor(a) else a for a in args))
+        ctx.tensor_slots = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i].detach() for i in ctx.tensor_slots))
         ctx.owner = owner
         owner.ctx = ctx
         return outputs
@@ -444,7 +446,12 @@ class CheckpointWithoutOutput:
             return
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("CheckpointWithoutOutput does not work with torch.autograd.grad(); use .backward()")
-        inputs = [t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in ctx.saved_tensors]
+        inputs = list(ctx.others)
+        for slot, saved in zip(ctx.tensor_slots, ctx.saved_tensors):
+            inputs[slot] = saved
+        # +2: the function's own inputs start with ``run_function`` and this object.
+        needs = ctx.needs_input_grad[2:]
+        inputs = [t.detach().requires_grad_(n) if torch.is_tensor(t) else t for t, n in zip(inputs, needs)]
         outputs = _rerun(self.run_function, self.rng_states, inputs)
         outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
         with torch.no_grad():
