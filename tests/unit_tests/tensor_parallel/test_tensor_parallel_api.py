@@ -128,9 +128,32 @@ def _check_distributed_checkpoint(rank):
     assert torch.equal(x.grad, ref_grads[0]) and torch.equal(w.grad, ref_grads[1])
 
 
+def _check_linear_and_layer_helpers(rank):
+    """Upstream's functional linear signature and the layer helpers, default group."""
+    x0, w = _rand(100, 4, 2, 8), _rand(101 + rank, 3, 8)  # this rank's 3 output rows
+    x = _leaf(x0)
+    out = tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+        x, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=True, sequence_parallel=False
+    )
+    assert torch.allclose(out, F.linear(x0, w))
+    out.backward(torch.ones_like(out))
+    summed = sum(torch.ones(4, 2, 3) @ _rand(101 + r, 3, 8) for r in range(TP))  # both ranks' input grads
+    assert torch.allclose(x.grad, summed)
+    piece = _leaf(x0[2 * rank : 2 * rank + 2])
+    out = tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+        piece, w, None, False, False, sequence_parallel=True
+    )
+    assert torch.allclose(out, F.linear(x0, w))  # the sequence was gathered first
+    replicated, shard = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    tensor_parallel.set_tensor_model_parallel_attributes(shard, True, 0, 1)
+    assert tensor_parallel.param_is_not_tensor_parallel_duplicate(replicated) == (rank == 0)
+    assert tensor_parallel.param_is_not_tensor_parallel_duplicate(shard)
+
+
 def _tensor_parallel_api_on_two_ranks(rank, world_size):
     ps.initialize_model_parallel(tensor_model_parallel_size=TP)
-    for check in (_check_region_functions, _check_wrappers_without_group, _check_broadcast_data):
+    checks = (_check_region_functions, _check_wrappers_without_group, _check_broadcast_data)
+    for check in checks + (_check_linear_and_layer_helpers,):
         check(rank)
     _check_distributed_checkpoint(rank)
 
