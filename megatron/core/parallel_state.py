@@ -1,17 +1,14 @@
 """Megatron's module-level parallel state, as a facade over one ``ProcessGroupCollection``.
 
-``initialize_model_parallel`` builds a collection (``megatron.core.process_groups``), keeps it
-as the process-wide default and exposes it through Megatron's getters
-(``get_tensor_model_parallel_group()`` ...), so code written against Megatron Core keeps working.
-Core modules never look the default up on their own: internal modules require their groups,
-and the public constructors and functions whose Megatron signature keeps
-``pg_collection=None`` / ``tp_group=None`` resolve it through
-``ProcessGroupCollection.use_mpu_process_groups()`` or ``get_tensor_model_parallel_group_if_none()``,
-the only two ways in from outside this module (both raise if nothing was built).
+``initialize_model_parallel`` builds a collection (``megatron.core.process_groups``), keeps it as
+the process-wide default and exposes it through Megatron's getters, so code written against Megatron
+Core keeps working. Core modules never look the default up on their own: internal modules require
+their groups, and public functions whose Megatron signature keeps ``pg_collection=None`` /
+``tp_group=None`` resolve it through ``ProcessGroupCollection.use_mpu_process_groups()`` or
+``get_tensor_model_parallel_group_if_none()`` (both raise if nothing was built).
 
 As in Megatron, the ``set_*`` functions override what the matching size/rank getters return
-(used to run a layer "as if" on a given TP rank without groups); ``destroy_model_parallel``
-clears them.
+(a layer run "as if" on a given TP rank without groups); ``destroy_model_parallel`` clears them.
 """
 
 from __future__ import annotations
@@ -29,31 +26,43 @@ from megatron.core.process_groups import (
     ProcessGroup,
     ProcessGroupCollection,
     build_process_groups,
+    create_group,
+    create_hierarchical_groups,
     default_process_groups,
     forbid_default_process_groups,
+    get_nccl_options,
+    get_tensor_model_parallel_group_if_none,
     has_default_process_groups,
+    overwrite_nccl_comm_cfgs,
     set_default_process_groups,
+    update_pg_timeout,
+    warn_sequence_parallel_without_tp,
 )
-from megatron.core.rank_grid import (
-    RankGenerator,
-    generate_masked_orthogonal_rank_groups,
-)
+from megatron.core.rank_grid import RankGenerator, generate_masked_orthogonal_rank_groups
 from megatron.core.rank_grid import embedding_ranks as default_embedding_ranks
 from megatron.core.rank_grid import position_embedding_ranks as default_position_embedding_ranks
 
-__all__ = [  # re-exported building blocks (the facade functions below are public too)
+__all__ = [  # the re-exports; the facade functions are added at the end
     "LayoutError",
-    "ParallelStateError",
     "ParallelLayout",
+    "ParallelStateError",
     "ProcessGroupCollection",
     "RankGenerator",
     "build_process_groups",
+    "create_group",
+    "create_hierarchical_groups",
     "default_embedding_ranks",
     "default_position_embedding_ranks",
     "default_process_groups",
     "forbid_default_process_groups",
     "generate_masked_orthogonal_rank_groups",
+    "get_nccl_options",
+    "get_tensor_model_parallel_group_if_none",
+    "overwrite_nccl_comm_cfgs",
+    "update_pg_timeout",
+    "warn_sequence_parallel_without_tp",
 ]
+
 
 # Overrides set by the set_* functions: key -> value (absent: read the groups).
 _OVERRIDES: Dict[str, int] = {}
@@ -110,8 +119,6 @@ def initialize_model_parallel(
         high_priority_stream_groups=high_priority_stream_groups,
         sharp_enabled_group=sharp_enabled_group,
         create_all_gather_group=create_all_gather_group,
-        get_embedding_ranks=get_embedding_ranks,
-        get_position_embedding_ranks=get_position_embedding_ranks,
     )
     if not dist.is_initialized():
         raise ParallelStateError("torch.distributed is not initialized: call torch.distributed.init_process_group")
@@ -129,9 +136,10 @@ def initialize_model_parallel(
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
     timeout = timedelta(minutes=distributed_timeout_minutes)
-    groups = build_process_groups(layout, timeout=timeout)
+    groups = build_process_groups(layout, timeout, None, get_embedding_ranks, get_position_embedding_ranks)
     if create_gloo_process_groups:  # gloo twins for CPU-side collectives (the same groups on a gloo world)
-        gloo = groups if dist.get_backend() == "gloo" else build_process_groups(layout, timeout, backend="gloo")
+        twin = (layout, timeout, "gloo", get_embedding_ranks, get_position_embedding_ranks)
+        gloo = groups if dist.get_backend() == "gloo" else build_process_groups(*twin)
         _GLOO_GROUPS = {
             name: getattr(gloo, name) for name in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
         }
@@ -157,14 +165,6 @@ def is_unitialized() -> bool:
 def model_parallel_is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has built the default groups."""
     return has_default_process_groups()
-
-
-def get_tensor_model_parallel_group_if_none(tp_group: Optional[ProcessGroup], is_expert: bool = False) -> ProcessGroup:
-    """``tp_group`` itself, or the default (expert-)TP group for a public API called without one."""
-    if tp_group is not None:
-        return tp_group
-    groups = default_process_groups()
-    return groups.expt_tp if is_expert else groups.tp
 
 
 def destroy_model_parallel() -> None:
@@ -248,6 +248,13 @@ def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> 
     if check_initialized:
         raise ParallelStateError("hierarchical context parallel groups are not supported yet")
     return None
+
+
+def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: Optional[int] = None):
+    """The DP x CP group when ``group_size`` is its size; other sizes need hybrid CP (not supported yet)."""
+    if group_size == get_data_parallel_world_size(with_context_parallel=True):
+        return _group("dp_cp", check_initialized)
+    raise ValueError(f"hybrid context parallel groups of size {group_size}: not supported yet")
 
 
 def get_embedding_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
@@ -587,11 +594,6 @@ def is_rank_in_position_embedding_group() -> bool:
     return has_default_process_groups() and dist.get_rank() in default_process_groups().ranks["pos_embd"]
 
 
-def warn_sequence_parallel_without_tp(tensor_model_parallel_size: int, sequence_parallel: bool) -> bool:
-    """Megatron's rule: sequence parallelism is meaningless with TP=1; warn and disable."""
-    if sequence_parallel and tensor_model_parallel_size == 1:
-        warnings.warn(
-            "sequence_parallel=True with tensor_model_parallel_size=1: disabling sequence parallelism", stacklevel=2
-        )
-        return False
-    return sequence_parallel
+__all__ += [
+    n for n, o in list(globals().items()) if callable(o) and getattr(o, "__module__", "") == __name__ and n[0] != "_"
+]

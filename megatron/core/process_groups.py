@@ -12,13 +12,20 @@ path passes its groups.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from megatron.core.rank_grid import RankGrid, embedding_ranks, partial_groups, position_embedding_ranks
+from megatron.core.rank_grid import (
+    RankGrid,
+    embedding_ranks,
+    hierarchical_rank_groups,
+    partial_groups,
+    position_embedding_ranks,
+)
 
 ProcessGroup = dist.ProcessGroup
 
@@ -203,6 +210,89 @@ class ProcessGroupCollection:
         return default_process_groups()
 
 
+_CREATED: List[Optional[ProcessGroup]] = [None]  # groups this rank belongs to (None: the world), for timeouts
+
+
+def create_group(
+    ranks: Optional[Sequence[int]] = None,
+    timeout: Optional[timedelta] = None,
+    backend: Optional[str] = None,
+    pg_options: Optional[object] = None,
+    use_local_synchronization: bool = False,
+    group_desc: Optional[str] = None,
+) -> ProcessGroup:
+    """``torch.distributed.new_group`` (Megatron's wrapper), remembering the groups this rank is in."""
+    group = dist.new_group(
+        list(ranks) if ranks is not None else None,
+        timeout=timeout,
+        backend=backend,
+        pg_options=pg_options,
+        use_local_synchronization=use_local_synchronization,
+        group_desc=group_desc,
+    )
+    if ranks is None or dist.get_rank() in ranks:
+        _CREATED.append(group)
+    return group
+
+
+def update_pg_timeout(timeout: timedelta, pg: Optional[ProcessGroup] = None) -> None:
+    """Set the collective timeout of ``pg``, or of the world and every group ``create_group`` made.
+
+    A collective call over ``pg`` (the world when None): the ranks first meet at a barrier.
+    """
+    dist.barrier(group=pg)
+    for group in [pg] if pg is not None else _CREATED:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def create_hierarchical_groups(
+    rank: int,
+    ranks: Sequence[int],
+    hierarchical_group_sizes: Sequence[int],
+    create_gloo_process_groups: bool = False,
+    pg_options: Optional[object] = None,
+    timeout: Optional[timedelta] = None,
+    group_desc: Optional[str] = None,
+) -> Tuple[List[ProcessGroup], List[Optional[ProcessGroup]]]:
+    """Create the nested sub-groups of ``ranks`` (``rank_grid.hierarchical_rank_groups``), level by level.
+
+    Returns this rank's group at each level, and its gloo twin (None unless requested).
+    """
+    options = pg_options if isinstance(pg_options, list) else [pg_options] * len(hierarchical_group_sizes)
+    mine: List[ProcessGroup] = []
+    mine_gloo: List[Optional[ProcessGroup]] = []
+    for level, groups in enumerate(hierarchical_rank_groups(ranks, hierarchical_group_sizes)):
+        for sub in groups:
+            desc = f"HIERARCHICAL_{group_desc}_L{level}" if group_desc else None
+            group = create_group(sub, timeout=timeout, pg_options=options[level], group_desc=desc)
+            gloo = create_group(sub, timeout=timeout, backend="gloo") if create_gloo_process_groups else None
+            if rank in sub:
+                mine.append(group)
+                mine_gloo.append(gloo)
+    return mine, mine_gloo
+
+
+def get_nccl_options(pg_name: str, nccl_comm_cfgs: Dict[str, Dict[str, object]]) -> Optional[object]:
+    """NCCL options for group ``pg_name`` from a communicator config, or None when it has no entry."""
+    if pg_name not in nccl_comm_cfgs:
+        return None
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise ValueError(f"NCCL communicator options for {pg_name!r} need a PyTorch build with NCCL")
+    config = nccl_comm_cfgs[pg_name]
+    options = nccl.Options(is_high_priority_stream=bool(config.get("is_high_priority_stream", False)))
+    for key in ("cga_cluster_size", "max_ctas", "min_ctas", "net_name"):
+        if key in config:
+            setattr(options.config, key, config[key])
+    return options
+
+
+def overwrite_nccl_comm_cfgs(nccl_comm_cfgs: Dict[str, Dict[str, object]], pg_name: str, key_value_pair: tuple) -> None:
+    """Set one option of group ``pg_name`` in a communicator config."""
+    key, value = key_value_pair
+    nccl_comm_cfgs.setdefault(pg_name, {})[key] = value
+
+
 class GroupFactory:
     """Creates each distinct rank list's group once (every rank calls in the same order)."""
 
@@ -217,7 +307,7 @@ class GroupFactory:
         for ranks in rank_lists:
             key = tuple(ranks)
             if key not in self._cache:
-                self._cache[key] = dist.new_group(list(key), timeout=self._timeout, backend=self._backend)
+                self._cache[key] = create_group(list(key), timeout=self._timeout, backend=self._backend)
             if rank in key:
                 found = (self._cache[key], list(key))
         return found
@@ -241,9 +331,16 @@ def _instance_rank_lists(layout: ParallelLayout) -> Dict[str, List[List[int]]]:
 
 
 def build_process_groups(
-    layout: ParallelLayout, timeout: Optional[timedelta] = None, backend: Optional[str] = None
+    layout: ParallelLayout,
+    timeout: Optional[timedelta] = None,
+    backend: Optional[str] = None,
+    get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
 ) -> ProcessGroupCollection:
     """Create all groups of ``layout``; a collective call on every rank of the world.
+
+    ``get_embedding_ranks`` / ``get_position_embedding_ranks`` pick, from a pipeline group's
+    ranks, those holding the word / position embeddings (default: first and last / first stage).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -261,8 +358,9 @@ def build_process_groups(
         for name, token in table.items():
             groups[name], ranks[name] = factory.mine(grid.groups(token), rank)
     pp_lists = layout.dense_grid().groups("pp")
-    groups["embd"], ranks["embd"] = factory.mine([embedding_ranks(p) for p in pp_lists], rank)
-    groups["pos_embd"], ranks["pos_embd"] = factory.mine([position_embedding_ranks(p) for p in pp_lists], rank)
+    embd, pos_embd = get_embedding_ranks or embedding_ranks, get_position_embedding_ranks or position_embedding_ranks
+    groups["embd"], ranks["embd"] = factory.mine([embd(p) for p in pp_lists], rank)
+    groups["pos_embd"], ranks["pos_embd"] = factory.mine([pos_embd(p) for p in pp_lists], rank)
     for name, lists in _instance_rank_lists(layout).items():
         groups[name], ranks[name] = factory.mine(lists, rank)
     return ProcessGroupCollection(layout=layout, ranks=ranks, **groups)
@@ -301,6 +399,14 @@ def default_process_groups() -> ProcessGroupCollection:
     return _DEFAULT
 
 
+def get_tensor_model_parallel_group_if_none(tp_group: Optional[ProcessGroup], is_expert: bool = False) -> ProcessGroup:
+    """``tp_group`` itself, or the default (expert-)TP group for a public API called without one."""
+    if tp_group is not None:
+        return tp_group
+    groups = default_process_groups()
+    return groups.expt_tp if is_expert else groups.tp
+
+
 @contextlib.contextmanager
 def forbid_default_process_groups(reason: str = "this code must receive its groups") -> Iterator[None]:
     """Within the block, reading the default collection (any facade getter) raises ``RuntimeError``.
@@ -314,3 +420,13 @@ def forbid_default_process_groups(reason: str = "this code must receive its grou
         yield
     finally:
         _FORBIDDEN = previous
+
+
+def warn_sequence_parallel_without_tp(tensor_model_parallel_size: int, sequence_parallel: bool) -> bool:
+    """Megatron's rule: sequence parallelism is meaningless with TP=1; warn and disable."""
+    if sequence_parallel and tensor_model_parallel_size == 1:
+        warnings.warn(
+            "sequence_parallel=True with tensor_model_parallel_size=1: disabling sequence parallelism", stacklevel=2
+        )
+        return False
+    return sequence_parallel

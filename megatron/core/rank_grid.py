@@ -185,3 +185,19 @@ def partial_groups(rank_lists: Sequence[Sequence[int]], instances: int) -> tuple
         intra += [list(ranks[i * part : (i + 1) * part]) for i in range(instances)]
         inter += [list(ranks[j::part]) for j in range(part)]
     return intra, inter
+
+
+def hierarchical_rank_groups(ranks: Sequence[int], sizes: Sequence[int]) -> List[List[List[int]]]:
+    """Per level, the sub-groups of ``ranks`` for nested group sizes (``prod(sizes) == len(ranks)``).
+
+    Level ``i`` groups ``sizes[i]`` ranks that are ``prod(sizes[:i])`` apart: level 0 is
+    consecutive ranks, the last level strides over all lower levels.
+    """
+    if prod(sizes) != len(ranks):
+        raise ValueError(f"hierarchical group sizes {list(sizes)} do not multiply to {len(ranks)} ranks")
+    levels = []
+    for level, size in enumerate(sizes):
+        inner, outer = prod(sizes[:level]), prod(sizes[level + 1 :])
+        grid = np.asarray(ranks).reshape(outer, size, inner).transpose(0, 2, 1)
+        levels.append(grid.reshape(-1, size).tolist())
+    return levels

@@ -4,11 +4,14 @@ Expected rank sets are written from the grid arithmetic (rank = tp + TP * next d
 independently of the code under test.
 """
 
+from datetime import timedelta
+
 import pytest
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 from megatron.core.parallel_state import RankGenerator, generate_masked_orthogonal_rank_groups
+from megatron.core.rank_grid import hierarchical_rank_groups
 from tests.dist_harness import run_distributed
 
 
@@ -35,6 +38,17 @@ def test_masked_orthogonal_groups_of_a_three_dimensional_grid():
     groups = generate_masked_orthogonal_rank_groups(24, [2, 3, 4], [False, True, False])
     assert len(groups) == 8
     assert groups[0] == [0, 2, 4] and groups[1] == [1, 3, 5] and groups[-1] == [19, 21, 23]
+
+
+def test_hierarchical_groups_and_nccl_config_helpers():
+    levels = hierarchical_rank_groups(list(range(16)), [2, 2, 4])
+    assert levels[0][:2] == [[0, 1], [2, 3]] and len(levels[0]) == 8
+    assert levels[1][:2] == [[0, 2], [1, 3]] and levels[1][2] == [4, 6]
+    assert levels[2] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    cfgs = {}
+    ps.overwrite_nccl_comm_cfgs(cfgs, "dp", ("is_high_priority_stream", True))
+    assert cfgs == {"dp": {"is_high_priority_stream": True}}
+    assert ps.get_nccl_options("tp", cfgs) is None
 
 
 def test_setters_override_getters_without_groups():
@@ -165,8 +179,30 @@ def _distributed_optimizer_instances(rank):
     assert _group_ranks(ps.get_intra_distributed_optimizer_instance_group()) == list(range(8))
 
 
+def _group_helpers_and_embedding_choice(rank):
+    """Custom embedding ranks, create_group / create_hierarchical_groups, update_pg_timeout."""
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=4,
+        get_embedding_ranks=lambda pp_ranks: [pp_ranks[-1]],
+        get_position_embedding_ranks=lambda pp_ranks: pp_ranks[1:3],
+    )
+    stage = rank // 2  # PP=4 over 8 ranks: dp=2 is the fastest dimension
+    assert ps.is_rank_in_embedding_group() == (stage == 3)
+    assert ps.is_rank_in_position_embedding_group() == (stage in (1, 2))
+    if stage in (1, 2):
+        assert _group_ranks(ps.get_position_embedding_group()) == [rank % 2 + 2, rank % 2 + 4]
+    halves = ps.create_group([0, 1, 2, 3]), ps.create_group([4, 5, 6, 7])
+    assert _group_ranks(halves[rank // 4]) == [4 * (rank // 4) + i for i in range(4)]
+    groups, gloo = ps.create_hierarchical_groups(rank, list(range(8)), [2, 4], create_gloo_process_groups=True)
+    assert _group_ranks(groups[0]) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert _group_ranks(groups[1]) == [rank % 2 + 2 * i for i in range(4)] == _group_ranks(gloo[1])
+    ps.update_pg_timeout(timedelta(minutes=3))
+    ps.update_pg_timeout(timedelta(minutes=4), pg=ps.get_data_parallel_group())
+
+
 def _upstream_calls_on_eight_ranks(rank, world_size):
-    for check in (_tp_pp_dp_order, _expert_order, _distributed_optimizer_instances):
+    checks = (_tp_pp_dp_order, _expert_order, _distributed_optimizer_instances)
+    for check in checks + (_group_helpers_and_embedding_choice,):
         check(rank)
         ps.destroy_model_parallel()
 
