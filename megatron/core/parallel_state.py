@@ -137,9 +137,9 @@ def initialize_model_parallel(
     )
     timeout = timedelta(minutes=distributed_timeout_minutes)
     groups = build_process_groups(layout, timeout, None, get_embedding_ranks, get_position_embedding_ranks)
-    if create_gloo_process_groups:  # gloo twins for CPU-side collectives (the same groups on a gloo world)
+    if create_gloo_process_groups:  # gloo twins for CPU tensors: built over NCCL, the groups themselves otherwise
         twin = (layout, timeout, "gloo", get_embedding_ranks, get_position_embedding_ranks)
-        gloo = groups if dist.get_backend() == "gloo" else build_process_groups(*twin)
+        gloo = build_process_groups(*twin) if dist.get_backend() == "nccl" else groups
         _GLOO_GROUPS = {
             name: getattr(gloo, name) for name in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
         }
