@@ -186,7 +186,7 @@ def _group(name: str, check_initialized: bool = True) -> Optional[ProcessGroup]:
 
 def _data_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
     if partial_data_parallel and not with_context_parallel:
-        raise ValueError("partial_data_parallel=True needs with_context_parallel=True (as in Megatron)")
+        raise AssertionError("partial_data_parallel=True needs with_context_parallel=True (as in Megatron)")
     return ("intra_dp_cp" if partial_data_parallel else "dp_cp") if with_context_parallel else "dp"
 
 

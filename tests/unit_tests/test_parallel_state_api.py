@@ -167,6 +167,8 @@ def _distributed_optimizer_instances(rank):
     intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     assert _group_ranks(intra) == [tp + 2 * d for d in (2 * half, 2 * half + 1)]
     assert ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True) == 2
+    with pytest.raises(AssertionError):  # partial DP is a part of DP x CP
+        ps.get_data_parallel_group(partial_data_parallel=True)
     assert _group_ranks(ps.get_data_parallel_group(with_context_parallel=True)) == [tp + 2 * d for d in range(4)]
     assert _group_ranks(ps.get_inter_distributed_optimizer_instance_group()) == [rank % 4, rank % 4 + 4]
     assert _group_ranks(ps.get_intra_distributed_optimizer_instance_group()) == [4 * half + i for i in range(4)]
