@@ -160,16 +160,16 @@ class RankGenerator:
         return [[r + self.rank_offset for r in group] for group in self._grid.groups(token)]
 
 
-def embedding_ranks(pp_group: Sequence[int]) -> List[int]:
+def embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
     """Ranks holding a copy of the word embeddings: first and last stage."""
-    if len(pp_group) == 1:
-        return [pp_group[0]]
-    return [pp_group[0], pp_group[-1]]
+    if len(pp_ranks) == 1:
+        return [pp_ranks[0]]
+    return [pp_ranks[0], pp_ranks[-1]]
 
 
-def position_embedding_ranks(pp_group: Sequence[int]) -> List[int]:
+def position_embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
     """Ranks holding learned position embeddings: the first stage only."""
-    return [pp_group[0]]
+    return [pp_ranks[0]]
 
 
 def partial_groups(rank_lists: Sequence[Sequence[int]], instances: int) -> tuple:

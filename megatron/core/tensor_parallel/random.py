@@ -295,6 +295,24 @@ def _restore_rng(states: Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, t
     get_cuda_rng_tracker().set_states(dict(tracked))  # the tracker may update its dict; keep the snapshot
 
 
+_CHECKPOINTING = 0  # how many checkpointed forwards / recomputes are running
+
+
+def is_checkpointing() -> bool:
+    """Whether a ``checkpoint`` forward or its recompute is running (Megatron's flag)."""
+    return _CHECKPOINTING > 0
+
+
+@contextlib.contextmanager
+def _checkpointing() -> Iterator[None]:
+    global _CHECKPOINTING
+    _CHECKPOINTING += 1
+    try:
+        yield
+    finally:
+        _CHECKPOINTING -= 1
+
+
 def _distribute_group(distribute: Union[bool, dist.ProcessGroup, None]) -> Optional[dist.ProcessGroup]:
     """The group to spread a saved input over: a given group, or the default TP group for ``True``."""
     if distribute is None or distribute is False:
@@ -320,7 +338,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.function = run_function
         ctx.group = _distribute_group(distribute_saved_activations)
         ctx.rng_states = _capture_rng()
-        with torch.no_grad():
+        with torch.no_grad(), _checkpointing():
             outputs = run_function(*args)
         if ctx.group is not None and args and torch.is_tensor(args[0]):
             ctx.first_shape = args[0].shape
@@ -343,7 +361,8 @@ class CheckpointFunction(torch.autograd.Function):
                 saved.data = gather_split_1d_tensor(saved.data, tp_group=ctx.group).view(ctx.first_shape)
             # +2: forward's own inputs start with ``run_function`` and the distribute flag.
             args[slot] = saved.detach().requires_grad_(ctx.needs_input_grad[slot + 2])
-        outputs = _rerun(ctx.function, ctx.rng_states, args)
+        with _checkpointing():
+            outputs = _rerun(ctx.function, ctx.rng_states, args)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
@@ -387,7 +406,7 @@ def checkpoint(
     return CheckpointFunction.apply(function, distribute, *args)
 
 
-class _CheckpointWithoutOutputFunction(torch.autograd.Function):
+class CheckpointWithoutOutputFunction(torch.autograd.Function):
     """Forward without a graph; backward through the outputs ``CheckpointWithoutOutput`` recomputed."""
 
     @staticmethod
@@ -435,7 +454,7 @@ class CheckpointWithoutOutput:
         """``run_function(*args)`` without saving its activations."""
         self.run_function = run_function
         self.rng_states = _capture_rng()
-        outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        outputs = CheckpointWithoutOutputFunction.apply(run_function, self, *args)
         self.outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
         return outputs
 

@@ -200,3 +200,16 @@ def test_rng_tracker_keeps_states_as_given_and_upstream_seed_keywords():
         tensor_parallel.model_parallel_cuda_manual_seed(5, te_rng_tracker=True, tp_rank=0, ep_rank=0, etp_rank=0)
     assert tensor_parallel.get_expert_parallel_rng_tracker_name() == "expert-parallel-rng"
     assert not tensor_parallel.is_graph_safe_cuda_rng_tracker(tensor_parallel.get_cuda_rng_tracker())
+
+
+def test_is_checkpointing_inside_forward_and_recompute():
+    seen = []
+
+    def block(x):
+        seen.append(tensor_parallel.random.is_checkpointing())
+        return x * 2
+
+    x = _leaf(torch.ones(3))
+    tensor_parallel.checkpoint(block, False, x).sum().backward()
+    assert seen == [True, True] and not tensor_parallel.random.is_checkpointing()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
