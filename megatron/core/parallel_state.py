@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
+from megatron.core.memory_buffer import destroy_global_memory_buffer, get_global_memory_buffer
 from megatron.core.process_groups import (
     LayoutError,
     ParallelLayout,
@@ -34,6 +35,7 @@ from megatron.core.process_groups import (
     get_tensor_model_parallel_group_if_none,
     has_default_process_groups,
     overwrite_nccl_comm_cfgs,
+    refuse_unsupported_options,
     set_default_process_groups,
     update_pg_timeout,
     warn_sequence_parallel_without_tp,
@@ -54,6 +56,8 @@ __all__ = [  # the re-exports; the facade functions are added at the end
     "default_embedding_ranks",
     "default_position_embedding_ranks",
     "default_process_groups",
+    "destroy_global_memory_buffer",
+    "get_global_memory_buffer",
     "forbid_default_process_groups",
     "generate_masked_orthogonal_rank_groups",
     "get_nccl_options",
@@ -69,13 +73,6 @@ _OVERRIDES: Dict[str, int] = {}
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
 _GLOO_GROUPS: Optional[Dict[str, ProcessGroup]] = None  # data-parallel groups over gloo
-
-
-def _refuse_unsupported(**settings: object) -> None:
-    """Raise for upstream arguments whose non-default value we cannot honour yet."""
-    active = sorted(name for name, value in settings.items() if value not in (None, False, [], ()))
-    if active:
-        raise ValueError(f"initialize_model_parallel: not supported yet: {active} (NCCL/SHARP/hybrid-CP features)")
 
 
 def initialize_model_parallel(
@@ -110,7 +107,7 @@ def initialize_model_parallel(
         ValueError: an argument we do not support yet has a non-default value.
     """
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
-    _refuse_unsupported(
+    refuse_unsupported_options(
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
         use_sharp=use_sharp,
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
@@ -171,6 +168,7 @@ def destroy_model_parallel() -> None:
     """Forget the default groups and every override (the groups themselves are left to torch)."""
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
     set_default_process_groups(None)
+    destroy_global_memory_buffer()
     _OVERRIDES.clear()
     _VIRTUAL_PIPELINE_RANK = _VIRTUAL_PIPELINE_WORLD_SIZE = _GLOO_GROUPS = None
 

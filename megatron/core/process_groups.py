@@ -293,6 +293,13 @@ def overwrite_nccl_comm_cfgs(nccl_comm_cfgs: Dict[str, Dict[str, object]], pg_na
     nccl_comm_cfgs.setdefault(pg_name, {})[key] = value
 
 
+def refuse_unsupported_options(**settings: object) -> None:
+    """Raise for ``initialize_model_parallel`` arguments whose non-default value we cannot honour yet."""
+    active = sorted(name for name, value in settings.items() if value not in (None, False, [], ()))
+    if active:
+        raise ValueError(f"initialize_model_parallel: not supported yet: {active} (NCCL/SHARP/hybrid-CP features)")
+
+
 class GroupFactory:
     """Creates each distinct rank list's group once (every rank calls in the same order)."""
 

@@ -7,6 +7,7 @@ independently of the code under test.
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
@@ -49,6 +50,17 @@ def test_hierarchical_groups_and_nccl_config_helpers():
     ps.overwrite_nccl_comm_cfgs(cfgs, "dp", ("is_high_priority_stream", True))
     assert cfgs == {"dp": {"is_high_priority_stream": True}}
     assert ps.get_nccl_options("tp", cfgs) is None
+
+
+def test_global_memory_buffer_reuses_storage_by_name():
+    buffer = ps.get_global_memory_buffer()
+    first = buffer.get_tensor((2, 3), torch.float32, "mpu")
+    again = buffer.get_tensor([4], torch.float32, "mpu")
+    assert first.shape == (2, 3) and again.data_ptr() == first.data_ptr()
+    assert buffer.get_tensor((2,), torch.float32, "other").data_ptr() != first.data_ptr()
+    assert buffer.get_tensor((10,), torch.float32, "mpu").numel() == 10  # grows
+    ps.destroy_model_parallel()
+    assert ps.get_global_memory_buffer() is not buffer
 
 
 def test_setters_override_getters_without_groups():
