@@ -18,17 +18,28 @@ from typing import List, Optional
 logger = logging.getLogger(__name__)
 
 
+class BatchSizeError(ValueError, AssertionError):
+    """Batch sizes that do not fit together (Megatron asserts: an ``AssertionError`` too)."""
+
+
+class CalculatorStateError(RuntimeError, AssertionError):
+    """The default calculator is missing, or initialized twice (Megatron asserts on the latter)."""
+
+
 class NumMicroBatchesCalculator:
     """Common state: current global batch and the number of microbatches it takes."""
 
-    def __init__(self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool) -> None:
+    def __init__(
+        self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool, rank: int = 0
+    ) -> None:
         for name, value in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size)):
             if value < 1:
-                raise ValueError(f"{name}={value}: must be a positive integer")
+                raise BatchSizeError(f"{name}={value}: must be a positive integer")
         self.micro_batch_size = micro_batch_size
         self.data_parallel_size = data_parallel_size
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         self.decrease_batch_size_if_needed = decrease_batch_size_if_needed
+        self.rank = rank
         self.num_micro_batches = 0
         self.current_global_batch_size = 0
         self.current_running_global_batch_size = 0
@@ -37,13 +48,13 @@ class NumMicroBatchesCalculator:
         """Set the nominal global batch and the one actually run (a multiple of mbs x dp)."""
         step = self.micro_batch_times_data_parallel_size
         if global_batch_size % step and not self.decrease_batch_size_if_needed and consistency_check:
-            raise ValueError(
+            raise BatchSizeError(
                 f"global batch size ({global_batch_size}) is not divisible by micro batch size "
                 f"({self.micro_batch_size}) x data parallel size ({self.data_parallel_size}) = {step}"
             )
         running = global_batch_size // step * step
         if running == 0:
-            raise ValueError(
+            raise BatchSizeError(
                 f"global batch size ({global_batch_size}) is smaller than micro batch size "
                 f"({self.micro_batch_size}) x data parallel size ({self.data_parallel_size}) = {step}"
             )
@@ -82,7 +93,7 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         decrease_batch_size_if_needed: bool = False,
         rank: int = 0,
     ) -> None:
-        super().__init__(micro_batch_size, data_parallel_size, decrease_batch_size_if_needed)
+        super().__init__(micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank)
         self.global_batch_size = global_batch_size
         self._set_global_batch(global_batch_size, consistency_check=True)
 
@@ -106,15 +117,15 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         batch_size_increment: int,
         ramup_samples: int,
     ) -> None:
-        super().__init__(micro_batch_size, data_parallel_size, decrease_batch_size_if_needed)
+        super().__init__(micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank)
         if start_global_batch_size < 1 or batch_size_increment < 1 or ramup_samples < 0:
-            raise ValueError(
+            raise BatchSizeError(
                 f"--rampup-batch-size {start_global_batch_size} {batch_size_increment} {ramup_samples}: "
                 "start and increment must be positive and the number of samples non-negative"
             )
         diff = global_batch_size - start_global_batch_size
         if diff < 0 or diff % batch_size_increment:
-            raise ValueError(
+            raise BatchSizeError(
                 f"--rampup-batch-size: global batch size ({global_batch_size}) minus start "
                 f"({start_global_batch_size}) must be a non-negative multiple of the increment "
                 f"({batch_size_increment})"
@@ -161,7 +172,7 @@ def build_num_microbatches_calculator(
             global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank
         )
     if len(rampup_batch_size) != 3:
-        raise ValueError(f"--rampup-batch-size {rampup_batch_size}: expected 3 values: start increment samples")
+        raise BatchSizeError(f"--rampup-batch-size {rampup_batch_size}: expected 3 values: start increment samples")
     start, increment, samples = (int(v) for v in rampup_batch_size)
     return RampupBatchsizeNumMicroBatchesCalculator(
         global_batch_size,
@@ -176,9 +187,9 @@ def build_num_microbatches_calculator(
 
 
 # ----------------------------------------------------------------------------------
-# Megatron-compatible facade over one default calculator.
+# Megatron-compatible facade over one default calculator (Megatron's module global).
 # ----------------------------------------------------------------------------------
-_CALCULATOR: Optional[NumMicroBatchesCalculator] = None
+_GLOBAL_NUM_MICROBATCHES_CALCULATOR: Optional[NumMicroBatchesCalculator] = None
 
 
 def init_num_microbatches_calculator(
@@ -189,20 +200,40 @@ def init_num_microbatches_calculator(
     data_parallel_size: int,
     decrease_batch_size_if_needed: bool = False,
 ) -> NumMicroBatchesCalculator:
-    """Build the default calculator; raises if one exists (call destroy first)."""
-    global _CALCULATOR
-    if _CALCULATOR is not None:
-        raise RuntimeError("num microbatches calculator is already initialized")
-    _CALCULATOR = build_num_microbatches_calculator(
+    """Build the default calculator and return it (Megatron returns None).
+
+    Raises:
+        CalculatorStateError: one exists already (an ``AssertionError``, as in Megatron; destroy it first).
+    """
+    if _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        raise CalculatorStateError("num microbatches calculator is already initialized")
+    return reconfigure_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed
     )
-    return _CALCULATOR
+
+
+def reconfigure_num_microbatches_calculator(
+    rank: int,
+    rampup_batch_size: Optional[List[int]],
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    decrease_batch_size_if_needed: bool = False,
+) -> NumMicroBatchesCalculator:
+    """Replace the default calculator, whether or not one exists, and return the new one."""
+    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = build_num_microbatches_calculator(
+        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed
+    )
+    return _GLOBAL_NUM_MICROBATCHES_CALCULATOR
 
 
 def _default() -> NumMicroBatchesCalculator:
-    if _CALCULATOR is None:
-        raise RuntimeError("num microbatches calculator is not initialized: call init_num_microbatches_calculator")
-    return _CALCULATOR
+    if _GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        raise CalculatorStateError(
+            "num microbatches calculator is not initialized: call init_num_microbatches_calculator"
+        )
+    return _GLOBAL_NUM_MICROBATCHES_CALCULATOR
 
 
 def get_num_microbatches() -> int:
@@ -226,5 +257,9 @@ def update_num_microbatches(consumed_samples: int, consistency_check: bool = Tru
 
 
 def destroy_num_microbatches_calculator() -> None:
-    global _CALCULATOR
-    _CALCULATOR = None
+    """Forget the default calculator."""
+    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+
+
+unset_num_microbatches_calculator = destroy_num_microbatches_calculator  # Megatron's other name for it

@@ -1,258 +1,126 @@
-"""Process groups of the parallel layout, as values and as Megatron's module facade.
+"""Megatron's module-level parallel state, as a facade over one ``ProcessGroupCollection``.
 
-``build_process_groups`` turns a layout into a ``ProcessGroupCollection`` that core
-modules receive explicitly. ``initialize_model_parallel`` builds one such
-collection, keeps it as the process-wide default and exposes it through Megatron's
-getter functions (``get_tensor_model_parallel_group()`` ...), so code written
-against Megatron keeps working. Core modules never look the default up on their
-own: internal modules require their groups, and the public constructors and
-functions whose Megatron signature keeps ``pg_collection=None`` / ``tp_group=None``
-resolve it through ``ProcessGroupCollection.use_mpu_process_groups()`` or
-``get_tensor_model_parallel_group_if_none()``, the only two ways in from outside this
-module (both raise if nothing was built). ``forbid_default_process_groups()`` makes
-every read of the default raise, to prove a code path passes its groups.
+``initialize_model_parallel`` builds a collection (``megatron.core.process_groups``), keeps it as
+the process-wide default and exposes it through Megatron's getters, so code written against Megatron
+Core keeps working. Core modules never look the default up on their own: internal modules require
+their groups, and public functions whose Megatron signature keeps ``pg_collection=None`` /
+``tp_group=None`` resolve it through ``ProcessGroupCollection.use_mpu_process_groups()`` or
+``get_tensor_model_parallel_group_if_none()`` (both raise if nothing was built).
+
+As in Megatron, the ``set_*`` functions override what the matching size/rank getters return
+(a layer run "as if" on a given TP rank without groups); ``destroy_model_parallel`` clears them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from megatron.core.rank_grid import RankGrid, embedding_ranks, position_embedding_ranks
+from megatron.core.memory_buffer import destroy_global_memory_buffer, get_global_memory_buffer
+from megatron.core.process_groups import (
+    LayoutError,
+    ParallelLayout,
+    ParallelStateError,
+    ProcessGroup,
+    ProcessGroupCollection,
+    build_process_groups,
+    create_group,
+    create_hierarchical_groups,
+    default_process_groups,
+    forbid_default_process_groups,
+    get_nccl_options,
+    get_tensor_model_parallel_group_if_none,
+    has_default_process_groups,
+    overwrite_nccl_comm_cfgs,
+    refuse_unsupported_options,
+    set_default_process_groups,
+    update_pg_timeout,
+    warn_sequence_parallel_without_tp,
+)
+from megatron.core.rank_grid import RankGenerator, generate_masked_orthogonal_rank_groups
+from megatron.core.rank_grid import embedding_ranks as default_embedding_ranks
+from megatron.core.rank_grid import position_embedding_ranks as default_position_embedding_ranks
 
-ProcessGroup = dist.ProcessGroup
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Sizes of every parallel dimension; validated against the world size."""
-
-    world_size: int
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    order: str = "tp-cp-ep-dp-pp"
-
-    def __post_init__(self) -> None:
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be a positive integer")
-        if self.expert_tensor_parallel_size is None:
-            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
-        vp = self.virtual_pipeline_model_parallel_size
-        if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1 and vp > 1):
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={vp}: needs a positive value and "
-                f"pipeline_model_parallel_size > 1 (got {self.pipeline_model_parallel_size})"
-            )
-        dense = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-        if self.world_size % dense:
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by tensor_model_parallel_size "
-                f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-                f"({self.pipeline_model_parallel_size}) x context_parallel_size "
-                f"({self.context_parallel_size}) = {dense}"
-            )
-        expert = self.expert_tensor_parallel_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
-        if self.world_size % expert:
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by expert_tensor_parallel_size "
-                f"({self.expert_tensor_parallel_size}) x expert_model_parallel_size "
-                f"({self.expert_model_parallel_size}) x pipeline_model_parallel_size "
-                f"({self.pipeline_model_parallel_size}) = {expert}"
-            )
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-        )
-
-    @property
-    def expert_data_parallel_size(self) -> int:
-        return self.world_size // (
-            self.expert_tensor_parallel_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
-        )
-
-    def dense_grid(self) -> RankGrid:
-        """Grid for attention/dense layers (the expert dimension is folded into dp)."""
-        return RankGrid(
-            {
-                "tp": self.tensor_model_parallel_size,
-                "cp": self.context_parallel_size,
-                "ep": 1,
-                "dp": self.data_parallel_size,
-                "pp": self.pipeline_model_parallel_size,
-            },
-            self.order,
-        )
-
-    def expert_grid(self) -> RankGrid:
-        """Grid for expert layers: expert-tp x ep x expert-dp x pp."""
-        return RankGrid(
-            {
-                "tp": self.expert_tensor_parallel_size,
-                "cp": 1,
-                "ep": self.expert_model_parallel_size,
-                "dp": self.expert_data_parallel_size,
-                "pp": self.pipeline_model_parallel_size,
-            },
-            self.order,
-        )
+__all__ = [  # the re-exports; the facade functions are added at the end
+    "LayoutError",
+    "ParallelLayout",
+    "ParallelStateError",
+    "ProcessGroupCollection",
+    "RankGenerator",
+    "build_process_groups",
+    "create_group",
+    "create_hierarchical_groups",
+    "default_embedding_ranks",
+    "default_position_embedding_ranks",
+    "default_process_groups",
+    "destroy_global_memory_buffer",
+    "get_global_memory_buffer",
+    "forbid_default_process_groups",
+    "generate_masked_orthogonal_rank_groups",
+    "get_nccl_options",
+    "get_tensor_model_parallel_group_if_none",
+    "overwrite_nccl_comm_cfgs",
+    "update_pg_timeout",
+    "warn_sequence_parallel_without_tp",
+]
 
 
-# Which groups a collection holds: field name -> (grid, token).
-_DENSE_GROUPS = {
-    "tp": "tp",
-    "pp": "pp",
-    "dp": "dp",
-    "dp_cp": "dp-cp",
-    "cp": "cp",
-    "mp": "tp-pp",
-    "tp_cp": "tp-cp",
-    "tp_dp_cp": "tp-dp-cp",
-}
-_EXPERT_GROUPS = {"ep": "ep", "expt_tp": "tp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp", "expt_dp": "dp"}
-
-
-@dataclass
-class ProcessGroupCollection:
-    """The process groups one rank communicates over, passed to core modules.
-
-    Attributes are ``torch.distributed`` groups that contain this rank; ``ranks``
-    maps each attribute name to the global ranks of that group, in group order.
-    """
-
-    layout: ParallelLayout
-    tp: ProcessGroup
-    pp: ProcessGroup
-    dp: ProcessGroup
-    dp_cp: ProcessGroup
-    cp: ProcessGroup
-    mp: ProcessGroup
-    tp_cp: ProcessGroup
-    tp_dp_cp: ProcessGroup
-    embd: Optional[ProcessGroup]
-    pos_embd: Optional[ProcessGroup]
-    ep: ProcessGroup
-    expt_tp: ProcessGroup
-    tp_ep: ProcessGroup
-    tp_ep_pp: ProcessGroup
-    expt_dp: ProcessGroup
-    ranks: Dict[str, List[int]] = field(default_factory=dict)
-
-    def rank_in(self, name: str) -> int:
-        """This process's rank inside group ``name``."""
-        return self.ranks[name].index(dist.get_rank())
-
-    def size_of(self, name: str) -> int:
-        """Number of ranks in group ``name``."""
-        return len(self.ranks[name])
-
-    @classmethod
-    def use_mpu_process_groups(cls) -> ProcessGroupCollection:
-        """The collection built by ``initialize_model_parallel`` (Megatron's name for this look-up).
-
-        For library users calling a public API without groups; code inside ``megatron/core`` and
-        ``megatron/training`` passes its collection instead. Raises if nothing was built.
-        """
-        return default_process_groups()
-
-
-class _GroupFactory:
-    """Creates each distinct rank list's group once (every rank calls in the same order)."""
-
-    def __init__(self, timeout: Optional[timedelta], backend: Optional[str]) -> None:
-        self._timeout = timeout
-        self._backend = backend
-        self._cache: Dict[Tuple[int, ...], ProcessGroup] = {}
-
-    def mine(self, rank_lists: Sequence[Sequence[int]], rank: int) -> Tuple[Optional[ProcessGroup], List[int]]:
-        """Create every group in ``rank_lists``; return the one containing ``rank``."""
-        found: Tuple[Optional[ProcessGroup], List[int]] = (None, [])
-        for ranks in rank_lists:
-            key = tuple(ranks)
-            if key not in self._cache:
-                self._cache[key] = dist.new_group(list(key), timeout=self._timeout, backend=self._backend)
-            if rank in key:
-                found = (self._cache[key], list(key))
-        return found
-
-
-def build_process_groups(
-    layout: ParallelLayout, timeout: Optional[timedelta] = None, backend: Optional[str] = None
-) -> ProcessGroupCollection:
-    """Create all groups of ``layout``; a collective call on every rank of the world.
-
-    Raises:
-        RuntimeError: torch.distributed is not initialized.
-        ValueError: the layout does not fit the world size.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if layout.world_size != world:
-        raise ValueError(f"layout is for world size {layout.world_size}, but torch.distributed has {world} ranks")
-    factory = _GroupFactory(timeout, backend)
-    groups: Dict[str, Optional[ProcessGroup]] = {}
-    ranks: Dict[str, List[int]] = {}
-    for grid, table in ((layout.dense_grid(), _DENSE_GROUPS), (layout.expert_grid(), _EXPERT_GROUPS)):
-        for name, token in table.items():
-            groups[name], ranks[name] = factory.mine(grid.groups(token), rank)
-    pp_lists = layout.dense_grid().groups("pp")
-    groups["embd"], ranks["embd"] = factory.mine([embedding_ranks(p) for p in pp_lists], rank)
-    groups["pos_embd"], ranks["pos_embd"] = factory.mine([position_embedding_ranks(p) for p in pp_lists], rank)
-    return ProcessGroupCollection(layout=layout, ranks=ranks, **groups)
-
-
-# ----------------------------------------------------------------------------------
-# Megatron-compatible facade over one default collection.
-# ----------------------------------------------------------------------------------
-_DEFAULT: Optional[ProcessGroupCollection] = None
+# Overrides set by the set_* functions: key -> value (absent: read the groups).
+_OVERRIDES: Dict[str, int] = {}
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
-_FORBIDDEN: Optional[str] = None  # why reading the default raises now (see forbid_default_process_groups)
+_VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
+_GLOO_GROUPS: Optional[Dict[str, ProcessGroup]] = None  # data-parallel groups over gloo
 
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
-    pipeline_model_parallel_split_rank: Optional[int] = None,
+    pipeline_model_parallel_comm_backend: Optional[str] = None,
+    use_sharp: bool = False,
     context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None,
+    hybrid_context_parallel: bool = False,
     expert_model_parallel_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
-    order: str = "tp-cp-ep-dp-pp",
+    nccl_communicator_config_path: Optional[str] = None,
     distributed_timeout_minutes: int = 30,
-    **unsupported: object,
+    order: str = "tp-cp-ep-dp-pp",
+    get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    create_gloo_process_groups: bool = True,
+    high_priority_stream_groups: Optional[List[str]] = None,
+    sharp_enabled_group: Optional[str] = None,
+    create_all_gather_group: Optional[bool] = False,
 ) -> ProcessGroupCollection:
-    """Build Megatron's rank grid and groups and make them the process default.
+    """Build Megatron's rank grid and groups and make them the process default (Megatron's signature).
 
-    Returns the collection, which core modules should receive explicitly.
+    Returns the collection (Megatron returns None), which core modules should receive explicitly.
+
+    Raises:
+        AssertionError: torch.distributed is not initialized, or groups already exist.
+        LayoutError: (a ``RuntimeError`` and ``ValueError``) the sizes do not fit the world.
+        ValueError: an argument we do not support yet has a non-default value.
     """
-    global _DEFAULT, _VIRTUAL_PIPELINE_RANK
-    if pipeline_model_parallel_split_rank is not None:
-        raise ValueError("pipeline_model_parallel_split_rank is not supported yet (encoder-decoder pipelines)")
-    active = {k: v for k, v in unsupported.items() if v not in (None, False, 1, [], ())}
-    if active:
-        raise ValueError(f"initialize_model_parallel: not supported yet: {sorted(active)}")
+    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
+    refuse_unsupported_options(
+        pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
+        use_sharp=use_sharp,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        hybrid_context_parallel=hybrid_context_parallel,
+        nccl_communicator_config_path=nccl_communicator_config_path,
+        high_priority_stream_groups=high_priority_stream_groups,
+        sharp_enabled_group=sharp_enabled_group,
+        create_all_gather_group=create_all_gather_group,
+    )
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
-    if _DEFAULT is not None:
-        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+        raise ParallelStateError("torch.distributed is not initialized: call torch.distributed.init_process_group")
+    if has_default_process_groups():
+        raise ParallelStateError("model parallel groups are already initialized; call destroy_model_parallel() first")
     layout = ParallelLayout(
         world_size=dist.get_world_size(),
         tensor_model_parallel_size=tensor_model_parallel_size,
@@ -262,211 +130,415 @@ def initialize_model_parallel(
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         order=order,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
-    _DEFAULT = build_process_groups(layout, timeout=timedelta(minutes=distributed_timeout_minutes))
+    timeout = timedelta(minutes=distributed_timeout_minutes)
+    groups = build_process_groups(layout, timeout, None, get_embedding_ranks, get_position_embedding_ranks)
+    if create_gloo_process_groups:  # gloo twins for CPU tensors: built over NCCL, the groups themselves otherwise
+        twin = (layout, timeout, "gloo", get_embedding_ranks, get_position_embedding_ranks)
+        gloo = build_process_groups(*twin) if dist.get_backend() == "nccl" else groups
+        _GLOO_GROUPS = {
+            name: getattr(gloo, name) for name in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
+        }
+    else:
+        _GLOO_GROUPS = None
+    set_default_process_groups(groups)
     _VIRTUAL_PIPELINE_RANK = 0 if virtual_pipeline_model_parallel_size is not None else None
-    return _DEFAULT
+    _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
+    return groups
+
+
+def is_initialized() -> bool:
+    """Whether the default groups exist (Megatron: the data-parallel group)."""
+    return has_default_process_groups()
+
+
+def is_unitialized() -> bool:
+    """Deprecated upstream spelling of ``not is_initialized()``."""
+    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
+    return not is_initialized()
 
 
 def model_parallel_is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has built the default groups."""
-    return _DEFAULT is not None
-
-
-def default_process_groups() -> ProcessGroupCollection:
-    """The collection built by ``initialize_model_parallel``; raises if there is none.
-
-    Every facade getter reads the default through here.
-    """
-    if _FORBIDDEN is not None:
-        raise RuntimeError(f"the default process groups were read while forbidden: {_FORBIDDEN}")
-    if _DEFAULT is None:
-        raise RuntimeError(
-            "model parallel groups are not initialized: call "
-            "megatron.core.parallel_state.initialize_model_parallel(...) or pass process groups explicitly"
-        )
-    return _DEFAULT
-
-
-@contextlib.contextmanager
-def forbid_default_process_groups(reason: str = "this code must receive its groups") -> Iterator[None]:
-    """Within the block, reading the default collection (any facade getter) raises ``RuntimeError``.
-
-    Building the default (``initialize_model_parallel``) stays allowed. Used by tests to prove
-    that a code path (the training loop, a model) uses only the groups it was given.
-    """
-    global _FORBIDDEN
-    previous, _FORBIDDEN = _FORBIDDEN, reason
-    try:
-        yield
-    finally:
-        _FORBIDDEN = previous
-
-
-def get_tensor_model_parallel_group_if_none(tp_group: Optional[ProcessGroup], is_expert: bool = False) -> ProcessGroup:
-    """``tp_group`` itself, or the default (expert-)TP group for a public API called without one."""
-    if tp_group is not None:
-        return tp_group
-    groups = default_process_groups()
-    return groups.expt_tp if is_expert else groups.tp
+    return has_default_process_groups()
 
 
 def destroy_model_parallel() -> None:
-    """Forget the default groups (the groups themselves are left to torch)."""
-    global _DEFAULT, _VIRTUAL_PIPELINE_RANK
-    _DEFAULT = None
-    _VIRTUAL_PIPELINE_RANK = None
+    """Forget the default groups and every override (the groups themselves are left to torch)."""
+    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
+    set_default_process_groups(None)
+    destroy_global_memory_buffer()
+    _OVERRIDES.clear()
+    _VIRTUAL_PIPELINE_RANK = _VIRTUAL_PIPELINE_WORLD_SIZE = _GLOO_GROUPS = None
 
 
-def _group(name: str) -> ProcessGroup:
+# ----------------------------------------------------------------------------------
+# Groups. ``check_initialized=False`` returns None instead of raising when nothing was built.
+# ----------------------------------------------------------------------------------
+def _group(name: str, check_initialized: bool = True) -> Optional[ProcessGroup]:
+    if not check_initialized and not has_default_process_groups():
+        return None
     return getattr(default_process_groups(), name)
 
 
-def _size(name: str) -> int:
-    return default_process_groups().size_of(name)
+def _data_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
+    if partial_data_parallel and not with_context_parallel:
+        raise AssertionError("partial_data_parallel=True needs with_context_parallel=True (as in Megatron)")
+    return ("intra_dp_cp" if partial_data_parallel else "dp_cp") if with_context_parallel else "dp"
 
 
-def _rank(name: str) -> int:
-    return default_process_groups().rank_in(name)
+def get_model_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    """Tensor x pipeline model-parallel group."""
+    return _group("mp", check_initialized)
 
 
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
     """The TP group; without ``check_initialized``, None when no groups were built (Megatron's rule)."""
-    if not check_initialized and _DEFAULT is None:
+    return _group("tp", check_initialized)
+
+
+def get_pipeline_model_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("pp", check_initialized)
+
+
+def get_data_parallel_group(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False, independent_all_gather: bool = False
+) -> ProcessGroup:
+    """The DP group (x CP with ``with_context_parallel``; one optimizer instance's part with ``partial``)."""
+    if independent_all_gather:
+        raise ValueError("independent_all_gather: not supported yet (create_all_gather_group is refused)")
+    return _group(_data_name(with_context_parallel, partial_data_parallel))
+
+
+def has_separate_all_gather_group() -> bool:
+    """Always False: ``create_all_gather_group`` is not supported yet."""
+    return False
+
+
+def _gloo(name: str) -> ProcessGroup:
+    default_process_groups()
+    if _GLOO_GROUPS is None:
+        raise AssertionError("gloo process groups were not created (create_gloo_process_groups=False)")
+    return _GLOO_GROUPS[name]
+
+
+def get_data_parallel_group_gloo(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> ProcessGroup:
+    """The data-parallel group over gloo (for CPU tensors)."""
+    return _gloo(_data_name(with_context_parallel, partial_data_parallel))
+
+
+def get_context_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("cp", check_initialized)
+
+
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> Optional[List[int]]:
+    """Global ranks of this rank's CP group."""
+    if not check_initialized and not has_default_process_groups():
         return None
-    return _group("tp")
+    return list(default_process_groups().ranks["cp"])
 
 
-def get_pipeline_model_parallel_group() -> ProcessGroup:
-    return _group("pp")
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Optional[List[ProcessGroup]]:
+    """Not supported yet (``hierarchical_context_parallel_sizes`` is refused): raises, or None unchecked."""
+    if check_initialized:
+        raise ParallelStateError("hierarchical context parallel groups are not supported yet")
+    return None
 
 
-def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> ProcessGroup:
-    return _group("dp_cp" if with_context_parallel else "dp")
+def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: Optional[int] = None):
+    """The DP x CP group when ``group_size`` is its size; other sizes need hybrid CP (not supported yet)."""
+    if group_size == get_data_parallel_world_size(with_context_parallel=True):
+        return _group("dp_cp", check_initialized)
+    raise ValueError(f"hybrid context parallel groups of size {group_size}: not supported yet")
 
 
-def get_context_parallel_group() -> ProcessGroup:
-    return _group("cp")
+def get_embedding_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("embd", check_initialized)
 
 
-def get_model_parallel_group() -> ProcessGroup:
-    return _group("mp")
+def get_position_embedding_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("pos_embd", check_initialized)
 
 
-def get_tensor_and_context_parallel_group() -> ProcessGroup:
-    return _group("tp_cp")
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> ProcessGroup:
+    """The group FP8 scaling factors are reduced over (Megatron's choice of TP, TP x CP, TP x DP (x CP))."""
+    if tp_only_amax_red:
+        return _group("tp_cp" if with_context_parallel else "tp")
+    return _group("tp_dp_cp" if with_context_parallel else "tp_dp")
 
 
-def get_embedding_group() -> Optional[ProcessGroup]:
-    return _group("embd")
+def get_tensor_and_data_parallel_group(
+    check_initialized: bool = True, with_context_parallel: bool = False
+) -> Optional[ProcessGroup]:
+    return _group("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
 
 
-def get_position_embedding_group() -> Optional[ProcessGroup]:
-    return _group("pos_embd")
+def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("tp_cp", check_initialized)
 
 
-def get_expert_model_parallel_group() -> ProcessGroup:
-    return _group("ep")
+def get_expert_model_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("ep", check_initialized)
 
 
-def get_expert_tensor_parallel_group() -> ProcessGroup:
-    return _group("expt_tp")
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("expt_tp", check_initialized)
 
 
-def get_expert_tensor_and_model_parallel_group() -> ProcessGroup:
-    return _group("tp_ep")
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("tp_ep", check_initialized)
 
 
-def get_expert_data_parallel_group() -> ProcessGroup:
-    return _group("expt_dp")
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    return _group("tp_ep_pp", check_initialized)
+
+
+def get_expert_data_parallel_group(
+    check_initialized: bool = True, partial_expert_data_parallel: bool = False
+) -> Optional[ProcessGroup]:
+    return _group("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", check_initialized)
+
+
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> ProcessGroup:
+    """Deprecated upstream name of ``get_expert_data_parallel_group``."""
+    warnings.warn("use get_expert_data_parallel_group", DeprecationWarning, stacklevel=2)
+    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> ProcessGroup:
+    return _gloo("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    """All ranks of this rank's distributed-optimizer instance."""
+    return _group("intra_dist_opt", check_initialized)
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
+    """The group joining the distributed-optimizer instances (exists with more than one instance)."""
+    group = _group("inter_dist_opt", check_initialized)
+    if group is None and check_initialized:
+        raise ParallelStateError(
+            "inter distributed optimizer instance group needs num_distributed_optimizer_instances > 1"
+        )
+    return group
+
+
+# ----------------------------------------------------------------------------------
+# Sizes and ranks. A value given to a set_* function wins over the groups, as in Megatron.
+# ----------------------------------------------------------------------------------
+def _size(name: str, override: Optional[str] = None, zero_without_dist: bool = False) -> int:
+    if override in _OVERRIDES:
+        return _OVERRIDES[override]
+    if zero_without_dist and not dist.is_initialized():
+        return 0  # Megatron's answer when torch.distributed is not running
+    return default_process_groups().size_of(name)
+
+
+def _rank(name: str, override: Optional[str] = None, zero_without_dist: bool = False) -> int:
+    if override in _OVERRIDES:
+        return _OVERRIDES[override]
+    if zero_without_dist and not dist.is_initialized():
+        return 0
+    return default_process_groups().rank_in(name)
+
+
+def _override(key: str, value: Optional[int]) -> None:
+    if value is None:
+        _OVERRIDES.pop(key, None)
+    else:
+        _OVERRIDES[key] = value
+
+
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Make ``get_tensor_model_parallel_world_size()`` return ``world_size`` (None: read the group)."""
+    _override("tp_size", world_size)
+
+
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
+    """Make ``get_tensor_model_parallel_rank()`` return ``rank`` (None: read the group)."""
+    _override("tp_rank", rank)
+
+
+def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Make ``get_pipeline_model_parallel_world_size()`` return ``world_size`` (None: read the group)."""
+    _override("pp_size", world_size)
+
+
+def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    """Make ``get_pipeline_model_parallel_rank()`` return ``rank`` (None: read the group)."""
+    _override("pp_rank", rank)
+
+
+def set_data_parallel_rank(rank: Optional[int]) -> None:
+    """Make ``get_data_parallel_rank()`` return ``rank`` (None: read the group)."""
+    _override("dp_rank", rank)
+
+
+def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _override("ep_size", world_size)
+
+
+def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
+    _override("ep_rank", rank)
+
+
+def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
+    _override("etp_size", world_size)
+
+
+def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
+    _override("etp_rank", rank)
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _size("tp")
+    return _size("tp", "tp_size")
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _rank("tp")
+    return _rank("tp", "tp_rank")
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _size("pp")
+    return _size("pp", "pp_size")
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return _rank("pp")
+    return _rank("pp", "pp_rank")
 
 
-def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
-    return _size("dp_cp" if with_context_parallel else "dp")
+def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+    return _size(_data_name(with_context_parallel, partial_data_parallel), zero_without_dist=True)
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
-    return _rank("dp_cp" if with_context_parallel else "dp")
+def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+    return _rank(_data_name(with_context_parallel, partial_data_parallel), "dp_rank", zero_without_dist=True)
 
 
 def get_context_parallel_world_size() -> int:
-    return _size("cp")
+    return _size("cp", zero_without_dist=True)
 
 
 def get_context_parallel_rank() -> int:
-    return _rank("cp")
+    return _rank("cp", zero_without_dist=True)
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    return _size("tp_cp", zero_without_dist=True)
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    return _rank("tp_cp", zero_without_dist=True)
 
 
 def get_expert_model_parallel_world_size() -> int:
-    return _size("ep")
+    return _size("ep", "ep_size", zero_without_dist=True)
 
 
 def get_expert_model_parallel_rank() -> int:
-    return _rank("ep")
+    return _rank("ep", "ep_rank", zero_without_dist=True)
 
 
 def get_expert_tensor_parallel_world_size() -> int:
-    return _size("expt_tp")
+    """Expert-TP size; without groups, the TP size override (Megatron's fallback)."""
+    if "etp_size" not in _OVERRIDES and not has_default_process_groups() and "tp_size" in _OVERRIDES:
+        return _OVERRIDES["tp_size"]
+    return _size("expt_tp", "etp_size")
 
 
 def get_expert_tensor_parallel_rank() -> int:
-    return _rank("expt_tp")
+    """Expert-TP rank; without groups, the TP rank override (Megatron's fallback)."""
+    if "etp_rank" not in _OVERRIDES and not has_default_process_groups() and "tp_rank" in _OVERRIDES:
+        return _OVERRIDES["tp_rank"]
+    return _rank("expt_tp", "etp_rank")
 
 
-def get_expert_data_parallel_world_size() -> int:
-    return _size("expt_dp")
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    return _size("tp_ep", zero_without_dist=True)
 
 
-def get_expert_data_parallel_rank() -> int:
-    return _rank("expt_dp")
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    return _rank("tp_ep", zero_without_dist=True)
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    return _size("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", zero_without_dist=True)
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    return _rank("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", zero_without_dist=True)
+
+
+def _first_rank_of(name: str) -> int:
+    return default_process_groups().ranks[name][0]
 
 
 def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of TP rank 0 in this rank's TP group."""
-    return default_process_groups().ranks["tp"][0]
+    return _first_rank_of("tp")
+
+
+def get_model_parallel_src_rank() -> int:
+    """Global rank of the first rank of this rank's model-parallel group."""
+    return _first_rank_of("mp")
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of DP rank 0 in this rank's DP group."""
-    return default_process_groups().ranks["dp_cp" if with_context_parallel else "dp"][0]
+    return _first_rank_of("dp_cp" if with_context_parallel else "dp")
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    return _first_rank_of("ep")
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
-    return default_process_groups().ranks["pp"][0]
+    return _first_rank_of("pp")
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
-    return default_process_groups().ranks["pp"][-1]
+    return default_process_groups().ranks["pp"][get_pipeline_model_parallel_world_size() - 1]
+
+
+def _pipeline_neighbour(step: int) -> int:
+    ranks = default_process_groups().ranks["pp"]
+    size = get_pipeline_model_parallel_world_size()
+    return ranks[(get_pipeline_model_parallel_rank() + step) % size]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
-    ranks = default_process_groups().ranks["pp"]
-    return ranks[(ranks.index(dist.get_rank()) + 1) % len(ranks)]
+    return _pipeline_neighbour(1)
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
-    ranks = default_process_groups().ranks["pp"]
-    return ranks[(ranks.index(dist.get_rank()) - 1) % len(ranks)]
+    return _pipeline_neighbour(-1)
 
 
+def get_all_ranks() -> str:
+    """``"tp_dp_cp_pp_ep"`` ranks of this process, joined by underscores."""
+    ranks = [
+        get_tensor_model_parallel_rank(),
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_expert_model_parallel_rank(),
+    ]
+    return "_".join(str(r or 0) for r in ranks)
+
+
+# ----------------------------------------------------------------------------------
+# Virtual pipeline and stage predicates.
+# ----------------------------------------------------------------------------------
 def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
-    return default_process_groups().layout.virtual_pipeline_model_parallel_size
+    return _VIRTUAL_PIPELINE_WORLD_SIZE
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    global _VIRTUAL_PIPELINE_WORLD_SIZE
+    _VIRTUAL_PIPELINE_WORLD_SIZE = world_size
 
 
 def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
@@ -474,21 +546,21 @@ def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    """Deprecated upstream: pass ``vp_stage`` to the stage predicates instead."""
     global _VIRTUAL_PIPELINE_RANK
     _VIRTUAL_PIPELINE_RANK = rank
 
 
-def _virtual_position(ignore_virtual: bool, vp_stage: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
-    """(vp stage, vp size) to judge first/last stage with, or (None, None)."""
-    vp_size = get_virtual_pipeline_model_parallel_world_size()
-    if ignore_virtual or vp_size is None:
-        return None, None
-    return (vp_stage if vp_stage is not None else _VIRTUAL_PIPELINE_RANK), vp_size
+def _virtual_stage(ignore_virtual: bool, vp_stage: Optional[int]) -> Optional[int]:
+    """The virtual stage to judge first/last with, or None to judge by the pipeline rank only."""
+    if ignore_virtual or _VIRTUAL_PIPELINE_WORLD_SIZE is None:
+        return None
+    return vp_stage if vp_stage is not None else _VIRTUAL_PIPELINE_RANK
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
     """True on the first pipeline stage (and, unless ignored, the first virtual chunk)."""
-    stage, _ = _virtual_position(ignore_virtual, vp_stage)
+    stage = _virtual_stage(ignore_virtual, vp_stage)
     if stage is not None and stage != 0:
         return False
     return get_pipeline_model_parallel_rank() == 0
@@ -496,26 +568,30 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int]
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
     """True on the last pipeline stage (and, unless ignored, the last virtual chunk)."""
-    stage, size = _virtual_position(ignore_virtual, vp_stage)
-    if stage is not None and stage != size - 1:
+    stage = _virtual_stage(ignore_virtual, vp_stage)
+    if stage is not None and stage != _VIRTUAL_PIPELINE_WORLD_SIZE - 1:
         return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
     """Whether this rank holds a copy of the word embeddings (for the given chunk)."""
-    if dist.get_rank() not in default_process_groups().ranks["embd"]:
+    if not has_default_process_groups():
         return False
-    if ignore_virtual:
+    ranks = default_process_groups().ranks["embd"]
+    rank = dist.get_rank()
+    if rank not in ranks or ignore_virtual:
+        return rank in ranks
+    if rank == ranks[0] and is_pipeline_first_stage(False, vp_stage):
         return True
-    return is_pipeline_first_stage(False, vp_stage) or is_pipeline_last_stage(False, vp_stage)
+    return rank == ranks[-1] and is_pipeline_last_stage(False, vp_stage)
 
 
-def warn_sequence_parallel_without_tp(tensor_model_parallel_size: int, sequence_parallel: bool) -> bool:
-    """Megatron's rule: sequence parallelism is meaningless with TP=1; warn and disable."""
-    if sequence_parallel and tensor_model_parallel_size == 1:
-        warnings.warn(
-            "sequence_parallel=True with tensor_model_parallel_size=1: disabling sequence parallelism", stacklevel=2
-        )
-        return False
-    return sequence_parallel
+def is_rank_in_position_embedding_group() -> bool:
+    """Whether this rank holds the learned position embeddings."""
+    return has_default_process_groups() and dist.get_rank() in default_process_groups().ranks["pos_embd"]
+
+
+__all__ += [
+    n for n, o in list(globals().items()) if callable(o) and getattr(o, "__module__", "") == __name__ and n[0] != "_"
+]

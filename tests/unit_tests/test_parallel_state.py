@@ -57,8 +57,12 @@ def test_impossible_layouts_name_the_setting(kwargs, words):
 
 
 def test_bad_order_is_rejected():
+    # Leaving out a dimension is allowed only when its size is 1 (Megatron's rule).
     with pytest.raises(ValueError, match="order"):
-        _grid(order="tp-dp-pp")
+        _grid(cp=2, order="tp-dp-pp")
+    with pytest.raises(ValueError, match="order"):
+        _grid(order="tp-dp-pp-xx")
+    assert _grid(tp=2, dp=2, order="tp-dp-pp").groups("dp") == [[0, 2], [1, 3]]
 
 
 def _check_groups_on_eight_ranks(rank, world_size):

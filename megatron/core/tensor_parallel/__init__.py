@@ -5,17 +5,22 @@ works as in Megatron Core.
 """
 
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
+    linear_with_grad_accumulation_and_async_allreduce,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
+    all_to_all,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -27,11 +32,16 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import (
     CheckpointFunction,
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     checkpoint,
+    convert_cuda_rng_state,
     get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
     get_rng_tracker,
     initialization_rng,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
     seed_rng_tracker,
     use_rng_tracker,
@@ -46,14 +56,19 @@ from megatron.core.tensor_parallel.utils import (
 
 __all__ = [
     "vocab_parallel_cross_entropy",
+    "broadcast_data",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_tensor_model_parallel_attributes",
+    "linear_with_grad_accumulation_and_async_allreduce",
     "param_is_not_tensor_parallel_duplicate",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     "all_gather_last_dim_from_tensor_parallel_region",
+    "all_to_all",
+    "all_to_all_hp2sp",
+    "all_to_all_sp2hp",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
@@ -63,10 +78,15 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "CheckpointFunction",
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "checkpoint",
+    "convert_cuda_rng_state",
     "get_cuda_rng_tracker",
+    "get_data_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
     "get_rng_tracker",
+    "is_graph_safe_cuda_rng_tracker",
     "initialization_rng",
     "model_parallel_cuda_manual_seed",
     "seed_rng_tracker",

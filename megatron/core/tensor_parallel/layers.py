@@ -11,7 +11,7 @@ Layer forwards return ``(output, output_bias)``: ``output_bias`` is the bias whe
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ from megatron.core.tensor_parallel.linear_function import (
     COMM_ALL_REDUCE,
     COMM_NONE,
     COMM_SEQUENCE_PARALLEL,
-    linear_with_grad_accumulation_and_async_allreduce,
+    linear_with_grad_accumulation_and_async_allreduce,  # noqa: F401 - Megatron's import path
+    parallel_linear,
 )
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -53,15 +54,31 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
             setattr(tensor, name, value)
 
 
-def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy the TP attributes of ``source`` (defaults where it has none) onto ``destination``."""
+def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+    """Copy the TP attributes of ``source_tensor`` (defaults where it has none) onto ``destination_tensor``."""
     for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
-        setattr(destination, name, getattr(source, name, value))
+        setattr(destination_tensor, name, getattr(source_tensor, name, value))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
-    """True for shards and, for replicated parameters, only on TP rank 0 (count each once)."""
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor, tp_group: Union[dist.ProcessGroup, int, None] = None
+) -> bool:
+    """True for shards and, for replicated parameters, only on TP rank 0 (count each once).
+
+    ``tp_group`` is the TP group (None: the default one), or directly this rank's TP rank.
+    """
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if isinstance(tp_group, int):
+        return tp_group == 0
+    return dist.get_rank(parallel_state.get_tensor_model_parallel_group_if_none(tp_group)) == 0
+
+
+def _refuse_unsupported(layer: str, **arguments: object) -> None:
+    """Raise for Megatron arguments whose non-default value has no implementation here yet."""
+    active = sorted(name for name, value in arguments.items() if value not in (None, False))
+    if active:
+        raise ValueError(f"{layer}: not supported yet: {active}")
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -187,13 +204,24 @@ class ColumnParallelLinear(torch.nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         stride: int = 1,
+        keep_master_weight_for_test: bool = False,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: Optional[List[torch.Tensor]] = None,
+        grad_output_buffer: Optional[List[torch.Tensor]] = None,
         is_expert: bool = False,
         tp_comm_buffer_name: Optional[str] = None,
+        disable_grad_reduce: bool = False,
         tp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__()
+        _refuse_unsupported(
+            "ColumnParallelLinear",
+            keep_master_weight_for_test=keep_master_weight_for_test,
+            embedding_activation_buffer=embedding_activation_buffer,
+            grad_output_buffer=grad_output_buffer,
+            disable_grad_reduce=disable_grad_reduce,
+        )
         if gather_output and config.sequence_parallel:
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with "
@@ -250,7 +278,7 @@ class ColumnParallelLinear(torch.nn.Module):
         weight = self._check_weight(weight)
         bias = None if self.skip_bias_add else self.bias
         # input_: [s/tp, b, h] under SP (gathered inside, only the piece is kept for backward), else [s, b, h]
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        output_parallel = parallel_linear(
             input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self)
         )  # [s, b, o/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -285,11 +313,13 @@ class RowParallelLinear(torch.nn.Module):
         input_is_parallel: bool = False,
         skip_bias_add: bool = False,
         stride: int = 1,
+        keep_master_weight_for_test: bool = False,
         is_expert: bool = False,
         tp_comm_buffer_name: Optional[str] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__()
+        _refuse_unsupported("RowParallelLinear", keep_master_weight_for_test=keep_master_weight_for_test)
         if config.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: config.sequence_parallel=True requires input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
@@ -328,7 +358,7 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h/tp]
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        output_parallel = parallel_linear(
             input_parallel, self.weight, None, self.tp_group, COMM_NONE, _fuse_wgrad(self)
         )  # [s, b, o] partial sum
         if self.explicit_expert_comm:

@@ -25,12 +25,13 @@ summed with it) so that AccumulateGrad still runs and DDP's hook fires, which th
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
 
@@ -131,7 +132,7 @@ class _ParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def linear_with_grad_accumulation_and_async_allreduce(
+def parallel_linear(
     input_: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -148,3 +149,39 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if comm != COMM_NONE and group is None:
         raise ValueError(f"comm={comm!r} needs a process group")
     return _ParallelLinear.apply(input_, weight, bias, group, comm, fuse_wgrad_accumulation)
+
+
+def _default_tp_group(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """``tp_group``, or the default TP group for a caller of the public function that gave none."""
+    return parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: Optional[int] = 0,
+    async_grad_allreduce: Optional[bool] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """Megatron's signature for ``parallel_linear``: the flags choose the communication.
+
+    ``sequence_parallel`` all-gathers the input and reduce-scatters its gradient;
+    ``allreduce_dgrad`` (older name ``async_grad_allreduce``) all-reduces the input gradient.
+    ``tp_group=None`` means the default TP group. Deferred weight gradients
+    (``grad_output_buffer``, ``wgrad_deferral_limit``) are not supported yet.
+    """
+    if grad_output_buffer is not None or wgrad_deferral_limit:
+        raise ValueError("grad_output_buffer / wgrad_deferral_limit (deferred wgrad): not supported yet")
+    if async_grad_allreduce is not None:
+        allreduce_dgrad = async_grad_allreduce
+    comm = COMM_SEQUENCE_PARALLEL if sequence_parallel else COMM_ALL_REDUCE if allreduce_dgrad else COMM_NONE
+    group = None
+    if comm != COMM_NONE:
+        group = _default_tp_group(tp_group)
+        comm = comm if dist.get_world_size(group) > 1 else COMM_NONE
+    return parallel_linear(input, weight, bias, group, comm, gradient_accumulation_fusion)

@@ -16,7 +16,7 @@ function is the identity in forward and backward.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,143 +93,212 @@ def _reduce_scatter_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tens
     return _reduce_scatter_first_dim(pieces, group).squeeze(0)  # [..., h/tp]
 
 
-# ----------------------------------------------------------------------------------
-# Autograd functions.
-# ----------------------------------------------------------------------------------
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+def _gather_first_dim_uneven(x: torch.Tensor, group: ProcessGroup, sizes: Optional[List[int]]) -> torch.Tensor:
+    """Concatenate along dim 0 pieces of ``sizes[r]`` rows from each rank r (equal pieces when None)."""
+    if sizes is None or dist.get_world_size(group) == 1:
+        return _gather_first_dim(x, group)
+    longest = max(sizes)
+    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
+    padded[: x.size(0)] = x
+    stacked = _gather_first_dim(padded, group).view((len(sizes), longest) + tuple(x.shape[1:]))
+    return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)], dim=0)
+
+
+def _reduce_scatter_first_dim_uneven(x: torch.Tensor, group: ProcessGroup, sizes: Optional[List[int]]) -> torch.Tensor:
+    """Sum over the ranks and keep this rank's ``sizes[rank]`` rows of dim 0 (equal pieces when None)."""
+    if sizes is None or dist.get_world_size(group) == 1:
+        return _reduce_scatter_first_dim(x, group)
+    rank = dist.get_rank(group)
+    return _all_reduce(x, group).narrow(0, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+
+def _all_to_all(
+    x: torch.Tensor, group: ProcessGroup, output_sizes: Optional[List[int]], input_sizes: Optional[List[int]]
+) -> torch.Tensor:
+    """Send rows of dim 0 to each rank (``input_sizes[r]`` rows to rank r; equal pieces when None)."""
+    if dist.get_world_size(group) == 1:
         return x
+    rows = sum(output_sizes) if output_sizes is not None else x.size(0)
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_sizes, input_sizes, group=group)
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Autograd functions (Megatron's names; the group is always given).
+# ----------------------------------------------------------------------------------
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_
 
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad, ctx.group), None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    """All-reduce forward; identity backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, input_, group):
+        return _all_reduce(input_, group)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
-class _ScatterLastDim(torch.autograd.Function):
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    """This rank's slice of the last dim forward; all-gather of the last dim backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, input_, group):
         ctx.group = group
-        return _split_along(x, -1, group)
+        return _split_along(input_, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
         return _gather_last_dim(grad, ctx.group), None
 
 
-class _GatherLastDim(torch.autograd.Function):
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    """All-gather of the last dim forward; this rank's slice backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, input_, group):
         ctx.group = group
-        return _gather_last_dim(x, group)
+        return _gather_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad):
         return _split_along(grad, -1, ctx.group), None
 
 
-class _ScatterFirstDim(torch.autograd.Function):
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """This rank's piece of dim 0 forward; all-gather of dim 0 backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, input_, group):
         ctx.group = group
-        return _split_along(x, 0, group)
+        return _split_along(input_, 0, group)
 
     @staticmethod
     def backward(ctx, grad):
         return _gather_first_dim(grad, ctx.group), None
 
 
-class _GatherFirstDim(torch.autograd.Function):
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """All-gather of dim 0 forward; reduce-scatter (or split, see the wrapper) backward."""
+
     @staticmethod
-    def forward(ctx, x, group, reduce_grad):
-        ctx.group, ctx.reduce_grad = group, reduce_grad
-        return _gather_first_dim(x, group)
+    def forward(ctx, input_, group, tensor_parallel_output_grad=True, output_split_sizes=None, use_global_buffer=False):
+        ctx.group, ctx.reduce_grad, ctx.sizes = group, tensor_parallel_output_grad, output_split_sizes
+        return _gather_first_dim_uneven(input_, group, output_split_sizes)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.reduce_grad:
-            return _reduce_scatter_first_dim(grad, ctx.group), None, None
-        return _split_along(grad, 0, ctx.group), None, None
+            return _reduce_scatter_first_dim_uneven(grad, ctx.group, ctx.sizes), None, None, None, None
+        if ctx.sizes is not None:
+            raise AssertionError("output_split_sizes needs tensor_parallel_output_grad=True")
+        return _split_along(grad, 0, ctx.group), None, None, None, None
 
 
-class _ReduceScatterFirstDim(torch.autograd.Function):
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Reduce-scatter of dim 0 forward; all-gather of dim 0 backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first_dim(x, group)
+    def forward(ctx, input_, group, input_split_sizes=None, use_global_buffer=False):
+        ctx.group, ctx.sizes = group, input_split_sizes
+        return _reduce_scatter_first_dim_uneven(input_, group, input_split_sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first_dim(grad, ctx.group), None
+        return _gather_first_dim_uneven(grad, ctx.group, ctx.sizes), None, None, None
 
 
-class _AllGatherLastDim(torch.autograd.Function):
+class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gather of the last dim forward; reduce-scatter of the last dim backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, input_, group):
         ctx.group = group
-        return _gather_last_dim(x, group)
+        return _gather_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad):
         return _reduce_scatter_last_dim(grad, ctx.group), None
 
 
-class _ReduceScatterLastDim(torch.autograd.Function):
+class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+    """Reduce-scatter of the last dim forward; all-gather of the last dim backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, input_, group):
         ctx.group = group
-        return _reduce_scatter_last_dim(x, group)
+        return _reduce_scatter_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad):
         return _gather_last_dim(grad, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of dim 0 forward; the reverse all-to-all backward."""
+
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.sizes = group, (output_split_sizes, input_split_sizes)
+        return _all_to_all(input_, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_sizes, input_sizes = ctx.sizes
+        return None, _all_to_all(grad, ctx.group, input_sizes, output_sizes), None, None
+
+
 # ----------------------------------------------------------------------------------
-# Public API (Megatron names).
+# Public API (Megatron names and signatures).
 # ----------------------------------------------------------------------------------
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
-    return _CopyToRegion.apply(input_, resolve_tp_group(group))
+    return _CopyToModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def reduce_from_tensor_model_parallel_region(
     input_: torch.Tensor, group: Optional[ProcessGroup] = None
 ) -> torch.Tensor:
     """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
-    return _ReduceFromRegion.apply(input_, resolve_tp_group(group))
+    return _ReduceFromModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Keep this rank's slice of the last dim; backward all-gathers the last dim."""
-    return _ScatterLastDim.apply(input_, resolve_tp_group(group))
+    return _ScatterToModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def gather_from_tensor_model_parallel_region(
     input_: torch.Tensor, group: Optional[ProcessGroup] = None
 ) -> torch.Tensor:
     """All-gather the last dim; backward keeps this rank's slice of the gradient."""
-    return _GatherLastDim.apply(input_, resolve_tp_group(group))
+    return _GatherFromModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """``[s, b, h] -> [s/tp, b, h]`` (this rank's sequence piece); backward all-gathers dim 0."""
-    return _ScatterFirstDim.apply(input_, resolve_tp_group(group))
+    return _ScatterToSequenceParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def gather_from_sequence_parallel_region(
-    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group: Optional[ProcessGroup] = None
+    input_: torch.Tensor,
+    tensor_parallel_output_grad: bool = True,
+    group: Optional[ProcessGroup] = None,
+    output_split_sizes: Optional[List[int]] = None,
+    use_global_buffer: bool = False,
 ) -> torch.Tensor:
     """``[s/tp, b, h] -> [s, b, h]`` by all-gather along dim 0.
 
@@ -240,26 +309,64 @@ def gather_from_sequence_parallel_region(
             False the gradient is already complete on every rank and backward only
             keeps this rank's piece.
         group: TP group (None: the default TP group).
+        output_split_sizes: rows contributed by each rank when they differ.
+        use_global_buffer: Megatron's reuse of one CUDA buffer; memory only, no effect here.
     """
-    return _GatherFirstDim.apply(input_, resolve_tp_group(group), bool(tensor_parallel_output_grad))
+    return _GatherFromSequenceParallelRegion.apply(
+        input_, resolve_tp_group(group), bool(tensor_parallel_output_grad), output_split_sizes, use_global_buffer
+    )
 
 
 def reduce_scatter_to_sequence_parallel_region(
-    input_: torch.Tensor, group: Optional[ProcessGroup] = None
+    input_: torch.Tensor,
+    group: Optional[ProcessGroup] = None,
+    input_split_sizes: Optional[List[int]] = None,
+    use_global_buffer: bool = False,
 ) -> torch.Tensor:
-    """``[s, b, h]`` partial sums -> summed ``[s/tp, b, h]``; backward all-gathers dim 0."""
-    return _ReduceScatterFirstDim.apply(input_, resolve_tp_group(group))
+    """``[s, b, h]`` partial sums -> summed ``[s/tp, b, h]`` (``input_split_sizes[rank]`` rows when given)."""
+    return _ReduceScatterToSequenceParallelRegion.apply(
+        input_, resolve_tp_group(group), input_split_sizes, use_global_buffer
+    )
 
 
 def all_gather_last_dim_from_tensor_parallel_region(
     input_: torch.Tensor, group: Optional[ProcessGroup] = None
 ) -> torch.Tensor:
     """All-gather the last dim; backward reduce-scatters the last dim (consumer is TP)."""
-    return _AllGatherLastDim.apply(input_, resolve_tp_group(group))
+    return _AllGatherFromTensorParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(
     input_: torch.Tensor, group: Optional[ProcessGroup] = None
 ) -> torch.Tensor:
     """Sum over ranks and keep this rank's slice of the last dim; backward all-gathers it."""
-    return _ReduceScatterLastDim.apply(input_, resolve_tp_group(group))
+    return _ReduceScatterToTensorParallelRegion.apply(input_, resolve_tp_group(group))
+
+
+def all_to_all(
+    group: ProcessGroup,
+    input_: torch.Tensor,
+    output_split_sizes_: Optional[List[int]] = None,
+    input_split_sizes: Optional[List[int]] = None,
+) -> torch.Tensor:
+    """All-to-all of dim 0 over ``group`` (required), differentiable."""
+    if group is None:
+        raise AssertionError("all_to_all needs a group")
+    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """``[tokens/tp, h] -> [tokens, h/tp]``: from sequence-split to hidden-split."""
+    group = resolve_tp_group(group)
+    world = dist.get_world_size(group)
+    x = input_.reshape(-1, input_.shape[-1])  # [t/tp, h]
+    pieces = torch.cat(torch.split(x, divide(x.shape[-1], world), dim=1), dim=0)  # [tp * t/tp, h/tp]
+    return all_to_all(group, pieces)
+
+
+def all_to_all_hp2sp(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """``[tokens, h/tp] -> [tokens/tp, h]``: from hidden-split to sequence-split."""
+    group = resolve_tp_group(group)
+    world = dist.get_world_size(group)
+    x = all_to_all(group, input_.reshape(-1, input_.shape[-1]))  # [t, h/tp], row block r from rank r
+    return torch.cat(torch.split(x, divide(x.shape[0], world), dim=0), dim=-1)  # [t/tp, h]

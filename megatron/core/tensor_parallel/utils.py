@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.utils import all_gather_into_tensor
 
 
@@ -38,15 +39,27 @@ def split_tensor_along_last_dim(
     return chunks
 
 
-def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's equal slice of ``tensor`` flattened (numel must divide by the group size)."""
+def split_tensor_into_1d_equal_chunks(
+    tensor: torch.Tensor, new_buffer: bool = False, tp_group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """This rank's equal slice of ``tensor`` flattened (numel must divide by the group size).
+
+    Args:
+        tensor: the tensor to cut.
+        new_buffer: return a copy in its own storage (so the full tensor can be freed);
+            otherwise a view into ``tensor``.
+        tp_group: the group whose ranks share the pieces (None: the default TP group).
+    """
+    group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     per_rank = divide(tensor.numel(), world)
-    return tensor.reshape(-1)[rank * per_rank : (rank + 1) * per_rank].clone()
+    piece = tensor.reshape(-1)[rank * per_rank : (rank + 1) * per_rank]
+    return piece.clone() if new_buffer else piece
 
 
-def gather_split_1d_tensor(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_split_1d_tensor(tensor: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Inverse of ``split_tensor_into_1d_equal_chunks``: the flat tensor of all ranks' slices."""
+    group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
     world = dist.get_world_size(group)
     out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     all_gather_into_tensor(out, tensor.contiguous(), group=group)

@@ -85,7 +85,7 @@ def _compare_checkpoint(distribute, seed, tp_group=None):
     results = []
     for use_checkpoint in (False, True):
         torch.set_rng_state(cpu_state)
-        tp.get_cuda_rng_tracker().set_states(tracked)
+        tp.get_cuda_rng_tracker().set_states(dict(tracked))  # set_states keeps the dict it is given
         x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         if use_checkpoint:
             saved_sizes = []

@@ -21,7 +21,7 @@ from typing import Set, Tuple
 import pytest
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, process_groups
 from tests.dist_harness import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -45,14 +45,20 @@ megatron/core/pipeline_parallel/schedule_utils.py _pipeline_sizes get_pipeline_m
 megatron/core/pipeline_parallel/schedule_utils.py _pipeline_sizes get_virtual_pipeline_model_parallel_world_size
 megatron/core/tensor_parallel/layers.py _init_common get_tensor_model_parallel_group_if_none
 megatron/core/tensor_parallel/layers.py VocabParallelEmbedding.__init__ get_tensor_model_parallel_group_if_none
+megatron/core/tensor_parallel/layers.py param_is_not_tensor_parallel_duplicate get_tensor_model_parallel_group_if_none
+megatron/core/tensor_parallel/linear_function.py _default_tp_group get_tensor_model_parallel_group_if_none
 megatron/core/tensor_parallel/mappings.py resolve_tp_group get_tensor_model_parallel_group_if_none
 megatron/core/tensor_parallel/random.py model_parallel_cuda_manual_seed use_mpu_process_groups
-megatron/core/tensor_parallel/random.py checkpoint get_tensor_model_parallel_group_if_none
+megatron/core/tensor_parallel/random.py _distribute_group get_tensor_model_parallel_group_if_none
+megatron/core/tensor_parallel/utils.py split_tensor_into_1d_equal_chunks get_tensor_model_parallel_group_if_none
+megatron/core/tensor_parallel/utils.py gather_split_1d_tensor get_tensor_model_parallel_group_if_none
+megatron/core/tensor_parallel/data.py broadcast_data get_tensor_model_parallel_group_if_none
 megatron/training/initialize.py initialize_distributed model_parallel_is_initialized
 megatron/training/initialize.py initialize_distributed use_mpu_process_groups
 megatron/training/initialize.py initialize_distributed initialize_model_parallel
 megatron/training/initialize.py shutdown_distributed destroy_model_parallel
 """
+FACADE_MODULES = {"megatron/core/parallel_state.py", "megatron/core/process_groups.py"}
 ALLOWED_FACADE_CALLS = {tuple(line.split()) for line in _ALLOWED_TABLE.strip().splitlines()}
 
 
@@ -60,10 +66,12 @@ def _facade_names() -> Set[str]:
     """Public functions of parallel_state that read or change the default collection."""
     names = {
         name
-        for name, obj in vars(parallel_state).items()
-        if inspect.isfunction(obj) and obj.__module__ == parallel_state.__name__ and not name.startswith("_")
+        for module in (parallel_state, process_groups)
+        for name, obj in vars(module).items()
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("_")
     }
     names -= {"build_process_groups", "warn_sequence_parallel_without_tp", "forbid_default_process_groups"}
+    names -= {"is_initialized"}  # reads no group; its name is torch.distributed.is_initialized's too
     return names | {"use_mpu_process_groups"}
 
 
@@ -93,7 +101,7 @@ def _facade_calls() -> Set[Tuple[str, str, str]]:
         for root, _, files in os.walk(os.path.join(REPO, top)):
             for file in files:
                 path = os.path.relpath(os.path.join(root, file), REPO)
-                if not file.endswith(".py") or path == "megatron/core/parallel_state.py":
+                if not file.endswith(".py") or path in FACADE_MODULES:
                     continue
                 with open(os.path.join(REPO, path), encoding="utf-8") as f:
                     visitor = _Calls(path, names)
