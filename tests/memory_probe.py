@@ -101,6 +101,7 @@ class MemCase:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     moe: bool = False
+    ep: int = 1
     dist_opt: bool = False
     bf16: bool = False
     llama: bool = False
@@ -176,6 +177,7 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.vp,
+        expert_model_parallel_size=case.ep,
     )
     groups = ps.build_process_groups(layout)
     torch.manual_seed(1234)
@@ -206,7 +208,7 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
         "num_parameters": sum(p.numel() for p in params),
     }
     dp = world_size // (case.tp * case.pp)
-    pos = RankPosition(case.tp, case.pp, dp, 1, 1, case.vp, groups.rank_in("pp"), groups.rank_in("dp"))
+    pos = RankPosition(case.tp, case.pp, dp, 1, case.ep, case.vp, groups.rank_in("pp"), groups.rank_in("dp"))
     est = estimate_memory(chunks[0].config, lm, ddp_config, opt_config, pos, mb, case.seq, m, device_type="cpu")
     return {"measured": measured, "accounted": _as_dict(est), "chunks": chunks_named(chunks)}
 
