@@ -129,7 +129,7 @@ class MemCase:
         return (llama_style if self.llama else gpt2_style)(**kw)
 
 
-def _build(case: MemCase, groups: ps.ProcessGroupCollection):
+def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
     kw = case.model_kwargs()
     vp = case.vp or 1
     extra = {"virtual_pipeline_model_parallel_size": case.vp} if case.vp else {}
@@ -181,7 +181,7 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
     )
     groups = ps.build_process_groups(layout)
     torch.manual_seed(1234)
-    chunks, wrapped, optimizer, ddp_config, opt_config, lm = _build(case, groups)
+    chunks, wrapped, optimizer, ddp_config, opt_config, lm = build_case(case, groups)
     mb, m = case.micro_batch_size, case.num_microbatches
     g = torch.Generator().manual_seed(groups.rank_in("dp"))
     data = torch.randint(0, lm.vocab_size, (m, mb, case.seq + 1), generator=g)

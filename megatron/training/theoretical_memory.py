@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -45,6 +45,7 @@ __all__ = [
     "MemoryEstimate",
     "RankPosition",
     "StateBytes",
+    "estimate_from_args",
     "estimate_memory",
     "report_theoretical_memory",
 ]
@@ -108,6 +109,25 @@ def _from_args(args: argparse.Namespace) -> Tuple[TransformerConfig, LanguageMod
     return c, lm, pos
 
 
+def estimate_from_args(
+    args: argparse.Namespace,
+    num_microbatches: Optional[int] = None,
+    device_type: str = "cuda",
+    pp_ranks: Optional[Sequence[int]] = None,
+) -> Dict[int, MemoryEstimate]:
+    """``estimate_memory`` of DP rank 0 on the given pipeline ranks (all by default), from validated args."""
+    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args
+
+    c, lm, pos = _from_args(args)
+    m = num_microbatches or args.global_batch_size // (args.micro_batch_size * pos.dp)
+    ddp, opt = ddp_config_from_args(args), optimizer_config_from_args(args)
+    ranks = range(pos.pp) if pp_ranks is None else pp_ranks
+    return {
+        r: estimate_memory(c, lm, ddp, opt, _at_stage(pos, r), args.micro_batch_size, args.seq_length, m, device_type)
+        for r in ranks
+    }
+
+
 def report_theoretical_memory(
     args: argparse.Namespace, num_microbatches: Optional[int] = None, verbose: bool = True, device_type: str = "cuda"
 ) -> Optional[MemoryEstimate]:
@@ -116,21 +136,14 @@ def report_theoretical_memory(
     Our line always includes the activations (Megatron's only under sequence parallelism with
     selective recompute): they follow from the same rules for every setting.
     """
-    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args
-
     if getattr(args, "padded_vocab_size", None) is None:
         print("Theoretical memory footprints: not computed (no tokenizer yet: the vocabulary size is unknown)")
         return None
-    c, lm, pos = _from_args(args)
-    m = num_microbatches or args.global_batch_size // (args.micro_batch_size * pos.dp)
-    ddp, opt = ddp_config_from_args(args), optimizer_config_from_args(args)
-    estimates = [
-        estimate_memory(c, lm, ddp, opt, _at_stage(pos, r), args.micro_batch_size, args.seq_length, m, device_type)
-        for r in range(pos.pp)
-    ]
-    stage = max(range(pos.pp), key=lambda r: estimates[r].total)
+    estimates = estimate_from_args(args, num_microbatches, device_type)
+    stage = max(estimates, key=lambda r: estimates[r].total)
     e = estimates[stage]
     if verbose:
+        m = num_microbatches or args.global_batch_size // (args.micro_batch_size * _from_args(args)[2].dp)
         _print_details(e, stage, m)
     print(
         f"Theoretical memory footprints: weight and optimizer={e.state.total / MB:.2f} MB, "
