@@ -36,7 +36,7 @@ from tools.plan_parallelism import Cluster, Layout, base_args, calibrate, estima
 
 LAYOUTS = {
     2: [
-        Layout(),
+        Layout(dist_opt=False),
         Layout(dist_opt=True),
         Layout(tp=2),
         Layout(pp=2, dist_opt=False),
@@ -118,7 +118,7 @@ def run_world(world: int, args: argparse.Namespace) -> List[Tuple[str, float, fl
         case = _case(layout, args.hidden, args.layers, args.seq, args.mb, m, v.padded_vocab_size)
         estimates, measured = [], []
         for _ in range(args.rounds):
-            rates = calibrate(world, bf16=False)
+            rates = calibrate(world, False, (args.seq * args.mb, args.hidden, 4 * args.hidden))
             estimates.append(_estimate(base, layout, world, rates)[0])
             results = run_distributed(_step_body, world, case, args.steps, timeout=1800)
             measured.append(statistics.median(max(r[0][i] for r in results) for i in range(args.steps)))

@@ -39,7 +39,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -219,7 +219,10 @@ def _per_microbatch(args: argparse.Namespace, cluster: Cluster, m: int) -> Dict[
     s, b, h, layers = args.seq_length // cp, args.micro_batch_size, args.hidden_size, args.num_layers // pp
     flops = num_floating_point_operations(FlopsConfig(**_flops_fields(args)), args.global_batch_size)
     full = args.recompute_granularity == "full"
-    flops *= 4 / 3 if full else 1.0
+    flops *= 4 / 3 if full else 1.0  # one more forward
+    if args.recompute_granularity == "selective":  # the attention core's forward again: 4*s*q per token
+        q = args.num_attention_heads * args.kv_channels
+        flops += args.global_batch_size * args.seq_length * args.num_layers * 4 * args.seq_length * q
     compute = flops / cluster.world_size / (cluster.gemm_tflops * 1e12) / m
     # Elementwise work: three passes (write, read, gradient) over what a layer writes, 34sbh (Korthikanti).
     written = layers * 34 * s * b * h * e / tp + s * b * args.padded_vocab_size / tp * 4 / pp
@@ -307,18 +310,24 @@ def _median_seconds(fn, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def calibration_body(rank: int, world_size: int, size: int, bf16: bool) -> Dict[str, float]:
-    """On every rank at once: GEMM TFLOP/s, copy GB/s and ring all-reduce bus GB/s (gloo)."""
+def calibration_body(rank: int, world_size: int, shape: Sequence[int], bf16: bool) -> Dict[str, float]:
+    """On every rank at once: GEMM TFLOP/s, copy GB/s and ring all-reduce bus GB/s (gloo).
+
+    The GEMM rate is that of a linear layer's three products for ``shape`` = (tokens, in, out):
+    forward ``X W``, input gradient ``dY W^T`` and weight gradient ``X^T dY``.
+    """
     import torch
     import torch.distributed as dist
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    gemm = 2 * size**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e12
-    x = torch.randn(16 * 1024 * 1024 // 4)  # 16 MiB fp32
-    y = torch.empty_like(x)
-    memory = 3 * x.numel() * 4 / _median_seconds(lambda: torch.add(x, 1.0, out=y)) / GB
-    out = {"gemm_tflops": gemm, "memory_gbps": memory, "allreduce_gbps": float("inf")}
+    m, k, n = shape
+    x, w, dy = (torch.randn(*s, dtype=dtype) for s in ((m, k), (k, n), (m, n)))
+    seconds = _median_seconds(lambda: (torch.mm(x, w), torch.mm(dy, w.t()), torch.mm(x.t(), dy)))
+    out = {"gemm_tflops": 3 * 2 * m * k * n / seconds / 1e12}
+    a = torch.randn(16 * 1024 * 1024 // 4)  # 16 MiB fp32
+    b = torch.empty_like(a)
+    out["memory_gbps"] = 3 * a.numel() * 4 / _median_seconds(lambda: torch.add(a, 1.0, out=b)) / GB
+    out["allreduce_gbps"] = float("inf")
     if world_size > 1:
         msg = torch.randn(1024 * 1024)  # 4 MiB
         dist.barrier()
@@ -327,12 +336,18 @@ def calibration_body(rank: int, world_size: int, size: int, bf16: bool) -> Dict[
     return out
 
 
-def calibrate(ranks: int, bf16: bool, size: int = 1024) -> Dict[str, float]:
+def calibrate(ranks: int, bf16: bool, shape: Sequence[int] = (2048, 1024, 4096)) -> Dict[str, float]:
     """Rates measured with ``ranks`` processes running at once (the median over ranks)."""
     from tests.dist_harness import run_distributed
 
-    results = run_distributed(calibration_body, ranks, size, bf16, timeout=600)
+    results = run_distributed(calibration_body, ranks, tuple(shape), bf16, timeout=600)
     return {k: sorted(r[k] for r in results)[len(results) // 2] for k in results[0]}
+
+
+def gemm_shape(args: argparse.Namespace) -> Tuple[int, int, int]:
+    """The MLP's first linear for one micro batch of one sequence: (tokens, hidden, ffn)."""
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    return args.seq_length * (args.micro_batch_size or 1), args.hidden_size, ffn
 
 
 # ---------------------------------------------------------------- command line
@@ -379,7 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Plan]:
     )  # fmt: skip
     base = base_args(model_flags)
     if opts.calibrate:
-        rates = calibrate(opts.calibrate_ranks, bool(base.bf16))
+        rates = calibrate(opts.calibrate_ranks, bool(base.bf16), gemm_shape(base))
         print("calibrated: " + ", ".join(f"{k} {v:.3f}" for k, v in rates.items()))
         ring = rates["allreduce_gbps"]
         cluster = replace(cluster, gemm_tflops=rates["gemm_tflops"], memory_gbps=rates["memory_gbps"])

@@ -79,3 +79,11 @@ def test_command_line_prints_a_table(capsys):
     plans = main(["--gpus-per-node", "4", "--num-nodes", "2", "--gpu-memory-gb", "1", "--top", "3", "--"] + MODEL)
     out = capsys.readouterr().out
     assert plans and " ".join(plans[0].flags) in out and "layouts fit" in out
+
+
+def test_calibration_measures_positive_rates_on_every_rank():
+    from tools.plan_parallelism import calibrate
+
+    rates = calibrate(2, bf16=False, shape=(64, 32, 128))
+    assert set(rates) == {"gemm_tflops", "memory_gbps", "allreduce_gbps"}
+    assert all(0 < v < float("inf") for v in rates.values())
