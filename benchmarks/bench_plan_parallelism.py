@@ -1,7 +1,8 @@
 """The planner's step-time estimate (``tools/plan_parallelism.py``) against measured steps here.
 
-For 2 and 4 gloo ranks on this machine: ``--calibrate`` rates (GEMM, memory, all-reduce, measured
-with that many processes at once, so the ranks' sharing of the CPU cores is in them), then for
+For 2 and 4 gloo ranks on this machine: the ``--calibrate`` rates (GEMM on the model's linear
+shapes, memory, all-reduce), measured by the same processes right before and right after the
+steps (their mean; the ranks' sharing of the CPU cores and the other jobs' load are in them), then for
 several layouts of one GPT (TP, PP, interleaved PP, DP, distributed optimizer and their mixes) the
 planner's estimate beside the median measured step (the real schedule, DDP, optimizer step; the
 slowest rank; first step dropped). Also the planner's memory estimate beside the measured
@@ -32,7 +33,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.training.theoretical_memory import estimate_from_args  # noqa: E402
 from tests.dist_harness import run_distributed  # noqa: E402
 from tests.memory_probe import MemCase, SavedTensorMeter, build_case, storage_bytes  # noqa: E402
-from tools.plan_parallelism import Cluster, Layout, base_args, calibrate, estimate_step, validated_args  # noqa: E402
+from tools.plan_parallelism import (  # noqa: E402
+    Cluster,
+    Layout,
+    base_args,
+    calibration_body,
+    estimate_step,
+    validated_args,
+)  # noqa: E402
 
 LAYOUTS = {
     2: [
@@ -62,8 +70,10 @@ def _case(layout: Layout, hidden: int, layers: int, seq: int, mb: int, m: int, v
     )  # fmt: skip
 
 
-def _step_body(rank: int, world_size: int, case: MemCase, steps: int) -> Tuple[List[float], int]:
-    """Per-step seconds (barrier to barrier) and rank's measured saved-activation peak + state bytes."""
+def _step_body(rank: int, world_size: int, case: MemCase, steps: int, shape: Tuple[int, int, int]):
+    """Per-step seconds (barrier to barrier), this rank's measured saved-activation peak + state bytes,
+    and the rates calibrated by the same processes just before and just after the steps."""
+    before = calibration_body(rank, world_size, shape, False)
     layout = ps.ParallelLayout(world_size, case.tp, case.pp, virtual_pipeline_model_parallel_size=case.vp)
     groups = ps.build_process_groups(layout)
     chunks, wrapped, optimizer, _, _, lm = build_case(case, groups)
@@ -92,13 +102,14 @@ def _step_body(rank: int, world_size: int, case: MemCase, steps: int) -> Tuple[L
     state = storage_bytes(params) + storage_bytes(b.grad_data for w in wrapped for b in w.buffers)
     state += storage_bytes(link.main for link in optimizer.links if link.is_copy)
     state += storage_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
-    return times[1:-1], peak + state
+    after = calibration_body(rank, world_size, shape, False)
+    return times[1:-1], peak + state, {k: (before[k] + after[k]) / 2 for k in before}
 
 
 def _estimate(base: argparse.Namespace, layout: Layout, world: int, rates: Dict[str, float]) -> Tuple[float, float]:
     """(planner's step seconds with these rates, its memory estimate of rank 0 in bytes)."""
     cluster = Cluster(world, 1, 1000.0, rates["gemm_tflops"], rates["memory_gbps"], rates["allreduce_gbps"],
-                      rates["allreduce_gbps"], device_type="cpu")  # fmt: skip
+                      rates["allreduce_gbps"], rates["collective_latency_us"], device_type="cpu")  # fmt: skip
     v = validated_args(base, layout, world)
     est = estimate_from_args(v, device_type="cpu", pp_ranks=[0])[0]
     return estimate_step(v, cluster, est.state.grads, est.state.optimizer_states // 8)["total"], est.total
@@ -117,13 +128,15 @@ def run_world(world: int, args: argparse.Namespace) -> List[Tuple[str, float, fl
         v = validated_args(base, layout, world)
         case = _case(layout, args.hidden, args.layers, args.seq, args.mb, m, v.padded_vocab_size)
         estimates, measured = [], []
+        shape = (args.seq * args.mb, args.hidden, 4 * args.hidden)
         for _ in range(args.rounds):
-            rates = calibrate(world, False, (args.seq * args.mb, args.hidden, 4 * args.hidden))
+            results = run_distributed(_step_body, world, case, args.steps, shape, timeout=1800)
+            rates = {k: statistics.median(r[2][k] for r in results) for k in results[0][2]}
             estimates.append(_estimate(base, layout, world, rates)[0])
-            results = run_distributed(_step_body, world, case, args.steps, timeout=1800)
             measured.append(statistics.median(max(r[0][i] for r in results) for i in range(args.steps)))
             gemm = rates["gemm_tflops"] * 1e3
-            print(f"    calibrated GEMM {gemm:.1f} GFLOP/s, all-reduce {rates['allreduce_gbps']:.2f} GB/s: "
+            print(f"    calibrated GEMM {gemm:.1f} GFLOP/s, all-reduce {rates['allreduce_gbps']:.2f} GB/s, "
+                  f"{rates['collective_latency_us']:.0f} us per call: "
                   f"est {estimates[-1]:.3f} s, measured {measured[-1]:.3f} s", flush=True)  # fmt: skip
         est, meas = statistics.median(estimates), statistics.median(measured)
         mem_est, mem_meas = _estimate(base, layout, world, rates)[1], results[0][1]

@@ -14,9 +14,10 @@ Step-time model (per rank, seconds):
   elementwise work (norms, softmax, activations, optimizer) from the bytes it moves at
   ``--memory-gbps``: three passes over the saved activations per microbatch, and ~36 bytes per
   parameter of this rank for the Adam step;
-* communication from message sizes: per layer and microbatch two TP all-reduces (all-gather +
-  reduce-scatter under SP) of ``s*b*h`` forward and two backward (three more under full
-  recompute), CP all-gathers of keys and values, EP token all-gathers, pipeline sends, and the
+* communication from message sizes and a fixed cost per call (``--collective-latency-us``): per
+  layer and microbatch two TP all-reduces (all-gather + reduce-scatter under SP, whose backward
+  also re-gathers the saved input shards) of ``s*b*h`` forward and two backward (the forward's
+  again under full recompute), CP all-gathers of keys and values, EP token all-gathers, pipeline sends, and the
   gradient all-reduce (reduce-scatter + all-gather with the distributed optimizer) over DP; a ring
   collective moves ``2(n-1)/n`` of the message at ``--allreduce-gbps`` inside a node or
   ``--inter-node-gbps`` across nodes;
@@ -67,6 +68,7 @@ class Cluster:
     memory_gbps: float = 2000.0  # achieved device-memory bandwidth, for elementwise work
     allreduce_gbps: float = 150.0  # ring bus bandwidth inside a node (NVLink)
     inter_node_gbps: float = 40.0  # ring bus bandwidth across nodes (InfiniBand per GPU)
+    collective_latency_us: float = 20.0  # fixed cost of one collective call
     device_type: str = "cuda"
 
     @property
@@ -228,18 +230,19 @@ def _per_microbatch(args: argparse.Namespace, cluster: Cluster, m: int) -> Dict[
     written = layers * 34 * s * b * h * e / tp + s * b * args.padded_vocab_size / tp * 4 / pp
     elementwise = (4 if full else 3) * written / (cluster.memory_gbps * GB)
     act = s * b * h * e
-    parts = {
-        "compute": compute,
-        "elementwise": elementwise,
-        "tp": layers * (6 if full else 4) * _ring(act, tp, _bandwidth(tp, cluster)),
-    }
+    # Per layer: 2 all-reduces forward, 2 backward (under SP each is an all-gather + a reduce-scatter,
+    # and backward re-gathers the saved input shards: 8 calls); full recompute repeats the forward's.
+    calls = (8 + 4 * full) if args.sequence_parallel else (4 + 2 * full)
+    latency = cluster.collective_latency_us * 1e-6
+    tp_time = layers * ((4 + 2 * full) * _ring(act, tp, _bandwidth(tp, cluster)) + calls * latency)
+    parts = {"compute": compute, "elementwise": elementwise, "tp": tp_time if tp > 1 else 0.0}
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     kv = 2 * args.seq_length * b * groups // tp * args.kv_channels * e
-    parts["cp"] = layers * 2 * (cp - 1) / cp * kv / (_bandwidth(tp * cp, cluster) * GB)
+    parts["cp"] = layers * 2 * ((cp - 1) / cp * kv / (_bandwidth(tp * cp, cluster) * GB) + latency) if cp > 1 else 0.0
     moe_layers = layers if args.num_experts else 0
-    parts["ep"] = moe_layers * 4 * (ep - 1) * act / (_bandwidth(tp * cp * ep, cluster) * GB)
+    parts["ep"] = moe_layers * 4 * ((ep - 1) * act / (_bandwidth(tp * cp * ep, cluster) * GB) + latency)
     sent = act / (tp if args.sequence_parallel else 1)
-    parts["p2p"] = 2 * sent / (_bandwidth(cluster.world_size, cluster) * GB) if pp > 1 else 0.0
+    parts["p2p"] = 2 * (sent / (_bandwidth(cluster.world_size, cluster) * GB) + latency) if pp > 1 else 0.0
     return parts
 
 
@@ -327,12 +330,14 @@ def calibration_body(rank: int, world_size: int, shape: Sequence[int], bf16: boo
     a = torch.randn(16 * 1024 * 1024 // 4)  # 16 MiB fp32
     b = torch.empty_like(a)
     out["memory_gbps"] = 3 * a.numel() * 4 / _median_seconds(lambda: torch.add(a, 1.0, out=b)) / GB
-    out["allreduce_gbps"] = float("inf")
+    out["allreduce_gbps"], out["collective_latency_us"] = float("inf"), 0.0
     if world_size > 1:
         msg = torch.randn(1024 * 1024)  # 4 MiB
         dist.barrier()
         seconds = _median_seconds(lambda: dist.all_reduce(msg))
         out["allreduce_gbps"] = 2 * (world_size - 1) / world_size * msg.numel() * 4 / seconds / GB
+        tiny = torch.randn(256)  # 1 KiB: the fixed cost of a call
+        out["collective_latency_us"] = _median_seconds(lambda: dist.all_reduce(tiny), repeats=21) * 1e6
     return out
 
 
@@ -369,6 +374,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gbps", type=float, default=Cluster.memory_gbps, help="achieved memory GB/s per GPU")
     p.add_argument("--allreduce-gbps", type=float, default=Cluster.allreduce_gbps, help="bus GB/s inside a node")
     p.add_argument("--inter-node-gbps", type=float, default=Cluster.inter_node_gbps, help="bus GB/s across nodes")
+    p.add_argument("--collective-latency-us", type=float, default=Cluster.collective_latency_us)
     p.add_argument("--device-type", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--hf-config", help="a Hugging Face config.json instead of model flags")
     p.add_argument("--seq-length", type=int, help="with --hf-config")
@@ -390,7 +396,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Plan]:
         model_flags += ["--bf16"] if "--fp16" not in model_flags and "--bf16" not in model_flags else []
     cluster = Cluster(
         opts.gpus_per_node, opts.num_nodes, opts.gpu_memory_gb, opts.gemm_tflops, opts.memory_gbps,
-        opts.allreduce_gbps, opts.inter_node_gbps, opts.device_type,
+        opts.allreduce_gbps, opts.inter_node_gbps, opts.collective_latency_us, opts.device_type,
     )  # fmt: skip
     base = base_args(model_flags)
     if opts.calibrate:
@@ -399,6 +405,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Plan]:
         ring = rates["allreduce_gbps"]
         cluster = replace(cluster, gemm_tflops=rates["gemm_tflops"], memory_gbps=rates["memory_gbps"])
         cluster = replace(cluster, allreduce_gbps=min(ring, 1e6), inter_node_gbps=min(ring, 1e6))
+        cluster = replace(cluster, collective_latency_us=rates["collective_latency_us"])
     plans = plan(base, cluster, opts.fit_fraction)
     print(f"{len(plans)} layouts fit in {cluster.gpu_memory_gb} GB x {cluster.world_size} ranks")
     print(format_plans(plans, opts.top))

@@ -85,5 +85,5 @@ def test_calibration_measures_positive_rates_on_every_rank():
     from tools.plan_parallelism import calibrate
 
     rates = calibrate(2, bf16=False, shape=(64, 32, 128))
-    assert set(rates) == {"gemm_tflops", "memory_gbps", "allreduce_gbps"}
+    assert set(rates) == {"gemm_tflops", "memory_gbps", "allreduce_gbps", "collective_latency_us"}
     assert all(0 < v < float("inf") for v in rates.values())
