@@ -9,6 +9,14 @@ activation error. The 2-rank grid is the unit test's; the 4-rank one adds TP x D
 expert parallelism and the distributed optimizer over 4 ranks.
 
 Usage: python benchmarks/bench_theoretical_memory.py [--skip-4]
+
+Measured 2026-12-01: parameters, gradient buffers, fp32 main parameters and optimizer states equal
+to the byte on every rank of all 21 configs. Activations: 0.0% on most; full recompute +5.6% (the
+backward rise is taken at the start of the backward, before the head's bytes are freed); MoE bf16
++0.9%; selective under interleaving +0.2%; TP without a loss on the rank -0.03% (32 bytes). Under
+expert parallelism the accounting equals the mean over EP ranks (0.0% dense-routed MoE, -7.2% with
+full recompute) while single ranks differ by the routing imbalance of the batch (-16% .. +11%).
+Worst: 7.2%.
 """
 
 from __future__ import annotations
