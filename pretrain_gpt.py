@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 from megatron.training.flags.registry import config_from_args
+from megatron.training.theoretical_memory import report_theoretical_memory
 from megatron.training.training import pretrain
 from megatron.training.utils import masked_token_loss, next_batch_on_device
 
@@ -37,7 +38,10 @@ def model_provider(
     """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
 
     With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer).
+    Global rank 0 prints the theoretical memory per rank first (Megatron's report, before building).
     """
+    if pre_process and not vp_stage and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        report_theoretical_memory(args, device_type="cuda" if torch.cuda.is_available() else "cpu")
     spec = get_gpt_decoder_block_spec(config) if args.num_experts else get_gpt_layer_local_spec()
     return GPTModel(
         config=config,

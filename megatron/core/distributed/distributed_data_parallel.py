@@ -44,7 +44,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import reduce_scatter_tensor
 
 
-def _default_bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> Optional[int]:
+def default_bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> Optional[int]:
+    """Elements per bucket (None: one bucket); the theoretical memory accounting lays buffers out with it too."""
     if not ddp_config.overlap_grad_reduce:
         return None  # one bucket: nothing to overlap with
     return ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
@@ -89,7 +90,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.dp_group = self.pg_collection.dp_cp
         self.dp_size = dist.get_world_size(self.dp_group)
         first_stage = self.pg_collection.rank_in("pp") == 0
-        bucket_size = _default_bucket_size(ddp_config, self.dp_size) if first_stage and not disable_bucketing else None
+        bucket_size = default_bucket_size(ddp_config, self.dp_size) if first_stage and not disable_bucketing else None
         self.bucket_size = bucket_size
         # Pre-scale by 1/dp unless the loss is a token sum or the division happens after the sum.
         self.pre_scale = (

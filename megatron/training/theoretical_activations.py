@@ -1,0 +1,253 @@
+"""Activation part of the theoretical memory (see ``theoretical_memory``): saved-for-backward bytes.
+
+What each of our modules saves, as they are written: SDPA attention keeps q/k/v, its output and the
+fp32 log-sum-exp, never an ``s x s`` score matrix (the unfused backend does); dropout keeps masks
+only when dropout > 0 (bool on CUDA, the activations' dtype on a CPU); sequence parallelism divides
+norm and linear inputs by TP; selective recompute drops what core attention keeps inside; full
+recompute keeps one ``[s(/tp), b, h]`` input per checkpointed group and rebuilds a group during its
+backward. Dropless MoE: every token goes to ``top-k`` experts, so a rank's experts see ``s*b*k``
+routed tokens in expectation (exactly so without expert parallelism); there is no capacity factor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+from megatron.core.pipeline_parallel.schedule_table import FORWARD, rank_schedule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.theoretical_memory_params import (
+    FP32,
+    INDEX_BYTES,
+    LanguageModelShape,
+    RankPosition,
+    chunk_ends,
+    chunk_layers,
+    dtype_bytes,
+    is_moe_layer,
+)
+
+
+@dataclass
+class ActivationBytes:
+    """Saved-for-backward bytes of one microbatch through one chunk, by layer kind."""
+
+    parts: Dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: float) -> None:
+        self.parts[kind] = self.parts.get(kind, 0) + int(nbytes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+# --------------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class _Tokens:
+    """Token counts of one microbatch on one rank."""
+
+    b: int  # micro batch size
+    s: int  # sequence length on this CP rank
+    sp: int  # divisor of norm / linear inputs: TP under sequence parallelism, else 1
+    e: int  # bytes per activation element (the parameters' dtype)
+    mask: int  # bytes per dropout-mask element
+
+    @property
+    def t(self) -> int:
+        """Tokens of the TP group (``s/cp * b``)."""
+        return self.s * self.b
+
+    @property
+    def local(self) -> float:
+        """Tokens in this rank's ``[s/cp(/tp under SP), b, h]`` activation."""
+        return self.t / self.sp
+
+
+def _norm_activations(c: TransformerConfig, tokens: float, e: int) -> float:
+    """LayerNorm: input, fp32 mean and rstd. Our RMSNorm: fp32 input, fp32 1/rms, normalised input."""
+    h = c.hidden_size
+    if c.normalization == "LayerNorm":
+        return tokens * h * e + 2 * tokens * FP32
+    return tokens * h * FP32 + tokens * FP32 + tokens * h * e
+
+
+def _core_attention(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
+    """What core attention keeps inside (dropped by selective recompute)."""
+    heads, groups, d = c.num_attention_heads // pos.tp, c.num_query_groups // pos.tp, c.kv_channels
+    backend = getattr(c.attention_backend, "name", c.attention_backend)
+    if backend in ("unfused", "local") or c.apply_query_key_layer_scaling:
+        sk = n.s * pos.cp
+        probs = FP32 + n.e if c.attention_softmax_in_fp32 and n.e != FP32 else n.e  # fp32 softmax + its cast
+        return n.b * heads * n.s * sk * probs
+    gathered = 2 * n.s * pos.cp * n.b * groups * d * n.e if pos.cp > 1 else 0  # keys, values over CP
+    return n.b * heads * n.s * FP32 + gathered  # SDPA's log-sum-exp (fp32)
+
+
+def _attention(c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition) -> float:
+    """Self-attention: QKV input, the fused q/k/v, rotated copies, RoPE tables, core, output."""
+    heads, groups, d, h = c.num_attention_heads // pos.tp, c.num_query_groups // pos.tp, c.kv_channels, c.hidden_size
+    rope = lm.position_embedding_type == "rope"
+    total = n.local * h * n.e + n.t * (heads + 2 * groups) * d * n.e  # linear_qkv input, q/k/v storage
+    if rope or (groups > 1 and heads > groups):  # rotated or regrouped queries are new tensors
+        total += n.t * heads * d * n.e
+    if rope:
+        total += n.t * groups * d * n.e + 4 * n.s * int(d * lm.rotary_percent) * n.e  # keys, cos/sin x (q, k)
+    if c.recompute_granularity != "selective":
+        total += _core_attention(c, n, pos)
+    return total + n.t * heads * d * n.e  # context: linear_proj's input
+
+
+def _mlp_intermediates(c: TransformerConfig, tokens: float, ffn_local: int, e: int) -> float:
+    """fc1 output (gate and up) and the activation's output (gated: also act(gate))."""
+    return tokens * ffn_local * e * (4 if c.gated_linear_unit else 2)
+
+
+def _moe(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
+    """Dropless MoE on the TP group's tokens: router, routing bookkeeping, experts on ``t*k`` tokens."""
+    h, k, experts = c.hidden_size, c.moe_router_topk, c.num_moe_experts
+    local_experts = experts // pos.ep
+    routed = n.t * k  # sum over local experts of their tokens (expected under EP, exact without)
+    total = n.t * h * n.e  # router input
+    total += n.t * experts * FP32 if c.moe_router_pre_softmax else n.t * k * FP32  # softmax output
+    total += n.t * k * INDEX_BYTES  # top-k indices
+    if c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff > 0:
+        total += n.t * experts * FP32 + experts * FP32 + FP32  # softmax scores, counts, loss
+    total += n.t * pos.ep * local_experts * INDEX_BYTES + routed * (INDEX_BYTES + FP32)  # sort, indices, weights
+    ffn = c.moe_ffn_hidden_size // pos.tp
+    total += routed * 3 * h * n.e + _mlp_intermediates(c, routed, ffn, n.e)  # input, output, weighted
+    if n.e != FP32:
+        total += routed * n.e  # routing weights cast to the activations' dtype
+    return total
+
+
+def layer_activations(
+    c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition, number: int
+) -> ActivationBytes:
+    """One layer (``number``: global, 1-based) without full recompute, by kind."""
+    out = ActivationBytes()
+    out.add("norms", 2 * _norm_activations(c, n.local, n.e))
+    out.add("attention", _attention(c, lm, n, pos))
+    if is_moe_layer(c, number):
+        out.add("moe", _moe(c, n, pos))
+    else:
+        mlp = n.local * c.hidden_size * n.e + _mlp_intermediates(c, n.t, c.ffn_hidden_size // pos.tp, n.e)
+        out.add("mlp", mlp)
+    if c.hidden_dropout > 0:
+        out.add("dropout", 2 * n.local * c.hidden_size * n.mask)  # masks of the two residual dropouts
+    return out
+
+
+def _checkpoint_groups(c: TransformerConfig, count: int) -> List[Tuple[int, int, bool]]:
+    """``(start, end, recomputed)`` over a chunk's ``count`` layers, as ``TransformerBlock.forward`` runs them."""
+    full = c.recompute_granularity == "full"
+    step = c.recompute_num_layers if full and c.recompute_method == "uniform" else 1
+    groups, start = [], 0
+    while start < count:
+        end = min(start + step, count)
+        recomputed = full and (c.recompute_method == "uniform" or start < c.recompute_num_layers)
+        groups.append((start, end, recomputed))
+        start = end
+    return groups
+
+
+def _embedding_and_head(
+    c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition, pre: bool, post: bool
+) -> ActivationBytes:
+    out = ActivationBytes()
+    if pre:
+        ids = 2 if lm.position_embedding_type == "learned_absolute" else 1  # token ids, position ids
+        mask = n.local * c.hidden_size * n.mask if c.hidden_dropout > 0 else 0
+        out.add("embedding", ids * n.t * INDEX_BYTES + mask)
+    if post:
+        out.add("norms", _norm_activations(c, n.local, n.e))
+        out.add("output_layer", n.local * c.hidden_size * n.e)
+        vocab = lm.vocab_size // pos.tp
+        if n.e == FP32:  # fp32 softmax, not-mine mask, targets
+            cross_entropy = n.t * vocab * FP32 + n.t + n.t * INDEX_BYTES
+        else:  # logits, not-mine mask, targets, fp32 max and log-sum-exp; softmax recomputed in backward
+            cross_entropy = n.t * vocab * n.e + n.t + n.t * INDEX_BYTES + 2 * n.t * FP32
+        out.add("loss", cross_entropy + n.t * FP32 + FP32)  # masked_token_loss: fp32 mask; 1/tokens
+    return out
+
+
+@dataclass
+class ChunkActivations:
+    """One microbatch through one chunk: bytes saved in forward by kind, and how far its backward
+    rises above that (full recompute rebuilds a group's activations while earlier ones are kept)."""
+
+    saved: ActivationBytes
+    backward_rise: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.saved.total
+
+
+def _backward_rise(segments: List[Tuple[int, int]]) -> int:
+    """Walk backward over ``(saved, rebuilt)`` segments in forward order: each frees its saved bytes
+    after rebuilding ``rebuilt`` (its recomputation); the highest point above the start."""
+    current = rise = 0
+    for saved, rebuilt in reversed(segments):
+        rise = max(rise, current + rebuilt)
+        current -= saved
+    return rise
+
+
+def chunk_activations(
+    c: TransformerConfig,
+    lm: LanguageModelShape,
+    pos: RankPosition,
+    micro_batch_size: int,
+    seq_length: int,
+    vp_stage: int = 0,
+    device_type: str = "cuda",
+) -> ChunkActivations:
+    """Saved-for-backward bytes of one microbatch through chunk ``vp_stage`` of this rank.
+
+    ``device_type``: CUDA's dropout keeps a bool mask, the CPU's a mask in the activations' dtype.
+    """
+    sp = pos.tp if c.sequence_parallel else 1
+    e = dtype_bytes(c.params_dtype)
+    n = _Tokens(micro_batch_size, seq_length // pos.cp, sp, e, 1 if device_type == "cuda" else e)
+    pre, post = chunk_ends(pos, vp_stage)
+    out = ActivationBytes()
+    head = _embedding_and_head(c, lm, n, pos, pre, post)
+    segments = [(head.parts.get("embedding", 0), 0)]
+    numbers = chunk_layers(c, pos, vp_stage)
+    for start, end, recomputed in _checkpoint_groups(c, len(numbers)):
+        layers = [layer_activations(c, lm, n, pos, number) for number in numbers[start:end]]
+        if recomputed:  # only the group's input is kept (split over TP with distribute_saved_activations)
+            split = pos.tp if c.distribute_saved_activations else 1
+            kept = int(n.local * c.hidden_size * n.e / split)
+            out.add("recompute_inputs", kept)
+            segments.append((kept, sum(a.total for a in layers)))
+            continue
+        for layer in layers:
+            for kind, nbytes in layer.parts.items():
+                out.add(kind, nbytes)
+            rebuilt = int(_core_attention(c, n, pos)) if c.recompute_granularity == "selective" else 0
+            segments.append((layer.total, rebuilt))
+    for kind, nbytes in head.parts.items():
+        out.add(kind, nbytes)
+    segments.append((head.total - head.parts.get("embedding", 0), 0))
+    return ChunkActivations(out, _backward_rise(segments))
+
+
+def peak_in_flight(chunks: Sequence[ChunkActivations], pos: RankPosition, num_microbatches: int) -> int:
+    """Peak of the activations alive on this rank over its pipeline schedule.
+
+    Walks the rank's op list from ``schedule_table`` (the one the executor runs): a forward of
+    (microbatch, chunk) adds that chunk's bytes, its backward rises by the chunk's recomputation
+    and then frees them.
+    """
+    live = peak = 0
+    for op in rank_schedule(pos.pp_rank, pos.pp, num_microbatches, pos.vp or 1):
+        chunk = chunks[op.chunk]
+        if op.kind == FORWARD:
+            live += chunk.total
+        else:
+            peak = max(peak, live + chunk.backward_rise)
+            live -= chunk.total
+        peak = max(peak, live)
+    return peak
