@@ -111,7 +111,7 @@ def _step_body(rank: int, world_size: int, case: MemCase, steps: int, shape: Tup
         dist.barrier()
         times.append(time.perf_counter() - start)
     peak = meter.peak
-    state = storage_bytes(params) + storage_bytes(b.grad_data for w in wrapped for b in w.buffers)
+    state = storage_bytes(params) + storage_bytes(b.grad_data for w in wrapped for b in w.all_buffers)
     state += storage_bytes(link.main for link in optimizer.links if link.is_copy)
     state += storage_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
     after = calibration_body(rank, world_size, shape, False)

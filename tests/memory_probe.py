@@ -152,7 +152,7 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
     ]
     half = {"params_dtype": torch.bfloat16, "bf16": True} if case.bf16 else {}
     opt_config = OptimizerConfig(lr=1e-4, use_distributed_optimizer=case.dist_opt, **half)
-    optimizer = get_megatron_optimizer(opt_config, wrapped, groups)
+    optimizer = get_megatron_optimizer(opt_config, wrapped, pg_collection=groups)
     config = chunks[0].config
     config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups)
     config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
@@ -201,7 +201,7 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
     optimizer.step()
     measured = {
         "params": storage_bytes(p.data for p in params),
-        "grads": storage_bytes(b.grad_data for w in wrapped for b in w.buffers),
+        "grads": storage_bytes(b.grad_data for w in wrapped for b in w.all_buffers),
         "main_params": storage_bytes(link.main for link in optimizer.links if link.is_copy),
         "optimizer_states": storage_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0),
         "activations": meter.peak,
