@@ -25,7 +25,8 @@ class BlendedMegatronDatasetBuilder:
 
     Args:
         cls: a MegatronDataset subclass (GPTDataset, MockGPTDataset, ...).
-        sizes: samples wanted for train, valid and test (0 or None: no dataset for that split).
+        sizes: samples wanted for train, valid and test: 0 builds no dataset for that split, None
+            one epoch of its documents (unweighted blends only, as in Megatron-core).
         is_built_on_rank: whether this rank needs the datasets (others get None).
         config: the dataset configuration.
         group: process group of the barrier (must hold global rank 0, which writes the
@@ -46,6 +47,22 @@ class BlendedMegatronDatasetBuilder:
             raise ValueError(f"sizes={list(sizes)}: must be non-negative")
         self.cls, self.sizes, self.is_built_on_rank, self.config = cls, list(sizes), is_built_on_rank, config
         self.group = group
+        self._check_none_sizes()
+
+    def _check_none_sizes(self) -> None:
+        """A None size (one epoch) cannot be split over weighted blend components: Megatron-core asserts."""
+        if self.config.mock:
+            return
+        for split in Split:
+            if self.config.blend_per_split is None:
+                blend = self.config.blend
+            else:
+                blend = self.config.blend_per_split[split.value]
+            if blend is not None and self.sizes[split.value] is None and blend[1] is not None:
+                raise AssertionError(
+                    f"sizes[{split.value}]=None ({split.name}): one epoch of a weighted blend is undefined; "
+                    f"give a size, or no weights (blend weights={blend[1]})"
+                )
 
     def build(self) -> List[Optional[Any]]:
         """The three datasets; None where the size is 0 or this rank does not build."""

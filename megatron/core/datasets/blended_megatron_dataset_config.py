@@ -37,7 +37,7 @@ def _check_blend(name: str, blend: Blend) -> None:
 class BlendedMegatronDatasetConfig:
     """Settings shared by all datasets (Megatron Core field names).
 
-    Exactly one of ``blend`` and ``blend_per_split`` is given, unless ``mock``.
+    At most one of ``blend`` and ``blend_per_split`` is given; neither means ``mock``.
     """
 
     random_seed: int
@@ -68,7 +68,8 @@ class BlendedMegatronDatasetConfig:
     """Memory-map the .bin files rather than reading them."""
 
     mock: bool = False
-    """Synthetic data, no files (``--mock-data``)."""
+    """Synthetic data, no files (``--mock-data``); set when neither blend is given, as in Megatron-core
+    (which derives it only; here it may also be passed)."""
 
     tokenizer: Optional[Any] = None
     """Tokenizer: supplies eod/pad ids and identifies the vocabulary in cache keys."""
@@ -93,9 +94,15 @@ class BlendedMegatronDatasetConfig:
             if self.split is None:
                 self.split = "969,30,1"  # Megatron's default split when none is given
             return
-        if (self.blend is None) == (self.blend_per_split is None):
+        if self.blend is None and self.blend_per_split is None:
+            # Megatron-core: no data at all means mock data, split evenly unless a split is given.
+            self.mock = True
+            if self.split is None:
+                self.split = "1,1,1"
+            return
+        if self.blend is not None and self.blend_per_split is not None:
             raise ValueError(
-                "blend and blend_per_split: exactly one must be given (or mock=True), "
+                "blend and blend_per_split: exactly one must be given (neither: mock data), "
                 f"got blend={self.blend!r}, blend_per_split={self.blend_per_split!r}"
             )
         if self.blend is not None:

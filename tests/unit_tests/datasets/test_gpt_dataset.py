@@ -250,7 +250,9 @@ def test_rank_zero_builds_others_load(corpus, tmp_path):
 def test_config_validation(corpus):
     prefix, _ = corpus
     with pytest.raises(ValueError, match="exactly one"):
-        GPTDatasetConfig(random_seed=1, sequence_length=4)
+        GPTDatasetConfig(random_seed=1, sequence_length=4, blend=([prefix], None), blend_per_split=[None] * 3)
+    no_data = GPTDatasetConfig(random_seed=1, sequence_length=4)  # Megatron-core: mock data, even split
+    assert no_data.mock and no_data.split == "1,1,1"
     with pytest.raises(ValueError, match="split=None"):
         GPTDatasetConfig(random_seed=1, sequence_length=4, blend=([prefix], None))
     with pytest.raises(ValueError, match="sequence_length=0"):
