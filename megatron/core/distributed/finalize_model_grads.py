@@ -85,20 +85,31 @@ def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection)
     return num_tokens
 
 
+def _model_groups(model_chunks: Sequence[torch.nn.Module]) -> ProcessGroupCollection:
+    """The process groups the (first) model chunk was built with."""
+    groups = getattr(unwrap_model(model_chunks[0]), "pg_collection", None) if model_chunks else None
+    if groups is None:
+        raise ValueError("finalize_model_grads: the model has no pg_collection; pass pg_collection=")
+    return groups
+
+
 def finalize_model_grads(
     model_chunks: Sequence[torch.nn.Module],
-    num_tokens: Optional[torch.Tensor],
-    pg_collection: ProcessGroupCollection,
+    num_tokens: Optional[torch.Tensor] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
 ) -> None:
     """All reductions a step needs after backward (see the module docstring).
 
-    The groups are required: bind them (``functools.partial(finalize_model_grads,
-    pg_collection=groups)``) to make ``config.finalize_model_grads_func``.
+    Bind the groups (``functools.partial(finalize_model_grads, pg_collection=groups)``) to make
+    ``config.finalize_model_grads_func``. Without them (Megatron-core's ``finalize_model_grads([model])``)
+    the groups are those the model was built with (``pg_collection`` of the unwrapped first chunk),
+    never a global default.
 
     Raises:
-        ValueError: a chunk is not DDP-wrapped while data parallelism is > 1.
+        ValueError: a chunk is not DDP-wrapped while data parallelism is > 1, or no groups are given
+            and the model has none.
     """
-    groups = pg_collection
+    groups = pg_collection if pg_collection is not None else _model_groups(model_chunks)
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()

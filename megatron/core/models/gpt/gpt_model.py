@@ -85,7 +85,7 @@ class GPTModel(LanguageModule):
         config = _config_from_keywords(config, config_fields)
         super().__init__(config)
         groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
-        config.check_against(groups)
+        config.check_against(groups, adopt_unset=pg_collection is None)
         self.pg_collection = groups
         self.vocab_size = vocab_size if vocab_size is not None else SHORT_FORM_VOCAB_SIZE
         self.max_sequence_length = max_sequence_length or SHORT_FORM_MAX_SEQUENCE_LENGTH
