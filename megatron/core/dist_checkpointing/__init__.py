@@ -1,13 +1,20 @@
 """Sharded checkpoints: every tensor knows its global shape and this rank's slice.
 
+Megatron-core's vocabulary (nested sharded state dicts with ``ShardedObject``,
+``ShardedTensorFactory``, ``LocalNonpersistentObject`` and common state; ``load`` returning
+loaded values) is a thin layer over the same files, see ``nested.py``.
+
 ``sharded_state_dict(model_chunk)`` describes a model; ``save`` / ``load`` write and
 read it with torch.distributed.checkpoint, so a checkpoint written under one
 TP/PP/DP layout loads under any other.
 """
 
 from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
     ShardedStateDict,
     ShardedTensor,
+    ShardedTensorFactory,
     sharded_tensor_for,
     tensor_parallel_geometry,
 )
@@ -17,6 +24,8 @@ from megatron.core.dist_checkpointing.serialization import (
     CheckpointingError,
     check_sharded_checkpoint,
     load,
+    load_common_state_dict,
+    load_plain_tensors,
     read_metadata,
     save,
     verify_checksums,
@@ -39,10 +48,15 @@ __all__ = [
     "OPTIMIZER_STATE_PREFIX",
     "TIED_EMBEDDING_KEY",
     "CheckpointingError",
+    "LocalNonpersistentObject",
+    "ShardedObject",
     "ShardedStateDict",
     "ShardedTensor",
+    "ShardedTensorFactory",
     "check_sharded_checkpoint",
     "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
     "model_process_groups",
     "model_sharded_state_dict",
     "optimizer_sharded_state_dict",

@@ -50,6 +50,7 @@ class TransformerLayer(MegatronModule):
     ) -> None:
         super().__init__(config)
         self.layer_number = layer_number
+        self.pg_collection = pg_collection
         h = config.hidden_size
         self.input_layernorm = build_module(submodules.input_layernorm, config, h, config.layernorm_epsilon)
         self.self_attention = build_module(
@@ -67,6 +68,11 @@ class TransformerLayer(MegatronModule):
             )
         if hasattr(self.mlp, "set_layer_number"):  # MoE: aux losses are tracked per layer
             self.mlp.set_layer_number(layer_number)
+
+    @property
+    def checkpoint_layer_index(self) -> int:
+        """The 0-based global index that names this layer in checkpoints (any pipeline layout)."""
+        return self.layer_number - 1
 
     def _optional_norm(self, spec: Union[ModuleSpec, type, None]) -> Optional[torch.nn.Module]:
         if spec is None:
