@@ -67,6 +67,8 @@ def _common(value: Any) -> Any:
     """The common (unsharded, persistent) part of a nested dict; ``_DROP`` for the rest."""
     if isinstance(value, dict):
         kept = {k: _common(v) for k, v in value.items()}
+        if value and all(v is _DROP for v in kept.values()):
+            return _DROP  # a dict of sharded entries only is not common state
         return {k: v for k, v in kept.items() if v is not _DROP}
     if isinstance(value, list) and any(_common(v) is _DROP for v in _leaves(value)):
         return _DROP  # a list holding sharded entries is not common state
@@ -86,12 +88,23 @@ class Parts:
     duplicates: List[Tuple[ShardedTensor, ShardedTensor]] = field(default_factory=list)
     objects: List[ShardedObject] = field(default_factory=list)
     common: Dict[str, Any] = field(default_factory=dict)
+    built: Dict[int, Any] = field(default_factory=dict)
+    """id of each ShardedTensorFactory -> the sharded state dict it built (and load filled)."""
 
 
 def split(sharded_state_dict: ShardedStateDict) -> Parts:
     """Factories built; ShardedTensors by key (a repeated key is read once and copied), objects, common."""
-    built = _map(sharded_state_dict, lambda v: v.build() if isinstance(v, ShardedTensorFactory) else v)
-    parts = Parts(common=_common(built) if isinstance(built, dict) else {})
+    parts = Parts()
+    common = _common(sharded_state_dict)
+    parts.common = common if isinstance(common, dict) else {}
+
+    def build(value: Any) -> Any:
+        if isinstance(value, ShardedTensorFactory):
+            parts.built[id(value)] = value.build()
+            return parts.built[id(value)]
+        return value
+
+    built = _map(sharded_state_dict, build)
     for leaf in _leaves(built):
         if isinstance(leaf, ShardedObject):
             parts.objects.append(leaf)
@@ -118,15 +131,26 @@ def _object_path(checkpoint_dir: str, obj: ShardedObject) -> str:
     return os.path.join(checkpoint_dir, *parts)
 
 
-def write_side_files(parts: Parts, checkpoint_dir: str, rank: int, write_json: Callable[[str, Any], None]) -> None:
-    """Rank 0 writes the common state; every rank the objects it owns (replica 0)."""
-    if rank == 0 and parts.common:
-        write_json(os.path.join(checkpoint_dir, COMMON_FILE), plain_data.encode(parts.common))
-    for obj in parts.objects:
-        if obj.replica_id == 0:
-            path = _object_path(checkpoint_dir, obj)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_json(path, plain_data.encode(obj.data, obj.key))
+def side_files(parts: Parts, checkpoint_dir: str, rank: int) -> Tuple[List[Tuple[str, Any]], Optional[str]]:
+    """(path, JSON data) this rank writes (rank 0 the common state, each rank its objects with
+    replica 0), or an error message: a value that is not plain data, an unsafe key."""
+    files: List[Tuple[str, Any]] = []
+    try:
+        if rank == 0 and parts.common:
+            files.append((os.path.join(checkpoint_dir, COMMON_FILE), plain_data.encode(parts.common, "common")))
+        for obj in parts.objects:
+            if obj.replica_id == 0:
+                files.append((_object_path(checkpoint_dir, obj), plain_data.encode(obj.data, obj.key)))
+    except (TypeError, ValueError) as e:
+        return [], f"cannot save {checkpoint_dir}: {e}"
+    return files, None
+
+
+def write_side_files(files: List[Tuple[str, Any]], write_json: Callable[[str, Any], None]) -> None:
+    """Write what ``side_files`` listed."""
+    for path, data in files:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json(path, data)
 
 
 def load_common(checkpoint_dir: str, read_json: Callable[[str, str], dict]) -> Dict[str, Any]:
@@ -145,13 +169,13 @@ def _merge(into: Dict[str, Any], other: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def loaded_state_dict(
-    sharded_state_dict: ShardedStateDict, checkpoint_dir: str, common: Dict[str, Any], read_json: Callable
+    sharded_state_dict: ShardedStateDict, parts: Parts, checkpoint_dir: str, common: Dict[str, Any], read_json: Callable
 ) -> Dict[str, Any]:
-    """The caller's nesting with loaded values (after the tensors were filled in place)."""
+    """The caller's nesting with loaded values (after the tensors of ``parts`` were filled in place)."""
 
     def leaf(value: Any) -> Any:
         if isinstance(value, ShardedTensorFactory):
-            return value.merge_fn(_map(value.build(), leaf))
+            return value.merge_fn(_map(parts.built[id(value)], leaf))
         if isinstance(value, ShardedTensor):
             return value.data.view(value.data_shape) if value.data_shape is not None else value.data
         if isinstance(value, ShardedObject):

@@ -107,6 +107,8 @@ def save(
     parts = nested.split(sharded_state_dict)
     _check_values(parts.tensors)
     rank = dist.get_rank(process_group)
+    files, error = nested.side_files(parts, checkpoint_dir, rank)
+    agree_on_error(error, process_group)
     if rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         # Overwriting: the directory must not look complete while it is rewritten.
@@ -114,9 +116,8 @@ def save(
             if os.path.exists(os.path.join(checkpoint_dir, stale)):
                 os.remove(os.path.join(checkpoint_dir, stale))
     dist.barrier(group=process_group)
-    error = None
     try:
-        nested.write_side_files(parts, checkpoint_dir, rank, write_json_atomic)
+        nested.write_side_files(files, write_json_atomic)
     except WRITE_FAILURES as e:
         error = describe_write_failure(e, checkpoint_dir)
     agree_on_error(error, process_group)
@@ -231,7 +232,7 @@ def load(
         raise CheckpointingError(f"failed to read checkpoint {checkpoint_dir}: {e}") from e
     nested.copy_duplicates(parts)
     return nested.loaded_state_dict(
-        sharded_state_dict, checkpoint_dir, nested.load_common(checkpoint_dir, read_json), read_json
+        sharded_state_dict, parts, checkpoint_dir, nested.load_common(checkpoint_dir, read_json), read_json
     )
 
 
