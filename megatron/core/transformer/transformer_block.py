@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Union
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
@@ -36,6 +37,40 @@ def layer_numbers_to_build(
         config.num_layers_in_last_pipeline_stage,
     )
     return layout[pp_rank][vp_stage or 0]
+
+
+def _config_stage(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int]) -> tuple:
+    """(layout, pp_rank, chunk) for Megatron-core's config-based helpers; pp_rank from parallel_state if None."""
+    pp_size = config.pipeline_model_parallel_size
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_size > 1 else 0
+    layout = pipeline_layer_assignment(
+        config.num_layers,
+        pp_size,
+        config.virtual_pipeline_model_parallel_size,
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
+    )
+    return layout, pp_rank, vp_stage or 0
+
+
+def get_num_layers_to_build(
+    config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> int:
+    """Megatron-core's helper: how many layers pipeline rank ``pp_rank`` (default: this rank, from
+    ``parallel_state``) holds in virtual stage ``vp_stage``, by the config's sizes."""
+    layout, pp_rank, chunk = _config_stage(config, vp_stage, pp_rank)
+    return len(layout[pp_rank][chunk])
+
+
+def get_transformer_layer_offset(
+    config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> int:
+    """Megatron-core's helper: the global 0-based index of the first layer of ``(pp_rank, vp_stage)``,
+    i.e. the number of layers the model runs before it."""
+    layout, pp_rank, chunk = _config_stage(config, vp_stage, pp_rank)
+    before = [layout[r][v] for v in range(len(layout[0])) for r in range(len(layout))]
+    return sum(len(layers) for layers in before[: chunk * len(layout) + pp_rank])
 
 
 class TransformerBlock(MegatronModule):
