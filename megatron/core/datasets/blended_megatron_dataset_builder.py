@@ -73,7 +73,7 @@ class BlendedMegatronDatasetBuilder:
             return self._build_blend(prefixes, weights, self.config.split_matrix, self.sizes)
         datasets: List[Optional[Any]] = [None, None, None]
         for i, blend in enumerate(self.config.blend_per_split):
-            if blend is not None and self.sizes[i]:
+            if blend is not None and self.sizes[i] != 0:  # None: one epoch
                 sizes = [0, 0, 0]
                 sizes[i] = self.sizes[i]
                 datasets[i] = self._build_blend(blend[0], blend[1], _WHOLE, sizes)[i]
@@ -94,18 +94,18 @@ class BlendedMegatronDatasetBuilder:
             surplus = self.config.mid_level_dataset_surplus
             per_prefix = [[_with_surplus(s, w, surplus) for s in sizes] for w in weights]
         else:
-            per_prefix = [[None if s else 0 for s in sizes] for _ in prefixes]  # one epoch of each
+            per_prefix = [[0 if s == 0 else None for s in sizes] for _ in prefixes]  # one epoch of each
         components = [self._build_splits(p, split_matrix, s) for p, s in zip(prefixes, per_prefix)]
         blended: List[Optional[Any]] = [None, None, None]
         for i in range(3):
-            if not sizes[i] or split_matrix[i] is None:
+            if sizes[i] == 0 or split_matrix[i] is None:
                 continue
             parts = [c[i] for c in components]
             weights_i, size_i = weights, sizes[i]
             if weights is None and parts[0] is not None:
                 # Unweighted: one epoch of each, mixed in proportion to their lengths.
                 weights_i = [len(p) for p in parts]
-                size_i = min(sizes[i], sum(weights_i))
+                size_i = sum(weights_i) if sizes[i] is None else min(sizes[i], sum(weights_i))
             blended[i] = self._build_on_ranks(BlendedDataset, parts, weights_i, size_i, self.config)
         return blended
 
