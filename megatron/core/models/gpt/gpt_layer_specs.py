@@ -14,7 +14,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.norms import Norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -22,10 +22,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.utils import refuse_unimplemented
 
 NORMALIZATIONS = (None, "LayerNorm", "RMSNorm")
-
-
-def _norm(config, hidden_size, eps):
-    return build_norm(config, hidden_size, eps)
 
 
 def get_gpt_layer_local_spec(
@@ -78,9 +74,9 @@ def get_gpt_layer_local_spec(
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=_norm,
+            input_layernorm=Norm,
             self_attention=ModuleSpec(module=SelfAttention, params=attention_params),
-            pre_mlp_layernorm=_norm,
+            pre_mlp_layernorm=Norm,
             mlp=mlp,
         ),
     )
