@@ -122,6 +122,58 @@ def _embedding_body(rank: int, world_size: int):
     }
 
 
+def _modules_body(rank: int, world_size: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, model_parallel_cuda_manual_seed
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(2, 1)
+    model_parallel_cuda_manual_seed(123)
+    config = TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4, tensor_model_parallel_size=2)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True)
+    # As upstream tests build them: the spec's submodules, groups from parallel_state.
+    attention = SelfAttention(config, spec.submodules.self_attention.submodules, layer_number=1)
+    mlp = MLP(config, spec.submodules.mlp.submodules)
+    wide = MLP(config, MLPSubmodules(), input_size=6, ffn_hidden_size=8)
+    x = torch.randn(5, 2, 12)
+    out, _ = attention(x, None)
+    y, _ = mlp(x)
+    checks = {
+        "attention_shapes": tuple(attention.linear_qkv.weight.shape) == (18, 12) and out.shape == x.shape,
+        "qk_norm_from_spec": attention.q_layernorm is not None and attention.k_layernorm is not None,
+        "mask_type": attention.core_attention.attn_mask_type == AttnMaskType.causal,
+        "mlp_shapes": tuple(mlp.linear_fc1.weight.shape) == (24, 12) and y.shape == x.shape,
+        "input_size": tuple(wide.linear_fc1.weight.shape) == (4, 6) and tuple(wide.linear_fc2.weight.shape) == (12, 4),
+        "tp_group": mlp.linear_fc1.tp_group is parallel_state.get_tensor_model_parallel_group(),
+    }
+    for build in (
+        lambda: SelfAttention(config, SelfAttentionSubmodules(linear_qkv=torch.nn.Linear)),
+        lambda: SelfAttention(config, SelfAttentionSubmodules(q_layernorm=torch.nn.LayerNorm, k_layernorm=None)),
+        lambda: MLP(config, MLPSubmodules(linear_fc2=ColumnParallelLinear)),
+        lambda: MLP(config, MLPSubmodules(activation_func=torch.nn.functional.silu)),
+    ):
+        try:
+            build()
+            checks[f"refused_{len(checks)}"] = False
+        except NotImplementedError:
+            checks[f"refused_{len(checks)}"] = True
+    try:
+        SelfAttention(config, None, 1, AttnMaskType.causal, cp_comm_type="ring")
+        checks["cp_comm_type"] = False
+    except ValueError:
+        checks["cp_comm_type"] = True
+    return checks
+
+
+def test_self_attention_and_mlp_upstream_signatures():
+    for checks in run_distributed(_modules_body, 2):
+        assert checks == dict.fromkeys(checks, True), checks
+
+
 def test_embedding_attributes_and_layer_sharded_state_dict():
     for checks in run_distributed(_embedding_body, 2):
         assert checks == dict.fromkeys(checks, True), checks

@@ -10,9 +10,9 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.norms import Norm
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -70,12 +70,15 @@ def get_gpt_layer_local_spec(
     attention_params = {"attn_mask_type": AttnMaskType.causal}
     if qk_layernorm is not None:
         attention_params["qk_layernorm"] = bool(qk_layernorm)
-    mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP)) if num_experts else MLP
+    dense = ModuleSpec(module=MLP, submodules=MLPSubmodules())
+    mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP)) if num_experts else dense
+    qk_norm = Norm if qk_layernorm else None
+    attention = SelfAttentionSubmodules(q_layernorm=qk_norm, k_layernorm=qk_norm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=Norm,
-            self_attention=ModuleSpec(module=SelfAttention, params=attention_params),
+            self_attention=ModuleSpec(module=SelfAttention, params=attention_params, submodules=attention),
             pre_mlp_layernorm=Norm,
             mlp=mlp,
         ),
