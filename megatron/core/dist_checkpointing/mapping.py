@@ -187,6 +187,16 @@ class LocalNonpersistentObject:
         return self.obj
 
 
+def apply_factories(sharded_state_dict: Any) -> None:
+    """Replace, in place, every ShardedTensorFactory of a nested dict (or list) by what it builds."""
+    items = sharded_state_dict.items() if isinstance(sharded_state_dict, dict) else enumerate(sharded_state_dict)
+    for key, value in list(items):
+        if isinstance(value, ShardedTensorFactory):
+            sharded_state_dict[key] = value.build()
+        elif isinstance(value, (dict, list)):
+            apply_factories(value)
+
+
 ShardedBase = Union[ShardedTensor, ShardedObject]
 # Flat (our model and optimizer dicts: key -> ShardedTensor of that key) or nested as in Megatron-core
 # (dicts and lists whose leaves are ShardedTensor, ShardedObject, ShardedTensorFactory,

@@ -52,17 +52,6 @@ def _leaves(value: Any) -> List[Any]:
     return found
 
 
-def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
-    """Replace, in place, every ShardedTensorFactory by the sharded state dict it builds."""
-    for key, value in list(sharded_state_dict.items()) if isinstance(sharded_state_dict, dict) else []:
-        if isinstance(value, ShardedTensorFactory):
-            sharded_state_dict[key] = value.build()
-        elif isinstance(value, dict):
-            apply_factories(value)
-        elif isinstance(value, list):
-            sharded_state_dict[key] = _map(value, lambda v: v.build() if isinstance(v, ShardedTensorFactory) else v)
-
-
 def _common(value: Any) -> Any:
     """The common (unsharded, persistent) part of a nested dict; ``_DROP`` for the rest."""
     if isinstance(value, dict):

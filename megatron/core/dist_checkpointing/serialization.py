@@ -152,6 +152,11 @@ def check_sharded_checkpoint(checkpoint_dir: str) -> None:
         )
 
 
+def check_is_distributed_checkpoint(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds a complete sharded checkpoint (its ``metadata.json``), as Megatron-core."""
+    return os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILE))
+
+
 def read_metadata(checkpoint_dir: str) -> Metadata:
     """DCP's metadata of a complete checkpoint; checks every data file is there and long enough."""
     check_sharded_checkpoint(checkpoint_dir)

@@ -15,8 +15,7 @@ from megatron.core.dist_checkpointing import (
     ShardedTensor,
     ShardedTensorFactory,
 )
-from megatron.core.dist_checkpointing.mapping import ShardedStateDict
-from megatron.core.dist_checkpointing.nested import apply_factories
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, apply_factories
 from tests.dist_harness import run_distributed
 
 COMMON = {"iteration": 7, "args": {"lr": 0.5, "name": "run"}}
@@ -105,6 +104,8 @@ def test_nested_state_dict_round_trip(tmp_path):
         assert checks == dict.fromkeys(checks, True), checks
     assert (tmp_path / "ckpt" / "common_state.json").exists()
     assert (tmp_path / "ckpt" / "rng" / "shard_1_2.json").exists()
+    assert dist_checkpointing.check_is_distributed_checkpoint(str(tmp_path / "ckpt"))
+    assert not dist_checkpointing.check_is_distributed_checkpoint(str(tmp_path))
 
 
 def test_refusals_agree_across_ranks(tmp_path):

@@ -150,7 +150,17 @@ def _modules_body(rank: int, world_size: int):
         "input_size": tuple(wide.linear_fc1.weight.shape) == (4, 6) and tuple(wide.linear_fc2.weight.shape) == (12, 4),
         "tp_group": mlp.linear_fc1.tp_group is parallel_state.get_tensor_model_parallel_group(),
     }
+    from megatron.core.transformer.norms import RMSNorm
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layer = TransformerLayer(config, spec.submodules, layer_number=2, hidden_dropout=0.0, pp_layer_offset=3)
+    block = TransformerBlock(config, TransformerBlockSubmodules([spec] * 2, layer_norm=None))
+    checks["layer_offset"] = layer.layer_number == 5 and layer.hidden_dropout == 0.0
+    checks["block_from_parallel_state"] = [m.layer_number for m in block.layers] == [1, 2]
     for build in (
+        lambda: TransformerBlock(config, TransformerBlockSubmodules([spec] * 2, layer_norm=RMSNorm)),
+        lambda: TransformerLayer(config, spec.submodules, is_mtp_layer=True),
         lambda: SelfAttention(config, SelfAttentionSubmodules(linear_qkv=torch.nn.Linear)),
         lambda: SelfAttention(config, SelfAttentionSubmodules(q_layernorm=torch.nn.LayerNorm, k_layernorm=None)),
         lambda: MLP(config, MLPSubmodules(linear_fc2=ColumnParallelLinear)),
