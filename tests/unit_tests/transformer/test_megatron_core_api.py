@@ -110,6 +110,13 @@ def _embedding_body(rank: int, world_size: int):
     )
     emb = model.embedding
     layer = model.decoder.layers[1]
+    refused = []
+    for extra in ({"scatter_embedding_sequence_parallel": False}, {"mtp_block_spec": get_gpt_layer_local_spec()}):
+        try:
+            GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=100,
+                     max_sequence_length=16, **extra)  # fmt: skip
+        except NotImplementedError as err:
+            refused.append(next(iter(extra)) in str(err))
     sharded = layer.sharded_state_dict(prefix="decoder.layers.1.")
     return {
         "word_embeddings": tuple(emb.word_embeddings.weight.shape) == (50, 12),  # vocab split over TP
@@ -119,6 +126,7 @@ def _embedding_body(rank: int, world_size: int):
         "adopted_tp": config.tensor_model_parallel_size == 2,
         "layer_sharded": sharded["decoder.layers.1.mlp.linear_fc1.weight"].global_shape == (48, 12),
         "tied_weight": model.shared_embedding_or_output_weight() is emb.word_embeddings.weight,
+        "gpt_refusals": refused == [True, True],
     }
 
 
