@@ -247,6 +247,19 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
     return nested.load_common(checkpoint_dir, read_json)
 
 
+def load_tensors_metadata(checkpoint_dir: str, sharded_strategy: Optional[Any] = None) -> Dict[str, ShardedTensor]:
+    """Every tensor of the checkpoint as a whole ShardedTensor whose ``data`` is on the meta device
+    (shape and dtype, no values; Megatron-core's have ``data=None``)."""
+    nested.require_no_strategy("load_tensors_metadata", sharded_strategy=sharded_strategy)
+    out = {}
+    for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            shape = tuple(md.size)
+            data = torch.empty(shape, dtype=md.properties.dtype, device="meta")
+            out[key] = ShardedTensor(key, data, shape, (0,) * len(shape))
+    return out
+
+
 def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, whole, by checkpoint key (read on this rank alone)."""
     metadata = read_metadata(checkpoint_dir)

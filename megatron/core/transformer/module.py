@@ -47,6 +47,32 @@ class MegatronModule(torch.nn.Module):
         """Hook for kernels that cache weights per step (no-op in the PyTorch path)."""
 
 
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """Megatron-core's test: False for a parameter marked ``shared`` (counted once elsewhere)."""
+    return not getattr(param, "shared", False)
+
+
+def conversion_helper(val: Any, conversion: Any) -> Any:
+    """``conversion`` applied to every leaf of nested tuples and lists (Megatron-core's helper)."""
+    if isinstance(val, (tuple, list)):
+        converted = [conversion_helper(v, conversion) for v in val]
+        return tuple(converted) if isinstance(val, tuple) else converted
+    return conversion(val)
+
+
+def fp32_to_float16(val: Any, float16_convertor: Any) -> Any:
+    """fp32 tensors (nested in tuples and lists) passed through ``float16_convertor``; others as they are."""
+    return conversion_helper(
+        val, lambda v: float16_convertor(v) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v
+    )
+
+
+def float16_to_fp32(val: Any) -> Any:
+    """fp16 and bf16 tensors (nested in tuples and lists) made fp32; others as they are."""
+    half = (torch.float16, torch.bfloat16)
+    return conversion_helper(val, lambda v: v.float() if isinstance(v, torch.Tensor) and v.dtype in half else v)
+
+
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor (in tuples, lists and dicts too) cast to ``dtype``."""
     if isinstance(value, torch.Tensor):

@@ -76,6 +76,7 @@ def _round_trip(rank: int, world_size: int, checkpoint_dir: str):
         and tuple(plain["layers.w"].shape) == (2, 3)
         and tuple(plain["fac.a"].shape) == (4,),
         "apply_factories": set(factories["f"]) == {"a", "b"} and factories["f"]["a"].key == "fac.a",
+        "tensors_metadata": dist_checkpointing.load_tensors_metadata(checkpoint_dir)["w"].global_shape == (4, 3),
     }
 
 

@@ -203,3 +203,26 @@ def test_config_sizes_checked_once_set():
         TransformerConfig()
     with pytest.raises(ValueError, match="num_attention_heads=4 must be divisible by tensor_model_parallel_size=3"):
         TransformerConfig(num_layers=1, hidden_size=12, num_attention_heads=4, tensor_model_parallel_size=3)
+
+
+def test_module_helpers_and_mlp_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.module import (
+        conversion_helper,
+        float16_to_fp32,
+        fp32_to_float16,
+        param_is_not_shared,
+    )
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    dense = get_mlp_module_spec(use_te=False)
+    assert dense.module is MLP and isinstance(dense.submodules, MLPSubmodules)
+    assert get_mlp_module_spec(num_experts=4).module is MoELayer
+    halves = fp32_to_float16((torch.ones(2), [torch.ones(1, dtype=torch.float64), 3]), lambda t: t.half())
+    assert halves[0].dtype == torch.float16 and halves[1][0].dtype == torch.float64 and halves[1][1] == 3
+    assert float16_to_fp32([torch.ones(1, dtype=torch.bfloat16)])[0].dtype == torch.float32
+    assert conversion_helper((1, [2]), lambda v: v + 1) == (2, [3])
+    shared = torch.nn.Parameter(torch.ones(1))
+    shared.shared = True
+    assert not param_is_not_shared(shared) and param_is_not_shared(torch.nn.Parameter(torch.ones(1)))

@@ -70,8 +70,7 @@ def get_gpt_layer_local_spec(
     attention_params = {"attn_mask_type": AttnMaskType.causal}
     if qk_layernorm is not None:
         attention_params["qk_layernorm"] = bool(qk_layernorm)
-    dense = ModuleSpec(module=MLP, submodules=MLPSubmodules())
-    mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP)) if num_experts else dense
+    mlp = get_mlp_module_spec(use_te=False, num_experts=num_experts)
     qk_norm = Norm if qk_layernorm else None
     attention = SelfAttentionSubmodules(q_layernorm=qk_norm, k_layernorm=qk_norm)
     return ModuleSpec(
@@ -83,6 +82,28 @@ def get_gpt_layer_local_spec(
             mlp=mlp,
         ),
     )
+
+
+def get_mlp_module_spec(
+    use_te: Optional[bool] = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+) -> ModuleSpec:
+    """The MLP of a layer: dense ``MLP``, or with ``num_experts`` a ``MoELayer`` of ``MLP`` experts.
+
+    Megatron-core's arguments. ``use_te``, ``moe_grouped_gemm``, ``moe_use_legacy_grouped_gemm`` and
+    ``use_te_op_fuser`` choose GPU kernels computing the same, so the spec is the same; ``fp8`` is
+    deprecated in Megatron, which warns and ignores it, as here.
+    """
+    del use_te, moe_grouped_gemm, moe_use_legacy_grouped_gemm, use_te_op_fuser  # kernel choices (docstring)
+    if fp8 is not None:
+        warnings.warn("get_mlp_module_spec: the fp8 argument is deprecated and has no effect", stacklevel=2)
+    if num_experts:
+        return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP))
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules())
 
 
 def get_gpt_decoder_block_spec(
