@@ -90,14 +90,29 @@ class ModelParallelConfig:
         if self.pipeline_dtype is None:
             self.pipeline_dtype = self.params_dtype
 
-    def check_against(self, groups: parallel_state.ProcessGroupCollection) -> None:
-        """Raise if the configured sizes differ from the groups' actual sizes."""
+    def check_against(self, groups: parallel_state.ProcessGroupCollection, adopt_unset: bool = False) -> None:
+        """Raise if the configured sizes differ from the groups' actual sizes.
+
+        Args:
+            groups: the process groups the model is built on.
+            adopt_unset: a size still at its default of 1 takes the groups' size instead of raising,
+                and the config's rules run again with it. Megatron-core's models read the sizes from
+                ``parallel_state``, so its callers leave them unset in the config; the models pass
+                True only when they resolved ``parallel_state``'s groups themselves.
+        """
         actual = {
             "tensor_model_parallel_size": groups.size_of("tp"),
             "pipeline_model_parallel_size": groups.size_of("pp"),
             "context_parallel_size": groups.size_of("cp"),
             "expert_model_parallel_size": groups.size_of("ep"),
         }
+        adopted = {n: s for n, s in actual.items() if adopt_unset and getattr(self, n) == 1 and s != 1}
+        if adopted:
+            if self.expert_tensor_parallel_size == self.tensor_model_parallel_size:
+                self.expert_tensor_parallel_size = None  # derived from the adopted TP size again
+            for name, size in adopted.items():
+                setattr(self, name, size)
+            self.__post_init__()
         for name, size in actual.items():
             if getattr(self, name) != size:
                 raise ValueError(

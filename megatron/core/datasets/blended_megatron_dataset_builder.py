@@ -25,7 +25,8 @@ class BlendedMegatronDatasetBuilder:
 
     Args:
         cls: a MegatronDataset subclass (GPTDataset, MockGPTDataset, ...).
-        sizes: samples wanted for train, valid and test (0 or None: no dataset for that split).
+        sizes: samples wanted for train, valid and test: 0 builds no dataset for that split, None
+            one epoch of its documents (unweighted blends only, as in Megatron-core).
         is_built_on_rank: whether this rank needs the datasets (others get None).
         config: the dataset configuration.
         group: process group of the barrier (must hold global rank 0, which writes the
@@ -46,6 +47,22 @@ class BlendedMegatronDatasetBuilder:
             raise ValueError(f"sizes={list(sizes)}: must be non-negative")
         self.cls, self.sizes, self.is_built_on_rank, self.config = cls, list(sizes), is_built_on_rank, config
         self.group = group
+        self._check_none_sizes()
+
+    def _check_none_sizes(self) -> None:
+        """A None size (one epoch) cannot be split over weighted blend components: Megatron-core asserts."""
+        if self.config.mock:
+            return
+        for split in Split:
+            if self.config.blend_per_split is None:
+                blend = self.config.blend
+            else:
+                blend = self.config.blend_per_split[split.value]
+            if blend is not None and self.sizes[split.value] is None and blend[1] is not None:
+                raise AssertionError(
+                    f"sizes[{split.value}]=None ({split.name}): one epoch of a weighted blend is undefined; "
+                    f"give a size, or no weights (blend weights={blend[1]})"
+                )
 
     def build(self) -> List[Optional[Any]]:
         """The three datasets; None where the size is 0 or this rank does not build."""
@@ -56,7 +73,7 @@ class BlendedMegatronDatasetBuilder:
             return self._build_blend(prefixes, weights, self.config.split_matrix, self.sizes)
         datasets: List[Optional[Any]] = [None, None, None]
         for i, blend in enumerate(self.config.blend_per_split):
-            if blend is not None and self.sizes[i]:
+            if blend is not None and self.sizes[i] != 0:  # None: one epoch
                 sizes = [0, 0, 0]
                 sizes[i] = self.sizes[i]
                 datasets[i] = self._build_blend(blend[0], blend[1], _WHOLE, sizes)[i]
@@ -77,18 +94,18 @@ class BlendedMegatronDatasetBuilder:
             surplus = self.config.mid_level_dataset_surplus
             per_prefix = [[_with_surplus(s, w, surplus) for s in sizes] for w in weights]
         else:
-            per_prefix = [[None if s else 0 for s in sizes] for _ in prefixes]  # one epoch of each
+            per_prefix = [[0 if s == 0 else None for s in sizes] for _ in prefixes]  # one epoch of each
         components = [self._build_splits(p, split_matrix, s) for p, s in zip(prefixes, per_prefix)]
         blended: List[Optional[Any]] = [None, None, None]
         for i in range(3):
-            if not sizes[i] or split_matrix[i] is None:
+            if sizes[i] == 0 or split_matrix[i] is None:
                 continue
             parts = [c[i] for c in components]
             weights_i, size_i = weights, sizes[i]
             if weights is None and parts[0] is not None:
                 # Unweighted: one epoch of each, mixed in proportion to their lengths.
                 weights_i = [len(p) for p in parts]
-                size_i = min(sizes[i], sum(weights_i))
+                size_i = sum(weights_i) if sizes[i] is None else min(sizes[i], sum(weights_i))
             blended[i] = self._build_on_ranks(BlendedDataset, parts, weights_i, size_i, self.config)
         return blended
 

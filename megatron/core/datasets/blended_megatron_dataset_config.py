@@ -116,7 +116,7 @@ class BlendedMegatronDatasetConfig:
             if self.split is None:
                 self.split = "969,30,1"  # Megatron's default split when none is given
             return
-        if (self.blend is None) == (self.blend_per_split is None):
+        if self.blend is not None and self.blend_per_split is not None:
             raise ValueError(
                 "blend and blend_per_split: at most one may be given (none with mock=True), "
                 f"got blend={self.blend!r}, blend_per_split={self.blend_per_split!r}"

@@ -151,3 +151,12 @@ def load_or_build_indices(
     for name, p in paths.items():
         _save_atomically(p, arrays[name])
     return arrays
+
+
+def compile_helpers() -> None:
+    """Megatron-core's hook to build its C++ dataset helpers; a no-op here.
+
+    Our index builders (``megatron/core/datasets/helpers.py``) are NumPy, so nothing needs
+    compiling. Kept so that scripts written against Megatron-core, which call it once on rank 0
+    before building datasets, run unchanged.
+    """

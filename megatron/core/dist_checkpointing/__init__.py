@@ -1,13 +1,20 @@
 """Sharded checkpoints: every tensor knows its global shape and this rank's slice.
 
+Megatron-core's vocabulary (nested sharded state dicts with ``ShardedObject``,
+``ShardedTensorFactory``, ``LocalNonpersistentObject`` and common state; ``load`` returning
+loaded values) is a thin layer over the same files, see ``nested.py``.
+
 ``sharded_state_dict(model_chunk)`` describes a model; ``save`` / ``load`` write and
 read it with torch.distributed.checkpoint, so a checkpoint written under one
 TP/PP/DP layout loads under any other.
 """
 
 from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
     ShardedStateDict,
     ShardedTensor,
+    ShardedTensorFactory,
     sharded_tensor_for,
     tensor_parallel_geometry,
 )
@@ -15,8 +22,12 @@ from megatron.core.dist_checkpointing.serialization import (
     BACKEND_METADATA,
     METADATA_FILE,
     CheckpointingError,
+    check_is_distributed_checkpoint,
     check_sharded_checkpoint,
     load,
+    load_common_state_dict,
+    load_plain_tensors,
+    load_tensors_metadata,
     read_metadata,
     save,
     verify_checksums,
@@ -39,10 +50,17 @@ __all__ = [
     "OPTIMIZER_STATE_PREFIX",
     "TIED_EMBEDDING_KEY",
     "CheckpointingError",
+    "LocalNonpersistentObject",
+    "ShardedObject",
     "ShardedStateDict",
     "ShardedTensor",
+    "ShardedTensorFactory",
+    "check_is_distributed_checkpoint",
     "check_sharded_checkpoint",
     "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_tensors_metadata",
     "model_process_groups",
     "model_sharded_state_dict",
     "optimizer_sharded_state_dict",

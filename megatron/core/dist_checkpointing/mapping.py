@@ -11,8 +11,8 @@ back into any other by intersecting the pieces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -37,9 +37,13 @@ class ShardedTensor:
     data: torch.Tensor
     global_shape: Tuple[int, ...]
     global_offset: Tuple[int, ...]
-    replica_id: int = 0
+    replica_id: Union[int, Tuple[int, ...]] = 0
+    data_shape: Optional[Tuple[int, ...]] = field(default=None, compare=False)
+    """Shape of the tensor the caller described when ``data`` is a view of it with split axes
+    (strided TP shards, prepended axes); ``load`` returns the tensor in that shape."""
 
     def __post_init__(self) -> None:
+        self.replica_id = replica_number(self.replica_id)
         self.global_shape = tuple(int(s) for s in self.global_shape)
         self.global_offset = tuple(int(o) for o in self.global_offset)
         local = tuple(self.data.shape)
@@ -61,6 +65,39 @@ class ShardedTensor:
     def local_shape(self) -> Tuple[int, ...]:
         return tuple(self.data.shape)
 
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: Tuple[int, int, int],
+        replica_id: Union[int, Tuple[int, ...]] = 0,
+        prepend_axis_num: int = 0,
+        flattened_range: Optional[slice] = None,
+    ) -> ShardedTensor:
+        """Megatron-core's constructor: ``data`` is piece ``rank`` of ``fragments`` along ``axis``.
+
+        Args:
+            key: checkpoint key.
+            data: this rank's piece.
+            *rank_offsets: ``(axis, rank_along_axis, fragments_along_axis)`` per sharded axis; the
+                axes count the ``prepend_axis_num`` leading axes of size 1 added to ``data``.
+            replica_id: 0 (or all zeros) for the copy this rank writes.
+            prepend_axis_num: leading axes the global tensor has and ``data`` lacks.
+            flattened_range: not supported yet (a flat slice of the piece, for distributed
+                optimizer state); must be None.
+        """
+        if flattened_range is not None:
+            raise NotImplementedError(f"ShardedTensor {key!r}: flattened_range={flattened_range} not supported yet")
+        view = data.view((1,) * prepend_axis_num + tuple(data.shape))
+        full, offset = list(view.shape), [0] * view.dim()
+        for axis, rank, fragments in rank_offsets:
+            if not 0 <= axis < view.dim() or not 0 <= rank < fragments:
+                raise ValueError(f"ShardedTensor {key!r}: rank offset {(axis, rank, fragments)} for shape {full}")
+            offset[axis] = rank * view.shape[axis]
+            full[axis] = fragments * view.shape[axis]
+        return cls(key, view, tuple(full), tuple(offset), replica_id, data_shape=tuple(data.shape))
+
     def with_data(self, key: str, data: torch.Tensor) -> ShardedTensor:
         """Same geometry for another tensor of the same numel (optimizer state of a parameter).
 
@@ -71,10 +108,100 @@ class ShardedTensor:
                 f"{key!r}: tensor with {data.numel()} elements cannot take the geometry of "
                 f"{self.key!r} (local shape {self.local_shape})"
             )
-        return ShardedTensor(key, data.view(self.local_shape), self.global_shape, self.global_offset, self.replica_id)
+        return ShardedTensor(
+            key, data.view(self.local_shape), self.global_shape, self.global_offset, self.replica_id, tuple(data.shape)
+        )
 
 
-ShardedStateDict = Dict[str, ShardedTensor]
+def replica_number(replica_id: Union[int, Tuple[int, ...]]) -> int:
+    """An int replica id: Megatron-core's tuple form (all zeros: the written copy) becomes 0 or 1."""
+    if isinstance(replica_id, (tuple, list)):
+        if any(int(r) < 0 for r in replica_id):
+            raise ValueError(f"replica_id={replica_id}: entries must be >= 0")
+        return 0 if all(int(r) == 0 for r in replica_id) else 1
+    return int(replica_id)
+
+
+@dataclass
+class ShardedObject:
+    """A piece of plain data (numbers, strings, lists, dicts, tensors) sharded like a tensor of objects.
+
+    Stored as JSON (``dist_checkpointing/plain_data.py``), never pickled: a value that is not plain
+    data raises ``TypeError`` on save. ``global_shape`` / ``global_offset`` place the piece in a grid
+    of objects; the copy with ``replica_id`` 0 is written.
+    """
+
+    key: str
+    data: Any
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: Union[int, Tuple[int, ...]] = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        self.global_offset = tuple(int(o) for o in self.global_offset)
+        self.replica_id = replica_number(self.replica_id)
+        if len(self.global_shape) != len(self.global_offset) or any(
+            not 0 <= o < s for o, s in zip(self.global_offset, self.global_shape)
+        ):
+            raise ValueError(
+                f"ShardedObject {self.key!r}: offset {self.global_offset} outside shape {self.global_shape}"
+            )
+
+    @property
+    def unique_key(self) -> str:
+        """``key`` plus this piece's place in the grid: one stored file per piece."""
+        offsets = ".".join(map(str, self.global_offset)) or "0"
+        shape = ".".join(map(str, self.global_shape)) or "1"
+        return f"{self.key}/shard_{offsets}_{shape}"
+
+
+@dataclass
+class ShardedTensorFactory:
+    """A tensor stored as what ``build_fn`` makes of it and rebuilt by ``merge_fn`` on load.
+
+    ``build_fn(key, data, replica_id, flattened_range)`` returns a (nested) sharded state dict;
+    ``merge_fn(loaded)`` turns the loaded form of that dict back into the tensor.
+    """
+
+    key: str
+    data: torch.Tensor
+    build_fn: Callable[..., Any]
+    merge_fn: Callable[[Any], Any]
+    replica_id: Union[int, Tuple[int, ...]] = 0
+    flattened_range: Optional[slice] = None
+
+    def build(self) -> Any:
+        """The sharded state dict this factory stands for."""
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+
+class LocalNonpersistentObject:
+    """A value kept on this rank and never saved: ``load`` returns it as it was passed in."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def unwrap(self) -> Any:
+        """The wrapped value."""
+        return self.obj
+
+
+def apply_factories(sharded_state_dict: Any) -> None:
+    """Replace, in place, every ShardedTensorFactory of a nested dict (or list) by what it builds."""
+    items = sharded_state_dict.items() if isinstance(sharded_state_dict, dict) else enumerate(sharded_state_dict)
+    for key, value in list(items):
+        if isinstance(value, ShardedTensorFactory):
+            sharded_state_dict[key] = value.build()
+        elif isinstance(value, (dict, list)):
+            apply_factories(value)
+
+
+ShardedBase = Union[ShardedTensor, ShardedObject]
+# Flat (our model and optimizer dicts: key -> ShardedTensor of that key) or nested as in Megatron-core
+# (dicts and lists whose leaves are ShardedTensor, ShardedObject, ShardedTensorFactory,
+# LocalNonpersistentObject or plain "common" values).
+ShardedStateDict = Dict[str, Any]
 
 
 def tensor_parallel_geometry(
@@ -111,6 +238,6 @@ def sharded_tensor_for(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: in
         view, full, offset = tensor_parallel_geometry(
             tuple(tensor.shape), tensor.partition_dim, getattr(tensor, "partition_stride", 1), tp_rank, tp_size
         )
-        return ShardedTensor(key, tensor.detach().view(view), full, offset, replica_id)
+        return ShardedTensor(key, tensor.detach().view(view), full, offset, replica_id, tuple(tensor.shape))
     shape = tuple(tensor.shape)
     return ShardedTensor(key, tensor.detach(), shape, (0,) * len(shape), tp_rank + tp_size * replica_id)

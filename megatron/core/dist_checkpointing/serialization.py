@@ -16,14 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from megatron.core.dist_checkpointing import checksums
+from megatron.core.dist_checkpointing import checksums, nested
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
 from megatron.core.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
@@ -72,26 +73,56 @@ def agree_on_error(error: Optional[str], process_group: Optional[dist.ProcessGro
         raise CheckpointingError(error or f"rank {failed[0][0]} of the group failed: {failed[0][1]}")
 
 
-def _check_values(sharded_sd: ShardedStateDict) -> None:
+def _check_values(sharded_sd: Dict[str, ShardedTensor]) -> None:
     for key, value in sharded_sd.items():
         if not isinstance(value, ShardedTensor):
             raise TypeError(f"sharded state dict entry {key!r} is a {type(value).__name__}, not a ShardedTensor")
-        if value.key != key:
-            raise ValueError(f"sharded state dict entry {key!r} holds a ShardedTensor with key {value.key!r}")
 
 
-def save(sharded_sd: ShardedStateDict, checkpoint_dir: str, process_group: Optional[dist.ProcessGroup] = None) -> None:
-    """Write ``sharded_sd`` (each rank its own pieces) into ``checkpoint_dir``; ``metadata.json`` last."""
-    _check_values(sharded_sd)
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    sharded_strategy: Optional[Any] = None,
+    common_strategy: Optional[Any] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable] = None,
+    content_metadata: Optional[dict] = None,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Write a sharded state dict (each rank its own pieces) into ``checkpoint_dir``; ``metadata.json`` last.
+
+    Megatron-core's signature. The dict is flat (key -> ShardedTensor of that key) or nested as in
+    Megatron-core (see ``nested.py``). Only the torch_dist strategy exists; the piece checks of
+    ``validate_access_integrity`` are DCP's own and always run.
+
+    Raises:
+        CheckpointingError: another strategy, ``async_sharded_save`` or ``content_metadata`` asked for.
+    """
+    nested.require_no_strategy("save", sharded_strategy=sharded_strategy, common_strategy=common_strategy)
+    del validate_access_integrity, preprocess_common_before_consistancy_check  # see the docstring
+    if async_sharded_save or content_metadata is not None:
+        raise CheckpointingError("save: async_sharded_save / content_metadata not supported yet")
+    parts = nested.split(sharded_state_dict)
+    _check_values(parts.tensors)
     rank = dist.get_rank(process_group)
+    files, error = nested.side_files(parts, checkpoint_dir, rank)
+    agree_on_error(error, process_group)
     if rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         # Overwriting: the directory must not look complete while it is rewritten.
-        if os.path.exists(os.path.join(checkpoint_dir, METADATA_FILE)):
-            os.remove(os.path.join(checkpoint_dir, METADATA_FILE))
+        for stale in (METADATA_FILE, nested.COMMON_FILE):
+            if os.path.exists(os.path.join(checkpoint_dir, stale)):
+                os.remove(os.path.join(checkpoint_dir, stale))
     dist.barrier(group=process_group)
+    try:
+        nested.write_side_files(files, write_json_atomic)
+    except WRITE_FAILURES as e:
+        error = describe_write_failure(e, checkpoint_dir)
+    agree_on_error(error, process_group)
     dcp.save(
-        sharded_sd,
+        parts.tensors,
         storage_writer=FileSystemWriter(checkpoint_dir),
         planner=ShardedSavePlanner(),
         process_group=process_group,
@@ -119,6 +150,11 @@ def check_sharded_checkpoint(checkpoint_dir: str) -> None:
             f"{os.path.join(checkpoint_dir, METADATA_FILE)}: sharded_backend "
             f"{info.get('sharded_backend')!r} is not supported (expected 'torch_dist')"
         )
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds a complete sharded checkpoint (its ``metadata.json``), as Megatron-core."""
+    return os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILE))
 
 
 def read_metadata(checkpoint_dir: str) -> Metadata:
@@ -156,31 +192,84 @@ def check_against_metadata(sharded_sd: ShardedStateDict, metadata: Metadata, che
 
 
 def load(
-    sharded_sd: ShardedStateDict, checkpoint_dir: str, process_group: Optional[dist.ProcessGroup] = None
-) -> ShardedStateDict:
-    """Fill every ShardedTensor's ``data`` in place from ``checkpoint_dir``; returns ``sharded_sd``.
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    sharded_strategy: Optional[Any] = None,
+    common_strategy: Optional[Any] = None,
+    validate_access_integrity: bool = True,
+    strict: str = "assume_ok_unexpected",
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> Dict[str, Any]:
+    """Fill every ShardedTensor's ``data`` in place from ``checkpoint_dir``.
+
+    Megatron-core's signature and result: the same nesting as ``sharded_state_dict`` with each
+    ShardedTensor replaced by its (filled) tensor in the shape its caller gave, ShardedObjects and
+    factories by their loaded values, and the checkpoint's common state merged in. Missing or
+    differently shaped keys always raise (Megatron-core's ``strict`` default tolerates only
+    unexpected keys, which cannot occur here: only the keys asked for are read).
 
     Raises:
         CheckpointingError: on every rank, if any rank finds the directory missing,
             incomplete, corrupt, or without a key / with another shape for a key.
     """
-    _check_values(sharded_sd)
+    nested.require_no_strategy("load", sharded_strategy=sharded_strategy, common_strategy=common_strategy)
+    del validate_access_integrity  # the checks below always run
+    if getattr(strict, "value", strict) != "assume_ok_unexpected":
+        raise CheckpointingError(f"load: strict={strict!r} not supported yet (only 'assume_ok_unexpected')")
+    parts = nested.split(sharded_state_dict)
+    _check_values(parts.tensors)
     error = None
     try:
-        check_against_metadata(sharded_sd, read_metadata(checkpoint_dir), checkpoint_dir)
+        check_against_metadata(parts.tensors, read_metadata(checkpoint_dir), checkpoint_dir)
+        error = nested.missing_objects(parts, checkpoint_dir)
     except CheckpointingError as e:
         error = str(e)
     agree_on_error(error, process_group)
     try:
         dcp.load(
-            sharded_sd,
+            parts.tensors,
             storage_reader=SafeFileSystemReader(checkpoint_dir),
             planner=ShardedLoadPlanner(),
             process_group=process_group,
         )
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank; name the checkpoint
         raise CheckpointingError(f"failed to read checkpoint {checkpoint_dir}: {e}") from e
-    return sharded_sd
+    nested.copy_duplicates(parts)
+    return nested.loaded_state_dict(
+        sharded_state_dict, parts, checkpoint_dir, nested.load_common(checkpoint_dir, read_json), read_json
+    )
+
+
+def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
+    """The common (unsharded) state a complete checkpoint holds; {} when it holds none."""
+    check_sharded_checkpoint(checkpoint_dir)
+    return nested.load_common(checkpoint_dir, read_json)
+
+
+def load_tensors_metadata(checkpoint_dir: str, sharded_strategy: Optional[Any] = None) -> Dict[str, ShardedTensor]:
+    """Every tensor of the checkpoint as a whole ShardedTensor whose ``data`` is on the meta device
+    (shape and dtype, no values; Megatron-core's have ``data=None``)."""
+    nested.require_no_strategy("load_tensors_metadata", sharded_strategy=sharded_strategy)
+    out = {}
+    for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            shape = tuple(md.size)
+            data = torch.empty(shape, dtype=md.properties.dtype, device="meta")
+            out[key] = ShardedTensor(key, data, shape, (0,) * len(shape))
+    return out
+
+
+def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, whole, by checkpoint key (read on this rank alone)."""
+    metadata = read_metadata(checkpoint_dir)
+    whole = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            shape = tuple(md.size)
+            whole[key] = ShardedTensor(key, torch.empty(shape, dtype=md.properties.dtype), shape, (0,) * len(shape))
+    dcp.load(whole, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(), no_dist=True)
+    return {key: spec.data for key, spec in whole.items()}
 
 
 def verify_checksums(checkpoint_dir: str, process_group: Optional[dist.ProcessGroup] = None) -> bool:

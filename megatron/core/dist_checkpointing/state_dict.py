@@ -17,8 +17,6 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, sharded_tensor_for
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import is_expert_param
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import named_model_params, unwrap_model
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -45,9 +43,10 @@ def _layer_prefixes(model: torch.nn.Module) -> Dict[str, str]:
     """Local module prefix of each transformer layer -> the prefix with its global index."""
     table = {}
     for name, module in model.named_modules():
-        if isinstance(module, TransformerLayer):
+        # TransformerLayer marks itself (this module is imported by the transformer, not the reverse).
+        index = getattr(module, "checkpoint_layer_index", None)
+        if index is not None:
             parent, _, _ = name.rpartition(".")
-            index = str(module.layer_number - 1)
             table[name + "."] = f"{parent}.{index}." if parent else f"{index}."
     return table
 
@@ -56,10 +55,11 @@ def _expert_prefixes(model: torch.nn.Module) -> Dict[str, str]:
     """Local prefix of each expert (``...local_experts.{i}.``) -> the prefix with its global index."""
     table = {}
     for name, module in model.named_modules():
-        if isinstance(module, MoELayer):
+        start = getattr(module, "local_expert_start", None)  # a MoELayer
+        if start is not None:
             base = f"{name}.experts.local_experts." if name else "experts.local_experts."
             for i in range(module.num_local_experts):
-                table[f"{base}{i}."] = f"{base}{module.local_expert_start + i}."
+                table[f"{base}{i}."] = f"{base}{start + i}."
     return table
 
 
@@ -72,8 +72,8 @@ def _global_name(name: str, prefixes: Mapping[str, str]) -> str:
 
 def _entries(
     model_chunk: torch.nn.Module, prefix: str, groups: ProcessGroupCollection
-) -> List[Tuple[torch.Tensor, ShardedTensor]]:
-    """(original tensor, its ShardedTensor) for every parameter and persistent buffer."""
+) -> List[Tuple[str, torch.Tensor, ShardedTensor]]:
+    """(state_dict name, original tensor, its ShardedTensor) for every parameter and persistent buffer."""
     model = unwrap_model(model_chunk)
     prefixes, experts = _layer_prefixes(model), _expert_prefixes(model)
     tp_rank, tp_size, dp_rank = groups.rank_in("tp"), groups.size_of("tp"), groups.rank_in("dp_cp")
@@ -91,7 +91,7 @@ def _entries(
             spec.replica_id = 1 + spec.replica_id  # read from the first stage's key, never written here
         else:
             spec = sharded_tensor_for(prefix + _global_name(name, prefixes), tensor, tp_rank, tp_size, dp_rank)
-        entries.append((tensor, spec))
+        entries.append((name, tensor, spec))
     return entries
 
 
@@ -104,11 +104,21 @@ def sharded_state_dict(
     """
     groups = model_process_groups(unwrap_model(model_chunk), pg_collection)
     out: ShardedStateDict = {}
-    for _, spec in _entries(model_chunk, prefix, groups):
+    for _, _, spec in _entries(model_chunk, prefix, groups):
         if spec.key in out:
             raise ValueError(f"two tensors of one model chunk map to checkpoint key {spec.key!r}")
         out[spec.key] = spec
     return out
+
+
+def module_sharded_state_dict(
+    module: torch.nn.Module, prefix: str = "", pg_collection: Optional[ProcessGroupCollection] = None
+) -> ShardedStateDict:
+    """Megatron-core's form of ``sharded_state_dict``: keyed by ``prefix`` + the module's own
+    ``state_dict`` names, so the dict ``load`` returns goes straight into ``load_state_dict``; each
+    ShardedTensor's ``key`` is the layout-free checkpoint key (the same as ``sharded_state_dict``'s)."""
+    groups = model_process_groups(unwrap_model(module), pg_collection)
+    return {prefix + name: spec for name, _, spec in _entries(module, prefix, groups)}
 
 
 def model_sharded_state_dict(
@@ -131,7 +141,7 @@ def sharded_tensors_by_param_name(
     by_id: Dict[int, ShardedTensor] = {}
     for chunk in model_chunks:
         groups = model_process_groups(unwrap_model(chunk), pg_collection)
-        by_id.update({id(tensor): spec for tensor, spec in _entries(chunk, "", groups)})
+        by_id.update({id(tensor): spec for _, tensor, spec in _entries(chunk, "", groups)})
     return {name: by_id[id(param)] for name, param in named_model_params(model_chunks)}
 
 

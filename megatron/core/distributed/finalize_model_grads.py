@@ -110,6 +110,12 @@ def finish_router_step(model_chunks: Sequence[torch.nn.Module], groups: ProcessG
         router.update_expert_bias(total)
 
 
+def _model_groups(model_chunks: Sequence[torch.nn.Module]) -> ProcessGroupCollection:
+    """The process groups the (first) model chunk was built with, else those of ``initialize_model_parallel``."""
+    groups = getattr(unwrap_model(model_chunks[0]), "pg_collection", None) if model_chunks else None
+    return groups if groups is not None else ProcessGroupCollection.use_mpu_process_groups()
+
+
 def finalize_model_grads(
     model: Sequence[torch.nn.Module],
     num_tokens: Optional[torch.Tensor] = None,
@@ -120,14 +126,16 @@ def finalize_model_grads(
 
     ``model`` is the list of model chunks. The training loop binds its groups
     (``functools.partial(finalize_model_grads, pg_collection=groups)``) to make
-    ``config.finalize_model_grads_func``; None means the groups of ``initialize_model_parallel``
-    (a library caller). ``force_all_reduce`` is handed to each chunk's ``finish_grad_sync``.
+    ``config.finalize_model_grads_func``. None (Megatron-core's ``finalize_model_grads([model])``)
+    means the groups the model was built with (``pg_collection`` of the unwrapped first chunk),
+    else those of ``initialize_model_parallel``. ``force_all_reduce`` is handed to each chunk's
+    ``finish_grad_sync``.
 
     Raises:
         ValueError: a chunk is not DDP-wrapped while data parallelism is > 1.
     """
     model_chunks = model
-    groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+    groups = pg_collection if pg_collection is not None else _model_groups(model_chunks)
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync(force_all_reduce=force_all_reduce)

@@ -7,8 +7,9 @@ know which tokenizer they need, and importing torch or a tokenizer library would
 from __future__ import annotations
 
 import abc
+import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 
 class MissingSpecialTokenError(NotImplementedError):
@@ -34,6 +35,40 @@ def default_num_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+# Megatron-core's tokenizer "library" names (the metadata of ``from_pretrained``) -> a builder taking
+# ``(tokenizer_path, **kwargs)``. Each tokenizer module registers its own names, so this module
+# imports none of them.
+_LIBRARIES: Dict[str, Callable[..., MegatronTokenizer]] = {}
+
+
+def register_library(*names: str) -> Callable[[Callable[..., MegatronTokenizer]], Callable[..., MegatronTokenizer]]:
+    """Decorator: ``MegatronTokenizer.from_pretrained`` builds metadata ``library`` ``names`` with it."""
+
+    def register(builder: Callable[..., MegatronTokenizer]) -> Callable[..., MegatronTokenizer]:
+        for name in names:
+            _LIBRARIES[name] = builder
+        return builder
+
+    return register
+
+
+def _read_metadata(tokenizer_path: Optional[str], metadata_path: Union[None, str, dict]) -> dict:
+    """The metadata dict: given, read from a JSON file, or ``tokenizer_metadata.json`` beside the path."""
+    if isinstance(metadata_path, dict):
+        return dict(metadata_path)
+    if metadata_path is None:
+        if tokenizer_path is None:
+            raise ValueError("from_pretrained needs tokenizer_path or metadata_path (e.g. {'library': 'null'})")
+        folder = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+        metadata_path = os.path.join(folder, "tokenizer_metadata.json")
+    if not isinstance(metadata_path, str):
+        raise ValueError(f"metadata_path={metadata_path!r}: expected a path or a dict")
+    if not os.path.isfile(metadata_path):
+        raise FileNotFoundError(f"metadata_path={metadata_path!r}: no such tokenizer metadata file")
+    with open(metadata_path) as f:
+        return json.load(f)
 
 
 class MegatronTokenizer(abc.ABC):
@@ -147,6 +182,40 @@ class MegatronTokenizer(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+    @staticmethod
+    def from_pretrained(
+        tokenizer_path: Optional[str] = None,
+        metadata_path: Union[None, str, dict] = None,
+        *,
+        metdata_path: Union[None, str, dict] = None,
+        **kwargs: Any,
+    ) -> MegatronTokenizer:
+        """Megatron-core's way to build a tokenizer from its metadata (``{"library": ...}``).
+
+        Libraries: ``null`` / ``null-text`` (keyword ``vocab_size``), ``huggingface`` and
+        ``sentencepiece`` (from ``tokenizer_path``); others raise ``NotImplementedError`` (build
+        those with ``build_tokenizer``). ``metdata_path`` is the spelling Megatron-LM's
+        ``examples/run_simple_mcore_train_loop.py`` uses, accepted as the same argument.
+
+        Args:
+            tokenizer_path: the tokenizer's file or folder (not needed for ``null``).
+            metadata_path: a metadata dict or the path of its JSON file; default
+                ``tokenizer_metadata.json`` beside ``tokenizer_path``.
+            **kwargs: passed to the library's tokenizer (unknown ones raise ``TypeError``).
+        """
+        if metdata_path is not None:
+            if metadata_path is not None:
+                raise TypeError("from_pretrained got both metadata_path and metdata_path")
+            metadata_path = metdata_path
+        metadata = _read_metadata(tokenizer_path, metadata_path)
+        library = metadata.get("library")
+        if library not in _LIBRARIES:
+            raise NotImplementedError(
+                f"tokenizer library={library!r}: not supported yet by from_pretrained "
+                f"(supported: {sorted(_LIBRARIES)}); use build_tokenizer"
+            )
+        return _LIBRARIES[library](tokenizer_path, **kwargs)
 
 
 class TokenizersLibraryMixin:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Sequence
 
-from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.base import MegatronTokenizer, register_library
 
 
 def load_hf_tokenizer(tokenizer_model: Optional[str], trust_remote_code: bool = False, **kwargs):
@@ -84,3 +84,9 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def additional_special_tokens_ids(self) -> List[int]:
         tokens = getattr(self._tokenizer, "additional_special_tokens", None) or []
         return self._tokenizer.convert_tokens_to_ids(list(tokens)) if tokens else []
+
+
+@register_library("huggingface")
+def _hf_from_pretrained(tokenizer_path: Optional[str], **kwargs) -> HuggingFaceTokenizer:
+    """``MegatronTokenizer.from_pretrained`` for the huggingface library."""
+    return HuggingFaceTokenizer(tokenizer_path, **kwargs)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
-from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.base import MegatronTokenizer, register_library
 
 
 class NullTokenizer(MegatronTokenizer):
@@ -34,3 +34,10 @@ class NullTokenizer(MegatronTokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(i) for i in ids)
+
+
+@register_library("null", "null-text")
+def _null_from_pretrained(tokenizer_path: Optional[str], vocab_size: int) -> NullTokenizer:
+    """``MegatronTokenizer.from_pretrained`` for the null library: no files, ``vocab_size`` text ids."""
+    del tokenizer_path  # the null tokenizer reads no file
+    return NullTokenizer(vocab_size)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Sequence
 
-from megatron.core.tokenizers.base import MegatronTokenizer, check_file, default_num_threads
+from megatron.core.tokenizers.base import MegatronTokenizer, check_file, default_num_threads, register_library
 
 
 def extra_id_tokens(count: int) -> List[str]:
@@ -171,3 +171,9 @@ class SentencePieceTokenizer(_SentencePieceBase):
                 run.append(i)
         parts.append(self._sp.decode(run))
         return "".join(parts)
+
+
+@register_library("sentencepiece")
+def _sentencepiece_from_pretrained(tokenizer_path: Optional[str], **kwargs) -> GPTSentencePieceTokenizer:
+    """``MegatronTokenizer.from_pretrained`` for the sentencepiece library: the model's own pieces."""
+    return GPTSentencePieceTokenizer(tokenizer_path, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, List, Optional, Set, Tuple
 
 import torch
@@ -17,7 +18,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.masks import build_attention_mask
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.norms import LayerNorm, Norm, RMSNorm, build_norm
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -260,6 +261,45 @@ def run_core_attention(
     return checkpoint(lambda q, k, v, t: attention.core_attention(q, k, v, mask, t), False, query, key, value, bias)
 
 
+@dataclass
+class SelfAttentionSubmodules:
+    """Megatron-core's parts of self-attention; the defaults are the layers this module builds.
+
+    Only these layers exist here (Transformer-Engine specs fall back to them), so another class in
+    a field raises ``NotImplementedError`` naming it. A ``q_layernorm`` / ``k_layernorm`` entry
+    (a norm class such as ``transformer.norms.Norm``) builds the query/key norms.
+    """
+
+    linear_qkv: Any = ColumnParallelLinear
+    core_attention: Any = None  # DotProductAttention (defined above; None means it)
+    linear_proj: Any = RowParallelLinear
+    q_layernorm: Any = None
+    k_layernorm: Any = None
+
+    def check(self, config: TransformerConfig) -> bool:
+        """Raise unless every part is one this module builds; whether query/key norms are asked for."""
+        expected = {"linear_qkv": ColumnParallelLinear, "core_attention": DotProductAttention}
+        expected["linear_proj"] = RowParallelLinear
+        for name, cls in expected.items():
+            if getattr(self, name) not in (cls, None):
+                raise NotImplementedError(
+                    f"SelfAttentionSubmodules.{name}={getattr(self, name)!r}: only {cls.__name__}"
+                )
+        allowed = (None, Norm, LayerNorm if config.normalization == "LayerNorm" else RMSNorm)
+        norms = (self.q_layernorm, self.k_layernorm)
+        if any(n not in allowed for n in norms) or (norms[0] is None) != (norms[1] is None):
+            raise NotImplementedError(
+                f"q_layernorm={self.q_layernorm!r}, k_layernorm={self.k_layernorm!r}: both None or both the norm "
+                f"config.normalization={config.normalization!r} names (or Norm)"
+            )
+        return norms[0] is not None
+
+
+# Megatron-core's values of cp_comm_type: GPU overlap strategies of one computation, which here is
+# always the exact all-gather scheme (see context_parallel.py).
+CP_COMM_TYPES = (None, "p2p", "a2a", "allgather", "a2a+p2p")
+
+
 class SelfAttention(MegatronModule):
     """Multi-head / grouped-query self-attention split over tensor-parallel ranks by query group.
 
@@ -267,21 +307,41 @@ class SelfAttention(MegatronModule):
     then one key head, then one value head. A column split therefore hands each TP rank
     whole groups, and no communication is needed until the output projection.
 
-    ``qk_layernorm`` (from the layer spec) builds query/key norms (True) or none (False); None
-    follows ``config.qk_layernorm``. The spec may not drop norms the config asks for.
+    Megatron-core's signature: ``submodules`` (``SelfAttentionSubmodules``, checked), ``cp_comm_type``
+    (any value computes the same), and ``pg_collection`` (None: ``parallel_state``'s groups, for library
+    callers; the models always pass theirs). ``qk_layernorm`` (from our layer spec) builds query/key
+    norms (True) or none (False); None follows the submodules, else ``config.qk_layernorm``. The spec
+    may not drop norms the config asks for.
     """
 
     def __init__(
         self,
         config: TransformerConfig,
+        submodules: Optional[SelfAttentionSubmodules] = None,
         layer_number: int = 1,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
         *,
-        pg_collection: ProcessGroupCollection,
         qk_layernorm: Optional[bool] = None,
     ) -> None:
         super().__init__(config)
-        groups = pg_collection
+        if cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={cp_comm_type!r}: must be one of {CP_COMM_TYPES}")
+        spec_norms = (submodules or SelfAttentionSubmodules()).check(config)
+        if qk_layernorm is None and submodules is not None:
+            qk_layernorm = spec_norms or None
+        groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+        self._build(config, layer_number, attn_mask_type, groups, qk_layernorm)
+
+    def _build(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        groups: ProcessGroupCollection,
+        qk_layernorm: Optional[bool],
+    ) -> None:
         tp = groups.size_of("tp")
         self.heads_per_rank = config.num_attention_heads // tp
         self.groups_per_rank = config.num_query_groups // tp

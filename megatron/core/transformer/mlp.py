@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
 
 import torch
 
-from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.parallel_state import ProcessGroupCollection, get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class MLPSubmodules:
+    """Megatron-core's parts of the MLP; the defaults are the layers this module builds.
+
+    Only these exist here, so another class raises ``NotImplementedError`` naming the field; the
+    activation is ``config.activation_func`` (``activation_func`` must stay None).
+    """
+
+    linear_fc1: Any = ColumnParallelLinear
+    activation_func: Any = None
+    linear_fc2: Any = RowParallelLinear
+
+    def check(self) -> None:
+        """Raise unless every part is one this module builds."""
+        for name, cls in (("linear_fc1", ColumnParallelLinear), ("linear_fc2", RowParallelLinear)):
+            if getattr(self, name) not in (cls, None):
+                raise NotImplementedError(f"MLPSubmodules.{name}={getattr(self, name)!r}: only {cls.__name__}")
+        if self.activation_func is not None:
+            raise NotImplementedError(
+                f"MLPSubmodules.activation_func={self.activation_func!r}: not supported yet; set config.activation_func"
+            )
 
 
 class MLP(MegatronModule):
@@ -17,21 +41,32 @@ class MLP(MegatronModule):
 
     For gated units the first projection holds the gate and the up projection stacked;
     it is split over TP with stride 2 so every rank gets matching halves of both.
+
+    Megatron-core's signature: ``submodules`` (``MLPSubmodules``, checked), ``input_size`` (default
+    ``hidden_size``; the output is ``hidden_size``), and the group: ``tp_group``, else ``pg_collection``'s
+    TP group (its expert-TP group with ``is_expert``), else ``parallel_state``'s for library callers.
     """
 
     def __init__(
         self,
         config: TransformerConfig,
-        pg_collection: ProcessGroupCollection,
-        ffn_hidden_size: Optional[int] = None,
+        submodules: Optional[MLPSubmodules] = None,
         is_expert: bool = False,
+        input_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        *,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(config)
-        tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
+        (submodules or MLPSubmodules()).check()
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
+        tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
         ffn = ffn_hidden_size or config.ffn_hidden_size
         gated = config.gated_linear_unit
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size,
+            input_size or config.hidden_size,
             2 * ffn if gated else ffn,
             config=config,
             init_method=config.init_method,

@@ -66,3 +66,14 @@ def build_norm(config: TransformerConfig, hidden_size: int, eps: float | None = 
     """The norm named by ``config.normalization``."""
     cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
     return cls(config, hidden_size, config.layernorm_epsilon if eps is None else eps)
+
+
+class Norm:
+    """Spec entry for "the norm ``config.normalization`` names": building it returns a LayerNorm or RMSNorm.
+
+    A class, not a function, because ``build_module`` returns a function spec uncalled (Megatron-core's
+    rule for activation specs); Megatron-core's local spec uses a class of this kind the same way.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: Optional[float] = None) -> torch.nn.Module:
+        return build_norm(config, hidden_size, eps)

@@ -12,9 +12,18 @@ from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.norms import LayerNorm, Norm, RMSNorm, build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import config_stage, get_transformer_layer_offset
+
+__all__ = [
+    "TransformerBlock",
+    "TransformerBlockSubmodules",
+    "get_num_layers_to_build",
+    "get_transformer_layer_offset",
+    "layer_numbers_to_build",
+]
 
 
 @dataclass
@@ -22,6 +31,18 @@ class TransformerBlockSubmodules:
     """One layer spec per global layer (index ``layer_number - 1``), e.g. MoE and dense layers mixed."""
 
     layer_specs: List[ModuleSpec] = field(default_factory=list)
+    layer_norm: Optional[Any] = None
+    """Megatron-core's spec of the final norm: None or a class building ``config.normalization``'s norm
+    (``Norm``, or ``LayerNorm`` / ``RMSNorm`` matching it); the block builds that norm either way."""
+
+    def check_layer_norm(self, config: TransformerConfig) -> None:
+        """Raise unless ``layer_norm`` names the norm the block builds."""
+        matching = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+        if self.layer_norm not in (None, Norm, matching):
+            raise NotImplementedError(
+                f"TransformerBlockSubmodules.layer_norm={self.layer_norm!r}: only the norm "
+                f"config.normalization={config.normalization!r} names"
+            )
 
 
 def layer_numbers_to_build(
@@ -38,6 +59,15 @@ def layer_numbers_to_build(
     return layout[pp_rank][vp_stage or 0]
 
 
+def get_num_layers_to_build(
+    config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> int:
+    """Megatron-core's helper: how many layers pipeline rank ``pp_rank`` (default: this rank, from
+    ``parallel_state``) holds in virtual stage ``vp_stage``, by the config's sizes."""
+    layout, pp_rank, chunk = config_stage(config, vp_stage, pp_rank)
+    return len(layout[pp_rank][chunk])
+
+
 class TransformerBlock(MegatronModule):
     """Runs this stage's layers. On non-first stages the input comes from ``set_input_tensor``."""
 
@@ -48,18 +78,21 @@ class TransformerBlock(MegatronModule):
         post_layer_norm: bool = True,
         pre_process: bool = True,
         post_process: bool = True,
-        *,
-        pg_collection: ProcessGroupCollection,
+        pg_collection: Optional[ProcessGroupCollection] = None,
         vp_stage: Optional[int] = None,
+        *,
         name: str = "decoder",
     ) -> None:
         super().__init__(config)
         self.name = name  # layer N is initialized from (initialization_seed, f"{name}.layers.{N}")
-        groups = pg_collection
+        # None: parallel_state's groups, for library callers (Megatron-core's signature); models pass theirs.
+        groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         self.tp_group = groups.tp  # activations saved for recompute are distributed over it
         self.pre_process, self.post_process = pre_process, post_process
         numbers = layer_numbers_to_build(config, groups.rank_in("pp"), groups.size_of("pp"), vp_stage)
         self.layers = torch.nn.ModuleList(self._build_layer(spec, n, groups) for n in numbers)
+        if isinstance(spec, TransformerBlockSubmodules):
+            spec.check_layer_norm(config)
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
 
@@ -74,7 +107,7 @@ class TransformerBlock(MegatronModule):
                 )
             spec = spec.layer_specs[number - 1]
         with initialization_rng(self.config.initialization_seed, f"{self.name}.layers.{number - 1}"):
-            return build_module(spec, self.config, layer_number=number, pg_collection=groups)
+            return build_module(spec, self.config, layer_number=number, pg_collection=groups, add_layer_offset=False)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Activation received from the previous pipeline stage."""

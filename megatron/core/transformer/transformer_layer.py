@@ -17,10 +17,37 @@ from typing import Any, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core import parallel_state
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def config_stage(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int]) -> tuple:
+    """(layout, pp_rank, chunk) for Megatron-core's config-based helpers; pp_rank from parallel_state if None."""
+    pp_size = config.pipeline_model_parallel_size
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_size > 1 else 0
+    layout = pipeline_layer_assignment(
+        config.num_layers,
+        pp_size,
+        config.virtual_pipeline_model_parallel_size,
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
+    )
+    return layout, pp_rank, vp_stage or 0
+
+
+def get_transformer_layer_offset(
+    config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> int:
+    """Megatron-core's helper: the global 0-based index of the first layer of ``(pp_rank, vp_stage)``,
+    i.e. the number of layers the model runs before it."""
+    layout, pp_rank, chunk = config_stage(config, vp_stage, pp_rank)
+    before = [layout[r][v] for v in range(len(layout[0])) for r in range(len(layout))]
+    return sum(len(layers) for layers in before[: chunk * len(layout) + pp_rank])
 
 
 @dataclass
@@ -38,18 +65,50 @@ class TransformerLayerSubmodules:
 
 
 class TransformerLayer(MegatronModule):
-    """One decoder layer. ``layer_number`` is global and 1-based."""
+    """One decoder layer; ``self.layer_number`` is global and 1-based.
+
+    Megatron-core's signature: ``layer_number`` counts within this pipeline stage and chunk, and
+    ``add_layer_offset`` adds the layers before it (``pp_layer_offset``, or
+    ``get_transformer_layer_offset(config, vp_stage)`` for this rank); ``TransformerBlock`` passes
+    global numbers with ``add_layer_offset=False``. ``hidden_dropout`` overrides
+    ``config.hidden_dropout`` for this layer. ``pg_collection`` None: ``parallel_state``'s groups (for
+    library callers; the models always pass theirs). ``is_mtp_layer`` must stay False (no multi-token
+    prediction yet).
+    """
 
     def __init__(
         self,
         config: TransformerConfig,
         submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
-        *,
-        pg_collection: ProcessGroupCollection,
+        hidden_dropout: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        vp_stage: Optional[int] = None,
+        is_mtp_layer: bool = False,
+        add_layer_offset: bool = True,
+        pp_layer_offset: Optional[int] = None,
     ) -> None:
         super().__init__(config)
+        if is_mtp_layer:
+            raise NotImplementedError("TransformerLayer: is_mtp_layer=True not supported yet")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        if add_layer_offset:
+            if pp_layer_offset is None:
+                pp_layer_offset = get_transformer_layer_offset(config, vp_stage, pg_collection.rank_in("pp"))
+            layer_number += pp_layer_offset
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        self._build(config, submodules, layer_number, pg_collection)
+
+    def _build(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int,
+        pg_collection: ProcessGroupCollection,
+    ) -> None:
         self.layer_number = layer_number
+        self.pg_collection = pg_collection
         h = config.hidden_size
         self.input_layernorm = build_module(submodules.input_layernorm, config, h, config.layernorm_epsilon)
         self.self_attention = build_module(
@@ -68,6 +127,11 @@ class TransformerLayer(MegatronModule):
         if hasattr(self.mlp, "set_layer_number"):  # MoE: aux losses are tracked per layer
             self.mlp.set_layer_number(layer_number)
 
+    @property
+    def checkpoint_layer_index(self) -> int:
+        """The 0-based global index that names this layer in checkpoints (any pipeline layout)."""
+        return self.layer_number - 1
+
     def _optional_norm(self, spec: Union[ModuleSpec, type, None]) -> Optional[torch.nn.Module]:
         if spec is None:
             return None
@@ -78,7 +142,7 @@ class TransformerLayer(MegatronModule):
     ) -> torch.Tensor:
         if bias is not None:
             out = out + bias
-        return residual + F.dropout(out, p=self.config.hidden_dropout, training=self.training)
+        return residual + F.dropout(out, p=self.hidden_dropout, training=self.training)
 
     def forward(
         self,

@@ -37,8 +37,14 @@ def _construction_body(rank, world_size):
     assert full.embedding.word_embeddings.weight.shape == (32, 32)  # [vocab/tp, h]
     logits = full(torch.randint(0, 64, (2, 8)))
     assert logits.shape == (2, 8, 32)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=1 in the config"):
-        GPTModel(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    # A size left at its default is taken from parallel_state (Megatron-core's callers leave it unset);
+    # a size that was set must agree.
+    assert (
+        GPTModel(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64).config.tensor_model_parallel_size
+        == 2
+    )
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=4 in the config"):
+        GPTModel(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, tensor_model_parallel_size=4)
     with pytest.raises(TypeError, match="not_a_field"):
         GPTModel(num_layers=1, hidden_size=32, num_attention_heads=4, not_a_field=3)
     with pytest.raises(TypeError, match="either config"):

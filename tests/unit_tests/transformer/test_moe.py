@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer, aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.transformer.moe.router import topk_softmax
@@ -249,7 +249,7 @@ def test_moe_layer_freq_pattern_and_specs():
     assert [_config(num_layers=5, moe_layer_freq=2).is_moe_layer(n) for n in range(1, 6)] == [1, 0, 1, 0, 1]
     cfg = _config(num_layers=3, moe_layer_freq=[0, 1, 1])
     specs = get_gpt_decoder_block_spec(cfg).layer_specs
-    assert [s.submodules.mlp is not get_gpt_layer_local_spec().submodules.mlp for s in specs] == [False, True, True]
+    assert [s.submodules.mlp.module is MoELayer for s in specs] == [False, True, True]
     assert not dataclasses.replace(cfg, num_moe_experts=None).is_moe_layer(1)
 
 

@@ -153,7 +153,7 @@ class T5Model(LanguageModule):
         super().__init__(config)
         groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         for cfg in (config, encoder_config):
-            cfg.check_against(groups)
+            cfg.check_against(groups, adopt_unset=pg_collection is None)
         refuse_unimplemented(
             "T5Model (pipeline parallelism, which Megatron-core deprecated for T5)",
             pipeline_model_parallel_size=(groups.size_of("pp"), 1),

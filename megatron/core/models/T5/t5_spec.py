@@ -25,13 +25,13 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.cross_attention import CrossAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.norms import RMSNorm, build_norm
+from megatron.core.transformer.norms import Norm, RMSNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-Norm = Union[type, Any]
+NormSpec = Union[type, Any]
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def _encoder_layer(norm: Norm) -> ModuleSpec:
+def _encoder_layer(norm: NormSpec) -> ModuleSpec:
     """Bidirectional self-attention taking the encoder mask, then the MLP (fresh specs on each call)."""
     return ModuleSpec(
         module=TransformerLayer,
@@ -52,7 +52,7 @@ def _encoder_layer(norm: Norm) -> ModuleSpec:
     )
 
 
-def _decoder_layer(norm: Norm) -> ModuleSpec:
+def _decoder_layer(norm: NormSpec) -> ModuleSpec:
     """Causal self-attention, cross-attention over the encoder output, then the MLP."""
     return ModuleSpec(
         module=TransformerLayer,
@@ -69,12 +69,12 @@ def _decoder_layer(norm: Norm) -> ModuleSpec:
 
 def encoder_model_with_local_spec() -> ModuleSpec:
     """Megatron-core's T5 encoder layer."""
-    return _encoder_layer(build_norm)
+    return _encoder_layer(Norm)
 
 
 def decoder_model_with_local_spec() -> ModuleSpec:
     """Megatron-core's T5 decoder layer."""
-    return _decoder_layer(build_norm)
+    return _decoder_layer(Norm)
 
 
 def encoder_model_with_transformer_engine_default_spec() -> ModuleSpec:

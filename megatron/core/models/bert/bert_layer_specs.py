@@ -21,7 +21,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.norms import Norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -35,9 +35,9 @@ def _padding_attention() -> ModuleSpec:
 bert_layer_local_spec = ModuleSpec(
     module=TransformerLayer,
     submodules=TransformerLayerSubmodules(
-        input_layernorm=build_norm,
+        input_layernorm=Norm,
         self_attention=_padding_attention(),
-        pre_mlp_layernorm=build_norm,
+        pre_mlp_layernorm=Norm,
         mlp=MLP,
     ),
 )
@@ -49,8 +49,8 @@ bert_layer_post_ln_spec = ModuleSpec(
         self_attention=_padding_attention(),
         pre_mlp_layernorm=IdentityOp,
         mlp=MLP,
-        post_self_attn_layernorm=build_norm,
-        post_mlp_layernorm=build_norm,
+        post_self_attn_layernorm=Norm,
+        post_mlp_layernorm=Norm,
     ),
 )
 

@@ -76,7 +76,7 @@ class BertModel(LanguageModule):
     ) -> None:
         super().__init__(config)
         groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
-        config.check_against(groups)
+        config.check_against(groups, adopt_unset=pg_collection is None)
         refuse_unimplemented("BertModel", context_parallel_size=(groups.size_of("cp"), 1))
         if return_embeddings and not (post_process and add_binary_head):
             raise ValueError("BertModel: return_embeddings needs post_process=True and add_binary_head=True")

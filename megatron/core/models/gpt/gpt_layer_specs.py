@@ -10,11 +10,11 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.norms import Norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -22,10 +22,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.utils import refuse_unimplemented
 
 NORMALIZATIONS = (None, "LayerNorm", "RMSNorm")
-
-
-def _norm(config, hidden_size, eps):
-    return build_norm(config, hidden_size, eps)
 
 
 def get_gpt_layer_local_spec(
@@ -74,16 +70,40 @@ def get_gpt_layer_local_spec(
     attention_params = {"attn_mask_type": AttnMaskType.causal}
     if qk_layernorm is not None:
         attention_params["qk_layernorm"] = bool(qk_layernorm)
-    mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP)) if num_experts else MLP
+    mlp = get_mlp_module_spec(use_te=False, num_experts=num_experts)
+    qk_norm = Norm if qk_layernorm else None
+    attention = SelfAttentionSubmodules(q_layernorm=qk_norm, k_layernorm=qk_norm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=_norm,
-            self_attention=ModuleSpec(module=SelfAttention, params=attention_params),
-            pre_mlp_layernorm=_norm,
+            input_layernorm=Norm,
+            self_attention=ModuleSpec(module=SelfAttention, params=attention_params, submodules=attention),
+            pre_mlp_layernorm=Norm,
             mlp=mlp,
         ),
     )
+
+
+def get_mlp_module_spec(
+    use_te: Optional[bool] = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+) -> ModuleSpec:
+    """The MLP of a layer: dense ``MLP``, or with ``num_experts`` a ``MoELayer`` of ``MLP`` experts.
+
+    Megatron-core's arguments. ``use_te``, ``moe_grouped_gemm``, ``moe_use_legacy_grouped_gemm`` and
+    ``use_te_op_fuser`` choose GPU kernels computing the same, so the spec is the same; ``fp8`` is
+    deprecated in Megatron, which warns and ignores it, as here.
+    """
+    del use_te, moe_grouped_gemm, moe_use_legacy_grouped_gemm, use_te_op_fuser  # kernel choices (docstring)
+    if fp8 is not None:
+        warnings.warn("get_mlp_module_spec: the fp8 argument is deprecated and has no effect", stacklevel=2)
+    if num_experts:
+        return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP))
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules())
 
 
 def get_gpt_decoder_block_spec(

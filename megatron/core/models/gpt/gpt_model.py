@@ -75,17 +75,24 @@ class GPTModel(LanguageModule):
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
-        seq_len_interpolation_factor: Optional[float] = None,
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: Optional[float] = None,
+        mtp_block_spec: Optional[ModuleSpec] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
         vp_stage: Optional[int] = None,
         **config_fields: Any,
     ) -> None:
+        refuse_unimplemented(
+            "GPTModel",
+            scatter_embedding_sequence_parallel=(scatter_embedding_sequence_parallel, True),
+            mtp_block_spec=(mtp_block_spec, None),
+        )
         config = _config_from_keywords(config, config_fields)
         super().__init__(config)
         groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
-        config.check_against(groups)
+        config.check_against(groups, adopt_unset=pg_collection is None)
         self.pg_collection = groups
         self.vocab_size = vocab_size if vocab_size is not None else SHORT_FORM_VOCAB_SIZE
         self.max_sequence_length = max_sequence_length or SHORT_FORM_MAX_SEQUENCE_LENGTH
@@ -155,6 +162,7 @@ class GPTModel(LanguageModule):
         *,
         inference_params: Optional[Any] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Megatron-core's ``GPTModel.forward`` arguments; those not implemented must keep their defaults.
 
@@ -162,7 +170,7 @@ class GPTModel(LanguageModule):
         it). ``loss_mask`` is used by Megatron only for multi-token prediction, which is not built
         here (``mtp_num_layers`` is refused), so as there it does not change the result: the loss
         function applies the mask. ``inference_params`` (megatron-core's deprecated name of
-        ``inference_context``), ``packed_seq_params`` and ``extra_block_kwargs`` raise
+        ``inference_context``), ``packed_seq_params``, ``extra_block_kwargs`` and ``padding_mask`` raise
         ``NotImplementedError`` unless None.
 
         ``inference_context`` (``megatron.core.inference.StaticInferenceContext``) makes this call the
@@ -176,6 +184,7 @@ class GPTModel(LanguageModule):
             inference_params=(inference_params, None),
             packed_seq_params=(packed_seq_params, None),
             extra_block_kwargs=(extra_block_kwargs or None, None),
+            padding_mask=(None if padding_mask is None else "a tensor", None),  # Megatron: MoE routing only
         )
         if inference_context is not None and self.cp_size > 1:
             raise NotImplementedError(

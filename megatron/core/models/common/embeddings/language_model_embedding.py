@@ -6,7 +6,6 @@ import contextlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
@@ -52,6 +51,8 @@ class LanguageModelEmbedding(MegatronModule):
         if num_tokentypes < 0:
             raise ValueError(f"num_tokentypes={num_tokentypes}: must be >= 0")
         self.num_tokentypes = num_tokentypes
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.add_position_embedding = position_embedding_type == "learned_absolute"
         self.tp_group = pg_collection.tp
         self.sequence_parallel = config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
@@ -70,6 +71,7 @@ class LanguageModelEmbedding(MegatronModule):
             self.position_embeddings = self._replicated_embedding(max_sequence_length)
         self.tokentype_embeddings = self._replicated_embedding(num_tokentypes) if num_tokentypes else None
         self.embedding_layernorm = build_norm(config, config.hidden_size) if embedding_layernorm else None
+        self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def _replicated_embedding(self, rows: int) -> torch.nn.Embedding:
         table = torch.nn.Embedding(rows, self.config.hidden_size, dtype=self.config.params_dtype)
@@ -98,11 +100,11 @@ class LanguageModelEmbedding(MegatronModule):
             words = words + replicated
         if self.embedding_layernorm is not None:
             words = self.embedding_layernorm(words)
-        p = self.config.hidden_dropout if self.training else 0.0
+        dropping = self.training and self.embedding_dropout.p > 0
         # Sequence shards differ per TP rank, so their dropout masks must too.
-        rng = get_cuda_rng_tracker().fork() if self.sequence_parallel and p > 0 else contextlib.nullcontext()
+        rng = get_cuda_rng_tracker().fork() if self.sequence_parallel and dropping else contextlib.nullcontext()
         with rng:
-            words = F.dropout(words, p=p, training=p > 0)
+            words = self.embedding_dropout(words)
         # fp32_residual_connection: the residual stream starts here, in fp32.
         return words.float() if self.config.fp32_residual_connection else words
 
