@@ -57,7 +57,7 @@ def test_no_blend_means_mock_data_split_evenly():
     assert len(train) >= 100
     # None: one epoch of the split's documents (valid and test are built, not skipped).
     assert len(valid) > 0 and len(test) > 0 and valid.num_samples is None
-    assert _mock_config(split="1,0,0").split == "1,0,0"
+    assert _mock_config(split="1,0,0").split == "1,1,1"  # as upstream: no data means an even split
 
 
 def test_none_size_over_a_weighted_blend_asserts(tmp_path):

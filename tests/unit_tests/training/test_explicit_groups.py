@@ -34,7 +34,7 @@ megatron/core/models/gpt/gpt_model.py GPTModel.__init__ use_mpu_process_groups
 megatron/core/models/bert/bert_model.py BertModel.__init__ use_mpu_process_groups
 megatron/core/models/T5/t5_model.py T5Model.__init__ use_mpu_process_groups
 megatron/core/distributed/distributed_data_parallel.py DistributedDataParallel.__init__ use_mpu_process_groups
-megatron/core/distributed/finalize_model_grads.py finalize_model_grads use_mpu_process_groups
+megatron/core/distributed/finalize_model_grads.py _model_groups use_mpu_process_groups
 megatron/core/optimizer/__init__.py get_megatron_optimizer use_mpu_process_groups
 megatron/core/pipeline_parallel/microbatch.py ScheduleArgs.__post_init__ use_mpu_process_groups
 megatron/core/pipeline_parallel/schedules.py get_forward_backward_func model_parallel_is_initialized
