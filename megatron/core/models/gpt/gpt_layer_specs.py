@@ -14,6 +14,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -56,12 +57,13 @@ def get_gpt_layer_local_spec(
         normalization: ``"LayerNorm"`` / ``"RMSNorm"`` pick a norm kernel in Megatron's local spec,
             whose norms still compute ``config.normalization``; ours always compute
             ``config.normalization``.
-        multi_latent_attention, qk_l2_norm, use_kitchen, use_kitchen_attention, kitchen_attention_backend:
+        multi_latent_attention: the attention is an ``MLASelfAttention`` (its config needs
+            ``multi_latent_attention=True``; its latent norms follow ``config.qk_layernorm``).
+        qk_l2_norm, use_kitchen, use_kitchen_attention, kitchen_attention_backend:
             only their defaults are implemented; another value raises ``NotImplementedError``.
     """
     refuse_unimplemented(
         "get_gpt_layer_local_spec",
-        multi_latent_attention=(multi_latent_attention, False),
         qk_l2_norm=(qk_l2_norm, False),
         use_kitchen=(use_kitchen, False),
         use_kitchen_attention=(use_kitchen_attention, False),
@@ -72,14 +74,15 @@ def get_gpt_layer_local_spec(
     if fp8 is not None:
         warnings.warn("get_gpt_layer_local_spec: the fp8 argument is deprecated and has no effect", stacklevel=2)
     attention_params = {"attn_mask_type": AttnMaskType.causal}
-    if qk_layernorm is not None:
+    if qk_layernorm is not None and not multi_latent_attention:
         attention_params["qk_layernorm"] = bool(qk_layernorm)
+    attention = MLASelfAttention if multi_latent_attention else SelfAttention
     mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP)) if num_experts else MLP
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=_norm,
-            self_attention=ModuleSpec(module=SelfAttention, params=attention_params),
+            self_attention=ModuleSpec(module=attention, params=attention_params),
             pre_mlp_layernorm=_norm,
             mlp=mlp,
         ),
@@ -101,12 +104,14 @@ def get_gpt_decoder_block_spec(
     ``(pp_rank, vp_stage)``; ``TransformerBlock`` here picks its stage's layers from the full list
     itself, so both arguments are accepted and the list always covers every layer.
     """
+    mla = config.multi_latent_attention
     dense = get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
+        qk_layernorm=config.qk_layernorm, multi_latent_attention=mla, normalization=normalization, qk_l2_norm=qk_l2_norm
     )
     moe = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
         qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=mla,
         normalization=normalization,
         qk_l2_norm=qk_l2_norm,
     )

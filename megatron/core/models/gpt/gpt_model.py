@@ -10,6 +10,7 @@ import torch
 from megatron.core.context_parallel import cp_chunk_positions
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.models.common.language_module import LanguageModule
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ProcessGroupCollection
@@ -38,6 +39,23 @@ def _config_from_keywords(config: Optional[TransformerConfig], fields: dict) -> 
             raise TypeError(f"pass either config= or TransformerConfig fields, not both (got {sorted(fields)})")
         return config
     return TransformerConfig(**fields)
+
+
+def _latent_attention_rotary(
+    config: TransformerConfig, rotary_percent: float, interpolation: Optional[float], rotary_base: float
+) -> RotaryEmbedding:
+    """Multi-latent attention's angles for its ``qk_pos_emb_head_dim`` channels (RoPE or YaRN), whatever
+    ``position_embedding_type`` says, as in Megatron; MLA applies YaRN's cos/sin scale itself."""
+    if config.rope_type == "yarn":
+        return YarnRotaryEmbedding(
+            config.qk_pos_emb_head_dim,
+            rotary_base,
+            config.rotary_scaling_factor,
+            config.original_max_position_embeddings,
+            config.beta_fast,
+            config.beta_slow,
+        )
+    return RotaryEmbedding(config.qk_pos_emb_head_dim, rotary_percent, False, interpolation, rotary_base)
 
 
 class GPTModel(LanguageModule):
@@ -102,7 +120,11 @@ class GPTModel(LanguageModule):
                     config, self.vocab_size, self.max_sequence_length, position_embedding_type, pg_collection=groups
                 )
         self.rotary_pos_emb = None
-        if position_embedding_type == "rope":
+        if config.multi_latent_attention:
+            self.rotary_pos_emb = _latent_attention_rotary(
+                config, rotary_percent, seq_len_interpolation_factor, rotary_base
+            )
+        elif position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
                 rotary_percent,
