@@ -11,60 +11,14 @@ the logits far more than that.
 """
 
 import torch
-import torch.nn.functional as F
 import transformers  # a test dependency: missing it must fail, not skip
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt.hf_state_dict import from_hf_llama, to_hf_llama
 from tests.dist_harness import run_distributed
-from tests.model_utils import VOCAB, batch, build_gpt
+from tests.model_utils import VOCAB, batch, build_gpt, deepseek_style
 
 MAX_ABS = 1e-4
-YARN = dict(rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.7, original_max_position_embeddings=256)
-
-
-def deepseek_style(**overrides):
-    """A 3-layer DeepSeek-V3 shape: MLA + YaRN, one dense layer, then sigmoid group-limited MoE."""
-    kw = dict(
-        num_layers=3,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
-        vocab_size=VOCAB,
-        max_sequence_length=16,
-        multi_latent_attention=True,
-        qk_layernorm=True,
-        q_lora_rank=16,
-        kv_lora_rank=12,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=6,
-        rope_type="yarn",
-        **YARN,
-        num_moe_experts=8,
-        moe_layer_freq=[0, 1, 1],
-        moe_ffn_hidden_size=16,
-        moe_router_topk=4,
-        moe_router_score_function="sigmoid",
-        moe_router_num_groups=4,
-        moe_router_group_topk=2,
-        moe_router_topk_scaling_factor=2.5,
-        moe_router_enable_expert_bias=True,
-        moe_router_load_balancing_type="none",
-        moe_shared_expert_intermediate_size=32,
-    )
-    kw.update(overrides)
-    return kw
 
 
 def hf_deepseek(config, **rope_overrides):
