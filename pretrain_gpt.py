@@ -36,9 +36,13 @@ def model_provider(
 ) -> GPTModel:
     """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
 
-    With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer).
+    With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer); with
+    --multi-latent-attention their attention is MLA.
     """
-    spec = get_gpt_decoder_block_spec(config) if args.num_experts else get_gpt_layer_local_spec()
+    if args.num_experts:
+        spec = get_gpt_decoder_block_spec(config)
+    else:
+        spec = get_gpt_layer_local_spec(multi_latent_attention=config.multi_latent_attention)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

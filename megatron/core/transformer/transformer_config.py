@@ -294,11 +294,9 @@ class TransformerConfig(ModelParallelConfig):
     def _check_shared_experts(self) -> None:
         size = self.moe_shared_expert_intermediate_size
         if size is None:
-            if self.moe_shared_expert_gate or self.moe_shared_expert_overlap:
-                raise ValueError(
-                    f"moe_shared_expert_gate={self.moe_shared_expert_gate}, moe_shared_expert_overlap="
-                    f"{self.moe_shared_expert_overlap} need moe_shared_expert_intermediate_size"
-                )
+            given = [f"{n}=True" for n in ("moe_shared_expert_gate", "moe_shared_expert_overlap") if getattr(self, n)]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs shared experts (moe_shared_expert_intermediate_size=None)")
             return
         require_positive("moe_shared_expert_intermediate_size", size)
         require_divisible(
