@@ -45,6 +45,28 @@ class FlopsConfig:
     num_moe_layers: int = 0  # of num_layers, whose MLP runs moe_router_topk experts of moe_ffn_hidden_size
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
+    moe_shared_expert_intermediate_size: Optional[int] = None  # MoE layers also run this MLP on every token
+    multi_latent_attention: bool = False  # the attention term is then ``mla_attention_flops``
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
+
+
+def mla_attention_flops(cfg: FlopsConfig) -> float:
+    """Forward FLOPs per token of one multi-latent attention layer (matmuls, 2 per multiply-add).
+
+    With n heads, dq = qk_head_dim + qk_pos_emb_head_dim, dv = v_head_dim: the query path
+    ``h -> q_lora_rank -> n*dq`` (or ``h -> n*dq``), the key/value down projection
+    ``h -> kv_lora_rank + qk_pos_emb_head_dim``, its up projection ``kv_lora_rank -> n*(qk_head_dim + dv)``,
+    the output ``n*dv -> h``, and the full s x s scores (``n*dq``) and weighted values (``n*dv``).
+    """
+    h, s, n = cfg.hidden_size, cfg.seq_length, cfg.num_attention_heads
+    dq, dv = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    query = h * n * dq if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + n * dq)
+    key_value = h * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) + cfg.kv_lora_rank * n * (cfg.qk_head_dim + dv)
+    return 2 * (query + key_value + n * dv * h) + 2 * s * n * (dq + dv)
 
 
 def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
@@ -62,8 +84,9 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     * MLP: h -> f and f -> h: 4*h*f; with SwiGLU the first projection is
       h -> 2f (gate and up): 6*h*f;
     * logits (once, not per layer): 2*h*V.
-    * MoE layers: the MLP term with f = topk * moe_ffn_hidden_size (each token runs k
-      experts; the router's 2*h*E is not counted).
+    * MoE layers: the MLP term with f = topk * moe_ffn_hidden_size, plus the shared experts'
+      width (each token runs k experts and the shared ones; the router's 2*h*E is not counted).
+    * multi-latent attention replaces the attention terms by ``mla_attention_flops``.
 
     The backward pass costs twice the forward (a gradient for the input and one
     for the weight of every matmul), so the iteration costs 3x the forward:
@@ -79,9 +102,10 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     q = cfg.num_attention_heads * d
     k = (cfg.num_query_groups or cfg.num_attention_heads) * d
     gated = 1.5 if cfg.swiglu else 1.0
-    attention = 4 * h * q * (1 + k / q) + 4 * s * q
+    attention = mla_attention_flops(cfg) if cfg.multi_latent_attention else 4 * h * q * (1 + k / q) + 4 * s * q
     dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
-    moe_ffn = cfg.num_moe_layers * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
+    per_moe_layer = cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0)
+    moe_ffn = cfg.num_moe_layers * per_moe_layer
     forward_per_token = (
         cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size
     )

@@ -148,7 +148,7 @@ RECORDS = (
         "multi_latent_attention",
         IMPLEMENTED,
         help="Multi-latent attention (DeepSeek-V2/V3): queries, keys and values from low-rank latents.",
-        fills=same(TC),
+        fills=same(TC, FL),
     ),
     Flag("experimental_attention_variant", not_yet(None)),
     Flag("dsa_indexer_n_heads", no_op(reasons.UNDER_REFUSED), type=int),
@@ -196,7 +196,7 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="Width of the shared experts' MLP, run on every token beside the routed experts.",
-        fills=same(TC),
+        fills=same(TC, FL),
     ),
     Flag(
         "moe_shared_expert_gate",
@@ -400,14 +400,20 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="MLA: rank of the query latent (unset: no compression).",
-        fills=same(TC),
+        fills=same(TC, FL),
     ),
-    Flag("kv_lora_rank", IMPLEMENTED, type=int, help="MLA: rank of the key/value latent.", fills=same(TC)),
-    Flag("qk_head_dim", IMPLEMENTED, type=int, help="MLA: query/key channels per head without RoPE.", fills=same(TC)),
+    Flag("kv_lora_rank", IMPLEMENTED, type=int, help="MLA: rank of the key/value latent.", fills=same(TC, FL)),
     Flag(
-        "qk_pos_emb_head_dim", IMPLEMENTED, type=int, help="MLA: query/key channels per head with RoPE.", fills=same(TC)
+        "qk_head_dim", IMPLEMENTED, type=int, help="MLA: query/key channels per head without RoPE.", fills=same(TC, FL)
     ),
-    Flag("v_head_dim", IMPLEMENTED, type=int, help="MLA: value channels per head.", fills=same(TC)),
+    Flag(
+        "qk_pos_emb_head_dim",
+        IMPLEMENTED,
+        type=int,
+        help="MLA: query/key channels per head with RoPE.",
+        fills=same(TC, FL),
+    ),
+    Flag("v_head_dim", IMPLEMENTED, type=int, help="MLA: value channels per head.", fills=same(TC, FL)),
     Flag("rotary_scaling_factor", IMPLEMENTED, type=float, help="YaRN: context extension factor.", fills=same(TC)),
     Flag("mscale", IMPLEMENTED, type=float, help="YaRN: cos/sin scale (over --mscale-all-dim's).", fills=same(TC)),
     Flag("mscale_all_dim", IMPLEMENTED, type=float, help="YaRN: softmax temperature coefficient.", fills=same(TC)),
