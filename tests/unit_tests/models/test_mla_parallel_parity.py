@@ -1,5 +1,5 @@
 """A DeepSeek-V3-style GPTModel (MLA + YaRN, shared experts with a gate, sigmoid group-limited
-routing with expert bias) under TP=2, TP=2 with sequence parallelism, and CP=2 equals one rank.
+routing with expert bias) under TP=2, TP=2 with sequence parallelism, CP=2 and EP=2 equals one rank.
 
 One spawned pair of ranks checks all three against a one-rank reference built on each rank from
 the same seed: the per-token loss (under CP at this rank's global positions) and every gradient of
@@ -16,6 +16,7 @@ from megatron.core.distributed.finalize_model_grads import allreduce_sequence_pa
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, deepseek_style, gather_tp, single_rank_groups
+from tests.unit_tests.transformer.test_moe_expert_parallel import E, _compare, _groups, _one_step
 
 RTOL, ATOL = 1e-5, 1e-6
 STYLE = dict(moe_shared_expert_gate=True, moe_router_dtype="fp32")
@@ -62,3 +63,17 @@ def _compare_layouts(rank, world_size):
 
 def test_deepseek_style_tp_sp_cp_equal_one_rank():
     run_distributed(_compare_layouts, 2)
+
+
+def _expert_parallel(rank, world_size):
+    """EP=2 (each rank half the routed experts, shared experts and MLA replicated, DDP over both ranks)
+    against one rank on the whole batch: the mean loss and every gradient after finalize_model_grads."""
+    kw = deepseek_style(num_moe_experts=E, moe_router_topk=2, moe_router_num_groups=2, moe_router_group_topk=1, **STYLE)
+    global_batch = 2 * world_size
+    return _compare(
+        "ep=2", _one_step(kw, _groups(1, 2), global_batch), _one_step(kw, single_rank_groups(), global_batch)
+    )
+
+
+def test_deepseek_style_ep2_equals_one_rank():
+    assert max(run_distributed(_expert_parallel, 2)) < 1e-5
