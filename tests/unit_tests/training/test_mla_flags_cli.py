@@ -50,6 +50,7 @@ def test_mla_and_shared_expert_flags_fill_the_config():
         (MLA_FLAGS + ["--rotary-scaling-factor", "0.5"], "--rotary-scaling-factor 0.5: must be >= 1"),
         (MLA_FLAGS + ["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
         (MLA_FLAGS + ["--cache-mla-latents"], "not supported yet.*--cache-mla-latents"),
+        (MLA_FLAGS + ["--use-rope-scaling"], "--use-rope-scaling with --multi-latent-attention"),
     ],
 )
 def test_bad_combinations_are_refused_naming_the_flags(extra, named):

@@ -54,6 +54,7 @@ def _latent_attention_rotary(
             config.original_max_position_embeddings,
             config.beta_fast,
             config.beta_slow,
+            interpolation,
         )
     return RotaryEmbedding(config.qk_pos_emb_head_dim, rotary_percent, False, interpolation, rotary_base)
 
@@ -121,6 +122,8 @@ class GPTModel(LanguageModule):
                 )
         self.rotary_pos_emb = None
         if config.multi_latent_attention:
+            if rope_scaling:
+                raise ValueError("rope_scaling=True (Llama 3.1's, --use-rope-scaling): not supported with MLA")
             self.rotary_pos_emb = _latent_attention_rotary(
                 config, rotary_percent, seq_len_interpolation_factor, rotary_base
             )

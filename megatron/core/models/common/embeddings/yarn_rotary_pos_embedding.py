@@ -9,7 +9,7 @@ softmax temperature (``yarn_mscale``) live in ``transformer/rope_utils.py``: att
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -58,8 +58,11 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         original_max_position_embeddings: int = 4096,
         beta_fast: float = 32.0,
         beta_slow: float = 1.0,
+        seq_len_interpolation_factor: Optional[float] = None,
     ) -> None:
-        super().__init__(kv_channels, rotary_base=rotary_base)
+        super().__init__(
+            kv_channels, rotary_base=rotary_base, seq_len_interpolation_factor=seq_len_interpolation_factor
+        )
         inv_freq = yarn_inverse_frequencies(
             kv_channels, rotary_base, scaling_factor, original_max_position_embeddings, beta_fast, beta_slow
         )  # [dim/2]
