@@ -91,7 +91,9 @@ def forward_step(data_iterator: Iterator, model: GPTModel):
     """Run one micro batch; returns the model output and the loss function to apply to it."""
     batch = get_batch(data_iterator, model)
     attention_mask = batch.get("attention_mask")
-    output = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"])
+    output = model(
+        batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"], loss_mask=batch["loss_mask"]
+    )  # the loss mask: for multi-token prediction's losses
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -52,6 +52,7 @@ class FlopsConfig:
     qk_head_dim: int = 0
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
+    mtp_num_layers: int = 0  # each: eh_proj (2h -> h), one layer like the last, its own logits
 
 
 def mla_attention_flops(cfg: FlopsConfig) -> float:
@@ -87,6 +88,8 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     * MoE layers: the MLP term with f = topk * moe_ffn_hidden_size, plus the shared experts'
       width (each token runs k experts and the shared ones; the router's 2*h*E is not counted).
     * multi-latent attention replaces the attention terms by ``mla_attention_flops``.
+    * each multi-token prediction module: ``eh_proj`` (2h -> h: 4h^2), one layer of the last
+      layer's kind (MoE when there are MoE layers) and its own logits.
 
     The backward pass costs twice the forward (a gradient for the input and one
     for the weight of every matmul), so the iteration costs 3x the forward:
@@ -106,8 +109,10 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
     per_moe_layer = cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0)
     moe_ffn = cfg.num_moe_layers * per_moe_layer
+    last_ffn = per_moe_layer if cfg.num_moe_layers else cfg.ffn_hidden_size  # an MTP layer repeats the last kind
+    mtp = cfg.mtp_num_layers * (4 * h * h + attention + 4 * h * last_ffn * gated + 2 * h * cfg.padded_vocab_size)
     forward_per_token = (
-        cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size
+        cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size + mtp
     )
     return 3.0 * batch_size * s * forward_per_token
 

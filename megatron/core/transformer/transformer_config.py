@@ -129,6 +129,12 @@ class TransformerConfig(ModelParallelConfig):
     moe_shared_expert_overlap: bool = False
     """Overlap the shared experts with dispatch on GPU streams; the same result (sequential here)."""
 
+    # Multi-token prediction (DeepSeek-V3; see multi_token_prediction.py).
+    mtp_num_layers: Optional[int] = None
+    """Prediction modules after the decoder (module k predicts the token k+1 ahead); None: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Their losses' weight in the gradient, shared equally between the modules."""
+
     # Multi-latent attention (DeepSeek-V2/V3; see multi_latent_attention.py).
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None
@@ -181,6 +187,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_window()
         self._check_moe()
         self._check_latent_attention()
+        self._check_multi_token_prediction()
         if self.initialization_seed is not None and not self.use_cpu_initialization:
             raise ValueError(
                 f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
@@ -302,6 +309,17 @@ class TransformerConfig(ModelParallelConfig):
         require_divisible(
             "moe_shared_expert_intermediate_size", size, "tensor_model_parallel_size", self.tensor_model_parallel_size
         )
+
+    def _check_multi_token_prediction(self) -> None:
+        if self.mtp_num_layers is None:
+            return
+        require_positive("mtp_num_layers", self.mtp_num_layers)
+        pp, cp = self.pipeline_model_parallel_size, self.context_parallel_size
+        if pp > 1 or cp > 1:
+            raise ValueError(
+                f"mtp_num_layers={self.mtp_num_layers} with pipeline_model_parallel_size={pp}, "
+                f"context_parallel_size={cp}: not supported yet (only without PP and CP)"
+            )
 
     def _check_latent_attention(self) -> None:
         if self.rope_type not in (None, "rope", "yarn"):

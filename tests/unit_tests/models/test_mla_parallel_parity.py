@@ -1,5 +1,6 @@
 """A DeepSeek-V3-style GPTModel (MLA + YaRN, shared experts with a gate, sigmoid group-limited
-routing with expert bias) under TP=2, TP=2 with sequence parallelism, CP=2 and EP=2 equals one rank.
+routing with expert bias, and under TP and EP one multi-token prediction module) under TP=2, TP=2
+with sequence parallelism, CP=2 and EP=2 equals one rank.
 
 One spawned pair of ranks checks all three against a one-rank reference built on each rank from
 the same seed: the per-token loss (under CP at this rank's global positions) and every gradient of
@@ -20,6 +21,7 @@ from tests.unit_tests.transformer.test_moe_expert_parallel import E, _compare, _
 
 RTOL, ATOL = 1e-5, 1e-6
 STYLE = dict(moe_shared_expert_gate=True, moe_router_dtype="fp32")
+MTP = dict(mtp_num_layers=1)  # multi-token prediction: not with CP (refused)
 
 
 def _loss_and_grads(model, tokens, labels, groups):
@@ -46,13 +48,13 @@ def _check(where, loss, grads, ref_loss, ref_grads):
 
 def _compare_layouts(rank, world_size):
     tokens, labels = batch()
-    ref_loss, ref_grads = _loss_and_grads(
-        build_gpt(deepseek_style(**STYLE), single_rank_groups()), tokens, labels, single_rank_groups()
-    )
+    one = single_rank_groups()
     tp = build_process_groups(ParallelLayout(world_size=world_size, tensor_model_parallel_size=world_size))
+    ref = _loss_and_grads(build_gpt(deepseek_style(**STYLE, **MTP), one), tokens, labels, one)
     for sp in (False, True):
-        model = build_gpt(deepseek_style(sequence_parallel=sp, **STYLE), tp)
-        _check(f"tp={world_size} sp={sp}", *_loss_and_grads(model, tokens, labels, tp), ref_loss, ref_grads)
+        model = build_gpt(deepseek_style(sequence_parallel=sp, **STYLE, **MTP), tp)
+        _check(f"tp={world_size} sp={sp} mtp", *_loss_and_grads(model, tokens, labels, tp), *ref)
+    ref_loss, ref_grads = _loss_and_grads(build_gpt(deepseek_style(**STYLE), one), tokens, labels, one)
     cp = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
     local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cp.cp)
     model = build_gpt(deepseek_style(**STYLE), cp)
@@ -68,7 +70,9 @@ def test_deepseek_style_tp_sp_cp_equal_one_rank():
 def _expert_parallel(rank, world_size):
     """EP=2 (each rank half the routed experts, shared experts and MLA replicated, DDP over both ranks)
     against one rank on the whole batch: the mean loss and every gradient after finalize_model_grads."""
-    kw = deepseek_style(num_moe_experts=E, moe_router_topk=2, moe_router_num_groups=2, moe_router_group_topk=1, **STYLE)
+    kw = deepseek_style(
+        num_moe_experts=E, moe_router_topk=2, moe_router_num_groups=2, moe_router_group_topk=1, **STYLE, **MTP
+    )
     global_batch = 2 * world_size
     return _compare(
         "ep=2", _one_step(kw, _groups(1, 2), global_batch), _one_step(kw, single_rank_groups(), global_batch)

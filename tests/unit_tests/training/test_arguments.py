@@ -160,7 +160,7 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
         (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
         (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
         (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
-        (["--mtp-num-layers", "1"], "--mtp-num-layers"),
+        (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone"),
         (
             ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
             "--hierarchical-context-parallel-sizes",

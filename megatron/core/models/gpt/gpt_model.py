@@ -19,6 +19,8 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     initialization_rng,
 )
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, mtp_loss_name, roll_left
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -137,9 +139,10 @@ class GPTModel(LanguageModule):
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
             )
+        block_spec = transformer_layer_spec or get_gpt_decoder_block_spec(config)
         self.decoder = TransformerBlock(
             config,
-            transformer_layer_spec or get_gpt_decoder_block_spec(config),
+            block_spec,
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=groups,
@@ -159,6 +162,10 @@ class GPTModel(LanguageModule):
                     tp_group=groups.tp,
                 )
             self.mark_tied_output_weight(share_embeddings_and_output_weights)
+        self.mtp = None
+        if config.mtp_num_layers and post_process:
+            last = block_spec.layer_specs[-1] if isinstance(block_spec, TransformerBlockSubmodules) else block_spec
+            self.mtp = MultiTokenPredictionBlock(config, last, pg_collection=groups)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Activation from the previous pipeline stage (a tensor or a one-element list)."""
@@ -184,8 +191,8 @@ class GPTModel(LanguageModule):
         """Megatron-core's ``GPTModel.forward`` arguments; those not implemented must keep their defaults.
 
         ``runtime_gather_output`` overrides ``parallel_output`` for the returned logits (None: keep
-        it). ``loss_mask`` is used by Megatron only for multi-token prediction, which is not built
-        here (``mtp_num_layers`` is refused), so as there it does not change the result: the loss
+        it). ``loss_mask`` ``[b, s]`` is used only by multi-token prediction (``mtp_num_layers``), as in Megatron:
+        its losses count the shifted mask's tokens; the main loss is returned per token and the loss
         function applies the mask. ``inference_params`` (megatron-core's deprecated name of
         ``inference_context``), ``packed_seq_params`` and ``extra_block_kwargs`` raise
         ``NotImplementedError`` unless None.
@@ -219,6 +226,8 @@ class GPTModel(LanguageModule):
         )  # [s(/tp), b, h]
         if not self.post_process:
             return hidden
+        if self.mtp is not None and labels is not None:
+            hidden = self._with_mtp_losses(hidden, input_ids, position_ids, attention_mask, rotary, labels, loss_mask)
         if inference_context is not None and inference_context.materialize_only_last_token_logits:
             hidden = hidden[-1:]  # [1, b, h]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
@@ -228,6 +237,36 @@ class GPTModel(LanguageModule):
                 logits = gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         return self.compute_language_model_loss(labels, logits)
+
+    def _with_mtp_losses(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        rotary: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        loss_mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """``hidden`` ``[s(/tp), b, h]`` unchanged, carrying the multi-token prediction losses' gradient.
+
+        Module k's loss is the mean (or, with ``calculate_per_token_loss``, the sum) over the loss
+        mask shifted k times of the cross entropy against the labels shifted k times.
+        """
+        c, tracker = self.config, self.mtp.aux_loss_tracker
+        outputs = self.mtp(input_ids, position_ids, hidden, self.embedding, attention_mask, rotary)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()  # [b, s]
+        for depth, mtp_hidden in enumerate(outputs, 1):
+            labels, mask = roll_left(labels), roll_left(mask)
+            logits, _ = self.output_layer(mtp_hidden, weight=weight)  # [s, b, vocab/tp]
+            total = (self.compute_language_model_loss(labels, logits) * mask).sum()
+            mean = total / mask.sum().clamp(min=1)
+            if self.training:
+                tracker.add(mtp_loss_name(depth), mean, 1, c.num_layers)
+            scaled = c.mtp_loss_scaling_factor / c.mtp_num_layers * (total if c.calculate_per_token_loss else mean)
+            hidden = MoEAuxLossAutoScaler.apply(hidden, scaled, 1.0, tracker)
+        return hidden
 
     def _rotary(self, local: int, inference_context: Optional[Any]) -> Optional[torch.Tensor]:
         """RoPE angles ``[s(/cp), 1, 1, dim]`` of this call's ``local`` positions (None without RoPE).
