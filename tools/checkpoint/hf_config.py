@@ -249,6 +249,7 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
         layernorm_zero_centered_gamma=False,
         rotary_percent=1.0,
         multi_latent_attention=False,
+        mtp_num_layers=None,  # transformers' models hold no multi-token prediction modules
     )
     if kind in DECODER_FAMILIES:
         shared.update(llama_family.expected_args(kind))

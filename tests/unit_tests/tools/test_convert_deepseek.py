@@ -15,7 +15,7 @@ import transformers  # a test dependency: missing it must fail, not skip
 from tests.dist_harness import run_distributed
 from tests.functional_tests.gpt_runs import assert_ok, run_gpt, tiny_gpt_flags
 from tests.unit_tests.tools.test_convert_qwen import HF_VOCAB, MAX_ABS, TRAIN_FLAGS, _exported_body
-from tools.checkpoint import convert
+from tools.checkpoint import convert, hf_config
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4096)
 YARN.update(beta_fast=32, beta_slow=1, mscale=0.9, mscale_all_dim=0.7)
@@ -78,6 +78,9 @@ def test_round_trip_is_exact_and_refusals(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(convert.ConversionError, match="multi_latent_attention"):
         convert.megatron_to_hf(ckpt, str(tmp_path / "o1"), "qwen3_moe")
+    _, args = hf_config.megatron_args_from_hf(convert.read_hf_config(hf_in), "in", 1, 128)
+    with pytest.raises(convert.ConversionError, match="mtp_num_layers is 1"):  # HF models have no MTP modules
+        hf_config.hf_config_from_args(dict(args, mtp_num_layers=1), "deepseek_v3", HF_VOCAB, "ckpt")
     bad = _save(tmp_path / "bad", rope_parameters=dict(YARN, original_max_position_embeddings=256))
     with pytest.raises(convert.ConversionError, match="original_max_position_embeddings"):
         convert.hf_to_megatron(bad, str(tmp_path / "c2"))
