@@ -37,12 +37,16 @@ def model_provider(
 ) -> GPTModel:
     """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
 
-    With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer).
-    Global rank 0 prints the theoretical memory per rank first (Megatron's report, before building).
+    With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer); with
+    --multi-latent-attention their attention is MLA. Global rank 0 prints the theoretical memory per
+    rank first (Megatron's report, before building).
     """
     if pre_process and not vp_stage and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         report_theoretical_memory(args, device_type="cuda" if torch.cuda.is_available() else "cpu")
-    spec = get_gpt_decoder_block_spec(config) if args.num_experts else get_gpt_layer_local_spec()
+    if args.num_experts:
+        spec = get_gpt_decoder_block_spec(config)
+    else:
+        spec = get_gpt_layer_local_spec(multi_latent_attention=config.multi_latent_attention)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -91,7 +95,9 @@ def forward_step(data_iterator: Iterator, model: GPTModel):
     """Run one micro batch; returns the model output and the loss function to apply to it."""
     batch = get_batch(data_iterator, model)
     attention_mask = batch.get("attention_mask")
-    output = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"])
+    output = model(
+        batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"], loss_mask=batch["loss_mask"]
+    )  # the loss mask: for multi-token prediction's losses
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -59,6 +59,55 @@ def llama_style(**overrides) -> Dict:
     return kw
 
 
+DEEPSEEK_YARN = dict(rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.7, original_max_position_embeddings=256)
+
+
+def deepseek_style(**overrides):
+    """A 3-layer DeepSeek-V3 shape: MLA with query compression and YaRN (factor 4, mscale 0.9 over
+    mscale_all_dim 0.7), one dense layer, then MoE with sigmoid routing over 2 of 4 expert groups,
+    expert bias, top-k scaling 2.5 and shared experts."""
+    kw = dict(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        vocab_size=VOCAB,
+        max_sequence_length=16,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=6,
+        rope_type="yarn",
+        **DEEPSEEK_YARN,
+        num_moe_experts=8,
+        moe_layer_freq=[0, 1, 1],
+        moe_ffn_hidden_size=16,
+        moe_router_topk=4,
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="none",
+        moe_shared_expert_intermediate_size=32,
+    )
+    kw.update(overrides)
+    return kw
+
+
 def single_rank_groups() -> ProcessGroupCollection:
     """Groups in which every rank is alone: for building a TP=1 reference on every rank."""
     return build_process_groups(ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=1))

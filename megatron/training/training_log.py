@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from megatron.training.flops import FlopsConfig as FlopsConfig  # the FLOPs live in flops.py; re-exported
+from megatron.training.flops import mla_attention_flops as mla_attention_flops
+from megatron.training.flops import num_floating_point_operations as num_floating_point_operations
 from megatron.training.log_writers import (
     ScalarWriters,
     device_memory_scalars,
@@ -25,68 +28,6 @@ from megatron.training.log_writers import (
     open_tensorboard,
     open_wandb,
 )
-
-# ====================================================================== FLOPs
-
-
-@dataclass(frozen=True)
-class FlopsConfig:
-    """The shape of a GPT that determines its matmul FLOPs."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: int
-    seq_length: int
-    padded_vocab_size: int
-    num_query_groups: Optional[int] = None  # None: one key/value head per query head
-    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
-    swiglu: bool = False
-    num_moe_layers: int = 0  # of num_layers, whose MLP runs moe_router_topk experts of moe_ffn_hidden_size
-    moe_ffn_hidden_size: int = 0
-    moe_router_topk: int = 0
-
-
-def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward) over ``batch_size`` sequences.
-
-    Only matrix multiplications are counted, at 2 FLOPs per multiply-add. With
-    T = batch_size * s tokens, h hidden, L layers, q = heads * kv_channels (query
-    width), k = groups * kv_channels (key/value width), f the FFN width, V the
-    padded vocabulary, the forward pass costs per token:
-
-    * attention projections: Q (h x q), K and V (h x k each), output (q x h):
-      2 * (2*h*q + 2*h*k) = 4*h*q*(1 + k/q);
-    * attention scores Q K^T and the weighted sum of V: 2 * 2*s*q = 4*s*q
-      (the full s x s square: the causal mask's skipped half is counted too);
-    * MLP: h -> f and f -> h: 4*h*f; with SwiGLU the first projection is
-      h -> 2f (gate and up): 6*h*f;
-    * logits (once, not per layer): 2*h*V.
-    * MoE layers: the MLP term with f = topk * moe_ffn_hidden_size (each token runs k
-      experts; the router's 2*h*E is not counted).
-
-    The backward pass costs twice the forward (a gradient for the input and one
-    for the weight of every matmul), so the iteration costs 3x the forward:
-
-        3 * T * [ L * (4hq(1 + k/q) + 4sq + 4hf * g) + 2hV ],   g = 3/2 with SwiGLU else 1,
-
-    which is Megatron's ``12 * T * L * h^2 * (...)`` expression written out. Not counted:
-    norms, softmax, activations, embeddings lookup, loss, optimizer, and the extra
-    forward of activation recomputation (model FLOPs, not hardware FLOPs).
-    """
-    h, s = cfg.hidden_size, cfg.seq_length
-    d = cfg.kv_channels or h // cfg.num_attention_heads
-    q = cfg.num_attention_heads * d
-    k = (cfg.num_query_groups or cfg.num_attention_heads) * d
-    gated = 1.5 if cfg.swiglu else 1.0
-    attention = 4 * h * q * (1 + k / q) + 4 * s * q
-    dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
-    moe_ffn = cfg.num_moe_layers * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
-    forward_per_token = (
-        cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size
-    )
-    return 3.0 * batch_size * s * forward_per_token
-
 
 # ====================================================================== the log line
 

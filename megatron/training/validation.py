@@ -394,6 +394,14 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
     )
 
 
+def check_rope_scaling(args: argparse.Namespace) -> None:
+    """--use-rope-scaling (Llama 3.1's) scales the GPT model's RoPE; multi-latent attention has its own (YaRN)."""
+    _require(
+        not (args.use_rope_scaling and args.multi_latent_attention),
+        "--use-rope-scaling with --multi-latent-attention: not supported (MLA scales its RoPE with --rope-type yarn)",
+    )
+
+
 def check_context_parallel(args: argparse.Namespace) -> None:
     """--cp-comm-type: one value, or one per layer.
 
@@ -491,6 +499,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_batch_sizes,
     set_model_shape,
     check_context_parallel,
+    check_rope_scaling,
     set_moe,
     check_expert_parallel,
     set_precision,

@@ -349,6 +349,7 @@ def _to_hf_names(sd: StateDict, args: Args, kind: str) -> StateDict:
         ffn_hidden_size=config["ffn_hidden_size"],
         kv_channels=config["kv_channels"] or config["hidden_size"] // config["num_attention_heads"],
         num_moe_experts=config.get("num_moe_experts"),
+        multi_latent_attention=bool(config.get("multi_latent_attention")),
     )
     if kind == "bert":
         return bert_to_hf(sd, model_config, args["bert_binary_head"])

@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, the Llama family
-(Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE: ``tools/checkpoint/llama_family.py``), BERT and T5.
+(Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: ``tools/checkpoint/llama_family.py``), BERT and T5.
 
 The Megatron side is a plain dict keyed by flag destination (``num_layers``,
 ``untie_embeddings_and_output_weights``, ...): the same keys ``pretrain_gpt.py`` stores
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
-from tools.checkpoint import llama_family
+from tools.checkpoint import deepseek, llama_family
+from tools.checkpoint.errors import ConversionError, require_field
 from tools.checkpoint.llama_family import DECODER_FAMILIES
 
 Args = Dict[str, Any]
@@ -32,10 +33,6 @@ BERT_CLASSES = {True: "BertForPreTraining", False: "BertForMaskedLM"}  # by bina
 _GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --openai-gelu
 
 
-class ConversionError(ValueError):
-    """The checkpoint or config cannot be converted; the message names the file and field."""
-
-
 def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
     """``gpt2``, a Llama-family kind (``llama``, ``qwen2``...), ``bert`` or ``t5`` from ``architectures``."""
     names = hf_config.get("architectures") or []
@@ -43,13 +40,6 @@ def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
     if not known:
         raise ConversionError(f"{where}: field 'architectures' is {names!r}; supported: {sorted(ARCHITECTURES)}")
     return known[0]
-
-
-def require_field(hf: Dict[str, Any], field: str, allowed: Tuple[Any, ...], where: str) -> None:
-    if hf.get(field) not in allowed:
-        raise ConversionError(
-            f"{where}: field {field!r} is {hf.get(field)!r}; the converter supports {' or '.join(map(repr, allowed))}"
-        )
 
 
 def _gpt2_like(num_layers: int, hidden: int, heads: int, ffn: int, max_positions: int) -> Args:
@@ -126,7 +116,7 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         swiglu=True,
         openai_gelu=False,
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf, where),
+        rotary_base=None if family.mla else _rope_theta(hf, where),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=False,
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
@@ -134,7 +124,10 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         add_qkv_bias=family.add_qkv_bias,
         qk_layernorm=family.qk_layernorm,
     )
-    if family.moe:
+    if family.mla:
+        args.update(deepseek.mla_args_from_hf(hf, where))
+        args.update(deepseek.moe_args_from_hf(hf, args["num_layers"], where))
+    elif family.moe:
         args.update(llama_family.moe_args_from_hf(hf, args["num_layers"]))
     return args
 
@@ -255,6 +248,8 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
         squared_relu=False,
         layernorm_zero_centered_gamma=False,
         rotary_percent=1.0,
+        multi_latent_attention=False,
+        mtp_num_layers=None,  # transformers' models hold no multi-token prediction modules
     )
     if kind in DECODER_FAMILIES:
         shared.update(llama_family.expected_args(kind))
@@ -327,7 +322,7 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
         hidden_act="silu",
         tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
         architectures=[family.hf_class],
-        **llama_family.config_fields(args, kind),
+        **llama_family.config_fields(args, kind, where),
     )
 
 
@@ -372,6 +367,7 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         add_qkv_bias=bool(args.get("add_qkv_bias")),
         qk_layernorm=bool(args.get("qk_layernorm")),
         **_moe_kwargs(args),
+        **deepseek.mla_model_kwargs(args),
         layernorm_epsilon=args["layernorm_epsilon"],
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -400,4 +396,6 @@ def _moe_kwargs(args: Args) -> Dict[str, Any]:
         moe_router_num_groups=args.get("moe_router_num_groups"),
         moe_router_group_topk=args.get("moe_router_group_topk"),
         moe_router_enable_expert_bias=bool(args.get("moe_router_enable_expert_bias")),
+        moe_shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(args.get("moe_shared_expert_gate")),
     )

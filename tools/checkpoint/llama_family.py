@@ -4,7 +4,8 @@ Every family here is Llama's layout (RMSNorm, SwiGLU, RoPE, grouped-query attent
 linear biases) plus a few switches: Qwen2 a QKV bias (``--add-qkv-bias``), Qwen3 a per-head
 RMSNorm on queries and keys (``--qk-layernorm``), Qwen3-MoE that and MoE MLPs (softmax
 routing; ``norm_topk_prob`` renormalises the top k, which is our top-k-then-softmax, else
-``--moe-router-pre-softmax``). The weight names are one mapping for all of them
+``--moe-router-pre-softmax``), DeepSeek-V3 multi-latent attention and a sigmoid router with
+shared experts (``deepseek.py``). The weight names are one mapping for all of them
 (``megatron.core.models.gpt.hf_state_dict``); this module holds only what differs.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
+
+from tools.checkpoint import deepseek
 
 Args = Dict[str, Any]
 
@@ -25,6 +28,8 @@ class DecoderFamily:
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
     moe: bool = False
+    mla: bool = False
+    """DeepSeek-V3: multi-latent attention (its latent norms are ``qk_layernorm``), DeepSeek's router."""
     config_extras: Tuple[Tuple[str, Any], ...] = field(default=())
     """Fields the config class has and our model fixes (biases off)."""
 
@@ -36,6 +41,14 @@ DECODER_FAMILIES: Dict[str, DecoderFamily] = {
     "qwen3": DecoderFamily("Qwen3ForCausalLM", "Qwen3Config", qk_layernorm=True, config_extras=NO_ATTENTION_BIAS),
     "qwen3_moe": DecoderFamily(
         "Qwen3MoeForCausalLM", "Qwen3MoeConfig", qk_layernorm=True, moe=True, config_extras=NO_ATTENTION_BIAS
+    ),
+    "deepseek_v3": DecoderFamily(
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        qk_layernorm=True,
+        moe=True,
+        mla=True,
+        config_extras=NO_ATTENTION_BIAS,
     ),
 }
 ARCHITECTURES = {f.hf_class: kind for kind, f in DECODER_FAMILIES.items()}
@@ -80,16 +93,21 @@ def family_flags(args: Args) -> List[Any]:
             flags.append("--moe-router-pre-softmax")
         if args.get("moe_layer_freq", 1) != 1:
             flags += ["--moe-layer-freq", "[" + ",".join(map(str, moe_pattern(args))) + "]"]
-    return flags
+        flags += deepseek.router_flags(args)
+    return flags + deepseek.mla_flags(args)
 
 
-# What a Hugging Face MoE block cannot express (the router of transformers' Qwen3-MoE is a plain softmax).
+# What a Hugging Face MoE block cannot express (the router of transformers' Qwen3-MoE is a plain softmax;
+# DeepSeek-V3's always sigmoid with the expert bias).
 _HF_ROUTER = dict(
     moe_router_topk_scaling_factor=None,
     moe_router_score_function="softmax",
     moe_router_num_groups=None,
     moe_router_enable_expert_bias=False,
     moe_shared_expert_intermediate_size=None,
+)
+_DEEPSEEK_ROUTER = dict(
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False
 )
 
 
@@ -104,19 +122,24 @@ def expected_args(kind: str) -> Args:
         add_bias_linear=False,
         add_qkv_bias=family.add_qkv_bias,
         qk_layernorm=family.qk_layernorm,
+        multi_latent_attention=family.mla,
     )
-    if family.moe:
+    if family.mla:
+        expected.update(_DEEPSEEK_ROUTER)
+    elif family.moe:
         expected.update(_HF_ROUTER)
     else:
         expected["num_experts"] = None
     return expected
 
 
-def config_fields(args: Args, kind: str) -> Dict[str, Any]:
+def config_fields(args: Args, kind: str, where: str) -> Dict[str, Any]:
     """The fields, beyond Llama's, of the ``transformers`` config of ``kind`` for ``args``."""
     family = DECODER_FAMILIES[kind]
     fields = dict(family.config_extras)
-    if family.moe:
+    if family.mla:
+        fields.update(deepseek.hf_config_fields(args, moe_pattern(args), where))
+    elif family.moe:
         pattern = moe_pattern(args)
         fields.update(
             num_experts=args["num_experts"],

@@ -79,7 +79,9 @@ class DotProductAttention(MegatronModule):
     otherwise they are repeated to match. ``attention_mask`` is boolean with True where
     attention is NOT allowed (Megatron's convention); None means plain causal.
     ``attention_bias`` (T5's relative position bias), broadcastable to ``[b, heads, sq, sk]``, is
-    added to the scaled scores before the mask.
+    added to the scaled scores before the mask. Values may have another head dim than queries and
+    keys (multi-latent attention); ``softmax_scale`` overrides ``config.softmax_scale`` (default
+    ``1/sqrt(kv_channels)``).
 
     With a context-parallel group of size > 1 the inputs are this rank's ``[s/cp, b, ., d]``
     (chunks r and 2cp-1-r, see ``megatron.core.context_parallel``): keys and values are
@@ -94,13 +96,14 @@ class DotProductAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         cp_group: Optional[torch.distributed.ProcessGroup] = None,
+        softmax_scale: Optional[float] = None,
     ) -> None:
         super().__init__(config)
         self.cp_group = cp_group
         self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
-        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.use_sdpa = self.backend in _SDPA_BACKENDS and not config.apply_query_key_layer_scaling
         if self.backend == "flash" and not self.use_sdpa:
@@ -114,7 +117,7 @@ class DotProductAttention(MegatronModule):
         attention_mask: Optional[torch.Tensor],
         attention_bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        s, b, heads, d = query.shape
+        s, b, heads, _ = query.shape
         causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if attention_bias is not None and self.cp_size > 1:
             raise NotImplementedError("DotProductAttention: attention_bias with context parallelism")
@@ -138,7 +141,7 @@ class DotProductAttention(MegatronModule):
             else:
                 k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # [b, heads, sk, d]
                 ctx = self._unfused(q, k, v, attention_mask, causal, dropout_p)
-        return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads*d]
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * ctx.shape[-1])  # [s, b, heads*dv]
 
     def _sdpa(
         self,

@@ -1,6 +1,12 @@
-"""Rotating queries and keys by rotary position angles (RoPE); the angles come from ``RotaryEmbedding``."""
+"""Rotating queries and keys by rotary position angles (RoPE); the angles come from ``RotaryEmbedding``.
+
+Also YaRN's two scales (they depend only on the config, so attention computes them itself):
+``yarn_mscale`` and the cos/sin ``yarn_concentration``.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -13,10 +19,33 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the leading ``freqs.shape[-1]`` channels of ``t`` ``[s, b, n, d]`` by ``freqs`` ``[s, 1, 1, r]``."""
+def apply_rotary_pos_emb(
+    t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, mscale: float = 1.0
+) -> torch.Tensor:
+    """Rotate the leading ``freqs.shape[-1]`` channels of ``t`` ``[s, b, n, d]`` by ``freqs`` ``[s, 1, 1, r]``.
+
+    ``mscale`` multiplies cos and sin (YaRN's concentration; 1 otherwise).
+    """
     rot_dim = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
     t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
     return torch.cat((t_rot, t_pass), dim=-1)
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """``[..., d]`` channels ``x0 x1 x2 x3 ...`` -> ``x0 x2 ... x1 x3 ...``: interleaved pairs become halves."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+def yarn_mscale(scaling_factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(s) + 1`` (1 for ``s <= 1``)."""
+    return 1.0 if scaling_factor <= 1.0 else 0.1 * mscale * math.log(scaling_factor) + 1.0
+
+
+def yarn_concentration(scaling_factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """The factor YaRN multiplies cos and sin by: ``yarn_mscale(s, mscale) / yarn_mscale(s, mscale_all_dim)``."""
+    return yarn_mscale(scaling_factor, mscale) / yarn_mscale(scaling_factor, mscale_all_dim)

@@ -122,6 +122,44 @@ class TransformerConfig(ModelParallelConfig):
     """'allgather' or 'alltoall': the same computation here (tokens all-gathered over EP)."""
     moe_layer_freq: Union[int, List[int]] = 1
     """N: layers 0, N, 2N... (0-based) are MoE; or one 0/1 entry per layer."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the shared experts' MLP (all shared experts as one), run on every token; None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x . w), a learned [1, h] gate (Qwen2-MoE)."""
+    moe_shared_expert_overlap: bool = False
+    """Overlap the shared experts with dispatch on GPU streams; the same result (sequential here)."""
+
+    # Multi-token prediction (DeepSeek-V3; see multi_token_prediction.py).
+    mtp_num_layers: Optional[int] = None
+    """Prediction modules after the decoder (module k predicts the token k+1 ahead); None: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Their losses' weight in the gradient, shared equally between the modules."""
+
+    # Multi-latent attention (DeepSeek-V2/V3; see multi_latent_attention.py).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    """Rank of the query compression; None: queries projected directly from the hidden state."""
+    kv_lora_rank: int = 32
+    """Rank of the shared key/value latent."""
+    qk_head_dim: int = 128
+    """Per-head query/key channels without position (the 'nope' part)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key channels rotated by RoPE (the key's are shared by all heads)."""
+    v_head_dim: int = 128
+    rope_type: Optional[str] = None
+    """'rope' or 'yarn' (multi-latent attention only); None: 'yarn' under multi-latent attention."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's context extension factor (s)."""
+    mscale: float = 1.0
+    """YaRN: cos/sin scale numerator 0.1*mscale*ln(s)+1 (over the mscale_all_dim one)."""
+    mscale_all_dim: float = 0.0
+    """YaRN: softmax scale multiplied by (0.1*mscale_all_dim*ln(s)+1)^2."""
+    original_max_position_embeddings: int = 4096
+    """YaRN: the context length the model was trained with before extension."""
+    beta_fast: float = 32.0
+    """YaRN: frequencies turning more than this often over the original context keep their value."""
+    beta_slow: float = 1.0
+    """YaRN: frequencies turning less than this often are divided by rotary_scaling_factor."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -148,6 +186,8 @@ class TransformerConfig(ModelParallelConfig):
         self._check_recompute()
         self._check_window()
         self._check_moe()
+        self._check_latent_attention()
+        self._check_multi_token_prediction()
         if self.initialization_seed is not None and not self.use_cpu_initialization:
             raise ValueError(
                 f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
@@ -220,6 +260,7 @@ class TransformerConfig(ModelParallelConfig):
         if factor is not None and factor <= 0:
             raise ValueError(f"moe_router_topk_scaling_factor={factor}: must be > 0")
         self._check_router()
+        self._check_shared_experts()
         require_divisible(
             "num_moe_experts", self.num_moe_experts, "expert_model_parallel_size", self.expert_model_parallel_size
         )
@@ -255,6 +296,63 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"moe_router_group_topk={picked}, moe_router_num_groups={groups}, moe_router_topk={k}: "
                 "need group_topk <= num_groups and topk <= group_topk * experts per group"
+            )
+
+    def _check_shared_experts(self) -> None:
+        size = self.moe_shared_expert_intermediate_size
+        if size is None:
+            given = [f"{n}=True" for n in ("moe_shared_expert_gate", "moe_shared_expert_overlap") if getattr(self, n)]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs shared experts (moe_shared_expert_intermediate_size=None)")
+            return
+        require_positive("moe_shared_expert_intermediate_size", size)
+        require_divisible(
+            "moe_shared_expert_intermediate_size", size, "tensor_model_parallel_size", self.tensor_model_parallel_size
+        )
+
+    def _check_multi_token_prediction(self) -> None:
+        if self.mtp_num_layers is None:
+            return
+        require_positive("mtp_num_layers", self.mtp_num_layers)
+        pp, cp = self.pipeline_model_parallel_size, self.context_parallel_size
+        if pp > 1 or cp > 1:
+            raise ValueError(
+                f"mtp_num_layers={self.mtp_num_layers} with pipeline_model_parallel_size={pp}, "
+                f"context_parallel_size={cp}: not supported yet (only without PP and CP)"
+            )
+
+    def _check_latent_attention(self) -> None:
+        if self.rope_type not in (None, "rope", "yarn"):
+            raise ValueError(f"rope_type={self.rope_type!r}: must be 'rope' or 'yarn'")
+        if not self.multi_latent_attention:
+            if self.rope_type == "yarn":
+                raise ValueError("rope_type='yarn' needs multi_latent_attention=True (YaRN is built for MLA only)")
+            return
+        if self.rope_type is None:
+            self.rope_type = "yarn"
+        for name in (
+            "kv_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+            "original_max_position_embeddings",
+        ):
+            require_positive(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            require_positive("q_lora_rank", self.q_lora_rank)
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: must be even (RoPE rotates pairs)")
+        if self.rotary_scaling_factor < 1.0:
+            raise ValueError(f"rotary_scaling_factor={self.rotary_scaling_factor}: must be >= 1")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups}: multi_latent_attention=True needs "
+                f"num_query_groups == num_attention_heads={self.num_attention_heads} (keys come from one latent)"
+            )
+        if self.rotary_interleaved or self.add_qkv_bias:
+            raise ValueError(
+                f"rotary_interleaved={self.rotary_interleaved}, add_qkv_bias={self.add_qkv_bias}: not supported "
+                "with multi_latent_attention=True (MLA de-interleaves its rotary channels itself; no QKV bias)"
             )
 
     def _check_moe_layer_freq(self) -> None:
@@ -300,3 +398,19 @@ class TransformerConfig(ModelParallelConfig):
                 f"recompute_granularity={self.recompute_granularity!r}) and tensor_model_parallel_size > 1 "
                 f"(got tensor_model_parallel_size={self.tensor_model_parallel_size})"
             )
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """A ``TransformerConfig`` with multi-latent attention on, and Megatron-core's MLA defaults.
+
+    The MLA fields live on ``TransformerConfig`` (the command line fills them there); this class
+    only changes defaults: RMSNorm, YaRN, ranks 512, head dims 128/64/128, scaling factor 40.
+    """
+
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 512
+    kv_lora_rank: int = 512
+    normalization: str = "RMSNorm"
+    rope_type: Optional[str] = "yarn"
+    rotary_scaling_factor: float = 40.0

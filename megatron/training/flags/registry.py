@@ -97,6 +97,11 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         "softmax_scale": NotAFlag("Megatron has no flag for it; 1/sqrt(kv_channels)"),
         "memory_efficient_layer_norm": NotAFlag("a Transformer-Engine kernel switch with no flag"),
         "deallocate_pipeline_outputs": NotAFlag("always on in training, as in Megatron", True),
+        "original_max_position_embeddings": NotAFlag(
+            "YaRN: Megatron has no flag; MLATransformerConfig's default", 4096
+        ),
+        "beta_fast": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 32.0),
+        "beta_slow": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 1.0),
     },
     DistributedDataParallelConfig: {
         "use_custom_fsdp": NotAFlag("Megatron's FSDP is --use-megatron-fsdp, refused as not supported yet"),

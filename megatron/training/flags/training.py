@@ -69,7 +69,12 @@ RECORDS = (
     Flag("bias_swiglu_fusion", no_op(reasons.KERNEL)),
     Flag("bias_dropout_fusion", no_op(reasons.KERNEL), fills=same(TC)),
     Flag("apply_rope_fusion", no_op(reasons.KERNEL), fills=same(TC)),
-    Flag("rope_type", not_yet(None, "rope")),
+    Flag(
+        "rope_type",
+        IMPLEMENTED,
+        help="RoPE flavour of multi-latent attention: rope or yarn (default yarn under MLA).",
+        fills=same(TC),
+    ),
     Flag("use_flash_attn", no_op(reasons.KERNEL)),
     Flag("optimizer", not_yet("adam", "sgd"), fills=same(OPT)),
     Flag("optimizer_cpu_offload", not_yet(False)),

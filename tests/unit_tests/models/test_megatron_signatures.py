@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from tests.dist_harness import run_distributed
 
 
@@ -81,7 +82,6 @@ def test_spec_unknown_keyword_is_a_type_error():
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        ({"multi_latent_attention": True}, "multi_latent_attention=True"),
         ({"qk_l2_norm": True, "use_kitchen": True}, "qk_l2_norm=True, use_kitchen=True"),
         ({"kitchen_attention_backend": "fa"}, "kitchen_attention_backend='fa'"),
     ],
@@ -91,6 +91,12 @@ def test_spec_refuses_what_it_cannot_build(kwargs, named):
         get_gpt_layer_local_spec(**kwargs)
     with pytest.raises(NotImplementedError, match=named):
         get_gpt_layer_with_transformer_engine_spec(**kwargs)
+
+
+def test_spec_multi_latent_attention():
+    """``multi_latent_attention=True`` builds Megatron's MLA self-attention, in both specs."""
+    for spec in (get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec):
+        assert spec(multi_latent_attention=True).submodules.self_attention.module is MLASelfAttention
 
 
 def test_spec_grouped_gemm_is_the_sequential_experts():

@@ -160,16 +160,13 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
         (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
         (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
         (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
-        (
-            ["--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"],
-            "--moe-shared-expert-intermediate-size",
-        ),
+        (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone"),
         (
             ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
             "--hierarchical-context-parallel-sizes",
         ),
         (["--optimizer", "muon"], "--optimizer"),
-        (["--multi-latent-attention"], "--multi-latent-attention"),
+        (["--multi-latent-attention", "--cache-mla-latents"], "--cache-mla-latents"),
         (["--fp8-format", "hybrid"], "--fp8-format"),
         (["--position-embedding-type", "mrope"], "--position-embedding-type"),
         (["--window-size", "8,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq"),

@@ -14,6 +14,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import Norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -52,12 +53,13 @@ def get_gpt_layer_local_spec(
         normalization: ``"LayerNorm"`` / ``"RMSNorm"`` pick a norm kernel in Megatron's local spec,
             whose norms still compute ``config.normalization``; ours always compute
             ``config.normalization``.
-        multi_latent_attention, qk_l2_norm, use_kitchen, use_kitchen_attention, kitchen_attention_backend:
+        multi_latent_attention: the attention is an ``MLASelfAttention`` (its config needs
+            ``multi_latent_attention=True``; its latent norms follow ``config.qk_layernorm``).
+        qk_l2_norm, use_kitchen, use_kitchen_attention, kitchen_attention_backend:
             only their defaults are implemented; another value raises ``NotImplementedError``.
     """
     refuse_unimplemented(
         "get_gpt_layer_local_spec",
-        multi_latent_attention=(multi_latent_attention, False),
         qk_l2_norm=(qk_l2_norm, False),
         use_kitchen=(use_kitchen, False),
         use_kitchen_attention=(use_kitchen_attention, False),
@@ -68,16 +70,20 @@ def get_gpt_layer_local_spec(
     if fp8 is not None:
         warnings.warn("get_gpt_layer_local_spec: the fp8 argument is deprecated and has no effect", stacklevel=2)
     attention_params = {"attn_mask_type": AttnMaskType.causal}
-    if qk_layernorm is not None:
+    if qk_layernorm is not None and not multi_latent_attention:
         attention_params["qk_layernorm"] = bool(qk_layernorm)
     mlp = get_mlp_module_spec(use_te=False, num_experts=num_experts)
-    qk_norm = Norm if qk_layernorm else None
-    attention = SelfAttentionSubmodules(q_layernorm=qk_norm, k_layernorm=qk_norm)
+    if multi_latent_attention:  # its latent norms follow config.qk_layernorm
+        self_attention = ModuleSpec(module=MLASelfAttention, params=attention_params)
+    else:
+        qk_norm = Norm if qk_layernorm else None
+        attention = SelfAttentionSubmodules(q_layernorm=qk_norm, k_layernorm=qk_norm)
+        self_attention = ModuleSpec(module=SelfAttention, params=attention_params, submodules=attention)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=Norm,
-            self_attention=ModuleSpec(module=SelfAttention, params=attention_params, submodules=attention),
+            self_attention=self_attention,
             pre_mlp_layernorm=Norm,
             mlp=mlp,
         ),
@@ -121,12 +127,14 @@ def get_gpt_decoder_block_spec(
     ``(pp_rank, vp_stage)``; ``TransformerBlock`` here picks its stage's layers from the full list
     itself, so both arguments are accepted and the list always covers every layer.
     """
+    mla = config.multi_latent_attention
     dense = get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
+        qk_layernorm=config.qk_layernorm, multi_latent_attention=mla, normalization=normalization, qk_l2_norm=qk_l2_norm
     )
     moe = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
         qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=mla,
         normalization=normalization,
         qk_l2_norm=qk_l2_norm,
     )

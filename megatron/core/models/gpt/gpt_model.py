@@ -10,6 +10,7 @@ import torch
 from megatron.core.context_parallel import cp_chunk_positions
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.models.common.language_module import LanguageModule
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ProcessGroupCollection
@@ -18,6 +19,8 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     initialization_rng,
 )
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, mtp_loss_name, roll_left
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -38,6 +41,24 @@ def _config_from_keywords(config: Optional[TransformerConfig], fields: dict) -> 
             raise TypeError(f"pass either config= or TransformerConfig fields, not both (got {sorted(fields)})")
         return config
     return TransformerConfig(**fields)
+
+
+def _latent_attention_rotary(
+    config: TransformerConfig, rotary_percent: float, interpolation: Optional[float], rotary_base: float
+) -> RotaryEmbedding:
+    """Multi-latent attention's angles for its ``qk_pos_emb_head_dim`` channels (RoPE or YaRN), whatever
+    ``position_embedding_type`` says, as in Megatron; MLA applies YaRN's cos/sin scale itself."""
+    if config.rope_type == "yarn":
+        return YarnRotaryEmbedding(
+            config.qk_pos_emb_head_dim,
+            rotary_base,
+            config.rotary_scaling_factor,
+            config.original_max_position_embeddings,
+            config.beta_fast,
+            config.beta_slow,
+            interpolation,
+        )
+    return RotaryEmbedding(config.qk_pos_emb_head_dim, rotary_percent, False, interpolation, rotary_base)
 
 
 class GPTModel(LanguageModule):
@@ -109,7 +130,13 @@ class GPTModel(LanguageModule):
                     config, self.vocab_size, self.max_sequence_length, position_embedding_type, pg_collection=groups
                 )
         self.rotary_pos_emb = None
-        if position_embedding_type == "rope":
+        if config.multi_latent_attention:
+            if rope_scaling:
+                raise ValueError("rope_scaling=True (Llama 3.1's, --use-rope-scaling): not supported with MLA")
+            self.rotary_pos_emb = _latent_attention_rotary(
+                config, rotary_percent, seq_len_interpolation_factor, rotary_base
+            )
+        elif position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
                 rotary_percent,
@@ -119,9 +146,10 @@ class GPTModel(LanguageModule):
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
             )
+        block_spec = transformer_layer_spec or get_gpt_decoder_block_spec(config)
         self.decoder = TransformerBlock(
             config,
-            transformer_layer_spec or get_gpt_decoder_block_spec(config),
+            block_spec,
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=groups,
@@ -141,6 +169,10 @@ class GPTModel(LanguageModule):
                     tp_group=groups.tp,
                 )
             self.mark_tied_output_weight(share_embeddings_and_output_weights)
+        self.mtp = None
+        if config.mtp_num_layers and post_process:
+            last = block_spec.layer_specs[-1] if isinstance(block_spec, TransformerBlockSubmodules) else block_spec
+            self.mtp = MultiTokenPredictionBlock(config, last, pg_collection=groups)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Activation from the previous pipeline stage (a tensor or a one-element list)."""
@@ -167,8 +199,8 @@ class GPTModel(LanguageModule):
         """Megatron-core's ``GPTModel.forward`` arguments; those not implemented must keep their defaults.
 
         ``runtime_gather_output`` overrides ``parallel_output`` for the returned logits (None: keep
-        it). ``loss_mask`` is used by Megatron only for multi-token prediction, which is not built
-        here (``mtp_num_layers`` is refused), so as there it does not change the result: the loss
+        it). ``loss_mask`` ``[b, s]`` is used only by multi-token prediction (``mtp_num_layers``), as in Megatron:
+        its losses count the shifted mask's tokens; the main loss is returned per token and the loss
         function applies the mask. ``inference_params`` (megatron-core's deprecated name of
         ``inference_context``), ``packed_seq_params``, ``extra_block_kwargs`` and ``padding_mask`` raise
         ``NotImplementedError`` unless None.
@@ -203,6 +235,8 @@ class GPTModel(LanguageModule):
         )  # [s(/tp), b, h]
         if not self.post_process:
             return hidden
+        if self.mtp is not None and labels is not None:
+            hidden = self._with_mtp_losses(hidden, input_ids, position_ids, attention_mask, rotary, labels, loss_mask)
         if inference_context is not None and inference_context.materialize_only_last_token_logits:
             hidden = hidden[-1:]  # [1, b, h]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
@@ -212,6 +246,36 @@ class GPTModel(LanguageModule):
                 logits = gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         return self.compute_language_model_loss(labels, logits)
+
+    def _with_mtp_losses(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        rotary: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        loss_mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """``hidden`` ``[s(/tp), b, h]`` unchanged, carrying the multi-token prediction losses' gradient.
+
+        Module k's loss is the mean (or, with ``calculate_per_token_loss``, the sum) over the loss
+        mask shifted k times of the cross entropy against the labels shifted k times.
+        """
+        c, tracker = self.config, self.mtp.aux_loss_tracker
+        outputs = self.mtp(input_ids, position_ids, hidden, self.embedding, attention_mask, rotary)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()  # [b, s]
+        for depth, mtp_hidden in enumerate(outputs, 1):
+            labels, mask = roll_left(labels), roll_left(mask)
+            logits, _ = self.output_layer(mtp_hidden, weight=weight)  # [s, b, vocab/tp]
+            total = (self.compute_language_model_loss(labels, logits) * mask).sum()
+            mean = total / mask.sum().clamp(min=1)
+            if self.training:
+                tracker.add(mtp_loss_name(depth), mean, 1, c.num_layers)
+            scaled = c.mtp_loss_scaling_factor / c.mtp_num_layers * (total if c.calculate_per_token_loss else mean)
+            hidden = MoEAuxLossAutoScaler.apply(hidden, scaled, 1.0, tracker)
+        return hidden
 
     def _rotary(self, local: int, inference_context: Optional[Any]) -> Optional[torch.Tensor]:
         """RoPE angles ``[s(/cp), 1, 1, dim]`` of this call's ``local`` positions (None without RoPE).

@@ -1,7 +1,9 @@
 """Map full (TP=1) GPTModel state dicts to and from Hugging Face GPT-2 and Llama-family names.
 
 Llama-family: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (query/key RMSNorm), and with MoE layers
-Mixtral and Qwen3-MoE; which optional tensors a layer has is read from the state dict itself.
+Mixtral and Qwen3-MoE; DeepSeek-V3 is the same family with multi-latent attention (``_MLA_NAMES``),
+shared experts and the router's expert bias. Which optional tensors a layer has is read from the
+state dict itself.
 
 Our fused QKV weight is laid out per query group ``[q heads of the group, k, v]``; GPT-2
 stacks ``[all q, all k, all v]`` in a Conv1D (``[in, out]``) weight, Llama keeps three
@@ -81,14 +83,35 @@ def to_hf_gpt2(sd: StateDict, config: TransformerConfig) -> StateDict:
 _QK_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))
 
 
+# Multi-latent attention (DeepSeek-V2/V3), ours under ``self_attention.`` and HF's under ``self_attn.``;
+# each weight present exactly when the model has it (q_proj without q_lora_rank, the rest with it).
+_MLA_NAMES = (
+    ("linear_q_proj", "q_proj"),
+    ("linear_q_down_proj", "q_a_proj"),
+    ("q_layernorm", "q_a_layernorm"),
+    ("linear_q_up_proj", "q_b_proj"),
+    ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
+    ("kv_layernorm", "kv_a_layernorm"),
+    ("linear_kv_up_proj", "kv_b_proj"),
+)
+
+
+def _mla_names(i: int) -> Dict[str, str]:
+    ours, hf = f"decoder.layers.{i}.self_attention.", f"model.layers.{i}.self_attn."
+    return {f"{ours}{o}.weight": f"{hf}{h}.weight" for o, h in _MLA_NAMES}
+
+
 def _llama_layer_to_hf(sd: StateDict, config: TransformerConfig, i: int) -> StateDict:
-    """Norms and attention of layer ``i`` (everything but the MLP) in Llama/Mixtral/Qwen names."""
+    """Norms and attention of layer ``i`` (everything but the MLP) in Llama/Mixtral/Qwen/DeepSeek names."""
     ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
     out = {
         hf + "input_layernorm.weight": sd[ours + "input_layernorm.weight"],
         hf + "post_attention_layernorm.weight": sd[ours + "pre_mlp_layernorm.weight"],
         hf + "self_attn.o_proj.weight": sd[ours + "self_attention.linear_proj.weight"],
     }
+    if config.multi_latent_attention:
+        out.update({h: sd[o] for o, h in _mla_names(i).items() if o in sd})
+        return out
     kinds = ("weight", "bias") if ours + "self_attention.linear_qkv.bias" in sd else ("weight",)
     for kind in kinds:
         q, k, v = split_qkv(sd[ours + f"self_attention.linear_qkv.{kind}"], config)
@@ -107,6 +130,9 @@ def _llama_layer_from_hf(hf: StateDict, config: TransformerConfig, i: int) -> St
         ours + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
         ours + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
     }
+    if config.multi_latent_attention:
+        out.update({o: hf[name] for o, name in _mla_names(i).items() if name in hf})
+        return out
     kinds = ("weight", "bias") if h + "self_attn.q_proj.bias" in hf else ("weight",)
     for kind in kinds:
         q, k, v = (hf[h + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
@@ -134,14 +160,26 @@ def _llama_outer_from_hf(hf: StateDict) -> StateDict:
     }
 
 
+def _swiglu_to_hf(mlp: StateDict) -> StateDict:
+    """One SwiGLU MLP ``{linear_fc1.weight, linear_fc2.weight}`` -> ``{gate,up,down}_proj.weight``."""
+    gate, up = mlp["linear_fc1.weight"].chunk(2)  # [gate; up], each [ffn, h]
+    return {"gate_proj.weight": gate, "up_proj.weight": up, "down_proj.weight": mlp["linear_fc2.weight"]}
+
+
+def _swiglu_from_hf(mlp: StateDict) -> StateDict:
+    """Inverse of ``_swiglu_to_hf``."""
+    fc1 = torch.cat([mlp["gate_proj.weight"], mlp["up_proj.weight"]])  # [2*ffn, h]
+    return {"linear_fc1.weight": fc1, "linear_fc2.weight": mlp["down_proj.weight"]}
+
+
+def _under(sd: StateDict, prefix: str) -> StateDict:
+    """The entries of ``sd`` under ``prefix``, with it stripped."""
+    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
 def _dense_mlp_to_hf(sd: StateDict, i: int) -> StateDict:
-    ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-    gate, up = sd[ours + "linear_fc1.weight"].chunk(2)  # [gate; up], each [ffn, h]
-    return {
-        hf + "gate_proj.weight": gate,
-        hf + "up_proj.weight": up,
-        hf + "down_proj.weight": sd[ours + "linear_fc2.weight"],
-    }
+    mlp = _under(sd, f"decoder.layers.{i}.mlp.")
+    return {f"model.layers.{i}.mlp.{k}": v for k, v in _swiglu_to_hf(mlp).items()}
 
 
 def _moe_mlp_to_hf(sd: StateDict, i: int, num_experts: int) -> StateDict:
@@ -149,6 +187,11 @@ def _moe_mlp_to_hf(sd: StateDict, i: int, num_experts: int) -> StateDict:
     (our ``[gate; up]`` fc1) and ``down_proj`` ``[E, h, ffn]`` (transformers v5 names)."""
     ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
     out = {hf + "gate.weight": sd[ours + "router.weight"]}
+    if ours + "router.expert_bias" in sd:  # DeepSeek-V3's aux-loss-free balancing bias
+        out[hf + "gate.e_score_correction_bias"] = sd[ours + "router.expert_bias"]
+    if ours + "shared_experts.linear_fc1.weight" in sd:  # DeepSeek-V3: a plain SwiGLU MLP
+        shared = _under(sd, ours + "shared_experts.")
+        out.update({hf + "shared_experts." + k: v for k, v in _swiglu_to_hf(shared).items()})
     for ours_name, hf_name in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
         out[hf + "experts." + hf_name] = torch.stack(
             [sd[f"{ours}experts.local_experts.{j}.{ours_name}.weight"] for j in range(num_experts)]
@@ -170,15 +213,20 @@ def to_hf_llama(sd: StateDict, config: TransformerConfig) -> StateDict:
 
 
 def _dense_mlp_from_hf(hf: StateDict, i: int) -> StateDict:
-    ours, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-    fc1 = torch.cat([hf[h + "gate_proj.weight"], hf[h + "up_proj.weight"]])  # [2*ffn, h]
-    return {ours + "linear_fc1.weight": fc1, ours + "linear_fc2.weight": hf[h + "down_proj.weight"]}
+    mlp = _under(hf, f"model.layers.{i}.mlp.")
+    return {f"decoder.layers.{i}.mlp.{k}": v for k, v in _swiglu_from_hf(mlp).items()}
 
 
 def _moe_mlp_from_hf(hf: StateDict, i: int, num_experts: int) -> StateDict:
     ours = f"decoder.layers.{i}.mlp."
     gate = f"model.layers.{i}.mlp.gate.weight"
     out = {ours + "router.weight": hf[gate] if gate in hf else hf[f"model.layers.{i}.block_sparse_moe.gate.weight"]}
+    h = f"model.layers.{i}.mlp."
+    if h + "gate.e_score_correction_bias" in hf:
+        out[ours + "router.expert_bias"] = hf[h + "gate.e_score_correction_bias"]
+    if h + "shared_experts.gate_proj.weight" in hf:
+        shared = _swiglu_from_hf(_under(hf, h + "shared_experts."))
+        out.update({ours + "shared_experts." + k: v for k, v in shared.items()})
     fc1, fc2 = _mixtral_experts_from_hf(hf, i, num_experts)
     for j in range(num_experts):
         out[f"{ours}experts.local_experts.{j}.linear_fc1.weight"] = fc1[j].contiguous()

@@ -39,20 +39,24 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 @dataclass
 class MoESubmodules:
-    """The expert MLP class (or spec); ``moe_grouped_gemm`` would pick a kernel, not a different result."""
+    """The expert MLP class (or spec); ``moe_grouped_gemm`` would pick a kernel, not a different result.
+    ``shared_experts`` is built when ``config.moe_shared_expert_intermediate_size`` is set."""
 
     experts: Union[ModuleSpec, type, None] = MLP
+    shared_experts: Union[ModuleSpec, type, None] = SharedExpertMLP
 
 
 class MoELayer(MegatronModule):
     """``router`` (``mlp.router.weight``) and ``experts`` (``mlp.experts.local_experts.{i}...``, local index;
-    checkpoints name experts by their global index)."""
+    checkpoints name experts by their global index), and optionally ``shared_experts`` (a dense TP
+    MLP on every token, added to the routed experts' output)."""
 
     def __init__(
         self,
@@ -76,9 +80,11 @@ class MoELayer(MegatronModule):
         self.num_local_experts = config.num_moe_experts // ep_size
         self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
         self.router = TopKRouter(config, self.tp_group, dp_group=groups.dp_cp)
-        self.experts = SequentialMLP(
-            self.num_local_experts, config, (submodules or MoESubmodules()).experts, pg_collection=groups
-        )
+        submodules = submodules or MoESubmodules()
+        self.experts = SequentialMLP(self.num_local_experts, config, submodules.experts, pg_collection=groups)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = build_module(submodules.shared_experts, config, pg_collection=groups)
         if layer_number is not None:
             self.set_layer_number(layer_number)
 
@@ -106,7 +112,11 @@ class MoELayer(MegatronModule):
         probs, routing_map = self.router(tokens, batch_size=full.shape[1])  # [T, E] each
         probs = probs.to(tokens.dtype)  # routed in moe_router_dtype, mixed in the model's
         partial = self._run_experts(tokens, probs, routing_map)  # [T, h]
-        return self._reduce_output(partial.view_as(full)), None
+        output = self._reduce_output(partial.view_as(full))  # [s(/tp), b, h]
+        if self.shared_experts is not None:
+            shared, _ = self.shared_experts(hidden_states)  # [s(/tp), b, h], reduced over TP itself
+            output = output + shared
+        return output, None
 
     def _run_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the EP group's tokens -> partial output ``[T, h]`` (partial over TP)."""

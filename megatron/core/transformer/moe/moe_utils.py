@@ -141,10 +141,16 @@ def tracked_aux_loss_names(config) -> List[str]:
     return names
 
 
+def tracked_mtp_loss_names(config) -> List[str]:
+    """``mtp_{k} loss`` for each multi-token prediction module (tracked beside the aux losses)."""
+    return [f"mtp_{k} loss" for k in range(1, (getattr(config, "mtp_num_layers", None) or 0) + 1)]
+
+
 def aux_loss_pairs(
     config, groups: ProcessGroupCollection, num_microbatches: int, tracker: AuxLossTracker = _TRACKER
 ) -> Dict[str, torch.Tensor]:
-    """This iteration's aux losses as ``[sum, count]`` pairs; clears the tracker. Collective over PP.
+    """This iteration's aux losses (and multi-token prediction losses, ``mtp_{k} loss``: their mean over
+    microbatches and DP ranks) as ``[sum, count]`` pairs; clears the tracker. Collective over PP.
 
     ``sum`` adds the coefficient-free values of every MoE layer (all pipeline stages) and
     microbatch; ``count`` is layers x microbatches. Summing the pairs over data-parallel ranks
@@ -156,16 +162,23 @@ def aux_loss_pairs(
     ranks also route only their own tokens: each aux loss is that of ``s/cp`` tokens, averaged
     over CP like a DP replica's, so it differs from a CP=1 run of the same batch.
     """
-    names = tracked_aux_loss_names(config)
+    aux_names, mtp_names = tracked_aux_loss_names(config), tracked_mtp_loss_names(config)
+    names = aux_names + mtp_names
     if not names:
         return {}
     device = comm_device()
-    zeros = torch.zeros(config.num_layers, dtype=torch.float32)
-    values = torch.stack([tracker.values.get(n, zeros).to(device) for n in names])  # [names, layers]
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    totals = torch.stack([tracker.values[n].to(device).sum() if n in tracker.values else zero for n in names])
     tracker.clear()
     if groups.size_of("pp") > 1:
-        dist.all_reduce(values, group=groups.pp)
-    num_moe_layers = sum(config.is_moe_layer(n) for n in range(1, config.num_layers + 1))
-    totals = values.sum(dim=1)  # [names]
-    counts = torch.full_like(totals, float(num_moe_layers * num_microbatches))  # a fill, not a host copy
+        dist.all_reduce(totals, group=groups.pp)
+    counts = torch.full_like(totals, float(num_microbatches))  # mtp_k: one value per microbatch
+    counts[: len(aux_names)] *= num_moe_layers(config)  # aux losses: one per MoE layer and microbatch
     return dict(zip(names, torch.stack([totals, counts], dim=1)))  # name -> [sum, count]
+
+
+def num_moe_layers(config) -> int:
+    """MoE layers of the decoder and of the multi-token prediction modules (theirs repeat the last layer's kind)."""
+    decoder = sum(config.is_moe_layer(n) for n in range(1, config.num_layers + 1))
+    mtp = getattr(config, "mtp_num_layers", None) or 0
+    return decoder + (mtp if config.num_moe_experts and config.is_moe_layer(config.num_layers) else 0)

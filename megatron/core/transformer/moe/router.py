@@ -154,7 +154,7 @@ class TopKRouter(MegatronModule):
         for name, loss, coeff in losses:
             probs = MoEAuxLossAutoScaler.apply(probs, loss, share, self.aux_loss_tracker)
             if self.layer_number is not None:
-                self.aux_loss_tracker.add(name, loss / coeff, self.layer_number, c.num_layers)
+                self.aux_loss_tracker.add(name, loss / coeff, self.layer_number, c.num_layers + (c.mtp_num_layers or 0))
         return probs
 
     @torch.no_grad()

@@ -1,0 +1,95 @@
+"""Model FLOPs of a GPT training iteration: ``FlopsConfig`` (the shape that determines them) and
+``num_floating_point_operations`` (re-exported by ``training_log``, where the logger uses them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class FlopsConfig:
+    """The shape of a GPT that determines its matmul FLOPs."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_length: int
+    padded_vocab_size: int
+    num_query_groups: Optional[int] = None  # None: one key/value head per query head
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    swiglu: bool = False
+    num_moe_layers: int = 0  # of num_layers, whose MLP runs moe_router_topk experts of moe_ffn_hidden_size
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    moe_shared_expert_intermediate_size: Optional[int] = None  # MoE layers also run this MLP on every token
+    multi_latent_attention: bool = False  # the attention term is then ``mla_attention_flops``
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_num_layers: int = 0  # each: eh_proj (2h -> h), one layer like the last, its own logits
+
+
+def mla_attention_flops(cfg: FlopsConfig) -> float:
+    """Forward FLOPs per token of one multi-latent attention layer (matmuls, 2 per multiply-add).
+
+    With n heads, dq = qk_head_dim + qk_pos_emb_head_dim, dv = v_head_dim: the query path
+    ``h -> q_lora_rank -> n*dq`` (or ``h -> n*dq``), the key/value down projection
+    ``h -> kv_lora_rank + qk_pos_emb_head_dim``, its up projection ``kv_lora_rank -> n*(qk_head_dim + dv)``,
+    the output ``n*dv -> h``, and the full s x s scores (``n*dq``) and weighted values (``n*dv``).
+    """
+    h, s, n = cfg.hidden_size, cfg.seq_length, cfg.num_attention_heads
+    dq, dv = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    query = h * n * dq if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + n * dq)
+    key_value = h * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) + cfg.kv_lora_rank * n * (cfg.qk_head_dim + dv)
+    return 2 * (query + key_value + n * dv * h) + 2 * s * n * (dq + dv)
+
+
+def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) over ``batch_size`` sequences.
+
+    Only matrix multiplications are counted, at 2 FLOPs per multiply-add. With
+    T = batch_size * s tokens, h hidden, L layers, q = heads * kv_channels (query
+    width), k = groups * kv_channels (key/value width), f the FFN width, V the
+    padded vocabulary, the forward pass costs per token:
+
+    * attention projections: Q (h x q), K and V (h x k each), output (q x h):
+      2 * (2*h*q + 2*h*k) = 4*h*q*(1 + k/q);
+    * attention scores Q K^T and the weighted sum of V: 2 * 2*s*q = 4*s*q
+      (the full s x s square: the causal mask's skipped half is counted too);
+    * MLP: h -> f and f -> h: 4*h*f; with SwiGLU the first projection is
+      h -> 2f (gate and up): 6*h*f;
+    * logits (once, not per layer): 2*h*V.
+    * MoE layers: the MLP term with f = topk * moe_ffn_hidden_size, plus the shared experts'
+      width (each token runs k experts and the shared ones; the router's 2*h*E is not counted).
+    * multi-latent attention replaces the attention terms by ``mla_attention_flops``.
+    * each multi-token prediction module: ``eh_proj`` (2h -> h: 4h^2), one layer of the last
+      layer's kind (MoE when there are MoE layers) and its own logits.
+
+    The backward pass costs twice the forward (a gradient for the input and one
+    for the weight of every matmul), so the iteration costs 3x the forward:
+
+        3 * T * [ L * (4hq(1 + k/q) + 4sq + 4hf * g) + 2hV ],   g = 3/2 with SwiGLU else 1,
+
+    which is Megatron's ``12 * T * L * h^2 * (...)`` expression written out. Not counted:
+    norms, softmax, activations, embeddings lookup, loss, optimizer, and the extra
+    forward of activation recomputation (model FLOPs, not hardware FLOPs).
+    """
+    h, s = cfg.hidden_size, cfg.seq_length
+    d = cfg.kv_channels or h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * d
+    k = (cfg.num_query_groups or cfg.num_attention_heads) * d
+    gated = 1.5 if cfg.swiglu else 1.0
+    attention = mla_attention_flops(cfg) if cfg.multi_latent_attention else 4 * h * q * (1 + k / q) + 4 * s * q
+    dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
+    per_moe_layer = cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0)
+    moe_ffn = cfg.num_moe_layers * per_moe_layer
+    last_ffn = per_moe_layer if cfg.num_moe_layers else cfg.ffn_hidden_size  # an MTP layer repeats the last kind
+    mtp = cfg.mtp_num_layers * (4 * h * h + attention + 4 * h * last_ffn * gated + 2 * h * cfg.padded_vocab_size)
+    forward_per_token = (
+        cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size + mtp
+    )
+    return 3.0 * batch_size * s * forward_per_token

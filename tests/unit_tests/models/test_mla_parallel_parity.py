@@ -1,0 +1,83 @@
+"""A DeepSeek-V3-style GPTModel (MLA + YaRN, shared experts with a gate, sigmoid group-limited
+routing with expert bias, and under TP and EP one multi-token prediction module) under TP=2, TP=2
+with sequence parallelism, CP=2 and EP=2 equals one rank.
+
+One spawned pair of ranks checks all three against a one-rank reference built on each rank from
+the same seed: the per-token loss (under CP at this rank's global positions) and every gradient of
+the summed loss (TP shards gathered; sequence-parallel replicas, i.e. norms, the replicated MLA
+down projections and the shared-expert gate, summed over TP; under CP summed over CP). fp32;
+rtol=1e-5, atol=1e-6 (only the order of float additions differs).
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.context_parallel import cp_chunk_positions, get_batch_on_this_cp_rank
+from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megatron.core.parallel_state import ParallelLayout, build_process_groups
+from tests.dist_harness import run_distributed
+from tests.model_utils import batch, build_gpt, deepseek_style, gather_tp, single_rank_groups
+from tests.unit_tests.transformer.test_moe_expert_parallel import E, _compare, _groups, _one_step
+
+RTOL, ATOL = 1e-5, 1e-6
+STYLE = dict(moe_shared_expert_gate=True, moe_router_dtype="fp32")
+MTP = dict(mtp_num_layers=1)  # multi-token prediction: not with CP (refused)
+
+
+def _loss_and_grads(model, tokens, labels, groups):
+    """Per-token loss ``[b, s(/cp)]`` and full gradients of its sum over every token of every rank."""
+    loss = model(tokens, None, None, labels=labels)
+    loss.sum().backward()
+    allreduce_sequence_parallel_grads([model], groups.tp)
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        if groups.size_of("cp") > 1:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=groups.cp)
+        grads[name] = gather_tp(grad, p, groups.tp)
+    return loss.detach(), grads
+
+
+def _check(where, loss, grads, ref_loss, ref_grads):
+    assert set(grads) == set(ref_grads), where
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {name}: {m}")
+
+
+def _compare_layouts(rank, world_size):
+    tokens, labels = batch()
+    one = single_rank_groups()
+    tp = build_process_groups(ParallelLayout(world_size=world_size, tensor_model_parallel_size=world_size))
+    ref = _loss_and_grads(build_gpt(deepseek_style(**STYLE, **MTP), one), tokens, labels, one)
+    for sp in (False, True):
+        model = build_gpt(deepseek_style(sequence_parallel=sp, **STYLE, **MTP), tp)
+        _check(f"tp={world_size} sp={sp} mtp", *_loss_and_grads(model, tokens, labels, tp), *ref)
+    ref_loss, ref_grads = _loss_and_grads(build_gpt(deepseek_style(**STYLE), one), tokens, labels, one)
+    cp = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cp.cp)
+    model = build_gpt(deepseek_style(**STYLE), cp)
+    loss, grads = _loss_and_grads(model, local["tokens"], local["labels"], cp)
+    positions = cp_chunk_positions(tokens.shape[1], world_size, dist.get_rank(cp.cp))
+    _check(f"cp={world_size}", loss, grads, ref_loss[:, positions], ref_grads)
+
+
+def test_deepseek_style_tp_sp_cp_equal_one_rank():
+    run_distributed(_compare_layouts, 2)
+
+
+def _expert_parallel(rank, world_size):
+    """EP=2 (each rank half the routed experts, shared experts and MLA replicated, DDP over both ranks)
+    against one rank on the whole batch: the mean loss and every gradient after finalize_model_grads."""
+    kw = deepseek_style(
+        num_moe_experts=E, moe_router_topk=2, moe_router_num_groups=2, moe_router_group_topk=1, **STYLE, **MTP
+    )
+    global_batch = 2 * world_size
+    return _compare(
+        "ep=2", _one_step(kw, _groups(1, 2), global_batch), _one_step(kw, single_rank_groups(), global_batch)
+    )
+
+
+def test_deepseek_style_ep2_equals_one_rank():
+    assert max(run_distributed(_expert_parallel, 2)) < 1e-5

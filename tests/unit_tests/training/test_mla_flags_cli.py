@@ -1,0 +1,81 @@
+"""Multi-latent attention and shared-expert flags: they fill the config, bad combinations are refused
+naming the flags, and a scaled-down DeepSeek-V3 flag set (with multi-token prediction) trains through
+pretrain_gpt.py with the same losses on one rank and on TP=2 with sequence parallelism."""
+
+import pytest
+
+from megatron.training import arguments as A
+from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags
+from tests.unit_tests.training.test_arguments import BASE
+
+MLA_FLAGS = [
+    "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "8", "--v-head-dim", "6", "--qk-layernorm", "--rotary-scaling-factor", "4",
+    "--mscale", "0.9", "--mscale-all-dim", "0.7", "--normalization", "RMSNorm", "--swiglu",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+]  # fmt: skip
+MOE_FLAGS = [
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0]*1+[1]*1",
+    "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+    "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap", "--moe-router-dtype", "fp32",
+]  # fmt: skip
+
+
+def _config_of(extra, world_size=1):
+    args = A.parse_args(BASE + list(extra), entry_point="gpt")
+    return A.core_transformer_config_from_args(A.validate_args(args, world_size))
+
+
+def test_mla_and_shared_expert_flags_fill_the_config():
+    cfg = _config_of(MLA_FLAGS + ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "32"])
+    assert cfg.multi_latent_attention and cfg.rope_type == "yarn"  # MLA's default RoPE, as in Megatron
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (
+        16,
+        12,
+        8,
+        8,
+        6,
+    )
+    assert (cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim) == (4.0, 0.9, 0.7)
+    assert cfg.moe_shared_expert_intermediate_size == 32 and not cfg.moe_shared_expert_gate
+    assert _config_of(MLA_FLAGS + ["--rope-type", "rope"]).rope_type == "rope"
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--rope-type", "yarn"], "--rope-type 'yarn' needs --multi-latent-attention"),
+        (["--num-experts", "4", "--moe-shared-expert-gate"], "--moe-shared-expert-intermediate-size"),
+        (MLA_FLAGS + ["--rotary-scaling-factor", "0.5"], "--rotary-scaling-factor 0.5: must be >= 1"),
+        (MLA_FLAGS + ["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
+        (MLA_FLAGS + ["--cache-mla-latents"], "not supported yet.*--cache-mla-latents"),
+        (MLA_FLAGS + ["--use-rope-scaling"], "--use-rope-scaling with --multi-latent-attention"),
+        (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], "--mtp-num-layers 1 with"),
+    ],
+)
+def test_bad_combinations_are_refused_naming_the_flags(extra, named):
+    with pytest.raises(A.ArgumentsError, match=named):
+        _config_of(extra, world_size=2)
+
+
+def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_and_pp(tmp_path):
+    """CPU initialization, dropout 0, no balance loss: TP=2 with SP prints the one-rank ``lm loss`` and
+    ``mtp_1 loss`` (relative 2e-6: the printed digits but for float noise), expert bias updates and the
+    MTP gradient included. PP=2 (MTP refused there) prints the same first loss, taken before any update."""
+    flags = tiny_gpt_flags(3) + mock_flags() + MLA_FLAGS + MOE_FLAGS + ["--lr-warmup-iters", "1"]
+    mtp = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+    runs = {
+        "one rank": run_gpt(1, flags + mtp, cwd=str(tmp_path)),
+        "tp2 sp": run_gpt(2, flags + mtp + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], str(tmp_path)),
+        "pp2": run_gpt(2, flags + ["--pipeline-model-parallel-size", "2"], cwd=str(tmp_path)),
+    }
+    for name, result in runs.items():
+        assert_ok(result, f"pretrain_gpt.py with DeepSeek-V3's flags ({name})")
+        assert len(result.losses()) == 3, result.output[-3000:]
+    reference = runs["one rank"]
+    mtp_losses = [line["mtp_1 loss"] for line in reference.lines]
+    assert all(loss > 1.0 for loss in mtp_losses), reference.output[-3000:]
+    assert runs["tp2 sp"].losses() == pytest.approx(reference.losses(), rel=2e-6)
+    assert [line["mtp_1 loss"] for line in runs["tp2 sp"].lines] == pytest.approx(mtp_losses, rel=2e-6)
+    assert runs["pp2"].losses()[0] == pytest.approx(reference.losses()[0], rel=2e-6)
