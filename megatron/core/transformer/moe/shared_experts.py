@@ -26,7 +26,9 @@ class SharedExpertMLP(MLP):
     ``gate_weight`` ``[1, h]`` (Megatron-core's names)."""
 
     def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection) -> None:
-        super().__init__(config, pg_collection, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        super().__init__(
+            config, ffn_hidden_size=config.moe_shared_expert_intermediate_size, pg_collection=pg_collection
+        )
         self.gate_weight: Optional[torch.nn.Parameter] = None
         if config.moe_shared_expert_gate:
             weight = torch.empty(1, config.hidden_size, dtype=torch.float32)
