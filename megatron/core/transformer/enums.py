@@ -28,3 +28,20 @@ class ModelType(enum.Enum):
 
     encoder_or_decoder = 1
     encoder_and_decoder = 2
+
+
+class LayerType(enum.Enum):
+    """What a layer of a model is (Megatron-core's names and values)."""
+
+    embedding = 1
+    loss = 2
+    encoder = 3
+    decoder = 4
+    mtp = 5
+
+
+class AttnType(enum.Enum):
+    """Self- or cross-attention (Megatron-core's names and values)."""
+
+    self_attn = 1
+    cross_attn = 2
