@@ -30,11 +30,15 @@ class Case:
 
 
 GPT_FAMILY_ARGS = ["{tmp}/ckpt", "{tmp}/tb", "-", "MOCK"]
+# MLA latents, a dense first layer, sigmoid routing over 2 groups, expert parallelism and one MTP layer.
+DEEPSEEK_TOY = dict(DENSE_LAYERS="1", MOE_FFN="32", ROUTER_GROUPS="2", GROUP_TOPK="1", TOPK="2", TP="1", EP="2")
+DEEPSEEK_TOY.update(Q_LORA="16", KV_LORA="16", QK_HEAD="8", QK_POS="8", V_HEAD="8", MTP_LAYERS="1")
 QUICKSTART_ENV = dict(QUICKSTART_DIR="{tmp}/q", CORPUS_MB="0.3", TRAIN_ITERS=str(ITERS))
 CASES = {
     GPT3: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
     "examples/llama/train_llama3_8b_distributed.sh": Case(GPT_FAMILY_ARGS, dict(HIDDEN="64", PRECISION="--bf16")),
     "examples/mixtral/train_mixtral_8x7b_distributed.sh": Case(GPT_FAMILY_ARGS, dict(TP="1", EP="2")),
+    "examples/deepseek_v3/train_deepseek_v3_distributed.sh": Case(GPT_FAMILY_ARGS, DEEPSEEK_TOY),
     "examples/pretrain_gpt_multinode.sh": Case([], dict(DATA="MOCK", CKPT="{tmp}/ckpt", PRECISION="")),
     # Outside a Slurm job the sbatch script trains with torchrun and has nothing to requeue.
     SBATCH_GPT: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
