@@ -104,7 +104,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, label_smoothing, group):
         ctx.input_dtype = logits.dtype
         logits = logits.float()  # [..., V/tp]
-        logits_max = logits.max(dim=-1).values  # [...]
+        logits_max = logits.amax(dim=-1)  # [...]
         _all_reduce_(logits_max, dist.ReduceOp.MAX, group)
         shifted = logits - logits_max.unsqueeze(-1)  # [..., V/tp], <= 0 everywhere
 
@@ -112,11 +112,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         not_mine, local_target = _local_targets(target, per_partition, group)
         predicted = _target_logit(shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), not_mine, group)
 
-        exp_logits = shifted.exp()  # [..., V/tp]
-        sum_exp = _all_reduce_(exp_logits.sum(dim=-1), dist.ReduceOp.SUM, group)  # [...]
         vocab_size = per_partition * dist.get_world_size(group)
         smoothing = _smoothing(label_smoothing, vocab_size)
         sum_shifted = shifted.sum(dim=-1) if smoothing > 0 else None
+        exp_logits = shifted.exp_()  # [..., V/tp], in place: no second [tokens, V] tensor
+        sum_exp = _all_reduce_(exp_logits.sum(dim=-1), dist.ReduceOp.SUM, group)  # [...]
         loss = _loss(sum_exp.log(), predicted, smoothing, vocab_size, sum_shifted, group)
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))  # [..., V/tp]
@@ -126,8 +126,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # The saved softmax becomes the gradient in place (no [tokens, V] copy); a second backward
+        # through this graph (retain_graph) raises on the saved tensor's version instead of reusing it.
         softmax, not_mine, local_target = ctx.saved_tensors
-        grad = _softmax_to_grad_(softmax.clone(), not_mine, local_target, ctx.smoothing, ctx.vocab_size, grad_loss)
+        grad = _softmax_to_grad_(softmax, not_mine, local_target, ctx.smoothing, ctx.vocab_size, grad_loss)
         return grad.to(ctx.input_dtype), None, None, None
 
 
