@@ -15,7 +15,9 @@ the softmax for the backward. bf16/fp16 logits are never upcast as a whole (a
 ``[tokens, V]`` fp32 copy is 4x the memory traffic of the matmul that made them):
 they are upcast a block of rows at a time, small enough to stay in cache, and the
 backward recomputes the softmax from the saved low-precision logits and the fp32
-log-sum-exp, rounding the fp32 gradient once to the logits' dtype.
+log-sum-exp, rounding the fp32 gradient once to the logits' dtype. On one TP rank nothing is
+reduced across ranks, so each block takes torch's fused fp32 log-softmax (forward) and softmax
+(backward) instead of separate max-shift, exp and sum passes.
 """
 
 from __future__ import annotations
@@ -197,6 +199,45 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
         return grad.view_as(logits), None, None, None
 
 
+class _SingleRankBlockwiseCrossEntropy(torch.autograd.Function):
+    """bf16/fp16 logits over the whole vocabulary (one TP rank): torch's fused row kernels per block.
+
+    With no statistic to reduce across ranks, a block's fp32 log-softmax (forward) and softmax
+    (backward) are one fused pass each, instead of the separate max-shift, exp and sum passes
+    ``_BlockwiseCrossEntropy`` needs for its cross-rank reductions. Saves only the logits.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, group):
+        vocab_size = logits.size(-1)
+        flat, flat_target = logits.reshape(-1, vocab_size), target.reshape(-1)  # [n, V], [n]
+        smoothing = _smoothing(label_smoothing, vocab_size)
+        loss = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)  # [n]
+        for rows in _row_blocks(*flat.shape, flat.device):
+            log_p = torch.log_softmax(flat[rows], dim=-1, dtype=torch.float32)  # [block, V] fp32
+            nll = -log_p.gather(-1, flat_target[rows].unsqueeze(-1)).squeeze(-1)  # [block]
+            if smoothing > 0:
+                nll = (1.0 - smoothing) * nll - smoothing * log_p.mean(dim=-1)
+            loss[rows] = nll
+        ctx.save_for_backward(logits, flat_target)
+        ctx.smoothing = smoothing
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, flat_target = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.size(-1))  # [n, V]
+        grad_loss = grad_loss.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        for rows in _row_blocks(*flat.shape, flat.device):
+            softmax = torch.softmax(flat[rows], dim=-1, dtype=torch.float32)  # [block, V] fp32
+            mine = torch.zeros(softmax.size(0), dtype=torch.bool, device=softmax.device)  # every target is here
+            grad[rows] = _softmax_to_grad_(
+                softmax, mine, flat_target[rows], ctx.smoothing, flat.size(-1), grad_loss[rows]
+            )  # one rounding to bf16/fp16
+        return grad.view_as(logits), None, None, None
+
+
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -225,5 +266,8 @@ def vocab_parallel_cross_entropy(
             f"{tuple(vocab_parallel_logits.shape[:-1])}"
         )
     low_precision = vocab_parallel_logits.dtype in (torch.bfloat16, torch.float16)
-    function = _BlockwiseCrossEntropy if low_precision else _VocabParallelCrossEntropy
+    if low_precision and dist.get_world_size(group) == 1:
+        function = _SingleRankBlockwiseCrossEntropy
+    else:
+        function = _BlockwiseCrossEntropy if low_precision else _VocabParallelCrossEntropy
     return function.apply(vocab_parallel_logits, target, float(label_smoothing), group)
