@@ -17,7 +17,8 @@ they are upcast a block of rows at a time, small enough to stay in cache, and th
 backward recomputes the softmax from the saved low-precision logits and the fp32
 log-sum-exp, rounding the fp32 gradient once to the logits' dtype. On one TP rank nothing is
 reduced across ranks, so each block takes torch's fused fp32 log-softmax (forward) and softmax
-(backward) instead of separate max-shift, exp and sum passes.
+(backward) instead of separate max-shift, exp and sum passes; fp32 logits likewise take one
+fused log-softmax over the whole tensor, turned into the gradient in place.
 """
 
 from __future__ import annotations
@@ -199,6 +200,37 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
         return grad.view_as(logits), None, None, None
 
 
+def _smoothed_nll(log_p: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """``(1 - s) * (-log p_target) + s * mean_over_V(-log p)`` from full-vocab fp32 ``log_p`` ``[..., V]``."""
+    nll = -log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [...]
+    if smoothing > 0:
+        nll = (1.0 - smoothing) * nll - smoothing * log_p.mean(dim=-1)
+    return nll
+
+
+class _SingleRankCrossEntropy(torch.autograd.Function):
+    """fp32 (or fp64, computed in fp32) logits over the whole vocabulary (one TP rank).
+
+    One fused log-softmax makes the only ``[tokens, V]`` tensor; the backward turns it into the
+    softmax and then the gradient in place (a second backward through the graph raises).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, group):
+        ctx.input_dtype = logits.dtype
+        log_p = torch.log_softmax(logits.float(), dim=-1)  # [..., V]
+        ctx.smoothing = _smoothing(label_smoothing, logits.size(-1))
+        ctx.save_for_backward(log_p, target)
+        return _smoothed_nll(log_p, target, ctx.smoothing)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        log_p, target = ctx.saved_tensors
+        mine = torch.zeros(target.shape, dtype=torch.bool, device=target.device)  # every target is here
+        grad = _softmax_to_grad_(log_p.exp_(), mine, target, ctx.smoothing, log_p.size(-1), grad_loss)
+        return grad.to(ctx.input_dtype), None, None, None
+
+
 class _SingleRankBlockwiseCrossEntropy(torch.autograd.Function):
     """bf16/fp16 logits over the whole vocabulary (one TP rank): torch's fused row kernels per block.
 
@@ -215,10 +247,7 @@ class _SingleRankBlockwiseCrossEntropy(torch.autograd.Function):
         loss = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)  # [n]
         for rows in _row_blocks(*flat.shape, flat.device):
             log_p = torch.log_softmax(flat[rows], dim=-1, dtype=torch.float32)  # [block, V] fp32
-            nll = -log_p.gather(-1, flat_target[rows].unsqueeze(-1)).squeeze(-1)  # [block]
-            if smoothing > 0:
-                nll = (1.0 - smoothing) * nll - smoothing * log_p.mean(dim=-1)
-            loss[rows] = nll
+            loss[rows] = _smoothed_nll(log_p, flat_target[rows], smoothing)
         ctx.save_for_backward(logits, flat_target)
         ctx.smoothing = smoothing
         return loss.view(target.shape)
@@ -266,8 +295,8 @@ def vocab_parallel_cross_entropy(
             f"{tuple(vocab_parallel_logits.shape[:-1])}"
         )
     low_precision = vocab_parallel_logits.dtype in (torch.bfloat16, torch.float16)
-    if low_precision and dist.get_world_size(group) == 1:
-        function = _SingleRankBlockwiseCrossEntropy
+    if dist.get_world_size(group) == 1:
+        function = _SingleRankBlockwiseCrossEntropy if low_precision else _SingleRankCrossEntropy
     else:
         function = _BlockwiseCrossEntropy if low_precision else _VocabParallelCrossEntropy
     return function.apply(vocab_parallel_logits, target, float(label_smoothing), group)
