@@ -112,6 +112,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.params_with_grad = [p for p in self.module.parameters() if p.requires_grad]
         self._buffer_of: Dict[int, ParamAndGradBuffer] = {id(p): b for b in self.all_buffers for p in b.params}
         self.is_last_microbatch = True
+        self._zeroed: set = set()  # ids of params whose main_grad is known to be all zeros
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._accumulate_hook) for b in self.all_buffers for p in b.params
         ]
@@ -187,9 +188,15 @@ class DistributedDataParallel(torch.nn.Module):
         # A fused linear (gradient_accumulation_fusion) already added its weight gradient to
         # main_grad and handed autograd a dummy: add param.grad only when it is real (zero_out_wgrad:
         # the dummy was zeros, summed with the gradient of the weight's other user).
+        # A main_grad still all zeros since zero_grad_buffer takes the gradient by copy: 0 + g is g,
+        # and the copy does not read the zeros (one pass over the buffer fewer per step).
+        fresh = id(param) in self._zeroed
+        self._zeroed.discard(id(param))
         fused = getattr(param, "grad_added_to_main_grad", False)
         if param.grad is not None:
-            if not fused or getattr(param, "zero_out_wgrad", False):
+            if fresh and not fused:
+                param.main_grad.copy_(param.grad)
+            elif not fused or getattr(param, "zero_out_wgrad", False):
                 param.main_grad.add_(param.grad)
             param.grad = None
         if fused:
@@ -279,6 +286,7 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.all_buffers:
             buffer.grad_data.zero_()
             buffer.reset()
+        self._zeroed = {id(p) for buffer in self.all_buffers for p in buffer.params}
 
     def scale_gradients(self, scaling_factor: Union[float, torch.Tensor]) -> None:
         """Multiply every main grad by ``scaling_factor`` (a 0-dim tensor: no host read)."""

@@ -15,7 +15,10 @@ the softmax for the backward. bf16/fp16 logits are never upcast as a whole (a
 ``[tokens, V]`` fp32 copy is 4x the memory traffic of the matmul that made them):
 they are upcast a block of rows at a time, small enough to stay in cache, and the
 backward recomputes the softmax from the saved low-precision logits and the fp32
-log-sum-exp, rounding the fp32 gradient once to the logits' dtype.
+log-sum-exp, rounding the fp32 gradient once to the logits' dtype. On one TP rank nothing is
+reduced across ranks, so each block takes torch's fused fp32 log-softmax (forward) and softmax
+(backward) instead of separate max-shift, exp and sum passes; fp32 logits likewise take one
+fused log-softmax over the whole tensor, turned into the gradient in place.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, label_smoothing, group):
         ctx.input_dtype = logits.dtype
         logits = logits.float()  # [..., V/tp]
-        logits_max = logits.max(dim=-1).values  # [...]
+        logits_max = logits.amax(dim=-1)  # [...]
         _all_reduce_(logits_max, dist.ReduceOp.MAX, group)
         shifted = logits - logits_max.unsqueeze(-1)  # [..., V/tp], <= 0 everywhere
 
@@ -112,11 +115,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         not_mine, local_target = _local_targets(target, per_partition, group)
         predicted = _target_logit(shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), not_mine, group)
 
-        exp_logits = shifted.exp()  # [..., V/tp]
-        sum_exp = _all_reduce_(exp_logits.sum(dim=-1), dist.ReduceOp.SUM, group)  # [...]
         vocab_size = per_partition * dist.get_world_size(group)
         smoothing = _smoothing(label_smoothing, vocab_size)
         sum_shifted = shifted.sum(dim=-1) if smoothing > 0 else None
+        exp_logits = shifted.exp_()  # [..., V/tp], in place: no second [tokens, V] tensor
+        sum_exp = _all_reduce_(exp_logits.sum(dim=-1), dist.ReduceOp.SUM, group)  # [...]
         loss = _loss(sum_exp.log(), predicted, smoothing, vocab_size, sum_shifted, group)
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))  # [..., V/tp]
@@ -126,8 +129,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # The saved softmax becomes the gradient in place (no [tokens, V] copy); a second backward
+        # through this graph (retain_graph) raises on the saved tensor's version instead of reusing it.
         softmax, not_mine, local_target = ctx.saved_tensors
-        grad = _softmax_to_grad_(softmax.clone(), not_mine, local_target, ctx.smoothing, ctx.vocab_size, grad_loss)
+        grad = _softmax_to_grad_(softmax, not_mine, local_target, ctx.smoothing, ctx.vocab_size, grad_loss)
         return grad.to(ctx.input_dtype), None, None, None
 
 
@@ -195,6 +200,73 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
         return grad.view_as(logits), None, None, None
 
 
+def _smoothed_nll(log_p: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """``(1 - s) * (-log p_target) + s * mean_over_V(-log p)`` from full-vocab fp32 ``log_p`` ``[..., V]``."""
+    nll = -log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [...]
+    if smoothing > 0:
+        nll = (1.0 - smoothing) * nll - smoothing * log_p.mean(dim=-1)
+    return nll
+
+
+class _SingleRankCrossEntropy(torch.autograd.Function):
+    """fp32 (or fp64, computed in fp32) logits over the whole vocabulary (one TP rank).
+
+    One fused log-softmax makes the only ``[tokens, V]`` tensor; the backward turns it into the
+    softmax and then the gradient in place (a second backward through the graph raises).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, group):
+        ctx.input_dtype = logits.dtype
+        log_p = torch.log_softmax(logits.float(), dim=-1)  # [..., V]
+        ctx.smoothing = _smoothing(label_smoothing, logits.size(-1))
+        ctx.save_for_backward(log_p, target)
+        return _smoothed_nll(log_p, target, ctx.smoothing)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        log_p, target = ctx.saved_tensors
+        mine = torch.zeros(target.shape, dtype=torch.bool, device=target.device)  # every target is here
+        grad = _softmax_to_grad_(log_p.exp_(), mine, target, ctx.smoothing, log_p.size(-1), grad_loss)
+        return grad.to(ctx.input_dtype), None, None, None
+
+
+class _SingleRankBlockwiseCrossEntropy(torch.autograd.Function):
+    """bf16/fp16 logits over the whole vocabulary (one TP rank): torch's fused row kernels per block.
+
+    With no statistic to reduce across ranks, a block's fp32 log-softmax (forward) and softmax
+    (backward) are one fused pass each, instead of the separate max-shift, exp and sum passes
+    ``_BlockwiseCrossEntropy`` needs for its cross-rank reductions. Saves only the logits.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, group):
+        vocab_size = logits.size(-1)
+        flat, flat_target = logits.reshape(-1, vocab_size), target.reshape(-1)  # [n, V], [n]
+        smoothing = _smoothing(label_smoothing, vocab_size)
+        loss = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)  # [n]
+        for rows in _row_blocks(*flat.shape, flat.device):
+            log_p = torch.log_softmax(flat[rows], dim=-1, dtype=torch.float32)  # [block, V] fp32
+            loss[rows] = _smoothed_nll(log_p, flat_target[rows], smoothing)
+        ctx.save_for_backward(logits, flat_target)
+        ctx.smoothing = smoothing
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, flat_target = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.size(-1))  # [n, V]
+        grad_loss = grad_loss.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        for rows in _row_blocks(*flat.shape, flat.device):
+            softmax = torch.softmax(flat[rows], dim=-1, dtype=torch.float32)  # [block, V] fp32
+            mine = torch.zeros(softmax.size(0), dtype=torch.bool, device=softmax.device)  # every target is here
+            grad[rows] = _softmax_to_grad_(
+                softmax, mine, flat_target[rows], ctx.smoothing, flat.size(-1), grad_loss[rows]
+            )  # one rounding to bf16/fp16
+        return grad.view_as(logits), None, None, None
+
+
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -223,5 +295,8 @@ def vocab_parallel_cross_entropy(
             f"{tuple(vocab_parallel_logits.shape[:-1])}"
         )
     low_precision = vocab_parallel_logits.dtype in (torch.bfloat16, torch.float16)
-    function = _BlockwiseCrossEntropy if low_precision else _VocabParallelCrossEntropy
+    if dist.get_world_size(group) == 1:
+        function = _SingleRankBlockwiseCrossEntropy if low_precision else _SingleRankCrossEntropy
+    else:
+        function = _BlockwiseCrossEntropy if low_precision else _VocabParallelCrossEntropy
     return function.apply(vocab_parallel_logits, target, float(label_smoothing), group)

@@ -96,6 +96,10 @@ def test_vocab_parallel_cross_entropy_matches_torch(world_size):
 def _single_body(rank, world_size):
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     _check(0, 1, 0.1, 0, torch.float32, "tp=1")
+    _check(0, 1, 0.0, 1000, torch.float32, "tp=1 logits around 1000 (stability)")
+    for ls in (0.0, 0.1):  # one rank: torch's fused log-softmax / softmax per block of rows
+        _check(0, 1, ls, 0, torch.bfloat16, f"tp=1 ls={ls} bf16 logits")
+        _check(0, 1, ls, 1000, torch.float16, f"tp=1 ls={ls} fp16 logits around 1000")
     with pytest.raises(ValueError, match="label_smoothing=0.99"):
         tp.vocab_parallel_cross_entropy(torch.randn(2, V), torch.zeros(2, dtype=torch.long), label_smoothing=0.99)
     with pytest.raises(ValueError, match="target shape"):
