@@ -200,9 +200,19 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
         return grad.view_as(logits), None, None, None
 
 
+def _outside(target: torch.Tensor, vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``outside``: target not in ``[0, V)``, e.g. BERT/T5's -1 for unpredicted positions; the target with those
+    set to 0). As on several TP ranks, such a row's loss is ``logsumexp - max`` and its target gets no gradient."""
+    outside = (target < 0) | (target >= vocab_size)
+    return outside, target.masked_fill(outside, 0)
+
+
 def _smoothed_nll(log_p: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
     """``(1 - s) * (-log p_target) + s * mean_over_V(-log p)`` from full-vocab fp32 ``log_p`` ``[..., V]``."""
-    nll = -log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [...]
+    outside, local = _outside(target, log_p.size(-1))
+    nll = -log_p.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # [...]
+    if bool(outside.any()):  # the multi-rank value: the "target logit" is the max (shifted logit 0)
+        nll = torch.where(outside, -log_p.amax(dim=-1), nll)
     if smoothing > 0:
         nll = (1.0 - smoothing) * nll - smoothing * log_p.mean(dim=-1)
     return nll
@@ -226,8 +236,8 @@ class _SingleRankCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         log_p, target = ctx.saved_tensors
-        mine = torch.zeros(target.shape, dtype=torch.bool, device=target.device)  # every target is here
-        grad = _softmax_to_grad_(log_p.exp_(), mine, target, ctx.smoothing, log_p.size(-1), grad_loss)
+        outside, local = _outside(target, log_p.size(-1))
+        grad = _softmax_to_grad_(log_p.exp_(), outside, local, ctx.smoothing, log_p.size(-1), grad_loss)
         return grad.to(ctx.input_dtype), None, None, None
 
 
@@ -260,9 +270,9 @@ class _SingleRankBlockwiseCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(flat)
         for rows in _row_blocks(*flat.shape, flat.device):
             softmax = torch.softmax(flat[rows], dim=-1, dtype=torch.float32)  # [block, V] fp32
-            mine = torch.zeros(softmax.size(0), dtype=torch.bool, device=softmax.device)  # every target is here
+            outside, local = _outside(flat_target[rows], flat.size(-1))
             grad[rows] = _softmax_to_grad_(
-                softmax, mine, flat_target[rows], ctx.smoothing, flat.size(-1), grad_loss[rows]
+                softmax, outside, local, ctx.smoothing, flat.size(-1), grad_loss[rows]
             )  # one rounding to bf16/fp16
         return grad.view_as(logits), None, None, None
 

@@ -180,3 +180,37 @@ def _block_body(rank, world_size):
 
 def test_half_precision_logits_never_make_an_fp32_copy_larger_than_a_block():
     run_distributed(_block_body, 1)
+
+
+def test_one_rank_target_outside_the_vocabulary():
+    """BERT/T5 mark unpredicted positions with -1: on one rank, as on several, such a row's loss is
+    ``logsumexp - max`` and its logits' gradient is the plain softmax (no target)."""
+    run_distributed(_outside_body, 1)
+
+
+def _outside_body(rank, world_size):
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_outside(dtype)
+
+
+def _check_outside(dtype):
+    logits = torch.randn(S, B, V).to(dtype).requires_grad_()
+    target = torch.randint(0, V, (S, B))
+    target[0, :] = -1
+    target[1, 0] = V + 3
+    loss = tp.vocab_parallel_cross_entropy(logits, target)
+    x = logits.detach().float()
+    inside = (target >= 0) & (target < V)
+    expected = torch.where(
+        inside,
+        F.cross_entropy(x.reshape(-1, V), target.clamp(0, V - 1).reshape(-1), reduction="none").view(S, B),
+        torch.logsumexp(x, -1) - x.amax(-1),
+    )
+    _close(loss.float(), expected, "loss")
+    weights = torch.rand(S, B)
+    (loss * weights).sum().backward()
+    onehot = F.one_hot(target.clamp(0, V - 1), V).float() * inside.unsqueeze(-1)
+    expected_grad = (torch.softmax(x, -1) - onehot) * weights.unsqueeze(-1)
+    tol = dict(rtol=RTOL, atol=ATOL) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(logits.grad.float(), expected_grad, **tol)
