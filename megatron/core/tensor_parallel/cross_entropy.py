@@ -211,8 +211,8 @@ def _smoothed_nll(log_p: torch.Tensor, target: torch.Tensor, smoothing: float) -
     """``(1 - s) * (-log p_target) + s * mean_over_V(-log p)`` from full-vocab fp32 ``log_p`` ``[..., V]``."""
     outside, local = _outside(target, log_p.size(-1))
     nll = -log_p.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # [...]
-    if bool(outside.any()):  # the multi-rank value: the "target logit" is the max (shifted logit 0)
-        nll = torch.where(outside, -log_p.amax(dim=-1), nll)
+    # The multi-rank value, where the "target logit" is the max (shifted logit 0); no host sync to skip it.
+    nll = torch.where(outside, -log_p.amax(dim=-1), nll)
     if smoothing > 0:
         nll = (1.0 - smoothing) * nll - smoothing * log_p.mean(dim=-1)
     return nll
