@@ -128,6 +128,14 @@ class TransformerConfig(ModelParallelConfig):
     """Scale the shared experts' output by sigmoid(x . w), a learned [1, h] gate (Qwen2-MoE)."""
     moe_shared_expert_overlap: bool = False
     """Overlap the shared experts with dispatch on GPU streams; the same result (sequential here)."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Each expert keeps at most ceil(T * topk / E * factor) of a rank's T routed tokens; None (or < 0): dropless."""
+    moe_token_drop_policy: str = "probs"
+    """Which pairs an expert keeps: 'probs' (largest routing probs) or 'position' (earliest tokens)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad each expert's tokens to its capacity with weight-0 tokens: the same result, fixed shapes."""
+    moe_grouped_gemm: bool = False
+    """Run the local experts as one grouped GEMM per projection (torch._grouped_mm), else a loop."""
 
     # Multi-token prediction (DeepSeek-V3; see multi_token_prediction.py).
     mtp_num_layers: Optional[int] = None
@@ -260,6 +268,7 @@ class TransformerConfig(ModelParallelConfig):
         if factor is not None and factor <= 0:
             raise ValueError(f"moe_router_topk_scaling_factor={factor}: must be > 0")
         self._check_router()
+        self._check_capacity()
         self._check_shared_experts()
         require_divisible(
             "num_moe_experts", self.num_moe_experts, "expert_model_parallel_size", self.expert_model_parallel_size
@@ -296,6 +305,21 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"moe_router_group_topk={picked}, moe_router_num_groups={groups}, moe_router_topk={k}: "
                 "need group_topk <= num_groups and topk <= group_topk * experts per group"
+            )
+
+    def _check_capacity(self) -> None:
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and factor < 0:
+            self.moe_expert_capacity_factor = factor = None  # Megatron: a negative factor means dropless
+        if factor == 0:
+            raise ValueError("moe_expert_capacity_factor=0: must be > 0 (or negative / None for dropless)")
+        policy = self.moe_token_drop_policy
+        if policy not in ("probs", "position"):
+            raise ValueError(f"moe_token_drop_policy={policy!r}: must be one of ('probs', 'position')")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise ValueError(
+                "moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor (got None): "
+                "padding is to the capacity"
             )
 
     def _check_shared_experts(self) -> None:

@@ -157,7 +157,6 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
 @pytest.mark.parametrize(
     "extra, flag",
     [
-        (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
         (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
         (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
         (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone"),

@@ -1,6 +1,6 @@
 """Mixture of experts: top-k router, sequential experts, the MoE layer and its auxiliary losses."""
 
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import (
     AuxLossTracker,
@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 __all__ = [
     "AuxLossTracker",
+    "GroupedMLP",
     "MoEAuxLossAutoScaler",
     "MoELayer",
     "MoESubmodules",

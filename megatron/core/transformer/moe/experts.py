@@ -1,4 +1,6 @@
-"""Experts run one after another, each an ``MLP`` (``is_expert=True``) on the tokens routed to it."""
+"""The local experts, each an ``MLP`` (``is_expert=True``) on the tokens routed to it: run one after
+another (``SequentialMLP``) or, with ``moe_grouped_gemm``, as one grouped GEMM per projection
+over all of them (``GroupedMLP``, the same parameters)."""
 
 from __future__ import annotations
 
@@ -14,21 +16,40 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """Per expert: the ids of the tokens routed to it (ascending) and their routing probabilities.
 
-    One stable sort of the ``[E, T]`` routing map puts the routed (token, expert) pairs first,
-    expert by expert; one host read of the per-expert counts splits them (a ``nonzero`` per
-    expert would read the host once per expert).
+def permute_by_expert(probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+    """The routed (token, expert) pairs expert by expert: token ids ``[N]`` (ascending within an
+    expert), their probs ``[N]`` and the per-expert counts (``N`` = their sum).
+
+    One stable sort of the ``[E, T]`` routing map puts the routed pairs first, expert by expert;
+    one host read of the per-expert counts splits them (a ``nonzero`` per expert would read the
+    host once per expert).
     """
     num_tokens = routing_map.shape[0]
     routed = routing_map.t().reshape(-1).bool()  # [E*T], expert-major
     counts = routed.view(-1, num_tokens).sum(dim=1).tolist()  # [E] the one host read
-    order = torch.argsort((~routed).to(torch.uint8), stable=True)[: sum(counts)]  # [sum n_e]
-    token_ids = order % num_tokens  # [sum n_e]
-    sorted_probs = probs.t().reshape(-1)[order]  # [sum n_e]
+    order = torch.argsort((~routed).to(torch.uint8), stable=True)[: sum(counts)]  # [N]
+    return order % num_tokens, probs.t().reshape(-1)[order], counts
+
+
+def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Per expert: the ids of the tokens routed to it (ascending) and their routing probabilities."""
+    token_ids, sorted_probs, counts = permute_by_expert(probs, routing_map)
     return list(token_ids.split(counts)), list(sorted_probs.split(counts))
+
+
+def grouped_mm_supported(tokens: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``tokens``' dtype on its device (CPU: fp32/bf16/fp16;
+    CUDA: bf16 on compute capability >= 9.0). Elsewhere the experts run in a loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if tokens.device.type == "cpu":
+        return tokens.dtype in GROUPED_MM_CPU_DTYPES
+    if tokens.device.type == "cuda":
+        return tokens.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device) >= (9, 0)
+    return False
 
 
 class SequentialMLP(MegatronModule):
@@ -78,12 +99,53 @@ class SequentialMLP(MegatronModule):
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """``tokens`` ``[T, h]``, ``probs`` and ``routing_map`` ``[T, E]`` -> partial output ``[T, h]``."""
-        output = torch.zeros_like(tokens)  # [T, h]
-        indices, weights = sort_by_expert(probs, routing_map)
-        for expert, index, prob in zip(self.local_experts, indices, weights):
-            out, bias = expert(tokens[index])  # [n_e, h] partial over TP, [h] or None
-            if bias is not None:
-                out = out + self._bias_share(bias)
-            weighted = out * prob.unsqueeze(-1).to(out.dtype)  # [n_e, h]
-            output = output.index_add(0, index, weighted)
-        return output
+        token_ids, weights, counts = permute_by_expert(probs, routing_map)  # [N], [N], E counts
+        out = self.run_experts(tokens[token_ids], counts)  # [N, h] partial over TP
+        weighted = out * weights.unsqueeze(-1).to(out.dtype)  # [N, h]
+        return torch.zeros_like(tokens).index_add(0, token_ids, weighted)  # [T, h]
+
+    def run_experts(self, permuted: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """Tokens ``[N, h]`` sorted by expert (``counts[i]`` for local expert ``i``) -> outputs ``[N, h]``."""
+        outputs = []
+        for expert, chunk in zip(self.local_experts, permuted.split(counts)):
+            out, bias = expert(chunk)  # [n_e, h] partial over TP, [h] or None
+            outputs.append(out if bias is None else out + self._bias_share(bias))
+        return torch.cat(outputs)  # [N, h]
+
+
+class GroupedMLP(SequentialMLP):
+    """``moe_grouped_gemm``: the local experts as one ``torch._grouped_mm`` per projection.
+
+    The parameters are ``SequentialMLP``'s (``local_experts.{i}.linear_fc1.weight`` ...), stacked
+    at each forward, so checkpoints of either class load into the other. Where ``_grouped_mm``
+    does not take the dtype/device (``grouped_mm_supported``) or the experts are not plain
+    ``MLP``s, the experts run in ``SequentialMLP``'s loop.
+    """
+
+    def run_experts(self, permuted: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """Tokens ``[N, h]`` sorted by expert -> outputs ``[N, h]``, two grouped GEMMs."""
+        if not grouped_mm_supported(permuted) or not all(type(e) is MLP for e in self.local_experts):
+            return super().run_experts(permuted, counts)
+        fc1 = [e.linear_fc1 for e in self.local_experts]
+        fc2 = [e.linear_fc2 for e in self.local_experts]
+        ends = torch.tensor(counts, device=permuted.device).cumsum(0).to(torch.int32)  # [E] group ends
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(len(counts), device=permuted.device), torch.tensor(counts, device=permuted.device)
+        )  # [N]
+        w1 = torch.stack([layer.weight for layer in fc1]).transpose(1, 2)  # [E, h, f1/tp]
+        hidden = torch._grouped_mm(permuted, w1, offs=ends)  # [N, f1/tp]
+        if fc1[0].bias is not None:
+            hidden = hidden + torch.stack([layer.bias for layer in fc1])[expert_of_row]  # [N, f1/tp]
+        hidden = self._activation(hidden)  # [N, f/tp]
+        w2 = torch.stack([layer.weight for layer in fc2]).transpose(1, 2)  # [E, f/tp, h]
+        out = torch._grouped_mm(hidden, w2, offs=ends)  # [N, h] partial over TP
+        if fc2[0].bias is not None:
+            out = out + self._bias_share(torch.stack([layer.bias for layer in fc2]))[expert_of_row]  # [N, h]
+        return out
+
+    def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``MLP``'s activation on fc1's output ``[N, f1/tp]`` (gated: ``act(gate) * up``)."""
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(hidden, 2, dim=-1)  # [N, f/tp] each
+            return self.config.activation_func(gate) * up
+        return self.config.activation_func(hidden)

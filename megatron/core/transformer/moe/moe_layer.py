@@ -1,8 +1,9 @@
 """Mixture-of-experts MLP (Mixtral style): route each token to k experts and mix their outputs.
 
-Dropless (every routed token is processed). The experts are split over the TP group
-(expert_tensor_parallel_size = TP) and, with expert parallelism, over the EP group: EP rank
-r holds the ``E / ep`` experts ``r * E / ep + i``. Communication, per layer:
+Dropless (every routed token is processed) unless ``moe_expert_capacity_factor`` is set: then
+the router cuts each expert's pairs to capacity, per rank's own tokens (see routing.py). The
+experts are split over the TP group (expert_tensor_parallel_size = TP) and, with expert
+parallelism, over the EP group: EP rank r holds the ``E / ep`` experts ``r * E / ep + i``. Communication, per layer:
 
 * enter: the tokens of all TP ranks are gathered, so every rank routes the same ``T = s*b``
   tokens (sequence parallelism: all-gather along the sequence, whose backward reduce-scatters;
@@ -37,7 +38,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -46,7 +47,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 @dataclass
 class MoESubmodules:
-    """The expert MLP class (or spec); ``moe_grouped_gemm`` would pick a kernel, not a different result.
+    """The expert MLP class (or spec); ``config.moe_grouped_gemm`` picks the kernel (``GroupedMLP``), not the result.
     ``shared_experts`` is built when ``config.moe_shared_expert_intermediate_size`` is set."""
 
     experts: Union[ModuleSpec, type, None] = MLP
@@ -81,7 +82,8 @@ class MoELayer(MegatronModule):
         self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
         self.router = TopKRouter(config, self.tp_group, dp_group=groups.dp_cp)
         submodules = submodules or MoESubmodules()
-        self.experts = SequentialMLP(self.num_local_experts, config, submodules.experts, pg_collection=groups)
+        experts_class = GroupedMLP if config.moe_grouped_gemm else SequentialMLP  # same parameters
+        self.experts = experts_class(self.num_local_experts, config, submodules.experts, pg_collection=groups)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = build_module(submodules.shared_experts, config, pg_collection=groups)
@@ -109,7 +111,9 @@ class MoELayer(MegatronModule):
         """``[s(/tp with SP), b, h]`` -> (same shape, None): no bias left to add."""
         full = self._gather_tokens(hidden_states)  # [s, b, h]
         tokens = full.reshape(-1, full.shape[-1])  # [T, h]
-        probs, routing_map = self.router(tokens, batch_size=full.shape[1])  # [T, E] each
+        # Capacity is per rank's own tokens, as in Megatron: under SP each TP rank's sequence shard.
+        shards = dist.get_world_size(self.tp_group) if self.sequence_parallel else 1
+        probs, routing_map = self.router(tokens, batch_size=full.shape[1], capacity_groups=shards)  # [T, E] each
         probs = probs.to(tokens.dtype)  # routed in moe_router_dtype, mixed in the model's
         partial = self._run_experts(tokens, probs, routing_map)  # [T, h]
         output = self._reduce_output(partial.view_as(full))  # [s(/tp), b, h]

@@ -20,6 +20,7 @@ from megatron.core.transformer.moe.moe_utils import (
     switch_load_balancing_loss,
 )
 from megatron.core.transformer.moe.routing import (
+    drop_to_capacity,
     random_logits_straight_through,
     route,
     scores_for_aux_loss,
@@ -93,10 +94,16 @@ class TopKRouter(MegatronModule):
             tokens, weight = tokens.to(dtype), weight.to(dtype)
         return F.linear(tokens, weight)  # [T, E]
 
-    def forward(self, tokens: torch.Tensor, batch_size: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, batch_size: int = 1, capacity_groups: int = 1
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``tokens`` ``[T, h]`` (``[s, b]`` order, ``batch_size`` = b) -> (probs ``[T, E]``, routing map ``[T, E]``).
 
-        Probabilities are in the router dtype (``moe_router_dtype``, else the tokens').
+        Probabilities are in the router dtype (``moe_router_dtype``, else the tokens'). With
+        ``moe_expert_capacity_factor`` the routed pairs are cut to capacity after routing (before
+        the balance losses, as Megatron); ``capacity_groups``: the ``T`` tokens are that many equal
+        consecutive blocks, each what one Megatron rank routes alone (capacity is per block). The
+        expert-bias counts are those of the map returned (with padding: the padded map, as Megatron).
         """
         c = self.config
         logits = self.gating(self.jitter(tokens))  # [T, E]
@@ -112,6 +119,16 @@ class TopKRouter(MegatronModule):
             c.moe_router_topk_scaling_factor,
             self.expert_bias,
         )
+        if c.moe_expert_capacity_factor is not None:
+            probs, routing_map = drop_to_capacity(
+                probs,
+                routing_map,
+                self.topk,
+                c.moe_expert_capacity_factor,
+                c.moe_token_drop_policy,
+                c.moe_pad_expert_input_to_capacity,
+                capacity_groups,
+            )
         if self.training and torch.is_grad_enabled():
             probs = self._attach_aux_losses(logits, probs, batch_size)
         if self.local_tokens_per_expert is not None and torch.is_grad_enabled():

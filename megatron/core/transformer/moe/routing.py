@@ -12,15 +12,23 @@ Everything here maps ``logits`` ``[T, E]`` (T tokens, E experts) to tensors; the
   ``group_topk`` groups with the largest sum of their ``topk / group_topk`` best scores, then
   picks its k experts inside them.
 * ``scaling_factor`` multiplies the chosen weights.
+* capacity (``moe_expert_capacity_factor``): applied to the routed probs and map, after all of
+  the above and before the balance losses (which see the logits, not the kept pairs). Each
+  expert keeps at most ``ceil(T * k / E * factor)`` of the ``T`` tokens one rank routes: those
+  with the largest probs (``probs``; ties: the earlier token) or the earliest (``position``).
+  With padding the map marks exactly that many tokens per expert (``min(capacity, T)``): the
+  kept ones, then unrouted tokens (earliest first) with weight 0.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
 
 
 def group_limited_topk(
@@ -115,3 +123,51 @@ def random_logits_straight_through(logits: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         noise = torch.randn_like(logits)  # [T, E]
     return logits + (noise - logits).detach()
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Megatron's capacity of each expert for ``num_tokens`` routed tokens: ``ceil(T * k / E * factor)``."""
+    return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
+
+
+def _rank_in_expert(probs: torch.Tensor, routing_map: torch.Tensor, policy: str) -> torch.Tensor:
+    """Each token's place in its expert's queue ``[..., T, E]`` (0 = kept first): the routed tokens
+    first, by prob descending (``probs``) or token order (``position``), then the others by token order."""
+    if policy == "probs":
+        key = probs.detach().float().masked_fill(~routing_map, float("-inf"))  # [..., T, E]
+    elif policy == "position":
+        key = routing_map.to(torch.uint8)
+    else:
+        raise ValueError(f"moe_token_drop_policy={policy!r}: must be one of {DROP_POLICIES}")
+    order = torch.sort(key, dim=-2, descending=True, stable=True).indices  # [..., T, E] token ids by place
+    places = torch.arange(key.shape[-2], device=key.device).view(-1, 1).expand_as(order)  # [..., T, E]
+    return torch.empty_like(order).scatter_(-2, order, places)
+
+
+def drop_to_capacity(
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    topk: int,
+    capacity_factor: float,
+    policy: str = "probs",
+    pad: bool = False,
+    groups: int = 1,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Probs and map ``[T, E]`` with each expert's routed tokens cut to its capacity (see the module docstring).
+
+    ``groups``: the ``T`` tokens are that many equal consecutive blocks, each one rank's own tokens
+    in Megatron (e.g. its sequence shard); capacity and dropping are per block.
+    """
+    num_tokens, num_experts = probs.shape
+    if num_tokens % groups:
+        raise ValueError(f"{num_tokens} tokens do not split into {groups} capacity groups")
+    per_group = num_tokens // groups
+    capacity = expert_capacity(per_group, topk, num_experts, capacity_factor)
+    if capacity >= per_group:  # nothing to drop; padding gives every expert every token
+        keep = torch.ones_like(routing_map)
+    else:
+        shape = (groups, per_group, num_experts)
+        places = _rank_in_expert(probs.view(shape), routing_map.view(shape), policy)  # [G, T/G, E]
+        keep = (places < capacity).view(num_tokens, num_experts)  # [T, E]
+    new_map = keep if pad else routing_map & keep  # [T, E]
+    return probs * new_map, new_map
