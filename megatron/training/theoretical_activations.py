@@ -6,7 +6,9 @@ only when dropout > 0 (bool on CUDA, the activations' dtype on a CPU); sequence 
 norm and linear inputs by TP; selective recompute drops what core attention keeps inside; full
 recompute keeps one ``[s(/tp), b, h]`` input per checkpointed group and rebuilds a group during its
 backward. Dropless MoE: every token goes to ``top-k`` experts, so a rank's experts see ``s*b*k``
-routed tokens in expectation (exactly so without expert parallelism); there is no capacity factor.
+routed tokens in expectation (exactly so without expert parallelism). With a capacity factor each
+expert keeps at most its capacity per rank's tokens (balanced routing assumed), and exactly
+``min(capacity, tokens)`` with ``moe_pad_expert_input_to_capacity``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
 from megatron.core.pipeline_parallel.schedule_table import FORWARD, rank_schedule
+from megatron.core.transformer.moe.routing import expert_capacity
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.theoretical_memory_params import (
     FP32,
@@ -103,11 +106,24 @@ def _mlp_intermediates(c: TransformerConfig, tokens: float, ffn_local: int, e: i
     return tokens * ffn_local * e * (4 if c.gated_linear_unit else 2)
 
 
+def _routed_pairs(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
+    """(token, expert) pairs this rank's experts run: ``t*k`` dropless (expected under EP, exact
+    without); with a capacity factor, per local expert and per routing block (each EP rank's tokens,
+    each TP rank's shard under SP) at most the capacity, exactly ``min(capacity, block)`` padded."""
+    k, experts, factor = c.moe_router_topk, c.num_moe_experts, c.moe_expert_capacity_factor
+    if factor is None:
+        return n.t * k
+    block = n.t / n.sp  # tokens one rank routes
+    capacity = expert_capacity(int(block), k, experts, factor)
+    per_expert = min(capacity, block) if c.moe_pad_expert_input_to_capacity else min(capacity, block * k / experts)
+    return n.sp * pos.ep * (experts // pos.ep) * per_expert
+
+
 def _moe(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
-    """Dropless MoE on the TP group's tokens: router, routing bookkeeping, experts on ``t*k`` tokens."""
+    """MoE on the TP group's tokens: router, routing bookkeeping, experts on the routed pairs."""
     h, k, experts = c.hidden_size, c.moe_router_topk, c.num_moe_experts
     local_experts = experts // pos.ep
-    routed = n.t * k  # sum over local experts of their tokens (expected under EP, exact without)
+    routed = _routed_pairs(c, n, pos)  # sum over local experts of their tokens
     total = n.t * h * n.e  # router input
     total += n.t * experts * FP32 if c.moe_router_pre_softmax else n.t * k * FP32  # softmax output
     total += n.t * k * INDEX_BYTES  # top-k indices

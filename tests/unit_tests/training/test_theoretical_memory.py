@@ -40,6 +40,11 @@ GRID = [
     MemCase("tp2 sp full uniform", tp=2, sp=True, recompute="full"),
     MemCase("tp1 dp2 moe", moe=True),
     MemCase("tp2 sp moe bf16", tp=2, sp=True, moe=True, bf16=True),
+    MemCase(
+        "tp1 dp2 moe capacity pad",
+        moe=True,
+        extra=dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True),
+    ),
     MemCase("pp2 1f1b", pp=2, num_microbatches=4),
     MemCase("pp2 interleaved vp2", pp=2, vp=2, num_layers=4, num_microbatches=4),
 ]
