@@ -43,9 +43,9 @@ def get_gpt_layer_local_spec(
     Args:
         num_experts: experts of the MoE MLP; None for a dense MLP.
         moe_grouped_gemm: Megatron's GroupedMLP runs all experts in one grouped GEMM; here the
-            experts are always a ``SequentialMLP`` of ``MLP``s, which computes the same (the
-            ``--moe-grouped-gemm`` flag is likewise a GPU-only no-op). ``moe_use_legacy_grouped_gemm``
-            picks between two such kernels and is accepted the same way.
+            spec is the same and ``config.moe_grouped_gemm`` (``--moe-grouped-gemm``) picks the
+            ``GroupedMLP`` kernel over the same per-expert ``MLP`` parameters. ``moe_use_legacy_grouped_gemm``
+            picks between two such kernels and is accepted without effect.
         qk_layernorm: True builds the query/key norms, False builds none, None (our default) follows
             ``config.qk_layernorm``. False with ``config.qk_layernorm`` True is refused when the
             layer is built (Megatron would silently build no norms).
