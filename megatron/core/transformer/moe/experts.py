@@ -128,10 +128,11 @@ class GroupedMLP(SequentialMLP):
             return super().run_experts(permuted, counts)
         fc1 = [e.linear_fc1 for e in self.local_experts]
         fc2 = [e.linear_fc2 for e in self.local_experts]
-        ends = torch.tensor(counts, device=permuted.device).cumsum(0).to(torch.int32)  # [E] group ends
+        sizes = torch.tensor(counts, device=permuted.device)  # [E], one host-to-device copy
+        ends = sizes.cumsum(0).to(torch.int32)  # [E] group ends
         expert_of_row = torch.repeat_interleave(
-            torch.arange(len(counts), device=permuted.device), torch.tensor(counts, device=permuted.device)
-        )  # [N]
+            torch.arange(len(counts), device=permuted.device), sizes, output_size=permuted.shape[0]
+        )  # [N], no host read
         w1 = torch.stack([layer.weight for layer in fc1]).transpose(1, 2)  # [E, h, f1/tp]
         hidden = torch._grouped_mm(permuted, w1, offs=ends)  # [N, f1/tp]
         if fc1[0].bias is not None:
