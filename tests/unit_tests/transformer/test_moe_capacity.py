@@ -13,6 +13,9 @@ tokens (earliest first, weight 0) up to ``min(capacity, T_block)``. fp32; rtol 1
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer, get_aux_loss_tracker
 from megatron.core.transformer.moe.routing import drop_to_capacity, route
 from tests.dist_harness import run_distributed
+from tests.unit_tests.datasets.masked_oracle import oracle_dir, oracle_script
 from tests.unit_tests.transformer.test_moe import _config, _expert_ref
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -198,3 +202,42 @@ def test_config_refuses_bad_capacity_settings(kw, message):
 
 def test_negative_capacity_factor_means_dropless_as_megatron():
     assert _config(moe_expert_capacity_factor=-1.0).moe_expert_capacity_factor is None
+
+
+ORACLE_CASES = [(2, 1.0, "probs", False), (2, 0.5, "probs", False), (2, 0.75, "probs", True), (1, 0.5, "probs", True)]
+ORACLE_CASES += [(2, 0.5, "position", False), (2, 1.0, "position", True)]
+
+
+def test_kept_pairs_match_megatron_core(tmp_path):
+    """megatron-core 0.16.1's ``apply_router_token_dropping`` (skips without ``MCORE_ORACLE``): the same
+    number of tokens per expert; with ``probs`` the same kept routed pairs and probs (softmax-then-top-k
+    of random logits: no ties among routed probs). Megatron picks ``position``'s tokens and the padding
+    tokens with ``torch.topk`` among equal values, whose choice is unspecified (on a CPU it keeps
+    tokens from the middle or end); we keep the earliest, as its docs say ("tokens at the end of each
+    batch will be dropped"), so those are compared by count only."""
+    root = oracle_dir()
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for topk, factor, policy, pad in ORACLE_CASES:
+        probs, routing_map = route(torch.randn(32, E, generator=g), topk, pre_softmax=True)
+        cases.append(dict(probs=probs, routing_map=routing_map, topk=topk, factor=factor, policy=policy, pad=pad))
+    torch.save(cases, tmp_path / "cases.pt")
+    script = oracle_script("mcore_token_dropping.py")
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+        env=dict(os.environ, PYTHONPATH=root),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case, (their_probs, their_map) in zip(cases, torch.load(tmp_path / "out.pt")):
+        args = [case[k] for k in ("probs", "routing_map", "topk", "factor", "policy", "pad")]
+        probs, new_map = drop_to_capacity(*args)
+        routed = case["routing_map"]
+        where = {k: case[k] for k in ("topk", "factor", "policy", "pad")}
+        assert torch.equal(new_map.sum(dim=0), their_map.sum(dim=0)), where
+        if case["policy"] == "probs":
+            assert torch.equal(new_map & routed, their_map & routed), where
+            assert torch.equal(probs, their_probs), where
