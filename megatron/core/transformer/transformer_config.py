@@ -318,8 +318,8 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"moe_token_drop_policy={policy!r}: must be one of ('probs', 'position')")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise ValueError(
-                "moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor (got None): "
-                "padding is to the capacity"
+                "moe_pad_expert_input_to_capacity=True pads to the capacity, which needs a factor "
+                "(got moe_expert_capacity_factor=None)"
             )
 
     def _check_shared_experts(self) -> None:

@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer, get_aux_loss_tracker
 from megatron.core.transformer.moe.routing import drop_to_capacity, route
+from megatron.training import arguments as A
 from tests.dist_harness import run_distributed
 from tests.unit_tests.datasets.masked_oracle import oracle_dir, oracle_script
+from tests.unit_tests.training.test_arguments import BASE
 from tests.unit_tests.transformer.test_moe import _config, _expert_ref
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -190,7 +192,7 @@ def test_moe_layer_with_capacity_equals_token_reference_and_padding_changes_only
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity=True needs"),
+        (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity=True pads to the capacity"),
         (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor=0"),
         (dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="random"), "moe_token_drop_policy='random'"),
     ],
@@ -198,6 +200,21 @@ def test_moe_layer_with_capacity_equals_token_reference_and_padding_changes_only
 def test_config_refuses_bad_capacity_settings(kw, message):
     with pytest.raises(ValueError, match=message):
         _config(**kw)
+
+
+def test_flags_fill_the_config_and_errors_name_the_flags():
+    def config_of(extra):
+        args = A.parse_args(BASE + ["--num-experts", "4"] + extra, entry_point="gpt")
+        return A.core_transformer_config_from_args(A.validate_args(args, 1))
+
+    flags = ["--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy", "position"]
+    cfg = config_of(flags + ["--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm"])
+    assert (cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy) == (1.5, "position")
+    assert cfg.moe_pad_expert_input_to_capacity and cfg.moe_grouped_gemm
+    with pytest.raises(
+        A.ArgumentsError, match="--moe-pad-expert-input-to-capacity pads .* --moe-expert-capacity-factor"
+    ):
+        config_of(["--moe-pad-expert-input-to-capacity"])
 
 
 def test_negative_capacity_factor_means_dropless_as_megatron():
