@@ -47,9 +47,9 @@ def grouped_mm_supported(tokens: torch.Tensor) -> bool:
         return False
     if tokens.device.type == "cpu":
         return tokens.dtype in GROUPED_MM_CPU_DTYPES
-    if tokens.device.type == "cuda":
-        return tokens.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device) >= (9, 0)
-    return False
+    if tokens.device.type != "cuda" or tokens.dtype != torch.bfloat16 or not torch.cuda.is_available():
+        return False  # (also a fake CUDA device without a GPU: the dry run)
+    return torch.cuda.get_device_capability(tokens.device) >= (9, 0)
 
 
 class SequentialMLP(MegatronModule):
