@@ -90,7 +90,7 @@ class TransformerConfig(ModelParallelConfig):
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
 
-    # Mixture of experts (dropless; experts split over EP and expert-TP = TP; see moe/moe_layer.py).
+    # Mixture of experts (experts split over EP and expert-TP = TP; see moe/moe_layer.py).
     num_moe_experts: Optional[int] = None
     """Experts per MoE layer (--num-experts); None: dense MLPs."""
     moe_router_topk: int = 2
