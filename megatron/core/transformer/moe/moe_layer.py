@@ -3,7 +3,8 @@
 Dropless (every routed token is processed) unless ``moe_expert_capacity_factor`` is set: then
 the router cuts each expert's pairs to capacity, per rank's own tokens (see routing.py). The
 experts are split over the TP group (expert_tensor_parallel_size = TP) and, with expert
-parallelism, over the EP group: EP rank r holds the ``E / ep`` experts ``r * E / ep + i``. Communication, per layer:
+parallelism, over the EP group: EP rank r holds the ``E / ep`` experts ``r * E / ep + i``.
+Communication, per layer:
 
 * enter: the tokens of all TP ranks are gathered, so every rank routes the same ``T = s*b``
   tokens (sequence parallelism: all-gather along the sequence, whose backward reduce-scatters;
