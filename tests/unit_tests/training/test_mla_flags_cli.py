@@ -1,6 +1,6 @@
 """Multi-latent attention and shared-expert flags: they fill the config, bad combinations are refused
 naming the flags, and a scaled-down DeepSeek-V3 flag set (with multi-token prediction) trains through
-pretrain_gpt.py with the same losses on one rank and on TP=2 with sequence parallelism."""
+pretrain_gpt.py with the same losses on one rank, on TP=2 with sequence parallelism, PP=2 and CP=2."""
 
 import pytest
 
@@ -51,7 +51,6 @@ def test_mla_and_shared_expert_flags_fill_the_config():
         (MLA_FLAGS + ["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
         (MLA_FLAGS + ["--cache-mla-latents"], "not supported yet.*--cache-mla-latents"),
         (MLA_FLAGS + ["--use-rope-scaling"], "--use-rope-scaling with --multi-latent-attention"),
-        (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], "--mtp-num-layers 1 with"),
     ],
 )
 def test_bad_combinations_are_refused_naming_the_flags(extra, named):
@@ -59,16 +58,18 @@ def test_bad_combinations_are_refused_naming_the_flags(extra, named):
         _config_of(extra, world_size=2)
 
 
-def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_and_pp(tmp_path):
-    """CPU initialization, dropout 0, no balance loss: TP=2 with SP prints the one-rank ``lm loss`` and
-    ``mtp_1 loss`` (relative 2e-6: the printed digits but for float noise), expert bias updates and the
-    MTP gradient included. PP=2 (MTP refused there) prints the same first loss, taken before any update."""
+def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_pp_and_cp(tmp_path):
+    """CPU initialization, dropout 0, no balance loss: TP=2 with SP, PP=2 (multi-token prediction and
+    its embedding copy on the last stage) and CP=2 (the MTP shift across the CP chunks) print the
+    one-rank ``lm loss`` and ``mtp_1 loss`` (relative 2e-6: the printed digits but for float noise),
+    expert bias updates and the MTP gradient included."""
     flags = tiny_gpt_flags(3) + mock_flags() + MLA_FLAGS + MOE_FLAGS + ["--lr-warmup-iters", "1"]
-    mtp = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+    flags += ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
     runs = {
-        "one rank": run_gpt(1, flags + mtp, cwd=str(tmp_path)),
-        "tp2 sp": run_gpt(2, flags + mtp + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], str(tmp_path)),
+        "one rank": run_gpt(1, flags, cwd=str(tmp_path)),
+        "tp2 sp": run_gpt(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], str(tmp_path)),
         "pp2": run_gpt(2, flags + ["--pipeline-model-parallel-size", "2"], cwd=str(tmp_path)),
+        "cp2": run_gpt(2, flags + ["--context-parallel-size", "2"], cwd=str(tmp_path)),
     }
     for name, result in runs.items():
         assert_ok(result, f"pretrain_gpt.py with DeepSeek-V3's flags ({name})")
@@ -76,6 +77,6 @@ def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_and_pp(tmp_path
     reference = runs["one rank"]
     mtp_losses = [line["mtp_1 loss"] for line in reference.lines]
     assert all(loss > 1.0 for loss in mtp_losses), reference.output[-3000:]
-    assert runs["tp2 sp"].losses() == pytest.approx(reference.losses(), rel=2e-6)
-    assert [line["mtp_1 loss"] for line in runs["tp2 sp"].lines] == pytest.approx(mtp_losses, rel=2e-6)
-    assert runs["pp2"].losses()[0] == pytest.approx(reference.losses()[0], rel=2e-6)
+    for name in ("tp2 sp", "pp2", "cp2"):
+        assert runs[name].losses() == pytest.approx(reference.losses(), rel=2e-6), name
+        assert [line["mtp_1 loss"] for line in runs[name].lines] == pytest.approx(mtp_losses, rel=2e-6), name
