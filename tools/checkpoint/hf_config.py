@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, the Llama family
-(Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: ``tools/checkpoint/llama_family.py``), BERT and T5.
+(Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: ``tools/checkpoint/llama_family.py``), BERT and T5.
 
 The Megatron side is a plain dict keyed by flag destination (``num_layers``,
 ``untie_embeddings_and_output_weights``, ...): the same keys ``pretrain_gpt.py`` stores
@@ -128,7 +128,7 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         args.update(deepseek.mla_args_from_hf(hf, where))
         args.update(deepseek.moe_args_from_hf(hf, args["num_layers"], where))
     elif family.moe:
-        args.update(llama_family.moe_args_from_hf(hf, args["num_layers"]))
+        args.update(llama_family.moe_args_from_hf(hf, args["num_layers"], family.mixtral))
     return args
 
 

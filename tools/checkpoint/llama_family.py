@@ -4,7 +4,8 @@ Every family here is Llama's layout (RMSNorm, SwiGLU, RoPE, grouped-query attent
 linear biases) plus a few switches: Qwen2 a QKV bias (``--add-qkv-bias``), Qwen3 a per-head
 RMSNorm on queries and keys (``--qk-layernorm``), Qwen3-MoE that and MoE MLPs (softmax
 routing; ``norm_topk_prob`` renormalises the top k, which is our top-k-then-softmax, else
-``--moe-router-pre-softmax``), DeepSeek-V3 multi-latent attention and a sigmoid router with
+``--moe-router-pre-softmax``), Mixtral MoE MLPs in every layer (experts of ``intermediate_size``,
+the top k always renormalised), DeepSeek-V3 multi-latent attention and a sigmoid router with
 shared experts (``deepseek.py``). The weight names are one mapping for all of them
 (``megatron.core.models.gpt.hf_state_dict``); this module holds only what differs.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 from tools.checkpoint import deepseek
+from tools.checkpoint.errors import ConversionError
 
 Args = Dict[str, Any]
 
@@ -28,6 +30,8 @@ class DecoderFamily:
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
     moe: bool = False
+    mixtral: bool = False
+    """Mixtral's MoE config: ``num_local_experts``, every layer MoE, experts of ``intermediate_size``."""
     mla: bool = False
     """DeepSeek-V3: multi-latent attention (its latent norms are ``qk_layernorm``), DeepSeek's router."""
     config_extras: Tuple[Tuple[str, Any], ...] = field(default=())
@@ -42,6 +46,7 @@ DECODER_FAMILIES: Dict[str, DecoderFamily] = {
     "qwen3_moe": DecoderFamily(
         "Qwen3MoeForCausalLM", "Qwen3MoeConfig", qk_layernorm=True, moe=True, config_extras=NO_ATTENTION_BIAS
     ),
+    "mixtral": DecoderFamily("MixtralForCausalLM", "MixtralConfig", moe=True, mixtral=True),
     "deepseek_v3": DecoderFamily(
         "DeepseekV3ForCausalLM",
         "DeepseekV3Config",
@@ -55,9 +60,18 @@ ARCHITECTURES = {f.hf_class: kind for kind, f in DECODER_FAMILIES.items()}
 ARCHITECTURES["MistralForCausalLM"] = "llama"
 
 
-def moe_args_from_hf(hf: Dict[str, Any], num_layers: int) -> Args:
+def moe_args_from_hf(hf: Dict[str, Any], num_layers: int, mixtral: bool = False) -> Args:
     """MoE flags (by destination) of a Qwen3-MoE config: a layer is MoE unless listed in
-    ``mlp_only_layers`` or skipped by ``decoder_sparse_step`` (layer i when (i+1) % step == 0)."""
+    ``mlp_only_layers`` or skipped by ``decoder_sparse_step`` (layer i when (i+1) % step == 0).
+    Mixtral's (``mixtral``): every layer MoE, the top k renormalised (our top-k-then-softmax)."""
+    if mixtral:
+        return dict(
+            num_experts=hf["num_local_experts"],
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["intermediate_size"],
+            moe_router_pre_softmax=False,
+            moe_layer_freq=1,
+        )
     step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
     return dict(
@@ -128,6 +142,8 @@ def expected_args(kind: str) -> Args:
         expected.update(_DEEPSEEK_ROUTER)
     elif family.moe:
         expected.update(_HF_ROUTER)
+        if family.mixtral:  # Mixtral always renormalises the top k
+            expected["moe_router_pre_softmax"] = False
     else:
         expected["num_experts"] = None
     return expected
@@ -139,6 +155,8 @@ def config_fields(args: Args, kind: str, where: str) -> Dict[str, Any]:
     fields = dict(family.config_extras)
     if family.mla:
         fields.update(deepseek.hf_config_fields(args, moe_pattern(args), where))
+    elif family.mixtral:
+        fields.update(_mixtral_config_fields(args, where))
     elif family.moe:
         pattern = moe_pattern(args)
         fields.update(
@@ -150,3 +168,19 @@ def config_fields(args: Args, kind: str, where: str) -> Dict[str, Any]:
             mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
         )
     return fields
+
+
+def _mixtral_config_fields(args: Args, where: str) -> Dict[str, Any]:
+    """``MixtralConfig``'s MoE fields; refuses what it cannot express (dense layers, expert FFN size)."""
+    if not all(moe_pattern(args)):
+        raise ConversionError(
+            f"{where}: flag moe_layer_freq is {args.get('moe_layer_freq')!r}; "
+            "--model-type mixtral needs every layer MoE"
+        )
+    moe_ffn = args.get("moe_ffn_hidden_size")
+    if moe_ffn not in (None, args["ffn_hidden_size"]):
+        raise ConversionError(
+            f"{where}: flag moe_ffn_hidden_size is {moe_ffn}; --model-type mixtral needs it equal to "
+            f"ffn_hidden_size ({args['ffn_hidden_size']}, Mixtral's intermediate_size)"
+        )
+    return dict(num_local_experts=args["num_experts"], num_experts_per_tok=args["moe_router_topk"])
