@@ -46,8 +46,8 @@ def _layer_prefixes(model: torch.nn.Module) -> Dict[str, str]:
     for name, module in model.named_modules():
         # TransformerLayer marks itself (this module is imported by the transformer, not the reverse).
         index = getattr(module, "checkpoint_layer_index", None)
-        if index is not None:
-            parent, _, _ = name.rpartition(".")
+        parent, _, last = name.rpartition(".")
+        if index is not None and last.isdigit():  # a block's layer list (not MTP's ``transformer_layer``)
             table[name + "."] = f"{parent}.{index}." if parent else f"{index}."
     return table
 

@@ -60,7 +60,9 @@ class MultiTokenPredictionLayer(MegatronModule):
             2 * h, h, config=config, init_method=config.init_method, bias=False, tp_group=pg_collection.tp
         )
         number = config.num_layers + depth
-        self.transformer_layer = build_module(layer_spec, config, layer_number=number, pg_collection=pg_collection)
+        self.transformer_layer = build_module(  # the global number whatever the pipeline stage
+            layer_spec, config, layer_number=number, add_layer_offset=False, pg_collection=pg_collection
+        )
         self.final_layernorm = build_norm(config, h)
 
     def forward(

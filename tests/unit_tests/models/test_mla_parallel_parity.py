@@ -10,14 +10,17 @@ CP with the loss scaled by the CP size, as training does, so the MTP loss's shif
 chunk boundaries and its token count over all CP ranks are both checked). The same pair then
 trains PP=2 through the schedule (``pipeline_parity.check_parity``: loss, every gradient, the
 weights after two SGD steps, an evaluation loss), the last stage holding the MTP module and its
-copy of the embedding: once DeepSeek-style, once GPT-2-style (tied output layer, learned positions,
-both copied). fp32; rtol=1e-5, atol=1e-6 (only the order of float additions differs).
+copy of the embedding: once DeepSeek-style (with a tracked balance loss: the MTP layer keeps its
+global number on the last stage), once GPT-2-style (tied output layer, learned positions, both
+copied); the last stage's MTP checkpoint keys are the one-rank model's. fp32; rtol=1e-5,
+atol=1e-6 (only the order of float additions differs).
 """
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.context_parallel import cp_chunk_positions, get_batch_on_this_cp_rank
+from megatron.core.dist_checkpointing.state_dict import sharded_state_dict
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
@@ -71,11 +74,21 @@ def _compare_layouts(rank, world_size):
     positions = cp_chunk_positions(tokens.shape[1], world_size, dist.get_rank(cp.cp))
     _check(f"cp={world_size} mtp", loss, grads, ref_loss[:, positions], ref_grads)
     pp = build_process_groups(ParallelLayout(world_size=world_size, pipeline_model_parallel_size=world_size))
-    for name, kw in (
-        ("deepseek", deepseek_style(num_layers=4, moe_layer_freq=[0, 1, 1, 1], **STYLE, **MTP)),
-        ("gpt2 tied", gpt2_style(**MTP)),
-    ):
+    balanced = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)  # tracked per global layer
+    deepseek = deepseek_style(num_layers=4, moe_layer_freq=[0, 1, 1, 1], **STYLE, **MTP, **balanced)
+    for name, kw in (("deepseek", deepseek), ("gpt2 tied", gpt2_style(**MTP))):
         check_parity(kw, pp, 1, 2, f"{name} pp={world_size} mtp", iterations=2)
+    _check_mtp_checkpoint_keys(deepseek, one, pp)
+
+
+def _check_mtp_checkpoint_keys(kw, one, pp):
+    """The last stage names the MTP module (and its layer's global number) as one rank does."""
+    last = pp.rank_in("pp") == pp.size_of("pp") - 1
+    chunk = build_gpt(kw, pp, pre_process=not last, post_process=last)
+    keys = {k for k in sharded_state_dict(chunk) if k.startswith("mtp.")}
+    ref = {k for k in sharded_state_dict(build_gpt(kw, one)) if k.startswith("mtp.")}
+    assert keys == (ref if last else set()), sorted(keys ^ ref)
+    assert not last or "mtp.layers.0.transformer_layer.mlp.router.weight" in keys, sorted(keys)
 
 
 def test_deepseek_style_tp_sp_cp_pp_equal_one_rank():
