@@ -9,6 +9,12 @@ against the labels shifted left by k (the loss mask shifted too, its last k posi
 The losses do not change the model's output: ``MoEAuxLossAutoScaler`` injects their gradient,
 scaled by ``mtp_loss_scaling_factor / mtp_num_layers`` and by the main loss's scale, and the
 coefficient-free values are tracked as ``mtp_{k} loss`` with the MoE aux losses (``moe_utils``).
+
+The block runs on the last pipeline stage (``GPTModel.mtp_process``), which embeds the shifted tokens
+with its own copy of the embedding, kept equal to the first stage's (``tied_embeddings``). Its layer
+keeps the global number ``num_layers + k`` on any stage. Under context parallelism the shifts run over
+the whole sequence (``roll_left_over_cp``) and each loss is normalised by the token count of all CP
+ranks (``mtp_loss_terms``).
 """
 
 from __future__ import annotations
