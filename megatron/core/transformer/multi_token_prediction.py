@@ -146,7 +146,7 @@ def mtp_loss_terms(
     if cp_group is None:
         count = mask.sum().clamp(min=1)
         return (total if per_token else total / count), total.detach() / count
-    sums = torch.stack([total.detach(), mask.sum()])  # [2]: this rank's loss sum and token count
+    sums = torch.stack([total.detach().float(), mask.sum().float()])  # [2]: this rank's loss sum and token count
     torch.distributed.all_reduce(sums, group=cp_group)
     count = sums[1].clamp(min=1)
     scaled = total if per_token else total / count * torch.distributed.get_world_size(cp_group)
