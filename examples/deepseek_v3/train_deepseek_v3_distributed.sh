@@ -5,8 +5,8 @@
 #   bash examples/deepseek_v3/train_deepseek_v3_distributed.sh CKPT TENSORBOARD TOKENIZER_DIR DATA_PREFIX
 # TOKENIZER_DIR is a Hugging Face tokenizer directory (HuggingFaceTokenizer); DATA_PREFIX MOCK trains on mock data
 # (NullTokenizer, VOCAB_SIZE tokens). Once per node with torchrun, or from a Slurm job (srun, one task per GPU).
-# Multi-token prediction (MTP_LAYERS, DeepSeek trains with 1) is supported here only without pipeline parallelism,
-# so it is off unless asked for. Sizes come from the environment, so the same script runs at toy scale on CPU:
+# Multi-token prediction: MTP_LAYERS modules (DeepSeek trains with 1, the default; 0 turns it off) on the last
+# pipeline stage. Sizes come from the environment, so the same script runs at toy scale on CPU:
 #   GPUS_PER_NODE=2 NUM_LAYERS=2 DENSE_LAYERS=1 HIDDEN=32 FFN=64 HEADS=4 EXPERTS=4 MOE_FFN=32 ROUTER_GROUPS=2 \
 #     GROUP_TOPK=1 TOPK=2 Q_LORA=16 KV_LORA=16 QK_HEAD=8 QK_POS=8 V_HEAD=8 SEQ=32 MBS=2 GBS=8 ITERS=5 TP=1 PP=1 EP=2 \
 #     MTP_LAYERS=1 PRECISION= VOCAB_SIZE=600 EXTRA="--distributed-backend gloo" \
@@ -48,7 +48,7 @@ MOE_ARGS=(
   --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
   --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
 )
-if [ "${MTP_LAYERS:-0}" -gt 0 ]; then
+if [ "${MTP_LAYERS:-1}" -gt 0 ]; then
   MOE_ARGS+=(--mtp-num-layers "$MTP_LAYERS" --mtp-loss-scaling-factor 0.1)
 fi
 TRAINING_ARGS=(

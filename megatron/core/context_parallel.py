@@ -107,3 +107,29 @@ def gather_kv_over_cp(t: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Ten
         return t
     gathered = gather_from_sequence_parallel_region(t, True, group=cp_group)  # [s, b, g, d], rank order
     return gathered.index_select(0, gathered_order(t.shape[0], cp_size, t.device))  # [s, b, g, d]
+
+
+def roll_left_over_cp(t: torch.Tensor, cp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The whole sequence shifted left by one token (the last position gets 0), on this rank's chunks.
+
+    ``t`` ``[..., s/cp]`` holds chunks ``r`` and ``2cp-1-r`` (``get_batch_on_this_cp_rank``). Each local
+    chunk's last position takes the first value of the global chunk after it, which another rank may
+    hold: one all-gather of every rank's two chunk heads ``[..., 2]``. Not differentiable (token ids,
+    labels, loss masks and positions). Without CP, a plain roll.
+    """
+    cp_size, cp_rank = _cp_size_rank(cp_group)
+    if cp_size == 1:
+        rolled = torch.roll(t, shifts=-1, dims=-1)
+        rolled[..., -1] = 0
+        return rolled
+    c = t.shape[-1] // 2
+    heads = torch.stack([t[..., 0], t[..., c]], dim=-1).contiguous()  # [..., 2]
+    gathered = [torch.empty_like(heads) for _ in range(cp_size)]
+    dist.all_gather(gathered, heads, group=cp_group)
+    by_chunk = {}  # global chunk index -> its first value [...]
+    for rank, pair in enumerate(gathered):
+        by_chunk[rank], by_chunk[2 * cp_size - 1 - rank] = pair[..., 0], pair[..., 1]
+    by_chunk[2 * cp_size] = torch.zeros_like(heads[..., 0])  # past the end
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    nexts = by_chunk[first + 1].unsqueeze(-1), by_chunk[second + 1].unsqueeze(-1)  # [..., 1] each
+    return torch.cat([t[..., 1:c], nexts[0], t[..., c + 1 :], nexts[1]], dim=-1)  # [..., s/cp]

@@ -9,6 +9,9 @@ backward. Dropless MoE: every token goes to ``top-k`` experts, so a rank's exper
 routed tokens in expectation (exactly so without expert parallelism). With a capacity factor each
 expert keeps at most its capacity per rank's tokens (balanced routing assumed), and exactly
 ``min(capacity, tokens)`` with ``moe_pad_expert_input_to_capacity``.
+Shared experts are a dense MLP beside them; multi-latent attention keeps its latents, their norms and
+the up projections' outputs; multi-token prediction adds per module an embedding, a layer, a head
+and a loss on the last stage.
 """
 
 from __future__ import annotations
@@ -67,9 +70,10 @@ class _Tokens:
         return self.t / self.sp
 
 
-def _norm_activations(c: TransformerConfig, tokens: float, e: int) -> float:
-    """LayerNorm: input, fp32 mean and rstd. Our RMSNorm: fp32 input, fp32 1/rms, normalised input."""
-    h = c.hidden_size
+def _norm_activations(c: TransformerConfig, tokens: float, e: int, size: int = 0) -> float:
+    """LayerNorm: input, fp32 mean and rstd. Our RMSNorm: fp32 input, fp32 1/rms, normalised input.
+    ``size``: the normalised width (default: the hidden size)."""
+    h = size or c.hidden_size
     if c.normalization == "LayerNorm":
         return tokens * h * e + 2 * tokens * FP32
     return tokens * h * FP32 + tokens * FP32 + tokens * h * e
@@ -87,8 +91,30 @@ def _core_attention(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> floa
     return n.b * heads * n.s * FP32 + gathered  # SDPA's log-sum-exp (fp32)
 
 
+def _latent_attention(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
+    """Multi-latent attention: the down projections' input and outputs, the latent norms and the up
+    projections' (gathered) inputs, the up projections' outputs, query and key with their rotated
+    channels, RoPE tables, core, output."""
+    heads, h, dr = c.num_attention_heads // pos.tp, c.hidden_size, c.qk_pos_emb_head_dim
+    qk, dv, kv = c.qk_head_dim + dr, c.v_head_dim, c.kv_lora_rank
+    total = n.local * h * n.e + n.local * (kv + dr) * n.e  # down projections' input, kv latent + positional key
+    total += _norm_activations(c, n.local, n.e, kv) if c.qk_layernorm else 0
+    total += n.t * kv * n.e + n.t * heads * (qk - dr + dv) * n.e  # kv_up input and output (keys, values)
+    if c.q_lora_rank is not None:
+        q = c.q_lora_rank
+        total += n.local * q * n.e + (_norm_activations(c, n.local, n.e, q) if c.qk_layernorm else 0)
+        total += n.t * q * n.e  # q_up input
+    total += n.t * heads * qk * n.e * 3  # query projection, query and key (with their rotated channels)
+    total += n.t * (heads + 1) * dr * n.e + 4 * n.s * dr * n.e  # rotated channels, cos/sin tables
+    if c.recompute_granularity != "selective":
+        total += _core_attention(c, n, pos)
+    return total + n.t * heads * dv * n.e  # context: linear_proj's input
+
+
 def _attention(c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition) -> float:
     """Self-attention: QKV input, the fused q/k/v, rotated copies, RoPE tables, core, output."""
+    if c.multi_latent_attention:
+        return _latent_attention(c, n, pos)
     heads, groups, d, h = c.num_attention_heads // pos.tp, c.num_query_groups // pos.tp, c.kv_channels, c.hidden_size
     rope = lm.position_embedding_type == "rope"
     total = n.local * h * n.e + n.t * (heads + 2 * groups) * d * n.e  # linear_qkv input, q/k/v storage
@@ -134,17 +160,22 @@ def _moe(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
     total += routed * 3 * h * n.e + _mlp_intermediates(c, routed, ffn, n.e)  # input, output, weighted
     if n.e != FP32:
         total += routed * n.e  # routing weights cast to the activations' dtype
+    shared = c.moe_shared_expert_intermediate_size
+    if shared is not None:  # a dense MLP on the layer's input (the router's), its output; the gate
+        total += _mlp_intermediates(c, n.t, shared // pos.tp, n.e) + n.local * h * n.e
+        total += n.local * h * n.e + 2 * n.local * n.e if c.moe_shared_expert_gate else 0
     return total
 
 
 def layer_activations(
-    c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition, number: int
+    c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition, number: int, moe: bool = None
 ) -> ActivationBytes:
-    """One layer (``number``: global, 1-based) without full recompute, by kind."""
+    """One layer (``number``: global, 1-based; ``moe``: whether it is MoE, default from ``number``)
+    without full recompute, by kind."""
     out = ActivationBytes()
     out.add("norms", 2 * _norm_activations(c, n.local, n.e))
     out.add("attention", _attention(c, lm, n, pos))
-    if is_moe_layer(c, number):
+    if is_moe_layer(c, number) if moe is None else moe:
         out.add("moe", _moe(c, n, pos))
     else:
         mlp = n.local * c.hidden_size * n.e + _mlp_intermediates(c, n.t, c.ffn_hidden_size // pos.tp, n.e)
@@ -167,23 +198,44 @@ def _checkpoint_groups(c: TransformerConfig, count: int) -> List[Tuple[int, int,
     return groups
 
 
+def _ids(lm: LanguageModelShape, n: _Tokens) -> float:
+    """Token ids and (learned positions) position ids an embedding keeps."""
+    return (2 if lm.position_embedding_type == "learned_absolute" else 1) * n.t * INDEX_BYTES
+
+
+def _cross_entropy(lm: LanguageModelShape, n: _Tokens, pos: RankPosition) -> float:
+    """The vocab-parallel cross entropy of one head."""
+    vocab = lm.vocab_size // pos.tp
+    if n.e == FP32:  # fp32 softmax, not-mine mask, targets
+        return n.t * vocab * FP32 + n.t + n.t * INDEX_BYTES
+    # logits, not-mine mask, targets, fp32 max and log-sum-exp; softmax recomputed in backward
+    return n.t * vocab * n.e + n.t + n.t * INDEX_BYTES + 2 * n.t * FP32
+
+
+def _mtp(c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition) -> float:
+    """Multi-token prediction modules: shifted ids and labels, embedding, two norms, ``eh_proj``'s
+    ``[s, b, 2h]`` input, a layer of the last decoder layer's kind, its own head and masked loss."""
+    h, moe = c.hidden_size, is_moe_layer(c, c.num_layers)
+    per_module = _ids(lm, n) + n.t * INDEX_BYTES + 2 * n.t * FP32  # ids, labels, shifted mask and the masked loss
+    per_module += 2 * _norm_activations(c, n.local, n.e) + 2 * n.local * h * n.e
+    per_module += layer_activations(c, lm, n, pos, c.num_layers, moe).total
+    per_module += _norm_activations(c, n.local, n.e) + n.local * h * n.e + _cross_entropy(lm, n, pos)  # head
+    return (c.mtp_num_layers or 0) * per_module
+
+
 def _embedding_and_head(
     c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosition, pre: bool, post: bool
 ) -> ActivationBytes:
     out = ActivationBytes()
     if pre:
-        ids = 2 if lm.position_embedding_type == "learned_absolute" else 1  # token ids, position ids
         mask = n.local * c.hidden_size * n.mask if c.hidden_dropout > 0 else 0
-        out.add("embedding", ids * n.t * INDEX_BYTES + mask)
+        out.add("embedding", _ids(lm, n) + mask)
     if post:
         out.add("norms", _norm_activations(c, n.local, n.e))
         out.add("output_layer", n.local * c.hidden_size * n.e)
-        vocab = lm.vocab_size // pos.tp
-        if n.e == FP32:  # fp32 softmax, not-mine mask, targets
-            cross_entropy = n.t * vocab * FP32 + n.t + n.t * INDEX_BYTES
-        else:  # logits, not-mine mask, targets, fp32 max and log-sum-exp; softmax recomputed in backward
-            cross_entropy = n.t * vocab * n.e + n.t + n.t * INDEX_BYTES + 2 * n.t * FP32
-        out.add("loss", cross_entropy + n.t * FP32 + FP32)  # masked_token_loss: fp32 mask; 1/tokens
+        out.add("loss", _cross_entropy(lm, n, pos) + n.t * FP32 + FP32)  # masked_token_loss: fp32 mask; 1/tokens
+        if c.mtp_num_layers:
+            out.add("mtp", _mtp(c, lm, n, pos))
     return out
 
 

@@ -117,22 +117,67 @@ def is_moe_layer(c: TransformerConfig, layer_number: int) -> bool:
     return bool(freq[layer_number - 1])
 
 
-def _layer(c: TransformerConfig, local: int, number: int, pos: RankPosition) -> List[ParamEntry]:
-    """``TransformerLayer`` ``number`` (global, 1-based; ``local``: its index in the chunk), local spec."""
-    p, tp, h, d = f"decoder.layers.{local}", pos.tp, c.hidden_size, c.kv_channels
+def _latent_attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
+    """``MLASelfAttention``: query (down, norm, up, or one projection), key/value (down, norm, up), output."""
+    h, n = c.hidden_size, c.num_attention_heads
+    q_out = n * (c.qk_head_dim + c.qk_pos_emb_head_dim) // tp
+    if c.q_lora_rank is None:
+        entries = _linear(f"{p}.linear_q_proj", q_out, h, None)
+    else:
+        entries = _linear(f"{p}.linear_q_down_proj", c.q_lora_rank, h, None)
+        entries += _norm(c, f"{p}.q_layernorm", c.q_lora_rank) if c.qk_layernorm else []
+        entries += _linear(f"{p}.linear_q_up_proj", q_out, c.q_lora_rank, None)
+    entries += _linear(f"{p}.linear_kv_down_proj", c.kv_lora_rank + c.qk_pos_emb_head_dim, h, None)
+    entries += _norm(c, f"{p}.kv_layernorm", c.kv_lora_rank) if c.qk_layernorm else []
+    entries += _linear(f"{p}.linear_kv_up_proj", n * (c.qk_head_dim + c.v_head_dim) // tp, c.kv_lora_rank, None)
+    return entries + _linear(f"{p}.linear_proj", h, n * c.v_head_dim // tp, h if c.add_bias_linear else None)
+
+
+def _attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
+    """``SelfAttention`` (fused QKV, output, query/key norms) or multi-latent attention."""
+    if c.multi_latent_attention:
+        return _latent_attention(c, p, tp)
+    h, d = c.hidden_size, c.kv_channels
     qkv = d * (c.num_attention_heads + 2 * c.num_query_groups) // tp
-    entries = _norm(c, f"{p}.input_layernorm", h)
-    entries += _linear(f"{p}.self_attention.linear_qkv", qkv, h, qkv if c.add_bias_linear or c.add_qkv_bias else None)
-    proj_bias = h if c.add_bias_linear else None
-    entries += _linear(f"{p}.self_attention.linear_proj", h, d * c.num_attention_heads // tp, proj_bias)
+    entries = _linear(f"{p}.linear_qkv", qkv, h, qkv if c.add_bias_linear or c.add_qkv_bias else None)
+    entries += _linear(f"{p}.linear_proj", h, d * c.num_attention_heads // tp, h if c.add_bias_linear else None)
     if c.qk_layernorm:
-        entries += _norm(c, f"{p}.self_attention.q_layernorm", d) + _norm(c, f"{p}.self_attention.k_layernorm", d)
-    entries += _norm(c, f"{p}.pre_mlp_layernorm", h)
-    if not is_moe_layer(c, number):
-        return entries + _mlp(c, f"{p}.mlp", c.ffn_hidden_size, tp, expert=False)
-    entries.append(ParamEntry(f"{p}.mlp.router.weight", c.num_moe_experts * h))
+        entries += _norm(c, f"{p}.q_layernorm", d) + _norm(c, f"{p}.k_layernorm", d)
+    return entries
+
+
+def _moe_mlp(c: TransformerConfig, p: str, pos: RankPosition) -> List[ParamEntry]:
+    """``MoELayer``: router, this rank's experts, then the shared experts (gate, fc1, fc2)."""
+    entries = [ParamEntry(f"{p}.router.weight", c.num_moe_experts * c.hidden_size)]
     for j in range(c.num_moe_experts // pos.ep):
-        entries += _mlp(c, f"{p}.mlp.experts.local_experts.{j}", c.moe_ffn_hidden_size, tp, expert=True)
+        entries += _mlp(c, f"{p}.experts.local_experts.{j}", c.moe_ffn_hidden_size, pos.tp, expert=True)
+    if c.moe_shared_expert_intermediate_size is not None:
+        if c.moe_shared_expert_gate:  # the module's own parameter: listed before its linears'
+            entries.append(ParamEntry(f"{p}.shared_experts.gate_weight", c.hidden_size))
+        entries += _mlp(c, f"{p}.shared_experts", c.moe_shared_expert_intermediate_size, pos.tp, expert=False)
+    return entries
+
+
+def _layer(c: TransformerConfig, p: str, moe: bool, pos: RankPosition) -> List[ParamEntry]:
+    """``TransformerLayer`` under prefix ``p`` (local spec; ``moe``: its MLP is a ``MoELayer``)."""
+    h = c.hidden_size
+    entries = _norm(c, f"{p}.input_layernorm", h) + _attention(c, f"{p}.self_attention", pos.tp)
+    entries += _norm(c, f"{p}.pre_mlp_layernorm", h)
+    if moe:
+        return entries + _moe_mlp(c, f"{p}.mlp", pos)
+    return entries + _mlp(c, f"{p}.mlp", c.ffn_hidden_size, pos.tp, expert=False)
+
+
+def _mtp(c: TransformerConfig, pos: RankPosition) -> List[ParamEntry]:
+    """``MultiTokenPredictionBlock``: per module two norms, ``eh_proj`` (2h -> h), a layer of the last
+    decoder layer's kind, a final norm."""
+    h, entries = c.hidden_size, []
+    for k in range(c.mtp_num_layers or 0):
+        p = f"mtp.layers.{k}"
+        entries += _norm(c, f"{p}.enorm", h) + _norm(c, f"{p}.hnorm", h)
+        entries += _linear(f"{p}.eh_proj", h // pos.tp, 2 * h, None)
+        entries += _layer(c, f"{p}.transformer_layer", is_moe_layer(c, c.num_layers), pos)
+        entries += _norm(c, f"{p}.final_layernorm", h)
     return entries
 
 
@@ -151,20 +196,37 @@ def chunk_ends(pos: RankPosition, vp_stage: int) -> Tuple[bool, bool]:
 
 
 def chunk_parameters(c: TransformerConfig, lm: LanguageModelShape, pos: RankPosition, vp_stage: int = 0):
-    """The parameters of one model chunk (``GPTModel``) on this rank, in registration order."""
+    """The parameters of one model chunk (``GPTModel``) on this rank, in registration order. With
+    multi-token prediction the last chunk holds the MTP block and an embedding of its own."""
     pre, post = chunk_ends(pos, vp_stage)
+    mtp = bool(c.mtp_num_layers) and post
     h, entries = c.hidden_size, []
-    if pre:
+    if pre or mtp:
         entries.append(ParamEntry("embedding.word_embeddings.weight", lm.vocab_size // pos.tp * h))
         if lm.position_embedding_type == "learned_absolute":
             entries.append(ParamEntry("embedding.position_embeddings.weight", lm.max_sequence_length * h))
     for local, number in enumerate(chunk_layers(c, pos, vp_stage)):
-        entries += _layer(c, local, number, pos)
+        entries += _layer(c, f"decoder.layers.{local}", is_moe_layer(c, number), pos)
     if post:
         entries += _norm(c, "decoder.final_layernorm", h)
-        if not (lm.share_embeddings_and_output_weights and pre):
+        if not (lm.share_embeddings_and_output_weights and (pre or mtp)):
             entries.append(ParamEntry("output_layer.weight", lm.vocab_size // pos.tp * h))
+        entries += _mtp(c, pos) if mtp else []
     return entries
+
+
+def cross_stage_names(c: TransformerConfig, lm: LanguageModelShape, pos: RankPosition, vp_stage: int) -> List[str]:
+    """Names of the chunk's weights with a copy on another stage (``LanguageModule.cross_stage_embedding_weights``):
+    alone in their bucket under the distributed optimizer."""
+    pre, post = chunk_ends(pos, vp_stage)
+    mtp_elsewhere = bool(c.mtp_num_layers) and pre != post
+    tied = lm.share_embeddings_and_output_weights and pre != post
+    if not (tied or mtp_elsewhere):
+        return []
+    names = ["embedding.word_embeddings.weight" if pre or mtp_elsewhere else "output_layer.weight"]
+    if mtp_elsewhere and lm.position_embedding_type == "learned_absolute":
+        names.append("embedding.position_embeddings.weight")
+    return names
 
 
 # --------------------------------------------------------------------------- state
@@ -215,15 +277,13 @@ def state_bytes(
         # stage (one bucket elsewhere, as Megatron-core); parameters are laid out in reverse order.
         bucketed = vp_stage == 0 and pos.pp_rank == 0
         bucket_size = default_bucket_size(ddp, pos.dp * pos.cp) if bucketed else None
-        pre, post = chunk_ends(pos, vp_stage)
-        tied_alone = distributed and pos.pp > 1 and lm.share_embeddings_and_output_weights and (pre or post)
+        alone = cross_stage_names(c, lm, pos, vp_stage) if distributed and pos.pp > 1 else []
         for expert in (False, True):
             group = [e for e in reversed(entries) if e.is_expert == expert]
             if not group:
                 continue
             names = [e.name for e in group]
-            tied = "embedding.word_embeddings.weight" if pre else "output_layer.weight"
-            own = frozenset({names.index(tied)} if tied_alone and tied in names else ())
+            own = frozenset(names.index(name) for name in alone if name in names)
             dp = pos.expt_dp if expert else pos.dp * pos.cp
             rank = pos.dp_rank % dp
             numel, owned = _buffer_state(group, bucket_size, dp, rank, distributed, own)

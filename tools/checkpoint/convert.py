@@ -4,13 +4,15 @@
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|bert|t5 [--vocab-size V]
+        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|mistral|mixtral|deepseek_v3|bert|t5 [--vocab-size V]
 
-Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM and MistralForCausalLM
-(``llama``), Qwen2ForCausalLM (``qwen2``: ``--add-qkv-bias``), Qwen3ForCausalLM (``qwen3``:
-``--qk-layernorm``) and Qwen3MoeForCausalLM (``qwen3_moe``: ``--qk-layernorm`` and MoE MLPs,
-``--num-experts ... --moe-router-topk ... --moe-ffn-hidden-size ...``, ``--moe-router-pre-softmax``
-when ``norm_topk_prob`` is false, ``--moe-layer-freq`` for ``mlp_only_layers``).
+Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM (``llama``), Qwen2ForCausalLM
+(``qwen2``: ``--add-qkv-bias``), Qwen3ForCausalLM (``qwen3``: ``--qk-layernorm``), Qwen3MoeForCausalLM
+(``qwen3_moe``: ``--qk-layernorm`` and MoE MLPs, ``--num-experts ... --moe-router-topk ...
+--moe-ffn-hidden-size ...``, ``--moe-router-pre-softmax`` when ``norm_topk_prob`` is false,
+``--moe-layer-freq`` for ``mlp_only_layers``), MistralForCausalLM (``mistral``: a ``sliding_window`` W
+shorter than the positions is ``--window-size W-1,0``), MixtralForCausalLM (``mixtral``: that and MoE
+MLPs in every layer, experts of ``intermediate_size``) and DeepseekV3ForCausalLM (``deepseek_v3``).
 
 hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
 ``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it

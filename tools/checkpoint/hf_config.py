@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, the Llama family
-(Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: ``tools/checkpoint/llama_family.py``), BERT and T5.
+(Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: ``tools/checkpoint/llama_family.py``), BERT and T5.
 
 The Megatron side is a plain dict keyed by flag destination (``num_layers``,
 ``untie_embeddings_and_output_weights``, ...): the same keys ``pretrain_gpt.py`` stores
@@ -94,13 +94,6 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
     require_field(hf, "hidden_act", ("silu",), where)
     for field in ("attention_bias", "mlp_bias"):
         require_field(hf, field, (None, False), where)
-    # Qwen configs carry a sliding_window that only use_sliding_window switches on.
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    if window is not None and window < hf["max_position_embeddings"]:
-        raise ConversionError(
-            f"{where}: field 'sliding_window' is {window}; sliding-window attention is not "
-            "supported (null or >= max_position_embeddings is)"
-        )
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
     family = DECODER_FAMILIES[kind]
@@ -123,12 +116,13 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         max_position_embeddings=hf["max_position_embeddings"],
         add_qkv_bias=family.add_qkv_bias,
         qk_layernorm=family.qk_layernorm,
+        window_size=llama_family.window_from_hf(hf, kind, where),
     )
     if family.mla:
         args.update(deepseek.mla_args_from_hf(hf, where))
         args.update(deepseek.moe_args_from_hf(hf, args["num_layers"], where))
     elif family.moe:
-        args.update(llama_family.moe_args_from_hf(hf, args["num_layers"]))
+        args.update(llama_family.moe_args_from_hf(hf, args["num_layers"], family.mixtral))
     return args
 
 
@@ -256,7 +250,7 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
         if DECODER_FAMILIES[kind].moe and not args.get("num_experts"):
             raise ConversionError(f"{where}: flag num_experts is not set; --model-type {kind} needs MoE layers")
     else:
-        shared["num_experts"] = None
+        shared.update(num_experts=None, window_size=None)
     expected = {
         "gpt2": dict(
             normalization="LayerNorm",
@@ -366,6 +360,7 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         add_bias_linear=args["add_bias_linear"],
         add_qkv_bias=bool(args.get("add_qkv_bias")),
         qk_layernorm=bool(args.get("qk_layernorm")),
+        window_size=None if args.get("window_size") is None else tuple(args["window_size"]),
         **_moe_kwargs(args),
         **deepseek.mla_model_kwargs(args),
         layernorm_epsilon=args["layernorm_epsilon"],

@@ -2,9 +2,10 @@
 
 Keys are layout-free: a transformer layer is named by its global 0-based index
 (``decoder.layers.{layer_number - 1}``), not by its position on this pipeline
-stage, and the last stage's copy of a tied word embedding is read from the first
-stage's key (``embedding.word_embeddings.weight``) and never written. An expert is named
-by its global index (``mlp.experts.local_experts.{global}``), sharded over expert-TP and
+stage, and the last stage's copy of a tied word embedding (or, with multi-token prediction,
+of the embedding) is read from the first stage's key (``embedding.word_embeddings.weight``,
+``embedding.position_embeddings.weight``) and never written. An expert is named by its
+global index (``mlp.experts.local_experts.{global}``), sharded over expert-TP and
 replicated over expert-DP, so a checkpoint loads under any expert-parallel size.
 """
 
@@ -45,8 +46,8 @@ def _layer_prefixes(model: torch.nn.Module) -> Dict[str, str]:
     for name, module in model.named_modules():
         # TransformerLayer marks itself (this module is imported by the transformer, not the reverse).
         index = getattr(module, "checkpoint_layer_index", None)
-        if index is not None:
-            parent, _, _ = name.rpartition(".")
+        parent, _, last = name.rpartition(".")
+        if index is not None and last.isdigit():  # a block's layer list (not MTP's ``transformer_layer``)
             table[name + "."] = f"{parent}.{index}." if parent else f"{index}."
     return table
 
@@ -87,7 +88,8 @@ def _entries(
                 key, tensor, groups.rank_in("expt_tp"), groups.size_of("expt_tp"), groups.rank_in("expt_dp")
             )
         elif getattr(tensor, "shared_embedding", False):
-            spec = sharded_tensor_for(prefix + TIED_EMBEDDING_KEY, tensor, tp_rank, tp_size, dp_rank)
+            key = name if name.startswith("embedding.") else TIED_EMBEDDING_KEY  # MTP's copy, or the output layer
+            spec = sharded_tensor_for(prefix + key, tensor, tp_rank, tp_size, dp_rank)
             spec.replica_id = 1 + spec.replica_id  # read from the first stage's key, never written here
         else:
             spec = sharded_tensor_for(prefix + _global_name(name, prefixes), tensor, tp_rank, tp_size, dp_rank)

@@ -173,15 +173,12 @@ class DistributedDataParallel(torch.nn.Module):
         return list(found.values())
 
     def _shared_embedding_ids(self) -> set:
-        # Under the distributed optimizer the tied embedding is summed across pipeline stages after
-        # the reduce-scatter; alone in its bucket, its DP shard ranges agree on both stages.
+        # Under the distributed optimizer the tied embedding (and MTP's embedding copy) is summed across
+        # pipeline stages after the reduce-scatter; alone in its bucket, its DP shard ranges agree on both stages.
         if not self.ddp_config.use_distributed_optimizer or self.pg_collection.size_of("pp") == 1:
             return set()
-        getter = getattr(self.module, "shared_embedding_or_output_weight", None)
-        if not getattr(self.module, "share_embeddings_and_output_weights", False) or getter is None:
-            return set()
-        weight = getter()
-        return {id(weight)} if weight is not None else set()
+        getter = getattr(self.module, "cross_stage_embedding_weights", None)
+        return {id(weight) for weight in getter()} if getter is not None else set()
 
     # --- backward hook ----------------------------------------------------------------
     def _accumulate_hook(self, param: torch.nn.Parameter) -> None:

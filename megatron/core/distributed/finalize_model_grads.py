@@ -6,7 +6,8 @@ schedule calls (as ``config.finalize_model_grads_func``) after the last backward
 1. each DDP-wrapped chunk finishes its data-parallel reduction;
 2. sequence-parallel replicated weights (norms, row-parallel biases) are summed over TP;
 3. with pipeline parallelism and tied embeddings, the word-embedding grad of the first stage
-   and the output-layer grad of the last stage are summed over the embedding group;
+   and the output-layer grad of the last stage are summed over the embedding group (and, with
+   multi-token prediction, those of the last stage's embedding copy);
 4. with ``num_tokens`` (``calculate_per_token_loss``) the token count is taken from the last
    pipeline stage, summed over DP, and every gradient is divided by it;
 5. MoE routers end their step: with expert bias, their token counts are summed over data x
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
 from megatron.core.utils import comm_device, unwrap_model
 
 
@@ -56,20 +58,9 @@ def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], t
 
 
 def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection) -> None:
-    """Sum the tied word-embedding / output-layer grads of the first and last pipeline stage."""
-    if groups.size_of("pp") == 1 or groups.embd is None or groups.size_of("embd") == 1:
-        return
-    pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
-    chunk = None
-    if pp_rank == 0:
-        chunk = unwrap_model(model_chunks[0])
-    elif pp_rank == pp_size - 1:
-        chunk = unwrap_model(model_chunks[-1])
-    if chunk is None or not getattr(chunk, "share_embeddings_and_output_weights", False):
-        return
-    weight = chunk.shared_embedding_or_output_weight()
-    grad = _grad_of(weight)
-    dist.all_reduce(grad, group=groups.embd)
+    """Sum the grads of the embedding weights that the first and last pipeline stage both hold (a tied
+    output layer, multi-token prediction's embedding) over the embedding group."""
+    allreduce_tied_embedding_grads(model_chunks, groups)
 
 
 def _reduce_num_tokens(num_tokens: torch.Tensor, groups: ProcessGroupCollection) -> torch.Tensor:

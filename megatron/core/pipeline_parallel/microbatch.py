@@ -198,7 +198,7 @@ def forward_step(
         scaled for backward (last stage); ``num_tokens`` is 0 off the last stage.
     """
     unwrap_model(model).set_input_tensor([input_tensor])
-    if getattr(config, "num_moe_experts", None):
+    if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
         set_aux_loss_scale(config, num_microbatches, aux_loss_tracker_of(model), parameter_device(model))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     return calc_loss(

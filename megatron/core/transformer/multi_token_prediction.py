@@ -9,15 +9,22 @@ against the labels shifted left by k (the loss mask shifted too, its last k posi
 The losses do not change the model's output: ``MoEAuxLossAutoScaler`` injects their gradient,
 scaled by ``mtp_loss_scaling_factor / mtp_num_layers`` and by the main loss's scale, and the
 coefficient-free values are tracked as ``mtp_{k} loss`` with the MoE aux losses (``moe_utils``).
+
+The block runs on the last pipeline stage (``GPTModel.mtp_process``), which embeds the shifted tokens
+with its own copy of the embedding, kept equal to the first stage's (``tied_embeddings``). Its layer
+keeps the global number ``num_layers + k`` on any stage. Under context parallelism the shifts run over
+the whole sequence (``roll_left_over_cp``) and each loss is normalised by the token count of all CP
+ranks (``mtp_loss_terms``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
+from megatron.core.context_parallel import roll_left_over_cp
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -33,11 +40,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def roll_left(t: torch.Tensor) -> torch.Tensor:
-    """``[..., s]`` -> each position holds the next one's value; the last position gets 0."""
-    rolled = torch.roll(t, shifts=-1, dims=-1)
-    rolled[..., -1] = 0
-    return rolled
+def roll_left(t: torch.Tensor, cp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
+    """``[..., s(/cp)]`` -> each position holds the next one's value; the sequence's last position gets 0.
+
+    Under context parallelism the shift crosses this rank's chunk boundaries (``roll_left_over_cp``).
+    """
+    return roll_left_over_cp(t, cp_group)
 
 
 def mtp_loss_name(depth: int) -> str:
@@ -58,7 +66,9 @@ class MultiTokenPredictionLayer(MegatronModule):
             2 * h, h, config=config, init_method=config.init_method, bias=False, tp_group=pg_collection.tp
         )
         number = config.num_layers + depth
-        self.transformer_layer = build_module(layer_spec, config, layer_number=number, pg_collection=pg_collection)
+        self.transformer_layer = build_module(  # the global number whatever the pipeline stage
+            layer_spec, config, layer_number=number, add_layer_offset=False, pg_collection=pg_collection
+        )
         self.final_layernorm = build_norm(config, h)
 
     def forward(
@@ -98,6 +108,7 @@ class MultiTokenPredictionBlock(MegatronModule):
                 layers.append(MultiTokenPredictionLayer(config, layer_spec, depth, pg_collection=pg_collection))
         self.layers = torch.nn.ModuleList(layers)
         self.aux_loss_tracker = get_aux_loss_tracker()
+        self.cp_group = pg_collection.cp if pg_collection.size_of("cp") > 1 else None
 
     def forward(
         self,
@@ -108,11 +119,35 @@ class MultiTokenPredictionBlock(MegatronModule):
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
     ) -> List[torch.Tensor]:
-        """Each module's hidden state ``[s(/tp), b, h]``; ``input_ids`` ``[b, s]`` are shifted once per module."""
+        """Each module's hidden state ``[s(/tp), b, h]``; ``input_ids`` ``[b, s(/cp)]`` are shifted once per
+        module (over the whole sequence under CP), ``position_ids`` too when given (``embedding`` fills in
+        the positions when they are None)."""
         outputs = []
         for layer in self.layers:
-            input_ids = roll_left(input_ids)
-            position_ids = None if position_ids is None else roll_left(position_ids)
+            input_ids = roll_left(input_ids, self.cp_group)
+            position_ids = None if position_ids is None else roll_left(position_ids, self.cp_group)
             hidden = layer(hidden, embedding(input_ids, position_ids), attention_mask, rotary_pos_emb)
             outputs.append(hidden)
         return outputs
+
+
+def mtp_loss_terms(
+    token_loss: torch.Tensor, mask: torch.Tensor, per_token: bool, cp_group: Optional[torch.distributed.ProcessGroup]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(loss to back-propagate, detached value to log) of one module from its per-token loss and
+    shifted mask ``[b, s(/cp)]``.
+
+    The value is the masked mean over the whole sequence. The back-propagated loss is the masked sum
+    with ``per_token`` (``calculate_per_token_loss``), else the mean; under CP this rank's sum is
+    divided by the count over all CP ranks and multiplied by the CP size, like the main loss (the
+    gradient all-reduce averages over CP), so any CP size gives the one-rank gradient.
+    """
+    total = (token_loss * mask).sum()
+    if cp_group is None:
+        count = mask.sum().clamp(min=1)
+        return (total if per_token else total / count), total.detach() / count
+    sums = torch.stack([total.detach().float(), mask.sum().float()])  # [2]: this rank's loss sum and token count
+    torch.distributed.all_reduce(sums, group=cp_group)
+    count = sums[1].clamp(min=1)
+    scaled = total if per_token else total / count * torch.distributed.get_world_size(cp_group)
+    return scaled, sums[0] / count

@@ -338,12 +338,6 @@ class TransformerConfig(ModelParallelConfig):
         if self.mtp_num_layers is None:
             return
         require_positive("mtp_num_layers", self.mtp_num_layers)
-        pp, cp = self.pipeline_model_parallel_size, self.context_parallel_size
-        if pp > 1 or cp > 1:
-            raise ValueError(
-                f"mtp_num_layers={self.mtp_num_layers} with pipeline_model_parallel_size={pp}, "
-                f"context_parallel_size={cp}: not supported yet (only without PP and CP)"
-            )
 
     def _check_latent_attention(self) -> None:
         if self.rope_type not in (None, "rope", "yarn"):

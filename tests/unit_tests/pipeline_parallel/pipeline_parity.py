@@ -180,11 +180,11 @@ def reference_loss_backward(
 ) -> torch.Tensor:
     """Back-propagate the reference's mean loss; returns it.
 
-    With MoE the aux losses depend on which tokens are routed together, so the reference runs
-    the pipeline's ``num_micro`` microbatches one by one, each weighted 1/num_micro like the
-    schedule weights them (main loss and aux losses alike).
+    With MoE (or multi-token prediction) the aux (MTP) losses depend on which tokens are routed
+    (averaged) together, so the reference runs the pipeline's ``num_micro`` microbatches one by one,
+    each weighted 1/num_micro like the schedule weights them (main loss and aux losses alike).
     """
-    if not reference.config.num_moe_experts:
+    if not (reference.config.num_moe_experts or reference.config.mtp_num_layers):
         loss = reference(tokens, None, None, labels=labels).mean()
         loss.backward()
         return loss.detach()

@@ -1,6 +1,6 @@
 """Multi-latent attention and shared-expert flags: they fill the config, bad combinations are refused
 naming the flags, and a scaled-down DeepSeek-V3 flag set (with multi-token prediction) trains through
-pretrain_gpt.py with the same losses on one rank and on TP=2 with sequence parallelism."""
+pretrain_gpt.py with the same losses on one rank, on TP=2 with sequence parallelism, PP=2 and CP=2."""
 
 import pytest
 
@@ -51,7 +51,6 @@ def test_mla_and_shared_expert_flags_fill_the_config():
         (MLA_FLAGS + ["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
         (MLA_FLAGS + ["--cache-mla-latents"], "not supported yet.*--cache-mla-latents"),
         (MLA_FLAGS + ["--use-rope-scaling"], "--use-rope-scaling with --multi-latent-attention"),
-        (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], "--mtp-num-layers 1 with"),
     ],
 )
 def test_bad_combinations_are_refused_naming_the_flags(extra, named):
@@ -59,23 +58,36 @@ def test_bad_combinations_are_refused_naming_the_flags(extra, named):
         _config_of(extra, world_size=2)
 
 
-def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_and_pp(tmp_path):
-    """CPU initialization, dropout 0, no balance loss: TP=2 with SP prints the one-rank ``lm loss`` and
-    ``mtp_1 loss`` (relative 2e-6: the printed digits but for float noise), expert bias updates and the
-    MTP gradient included. PP=2 (MTP refused there) prints the same first loss, taken before any update."""
+def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_pp_and_cp(tmp_path):
+    """CPU initialization, dropout 0, no balance loss: TP=2 with SP, PP=2 (multi-token prediction and
+    its embedding copy on the last stage) and CP=2 (the MTP shift across the CP chunks) print the
+    one-rank ``lm loss`` and ``mtp_1 loss`` (relative 2e-6: the printed digits but for float noise),
+    expert bias updates and the MTP gradient included. Checkpoints saved at iteration 2 by the one-rank
+    and the PP=2 run resume under the other layout with the one-rank third iteration (the last stage's
+    embedding copy is read from the first stage's key)."""
     flags = tiny_gpt_flags(3) + mock_flags() + MLA_FLAGS + MOE_FLAGS + ["--lr-warmup-iters", "1"]
-    mtp = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+    flags += ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3", "--save-interval", "2"]
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    one, two = (["--save", str(tmp_path / name)] for name in ("ckpt_one", "ckpt_pp2"))
     runs = {
-        "one rank": run_gpt(1, flags + mtp, cwd=str(tmp_path)),
-        "tp2 sp": run_gpt(2, flags + mtp + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], str(tmp_path)),
-        "pp2": run_gpt(2, flags + ["--pipeline-model-parallel-size", "2"], cwd=str(tmp_path)),
+        "one rank": run_gpt(1, flags + one, cwd=str(tmp_path)),
+        "tp2 sp": run_gpt(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], str(tmp_path)),
+        "pp2": run_gpt(2, flags + pp2 + two, cwd=str(tmp_path)),
+        "cp2": run_gpt(2, flags + ["--context-parallel-size", "2"], cwd=str(tmp_path)),
     }
-    for name, result in runs.items():
+    resumed = {  # from iteration 2 (the runs also saved their last iteration)
+        "pp2 from one rank": run_gpt(2, flags + pp2 + ["--load", one[1], "--ckpt-step", "2"], cwd=str(tmp_path)),
+        "one rank from pp2": run_gpt(1, flags + ["--load", two[1], "--ckpt-step", "2"], cwd=str(tmp_path)),
+    }
+    for name, result in {**runs, **resumed}.items():
         assert_ok(result, f"pretrain_gpt.py with DeepSeek-V3's flags ({name})")
-        assert len(result.losses()) == 3, result.output[-3000:]
+        assert len(result.losses()) == (3 if name in runs else 1), result.output[-3000:]
     reference = runs["one rank"]
     mtp_losses = [line["mtp_1 loss"] for line in reference.lines]
     assert all(loss > 1.0 for loss in mtp_losses), reference.output[-3000:]
-    assert runs["tp2 sp"].losses() == pytest.approx(reference.losses(), rel=2e-6)
-    assert [line["mtp_1 loss"] for line in runs["tp2 sp"].lines] == pytest.approx(mtp_losses, rel=2e-6)
-    assert runs["pp2"].losses()[0] == pytest.approx(reference.losses()[0], rel=2e-6)
+    for name, result in {**runs, **resumed}.items():
+        if name == "one rank":
+            continue
+        first = 0 if name in runs else 2
+        assert result.losses() == pytest.approx(reference.losses()[first:], rel=2e-6), name
+        assert [line["mtp_1 loss"] for line in result.lines] == pytest.approx(mtp_losses[first:], rel=2e-6), name

@@ -2,8 +2,9 @@
 
 One spawned pair of gloo ranks runs a training step of each small config of the grid (TP 1/2,
 SP on/off, recompute none/selective/full, PP 2 with 1F1B and interleaved, MoE, distributed
-optimizer, bf16) and measures (``tests/memory_probe.py``): the parameter, gradient-buffer and
-optimizer bytes as distinct storages, and the peak of the bytes autograd keeps for backward over
+optimizer, bf16, multi-latent attention with shared experts and multi-token prediction) and
+measures (``tests/memory_probe.py``): the parameter, gradient-buffer and optimizer bytes as
+distinct storages, and the peak of the bytes autograd keeps for backward over
 the whole schedule. State must match exactly, activations within 10%, and the parameter list
 derived from the config must name the built model's parameters one by one.
 """
@@ -27,6 +28,21 @@ from tests.memory_probe import MemCase, measure_cases
 ACTIVATION_TOLERANCE = 0.10
 STATE = ("params", "grads", "main_params", "optimizer_states", "num_parameters")
 
+# DeepSeek-V3's pieces: multi-latent attention, shared experts with a gate, one multi-token prediction module
+# (under PP on the last stage, with its embedding copy alone in a bucket under the distributed optimizer).
+DEEPSEEK = dict(
+    multi_latent_attention=True,
+    num_query_groups=None,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=6,
+    qk_layernorm=True,
+    moe_shared_expert_intermediate_size=32,
+    moe_shared_expert_gate=True,
+    mtp_num_layers=1,
+)
 GRID = [
     MemCase("tp1 dp2"),
     MemCase("tp1 dp2 llama rope gqa swiglu", llama=True),
@@ -47,6 +63,10 @@ GRID = [
     ),
     MemCase("pp2 1f1b", pp=2, num_microbatches=4),
     MemCase("pp2 interleaved vp2", pp=2, vp=2, num_layers=4, num_microbatches=4),
+    MemCase("tp1 dp2 mla shared mtp", llama=True, moe=True, extra=DEEPSEEK),
+    MemCase(
+        "pp2 mla shared mtp dist-opt", llama=True, moe=True, pp=2, dist_opt=True, num_microbatches=2, extra=DEEPSEEK
+    ),
 ]
 
 

@@ -20,7 +20,12 @@ from megatron.core.tensor_parallel import (
     initialization_rng,
 )
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, mtp_loss_name, roll_left
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    mtp_loss_name,
+    mtp_loss_terms,
+    roll_left,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -123,8 +128,11 @@ class GPTModel(LanguageModule):
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
         self.vp_stage = vp_stage
+        # Multi-token prediction runs on the last stage, which then embeds the shifted tokens with its
+        # own copy of the embedding, kept equal to the first stage's (``cross_stage_embedding_weights``).
+        self.mtp_process = bool(config.mtp_num_layers) and post_process
 
-        if pre_process:
+        if pre_process or self.mtp_process:
             with initialization_rng(config.initialization_seed, "embedding"):
                 self.embedding = LanguageModelEmbedding(
                     config, self.vocab_size, self.max_sequence_length, position_embedding_type, pg_collection=groups
@@ -156,7 +164,7 @@ class GPTModel(LanguageModule):
             vp_stage=vp_stage,
         )
         if post_process:
-            tied = share_embeddings_and_output_weights and pre_process
+            tied = share_embeddings_and_output_weights and (pre_process or self.mtp_process)
             with initialization_rng(config.initialization_seed, "output_layer"):
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size,
@@ -225,9 +233,7 @@ class GPTModel(LanguageModule):
         if inference_context is not None and position_ids is None and input_ids is not None:
             position_ids = inference_context.query_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
         if decoder_input is None and self.pre_process:
-            if position_ids is None and self.cp_size > 1:
-                position_ids = self._cp_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
-            decoder_input = self.embedding(input_ids, position_ids)  # [s/cp(/tp), b, h]
+            decoder_input = self._embed(input_ids, position_ids)  # [s/cp(/tp), b, h]
         local = input_ids.shape[1] if input_ids is not None else decoder_input.shape[0]
         rotary = self._rotary(local, inference_context)
         hidden = self.decoder(
@@ -262,20 +268,27 @@ class GPTModel(LanguageModule):
         Module k's loss is the mean (or, with ``calculate_per_token_loss``, the sum) over the loss
         mask shifted k times of the cross entropy against the labels shifted k times.
         """
-        c, tracker = self.config, self.mtp.aux_loss_tracker
-        outputs = self.mtp(input_ids, position_ids, hidden, self.embedding, attention_mask, rotary)
+        c, tracker, cp = self.config, self.mtp.aux_loss_tracker, self.mtp.cp_group
+        outputs = self.mtp(input_ids, position_ids, hidden, self._embed, attention_mask, rotary)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()  # [b, s]
         for depth, mtp_hidden in enumerate(outputs, 1):
-            labels, mask = roll_left(labels), roll_left(mask)
+            labels, mask = roll_left(labels, cp), roll_left(mask, cp)
             logits, _ = self.output_layer(mtp_hidden, weight=weight)  # [s, b, vocab/tp]
-            total = (self.compute_language_model_loss(labels, logits) * mask).sum()
-            mean = total / mask.sum().clamp(min=1)
+            token_loss = self.compute_language_model_loss(labels, logits)  # [b, s]
+            loss, mean = mtp_loss_terms(token_loss, mask, c.calculate_per_token_loss, cp)
             if self.training:
                 tracker.add(mtp_loss_name(depth), mean, 1, c.num_layers)
-            scaled = c.mtp_loss_scaling_factor / c.mtp_num_layers * (total if c.calculate_per_token_loss else mean)
+            scaled = c.mtp_loss_scaling_factor / c.mtp_num_layers * loss
             hidden = MoEAuxLossAutoScaler.apply(hidden, scaled, 1.0, tracker)
         return hidden
+
+    def _embed(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Embedding ``[s(/cp)(/tp), b, h]`` of ``input_ids`` ``[b, s(/cp)]``; without ``position_ids`` under CP,
+        at this rank's global positions."""
+        if position_ids is None and self.cp_size > 1:
+            position_ids = self._cp_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
+        return self.embedding(input_ids, position_ids)
 
     def _rotary(self, local: int, inference_context: Optional[Any]) -> Optional[torch.Tensor]:
         """RoPE angles ``[s(/cp), 1, 1, dim]`` of this call's ``local`` positions (None without RoPE).

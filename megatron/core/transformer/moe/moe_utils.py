@@ -65,9 +65,14 @@ class AuxLossTracker:
         self.loss_scale = torch.tensor(1.0)
 
     def add(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
-        """Add ``value`` to global 1-based ``layer_number``'s entry of ``name``."""
-        if name not in self.values:
-            self.values[name] = torch.zeros(num_layers, dtype=torch.float32, device=value.device)
+        """Add ``value`` to global 1-based ``layer_number``'s entry of ``name`` (entries grow to ``num_layers``:
+        a tracker shared by models of different depths, e.g. with and without MTP modules, keeps both)."""
+        kept = self.values.get(name)
+        if kept is None or kept.numel() < num_layers:
+            grown = torch.zeros(num_layers, dtype=torch.float32, device=value.device)
+            if kept is not None:
+                grown[: kept.numel()] = kept
+            self.values[name] = grown
         self.values[name][layer_number - 1] += value.detach().float()
 
     def clear(self) -> None:
