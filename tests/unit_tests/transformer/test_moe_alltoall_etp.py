@@ -1,0 +1,189 @@
+"""The all-to-all token dispatcher and expert tensor parallelism different from TP.
+
+* ``all_to_all`` with uneven per-rank split sizes: forward rows and the backward (the reverse
+  all-to-all of a random output gradient) equal a single-process reference built from every
+  rank's inputs.
+* A Mixtral-style GPT (SwiGLU experts, top-2 softmax routing, one MoE and one dense layer) on 4
+  gloo ranks: under EP=2 (TP=1), EP=2 x TP=2 (with and without SP), ETP=1 with TP=2 (+SP) and
+  EP=2, and ETP=2 with TP=1, with the ``alltoall`` and the ``allgather`` dispatcher, the loss and
+  every gradient (DDP-reduced, expert shards gathered over expert-TP) equal one rank computing
+  the whole batch (rtol 1e-5; z-loss only: the Switch balance loss is not additive over
+  data-parallel shards). With the balance loss on too, ``alltoall`` equals ``allgather`` in the
+  same layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
+from megatron.core.tensor_parallel import all_to_all
+from megatron.core.transformer.moe import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from tests.dist_harness import run_distributed
+from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups
+
+RTOL, ATOL = 1e-5, 1e-6
+E = 4
+Z_ONLY = dict(num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=1e-3)
+WITH_AUX = dict(Z_ONLY, moe_aux_loss_coeff=1e-2)
+GLOBAL_BATCH = 4
+
+
+# ----------------------------------------------------------------------------------
+# all_to_all with uneven split sizes: forward and backward against a reference.
+# ----------------------------------------------------------------------------------
+def _sizes(src: int, dst: int) -> int:
+    """Rows rank ``src`` sends to rank ``dst`` (uneven, zero included)."""
+    return (src * 3 + dst * 2) % 4
+
+
+def _rows(rank: int, world: int) -> torch.Tensor:
+    total = sum(_sizes(rank, d) for d in range(world))
+    return torch.randn(total, 3, generator=torch.Generator().manual_seed(10 + rank))  # [sum_d n(rank, d), 3]
+
+
+def _output_weight(rank: int, world: int = 3) -> torch.Tensor:
+    """A random weight on rank ``rank``'s received rows (so the backward carries distinct rows)."""
+    rows = sum(_sizes(s, rank) for s in range(world))
+    return torch.randn(rows, 3, generator=torch.Generator().manual_seed(50 + rank))
+
+
+def _all_to_all_body(rank, world_size):
+    group = dist.group.WORLD
+    sent = _rows(rank, world_size).requires_grad_(True)
+    send = [_sizes(rank, d) for d in range(world_size)]
+    recv = [_sizes(s, rank) for s in range(world_size)]
+    received = all_to_all(group, sent, recv, send)  # [sum_s n(s, rank), 3]
+    # Reference: block ``rank`` of every source's rows, in source order.
+    blocks = [_rows(s, world_size).split([_sizes(s, d) for d in range(world_size)]) for s in range(world_size)]
+    torch.testing.assert_close(received, torch.cat([b[rank] for b in blocks]), rtol=0, atol=0)
+    weight = _output_weight
+    (received * weight(rank)).sum().backward()
+    # d/d sent[block d] = rows of rank d's output weight that came from this rank.
+    expected = []
+    for d in range(world_size):
+        start = sum(_sizes(s, d) for s in range(rank))
+        expected.append(weight(d)[start : start + _sizes(rank, d)])
+    torch.testing.assert_close(sent.grad, torch.cat(expected), rtol=0, atol=0)
+    return received.shape[0]
+
+
+def test_all_to_all_uneven_splits_forward_and_backward_equal_reference():
+    assert sum(run_distributed(_all_to_all_body, 3)) == sum(_sizes(s, d) for s in range(3) for d in range(3))
+
+
+# ----------------------------------------------------------------------------------
+# Tiny GPT with MoE: layouts and dispatchers against one rank.
+# ----------------------------------------------------------------------------------
+def _kwargs(moe: Dict, dispatcher: str, **extra) -> Dict:
+    return llama_style(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        moe_layer_freq=[1, 0],
+        moe_token_dispatcher_type=dispatcher,
+        **moe,
+        **extra,
+    )
+
+
+def _groups(tp: int, ep: int, etp: int) -> ProcessGroupCollection:
+    layout = ParallelLayout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    return build_process_groups(layout)
+
+
+def _global_name(name: str, groups: ProcessGroupCollection) -> str:
+    """``local_experts.{i}`` -> ``local_experts.{global index}``."""
+    first = groups.rank_in("ep") * (E // groups.size_of("ep"))
+    return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first + int(m.group(1))}.", name)
+
+
+def _full_grad(name: str, param: torch.nn.Parameter, groups: ProcessGroupCollection) -> torch.Tensor:
+    """The whole gradient: expert shards gathered over expert-TP, the others over TP."""
+    return gather_tp(param.main_grad, param, groups.expt_tp if "local_experts" in name else groups.tp)
+
+
+def _one_step(kwargs: Dict, groups: ProcessGroupCollection) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """This DP rank's share of the global batch, DDP reduction: (global mean loss, full grads by global name)."""
+    model = build_gpt(kwargs, groups, expert_tensor_parallel_size=groups.size_of("expt_tp"))
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=groups)
+    dp, rank = groups.size_of("dp"), groups.rank_in("dp")
+    tokens, labels = batch(seed=0, b=GLOBAL_BATCH)
+    rows = slice(rank * GLOBAL_BATCH // dp, (rank + 1) * GLOBAL_BATCH // dp)
+    loss = ddp(tokens[rows], None, None, labels=labels[rows]).mean()
+    loss.backward()
+    finalize_model_grads([ddp], None, groups)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=groups.dp)
+    grads = {_global_name(n, groups): _full_grad(n, p, groups) for n, p in model.named_parameters()}
+    return total / dp, grads
+
+
+def _compare(where: str, got, ref) -> float:
+    (loss, grads), (ref_loss, ref_grads) = got, ref
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
+    assert set(grads) <= set(ref_grads) and any("local_experts" in n for n in grads), where
+    worst = (loss - ref_loss).abs().item()
+    for name, grad in grads.items():
+        assert grad.shape == ref_grads[name].shape, f"{where} {name}: {grad.shape} vs {ref_grads[name].shape}"
+        worst = max(worst, (grad - ref_grads[name]).abs().max().item())
+        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {name}: {m}")
+    return worst
+
+
+# (tp, ep, etp, sequence_parallel) on 4 ranks.
+LAYOUTS = [(1, 2, 1, False), (2, 2, 2, True), (2, 2, 2, False), (2, 2, 1, True), (2, 2, 1, False), (1, 2, 2, False)]
+
+
+def _layouts_body(rank, world_size, layouts):
+    MoEAuxLossAutoScaler.set_loss_scale(1.0)
+    single = _one_step(_kwargs(Z_ONLY, "allgather"), single_rank_groups())
+    worst = 0.0
+    for tp, ep, etp, sp in layouts:
+        groups = _groups(tp, ep, etp)
+        extra = dict(sequence_parallel=True) if sp else {}
+        where = f"tp={tp} ep={ep} etp={etp} sp={sp}"
+        for kind in ("alltoall", "allgather"):
+            got = _one_step(_kwargs(Z_ONLY, kind, **extra), groups)
+            worst = max(worst, _compare(f"{where} {kind} vs one rank", got, single))
+        aux = [_one_step(_kwargs(WITH_AUX, kind, **extra), groups) for kind in ("alltoall", "allgather")]
+        worst = max(worst, _compare(f"{where} aux-loss alltoall vs allgather", *aux))
+    return worst
+
+
+def test_alltoall_and_etp_layouts_equal_one_rank():
+    assert max(run_distributed(_layouts_body, 4, LAYOUTS)) < 1e-5
+
+
+def _dispatcher_kinds_body(rank, world_size):
+    """The MoE layer picks its dispatcher from the config, and the expert grid differs from TP's."""
+    groups = _groups(2, 2, 1)
+    model = build_gpt(_kwargs(Z_ONLY, "alltoall"), groups, expert_tensor_parallel_size=1)
+    moe = model.decoder.layers[0].mlp
+    assert isinstance(moe.token_dispatcher, AllToAllDispatcher), type(moe.token_dispatcher)
+    other = build_gpt(_kwargs(Z_ONLY, "allgather"), groups, expert_tensor_parallel_size=1)
+    assert isinstance(other.decoder.layers[0].mlp.token_dispatcher, AllGatherDispatcher)
+    # ETP=1 with TP=2: experts whole on every rank, the expert-TP group is the rank alone.
+    assert groups.size_of("expt_tp") == 1 and groups.ranks["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
+    fc1 = moe.experts.local_experts[0].linear_fc1.weight
+    assert fc1.shape[0] == 2 * Z_ONLY["moe_ffn_hidden_size"], fc1.shape  # gate + up, unsplit
+    return groups.ranks["ep"], groups.ranks["expt_dp"]
+
+
+def test_layer_builds_the_configured_dispatcher_on_the_expert_grid():
+    results = run_distributed(_dispatcher_kinds_body, 4)
+    # Expert grid ETP=1 x EP=2 x expert-DP=2: EP neighbours, expert-DP strided by EP.
+    assert [r[0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[1] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
