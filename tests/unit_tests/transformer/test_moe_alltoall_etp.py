@@ -20,15 +20,17 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
 from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from tests.dist_harness import run_distributed
-from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups
+from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups, tp_group_of
+from tests.unit_tests.distributed import dp_training as dpt
 
-RTOL, ATOL = 1e-5, 1e-6
+RTOL, ATOL, WEIGHT_RTOL = 1e-5, 1e-6, 1e-6
 E = 4
 Z_ONLY = dict(num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=1e-3)
 WITH_AUX = dict(Z_ONLY, moe_aux_loss_coeff=1e-2)
@@ -110,14 +112,9 @@ def _global_name(name: str, groups: ProcessGroupCollection) -> str:
     return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first + int(m.group(1))}.", name)
 
 
-def _full_grad(name: str, param: torch.nn.Parameter, groups: ProcessGroupCollection) -> torch.Tensor:
-    """The whole gradient: expert shards gathered over expert-TP, the others over TP."""
-    return gather_tp(param.main_grad, param, groups.expt_tp if "local_experts" in name else groups.tp)
-
-
 def _one_step(kwargs: Dict, groups: ProcessGroupCollection) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """This DP rank's share of the global batch, DDP reduction: (global mean loss, full grads by global name)."""
-    model = build_gpt(kwargs, groups, expert_tensor_parallel_size=groups.size_of("expt_tp"))
+    model = build_gpt(kwargs, groups)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=groups)
     dp, rank = groups.size_of("dp"), groups.rank_in("dp")
     tokens, labels = batch(seed=0, b=GLOBAL_BATCH)
@@ -127,7 +124,9 @@ def _one_step(kwargs: Dict, groups: ProcessGroupCollection) -> Tuple[torch.Tenso
     finalize_model_grads([ddp], None, groups)
     total = loss.detach().clone()
     dist.all_reduce(total, group=groups.dp)
-    grads = {_global_name(n, groups): _full_grad(n, p, groups) for n, p in model.named_parameters()}
+    grads = {
+        _global_name(n, groups): gather_tp(p.main_grad, p, tp_group_of(p, groups)) for n, p in model.named_parameters()
+    }
     return total / dp, grads
 
 
@@ -170,15 +169,26 @@ def test_alltoall_and_etp_layouts_equal_one_rank():
 def _dispatcher_kinds_body(rank, world_size):
     """The MoE layer picks its dispatcher from the config, and the expert grid differs from TP's."""
     groups = _groups(2, 2, 1)
-    model = build_gpt(_kwargs(Z_ONLY, "alltoall"), groups, expert_tensor_parallel_size=1)
+    model = build_gpt(_kwargs(Z_ONLY, "alltoall"), groups)
     moe = model.decoder.layers[0].mlp
     assert isinstance(moe.token_dispatcher, AllToAllDispatcher), type(moe.token_dispatcher)
-    other = build_gpt(_kwargs(Z_ONLY, "allgather"), groups, expert_tensor_parallel_size=1)
+    other = build_gpt(_kwargs(Z_ONLY, "allgather"), groups)
     assert isinstance(other.decoder.layers[0].mlp.token_dispatcher, AllGatherDispatcher)
     # ETP=1 with TP=2: experts whole on every rank, the expert-TP group is the rank alone.
     assert groups.size_of("expt_tp") == 1 and groups.ranks["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
     fc1 = moe.experts.local_experts[0].linear_fc1.weight
     assert fc1.shape[0] == 2 * Z_ONLY["moe_ffn_hidden_size"], fc1.shape  # gate + up, unsplit
+    # Megatron's facade getters read the expert grid of initialize_model_parallel.
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    )
+    try:
+        assert ps.get_expert_tensor_parallel_world_size() == 1 and ps.get_expert_tensor_parallel_rank() == 0
+        assert dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) == [rank]
+        assert ps.get_expert_data_parallel_world_size() == 2 and ps.get_tensor_model_parallel_world_size() == 2
+        assert dist.get_process_group_ranks(ps.get_expert_data_parallel_group()) == groups.ranks["expt_dp"]
+    finally:
+        ps.destroy_model_parallel()
     return groups.ranks["ep"], groups.ranks["expt_dp"]
 
 
@@ -187,3 +197,37 @@ def test_layer_builds_the_configured_dispatcher_on_the_expert_grid():
     # Expert grid ETP=1 x EP=2 x expert-DP=2: EP neighbours, expert-DP strided by EP.
     assert [r[0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[1] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+# ----------------------------------------------------------------------------------
+# Training: DDP and the distributed optimizer with expert-DP (2) != DP, clipping on.
+# ----------------------------------------------------------------------------------
+TRAIN_VARIANTS = {
+    "plain": ({}, {}),
+    "distopt_overlap": (
+        dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=2000),
+        dict(use_distributed_optimizer=True, overlap_param_gather=True),
+    ),
+}
+
+
+def _training_body(rank, world_size, tp, ep, etp, sp):
+    groups = _groups(tp, ep, etp)
+    kwargs = _kwargs(Z_ONLY, "alltoall", **(dict(sequence_parallel=True) if sp else {}))
+    global_batch = dpt.MICRO_BATCH * dpt.NUM_MICRO * groups.size_of("dp")
+    MoEAuxLossAutoScaler.set_loss_scale(1.0)  # the reference: one backward of the global mean
+    ref_losses, ref_norms, ref_weights = dpt.reference_run(_kwargs(Z_ONLY, "allgather"), global_batch)
+    assert min(ref_norms) > dpt.CLIP, "clipping must be active"
+    worst = 0.0
+    for name, (ddp_kw, opt_kw) in TRAIN_VARIANTS.items():
+        MoEAuxLossAutoScaler.set_loss_scale(1.0 / dpt.NUM_MICRO)  # what forward_step sets
+        losses, norms, weights, _, _ = dpt.parallel_run(groups, kwargs, ddp_kw, opt_kw)
+        weights = {_global_name(n, groups): w for n, w in weights.items()}
+        ref = (ref_losses, ref_norms, {n: ref_weights[n] for n in weights})  # this rank's experts
+        dpt.assert_matches(f"tp={tp} etp={etp} {name}", (losses, norms, weights), ref, WEIGHT_RTOL)
+        worst = max([worst] + [dpt.relative_error(w, ref_weights[n]) for n, w in weights.items()])
+    return worst
+
+
+def test_etp1_tp2_ep2_alltoall_training_with_distributed_optimizer_equals_single_rank():
+    assert max(run_distributed(_training_body, 4, 2, 2, 1, True)) <= WEIGHT_RTOL
