@@ -24,7 +24,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
 from megatron.core.tensor_parallel import all_to_all
-from megatron.core.transformer.moe import MoEAuxLossAutoScaler
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer
 from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups, tp_group_of
@@ -78,6 +79,97 @@ def _all_to_all_body(rank, world_size):
 
 def test_all_to_all_uneven_splits_forward_and_backward_equal_reference():
     assert sum(run_distributed(_all_to_all_body, 3)) == sum(_sizes(s, d) for s in range(3) for d in range(3))
+
+
+# ----------------------------------------------------------------------------------
+# A Mixtral-style MoE layer: both dispatchers against one rank, and against each other.
+# ----------------------------------------------------------------------------------
+def _layer(groups: ProcessGroupCollection, kind: str, sp: bool) -> MoELayer:
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=kind,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        sequence_parallel=sp,
+        tensor_model_parallel_size=groups.size_of("tp"),
+        expert_model_parallel_size=groups.size_of("ep"),
+        expert_tensor_parallel_size=groups.size_of("expt_tp"),
+    )
+    torch.manual_seed(7)
+    return MoELayer(config, pg_collection=groups)
+
+
+class _CountAllToAll:
+    """Counts ``dist.all_to_all_single`` calls inside the block (the all-to-all dispatcher must make them)."""
+
+    def __enter__(self):
+        self.calls, self.original = 0, dist.all_to_all_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.original
+
+
+def _run_layer(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, sp: bool, tp_rank: int, tp: int):
+    """Output, input gradient and parameter gradients of this rank (its sequence shard under SP)."""
+    rows = slice(tp_rank * x.shape[0] // tp, (tp_rank + 1) * x.shape[0] // tp) if sp else slice(None)
+    mine = x[rows].clone().requires_grad_(True)  # [s(/tp), b, h]
+    out, _ = layer(mine)
+    out.backward(grad[rows])
+    return out.detach(), mine.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _layer_body(rank, world_size, layouts):
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(1))  # [s, b, h]
+    grad = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(2))
+    calls = {}
+    for tp, ep, etp, sp, s in layouts:
+        groups, where = _groups(tp, ep, etp), f"tp={tp} ep={ep} etp={etp} sp={sp} s={s}"
+        rows = slice(groups.rank_in("tp") * s // tp, (groups.rank_in("tp") + 1) * s // tp) if sp else slice(None)
+        results = {}
+        small_ref = _run_layer(_layer(single_rank_groups(), "allgather", False), x[:s], grad[:s], False, 0, 1)
+        for kind in ("alltoall", "allgather"):
+            with _CountAllToAll() as counter:
+                results[kind] = _run_layer(_layer(groups, kind, sp), x[:s], grad[:s], sp, groups.rank_in("tp"), tp)
+            calls[(where, kind)] = counter.calls
+            out, dx, _ = results[kind]
+            torch.testing.assert_close(
+                out, small_ref[0][rows], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {kind} out {m}"
+            )
+            torch.testing.assert_close(
+                dx, small_ref[1][rows], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {kind} dx {m}"
+            )
+        for name, g in results["alltoall"][2].items():
+            torch.testing.assert_close(
+                g, results["allgather"][2][name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {name} {m}"
+            )
+    return calls
+
+
+# (tp, ep, etp, sequence_parallel, s): EP=4; EP=2 x TP=2 with SP; ETP=1 with TP=2 and an uneven split of
+# s*b = 10 tokens over TP (no SP); ETP=2 with TP=1.
+LAYER_LAYOUTS = [(1, 4, 1, False, 6), (2, 2, 2, True, 6), (2, 2, 1, False, 5), (1, 2, 2, False, 6)]
+
+
+def test_moe_layer_dispatchers_equal_one_rank_and_each_other():
+    for calls in run_distributed(_layer_body, 4, LAYER_LAYOUTS):
+        for (where, kind), count in calls.items():
+            # Forward: tokens and probs; backward: their reverse all-to-alls; allgather: none.
+            assert (count >= 4) if kind == "alltoall" else (count == 0), (where, kind, count)
 
 
 # ----------------------------------------------------------------------------------

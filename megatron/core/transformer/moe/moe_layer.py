@@ -121,7 +121,8 @@ class MoELayer(MegatronModule):
         probs, routing_map = self.router(tokens, batch_size=full.shape[1])  # [T, E] each
         probs = probs.to(tokens.dtype)  # routed in moe_router_dtype, mixed in the model's
         start, end = own_rows(tokens.shape[0], self.tp_rank, self.tp_size)
-        dispatched = self.token_dispatcher.dispatch(tokens[start:end], probs[start:end], routing_map[start:end])
+        mine = slice(start, end)
+        dispatched = self.token_dispatcher.dispatch(tokens[mine], probs[mine], routing_map[mine], tokens.shape[0])
         expert_output = self.experts(dispatched.tokens, dispatched.probs, dispatched.routing_map)  # [R, h]
         own = self.token_dispatcher.combine(expert_output, dispatched)  # [T/tp, h], summed
         output = self._own_output(own, full.shape)  # [s(/tp), b, h]

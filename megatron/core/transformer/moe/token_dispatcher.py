@@ -69,8 +69,20 @@ class TokenDispatcher:
         self.ep_group, self.etp_group, self.tp_ep_group = groups.ep, groups.expt_tp, groups.tp_ep
         self.ep_size, self.etp_size = groups.size_of("ep"), groups.size_of("expt_tp")
         self.etp_rank = groups.rank_in("expt_tp")
+        dense = groups.layout.dense_grid()
+        self.tp_size = groups.size_of("tp")
+        self.peer_tp_ranks = [dense.coordinate(r, "tp") for r in groups.ranks["tp_ep"]]  # TP rank of each tp_ep peer
 
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Dispatched:
+    def peer_rows(self, total_rows: int) -> Optional[List[int]]:
+        """Rows each ``tp_ep`` peer dispatches when every TP group routes ``total_rows`` (None: all equal)."""
+        sizes = [end - start for start, end in (own_rows(total_rows, r, self.tp_size) for r in self.peer_tp_ranks)]
+        return None if len(set(sizes)) == 1 else sizes
+
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
+    ) -> Dispatched:
+        """``tokens`` ``[n, h]``, ``probs`` / ``routing_map`` ``[n, E]``: this rank's own rows of the
+        ``total_rows`` its TP group routed."""
         raise NotImplementedError
 
     def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
@@ -80,11 +92,12 @@ class TokenDispatcher:
 class AllGatherDispatcher(TokenDispatcher):
     """Every rank of ``tp_ep`` sees every token of the group; outputs are reduce-scattered back."""
 
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Dispatched:
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
+    ) -> Dispatched:
         n = tokens.shape[0]
         group = self.tp_ep_group
-        sizes = gather_counts(torch.tensor([n], device=tokens.device), group).view(-1).tolist()
-        sizes = None if len(set(sizes)) == 1 else sizes
+        sizes = self.peer_rows(total_rows)  # arithmetic: no exchange, no host sync
         tokens = gather_from_sequence_parallel_region(tokens, True, group, sizes)  # [sum n, h]
         probs = gather_from_sequence_parallel_region(probs, True, group, sizes)  # [sum n, E]
         with torch.no_grad():
@@ -119,7 +132,9 @@ class AllToAllDispatcher(TokenDispatcher):
         one_hot = torch.nn.functional.one_hot(ids, self.num_local_experts).to(torch.bool)  # [R, E_local]
         return probs.unsqueeze(-1) * one_hot.to(probs.dtype), one_hot
 
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Dispatched:
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
+    ) -> Dispatched:
         n = tokens.shape[0]
         indices, weights = sort_by_expert(probs, routing_map)  # per expert: own token ids, probs
         counts = torch.tensor([len(i) for i in indices], dtype=torch.long, device=tokens.device)  # [E]
