@@ -75,11 +75,16 @@ class RankPosition:
     vp: Optional[int] = None
     pp_rank: int = 0
     dp_rank: int = 0
+    etp: Optional[int] = None  # expert-TP size; None: TP's
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def expt_dp(self) -> int:
-        """Expert data-parallel size (expert TP = TP): ``tp*cp*dp / (tp*ep)``."""
-        return self.cp * self.dp // self.ep
+        """Expert data-parallel size: ``tp*cp*dp / (etp*ep)``."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -132,7 +137,7 @@ def _layer(c: TransformerConfig, local: int, number: int, pos: RankPosition) -> 
         return entries + _mlp(c, f"{p}.mlp", c.ffn_hidden_size, tp, expert=False)
     entries.append(ParamEntry(f"{p}.mlp.router.weight", c.num_moe_experts * h))
     for j in range(c.num_moe_experts // pos.ep):
-        entries += _mlp(c, f"{p}.mlp.experts.local_experts.{j}", c.moe_ffn_hidden_size, tp, expert=True)
+        entries += _mlp(c, f"{p}.mlp.experts.local_experts.{j}", c.moe_ffn_hidden_size, pos.expert_tp, expert=True)
     return entries
 
 

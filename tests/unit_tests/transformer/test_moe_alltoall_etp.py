@@ -27,8 +27,9 @@ from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer
 from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from megatron.training.theoretical_memory_params import LanguageModelShape, RankPosition, chunk_parameters
 from tests.dist_harness import run_distributed
-from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups, tp_group_of
+from tests.model_utils import SEQ, VOCAB, batch, build_gpt, gather_tp, llama_style, single_rank_groups, tp_group_of
 from tests.unit_tests.distributed import dp_training as dpt
 
 RTOL, ATOL, WEIGHT_RTOL = 1e-5, 1e-6, 1e-6
@@ -270,6 +271,11 @@ def _dispatcher_kinds_body(rank, world_size):
     assert groups.size_of("expt_tp") == 1 and groups.ranks["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
     fc1 = moe.experts.local_experts[0].linear_fc1.weight
     assert fc1.shape[0] == 2 * Z_ONLY["moe_ffn_hidden_size"], fc1.shape  # gate + up, unsplit
+    # The memory accounting names the built parameters with their expert-TP (unsplit) sizes.
+    lm = LanguageModelShape(VOCAB, SEQ, "rope", share_embeddings_and_output_weights=False)
+    derived = [(e.name, e.numel) for e in chunk_parameters(model.config, lm, RankPosition(tp=2, dp=2, ep=2, etp=1), 0)]
+    assert derived == [(n, p.numel()) for n, p in model.named_parameters()]
+    assert RankPosition(tp=2, dp=2, ep=2, etp=1).expt_dp == 2
     # Megatron's facade getters read the expert grid of initialize_model_parallel.
     ps.initialize_model_parallel(
         tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
