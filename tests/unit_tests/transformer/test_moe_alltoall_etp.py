@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Tuple
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -311,6 +312,7 @@ TRAIN_VARIANTS = {
 
 def _training_body(rank, world_size, tp, ep, etp, sp):
     groups = _groups(tp, ep, etp)
+    assert groups.size_of("expt_dp") == 4 // (ep * etp) and groups.size_of("dp") == 4 // tp
     kwargs = _kwargs(Z_ONLY, "alltoall", **(dict(sequence_parallel=True) if sp else {}))
     global_batch = dpt.MICRO_BATCH * dpt.NUM_MICRO * groups.size_of("dp")
     MoEAuxLossAutoScaler.set_loss_scale(1.0)  # the reference: one backward of the global mean
@@ -327,5 +329,9 @@ def _training_body(rank, world_size, tp, ep, etp, sp):
     return worst
 
 
-def test_etp1_tp2_ep2_alltoall_training_with_distributed_optimizer_equals_single_rank():
-    assert max(run_distributed(_training_body, 4, 2, 2, 1, True)) <= WEIGHT_RTOL
+@pytest.mark.parametrize(
+    "tp,ep,etp,sp",
+    [(2, 2, 1, True), (2, 1, 1, True), (1, 1, 2, False)],  # expert-DP: 2 (= DP), 4 (DP 2), 2 (DP 4)
+)
+def test_etp_alltoall_training_with_distributed_optimizer_equals_single_rank(tp, ep, etp, sp):
+    assert max(run_distributed(_training_body, 4, tp, ep, etp, sp)) <= WEIGHT_RTOL
