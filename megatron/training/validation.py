@@ -397,6 +397,11 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
         ep == 1 or args.ckpt_format != "torch",
         f"--ckpt-format torch with --expert-model-parallel-size={ep}: not supported yet (use torch_dist)",
     )
+    _require(
+        etp == tp or args.ckpt_format != "torch",
+        f"--ckpt-format torch with --expert-tensor-parallel-size={etp} != --tensor-model-parallel-size={tp}: "
+        "not supported yet (use torch_dist)",
+    )
 
 
 def check_rope_scaling(args: argparse.Namespace) -> None:

@@ -382,6 +382,11 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
             r"world size 2 .*--expert-tensor-parallel-size \(2\) x --expert-model-parallel-size \(2\)",
         ),
         (["--expert-tensor-parallel-size", "2"], 2, r"--expert-tensor-parallel-size=2 needs --num-experts"),
+        (
+            ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--ckpt-format", "torch"],
+            2,
+            r"--ckpt-format torch with --expert-tensor-parallel-size=2 != --tensor-model-parallel-size=1",
+        ),
     ],
 )
 def test_validation_errors_name_flags_and_values(extra, world, pattern):
