@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron.core.models import BertModel, GPTModel
 from megatron.core.models.bert import bert_layer_post_ln_spec
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
+from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer import TransformerConfig
 
 VOCAB = 128
@@ -121,10 +122,16 @@ def build_gpt(kwargs: Dict, groups: ProcessGroupCollection, seed: int = 1234, **
         tensor_model_parallel_size=groups.size_of("tp"),
         pipeline_model_parallel_size=groups.size_of("pp"),
         expert_model_parallel_size=groups.size_of("ep"),
+        expert_tensor_parallel_size=groups.size_of("expt_tp"),
         context_parallel_size=groups.size_of("cp"),
     )
     kw.update(extra)
     return GPTModel(pg_collection=groups, **kw)
+
+
+def tp_group_of(param: torch.nn.Parameter, groups: ProcessGroupCollection):
+    """The group ``param`` is split over: expert-TP for expert parameters, TP for the others."""
+    return groups.expt_tp if is_expert_param(param) else groups.tp
 
 
 def gather_tp(tensor: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tensor:

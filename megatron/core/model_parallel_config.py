@@ -83,6 +83,7 @@ class ModelParallelConfig:
             require_positive(name, getattr(self, name))
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        require_positive("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
         require_one_precision(self.fp16, self.bf16)
         self.sequence_parallel = parallel_state.warn_sequence_parallel_without_tp(
             self.tensor_model_parallel_size, self.sequence_parallel
@@ -105,11 +106,13 @@ class ModelParallelConfig:
             "pipeline_model_parallel_size": groups.size_of("pp"),
             "context_parallel_size": groups.size_of("cp"),
             "expert_model_parallel_size": groups.size_of("ep"),
+            "expert_tensor_parallel_size": groups.size_of("expt_tp"),
         }
         adopted = {n: s for n, s in actual.items() if adopt_unset and getattr(self, n) == 1 and s != 1}
         if adopted:
             if self.expert_tensor_parallel_size == self.tensor_model_parallel_size:
-                self.expert_tensor_parallel_size = None  # derived from the adopted TP size again
+                # Derived from TP: it takes the groups' expert-TP size (TP's unless set apart).
+                self.expert_tensor_parallel_size = actual["expert_tensor_parallel_size"]
             for name, size in adopted.items():
                 setattr(self, name, size)
             self.__post_init__()

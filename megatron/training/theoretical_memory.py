@@ -105,6 +105,7 @@ def _from_args(args: argparse.Namespace) -> Tuple[TransformerConfig, LanguageMod
         cp=cp,
         ep=c.expert_model_parallel_size,
         vp=c.virtual_pipeline_model_parallel_size,
+        etp=c.expert_tensor_parallel_size,
     )
     return c, lm, pos
 
@@ -154,7 +155,7 @@ def report_theoretical_memory(
 
 
 def _at_stage(pos: RankPosition, pp_rank: int) -> RankPosition:
-    return RankPosition(pos.tp, pos.pp, pos.dp, pos.cp, pos.ep, pos.vp, pp_rank, pos.dp_rank)
+    return RankPosition(pos.tp, pos.pp, pos.dp, pos.cp, pos.ep, pos.vp, pp_rank, pos.dp_rank, pos.etp)
 
 
 def _print_details(e: MemoryEstimate, stage: int, num_microbatches: int) -> None:

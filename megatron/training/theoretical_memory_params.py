@@ -75,11 +75,16 @@ class RankPosition:
     vp: Optional[int] = None
     pp_rank: int = 0
     dp_rank: int = 0
+    etp: Optional[int] = None  # expert-TP size; None: TP's
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def expt_dp(self) -> int:
-        """Expert data-parallel size (expert TP = TP): ``tp*cp*dp / (tp*ep)``."""
-        return self.cp * self.dp // self.ep
+        """Expert data-parallel size: ``tp*cp*dp / (etp*ep)``."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -150,7 +155,7 @@ def _moe_mlp(c: TransformerConfig, p: str, pos: RankPosition) -> List[ParamEntry
     """``MoELayer``: router, this rank's experts, then the shared experts (gate, fc1, fc2)."""
     entries = [ParamEntry(f"{p}.router.weight", c.num_moe_experts * c.hidden_size)]
     for j in range(c.num_moe_experts // pos.ep):
-        entries += _mlp(c, f"{p}.experts.local_experts.{j}", c.moe_ffn_hidden_size, pos.tp, expert=True)
+        entries += _mlp(c, f"{p}.experts.local_experts.{j}", c.moe_ffn_hidden_size, pos.expert_tp, expert=True)
     if c.moe_shared_expert_intermediate_size is not None:
         if c.moe_shared_expert_gate:  # the module's own parameter: listed before its linears'
             entries.append(ParamEntry(f"{p}.shared_experts.gate_weight", c.hidden_size))

@@ -377,20 +377,30 @@ def set_evaluation(args: argparse.Namespace) -> None:
 
 
 def check_expert_parallel(args: argparse.Namespace) -> None:
-    """--expert-model-parallel-size: experts split evenly; world = TP x EP x expert-DP x PP (expert-TP = TP)."""
-    ep = args.expert_model_parallel_size
-    if ep <= 1:  # a size below 1: TransformerConfig's rule
+    """--expert-model-parallel-size / --expert-tensor-parallel-size: the expert grid ETP x EP x expert-DP x PP
+    covers the world (Megatron's rule: world divisible by ETP x EP x PP); expert-TP defaults to TP."""
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if etp is not None and etp != args.tensor_model_parallel_size:
+        _require(args.num_experts is not None, f"--expert-tensor-parallel-size={etp} needs --num-experts")
+    if ep <= 1 and etp is None:  # a size below 1: TransformerConfig's rule
         return
-    _require(args.num_experts is not None, f"--expert-model-parallel-size={ep} needs --num-experts")
+    _require(ep == 1 or args.num_experts is not None, f"--expert-model-parallel-size={ep} needs --num-experts")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    etp_flag = "--expert-tensor-parallel-size" if etp is not None else "--tensor-model-parallel-size"
+    etp = tp if etp is None else etp
     _require(
-        args.world_size % (tp * ep * pp) == 0,
-        f"world size {args.world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {tp * ep * pp}",
+        etp >= 1 and args.world_size % (etp * ep * pp) == 0,
+        f"world size {args.world_size} is not divisible by {etp_flag} ({etp}) x "
+        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {etp * ep * pp}",
     )
     _require(
-        args.ckpt_format != "torch",
+        ep == 1 or args.ckpt_format != "torch",
         f"--ckpt-format torch with --expert-model-parallel-size={ep}: not supported yet (use torch_dist)",
+    )
+    _require(
+        etp == tp or args.ckpt_format != "torch",
+        f"--ckpt-format torch with --expert-tensor-parallel-size={etp} != --tensor-model-parallel-size={tp}: "
+        "not supported yet (use torch_dist)",
     )
 
 

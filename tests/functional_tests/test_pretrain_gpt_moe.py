@@ -5,6 +5,8 @@ On 2 ranks, --expert-model-parallel-size 2 prints the losses of the same run wit
 With a capacity factor (EP=2, dropping by probs), padding each expert's input to capacity with the
 sequential experts prints the losses of the unpadded run with --moe-grouped-gemm (padding changes
 only shapes, grouped GEMM only the kernel), and those differ from the dropless run's.
+On 4 ranks, TP=2 with SP, EP=2, expert-TP=1 and the all-to-all dispatcher prints the one-rank
+losses (the balance loss too: every microbatch is routed whole by one data-parallel replica).
 """
 
 import math
@@ -67,3 +69,24 @@ def test_moe_tp2_prints_the_single_rank_losses(tmp_path):
     _assert_same_losses(single, tp2, "TP=2")
     # Uniform routing gives exactly 1; a random router starts close to it.
     assert all(0.9 < line["load_balancing_loss"] < 2.0 for line in single.lines), single.lines
+
+
+def test_moe_alltoall_etp1_tp2_ep2_prints_the_single_rank_losses(tmp_path):
+    base = tiny_gpt_flags(ITERS) + mock_flags() + MOE_FLAGS
+    single = run_gpt(1, base, str(tmp_path))
+    layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "2",
+        "--expert-tensor-parallel-size",
+        "1",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ]
+    four = run_gpt(4, base + layout, str(tmp_path))
+    for name, result in (("single", single), ("tp2 ep2 etp1 alltoall", four)):
+        assert_ok(result, name)
+        assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), name
+    _assert_same_losses(single, four, "TP=2 SP EP=2 ETP=1 alltoall")

@@ -116,3 +116,53 @@ def test_tp_group_without_check_is_none_before_initialization():
     assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
     with pytest.raises(RuntimeError, match="not initialized"):
         ps.get_tensor_model_parallel_group()
+
+
+# ----------------------------------------------------------------------------------
+# The expert grid with expert-TP != TP, against megatron-core 0.16.1's rank generators.
+# ----------------------------------------------------------------------------------
+ORACLE_CASES = [
+    dict(world=4, tp=2, cp=1, pp=1, ep=2, etp=1, order="tp-cp-ep-dp-pp"),
+    dict(world=8, tp=2, cp=1, pp=2, ep=2, etp=1, order="tp-cp-ep-dp-pp"),
+    dict(world=8, tp=1, cp=1, pp=2, ep=2, etp=2, order="tp-cp-ep-dp-pp"),
+    dict(world=16, tp=2, cp=2, pp=2, ep=4, etp=1, order="tp-cp-ep-dp-pp"),
+    dict(world=16, tp=4, cp=1, pp=1, ep=2, etp=2, order="tp-cp-ep-pp-dp"),
+]
+
+
+def _layout(case) -> ps.ParallelLayout:
+    return ps.ParallelLayout(
+        world_size=case["world"],
+        tensor_model_parallel_size=case["tp"],
+        context_parallel_size=case["cp"],
+        pipeline_model_parallel_size=case["pp"],
+        expert_model_parallel_size=case["ep"],
+        expert_tensor_parallel_size=case["etp"],
+        order=case["order"],
+    )
+
+
+def test_expert_grid_with_expert_tp_equals_megatron_core(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.unit_tests.datasets.masked_oracle import REPO, oracle_dir
+
+    env = dict(os.environ, PYTHONPATH=oracle_dir())
+    cases_path = tmp_path / "cases.json"
+    cases_path.write_text(json.dumps(ORACLE_CASES))
+    script = os.path.join(REPO, "tests", "oracles", "mcore_rank_groups.py")
+    proc = subprocess.run(
+        [sys.executable, script, str(cases_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case, theirs in zip(ORACLE_CASES, json.loads(proc.stdout.splitlines()[-1])):
+        layout = _layout(case)
+        for key, ranks in theirs.items():
+            kind, token = key.split(":")
+            grid = layout.expert_grid() if kind == "expert" else layout.dense_grid()
+            assert grid.groups(token) == ranks, (case, key)
+        # The collection's expert groups are those grids' groups (names of process_groups._EXPERT_GROUPS).
+        assert layout.expert_data_parallel_size == case["world"] // (case["etp"] * case["ep"] * case["pp"])

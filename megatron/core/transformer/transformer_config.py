@@ -273,11 +273,6 @@ class TransformerConfig(ModelParallelConfig):
         require_divisible(
             "num_moe_experts", self.num_moe_experts, "expert_model_parallel_size", self.expert_model_parallel_size
         )
-        if self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
-            raise ValueError(
-                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}: only "
-                f"tensor_model_parallel_size={self.tensor_model_parallel_size} is supported yet"
-            )
         self._check_moe_layer_freq()
 
     def _check_router(self) -> None:

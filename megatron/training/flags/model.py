@@ -47,7 +47,13 @@ RECORDS = (
     Flag("max_seqlen_per_dp_cp_rank", not_yet(None), type=int),
     Flag("hybrid_context_parallel", not_yet(False)),
     Flag("expert_model_parallel_size", IMPLEMENTED, fills=same(TC)),
-    Flag("expert_tensor_parallel_size", not_yet(None), type=int, fills=same(TC)),
+    Flag(
+        "expert_tensor_parallel_size",
+        IMPLEMENTED,
+        type=int,
+        help="Ranks that split each expert (expert-TP; default: --tensor-model-parallel-size).",
+        fills=same(TC),
+    ),
     Flag("moe_extended_tp", not_yet(False)),
     Flag("perform_initialization", IMPLEMENTED, fills=same(TC)),
     Flag(
@@ -240,6 +246,7 @@ RECORDS = (
     Flag("moe_use_legacy_grouped_gemm", no_op(reasons.KERNEL)),
     Flag("moe_z_loss_coeff", IMPLEMENTED, type=float, fills=same(TC)),
     Flag("moe_input_jitter_eps", IMPLEMENTED, type=float, fills=same(TC)),
+    # Both implemented (token_dispatcher.py); 'flex' (DeepEP / HybridEP kernels, GPU only) stays refused.
     Flag("moe_token_dispatcher_type", not_yet("allgather", "alltoall"), fills=same(TC)),
     Flag("moe_enable_deepep", not_yet(False)),
     Flag("moe_flex_dispatcher_backend", no_op(reasons.KERNEL)),

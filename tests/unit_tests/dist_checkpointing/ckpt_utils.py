@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import TIED_EMBEDDING_KEY, sharded_tensors_by_param_name
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
-from tests.model_utils import build_gpt, gather_tp, gpt2_style, llama_style
+from tests.model_utils import build_gpt, gather_tp, gpt2_style, llama_style, tp_group_of
 
 
 def groups_for(tp: int = 1, pp: int = 1) -> ProcessGroupCollection:
@@ -52,7 +52,7 @@ def full_weights_by_key(
     mine: Dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         value = param.detach() if tensors is None else tensors[name]
-        full = gather_tp(value, param, groups.tp).clone()
+        full = gather_tp(value, param, tp_group_of(param, groups)).clone()
         key = "tied_copy" if getattr(param, "shared_embedding", False) else specs[name].key
         mine[key] = full
     gathered: List[Dict[str, torch.Tensor]] = [None] * dist.get_world_size()

@@ -1,6 +1,8 @@
 """Checkpoints across expert-parallel sizes: a MoE GPT trained with EP=2 (distributed optimizer, bf16)
 loads under EP=1 (DP=2, and TP=2) with the same weights and Adam state (moments and fp32 main
-params), and an EP=1 checkpoint loads under EP=2. Experts are keyed by their global index."""
+params), and an EP=1 checkpoint loads under EP=2. Experts are keyed by their global index. On 4 ranks,
+expert-TP different from TP: TP=2 x EP=2 x ETP=1 (experts whole, expert-DP=2) loads under TP=2 x ETP=2
+(experts split) and back under TP=1 x EP=2 x ETP=2."""
 
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ from tests.unit_tests.dist_checkpointing.ckpt_utils import assert_same_weights, 
 from tests.unit_tests.dist_checkpointing.test_checkpointing_optimizer import BF16, _optimizer_state_by_key, _train_step
 
 
-def _build(tp: int, ep: int, seed: int, distributed: bool):
-    groups = build_process_groups(
-        ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+def _build(tp: int, ep: int, seed: int, distributed: bool, etp=None):
+    layout = ParallelLayout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
+    groups = build_process_groups(layout)
     model = build_gpt(dict(tiny_kwargs("moe"), **BF16), groups, seed=seed)
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model, pg_collection=groups
@@ -63,3 +69,26 @@ def _body(rank, world, tmp_ep2, tmp_ep1):
 
 def test_expert_parallel_checkpoint_loads_under_other_ep_and_tp(tmp_path):
     run_distributed(_body, 2, str(tmp_path / "ep2"), str(tmp_path / "ep1"))
+
+
+def _etp_body(rank, world, tmp_a, tmp_b):
+    groups, model, ddp, opt = _build(tp=2, ep=2, seed=1, distributed=True, etp=1)
+    assert groups.size_of("expt_tp") == 1 and groups.size_of("expt_dp") == 2
+    for it in range(2):
+        _train_step(groups, ddp, opt, it)
+    save_checkpoint(2, [ddp], opt, None, CheckpointConfig(save=tmp_a), {}, {"bf16": True})
+    saved = _state(groups, model, ddp, opt)
+    groups, model, ddp, opt = _build(tp=2, ep=1, seed=5, distributed=False, etp=2)
+    assert load_checkpoint([ddp], opt, None, CheckpointConfig(load=tmp_a))[0] == 2
+    _assert_same("TP=2 EP=2 ETP=1 -> TP=2 ETP=2", saved, _state(groups, model, ddp, opt))
+    _train_step(groups, ddp, opt, 2)
+    save_checkpoint(3, [ddp], opt, None, CheckpointConfig(save=tmp_b), {}, {"bf16": True})
+    saved = _state(groups, model, ddp, opt)
+    groups, model, ddp, opt = _build(tp=1, ep=2, seed=7, distributed=True, etp=2)
+    assert load_checkpoint([ddp], opt, None, CheckpointConfig(load=tmp_b))[0] == 3
+    _assert_same("TP=2 ETP=2 -> TP=1 EP=2 ETP=2", saved, _state(groups, model, ddp, opt))
+    return True
+
+
+def test_expert_tensor_parallel_checkpoint_loads_under_other_etp(tmp_path):
+    run_distributed(_etp_body, 4, str(tmp_path / "etp1"), str(tmp_path / "etp2"))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from tests.model_utils import batch, build_gpt, gather_tp, single_rank_groups
+from tests.model_utils import batch, build_gpt, gather_tp, single_rank_groups, tp_group_of
 
 MICRO_BATCH, NUM_MICRO, ITERS = 2, 2, 5
 LR, WD, CLIP = 1e-2, 0.1, 0.5
@@ -57,7 +57,7 @@ def parallel_run(groups, kwargs: Dict, ddp_kwargs: Dict, opt_kwargs: Dict, iters
         losses.append(loss)
         norms.append(norm)
     ddp.finish_param_sync()
-    weights = {n: gather_tp(p.detach(), p, groups.tp) for n, p in model.named_parameters()}
+    weights = {n: gather_tp(p.detach(), p, tp_group_of(p, groups)) for n, p in model.named_parameters()}
     return losses, norms, weights, opt, ddp
 
 

@@ -157,7 +157,7 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
 @pytest.mark.parametrize(
     "extra, flag",
     [
-        (["--num-experts", "8", "--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
+        (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
         (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
         (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone"),
         (
@@ -375,11 +375,31 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
             2,
             r"--ckpt-format torch with --expert-model-parallel-size=2",
         ),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+            2,
+            r"world size 2 .*--expert-tensor-parallel-size \(2\) x --expert-model-parallel-size \(2\)",
+        ),
+        (["--expert-tensor-parallel-size", "2"], 2, r"--expert-tensor-parallel-size=2 needs --num-experts"),
+        (
+            ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--ckpt-format", "torch"],
+            2,
+            r"--ckpt-format torch with --expert-tensor-parallel-size=2 != --tensor-model-parallel-size=1",
+        ),
     ],
 )
 def test_validation_errors_name_flags_and_values(extra, world, pattern):
     with pytest.raises(A.ArgumentsError, match=pattern):
         _validated(extra, world_size=world)
+
+
+def test_expert_tensor_parallel_size_apart_from_tp_fills_the_config():
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+    extra = ["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"]
+    args = _validated(layout + extra, world_size=4)
+    cfg = A.core_transformer_config_from_args(args)
+    assert (cfg.expert_tensor_parallel_size, cfg.tensor_model_parallel_size) == (1, 2)
+    assert cfg.moe_token_dispatcher_type == "alltoall"
 
 
 def test_eval_interval_left_out_is_megatrons_1000():

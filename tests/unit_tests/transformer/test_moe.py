@@ -236,7 +236,11 @@ def test_topk_softmax_variants_sum_and_select():
         (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq=[1, 0, 1]"),
         (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff=-1.0"),
         (dict(expert_model_parallel_size=3), "num_moe_experts=4 must be divisible by expert_model_parallel_size=3"),
-        (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2"),
+        (dict(expert_tensor_parallel_size=0), "expert_tensor_parallel_size=0"),
+        (
+            dict(expert_tensor_parallel_size=5),
+            "moe_ffn_hidden_size=48 must be divisible by expert_tensor_parallel_size=5",
+        ),
         (dict(moe_ffn_hidden_size=0), "moe_ffn_hidden_size=0"),
     ],
 )

@@ -1,25 +1,25 @@
 """Mixture-of-experts MLP (Mixtral style): route each token to k experts and mix their outputs.
 
 Dropless (every routed token is processed) unless ``moe_expert_capacity_factor`` is set: then
-the router cuts each expert's pairs to capacity, per rank's own tokens (see routing.py). The
-experts are split over the TP group (expert_tensor_parallel_size = TP) and, with expert
-parallelism, over the EP group: EP rank r holds the ``E / ep`` experts ``r * E / ep + i``.
-Communication, per layer:
+the router cuts each expert's pairs to capacity, per rank's own tokens (see routing.py). EP rank r
+holds the ``E / ep`` experts ``r * E / ep + i``, each split over the expert-TP group
+(``expert_tensor_parallel_size``, which may differ from TP: the experts live on the expert grid
+``ETP x EP x expert-DP``). Per layer:
 
-* enter: the tokens of all TP ranks are gathered, so every rank routes the same ``T = s*b``
-  tokens (sequence parallelism: all-gather along the sequence, whose backward reduce-scatters;
-  without it the input is already replicated and only the backward all-reduces);
-* route: on those ``T`` tokens, so routing and aux losses are those of a data-parallel replica;
-* dispatch (EP > 1): tokens ``[T, h]``, probs and routing map ``[T, E]`` are all-gathered over
-  EP (``[ep*T, ...]``); the all-gather's backward reduce-scatters, so each rank gets the
-  gradient of its own tokens from every rank's experts;
-* combine (EP > 1): each rank's output of its local experts is reduce-scattered back over EP;
-* leave: each rank's output is a partial sum over TP (its shards of every expert), reduced with
-  a reduce-scatter to sequence shards (SP) or an all-reduce.
+* enter: the tokens of the attention-TP group are gathered, so every TP rank routes the same
+  ``T = s*b`` tokens and routing, aux losses and expert-bias counts are those of a data-parallel
+  replica (SP: all-gather along the sequence, whose backward reduce-scatters; without SP the input
+  is replicated and the backward all-reduces);
+* own tokens: TP rank i keeps rows ``[i*T/tp, (i+1)*T/tp)`` of the routed tokens (under SP exactly
+  its sequence shard), so no two ranks of the expert grid dispatch the same token;
+* dispatch / experts / combine: ``token_dispatcher.py`` (``allgather`` or ``alltoall``), which
+  returns the summed output of the own tokens ``[T/tp, h]``;
+* leave: under SP that is this rank's output shard ``[s/tp, b, h]``; without SP the shards are
+  placed in a zero ``[T, h]`` and all-reduced over TP (backward: identity).
 
-Inside, every gradient is a partial sum over TP, which the enter step sums; replicated
-parameters (router weight, expert output biases) enter through ``copy_to`` so theirs are
-summed too. 'allgather' and 'alltoall' dispatchers are the same computation here.
+Gradients reaching the gathered tokens are partial sums over TP (each rank's own rows, plus the
+router's share), which the enter step sums; the router weight enters through ``copy_to`` and the
+aux losses, equal on all TP ranks, are back-propagated by TP rank 0 only.
 """
 
 from __future__ import annotations
@@ -28,20 +28,20 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import build_dispatcher, own_rows
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -77,11 +77,15 @@ class MoELayer(MegatronModule):
             raise ValueError(
                 f"num_moe_experts={config.num_moe_experts} must be divisible by expert_model_parallel_size={ep_size}"
             )
-        self.tp_group, self.ep_group = groups.expt_tp, groups.ep
+        self.tp_group = groups.tp  # the attention layout the tokens come in
+        self.tp_rank, self.tp_size = groups.rank_in("tp"), groups.size_of("tp")
         self.sequence_parallel = config.sequence_parallel
         self.num_local_experts = config.num_moe_experts // ep_size
         self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
         self.router = TopKRouter(config, self.tp_group, dp_group=groups.dp_cp)
+        self.token_dispatcher = build_dispatcher(
+            config.moe_token_dispatcher_type, config.num_moe_experts, self.num_local_experts, groups
+        )
         submodules = submodules or MoESubmodules()
         experts_class = GroupedMLP if config.moe_grouped_gemm else SequentialMLP  # same parameters
         self.experts = experts_class(self.num_local_experts, config, submodules.experts, pg_collection=groups)
@@ -102,11 +106,16 @@ class MoELayer(MegatronModule):
             return gather_from_sequence_parallel_region(hidden_states, True, self.tp_group)  # [s, b, h]
         return copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)  # [s, b, h]
 
-    def _reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
-        """Partial sums ``[s, b, h]`` -> the sum, as this rank's sequence shard under SP."""
+    def _own_output(self, own: torch.Tensor, full_shape: torch.Size) -> torch.Tensor:
+        """This rank's output rows ``[T/tp, h]`` -> ``[s/tp, b, h]`` (SP) or the TP group's ``[s, b, h]``."""
+        s, b, h = full_shape
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, h]
-        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # [s, b, h]
+            return own.view(s // self.tp_size, b, h)  # [s/tp, b, h]
+        if self.tp_size == 1:
+            return own.view(s, b, h)
+        start, end = own_rows(s * b, self.tp_rank, self.tp_size)
+        placed = F.pad(own, (0, 0, start, s * b - end))  # [T, h], zero off the own rows
+        return reduce_from_tensor_model_parallel_region(placed, self.tp_group).view(s, b, h)
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, None]:
         """``[s(/tp with SP), b, h]`` -> (same shape, None): no bias left to add."""
@@ -116,23 +125,13 @@ class MoELayer(MegatronModule):
         shards = dist.get_world_size(self.tp_group) if self.sequence_parallel else 1
         probs, routing_map = self.router(tokens, batch_size=full.shape[1], capacity_groups=shards)  # [T, E] each
         probs = probs.to(tokens.dtype)  # routed in moe_router_dtype, mixed in the model's
-        partial = self._run_experts(tokens, probs, routing_map)  # [T, h]
-        output = self._reduce_output(partial.view_as(full))  # [s(/tp), b, h]
+        start, end = own_rows(tokens.shape[0], self.tp_rank, self.tp_size)
+        mine = slice(start, end)
+        dispatched = self.token_dispatcher.dispatch(tokens[mine], probs[mine], routing_map[mine], tokens.shape[0])
+        expert_output = self.experts(dispatched.tokens, dispatched.probs, dispatched.routing_map)  # [R, h]
+        own = self.token_dispatcher.combine(expert_output, dispatched)  # [T/tp, h], summed
+        output = self._own_output(own, full.shape)  # [s(/tp), b, h]
         if self.shared_experts is not None:
             shared, _ = self.shared_experts(hidden_states)  # [s(/tp), b, h], reduced over TP itself
             output = output + shared
         return output, None
-
-    def _run_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on the EP group's tokens -> partial output ``[T, h]`` (partial over TP)."""
-        if dist.get_world_size(self.ep_group) == 1:
-            return self.experts(tokens, probs, routing_map)  # [T, h]
-        tokens = gather_from_sequence_parallel_region(tokens, True, self.ep_group)  # [ep*T, h]
-        probs = gather_from_sequence_parallel_region(probs, True, self.ep_group)  # [ep*T, E]
-        with torch.no_grad():
-            routing_map = gather_from_sequence_parallel_region(
-                routing_map.to(torch.uint8), False, self.ep_group
-            ).bool()  # [ep*T, E]
-        local = slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
-        partial = self.experts(tokens, probs[:, local], routing_map[:, local])  # [ep*T, h]
-        return reduce_scatter_to_sequence_parallel_region(partial, self.ep_group)  # [T, h]

@@ -1,0 +1,185 @@
+"""Token dispatchers: move each rank's routed tokens to the ranks holding their experts, and back.
+
+A dispatcher works on the expert grid (``ETP x EP x expert-DP``). Every rank enters with its own
+tokens ``[n, h]`` (no two ranks of a ``tp_ep`` group hold the same token), their routing probs and
+map ``[n, E]``. ``dispatch`` returns what this rank's experts run on: tokens ``[R, h]`` with probs and
+map ``[R, E_local]`` (the expert MLPs take that triple); ``combine`` turns the experts' output
+``[R, h]`` (prob-weighted, a partial sum over expert-TP) into the summed output of this rank's own
+tokens ``[n, h]``. Both chosen by ``config.moe_token_dispatcher_type``:
+
+* ``AllGatherDispatcher`` (``allgather``): all-gather tokens, probs and map over ``tp_ep``; every
+  rank runs its local experts on all of them; reduce-scatter the outputs back over ``tp_ep``.
+* ``AllToAllDispatcher`` (``alltoall``, Megatron's ``MoEAlltoAllTokenDispatcher`` steps): permute
+  tokens by expert; all-gather the per-expert counts over ``tp_ep``; all-to-all over EP with
+  per-rank split sizes; with ETP > 1 all-gather over expert-TP (uneven sizes); the experts run;
+  then the reverse: reduce-scatter over expert-TP, the reverse all-to-all, unpermute with a sum.
+
+Every collective is an autograd function of ``tensor_parallel.mappings`` (the all-to-all's backward
+is the reverse all-to-all; an all-gather's backward reduce-scatters), so gradients flow back to
+each rank's own tokens and probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.tensor_parallel import (
+    all_to_all,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.moe.experts import sort_by_expert
+
+DISPATCHER_TYPES = ("allgather", "alltoall")
+
+
+@dataclass
+class Dispatched:
+    """What the experts run on, and what ``combine`` needs to bring their output back."""
+
+    tokens: torch.Tensor  # [R, h]
+    probs: torch.Tensor  # [R, E_local]
+    routing_map: torch.Tensor  # [R, E_local] bool
+    num_tokens: int  # n: this rank's own tokens
+    token_ids: Optional[torch.Tensor] = None  # alltoall: [N] own token of each permuted row
+    splits: dict = field(default_factory=dict)  # collective split sizes (host lists)
+
+
+def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather a count vector ``[k]`` (int64) over ``group`` -> ``[group size, k]``, on the host."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return counts.view(1, -1).cpu()
+    pieces = [torch.empty_like(counts) for _ in range(size)]
+    dist.all_gather(pieces, counts.contiguous(), group=group)
+    return torch.stack(pieces).cpu()  # [size, k]
+
+
+class TokenDispatcher:
+    """Common state: the groups and which experts this rank holds (``E_local`` from ``local_start``)."""
+
+    def __init__(self, num_experts: int, num_local_experts: int, groups: ProcessGroupCollection) -> None:
+        self.num_experts, self.num_local_experts = num_experts, num_local_experts
+        self.local_start = groups.rank_in("ep") * num_local_experts
+        self.ep_group, self.etp_group, self.tp_ep_group = groups.ep, groups.expt_tp, groups.tp_ep
+        self.ep_size, self.etp_size = groups.size_of("ep"), groups.size_of("expt_tp")
+        self.etp_rank = groups.rank_in("expt_tp")
+        dense = groups.layout.dense_grid()
+        self.tp_size = groups.size_of("tp")
+        self.peer_tp_ranks = [dense.coordinate(r, "tp") for r in groups.ranks["tp_ep"]]  # TP rank of each tp_ep peer
+
+    def peer_rows(self, total_rows: int) -> Optional[List[int]]:
+        """Rows each ``tp_ep`` peer dispatches when every TP group routes ``total_rows`` (None: all equal)."""
+        sizes = [end - start for start, end in (own_rows(total_rows, r, self.tp_size) for r in self.peer_tp_ranks)]
+        return None if len(set(sizes)) == 1 else sizes
+
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
+    ) -> Dispatched:
+        """``tokens`` ``[n, h]``, ``probs`` / ``routing_map`` ``[n, E]``: this rank's own rows of the
+        ``total_rows`` its TP group routed."""
+        raise NotImplementedError
+
+    def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """Every rank of ``tp_ep`` sees every token of the group; outputs are reduce-scattered back."""
+
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
+    ) -> Dispatched:
+        n = tokens.shape[0]
+        group = self.tp_ep_group
+        sizes = self.peer_rows(total_rows)  # arithmetic: no exchange, no host sync
+        tokens = gather_from_sequence_parallel_region(tokens, True, group, sizes)  # [sum n, h]
+        probs = gather_from_sequence_parallel_region(probs, True, group, sizes)  # [sum n, E]
+        with torch.no_grad():
+            routing_map = gather_from_sequence_parallel_region(routing_map.to(torch.uint8), True, group, sizes)
+        local = slice(self.local_start, self.local_start + self.num_local_experts)
+        return Dispatched(tokens, probs[:, local], routing_map[:, local].bool(), n, splits={"tp_ep": sizes})
+
+    def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """``[sum n, h]`` partial over ``tp_ep`` -> this rank's ``[n, h]``, summed."""
+        return reduce_scatter_to_sequence_parallel_region(expert_output, self.tp_ep_group, dispatched.splits["tp_ep"])
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """Tokens travel only to the EP ranks holding their experts (then to the expert-TP peers)."""
+
+    def _splits(self, counts: torch.Tensor) -> dict:
+        """Split sizes from this rank's per-expert counts ``[E]`` and those of every ``tp_ep`` rank."""
+        local = slice(self.local_start, self.local_start + self.num_local_experts)
+        every = gather_counts(counts, self.tp_ep_group).view(self.ep_size, self.etp_size, self.num_experts)
+        mine = every[:, :, local]  # [ep, etp, E_local]: tokens each rank sends to my experts
+        return {
+            "ep_in": counts.view(self.ep_size, self.num_local_experts).sum(dim=1).tolist(),  # sent to each EP rank
+            "ep_out": mine[:, self.etp_rank].sum(dim=1).tolist(),  # received from each EP rank
+            "etp": mine.sum(dim=(0, 2)).tolist(),  # what each expert-TP peer received
+            "per_expert": mine.permute(1, 0, 2).reshape(-1, self.num_local_experts),  # [etp*ep, E_local]
+        }
+
+    def _local_map(self, per_expert: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One-hot routing map and probs ``[R, E_local]`` of the received rows (blocks of local experts)."""
+        expert_of_row = torch.arange(self.num_local_experts).repeat(per_expert.shape[0])  # [etp*ep*E_local]
+        ids = torch.repeat_interleave(expert_of_row, per_expert.reshape(-1)).to(probs.device)  # [R]
+        one_hot = torch.nn.functional.one_hot(ids, self.num_local_experts).to(torch.bool)  # [R, E_local]
+        return probs.unsqueeze(-1) * one_hot.to(probs.dtype), one_hot
+
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
+    ) -> Dispatched:
+        n = tokens.shape[0]
+        indices, weights = sort_by_expert(probs, routing_map)  # per expert: own token ids, probs
+        counts = torch.tensor([len(i) for i in indices], dtype=torch.long, device=tokens.device)  # [E]
+        token_ids = torch.cat(indices)  # [N] expert-major
+        splits = self._splits(counts)
+        permuted = tokens[token_ids]  # [N, h]
+        permuted_probs = torch.cat(weights).to(tokens.dtype)  # [N]
+        received = all_to_all(self.ep_group, permuted, splits["ep_out"], splits["ep_in"])  # [M, h]
+        received_probs = all_to_all(self.ep_group, permuted_probs, splits["ep_out"], splits["ep_in"])  # [M]
+        if self.etp_size > 1:
+            received = gather_from_sequence_parallel_region(received, True, self.etp_group, splits["etp"])
+            received_probs = gather_from_sequence_parallel_region(received_probs, True, self.etp_group, splits["etp"])
+        local_probs, local_map = self._local_map(splits["per_expert"], received_probs)  # [R, E_local] each
+        return Dispatched(received, local_probs, local_map, n, token_ids, splits)
+
+    def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """``[R, h]`` prob-weighted, partial over expert-TP -> this rank's tokens ``[n, h]``."""
+        splits = dispatched.splits
+        if self.etp_size > 1:
+            expert_output = reduce_scatter_to_sequence_parallel_region(
+                expert_output, self.etp_group, splits["etp"]
+            )  # [M, h]
+        back = all_to_all(self.ep_group, expert_output, splits["ep_in"], splits["ep_out"])  # [N, h]
+        output = back.new_zeros((dispatched.num_tokens, back.shape[-1]))  # [n, h]
+        return output.index_add(0, dispatched.token_ids, back)  # top-k outputs of a token summed
+
+
+def build_dispatcher(kind: str, num_experts: int, num_local_experts: int, groups: ProcessGroupCollection):
+    """The dispatcher ``moe_token_dispatcher_type`` names."""
+    classes = {"allgather": AllGatherDispatcher, "alltoall": AllToAllDispatcher}
+    if kind not in classes:
+        raise ValueError(f"moe_token_dispatcher_type={kind!r}: must be one of {DISPATCHER_TYPES}")
+    return classes[kind](num_experts, num_local_experts, groups)
+
+
+def own_rows(num_tokens: int, rank: int, size: int) -> Tuple[int, int]:
+    """Rows ``[start, end)`` of ``num_tokens`` this TP rank dispatches (its sequence shard under SP)."""
+    return num_tokens * rank // size, num_tokens * (rank + 1) // size
+
+
+__all__: List[str] = [
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
+    "Dispatched",
+    "TokenDispatcher",
+    "build_dispatcher",
+    "own_rows",
+]
