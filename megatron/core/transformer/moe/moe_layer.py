@@ -122,7 +122,7 @@ class MoELayer(MegatronModule):
         full = self._gather_tokens(hidden_states)  # [s, b, h]
         tokens = full.reshape(-1, full.shape[-1])  # [T, h]
         # Capacity is per rank's own tokens, as in Megatron: under SP each TP rank's sequence shard.
-        shards = dist.get_world_size(self.tp_group) if self.sequence_parallel else 1
+        shards = self.tp_size if self.sequence_parallel else 1
         probs, routing_map = self.router(tokens, batch_size=full.shape[1], capacity_groups=shards)  # [T, E] each
         probs = probs.to(tokens.dtype)  # routed in moe_router_dtype, mixed in the model's
         start, end = own_rows(tokens.shape[0], self.tp_rank, self.tp_size)
