@@ -47,6 +47,7 @@ MOE_ARGS=(
   --moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32
   --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
   --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
+  --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-permute-fusion
 )
 if [ "${MTP_LAYERS:-1}" -gt 0 ]; then
   MOE_ARGS+=(--mtp-num-layers "$MTP_LAYERS" --mtp-loss-scaling-factor 0.1)
@@ -58,7 +59,7 @@ TRAINING_ARGS=(
 )
 MODEL_PARALLEL_ARGS=(
   --tensor-model-parallel-size "${TP:-2}" --pipeline-model-parallel-size "${PP:-16}"
-  --expert-model-parallel-size "${EP:-64}" --sequence-parallel
+  --expert-model-parallel-size "${EP:-64}" --expert-tensor-parallel-size "${ETP:-1}" --sequence-parallel
 )
 EVAL_AND_LOGGING_ARGS=(
   --log-interval "${LOG_INTERVAL:-1}" --save-interval "${SAVE_INTERVAL:-10000}"

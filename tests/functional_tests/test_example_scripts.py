@@ -38,6 +38,11 @@ CASES = {
     GPT3: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
     "examples/llama/train_llama3_8b_distributed.sh": Case(GPT_FAMILY_ARGS, dict(HIDDEN="64", PRECISION="--bf16")),
     "examples/mixtral/train_mixtral_8x7b_distributed.sh": Case(GPT_FAMILY_ARGS, dict(TP="1", EP="2")),
+    # QK layernorm, grouped experts and the all-to-all dispatcher; TP=2 with SP and EP=2 with expert-TP 1 on the same
+    # 2 ranks (expert-DP 1); the toy defaults give 4 experts, top-2.
+    "examples/qwen3_moe/train_qwen3_moe_30b_a3b_distributed.sh": Case(
+        GPT_FAMILY_ARGS, dict(KV_CHANNELS="8", MOE_FFN="32", TOPK="2", TP="2", PP="1", EP="2", MAX_POSITIONS="32")
+    ),
     "examples/deepseek_v3/train_deepseek_v3_distributed.sh": Case(GPT_FAMILY_ARGS, DEEPSEEK_TOY),
     "examples/pretrain_gpt_multinode.sh": Case([], dict(DATA="MOCK", CKPT="{tmp}/ckpt", PRECISION="")),
     # Outside a Slurm job the sbatch script trains with torchrun and has nothing to requeue.
