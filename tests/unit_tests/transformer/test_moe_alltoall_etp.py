@@ -10,6 +10,9 @@
   the whole batch (rtol 1e-5; z-loss only: the Switch balance loss is not additive over
   data-parallel shards). With the balance loss on too, ``alltoall`` equals ``allgather`` in the
   same layout.
+* A DeepSeek-V3-style GPT (MLA, gated shared experts, sigmoid group-limited routing with expert
+  bias, grouped experts, one MTP module) in Megatron's DeepSeek layout at toy size (TP=2 with SP,
+  EP=2, ETP=1, all-to-all): loss and every gradient equal one rank (rtol 1e-5).
 """
 
 from __future__ import annotations
@@ -30,7 +33,17 @@ from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer
 from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from megatron.training.theoretical_memory_params import LanguageModelShape, RankPosition, chunk_parameters
 from tests.dist_harness import run_distributed
-from tests.model_utils import SEQ, VOCAB, batch, build_gpt, gather_tp, llama_style, single_rank_groups, tp_group_of
+from tests.model_utils import (
+    SEQ,
+    VOCAB,
+    batch,
+    build_gpt,
+    deepseek_style,
+    gather_tp,
+    llama_style,
+    single_rank_groups,
+    tp_group_of,
+)
 from tests.unit_tests.distributed import dp_training as dpt
 
 RTOL, ATOL, WEIGHT_RTOL = 1e-5, 1e-6, 1e-6
@@ -253,7 +266,23 @@ def _layouts_body(rank, world_size, layouts):
             worst = max(worst, _compare(f"{where} {kind} vs one rank", got, single))
         aux = [_one_step(_kwargs(WITH_AUX, kind, **extra), groups) for kind in ("alltoall", "allgather")]
         worst = max(worst, _compare(f"{where} aux-loss alltoall vs allgather", *aux))
-    return worst
+    return max(worst, _deepseek_etp1(DEEPSEEK_LAYOUT))
+
+
+# A DeepSeek-V3-style model (MLA, gated shared experts, sigmoid group-limited routing with expert bias,
+# grouped experts, one MTP module) with Megatron's DeepSeek layout at toy size: TP=2 with SP, EP=2, ETP=1.
+DEEPSEEK = dict(num_moe_experts=E, moe_router_topk=2, moe_router_num_groups=2, moe_router_group_topk=1)
+DEEPSEEK.update(moe_shared_expert_gate=True, moe_router_dtype="fp32", mtp_num_layers=1, moe_grouped_gemm=True)
+DEEPSEEK_LAYOUT = (2, 2, 1, True)
+
+
+def _deepseek_etp1(layout: Tuple[int, int, int, bool]) -> float:
+    tp, ep, etp, sp = layout
+    single = _one_step(deepseek_style(**DEEPSEEK), single_rank_groups())
+    kw = deepseek_style(**DEEPSEEK, sequence_parallel=sp, moe_token_dispatcher_type="alltoall")
+    return _compare(
+        f"deepseek-style tp={tp} ep={ep} etp={etp} sp={sp} alltoall", _one_step(kw, _groups(tp, ep, etp)), single
+    )
 
 
 def test_alltoall_and_etp_layouts_equal_one_rank():
