@@ -1,0 +1,201 @@
+"""FP8 GEMMs inside the parallel linears' autograd function, and FP8 GPT models across TP layouts.
+
+One process:
+* ``parallel_linear`` with a tensorwise ``hybrid`` quantizer: output, input, weight and bias
+  gradients equal a float64 reference built from the same quantized operands (X, W in e4m3, dY in
+  e5m2) within fp32 accumulation error, and differ from the unquantized ``F.linear`` by more than
+  that; ``wgrad=False`` gives the weight gradient ``dY^T X`` in high precision; only the FP8
+  input (1 byte per element) is saved for backward.
+* delayed scaling: the second step quantizes with ``fp8_max / amax`` of the first.
+* ``first_last_layers_bf16``: the first layer's linears get no quantizer, the last one's do;
+  the output layer never does.
+
+Two gloo ranks, one group: a Llama-style FP8 GPT (``hybrid``; ``tensorwise`` and ``delayed``, two
+steps so the delayed scales are used) under TP=2 and TP=2 + sequence parallelism equals the same
+model on one rank: every weight's amax history and scale bit for bit (the shards' amax is
+reduced over TP), those of inputs and output gradients within rtol 1e-5 (summed in another
+order), the loss within rtol 1e-5 and gradients within rtol 2e-3 / atol 1e-5 (fp32 activations;
+only the order of float additions differs, which can move a value across an FP8 rounding
+boundary). Without the amax reduction the loss check fails. The delayed state round-trips
+through the distributed checkpoint (and ``state_dict``) bitwise, and the resumed next step
+equals the uninterrupted one bitwise.
+"""
+
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing import model_sharded_state_dict
+from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megatron.core.fp8_utils import attach_quantizers
+from megatron.core.quantization.fp8 import cast_to_fp8, quantize_current
+from megatron.core.quantization.recipes import LinearQuantizer, QuantRecipe
+from megatron.core.tensor_parallel.linear_function import parallel_linear
+from tests.dist_harness import run_distributed
+from tests.model_utils import batch, build_gpt, gather_tp, gpt2_style, llama_style, single_rank_groups
+
+S, B, H, O = 8, 4, 32, 48
+
+
+def _rand(seed, *shape, scale=1.0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _within_fp32(out, ref, a, b):
+    """|out - ref| <= k eps32 |a||b|^T elementwise (fp32 accumulation of the same products)."""
+    bound = a.size(1) * torch.finfo(torch.float32).eps * (a.abs() @ b.abs().t()) + 1e-12
+    return bool(((out.double() - ref).abs() <= bound).all())
+
+
+def _run_linear(recipe, x, w, b, g):
+    x, w, b = (t.clone().requires_grad_(True) for t in (x, w, b))
+    y = parallel_linear(x, w, b, None, "none", False, LinearQuantizer(recipe, None))
+    y.backward(g)
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+def test_tensorwise_linear_equals_reference_from_quantized_operands():
+    x, w, b, g = _rand(0, S, B, H), _rand(1, O, H, scale=0.2), _rand(2, O), _rand(3, S, B, O, scale=1e-3)
+    y, dx, dw, db = _run_linear(QuantRecipe("tensorwise", "hybrid"), x, w, b, g)
+    xq = quantize_current(x.reshape(-1, H), "e4m3").dequantize().double()  # [t, h]
+    wq = quantize_current(w, "e4m3").dequantize().double()  # [o, h]
+    gq = quantize_current(g.reshape(-1, O), "e5m2").dequantize().double()  # [t, o]
+    ref_y = xq @ wq.t() + b.double()
+    assert _within_fp32(y.reshape(-1, O), ref_y, xq, wq)
+    assert _within_fp32(dx.reshape(-1, H), gq @ wq, gq, wq.t())
+    assert _within_fp32(dw, gq.t() @ xq, gq.t(), xq.t())
+    torch.testing.assert_close(db, g.reshape(-1, O).sum(0))
+    plain = F.linear(x, w, b).reshape(-1, O).double()
+    assert not _within_fp32(plain, ref_y, xq, wq), "the output was not quantized"
+    # --no-fp8-wgrad: the weight gradient is dY^T X from the unquantized tensors.
+    _, dx2, dw2, _ = _run_linear(QuantRecipe("tensorwise", "hybrid", wgrad=False), x, w, b, g)
+    torch.testing.assert_close(dw2, g.reshape(-1, O).t() @ x.reshape(-1, H), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(dx2, dx, rtol=0, atol=0)
+
+
+def test_only_the_fp8_input_is_saved_for_backward():
+    x, w = _rand(0, S, B, H).requires_grad_(True), _rand(1, O, H).requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() != w.data_ptr():
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    quantizer = LinearQuantizer(QuantRecipe("tensorwise", "hybrid"), None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        parallel_linear(x, w, None, None, "none", False, quantizer)
+    activation = [n for n in saved if n > 64]  # scales are 4 bytes, the FP8 weight copy O*H
+    assert sorted(activation) == sorted([S * B * H, O * H]), saved  # 1 byte per element
+
+
+def test_delayed_linear_uses_the_previous_steps_amax():
+    recipe = QuantRecipe("delayed", "e4m3", amax_history_len=1)
+    quantizer = LinearQuantizer(recipe, None)
+    w = _rand(1, O, H, scale=0.2).requires_grad_(True)
+    x1, x2 = _rand(10, S, B, H, scale=5.0), _rand(11, S, B, H)
+    parallel_linear(x1, w, None, None, "none", False, quantizer).sum().backward()
+    y2 = parallel_linear(x2, w, None, None, "none", False, quantizer)
+    scale = torch.full((1,), 448.0) / x1.abs().max().reshape(1)  # from step 1's input amax
+    xq = cast_to_fp8(x2.reshape(-1, H), scale, "e4m3").dequantize().double()
+    wq = cast_to_fp8(w.detach(), torch.full((1,), 448.0) / w.detach().abs().max(), "e4m3").dequantize().double()
+    assert _within_fp32(y2.detach().reshape(-1, O), xq @ wq.t(), xq, wq)
+    assert torch.equal(quantizer.delayed["input"].scale, torch.full((1,), 448.0) / x2.abs().max().reshape(1))
+
+
+def _quantized_layers(model):
+    return sorted(n for n, m in model.named_modules() if getattr(m, "quantizer", None) is not None)
+
+
+def _first_last_bf16_body(rank, world_size):
+    groups = single_rank_groups()
+    kw = gpt2_style(hidden_size=64, bf16=True, fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True)
+    model = build_gpt(dict(kw, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=0), groups)
+    names = _quantized_layers(model)
+    assert names and all(n.startswith("decoder.layers.1.") for n in names), names
+    assert not any("output_layer" in n for n in _quantized_layers(build_gpt(gpt2_style(hidden_size=64), groups)))
+    return attach_quantizers(model.decoder.layers[0], model.config, groups, 1) == 0  # layer 1 stays bf16
+
+
+def test_first_last_layers_bf16():
+    assert all(run_distributed(_first_last_bf16_body, 1))
+
+
+# ----------------------------------------------------------------------------------
+# Two ranks: TP=2 (+SP) equals one rank; the delayed state in checkpoints.
+# ----------------------------------------------------------------------------------
+def _fp8_style(recipe, **kw):
+    return llama_style(bf16=True, fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=4, **kw)
+
+
+def _two_steps(model, tp_group):
+    """Two forward/backward passes (the second uses delayed scales); loss and gathered grads of the second."""
+    for seed in (0, 1):
+        model.zero_grad(set_to_none=True)
+        tokens, labels = batch(seed)
+        loss = model(tokens, None, None, labels=labels).mean()  # [b, s] -> []
+        loss.backward()
+    allreduce_sequence_parallel_grads([model], tp_group)
+    return loss.detach(), {n: gather_tp(p.grad, p, tp_group) for n, p in model.named_parameters()}
+
+
+def _scaling_state(model):
+    return {n: b.clone() for n, b in model.named_buffers() if ".quantizer." in n}
+
+
+def _compare_layouts(tp_groups, ref_groups, recipe):
+    ref = build_gpt(_fp8_style(recipe), ref_groups)
+    ref_loss, ref_grads = _two_steps(ref, ref_groups.tp)
+    for sp in (False, True):
+        model = build_gpt(_fp8_style(recipe, sequence_parallel=sp), tp_groups)
+        assert len(_quantized_layers(model)) == 8  # qkv, proj, fc1, fc2 per layer
+        loss, grads = _two_steps(model, tp_groups.tp)
+        where = f"{recipe} sp={sp}"
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=lambda m: f"{where} loss: {m}")
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(
+                grads[name], grad, rtol=2e-3, atol=1e-5, msg=lambda m: f"{where} grad {name}: {m}"
+            )
+        state, ref_state = _scaling_state(model), _scaling_state(ref)
+        assert set(state) == set(ref_state) and (recipe == "tensorwise") == (not state), where
+        for name, value in ref_state.items():
+            if ".weight." in name:  # identical weights, shard amaxes reduced: bit for bit
+                assert torch.equal(state[name], value), f"{where} {name}: {state[name]} != {value}"
+            else:  # activations and gradients summed in another order: last bits may differ
+                torch.testing.assert_close(state[name], value, rtol=1e-5, atol=0, msg=lambda m: f"{where} {name}: {m}")
+
+
+def _checkpoint_round_trip(tp_groups, directory):
+    model = build_gpt(_fp8_style("delayed"), tp_groups)
+    _two_steps(model, tp_groups.tp)
+    saved = _scaling_state(model)
+    assert saved and any(v.abs().sum() > 0 for n, v in saved.items() if n.endswith("amax_history"))
+    dist_checkpointing.save(model_sharded_state_dict([model], pg_collection=tp_groups), directory)
+    resumed = build_gpt(_fp8_style("delayed"), tp_groups, seed=99)
+    loaded = dist_checkpointing.load(model_sharded_state_dict([resumed], pg_collection=tp_groups), directory)
+    assert loaded is not None
+    for name, value in saved.items():
+        assert torch.equal(_scaling_state(resumed)[name], value), f"torch_dist: {name}"
+    plain = build_gpt(_fp8_style("delayed"), tp_groups, seed=98)
+    plain.load_state_dict(model.state_dict())  # the torch format's path
+    after = [_two_steps(m, tp_groups.tp) for m in (model, resumed, plain)]
+    for loss, grads in after[1:]:
+        assert torch.equal(loss, after[0][0])
+        assert all(torch.equal(grads[n], g) for n, g in after[0][1].items())
+
+
+def _tp_body(rank, world_size, directory):
+    tp_groups = ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    ref_groups = single_rank_groups()
+    for recipe in ("tensorwise", "delayed"):
+        _compare_layouts(tp_groups, ref_groups, recipe)
+    _checkpoint_round_trip(tp_groups, directory)
+    return True
+
+
+def test_fp8_tp_and_sp_equal_one_rank_and_delayed_state_checkpoints():
+    with tempfile.TemporaryDirectory() as directory:
+        assert all(run_distributed(_tp_body, 2, directory))
