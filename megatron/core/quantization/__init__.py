@@ -2,7 +2,10 @@
 
 ``QuantizedTensor`` (``tensor.py``) is the one currency: every quantizer returns one, every
 quantized GEMM takes two. Recipes (tensorwise, delayed, blockwise, mxfp8, nvfp4) differ only in
-how they choose ``scale_inv`` and its block shape.
+how they choose ``scale_inv`` and its block shape. Pure functions, one module per format:
+``blockwise.py`` (1x128 / 128x128 fp32 scales), ``mxfp8.py`` (1x32 e8m0 scales), ``nvfp4.py``
+(1x16 / 16x16 e4m3 scales times a per-tensor fp32 scale); ``gemm.py`` emulates a quantized GEMM
+exactly, ``storage.py`` counts the bytes each format stores.
 """
 
 from megatron.core.quantization.tensor import QuantizedTensor
