@@ -8,6 +8,19 @@ how they choose ``scale_inv`` and its block shape. Pure functions, one module pe
 exactly, ``storage.py`` counts the bytes each format stores.
 """
 
+from megatron.core.quantization.blockwise import quantize_blockwise
+from megatron.core.quantization.gemm import emulated_gemm
+from megatron.core.quantization.mxfp8 import quantize_mxfp8
+from megatron.core.quantization.nvfp4 import NVFP4_LINEAR_RECIPE, quantize_nvfp4
+from megatron.core.quantization.storage import storage_bytes
 from megatron.core.quantization.tensor import QuantizedTensor
 
-__all__ = ["QuantizedTensor"]
+__all__ = [
+    "NVFP4_LINEAR_RECIPE",
+    "QuantizedTensor",
+    "emulated_gemm",
+    "quantize_blockwise",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "storage_bytes",
+]

@@ -21,9 +21,11 @@ def _grid(device: torch.device) -> torch.Tensor:
     return torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
 
 
-def _round_up(magnitude: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, index: torch.Tensor, u):
-    """Whether each magnitude goes to ``upper``: nearest (ties to the even code) or with probability
-    ``(m - lower) / (upper - lower)`` when uniform draws ``u`` are given."""
+def _round_up(
+    magnitude: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, index: torch.Tensor, u: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Whether each magnitude goes to ``upper``: nearest (ties to the even code ``index``) or, given
+    uniform draws ``u`` in ``[0, 1)``, with probability ``(magnitude - lower) / (upper - lower)``."""
     if u is None:
         middle = (lower + upper) / 2  # exact: grid values have two significant bits
         return (magnitude > middle) | ((magnitude == middle) & (index % 2 == 1))

@@ -4,7 +4,8 @@
 ``s`` a random ±1 vector, so ``Q Q^T = I``. Each 16-element block of a row is multiplied by ``Q``;
 applied to both operands of a GEMM along the reduction dim, ``(A Q)(B Q)^T = A B^T`` — the product is
 unchanged while outliers are spread over their block before FP4 quantization. The recipe applies it
-to the weight-gradient GEMM only, with one sign vector shared by both operands.
+to the weight-gradient GEMM only, with one sign vector shared by both operands (TE's docs: shared by
+all modules and redrawn each iteration, so the caller owns the generator).
 """
 
 from __future__ import annotations
