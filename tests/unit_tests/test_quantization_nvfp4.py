@@ -13,7 +13,7 @@ import torch
 from megatron.core.quantization.fp4 import pack_e2m1, round_e2m1, unpack_e2m1
 from megatron.core.quantization.gemm import emulated_gemm
 from megatron.core.quantization.hadamard import hadamard_matrix, random_hadamard_transform, random_signs
-from megatron.core.quantization.nvfp4 import NVFP4_LINEAR_RECIPE, quantize_nvfp4
+from megatron.core.quantization.nvfp4 import NVFP4_LINEAR_RECIPE, quantize_nvfp4, quantize_nvfp4_operand
 from megatron.core.quantization.storage import storage_bytes
 from tests.unit_tests.float_reference import E2M1, E4M3, blocks, neighbours, round_nearest_even
 
@@ -197,3 +197,21 @@ def test_nvfp4_emulated_gemm_and_storage():
     assert np.all(np.abs(got - want) <= bound)
     assert storage_bytes(qa) == 24 * 64 // 2 + 24 * 64 // 16 + 4  # 4-bit values, e4m3 per 16, fp32 global
     assert storage_bytes(qb) == 40 * 64 // 2 + 3 * 4 + 4  # ragged 16x16 tiles: 3 x 4 scales
+
+
+def test_operand_quantizer_applies_the_recipe():
+    g = torch.Generator().manual_seed(9)
+    dy, x, w = torch.randn(64, 96, generator=g), torch.randn(64, 48, generator=g), torch.randn(96, 48, generator=g)
+    signs = random_signs(torch.Generator().manual_seed(10))
+    wgrad_dy = quantize_nvfp4_operand(dy.T, "wgrad", "grad_output", torch.Generator().manual_seed(11), signs)
+    want = quantize_nvfp4(random_hadamard_transform(dy.T, signs), (1, 16), True, torch.Generator().manual_seed(11))
+    assert torch.equal(wgrad_dy.data, want.data) and torch.equal(wgrad_dy.scale_inv, want.scale_inv)
+    assert quantize_nvfp4_operand(w, "fprop", "weight").block == (16, 16)
+    wgrad_x = quantize_nvfp4_operand(x.T, "wgrad", "input", hadamard_signs=signs)
+    exact = dy.T @ x  # [96, 48]: the RHT cancels in the product, only FP4 error is left
+    err = (emulated_gemm(wgrad_dy, wgrad_x, torch.float32) - exact).norm() / exact.norm()
+    assert err < 0.25, err
+    with pytest.raises(ValueError, match="hadamard_signs"):
+        quantize_nvfp4_operand(x.T, "wgrad", "input")
+    with pytest.raises(ValueError, match="not in the recipe"):
+        quantize_nvfp4_operand(x, "fprop", "grad_output")

@@ -40,7 +40,7 @@ def round_e2m1(y: torch.Tensor, stochastic: bool = False, generator: Optional[to
     representable magnitude with probability equal to the distance from the one below over the gap,
     so ``E[round(y)] = y`` inside ``[-6, 6]``; draws come from ``generator`` (seeded: reproducible).
     """
-    y = y.float()
+    y = y.float().contiguous()
     finite = torch.isfinite(y)
     magnitude = torch.where(finite, y.abs(), torch.zeros_like(y)).clamp(max=E2M1_MAX)
     grid = _grid(y.device)

@@ -25,6 +25,7 @@ import torch
 
 from megatron.core.quantization.formats import FP32_MAX, block_amax, check_operand, expand_blocks, saturate
 from megatron.core.quantization.fp4 import E2M1_MAX, round_e2m1
+from megatron.core.quantization.hadamard import random_hadamard_transform
 from megatron.core.quantization.tensor import QuantizedTensor
 
 NVFP4_BLOCK = 16
@@ -103,3 +104,27 @@ def quantize_nvfp4(
         global_scale_inv=s_dec,
         element_format="e2m1",
     )
+
+
+def quantize_nvfp4_operand(
+    x: torch.Tensor,
+    gemm: str,
+    operand: str,
+    generator: Optional[torch.Generator] = None,
+    hadamard_signs: Optional[torch.Tensor] = None,
+    global_amax: Optional[torch.Tensor] = None,
+) -> QuantizedTensor:
+    """Quantize GEMM operand ``x [rows, k]`` (reduction dim last) as ``NVFP4_LINEAR_RECIPE`` says.
+
+    ``gemm`` is fprop / dgrad / wgrad, ``operand`` input / weight / grad_output. Where the recipe
+    applies the RHT, ``hadamard_signs`` (the ±1 vector shared by both wgrad operands) is required and
+    ``global_amax``, if given, must be that of the transformed tensor.
+    """
+    recipe = NVFP4_LINEAR_RECIPE.get((gemm, operand))
+    if recipe is None:
+        raise ValueError(f"(gemm, operand)=({gemm!r}, {operand!r}) is not in the recipe: {sorted(NVFP4_LINEAR_RECIPE)}")
+    if recipe.hadamard:
+        if hadamard_signs is None:
+            raise ValueError(f"the {gemm} {operand} operand gets the random Hadamard transform: pass hadamard_signs")
+        x = random_hadamard_transform(x, hadamard_signs)  # [rows, k]
+    return quantize_nvfp4(x, recipe.block, recipe.stochastic_rounding, generator, global_amax)

@@ -41,7 +41,8 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real values ``[rows, cols]`` in ``dtype``, computed in fp32.
 
-        Exact for every format here except nvfp4, whose per-tensor factor costs one fp32 rounding.
+        Exact for every format here (unless a result lands in fp32's subnormal range) except nvfp4,
+        whose per-tensor factor costs one fp32 rounding.
         """
         rows, cols = self.data.shape
         scale = self.scale_inv.float()
