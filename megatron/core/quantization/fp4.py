@@ -39,6 +39,7 @@ def round_e2m1(y: torch.Tensor, stochastic: bool = False, generator: Optional[to
     ``stochastic=False``: round to nearest, ties to even. ``stochastic=True``: round up to the next
     representable magnitude with probability equal to the distance from the one below over the gap,
     so ``E[round(y)] = y`` inside ``[-6, 6]``; draws come from ``generator`` (seeded: reproducible).
+    Blackwell's ``cvt.rs`` draws its own random bits, so the distribution matches TE, not the stream.
     """
     y = y.float().contiguous()
     finite = torch.isfinite(y)
