@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.quantization.gemm import emulated_gemm
 from megatron.core.quantization.tensor import QuantizedTensor
 
 FP8_GEMM_MULTIPLE = 16
@@ -73,4 +74,4 @@ def quantized_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dt
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     if is_per_tensor(a) and is_per_tensor(b) and a.data.dtype in fp8 and b.data.dtype in fp8:
         return _scaled_mm(a, b, out_dtype)
-    return a.dequantize(torch.float32).matmul(b.dequantize(torch.float32).t()).to(out_dtype)  # [m, n]
+    return emulated_gemm(a, b, out_dtype)  # [m, n]: dequantize, fp32 matmul

@@ -21,11 +21,12 @@ recipes quantize each GEMM's operands along that GEMM's inner dimension.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.quantization.block_recipes import BLOCK_RECIPES, BlockOperandQuantizer
 from megatron.core.quantization.fp8 import DelayedScalingState, quantize_current
 from megatron.core.quantization.tensor import QuantizedTensor
 
@@ -34,8 +35,7 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 PER_TENSOR_RECIPES = ("tensorwise", "delayed")
 FP4_RECIPES = ("nvfp4",)
-
-BlockQuantizer = Callable[[torch.Tensor, str, str], QuantizedTensor]
+FP4_FORMATS = ("e2m1",)
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class QuantRecipe:
 def recipe_from_config(config) -> Optional[QuantRecipe]:
     """The config's recipe (``fp4`` wins over ``fp8``), or None in high precision."""
     if getattr(config, "fp4", None):
-        return QuantRecipe(config.fp4_recipe, "e2m1", wgrad=True)
+        return QuantRecipe(config.fp4_recipe, "e2m1")
     if not getattr(config, "fp8", None):
         return None
     return QuantRecipe(
@@ -75,16 +75,6 @@ def recipe_from_config(config) -> Optional[QuantRecipe]:
         config.fp8_amax_compute_algo,
         config.fp8_wgrad,
     )
-
-
-def _block_quantizer(recipe: str) -> BlockQuantizer:
-    """The block-scaled quantizer of ``recipe`` (``x [rows, cols]``, role, format -> blocks along cols)."""
-    table: Dict[str, str] = {"blockwise": "blockwise", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
-    if recipe not in table:
-        raise ValueError(f"fp8_recipe={recipe!r}: must be one of {FP8_RECIPES} (fp4_recipe: {FP4_RECIPES})")
-    from megatron.core.quantization import block_recipes  # lazy: block quantizers live in their own modules
-
-    return block_recipes.quantizer(recipe)
 
 
 class LinearQuantizer(torch.nn.Module):
@@ -108,17 +98,19 @@ class LinearQuantizer(torch.nn.Module):
                     for role in ROLES
                 }
             )
+        elif recipe.recipe not in PER_TENSOR_RECIPES + BLOCK_RECIPES:
+            raise ValueError(f"fp8_recipe={recipe.recipe!r}: must be one of {FP8_RECIPES} (fp4_recipe: {FP4_RECIPES})")
         elif not recipe.per_tensor:
-            self._block = _block_quantizer(recipe.recipe)
+            self._block = BlockOperandQuantizer(recipe.recipe)
 
-    def quantize(self, role: str, x: torch.Tensor) -> QuantizedTensor:
-        """Quantize ``role``'s 2-D operand ``x [rows, cols]`` (blocks, if any, along ``cols``)."""
+    def quantize(self, role: str, x: torch.Tensor, gemm: str = "fprop") -> QuantizedTensor:
+        """Quantize ``role``'s 2-D operand ``x [rows, k]`` for ``gemm`` (blocks, if any, along ``k``)."""
         fmt = self.recipe.format_of(role)
         if self.recipe.recipe == "delayed":
             return self.delayed[role].quantize(x, self.amax_group)
         if self.recipe.recipe == "tensorwise":
             return quantize_current(x, fmt, self.amax_group)
-        return self._block(x, role, fmt)
+        return self._block(x, role, gemm, fmt)
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -187,8 +187,8 @@ def _quantized_weight_grad(ctx, g2d, g_q, x_total, weight) -> torch.Tensor:
         g_t, x_t = transpose(g_q), transpose(x_total)  # [o, s*b], [h, s*b]: exact for one scale
     else:
         x2d = x_total.reshape(-1, x_total.size(-1))
-        g_t = quantizer.quantize("grad_output", g2d.t().contiguous())  # [o, s*b], blocks along tokens
-        x_t = quantizer.quantize("input", x2d.t().contiguous())  # [h, s*b]
+        g_t = quantizer.quantize("grad_output", g2d.t().contiguous(), "wgrad")  # [o, s*b], blocks along tokens
+        x_t = quantizer.quantize("input", x2d.t().contiguous(), "wgrad")  # [h, s*b]
     grad_weight = quantized_matmul(g_t, x_t, _wgrad_dtype(weight, ctx.fuse))  # [o, h]
     return _accumulate_weight_grad(grad_weight, weight, ctx.fuse)
 
@@ -199,14 +199,14 @@ def _quantized_backward(ctx, grad_output: torch.Tensor):
     weight, quantizer = saved[1], ctx.quantizer
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     g2d = grad_output.reshape(-1, grad_output.size(-1))  # [s*b, o/tp]
-    g_q = quantizer.quantize("grad_output", g2d)  # e5m2 under hybrid
+    g_q = quantizer.quantize("grad_output", g2d, "dgrad")  # e5m2 under hybrid
     x_total, gather = _quantized_wgrad_input(ctx, saved) if need_weight else (None, None)
     grad_input, reduction = None, None
     if need_input:
         if quantizer.per_tensor:
             w_t = transpose(QuantizedTensor(saved[4], saved[5], tuple(saved[4].shape)))  # [h, o]
         else:
-            w_t = quantizer.quantize("weight", weight.t().contiguous())  # [h, o], blocks along o
+            w_t = quantizer.quantize("weight", weight.t().contiguous(), "dgrad")  # [h, o], blocks along o
         grad_input = quantized_matmul(g_q, w_t, grad_output.dtype)  # [s*b, h] partial sum over TP
         grad_input = grad_input.reshape(grad_output.shape[:-1] + (weight.size(1),))  # [s, b, h]
     _wait(gather)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig, require_divisible, require_positive
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
-from megatron.core.quantization.recipes import FP8_FORMATS, FP8_RECIPES
+from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -182,6 +182,10 @@ class TransformerConfig(ModelParallelConfig):
     """Keep the first num_layers_at_start_in_bf16 and last num_layers_at_end_in_bf16 layers out of FP8."""
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+    fp4: Optional[str] = None
+    """'e2m1' (--fp4-format): FP4 GEMMs with fp4_recipe instead of FP8; None: off."""
+    fp4_recipe: str = "nvfp4"
+    """'nvfp4': 16-element e2m1 blocks, e4m3 block scales times a per-tensor fp32 scale."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -423,7 +427,9 @@ class TransformerConfig(ModelParallelConfig):
             )
 
     def _check_fp8(self) -> None:
-        """FP8 settings: known format, recipe and algorithm, a half-precision model, bf16 layer counts."""
+        """FP8/FP4 settings: known format, recipe and algorithm, a half-precision model, bf16 layer counts."""
+        if self.fp4 is not None:
+            self._check_fp4()
         if self.fp8 is None:
             return
         if self.fp8 not in FP8_FORMATS:
@@ -441,6 +447,17 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"fp8={self.fp8!r} needs bf16=True or fp16=True (FP8 GEMMs write half-precision outputs)")
         if self.first_last_layers_bf16:
             self._check_bf16_layers()
+
+    def _check_fp4(self) -> None:
+        """FP4 settings: e2m1 with a known recipe, not together with FP8, a half-precision model."""
+        if self.fp4 not in FP4_FORMATS:
+            raise ValueError(f"fp4={self.fp4!r}: must be one of {FP4_FORMATS}")
+        if self.fp4_recipe not in FP4_RECIPES:
+            raise ValueError(f"fp4_recipe={self.fp4_recipe!r}: must be one of {FP4_RECIPES}")
+        if self.fp8 is not None:
+            raise ValueError(f"fp4={self.fp4!r} and fp8={self.fp8!r}: choose one")
+        if not (self.bf16 or self.fp16):
+            raise ValueError(f"fp4={self.fp4!r} needs bf16=True or fp16=True (FP4 GEMMs write half-precision outputs)")
 
     def _check_bf16_layers(self) -> None:
         """Megatron's rules for first_last_layers_bf16: not with delayed scaling, counts within a stage."""

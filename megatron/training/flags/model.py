@@ -213,8 +213,8 @@ RECORDS = (
     Flag("num_layers_at_end_in_bf16", IMPLEMENTED, help="With --first-last-layers-bf16.", fills=same(TC)),
     Flag("use_kitchen_attention", not_yet(False)),
     Flag("kitchen_attention_backend", no_op(reasons.KERNEL)),
-    Flag("fp4", not_yet(None)),
-    Flag("fp4_recipe", no_op(reasons.UNDER_REFUSED)),
+    Flag("fp4", IMPLEMENTED, help="FP4 GEMMs in the transformer layers (e2m1, with --fp4-recipe).", fills=same(TC)),
+    Flag("fp4_recipe", not_yet("nvfp4"), help="nvfp4: TE's NVFP4BlockScaling, emulated exactly.", fills=same(TC)),
     Flag("fp4_param", not_yet(False)),
     Flag("fp4_quantizer_factory", no_op(reasons.UNDER_REFUSED)),
     Flag(
