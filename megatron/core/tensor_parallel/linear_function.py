@@ -133,43 +133,55 @@ def _total_shape(input_: torch.Tensor, comm: str, group: Optional[dist.ProcessGr
     return (input_.size(0) * dist.get_world_size(group),) + tuple(input_.shape[1:])
 
 
+def _quantize_input(quantizer, input_, group, comm) -> Tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+    """The forward GEMM's X ``[s*b, h]`` and what backward keeps for the weight gradient.
+
+    Per-tensor: the local piece ``[s*b(/tp), h]`` is quantized (amax reduced) and its FP8 bytes
+    gathered; the piece is kept. Block recipes: the gathered input is quantized along ``h`` for
+    forward and along the tokens (``[h, s*b]``) for the weight gradient, which is kept. None
+    (keep the high-precision input) without ``wgrad``.
+    """
+    h, wgrad = input_.size(-1), quantizer.recipe.wgrad
+    if quantizer.per_tensor:
+        x_piece = quantizer.quantize("input", input_.reshape(-1, h))  # [s*b(/tp), h]
+        x_q, handle = _gather_quantized(x_piece, group) if comm == COMM_SEQUENCE_PARALLEL else (x_piece, None)
+        _wait(handle)
+        return x_q, (x_piece if wgrad else None)
+    total, handle = _start_gather_first_dim(input_, group) if comm == COMM_SEQUENCE_PARALLEL else (input_, None)
+    _wait(handle)
+    x2d = total.reshape(-1, h)  # [s*b, h]
+    x_wgrad = quantizer.quantize("input", x2d.t().contiguous(), "wgrad") if wgrad else None  # [h, s*b]
+    return quantizer.quantize("input", x2d), x_wgrad
+
+
 def _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer) -> torch.Tensor:
     """``X W^T + b`` on quantized operands; saves what the quantized backward needs (module doc)."""
-    shape, h = _total_shape(input_, comm, group), input_.size(-1)
-    x_saved = None
-    if quantizer.per_tensor:
-        x_saved = quantizer.quantize("input", input_.reshape(-1, h))  # [s*b(/tp), h], amax reduced
-        x_q = x_saved
-        if comm == COMM_SEQUENCE_PARALLEL:
-            x_q, handle = _gather_quantized(x_saved, group)  # [s*b, h]
-            _wait(handle)
-    else:
-        total = _start_gather_first_dim(input_, group) if comm == COMM_SEQUENCE_PARALLEL else (input_, None)
-        _wait(total[1])
-        x_q = quantizer.quantize("input", total[0].reshape(-1, h))  # [s*b, h], blocks along h
+    shape = _total_shape(input_, comm, group)
+    x_q, x_keep = _quantize_input(quantizer, input_, group, comm)
     w_q = quantizer.quantize("weight", weight)  # [o, h]
     out = quantized_matmul(x_q, w_q, input_.dtype)  # [s*b, o]
     if bias is not None:
         out = out + bias
-    keep_fp8_input = quantizer.per_tensor and quantizer.recipe.wgrad
     ctx.save_for_backward(
-        None if keep_fp8_input else input_,  # the high-precision [s(/tp), b, h] only when backward needs it
+        input_ if x_keep is None else None,  # the high-precision [s(/tp), b, h] only when backward needs it
         weight,
-        x_saved.data if keep_fp8_input else None,
-        x_saved.scale_inv if keep_fp8_input else None,
+        None if x_keep is None else x_keep.data,
+        None if x_keep is None else x_keep.scale_inv,
         w_q.data if quantizer.per_tensor else None,
         w_q.scale_inv if quantizer.per_tensor else None,
+        None if x_keep is None else x_keep.global_scale_inv,
     )
-    ctx.input_shape = tuple(input_.shape)
+    ctx.x_block = None if x_keep is None else x_keep.block
     return out.reshape(shape[:-1] + (weight.size(0),))  # [s, b, o/tp]
 
 
 def _quantized_wgrad_input(ctx, saved) -> Tuple[object, Handle]:
-    """Start getting the weight gradient's X: the saved FP8 piece or the high-precision input, gathered under SP."""
+    """Start getting the weight gradient's X: the kept quantized input (gathered under SP when it is
+    the per-tensor piece) or the high-precision input."""
     input_, _, x_data, x_scale_inv = saved[:4]
     if x_data is not None:
-        x_q = QuantizedTensor(x_data, x_scale_inv, (max(x_data.size(0), 1), max(x_data.size(1), 1)))
-        if ctx.comm == COMM_SEQUENCE_PARALLEL:
+        x_q = QuantizedTensor(x_data, x_scale_inv, ctx.x_block, global_scale_inv=saved[6])
+        if ctx.comm == COMM_SEQUENCE_PARALLEL and ctx.quantizer.per_tensor:
             return _gather_quantized(x_q, ctx.group)  # [s*b, h]
         return x_q, None
     if ctx.comm == COMM_SEQUENCE_PARALLEL:
@@ -185,10 +197,8 @@ def _quantized_weight_grad(ctx, g2d, g_q, x_total, weight) -> torch.Tensor:
         return _accumulate_weight_grad(g2d.t().matmul(x2d.to(g2d.dtype)), weight, ctx.fuse)
     if quantizer.per_tensor:
         g_t, x_t = transpose(g_q), transpose(x_total)  # [o, s*b], [h, s*b]: exact for one scale
-    else:
-        x2d = x_total.reshape(-1, x_total.size(-1))
-        g_t = quantizer.quantize("grad_output", g2d.t().contiguous(), "wgrad")  # [o, s*b], blocks along tokens
-        x_t = quantizer.quantize("input", x2d.t().contiguous(), "wgrad")  # [h, s*b]
+    else:  # x_total: X quantized in forward along the tokens, [h, s*b]
+        g_t, x_t = quantizer.quantize("grad_output", g2d.t().contiguous(), "wgrad"), x_total  # [o, s*b]
     grad_weight = quantized_matmul(g_t, x_t, _wgrad_dtype(weight, ctx.fuse))  # [o, h]
     return _accumulate_weight_grad(grad_weight, weight, ctx.fuse)
 
