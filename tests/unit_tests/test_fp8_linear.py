@@ -13,7 +13,7 @@ One process:
   accumulation error and its weight gradient is near the exact product (stochastic rounding,
   Hadamard); a GPT trains a step with each (finite gradients, loss within 5% of bf16, not equal).
 * ``first_last_layers_bf16``: the first layer's linears get no quantizer, the last one's do;
-  the output layer never does.
+  the output layer never does. MoE experts get quantizers (expert-marked state) and train a step.
 
 Two gloo ranks, one group: a Llama-style FP8 GPT (``hybrid``; ``tensorwise`` and ``delayed``, two
 steps so the delayed scales are used) under TP=2 and TP=2 + sequence parallelism equals the same
@@ -122,7 +122,15 @@ def _first_last_bf16_body(rank, world_size):
     names = _quantized_layers(model)
     assert names and all(n.startswith("decoder.layers.1.") for n in names), names
     assert not any("output_layer" in n for n in _quantized_layers(build_gpt(gpt2_style(hidden_size=64), groups)))
-    return attach_quantizers(model.decoder.layers[0], model.config, groups, 1) == 0  # layer 1 stays bf16
+    assert attach_quantizers(model.decoder.layers[0], model.config, groups, 1) == 0  # layer 1 stays bf16
+    # MoE experts (some may get no tokens) run FP8 GEMMs with their own, expert-keyed state.
+    moe = build_gpt(llama_style(bf16=True, fp8="hybrid", num_moe_experts=4, moe_ffn_hidden_size=32), groups)
+    experts = [n for n in _quantized_layers(moe) if ".experts." in n]
+    assert len(experts) == 2 * 4 * 2, experts  # 2 layers x 4 experts x fc1/fc2
+    assert all(b.allreduce is False for n, b in moe.named_buffers() if ".experts." in n and ".quantizer." in n)
+    tokens, labels = batch(0)
+    moe(tokens, None, None, labels=labels).mean().backward()
+    return all(torch.isfinite(p.grad).all() for p in moe.parameters())
 
 
 def test_first_last_layers_bf16():
