@@ -291,3 +291,20 @@ def test_block_recipes_train_a_gpt():
     losses = run_distributed(_block_models_body, 1)[0]
     for name in ("blockwise", "mxfp8", "nvfp4"):
         assert losses[name] != losses["bf16"] and abs(losses[name] - losses["bf16"]) < 0.05 * losses["bf16"], losses
+
+
+def _recompute_body(rank, world_size):
+    groups = single_rank_groups()
+    plain = build_gpt(_fp8_style("delayed"), groups)
+    recomputed = build_gpt(
+        _fp8_style("delayed", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), groups
+    )
+    (loss, grads), (loss_r, grads_r) = _two_steps(plain, groups.tp), _two_steps(recomputed, groups.tp)
+    assert torch.equal(loss, loss_r) and all(torch.equal(grads[n], g) for n, g in grads_r.items())
+    state, state_r = _scaling_state(plain), _scaling_state(recomputed)
+    return all(torch.equal(state[n], v) for n, v in state_r.items()) and len(state) == 8 * 3 * 2
+
+
+def test_delayed_scaling_under_full_recompute_records_each_forward_once():
+    """The recompute reuses the checkpointed forward's scales and records no amax (TE's rule)."""
+    assert all(run_distributed(_recompute_body, 1))

@@ -18,6 +18,7 @@ the same logical tensor uses one scale, as TE's amax reduction does.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 import torch
@@ -75,6 +76,8 @@ class DelayedScalingState(torch.nn.Module):
     """One tensor's delayed-scaling state: ``amax_history [len]`` and ``scale [1]`` (persistent buffers).
 
     Buffers, so they travel with the module's ``state_dict`` into every checkpoint format.
+    Activation recomputation, as in TE: a checkpointed forward (``phase="checkpointed"``) keeps the
+    scale it used; its recompute (``phase="recompute"``) quantizes with that scale and records nothing.
     """
 
     def __init__(self, fmt: str, history_len: int, algo: str, margin: int) -> None:
@@ -87,12 +90,20 @@ class DelayedScalingState(torch.nn.Module):
         fp8_max(fmt)
         self.register_buffer("amax_history", torch.zeros(history_len, dtype=torch.float32))
         self.register_buffer("scale", torch.ones(1, dtype=torch.float32))
+        self._checkpointed_scales: deque = deque()
 
-    def quantize(self, x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> QuantizedTensor:
+    def quantize(
+        self, x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, phase: Optional[str] = None
+    ) -> QuantizedTensor:
         """Quantize ``x`` with the current scale, record its (reduced) amax, update the scale."""
         if self.amax_history.device != x.device:
             self.to(x.device)
-        out = cast_to_fp8(x, self.scale.clone(), self.fmt)
+        if phase == "recompute":
+            return cast_to_fp8(x, self._checkpointed_scales.popleft(), self.fmt)
+        scale = self.scale.clone()
+        if phase == "checkpointed":
+            self._checkpointed_scales.append(scale)
+        out = cast_to_fp8(x, scale, self.fmt)
         self.amax_history[0] = tensor_amax(x, group)[0]
         update_delayed_scaling(self.amax_history, self.scale, self.fmt, self.algo, self.margin)
         return out

@@ -103,11 +103,15 @@ class LinearQuantizer(torch.nn.Module):
         elif not recipe.per_tensor:
             self._block = BlockOperandQuantizer(recipe.recipe)
 
-    def quantize(self, role: str, x: torch.Tensor, gemm: str = "fprop") -> QuantizedTensor:
-        """Quantize ``role``'s 2-D operand ``x [rows, k]`` for ``gemm`` (blocks, if any, along ``k``)."""
+    def quantize(self, role: str, x: torch.Tensor, gemm: str = "fprop", phase: Optional[str] = None) -> QuantizedTensor:
+        """Quantize ``role``'s 2-D operand ``x [rows, k]`` for ``gemm`` (blocks, if any, along ``k``).
+
+        ``phase``: ``"checkpointed"`` / ``"recompute"`` inside activation recomputation (delayed
+        scaling then reuses the first forward's scales and records nothing the second time).
+        """
         fmt = self.recipe.format_of(role)
         if self.recipe.recipe == "delayed":
-            return self.delayed[role].quantize(x, self.amax_group)
+            return self.delayed[role].quantize(x, self.amax_group, phase)
         if self.recipe.recipe == "tensorwise":
             return quantize_current(x, fmt, self.amax_group)
         return self._block(x, role, gemm, fmt)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.quantization.fp8_gemm import quantized_matmul, transpose
 from megatron.core.quantization.tensor import QuantizedTensor
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
 
@@ -133,7 +134,14 @@ def _total_shape(input_: torch.Tensor, comm: str, group: Optional[dist.ProcessGr
     return (input_.size(0) * dist.get_world_size(group),) + tuple(input_.shape[1:])
 
 
-def _quantize_input(quantizer, input_, group, comm) -> Tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+def _recompute_phase() -> Optional[str]:
+    """``"checkpointed"`` in a checkpointed forward (no graph), ``"recompute"`` in its rerun, else None."""
+    if not is_checkpointing():
+        return None
+    return "recompute" if torch.is_grad_enabled() else "checkpointed"
+
+
+def _quantize_input(quantizer, input_, group, comm, phase) -> Tuple[QuantizedTensor, Optional[QuantizedTensor]]:
     """The forward GEMM's X ``[s*b, h]`` and what backward keeps for the weight gradient.
 
     Per-tensor: the local piece ``[s*b(/tp), h]`` is quantized (amax reduced) and its FP8 bytes
@@ -143,7 +151,7 @@ def _quantize_input(quantizer, input_, group, comm) -> Tuple[QuantizedTensor, Op
     """
     h, wgrad = input_.size(-1), quantizer.recipe.wgrad
     if quantizer.per_tensor:
-        x_piece = quantizer.quantize("input", input_.reshape(-1, h))  # [s*b(/tp), h]
+        x_piece = quantizer.quantize("input", input_.reshape(-1, h), phase=phase)  # [s*b(/tp), h]
         x_q, handle = _gather_quantized(x_piece, group) if comm == COMM_SEQUENCE_PARALLEL else (x_piece, None)
         _wait(handle)
         return x_q, (x_piece if wgrad else None)
@@ -154,11 +162,11 @@ def _quantize_input(quantizer, input_, group, comm) -> Tuple[QuantizedTensor, Op
     return quantizer.quantize("input", x2d), x_wgrad
 
 
-def _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer) -> torch.Tensor:
+def _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase) -> torch.Tensor:
     """``X W^T + b`` on quantized operands; saves what the quantized backward needs (module doc)."""
     shape = _total_shape(input_, comm, group)
-    x_q, x_keep = _quantize_input(quantizer, input_, group, comm)
-    w_q = quantizer.quantize("weight", weight)  # [o, h]
+    x_q, x_keep = _quantize_input(quantizer, input_, group, comm, phase)
+    w_q = quantizer.quantize("weight", weight, phase=phase)  # [o, h]
     out = quantized_matmul(x_q, w_q, input_.dtype)  # [s*b, o]
     if bias is not None:
         out = out + bias
@@ -225,7 +233,7 @@ def _quantized_backward(ctx, grad_output: torch.Tensor):
     grad_weight = _quantized_weight_grad(ctx, g2d, g_q, x_total, weight) if need_weight else None
     grad_bias = g2d.sum(dim=0) if (ctx.has_bias and need_bias) else None  # [o/tp], high precision
     _wait(reduction)
-    return grad_input, grad_weight, grad_bias, None, None, None, None
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 class _ParallelLinear(torch.autograd.Function):
@@ -239,11 +247,12 @@ class _ParallelLinear(torch.autograd.Function):
         comm: str,
         fuse_wgrad_accumulation: bool,
         quantizer=None,
+        phase: Optional[str] = None,
     ) -> torch.Tensor:
         ctx.group, ctx.comm, ctx.fuse = group, comm, fuse_wgrad_accumulation
         ctx.has_bias, ctx.quantizer = bias is not None, quantizer
         if quantizer is not None:
-            return _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer)
+            return _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase)
         if comm == COMM_SEQUENCE_PARALLEL:
             total_input, handle = _start_gather_first_dim(input_, group)  # [s, b, h]
             _wait(handle)
@@ -272,7 +281,7 @@ class _ParallelLinear(torch.autograd.Function):
         if ctx.has_bias and need_bias:
             grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0)  # [o/tp]
         _wait(reduction)  # grad_input: [s, b, h], or [s/tp, b, h] under sequence parallelism
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def parallel_linear(
@@ -293,7 +302,8 @@ def parallel_linear(
         raise ValueError(f"comm={comm!r}: must be one of {_COMM_MODES}")
     if comm != COMM_NONE and group is None:
         raise ValueError(f"comm={comm!r} needs a process group")
-    return _ParallelLinear.apply(input_, weight, bias, group, comm, fuse_wgrad_accumulation, quantizer)
+    phase = None if quantizer is None else _recompute_phase()  # read outside the Function (no grad inside)
+    return _ParallelLinear.apply(input_, weight, bias, group, comm, fuse_wgrad_accumulation, quantizer, phase)
 
 
 def _default_tp_group(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
