@@ -5,10 +5,13 @@
 untied) under TP=2 with sequence parallelism. A straight run of 4 iterations, then 2 iterations
 saved (torch_dist) and exited, resumed to 4: the printed losses and grad norms are equal exactly,
 which needs the amax histories and scales restored (a fresh state would quantize the first resumed
-step with scale 1). The checkpoint holds every linear's 1024-entry histories, with amaxes recorded.
+step with scale 1). The checkpoint holds every linear's 1024-entry histories, with amaxes recorded,
+in fp32 although the model runs in bf16 (``Float16Module``'s cast leaves the scaling state alone).
 """
 
 import os
+
+import torch
 
 from megatron.core.dist_checkpointing import load_plain_tensors
 from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags
@@ -60,3 +63,4 @@ def test_llama3_fp8_flags_train_on_two_ranks_and_resume_bitwise(tmp_path):
     histories = {k: v for k, v in tensors.items() if k.endswith(".quantizer.delayed.input.amax_history")}
     assert len(histories) == 8, sorted(tensors)  # qkv, proj, fc1, fc2 in each of 2 layers
     assert all(v.shape == (1024,) and int((v > 0).sum()) >= half for v in histories.values())
+    assert all(v.dtype == torch.float32 for k, v in tensors.items() if ".quantizer." in k)  # not cast to bf16

@@ -157,3 +157,8 @@ def test_fp8_dims_must_be_multiples_of_16():
     check_fp8_dims("ok", 32, 48)
     with pytest.raises(ValueError, match=r"layer 1 mlp.linear_fc1: .*input size divisible by 16, got \[32, 40\]"):
         check_fp8_dims("layer 1 mlp.linear_fc1", 32, 40)
+
+
+def test_delayed_state_stays_fp32_when_the_model_is_cast():
+    state = torch.nn.Sequential(DelayedScalingState("e4m3", 4, "max", 0)).to(torch.bfloat16)
+    assert state[0].amax_history.dtype == torch.float32 and state[0].scale.dtype == torch.float32

@@ -92,6 +92,14 @@ class DelayedScalingState(torch.nn.Module):
         self.register_buffer("scale", torch.ones(1, dtype=torch.float32))
         self._checkpointed_scales: deque = deque()
 
+    def _apply(self, fn, recurse: bool = True):
+        """Moves follow the model; dtype casts (``Float16Module``'s ``.to(bf16)``) do not: the state stays fp32."""
+        super()._apply(fn, recurse)
+        for name in ("amax_history", "scale"):
+            if self._buffers[name].dtype != torch.float32:
+                self._buffers[name] = self._buffers[name].float()
+        return self
+
     def quantize(
         self, x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, phase: Optional[str] = None
     ) -> QuantizedTensor:
