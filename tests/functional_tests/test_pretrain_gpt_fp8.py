@@ -3,7 +3,8 @@
 ``--bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
 --fp8-amax-compute-algo max`` on a Llama-shaped model (RMSNorm, SwiGLU, RoPE, GQA, no biases,
 untied) under TP=2 with sequence parallelism. A straight run of 4 iterations, then 2 iterations
-saved (torch_dist) and exited, resumed to 4: the printed losses and grad norms are equal exactly,
+saved (torch_dist, then again with ``--ckpt-format torch``) and exited, resumed to 4: the printed
+losses (and grad norms) are equal exactly,
 which needs the amax histories and scales restored (a fresh state would quantize the first resumed
 step with scale 1). The checkpoint holds every linear's 1024-entry histories, with amaxes recorded,
 in fp32 although the model runs in bf16 (``Float16Module``'s cast leaves the scaling state alone).
@@ -64,3 +65,11 @@ def test_llama3_fp8_flags_train_on_two_ranks_and_resume_bitwise(tmp_path):
     assert len(histories) == 8, sorted(tensors)  # qkv, proj, fc1, fc2 in each of 2 layers
     assert all(v.shape == (1024,) and int((v > 0).sum()) >= half for v in histories.values())
     assert all(v.dtype == torch.float32 for k, v in tensors.items() if ".quantizer." in k)  # not cast to bf16
+    # The legacy torch format carries the same state (the model's state_dict).
+    legacy, torch_fmt = str(tmp_path / "legacy"), ["--ckpt-format", "torch"]
+    save = ["--save", legacy, "--save-interval", str(half), "--exit-interval", str(half)]
+    first = run_gpt(2, base + torch_fmt + save, str(tmp_path))
+    assert_ok(first, "FP8 first half, torch format")
+    second = run_gpt(2, base + torch_fmt + ["--load", legacy], str(tmp_path))
+    assert_ok(second, "FP8 resumed half, torch format")
+    assert first.losses() + second.losses() == straight.losses()
