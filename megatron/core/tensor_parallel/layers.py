@@ -109,6 +109,7 @@ def _init_common(
     layer.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group, is_expert)
     world = dist.get_world_size(layer.tp_group)
     layer.explicit_expert_comm = is_expert and world > 1
+    layer.quantizer = None  # a quantization.recipes.LinearQuantizer under FP8/FP4 (fp8_utils.attach_quantizers)
     return world
 
 
@@ -279,7 +280,7 @@ class ColumnParallelLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         # input_: [s/tp, b, h] under SP (gathered inside, only the piece is kept for backward), else [s, b, h]
         output_parallel = parallel_linear(
-            input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self)
+            input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self), self.quantizer
         )  # [s, b, o/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -359,7 +360,7 @@ class RowParallelLinear(torch.nn.Module):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h/tp]
         output_parallel = parallel_linear(
-            input_parallel, self.weight, None, self.tp_group, COMM_NONE, _fuse_wgrad(self)
+            input_parallel, self.weight, None, self.tp_group, COMM_NONE, _fuse_wgrad(self), self.quantizer
         )  # [s, b, o] partial sum
         if self.explicit_expert_comm:
             output = output_parallel  # the MoE layer sums the partial outputs over TP

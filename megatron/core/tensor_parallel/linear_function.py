@@ -21,6 +21,14 @@ With ``fuse_wgrad_accumulation`` (``gradient_accumulation_fusion``) and a weight
 and ``weight.grad_added_to_main_grad`` is set; the gradient returned to autograd is a dummy
 (uninitialised; zeros for a weight marked ``zero_out_wgrad``, whose other users' gradients are
 summed with it) so that AccumulateGrad still runs and DDP's hook fires, which then skips adding it.
+
+With a ``quantizer`` (``quantization.recipes.LinearQuantizer``, FP8/FP4 training) the three GEMMs
+run on quantized operands (``quantization.fp8_gemm.quantized_matmul``): X and W forward, dY and W for
+the input gradient, dY and X for the weight gradient (in the activation dtype instead when the
+recipe's ``wgrad`` is off, Megatron's ``--no-fp8-wgrad``). Per-tensor recipes quantize each
+operand once (the amax reduced over the quantizer's group, so every TP rank uses one scale) and
+save the FP8 input: under sequence parallelism the local ``[s/tp, b, h]`` piece is quantized
+and its FP8 bytes are all-gathered, in forward and again in backward.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.quantization.fp8_gemm import quantized_matmul, transpose
+from megatron.core.quantization.tensor import QuantizedTensor
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
 
@@ -82,12 +93,147 @@ def _weight_grad(
         return grad_2d.t().matmul(input_2d)  # [o, h]
     if main_grad.dtype == grad_2d.dtype:
         main_grad.addmm_(grad_2d.t(), input_2d)  # one GEMM accumulating into the buffer
-    else:
-        main_grad.add_(grad_2d.t().matmul(input_2d))  # e.g. bf16 GEMM into an fp32 buffer
+        return _wgrad_dummy(weight)
+    return _accumulate_weight_grad(grad_2d.t().matmul(input_2d), weight, fuse)  # e.g. bf16 GEMM, fp32 buffer
+
+
+def _wgrad_dtype(weight: torch.Tensor, fuse: bool) -> torch.dtype:
+    """Where a weight gradient lands: ``main_grad``'s dtype when fused into it, else the weight's."""
+    main_grad = getattr(weight, "main_grad", None) if fuse else None
+    return weight.dtype if main_grad is None else main_grad.dtype
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, weight: torch.Tensor, fuse: bool) -> torch.Tensor:
+    """Return ``grad_weight`` ``[o, h]``, or with ``fuse`` and a ``main_grad`` add it there (module doc)."""
+    main_grad = getattr(weight, "main_grad", None) if fuse else None
+    if main_grad is None:
+        return grad_weight.to(weight.dtype)
+    main_grad.add_(grad_weight)
+    return _wgrad_dummy(weight)
+
+
+def _wgrad_dummy(weight: torch.Tensor) -> torch.Tensor:
+    """What autograd receives for a gradient already added to ``main_grad``."""
     weight.grad_added_to_main_grad = True
     if getattr(weight, "zero_out_wgrad", False):
         return torch.zeros_like(weight)
     return torch.empty_like(weight)
+
+
+def _gather_quantized(q: QuantizedTensor, group: dist.ProcessGroup) -> Tuple[QuantizedTensor, Handle]:
+    """Start all-gathering a per-tensor quantized ``[t/tp, h]`` piece's FP8 bytes to ``[t, h]`` (one scale)."""
+    raw, handle = _start_gather_first_dim(q.data.view(torch.uint8), group)  # [t, h] bytes
+    data = raw.view(q.data.dtype)
+    return QuantizedTensor(data, q.scale_inv, (max(data.size(0), 1), max(data.size(1), 1))), handle
+
+
+def _total_shape(input_: torch.Tensor, comm: str, group: Optional[dist.ProcessGroup]) -> Tuple[int, ...]:
+    """The GEMM input's shape: ``[s, b, h]`` (``input_`` all-gathered along dim 0 under SP)."""
+    if comm != COMM_SEQUENCE_PARALLEL:
+        return tuple(input_.shape)
+    return (input_.size(0) * dist.get_world_size(group),) + tuple(input_.shape[1:])
+
+
+def _recompute_phase() -> Optional[str]:
+    """``"checkpointed"`` in a checkpointed forward (no graph), ``"recompute"`` in its rerun, else None."""
+    if not is_checkpointing():
+        return None
+    return "recompute" if torch.is_grad_enabled() else "checkpointed"
+
+
+def _quantize_input(quantizer, input_, group, comm, phase) -> Tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+    """The forward GEMM's X ``[s*b, h]`` and what backward keeps for the weight gradient.
+
+    Per-tensor: the local piece ``[s*b(/tp), h]`` is quantized (amax reduced) and its FP8 bytes
+    gathered; the piece is kept. Block recipes: the gathered input is quantized along ``h`` for
+    forward and along the tokens (``[h, s*b]``) for the weight gradient, which is kept. None
+    (keep the high-precision input) without ``wgrad``.
+    """
+    h, wgrad = input_.size(-1), quantizer.recipe.wgrad
+    if quantizer.per_tensor:
+        x_piece = quantizer.quantize("input", input_.reshape(-1, h), phase=phase)  # [s*b(/tp), h]
+        x_q, handle = _gather_quantized(x_piece, group) if comm == COMM_SEQUENCE_PARALLEL else (x_piece, None)
+        _wait(handle)
+        return x_q, (x_piece if wgrad else None)
+    total, handle = _start_gather_first_dim(input_, group) if comm == COMM_SEQUENCE_PARALLEL else (input_, None)
+    _wait(handle)
+    x2d = total.reshape(-1, h)  # [s*b, h]
+    x_wgrad = quantizer.quantize("input", x2d.t().contiguous(), "wgrad") if wgrad else None  # [h, s*b]
+    return quantizer.quantize("input", x2d), x_wgrad
+
+
+def _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase) -> torch.Tensor:
+    """``X W^T + b`` on quantized operands; saves what the quantized backward needs (module doc)."""
+    shape = _total_shape(input_, comm, group)
+    x_q, x_keep = _quantize_input(quantizer, input_, group, comm, phase)
+    w_q = quantizer.quantize("weight", weight, phase=phase)  # [o, h]
+    out = quantized_matmul(x_q, w_q, input_.dtype)  # [s*b, o]
+    if bias is not None:
+        out = out + bias
+    ctx.save_for_backward(
+        input_ if x_keep is None else None,  # the high-precision [s(/tp), b, h] only when backward needs it
+        weight,
+        None if x_keep is None else x_keep.data,
+        None if x_keep is None else x_keep.scale_inv,
+        w_q.data if quantizer.per_tensor else None,
+        w_q.scale_inv if quantizer.per_tensor else None,
+        None if x_keep is None else x_keep.global_scale_inv,
+    )
+    ctx.x_block = None if x_keep is None else x_keep.block
+    return out.reshape(shape[:-1] + (weight.size(0),))  # [s, b, o/tp]
+
+
+def _quantized_wgrad_input(ctx, saved) -> Tuple[object, Handle]:
+    """Start getting the weight gradient's X: the kept quantized input (gathered under SP when it is
+    the per-tensor piece) or the high-precision input."""
+    input_, _, x_data, x_scale_inv = saved[:4]
+    if x_data is not None:
+        x_q = QuantizedTensor(x_data, x_scale_inv, ctx.x_block, global_scale_inv=saved[6])
+        if ctx.comm == COMM_SEQUENCE_PARALLEL and ctx.quantizer.per_tensor:
+            return _gather_quantized(x_q, ctx.group)  # [s*b, h]
+        return x_q, None
+    if ctx.comm == COMM_SEQUENCE_PARALLEL:
+        return _start_gather_first_dim(input_, ctx.group)  # [s, b, h]
+    return input_, None
+
+
+def _quantized_weight_grad(ctx, g2d, g_q, x_total, weight) -> torch.Tensor:
+    """``dW = dY^T X`` ``[o, h]``: quantized GEMM, or in high precision without ``wgrad``."""
+    quantizer = ctx.quantizer
+    if not quantizer.recipe.wgrad:
+        x2d = x_total.reshape(-1, x_total.size(-1))  # [s*b, h]
+        return _accumulate_weight_grad(g2d.t().matmul(x2d.to(g2d.dtype)), weight, ctx.fuse)
+    if quantizer.per_tensor:
+        g_t, x_t = transpose(g_q), transpose(x_total)  # [o, s*b], [h, s*b]: exact for one scale
+    else:  # x_total: X quantized in forward along the tokens, [h, s*b]
+        g_t, x_t = quantizer.quantize("grad_output", g2d.t().contiguous(), "wgrad"), x_total  # [o, s*b]
+    grad_weight = quantized_matmul(g_t, x_t, _wgrad_dtype(weight, ctx.fuse))  # [o, h]
+    return _accumulate_weight_grad(grad_weight, weight, ctx.fuse)
+
+
+def _quantized_backward(ctx, grad_output: torch.Tensor):
+    """Input and weight gradients on quantized operands, with ``_ParallelLinear``'s overlap."""
+    saved = ctx.saved_tensors
+    weight, quantizer = saved[1], ctx.quantizer
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    g2d = grad_output.reshape(-1, grad_output.size(-1))  # [s*b, o/tp]
+    g_q = quantizer.quantize("grad_output", g2d, "dgrad")  # e5m2 under hybrid
+    x_total, gather = _quantized_wgrad_input(ctx, saved) if need_weight else (None, None)
+    grad_input, reduction = None, None
+    if need_input:
+        if quantizer.per_tensor:
+            w_t = transpose(QuantizedTensor(saved[4], saved[5], tuple(saved[4].shape)))  # [h, o]
+        else:
+            w_t = quantizer.quantize("weight", weight.t().contiguous(), "dgrad")  # [h, o], blocks along o
+        grad_input = quantized_matmul(g_q, w_t, grad_output.dtype)  # [s*b, h] partial sum over TP
+        grad_input = grad_input.reshape(grad_output.shape[:-1] + (weight.size(1),))  # [s, b, h]
+    _wait(gather)
+    if need_input:
+        grad_input, reduction = _start_grad_input_reduction(grad_input, ctx.comm, ctx.group)
+    grad_weight = _quantized_weight_grad(ctx, g2d, g_q, x_total, weight) if need_weight else None
+    grad_bias = g2d.sum(dim=0) if (ctx.has_bias and need_bias) else None  # [o/tp], high precision
+    _wait(reduction)
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 class _ParallelLinear(torch.autograd.Function):
@@ -100,19 +246,25 @@ class _ParallelLinear(torch.autograd.Function):
         group: Optional[dist.ProcessGroup],
         comm: str,
         fuse_wgrad_accumulation: bool,
+        quantizer=None,
+        phase: Optional[str] = None,
     ) -> torch.Tensor:
+        ctx.group, ctx.comm, ctx.fuse = group, comm, fuse_wgrad_accumulation
+        ctx.has_bias, ctx.quantizer = bias is not None, quantizer
+        if quantizer is not None:
+            return _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase)
         if comm == COMM_SEQUENCE_PARALLEL:
             total_input, handle = _start_gather_first_dim(input_, group)  # [s, b, h]
             _wait(handle)
         else:
             total_input = input_  # [s, b, h]
         ctx.save_for_backward(input_, weight)  # [s/tp, b, h] under sequence parallelism
-        ctx.group, ctx.comm, ctx.fuse = group, comm, fuse_wgrad_accumulation
-        ctx.has_bias = bias is not None
         return F.linear(total_input, weight, bias)  # [s, b, o/tp]
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # grad_output: [s, b, o/tp]
+        if ctx.quantizer is not None:
+            return _quantized_backward(ctx, grad_output)
         input_, weight = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         total_input, gather = input_, None
@@ -129,7 +281,7 @@ class _ParallelLinear(torch.autograd.Function):
         if ctx.has_bias and need_bias:
             grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0)  # [o/tp]
         _wait(reduction)  # grad_input: [s, b, h], or [s/tp, b, h] under sequence parallelism
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def parallel_linear(
@@ -139,16 +291,19 @@ def parallel_linear(
     group: Optional[dist.ProcessGroup],
     comm: str = COMM_NONE,
     fuse_wgrad_accumulation: bool = False,
+    quantizer=None,
 ) -> torch.Tensor:
     """``F.linear(input_, weight, bias)`` with the TP communication ``comm`` (module doc).
 
     ``comm`` other than ``"none"`` needs ``group``; on a one-rank group pass ``"none"``.
+    ``quantizer``: a ``quantization.recipes.LinearQuantizer`` for FP8/FP4 GEMMs, or None.
     """
     if comm not in _COMM_MODES:
         raise ValueError(f"comm={comm!r}: must be one of {_COMM_MODES}")
     if comm != COMM_NONE and group is None:
         raise ValueError(f"comm={comm!r} needs a process group")
-    return _ParallelLinear.apply(input_, weight, bias, group, comm, fuse_wgrad_accumulation)
+    phase = None if quantizer is None else _recompute_phase()  # read outside the Function (no grad inside)
+    return _ParallelLinear.apply(input_, weight, bias, group, comm, fuse_wgrad_accumulation, quantizer, phase)
 
 
 def _default_tp_group(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

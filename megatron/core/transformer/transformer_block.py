@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Union
 
 import torch
 
+from megatron.core.fp8_utils import attach_quantizers
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
@@ -107,7 +108,9 @@ class TransformerBlock(MegatronModule):
                 )
             spec = spec.layer_specs[number - 1]
         with initialization_rng(self.config.initialization_seed, f"{self.name}.layers.{number - 1}"):
-            return build_module(spec, self.config, layer_number=number, pg_collection=groups, add_layer_offset=False)
+            layer = build_module(spec, self.config, layer_number=number, pg_collection=groups, add_layer_offset=False)
+        attach_quantizers(layer, self.config, groups, number)  # FP8/FP4 GEMMs, when the config asks
+        return layer
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Activation received from the previous pipeline stage."""

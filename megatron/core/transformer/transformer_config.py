@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig, require_divisible, require_positive
+from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
+from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -169,6 +171,30 @@ class TransformerConfig(ModelParallelConfig):
     beta_slow: float = 1.0
     """YaRN: frequencies turning less than this often are divided by rotary_scaling_factor."""
 
+    # FP8 GEMMs in the transformer layers' linears (see megatron/core/quantization/recipes.py).
+    fp8: Optional[str] = None
+    """'e4m3' (every operand e4m3) or 'hybrid' (e5m2 output gradients) (--fp8-format); None: off."""
+    fp8_recipe: str = "delayed"
+    """'tensorwise' (current scaling), 'delayed' (amax history), 'blockwise' or 'mxfp8'."""
+    fp8_margin: int = 0
+    """Delayed scaling: the scale is divided by 2**margin."""
+    fp8_interval: int = 1
+    """Deprecated and ignored, as by Transformer Engine >= 1.8 and Megatron-core 0.16."""
+    fp8_amax_history_len: int = 1
+    """Delayed scaling: amaxes remembered per tensor."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """Delayed scaling: the scale's amax is the history's 'max' or its 'most_recent' entry."""
+    fp8_wgrad: bool = True
+    """False (--no-fp8-wgrad): weight-gradient GEMMs in the activation dtype."""
+    first_last_layers_bf16: bool = False
+    """Keep the first num_layers_at_start_in_bf16 and last num_layers_at_end_in_bf16 layers out of FP8."""
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    fp4: Optional[str] = None
+    """'e2m1' (--fp4-format): FP4 GEMMs with fp4_recipe instead of FP8; None: off."""
+    fp4_recipe: str = "nvfp4"
+    """'nvfp4': 16-element e2m1 blocks, e4m3 block scales times a per-tensor fp32 scale."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -196,6 +222,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe()
         self._check_latent_attention()
         self._check_multi_token_prediction()
+        self._check_fp8()
         if self.initialization_seed is not None and not self.use_cpu_initialization:
             raise ValueError(
                 f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "
@@ -411,6 +438,56 @@ class TransformerConfig(ModelParallelConfig):
                 f"recompute_granularity={self.recompute_granularity!r}) and tensor_model_parallel_size > 1 "
                 f"(got tensor_model_parallel_size={self.tensor_model_parallel_size})"
             )
+
+    def _check_fp8(self) -> None:
+        """FP8/FP4 settings: known format, recipe and algorithm, a half-precision model, bf16 layer counts."""
+        if self.fp4 is not None:
+            self._check_fp4()
+        if self.fp8 is None:
+            return
+        if self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"fp8={self.fp8!r}: must be one of {FP8_FORMATS}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r}: must be one of {FP8_RECIPES}")
+        if self.fp8_amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r}: must be one of {AMAX_COMPUTE_ALGOS}"
+            )
+        require_positive("fp8_amax_history_len", self.fp8_amax_history_len)
+        if self.fp8_margin < 0:
+            raise ValueError(f"fp8_margin={self.fp8_margin}: must be >= 0")
+        if not (self.bf16 or self.fp16):
+            raise ValueError(f"fp8={self.fp8!r} needs bf16=True or fp16=True (FP8 GEMMs write half-precision outputs)")
+        if self.first_last_layers_bf16:
+            self._check_bf16_layers()
+
+    def _check_fp4(self) -> None:
+        """FP4 settings: e2m1 with a known recipe, not together with FP8, a half-precision model."""
+        if self.fp4 not in FP4_FORMATS:
+            raise ValueError(f"fp4={self.fp4!r}: must be one of {FP4_FORMATS}")
+        if self.fp4_recipe not in FP4_RECIPES:
+            raise ValueError(f"fp4_recipe={self.fp4_recipe!r}: must be one of {FP4_RECIPES}")
+        if self.fp8 is not None:
+            raise ValueError(f"fp4={self.fp4!r} and fp8={self.fp8!r}: choose one")
+        if not (self.bf16 or self.fp16):
+            raise ValueError(f"fp4={self.fp4!r} needs bf16=True or fp16=True (FP4 GEMMs write half-precision outputs)")
+
+    def _check_bf16_layers(self) -> None:
+        """Megatron's rules for first_last_layers_bf16: not with delayed scaling, counts within a stage."""
+        if self.fp8_recipe == "delayed":
+            raise ValueError(
+                "first_last_layers_bf16=True cannot be combined with fp8_recipe='delayed' "
+                "(Megatron refuses it too: use tensorwise, blockwise or mxfp8)"
+            )
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(self, name)
+            if not 0 <= value <= per_stage:
+                raise ValueError(
+                    f"{name}={value}: must be between 0 and the layers per pipeline stage "
+                    f"(num_layers={self.num_layers} / pipeline_model_parallel_size="
+                    f"{self.pipeline_model_parallel_size} = {per_stage})"
+                )
 
 
 @dataclass

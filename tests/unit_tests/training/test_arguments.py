@@ -166,7 +166,7 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
         ),
         (["--optimizer", "muon"], "--optimizer"),
         (["--multi-latent-attention", "--cache-mla-latents"], "--cache-mla-latents"),
-        (["--fp8-format", "hybrid"], "--fp8-format"),
+        (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe"),
         (["--position-embedding-type", "mrope"], "--position-embedding-type"),
         (["--window-size", "8,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq"),
     ],
@@ -176,6 +176,13 @@ def test_unsupported_flag_is_refused_not_ignored(extra, flag):
         _validated(extra, world_size=2)
     assert f"not supported yet: {flag}=" in str(err.value)
     assert isinstance(err.value, SystemExit) and err.value.code  # a non-zero exit for the launcher
+
+
+def test_fp8_flags_fill_the_config_and_need_bf16():
+    args = _validated(["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--no-fp8-wgrad"])
+    assert (args.fp8, args.fp8_recipe, args.fp8_amax_history_len, args.fp8_wgrad) == ("hybrid", "delayed", 1024, False)
+    with pytest.raises(A.ArgumentsError, match="--fp8-format 'hybrid' needs --bf16 or --fp16"):
+        _validated(["--fp8-format", "hybrid"])
 
 
 def test_supported_alternatives_and_no_op_flags_are_accepted():

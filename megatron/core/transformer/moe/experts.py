@@ -118,14 +118,15 @@ class GroupedMLP(SequentialMLP):
 
     The parameters are ``SequentialMLP``'s (``local_experts.{i}.linear_fc1.weight`` ...), stacked
     at each forward, so checkpoints of either class load into the other. Where ``_grouped_mm``
-    does not take the dtype/device (``grouped_mm_supported``) or the experts are not plain
-    ``MLP``s, the experts run in ``SequentialMLP``'s loop.
+    does not take the dtype/device (``grouped_mm_supported``), the experts are not plain ``MLP``s,
+    or their linears are FP8/FP4-quantized, the experts run in ``SequentialMLP``'s loop.
     """
 
     def run_experts(self, permuted: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """Tokens ``[N, h]`` sorted by expert -> outputs ``[N, h]``, two grouped GEMMs."""
-        if not grouped_mm_supported(permuted) or not all(type(e) is MLP for e in self.local_experts):
-            return super().run_experts(permuted, counts)
+        quantized = any(getattr(e.linear_fc1, "quantizer", None) is not None for e in self.local_experts)
+        if quantized or not grouped_mm_supported(permuted) or not all(type(e) is MLP for e in self.local_experts):
+            return super().run_experts(permuted, counts)  # FP8/FP4 experts quantize inside their linears
         fc1 = [e.linear_fc1 for e in self.local_experts]
         fc2 = [e.linear_fc2 for e in self.local_experts]
         sizes = torch.tensor(counts, device=permuted.device)  # [E], one host-to-device copy
