@@ -130,7 +130,17 @@ def _first_last_bf16_body(rank, world_size):
     assert all(b.allreduce is False for n, b in moe.named_buffers() if ".experts." in n and ".quantizer." in n)
     tokens, labels = batch(0)
     moe(tokens, None, None, labels=labels).mean().backward()
-    return all(torch.isfinite(p.grad).all() for p in moe.parameters())
+    finite = all(torch.isfinite(p.grad).all() for p in moe.parameters())
+    # --moe-grouped-gemm with FP8: the experts keep their quantized linears (no bf16 grouped GEMM).
+    kw = llama_style(bf16=True, fp8="hybrid", num_moe_experts=4, moe_ffn_hidden_size=32, moe_grouped_gemm=True)
+    grouped = build_gpt(kw, groups)
+    assert all(type(layer.mlp.experts).__name__ == "GroupedMLP" for layer in grouped.decoder.layers)
+    real, torch._grouped_mm = torch._grouped_mm, None  # calling it would raise
+    try:
+        out = grouped(tokens, None, None, labels=labels)
+    finally:
+        torch._grouped_mm = real
+    return finite and torch.isfinite(out).all()
 
 
 def test_first_last_layers_bf16():
