@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Dict, Tuple
 
 import pytest
@@ -25,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
+from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer
@@ -36,20 +34,16 @@ from tests.dist_harness import run_distributed
 from tests.model_utils import (
     SEQ,
     VOCAB,
-    batch,
     build_gpt,
     deepseek_style,
-    gather_tp,
-    llama_style,
     single_rank_groups,
-    tp_group_of,
 )
 from tests.unit_tests.distributed import dp_training as dpt
+from tests.unit_tests.transformer.test_moe_expert_parallel import WITH_AUX, Z_ONLY, E, _compare, _groups, global_name
+from tests.unit_tests.transformer.test_moe_expert_parallel import _kwargs as ep_kwargs
+from tests.unit_tests.transformer.test_moe_expert_parallel import _one_step as ep_one_step
 
 RTOL, ATOL, WEIGHT_RTOL = 1e-5, 1e-6, 1e-6
-E = 4
-Z_ONLY = dict(num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=1e-3)
-WITH_AUX = dict(Z_ONLY, moe_aux_loss_coeff=1e-2)
 GLOBAL_BATCH = 4
 
 
@@ -191,62 +185,12 @@ def test_moe_layer_dispatchers_equal_one_rank_and_each_other():
 # Tiny GPT with MoE: layouts and dispatchers against one rank.
 # ----------------------------------------------------------------------------------
 def _kwargs(moe: Dict, dispatcher: str, **extra) -> Dict:
-    return llama_style(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        moe_layer_freq=[1, 0],
-        moe_token_dispatcher_type=dispatcher,
-        **moe,
-        **extra,
-    )
-
-
-def _groups(tp: int, ep: int, etp: int) -> ProcessGroupCollection:
-    layout = ParallelLayout(
-        world_size=dist.get_world_size(),
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
-    return build_process_groups(layout)
-
-
-def _global_name(name: str, groups: ProcessGroupCollection) -> str:
-    """``local_experts.{i}`` -> ``local_experts.{global index}``."""
-    first = groups.rank_in("ep") * (E // groups.size_of("ep"))
-    return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first + int(m.group(1))}.", name)
+    return ep_kwargs(moe, moe_token_dispatcher_type=dispatcher, **extra)
 
 
 def _one_step(kwargs: Dict, groups: ProcessGroupCollection) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """This DP rank's share of the global batch, DDP reduction: (global mean loss, full grads by global name)."""
-    model = build_gpt(kwargs, groups)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=groups)
-    dp, rank = groups.size_of("dp"), groups.rank_in("dp")
-    tokens, labels = batch(seed=0, b=GLOBAL_BATCH)
-    rows = slice(rank * GLOBAL_BATCH // dp, (rank + 1) * GLOBAL_BATCH // dp)
-    loss = ddp(tokens[rows], None, None, labels=labels[rows]).mean()
-    loss.backward()
-    finalize_model_grads([ddp], None, groups)
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=groups.dp)
-    grads = {
-        _global_name(n, groups): gather_tp(p.main_grad, p, tp_group_of(p, groups)) for n, p in model.named_parameters()
-    }
-    return total / dp, grads
-
-
-def _compare(where: str, got, ref) -> float:
-    (loss, grads), (ref_loss, ref_grads) = got, ref
-    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
-    assert set(grads) <= set(ref_grads) and any("local_experts" in n for n in grads), where
-    worst = (loss - ref_loss).abs().item()
-    for name, grad in grads.items():
-        assert grad.shape == ref_grads[name].shape, f"{where} {name}: {grad.shape} vs {ref_grads[name].shape}"
-        worst = max(worst, (grad - ref_grads[name]).abs().max().item())
-        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {name}: {m}")
-    return worst
+    return ep_one_step(kwargs, groups, GLOBAL_BATCH)
 
 
 # (tp, ep, etp, sequence_parallel) on 4 ranks.
@@ -351,7 +295,7 @@ def _training_body(rank, world_size, tp, ep, etp, sp):
     for name, (ddp_kw, opt_kw) in TRAIN_VARIANTS.items():
         MoEAuxLossAutoScaler.set_loss_scale(1.0 / dpt.NUM_MICRO)  # what forward_step sets
         losses, norms, weights, _, _ = dpt.parallel_run(groups, kwargs, ddp_kw, opt_kw)
-        weights = {_global_name(n, groups): w for n, w in weights.items()}
+        weights = {global_name(n, groups): w for n, w in weights.items()}
         ref = (ref_losses, ref_norms, {n: ref_weights[n] for n in weights})  # this rank's experts
         dpt.assert_matches(f"tp={tp} etp={etp} {name}", (losses, norms, weights), ref, WEIGHT_RTOL)
         worst = max([worst] + [dpt.relative_error(w, ref_weights[n]) for n, w in weights.items()])

@@ -12,7 +12,7 @@ several optimizer steps (only the order of float additions differs).
 from __future__ import annotations
 
 import re
-from typing import Dict
+from typing import Dict, Optional
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler
 from tests.dist_harness import run_distributed
-from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups
+from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups, tp_group_of
 from tests.unit_tests.distributed import dp_training as dpt
 
 RTOL, ATOL, WEIGHT_RTOL = 1e-5, 1e-6, 1e-6
@@ -43,10 +43,15 @@ def _kwargs(moe: Dict, **extra) -> Dict:
     )
 
 
-def _groups(tp: int, ep: int) -> ProcessGroupCollection:
-    return build_process_groups(
-        ParallelLayout(world_size=dist.get_world_size(), tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+def _groups(tp: int, ep: int, etp: Optional[int] = None) -> ProcessGroupCollection:
+    """All ranks as TP x EP (expert-TP ``etp``, default TP)."""
+    layout = ParallelLayout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
+    return build_process_groups(layout)
 
 
 def global_name(name: str, groups: ProcessGroupCollection) -> str:
@@ -70,7 +75,9 @@ def _one_step(kwargs: Dict, groups: ProcessGroupCollection, global_batch: int):
     finalize_model_grads([ddp], None, groups)
     total = loss.detach().clone()
     dist.all_reduce(total, group=groups.dp)
-    grads = {global_name(n, groups): gather_tp(p.main_grad, p, groups.tp) for n, p in model.named_parameters()}
+    grads = {
+        global_name(n, groups): gather_tp(p.main_grad, p, tp_group_of(p, groups)) for n, p in model.named_parameters()
+    }
     return total / dp, grads
 
 
@@ -81,6 +88,7 @@ def _compare(where: str, got, ref) -> float:
     assert set(grads) <= set(ref_grads) and any("local_experts" in n for n in grads), where
     worst = (loss - ref_loss).abs().item()
     for name, grad in grads.items():
+        assert grad.shape == ref_grads[name].shape, f"{where} {name}: {grad.shape} vs {ref_grads[name].shape}"
         worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         torch.testing.assert_close(
             grad, ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {name}: {m}"
