@@ -80,3 +80,18 @@ def refuse_unimplemented(where: str, **settings: Tuple[object, object]) -> None:
     named = [f"{name}={value!r}" for name, (value, implemented) in settings.items() if value != implemented]
     if named:
         raise NotImplementedError(f"{where}: not supported yet: {', '.join(named)}")
+
+
+def apply_keeping_fp32(module: torch.nn.Module, fn, recurse: bool, names: Sequence[str]) -> torch.nn.Module:
+    """``Module._apply`` under which the buffers ``names`` follow the module's moves but never its dtype casts.
+
+    State that must stay fp32 in a bf16/fp16 model (amax histories, the router's expert bias) keeps
+    its exact values: a cast applied to it is replaced by the pre-cast tensor on the new device.
+    """
+    saved = {name: module._buffers[name] for name in names if module._buffers.get(name) is not None}
+    torch.nn.Module._apply(module, fn, recurse)
+    for name, before in saved.items():
+        after = module._buffers[name]
+        if after.dtype != before.dtype:
+            module._buffers[name] = before.to(after.device)
+    return module

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.quantization.tensor import QuantizedTensor
+from megatron.core.utils import apply_keeping_fp32
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -94,11 +95,7 @@ class DelayedScalingState(torch.nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         """Moves follow the model; dtype casts (``Float16Module``'s ``.to(bf16)``) do not: the state stays fp32."""
-        super()._apply(fn, recurse)
-        for name in ("amax_history", "scale"):
-            if self._buffers[name].dtype != torch.float32:
-                self._buffers[name] = self._buffers[name].float()
-        return self
+        return apply_keeping_fp32(self, fn, recurse, ("amax_history", "scale"))
 
     def quantize(
         self, x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, phase: Optional[str] = None

@@ -228,6 +228,12 @@ def _bias_body(rank, world_size):
     out["biased_routing"] = torch.equal(routing_map, ref_map) and torch.allclose(probs.double(), ref_probs, atol=1e-6)
     out["bias_changes_routing"] = not torch.equal(ref_map, unbiased_map)
     out["eval_does_not_count"] = bool((router.local_tokens_per_expert == 0).all())
+    # A bf16 model (Float16Module's cast) keeps the bias and counts fp32, values exact (Megatron's rule).
+    router.expert_bias.add_(1e-3 * torch.arange(E))  # not representable in bf16 next to 0.01
+    before = router.expert_bias.clone()
+    router.bfloat16()
+    out["fp32_under_bf16"] = router.weight.dtype == torch.bfloat16 and torch.equal(router.expert_bias, before)
+    out["counts_fp32_under_bf16"] = router.local_tokens_per_expert.dtype == torch.float32
     return out
 
 

@@ -27,6 +27,7 @@ from megatron.core.transformer.moe.routing import (
     sequence_load_balancing_loss,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import apply_keeping_fp32
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -36,6 +37,9 @@ def topk_softmax(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Softmax routing (``routing.route`` with ``score_function='softmax'``): probs and map ``[T, E]``."""
     return route(logits, topk, "softmax", pre_softmax, scaling_factor=scaling_factor)
+
+
+_FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "global_microbatches")
 
 
 class TopKRouter(MegatronModule):
@@ -74,6 +78,10 @@ class TopKRouter(MegatronModule):
         self.register_buffer("global_microbatches", torch.zeros(()) if is_global else None, persistent=False)
         self.layer_number: Optional[int] = None
         self.aux_loss_tracker: AuxLossTracker = get_aux_loss_tracker()  # a run rebinds it (use_aux_loss_tracker)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves follow the model; a bf16/fp16 cast leaves the expert bias and token counts fp32 (as Megatron)."""
+        return apply_keeping_fp32(self, fn, recurse, _FP32_BUFFERS)
 
     def set_layer_number(self, layer_number: int) -> None:
         """Global 1-based layer number, under which the aux losses are tracked."""
