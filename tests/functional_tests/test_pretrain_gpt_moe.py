@@ -2,7 +2,7 @@
 prints the TP=1 ``lm loss`` and ``load_balancing_loss`` of every iteration (mock data, CPU
 initialization, dropout off; relative 2e-6: the printed 7 digits but for last-digit float noise).
 On 2 ranks, --expert-model-parallel-size 2 prints the losses of the same run with EP=1 (DP=2).
-With a capacity factor (EP=2, dropping by probs), padding each expert's input to capacity with the
+With capacity factor 0.5 (EP=2, dropping by probs), padding each expert's input to capacity with the
 sequential experts prints the losses of the unpadded run with --moe-grouped-gemm (padding changes
 only shapes, grouped GEMM only the kernel), and those differ from the dropless run's.
 On 4 ranks, TP=2 with SP, EP=2, expert-TP=1 and the all-to-all dispatcher prints the one-rank
@@ -27,7 +27,7 @@ MOE_FLAGS = [
     "--swiglu",
     "--disable-bias-linear",
 ]
-CAPACITY_FLAGS = ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"]
+CAPACITY_FLAGS = ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "probs"]
 
 
 def _assert_same_losses(reference, result, what):
@@ -55,8 +55,10 @@ def test_moe_ep2_prints_the_ep1_losses(tmp_path):
         assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), name
     _assert_same_losses(padded, grouped, "capacity with --moe-grouped-gemm, unpadded")
     pairs = [(a["lm loss"], b["lm loss"]) for a, b in zip(padded.lines, ep1.lines)]
-    # Dropping moves the tiny model's loss little (observed: relative 1e-6 .. 5e-6), but by more than equal runs differ.
-    assert any(not math.isclose(a, b, rel_tol=REL_TOL) for a, b in pairs), f"capacity 1.0 dropped nothing: {pairs}"
+    # The near-uniform tiny model's loss barely depends on its experts, so even capacity 0.5 (about half the routed
+    # pairs dropped) moves it little; by iteration 3 several times the 2e-6 that equal runs differ by. That dropping
+    # picks exactly the policy's pairs is proven token by token in tests/unit_tests/transformer/test_moe_capacity.py.
+    assert any(not math.isclose(a, b, rel_tol=REL_TOL) for a, b in pairs), f"capacity dropped nothing: {pairs}"
 
 
 def test_moe_tp2_prints_the_single_rank_losses(tmp_path):
