@@ -6,9 +6,10 @@ LayerNorm, output tied to the token embedding, ``F.cross_entropy``), N(0, 0.02) 
 output projections scaled by 1/sqrt(2 * layers) as ours, ``torch.nn.utils.clip_grad_norm_(1.0)`` and
 ``torch.optim.AdamW`` with torch's default implementation choice (weight decay 0.01, as ours).
 
-Ours: ``GPTModel`` wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32
-gradient buffer) and ``get_megatron_optimizer`` (AdamW, clip_grad 1.0), the step the training loop
-runs: zero the buffer, forward, mean loss, backward, ``finish_grad_sync``, ``optimizer.step()``.
+Ours: ``GPTModel`` with ``gradient_accumulation_fusion`` (on by default in ``pretrain_gpt.py``, as in
+Megatron) wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32 gradient
+buffer) and ``get_megatron_optimizer`` (AdamW, clip_grad 1.0), the step the training loop runs: zero
+the buffer, forward, mean loss, backward, ``finish_grad_sync``, ``optimizer.step()``.
 
 Precision: fp32 is fp32 for both. bf16 differs by design: ours follows ``--bf16`` (bf16 parameters
 and activations, fp32 main weights in the optimizer, fp32 gradient accumulation and reduction,
@@ -139,7 +140,8 @@ def ours_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.T
     """One step of ours: DDP (1 gloo rank, fp32 grad buffer) + our optimizer, as the training loop runs it."""
     groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
     kw = {"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}
-    model = build_gpt(gpt2_style(**kwargs, **kw), groups)
+    # pretrain_gpt.py's default (Megatron's): weight gradients accumulate straight into main_grad.
+    model = build_gpt(gpt2_style(**kwargs, **kw, gradient_accumulation_fusion=True), groups)
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, pg_collection=groups
     )
