@@ -72,7 +72,7 @@ class MLP(MegatronModule):
             init_method=config.init_method,
             bias=config.add_bias_linear,
             gather_output=False,
-            skip_bias_add=True,
+            skip_bias_add=False,  # the bias joins fc1's GEMM (addmm): no separate pass over [s, b, ffn/tp]
             stride=2 if gated else 1,
             is_expert=is_expert,
             tp_group=tp_group,
@@ -91,9 +91,7 @@ class MLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s, b, h]`` -> (``[s, b, h]``, bias of the last projection or None)."""
-        intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, ffn/tp] (x2 when gated)
-        if bias is not None:
-            intermediate = intermediate + bias
+        intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, ffn/tp] (x2 when gated), bias included
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(intermediate, 2, dim=-1)  # [s, b, ffn/tp] each
             intermediate = self.config.activation_func(gate) * up
