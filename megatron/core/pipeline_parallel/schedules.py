@@ -63,6 +63,7 @@ from megatron.core.pipeline_parallel.schedule_utils import (
     get_tensor_shapes,
     set_current_microbatch,
 )
+from megatron.core.quantization.step import quantized_step
 from megatron.core.utils import unwrap_model
 
 ProcessGroupCollection = parallel_state.ProcessGroupCollection
@@ -157,15 +158,16 @@ def forward_backward_no_pipelining(
         if not forward_only:
             microbatch.backward_step(None, output, None, config)
 
-    if forward_only:
-        for _ in range(num_microbatches):
-            one(False)
-        return store
-    with _no_sync_context(config):
-        for _ in range(num_microbatches - 1):
-            one(True)
-    one(True)
-    finalize_grads(config, chunks, total_tokens)
+    with quantized_step(chunks):  # FP8: weights quantized once, amax reductions batched
+        if forward_only:
+            for _ in range(num_microbatches):
+                one(False)
+            return store
+        with _no_sync_context(config):
+            for _ in range(num_microbatches - 1):
+                one(True)
+        one(True)
+        finalize_grads(config, chunks, total_tokens)
     return store
 
 
