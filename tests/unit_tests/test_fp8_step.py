@@ -6,7 +6,8 @@ One rank, a tensorwise FP8 GPT (4 linears per layer, 2 layers), 4 microbatches t
 * each weight is quantized once per step (8 weight quantizations, counted at ``quantize_current``),
   where the per-microbatch path (the cache switched off) quantizes 32; loss, gradients and the
   next step after an in-place (``.data``) weight update are bitwise equal to that path;
-* inside a step the cache follows the parameter's ``_version`` and ``set_is_first_microbatch``;
+* inside a step the cache follows the parameter's ``_version``, ``set_is_first_microbatch`` and
+  Megatron-core's ``forward_step(is_first_microbatch=True)``;
 * delayed scaling records each weight's amax once per step (TE's rule) and each input's once per
   microbatch; under full recompute through the schedule the results equal the plain run bitwise
   and no checkpointed scale is left queued.
@@ -37,6 +38,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import model_sharded_state_dict
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from tests.dist_harness import run_distributed
 from tests.model_utils import SEQ, batch, build_gpt, llama_style, single_rank_groups
@@ -156,7 +158,7 @@ def _tensorwise_cache_body(rank, world_size):
     weight = model.decoder.layers[0].mlp.linear_fc1.weight
     counts = []
     with _count_weight_quantizations(model, counts):
-        with qstep.cache_quantized_weights([quantizer]):
+        with qstep.cache_quantized_weights(qstep.linear_quantizers([model])):
             first = quantizer.quantize_weight(weight)
             assert quantizer.quantize_weight(weight) is first and sum(counts) == 1
             with torch.no_grad():
@@ -165,9 +167,16 @@ def _tensorwise_cache_body(rank, world_size):
             model.set_is_first_microbatch()
             quantizer.quantize_weight(weight)
             assert sum(counts) == 3
+            # Megatron-core's forward_step(is_first_microbatch=True) marks the new step the same way.
+            step = lambda it, m: (m(*next(it), None, labels=labels), _loss)  # noqa: E731
+            tokens, labels = batch(0)
+            for is_first in (False, True):
+                schedules.forward_step(step, iter([(tokens, None)]), model, 1, None, [], model.config,
+                                       is_first_microbatch=is_first)  # fmt: skip
+            assert sum(counts) == 3 + 7 + 8, counts  # the 7 others (fc1 cached), then all 8 again
         quantizer.quantize_weight(weight)  # the step is over: no cache
         quantizer.quantize_weight(weight)
-    assert sum(counts) == 5
+    assert sum(counts) == 3 + 7 + 8 + 2
     return True
 
 

@@ -254,8 +254,9 @@ def forward_step(
 ) -> tuple:
     """Run one microbatch (``microbatch.forward_step``) with Megatron-core's arguments.
 
-    ``is_first_microbatch`` and ``vp_stage`` only steer Transformer Engine's fp8 weight caching
-    and a consistency check upstream: no effect. ``current_microbatch`` is recorded on the
+    ``is_first_microbatch`` marks a new step as in Megatron (``set_is_first_microbatch``: weights
+    cached for FP8 are quantized again); ``vp_stage`` only steers a consistency check upstream: no
+    effect. ``current_microbatch`` is recorded on the
     decoder layers (``set_current_microbatch``). A context-parallel size over 1 and
     ``checkpoint_activations_microbatch`` are refused: the schedules pass the CP group itself.
 
@@ -269,6 +270,8 @@ def forward_step(
         )
     if current_microbatch is not None:
         set_current_microbatch(model, current_microbatch)
+    if is_first_microbatch and hasattr(unwrap_model(model), "set_is_first_microbatch"):
+        unwrap_model(model).set_is_first_microbatch()
     return microbatch.forward_step(
         forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
         is_last_stage=is_last_stage, collect_non_loss_data=collect_non_loss_data,
