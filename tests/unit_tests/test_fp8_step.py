@@ -1,11 +1,12 @@
 """FP8 across the microbatches of a step: weights quantized once, delayed-scaling amaxes reduced in one
 all-reduce per flush (``megatron.core.quantization.step``, entered by the schedules).
 
-One rank, a tensorwise FP8 GPT (4 linears per layer, 2 layers), 4 microbatches through
+One rank, an FP8 GPT (4 linears per layer, 2 layers), 4 microbatches through
 ``forward_backward_no_pipelining``:
-* each weight is quantized once per step (8 weight quantizations, counted at ``quantize_current``),
-  where the per-microbatch path (the cache switched off) quantizes 32; loss, gradients and the
-  next step after an in-place (``.data``) weight update are bitwise equal to that path;
+* tensorwise: each weight is quantized once per step (8 weight quantizations, counted at
+  ``LinearQuantizer.quantize``), where the per-microbatch path (the cache switched off) quantizes
+  32; gradients of this step and of the next, after an in-place (``.data``) weight update, are
+  bitwise equal to that path; the same for blockwise, mxfp8 and nvfp4 (W and W^T: 16 vs 64);
 * inside a step the cache follows the parameter's ``_version``, ``set_is_first_microbatch`` and
   Megatron-core's ``forward_step(is_first_microbatch=True)``;
 * delayed scaling records each weight's amax once per step (TE's rule) and each input's once per
@@ -92,15 +93,14 @@ def _nothing(quantizers):
 
 @contextlib.contextmanager
 def _count_weight_quantizations(model, counts):
-    """Count ``quantize_current`` calls on a parameter's storage (the fprop weights)."""
-    real = recipes.quantize_current
-    ptrs = {p.data_ptr() for p in model.parameters()}
+    """Log each ``LinearQuantizer.quantize`` call (True for a weight operand)."""
+    real = recipes.LinearQuantizer.quantize
 
-    def counting(x, fmt, group=None):
-        counts.append(x.data_ptr() in ptrs)
-        return real(x, fmt, group)
+    def counting(self, role, x, gemm="fprop", phase=None):
+        counts.append(role == "weight")
+        return real(self, role, x, gemm, phase)
 
-    with _patched(recipes, "quantize_current", counting):
+    with _patched(recipes.LinearQuantizer, "quantize", counting):
         yield
 
 
@@ -146,12 +146,22 @@ def _cached_step_and_update(model, groups, cached):
     return out
 
 
+BLOCK = {
+    "blockwise": dict(fp8="e4m3", fp8_recipe="blockwise"),
+    "mxfp8": dict(fp8="hybrid", fp8_recipe="mxfp8"),
+    "nvfp4": dict(fp4="e2m1", fp4_recipe="nvfp4"),
+}
+
+
 def _tensorwise_cache_body(rank, world_size):
     groups = single_rank_groups()
-    cached = _cached_step_and_update(build_gpt(_fp8("tensorwise"), groups), groups, True)
-    plain = _cached_step_and_update(build_gpt(_fp8("tensorwise"), groups), groups, False)
-    assert [c for c, _ in cached] == [8, 8] and [c for c, _ in plain] == [32, 32], (cached, plain)
-    assert all(_equal(g, g_ref) for (_, g), (_, g_ref) in zip(cached, plain))
+    # Per-tensor: W for forward only (dgrad transposes it); block recipes: W and W^T (dgrad).
+    for kw, per_step in [(_fp8("tensorwise"), 8)] + [(llama_style(bf16=True, **b), 16) for b in BLOCK.values()]:
+        cached = _cached_step_and_update(build_gpt(kw, groups), groups, True)
+        plain = _cached_step_and_update(build_gpt(kw, groups), groups, False)
+        counts = ([c for c, _ in cached], [c for c, _ in plain])
+        assert counts == ([per_step] * 2, [4 * per_step] * 2), (kw.get("fp8_recipe", "nvfp4"), counts)
+        assert all(_equal(g, g_ref) for (_, g), (_, g_ref) in zip(cached, plain)), kw
     # Inside a step: an in-place change (new _version) and Megatron's new-step mark re-quantize.
     model = build_gpt(_fp8("tensorwise"), groups)
     quantizer = model.decoder.layers[0].mlp.linear_fc1.quantizer
