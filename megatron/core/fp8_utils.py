@@ -1,9 +1,13 @@
 """Switching a transformer layer's linears to FP8/FP4 GEMMs (Megatron's ``fp8_utils`` place).
 
 Megatron enters Transformer Engine's ``fp8_autocast`` around each layer; here each
-``ColumnParallelLinear`` / ``RowParallelLinear`` of a layer (attention, MLP, MoE experts) gets an
-explicit ``LinearQuantizer`` once, when the layer is built. Embeddings, the output layer and the
-first/last layers under ``first_last_layers_bf16`` keep their high-precision GEMMs.
+``ColumnParallelLinear`` / ``RowParallelLinear`` of a layer (attention, MLP, MoE experts) and each
+``ReplicatedLinear`` (MLA's down projections) gets an explicit ``LinearQuantizer`` once, when the
+layer is built. Embeddings, the output layer and the first/last layers under
+``first_last_layers_bf16`` keep their high-precision GEMMs. Multi-token prediction modules
+(``attach_mtp_quantizers``) are FP8 whenever the model is, as Megatron runs them in the global FP8
+context (no layer number, so outside the bf16 window); under FP4 they stay in high precision, as
+Megatron leaves them.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ import torch
 
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.quantization.fp8_gemm import check_fp8_dims
-from megatron.core.quantization.recipes import LinearQuantizer, recipe_from_config
+from megatron.core.quantization.recipes import LinearQuantizer, QuantRecipe, recipe_from_config
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.multi_latent_attention import ReplicatedLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+_QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
 
 
 def is_layer_in_high_precision(config: TransformerConfig, layer_number: int) -> bool:
@@ -37,15 +44,38 @@ def attach_quantizers(
     recipe = recipe_from_config(config)
     if recipe is None or is_layer_in_high_precision(config, layer_number):
         return 0
+    return _attach(layer, recipe, pg_collection, f"layer {layer_number}")
+
+
+def attach_mtp_quantizers(
+    mtp_layer: torch.nn.Module, config: TransformerConfig, pg_collection: ProcessGroupCollection
+) -> int:
+    """Quantizers for a multi-token prediction module (``eh_proj`` and its transformer layer): under
+    FP8 always (Megatron's global FP8 context, outside ``first_last_layers_bf16``), never under FP4."""
+    if not config.fp8:
+        return 0
+    return _attach(mtp_layer, recipe_from_config(config), pg_collection, "mtp")
+
+
+def _attach(layer: torch.nn.Module, recipe: QuantRecipe, pg_collection: ProcessGroupCollection, where: str) -> int:
+    """A ``LinearQuantizer`` for every quantizable linear of ``layer``; returns how many got one."""
     count = 0
     for name, module in layer.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module.weight is None:
+        if not isinstance(module, _QUANTIZABLE) or module.weight is None:
             continue
-        check_fp8_dims(f"layer {layer_number} {name}", *module.weight.shape)
-        group = pg_collection.tp_dp_cp if recipe.recipe == "delayed" else module.tp_group
-        module.quantizer = LinearQuantizer(recipe, group)
-        if module.is_expert:  # per-expert checkpoint keys, like the expert weights
+        check_fp8_dims(f"{where} {name}", *module.weight.shape)
+        module.quantizer = LinearQuantizer(recipe, _amax_group(module, recipe, pg_collection))
+        if getattr(module, "is_expert", False):  # per-expert checkpoint keys, like the expert weights
             for buffer in module.quantizer.buffers():
                 buffer.allreduce = False
         count += 1
     return count
+
+
+def _amax_group(module: torch.nn.Module, recipe: QuantRecipe, pg_collection: ProcessGroupCollection):
+    """Delayed: TP x DP x CP. Current scaling: the linear's TP group; for a replicated linear the TP
+    group too, so that under sequence parallelism (each rank its own tokens) every TP rank uses the
+    scale one rank would (TE reduces no amax for a duplicated linear: equal without SP)."""
+    if recipe.recipe == "delayed":
+        return pg_collection.tp_dp_cp
+    return pg_collection.tp if isinstance(module, ReplicatedLinear) else module.tp_group

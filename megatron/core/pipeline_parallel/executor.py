@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel.microbatch import (
     get_model_config,
 )
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
+from megatron.core.quantization.step import quantized_step
 
 Key = Tuple[str, int, int]
 
@@ -173,16 +174,17 @@ def run_schedule(call: ScheduleArgs) -> List[Any]:
     plan = st.comm_plan(slots, rank, pp_size, len(chunks))
     gate = _GradSyncGate(config, len(chunks), enabled=not forward_only)
     last_backward = _last_backward_per_chunk(slots) if not forward_only else {}
-    for batch, slot in zip(plan, slots):
-        run.exchange(batch)
-        for op in slot:
-            if op.kind == st.FORWARD:
-                run.forward(op)
-                continue
-            if op in last_backward:
-                gate.before_last_backward(op.chunk, last_backward[op])
-            run.backward(op)
-    run.exchange(plan[-1])
-    if not forward_only:
-        finalize_grads(config, chunks, run.total_tokens)
+    with quantized_step(chunks):  # FP8: weights quantized once, amax reductions batched
+        for batch, slot in zip(plan, slots):
+            run.exchange(batch)
+            for op in slot:
+                if op.kind == st.FORWARD:
+                    run.forward(op)
+                    continue
+                if op in last_backward:
+                    gate.before_last_backward(op.chunk, last_backward[op])
+                run.backward(op)
+        run.exchange(plan[-1])
+        if not forward_only:
+            finalize_grads(config, chunks, run.total_tokens)
     return run.store if rank == pp_size - 1 else []

@@ -63,6 +63,7 @@ from megatron.core.pipeline_parallel.schedule_utils import (
     get_tensor_shapes,
     set_current_microbatch,
 )
+from megatron.core.quantization.step import quantized_step
 from megatron.core.utils import unwrap_model
 
 ProcessGroupCollection = parallel_state.ProcessGroupCollection
@@ -157,15 +158,16 @@ def forward_backward_no_pipelining(
         if not forward_only:
             microbatch.backward_step(None, output, None, config)
 
-    if forward_only:
-        for _ in range(num_microbatches):
-            one(False)
-        return store
-    with _no_sync_context(config):
-        for _ in range(num_microbatches - 1):
-            one(True)
-    one(True)
-    finalize_grads(config, chunks, total_tokens)
+    with quantized_step(chunks):  # FP8: weights quantized once, amax reductions batched
+        if forward_only:
+            for _ in range(num_microbatches):
+                one(False)
+            return store
+        with _no_sync_context(config):
+            for _ in range(num_microbatches - 1):
+                one(True)
+        one(True)
+        finalize_grads(config, chunks, total_tokens)
     return store
 
 
@@ -252,8 +254,9 @@ def forward_step(
 ) -> tuple:
     """Run one microbatch (``microbatch.forward_step``) with Megatron-core's arguments.
 
-    ``is_first_microbatch`` and ``vp_stage`` only steer Transformer Engine's fp8 weight caching
-    and a consistency check upstream: no effect. ``current_microbatch`` is recorded on the
+    ``is_first_microbatch`` marks a new step as in Megatron (``set_is_first_microbatch``: weights
+    cached for FP8 are quantized again); ``vp_stage`` only steers a consistency check upstream: no
+    effect. ``current_microbatch`` is recorded on the
     decoder layers (``set_current_microbatch``). A context-parallel size over 1 and
     ``checkpoint_activations_microbatch`` are refused: the schedules pass the CP group itself.
 
@@ -267,6 +270,8 @@ def forward_step(
         )
     if current_microbatch is not None:
         set_current_microbatch(model, current_microbatch)
+    if is_first_microbatch and hasattr(unwrap_model(model), "set_is_first_microbatch"):
+        unwrap_model(model).set_is_first_microbatch()
     return microbatch.forward_step(
         forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
         is_last_stage=is_last_stage, collect_non_loss_data=collect_non_loss_data,

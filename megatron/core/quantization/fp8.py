@@ -13,13 +13,18 @@ round-to-nearest-even. How ``scale`` is chosen:
   ``scale = fp8_max / amax / 2**margin``, the old scale kept where amax is 0 or not finite.
 
 The amax is reduced (MAX) over a process group before use, so every rank holding a piece of
-the same logical tensor uses one scale, as TE's amax reduction does.
+the same logical tensor uses one scale, as TE's amax reduction does. A quantization needs only the
+scale computed from earlier amaxes, so the reduction can wait: with an ``AmaxReducer`` attached,
+states record their local amax and the reducer all-reduces every pending amax in one collective
+(a concatenated buffer, MAX) when a state with a pending amax is about to quantize again, or when
+told to (``flush``). TE likewise reduces all amaxes of an autocast region in one collective. MAX
+is exact, so histories and scales are bitwise those of one reduction per quantization.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -92,6 +97,9 @@ class DelayedScalingState(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(history_len, dtype=torch.float32))
         self.register_buffer("scale", torch.ones(1, dtype=torch.float32))
         self._checkpointed_scales: deque = deque()
+        self.reducer: Optional[AmaxReducer] = None  # set while amax reductions are deferred
+        self.pending = False  # a recorded amax waits in ``reducer``
+        self.register_state_dict_pre_hook(_refuse_pending)
 
     def _apply(self, fn, recurse: bool = True):
         """Moves follow the model; dtype casts (``Float16Module``'s ``.to(bf16)``) do not: the state stays fp32."""
@@ -105,13 +113,63 @@ class DelayedScalingState(torch.nn.Module):
             self.to(x.device)
         if phase == "recompute":
             return cast_to_fp8(x, self._checkpointed_scales.popleft(), self.fmt)
+        if self.pending:  # the scale must include the previous amax
+            self.reducer.flush()
         scale = self.scale.clone()
         if phase == "checkpointed":
             self._checkpointed_scales.append(scale)
         out = cast_to_fp8(x, scale, self.fmt)
-        self.amax_history[0] = tensor_amax(x, group)[0]
-        update_delayed_scaling(self.amax_history, self.scale, self.fmt, self.algo, self.margin)
+        if self.reducer is None:
+            self.record_amax(tensor_amax(x, group))
+        else:
+            self.reducer.record(self, tensor_amax(x))
         return out
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        """Write a reduced amax ``[1]`` into the history and update the scale."""
+        self.amax_history[0] = amax[0]
+        update_delayed_scaling(self.amax_history, self.scale, self.fmt, self.algo, self.margin)
+
+
+class AmaxReducer:
+    """Deferred amax reduction for the ``DelayedScalingState`` s of one amax group (module doc).
+
+    ``record`` keeps a state's local amax; ``flush`` all-reduces (MAX) all pending amaxes of this
+    rank in one collective over ``group`` and records each in its state, in recording order.
+    Every rank of ``group`` records the same states in the same order (they run the same layers
+    and schedule), so the buffers line up and the flushes happen at the same points.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        self._pending: List[Tuple[DelayedScalingState, torch.Tensor]] = []
+
+    def record(self, state: DelayedScalingState, amax: torch.Tensor) -> None:
+        """Queue ``state``'s local amax ``[1]`` until the next ``flush``."""
+        state.pending = True
+        self._pending.append((state, amax))
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """One all-reduce (MAX) of the pending amaxes ``[n]``, then each state's history and scale update."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        amaxes = torch.cat([amax for _, amax in pending])  # [n] fp32
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
+        for i, (state, _) in enumerate(pending):
+            state.pending = False
+            state.record_amax(amaxes[i : i + 1])
+
+
+def _refuse_pending(state: DelayedScalingState, prefix: str, keep_vars: bool) -> None:
+    """A state dict must not miss an amax still waiting for its reduction."""
+    if state.pending:
+        raise RuntimeError(
+            f"{prefix or 'DelayedScalingState'}: an amax is still pending in its AmaxReducer; "
+            "flush it (or save between steps) before taking a state dict"
+        )
 
 
 @torch.no_grad()

@@ -16,12 +16,21 @@ nvfp4          (``--fp4-format e2m1``) 16-element e2m1 blocks, e4m3 block scales
 
 Per-tensor operands are quantized once and transposed exactly for the backward GEMMs; block
 recipes quantize each GEMM's operands along that GEMM's inner dimension.
+
+Weights are quantized once per step inside a weight cache (``start_weight_cache``, opened by the
+schedules through ``quantization.step.quantized_step``), as Transformer Engine's
+``is_first_microbatch`` caching does: the weight does not change between the microbatches of one
+step. An entry is reused while the parameter is the same storage at the same ``_version``; the
+cache is dropped when the step ends (the optimizer then writes the weights, through ``.data``, which
+``_version`` does not see) and by ``invalidate_weight_cache`` (Megatron's ``set_is_first_microbatch``).
+Under delayed scaling a weight's amax is then recorded once per step, as in TE, where the cached
+microbatches skip the weight's cast and amax.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,6 +111,7 @@ class LinearQuantizer(torch.nn.Module):
             raise ValueError(f"fp8_recipe={recipe.recipe!r}: must be one of {FP8_RECIPES} (fp4_recipe: {FP4_RECIPES})")
         elif not recipe.per_tensor:
             self._block = BlockOperandQuantizer(recipe.recipe)
+        self._weight_cache: Optional[Dict[str, Tuple[tuple, QuantizedTensor]]] = None  # None: no caching
 
     def quantize(self, role: str, x: torch.Tensor, gemm: str = "fprop", phase: Optional[str] = None) -> QuantizedTensor:
         """Quantize ``role``'s 2-D operand ``x [rows, k]`` for ``gemm`` (blocks, if any, along ``k``).
@@ -115,6 +125,39 @@ class LinearQuantizer(torch.nn.Module):
         if self.recipe.recipe == "tensorwise":
             return quantize_current(x, fmt, self.amax_group)
         return self._block(x, role, gemm, fmt)
+
+    def quantize_weight(
+        self, weight: torch.Tensor, gemm: str = "fprop", phase: Optional[str] = None
+    ) -> QuantizedTensor:
+        """The weight ``[o, h]`` quantized for ``gemm``: as is for ``fprop``, transposed (``[h, o]``)
+        for ``dgrad``; from the weight cache while it is open (module doc).
+
+        A cached weight is quantized outside the recompute phases: it is recorded once, and the
+        recompute of a checkpointed forward finds the same cached tensor.
+        """
+        operand = (lambda: weight) if gemm == "fprop" else (lambda: weight.t().contiguous())
+        if self._weight_cache is None:
+            return self.quantize("weight", operand(), gemm, phase)
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+        hit = self._weight_cache.get(gemm)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        q = self.quantize("weight", operand(), gemm)
+        self._weight_cache[gemm] = (key, q)
+        return q
+
+    def start_weight_cache(self) -> None:
+        """Quantize each weight once until ``stop_weight_cache`` (the schedules' step)."""
+        self._weight_cache = {}
+
+    def invalidate_weight_cache(self) -> None:
+        """Forget the cached weights (they are quantized again at their next use), keeping caching on."""
+        if self._weight_cache is not None:
+            self._weight_cache = {}
+
+    def stop_weight_cache(self) -> None:
+        """Drop the cached weights and quantize on every use again."""
+        self._weight_cache = None
 
     def extra_repr(self) -> str:
         r = self.recipe

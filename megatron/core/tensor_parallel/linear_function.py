@@ -166,7 +166,7 @@ def _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase)
     """``X W^T + b`` on quantized operands; saves what the quantized backward needs (module doc)."""
     shape = _total_shape(input_, comm, group)
     x_q, x_keep = _quantize_input(quantizer, input_, group, comm, phase)
-    w_q = quantizer.quantize("weight", weight, phase=phase)  # [o, h]
+    w_q = quantizer.quantize_weight(weight, "fprop", phase)  # [o, h], cached within a step
     out = quantized_matmul(x_q, w_q, input_.dtype)  # [s*b, o]
     if bias is not None:
         out = out + bias
@@ -224,7 +224,7 @@ def _quantized_backward(ctx, grad_output: torch.Tensor):
         if quantizer.per_tensor:
             w_t = transpose(QuantizedTensor(saved[4], saved[5], tuple(saved[4].shape)))  # [h, o]
         else:
-            w_t = quantizer.quantize("weight", weight.t().contiguous(), "dgrad")  # [h, o], blocks along o
+            w_t = quantizer.quantize_weight(weight, "dgrad")  # [h, o], blocks along o
         grad_input = quantized_matmul(g_q, w_t, grad_output.dtype)  # [s*b, h] partial sum over TP
         grad_input = grad_input.reshape(grad_output.shape[:-1] + (weight.size(1),))  # [s, b, h]
     _wait(gather)

@@ -8,6 +8,7 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.state_dict import module_sharded_state_dict
+from megatron.core.quantization.recipes import LinearQuantizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -44,7 +45,11 @@ class MegatronModule(torch.nn.Module):
         return module_sharded_state_dict(self, prefix)
 
     def set_is_first_microbatch(self) -> None:
-        """Hook for kernels that cache weights per step (no-op in the PyTorch path)."""
+        """Megatron's new-step mark: quantized weights cached for the step are quantized again at
+        their next use (``LinearQuantizer.invalidate_weight_cache``)."""
+        for module in self.modules():
+            if isinstance(module, LinearQuantizer):
+                module.invalidate_weight_cache()
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:

@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.layers import _home_device
+from megatron.core.tensor_parallel.linear_function import COMM_NONE, parallel_linear
 from megatron.core.transformer.attention import DotProductAttention, run_core_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -49,7 +50,9 @@ class ReplicatedLinear(MegatronModule):
 
     Initialized with ``config.init_method`` from the default generator, which every TP rank seeds
     alike. Under sequence parallelism each rank sees its own tokens, so the weight is marked
-    ``sequence_parallel`` and its gradient is summed over TP like a norm's.
+    ``sequence_parallel`` and its gradient is summed over TP like a norm's. Under FP8 the GEMMs are
+    quantized (``quantizer``, set by ``fp8_utils.attach_quantizers``), as Megatron's ``TELinear``
+    runs them inside the layer's FP8 autocast.
     """
 
     def __init__(self, config: TransformerConfig, input_size: int, output_size: int) -> None:
@@ -59,10 +62,13 @@ class ReplicatedLinear(MegatronModule):
             config.init_method(weight)
         self.weight = torch.nn.Parameter(weight.to(device=_home_device(), dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
+        self.quantizer = None  # a quantization.recipes.LinearQuantizer under FP8/FP4
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, None]:
         """``[s, b, in]`` -> (``[s, b, out]``, None), like the parallel linears."""
-        return F.linear(x, self.weight), None
+        if self.quantizer is None:
+            return F.linear(x, self.weight), None
+        return parallel_linear(x, self.weight, None, None, COMM_NONE, False, self.quantizer), None  # [s, b, out]
 
 
 class MLASelfAttention(MegatronModule):

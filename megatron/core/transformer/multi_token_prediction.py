@@ -25,6 +25,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 
 from megatron.core.context_parallel import roll_left_over_cp
+from megatron.core.fp8_utils import attach_mtp_quantizers
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -70,6 +71,7 @@ class MultiTokenPredictionLayer(MegatronModule):
             layer_spec, config, layer_number=number, add_layer_offset=False, pg_collection=pg_collection
         )
         self.final_layernorm = build_norm(config, h)
+        attach_mtp_quantizers(self, config, pg_collection)  # FP8 GEMMs (eh_proj and the layer), as Megatron
 
     def forward(
         self,
