@@ -1,15 +1,20 @@
 """Switching a transformer layer's linears to FP8/FP4 GEMMs (Megatron's ``fp8_utils`` place).
 
-Megatron enters Transformer Engine's ``fp8_autocast`` around each layer; here each
-``ColumnParallelLinear`` / ``RowParallelLinear`` of a layer (attention, MLP, MoE experts) gets an
-explicit ``LinearQuantizer`` once, when the layer is built. Embeddings, the output layer and the
-first/last layers under ``first_last_layers_bf16`` keep their high-precision GEMMs.
+Each local ``ColumnParallelLinear`` / ``RowParallelLinear`` of a layer (attention, MLP, MoE
+experts) gets an explicit ``LinearQuantizer`` once, when the layer is built. A layer holding
+Transformer Engine's linears (``core/extensions/transformer_engine.py``) runs its forward inside
+TE's autocast with the mapped recipe and Megatron's amax-reduction group, as Megatron does
+(``layer_quantization_context``). Embeddings, the output layer and the first/last layers under
+``first_last_layers_bf16`` keep their high-precision GEMMs.
 """
 
 from __future__ import annotations
 
+from typing import Callable, ContextManager, Optional
+
 import torch
 
+from megatron.core.extensions.transformer_engine import is_te_linear, te_autocast, te_recipe
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.quantization.fp8_gemm import check_fp8_dims
 from megatron.core.quantization.recipes import LinearQuantizer, recipe_from_config
@@ -49,3 +54,16 @@ def attach_quantizers(
                 buffer.allreduce = False
         count += 1
     return count
+
+
+def layer_quantization_context(
+    layer: torch.nn.Module, config: TransformerConfig, pg_collection: ProcessGroupCollection, layer_number: int
+) -> Optional[Callable[[], ContextManager]]:
+    """What to enter around ``layer``'s forward: TE's autocast where the layer holds TE linears and runs
+    in FP8/FP4, else None. The amax group is the TP x DP x CP group (Megatron's amax-reduction group)."""
+    if recipe_from_config(config) is None or is_layer_in_high_precision(config, layer_number):
+        return None
+    if not any(is_te_linear(type(m), "column") or is_te_linear(type(m), "row") for m in layer.modules()):
+        return None
+    te_recipe(config)  # a setting TE cannot take raises here, when the model is built
+    return lambda: te_autocast(config, pg_collection.tp_dp_cp)
