@@ -10,8 +10,9 @@ implements the API the adapter uses in plain torch and records what it is handed
   parameter names and values; a GPT model equals the local one in loss and gradients at TP=1 and
   TP=2 (with and without SP), each layer's forward runs in TE's autocast with the mapped recipe and
   the TP x DP x CP group (none in the first/last bf16 window), and no local quantizer is attached.
-* Checkpoints: parameters load across impls both ways (torch_dist and the torch format); TE's
-  delayed-scaling state round-trips as a plain fp32 tensor; a pickled TE state is refused unread.
+* Checkpoints: parameters load across impls both ways (torch_dist and the torch format, through
+  the core API and through ``save_checkpoint`` / ``load_checkpoint``); TE's delayed-scaling state
+  round-trips as a plain fp32 tensor; a pickled TE state is refused unread.
 * Without TE, the same flag builds the local layers and says so once on rank 0.
 """
 
@@ -29,6 +30,7 @@ from megatron.core.dist_checkpointing import load_extra_states, model_sharded_st
 from megatron.core.extensions import transformer_engine as te_ext
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer import TransformerConfig
+from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from megatron.training.model_setup import report_transformer_impl
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gpt2_style, llama_style, loss_and_grads, single_rank_groups
@@ -170,12 +172,36 @@ def _checkpoints(tp_groups, directory):
         assert all(torch.equal(state[n], v) for n, v in saved.items())
 
 
+def _training_checkpoints(tp_groups, directory):
+    """``save_checkpoint`` / ``load_checkpoint`` in both formats: TE's delayed state back, weights across impls."""
+    delayed = gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4)
+    trained = build_gpt(delayed, tp_groups)
+    loss_and_grads(trained, tp_groups.tp)
+    saved = _fp8_state(trained)
+    for fmt in ("torch_dist", "torch"):
+        cfg = CheckpointConfig(save=f"{directory}/{fmt}", load=f"{directory}/{fmt}", ckpt_format=fmt)
+        save_checkpoint(1, [trained], None, None, cfg, {}, {}, pg_collection=tp_groups)
+        resumed = build_gpt(delayed, tp_groups, seed=13)
+        load_checkpoint([resumed], None, None, cfg, pg_collection=tp_groups)
+        assert all(torch.equal(_fp8_state(resumed)[n], v) for n, v in saved.items()), fmt
+        local = build_gpt(gpt2_style(transformer_impl="local"), tp_groups, seed=14)
+        save_checkpoint(2, [local], None, None, cfg, {}, {}, pg_collection=tp_groups)
+        into_te = build_gpt(gpt2_style(), tp_groups, seed=15)
+        load_checkpoint([into_te], None, None, cfg, pg_collection=tp_groups)
+        assert all(torch.equal(v, model_state_to_save(into_te)[k]) for k, v in local.state_dict().items()), fmt
+        save_checkpoint(3, [into_te], None, None, cfg, {}, {}, pg_collection=tp_groups)
+        into_local = build_gpt(gpt2_style(transformer_impl="local"), tp_groups, seed=16)
+        load_checkpoint([into_local], None, None, cfg, pg_collection=tp_groups)  # strict: no _extra_state keys
+        assert all(torch.equal(v, into_local.state_dict()[k]) for k, v in local.state_dict().items()), fmt
+
+
 def _body(rank, world_size, directory):
     tp_groups = ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     with fake_transformer_engine() as te:
         _compare_impls(tp_groups, single_rank_groups())
         _autocast_per_layer(te, tp_groups)
         _checkpoints(tp_groups, directory)
+        _training_checkpoints(tp_groups, directory)
     return True
 
 
