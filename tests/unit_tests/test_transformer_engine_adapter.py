@@ -231,11 +231,15 @@ def _refusal_body(rank, world_size):
             linear.set_extra_state(payload)
         with pytest.raises(ValueError, match="FP8 state has 3 values, this config expects 10"):
             linear.set_extra_state(torch.zeros(3))
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        with pytest.raises(NotImplementedError, match="fp8_recipe='delayed' with recompute_granularity='full'"):
+            build_gpt(gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="delayed", **recompute), single_rank_groups())
+        build_gpt(gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="tensorwise", **recompute), single_rank_groups())
     assert not _Alarm.ran
     return True
 
 
-def test_a_pickled_te_state_is_refused_unread():
+def test_refusals_a_pickled_te_state_unread_and_delayed_under_full_recompute():
     assert all(run_distributed(_refusal_body, 1))
 
 
