@@ -65,11 +65,11 @@ def layer_quantization_context(
         return None
     if not any(is_te_linear(type(m), "column") or is_te_linear(type(m), "row") for m in layer.modules()):
         return None
-    te_recipe(config)  # a setting TE cannot take raises here, when the model is built
+    recipe = te_recipe(config)  # mapped once, when the model is built: a setting TE cannot take raises here
     if recipe_from_config(config).recipe == "delayed" and config.recompute_granularity == "full":
         raise NotImplementedError(
             "fp8_recipe='delayed' with recompute_granularity='full' under transformer_impl='transformer_engine': "
             "not supported yet (TE's delayed scaling needs its own handling of recomputed forwards); use "
             "--transformer-impl local, whose delayed scaling handles recomputation, or another --fp8-recipe"
         )
-    return lambda: te_autocast(config, pg_collection.tp_dp_cp)
+    return lambda: te_autocast(recipe, pg_collection.tp_dp_cp)

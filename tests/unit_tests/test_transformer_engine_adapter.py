@@ -84,6 +84,22 @@ def test_fp4_recipe_mapping_and_refusals():
         TransformerConfig(**BASE, transformer_impl="inference_optimized")
 
 
+def test_autocast_and_older_tes_fp8_autocast(monkeypatch):
+    """``autocast`` where TE has it, else ``fp8_autocast``: the same recipe and group either way."""
+    group = object()
+    with fake_transformer_engine() as te:
+        recipe = te_ext.te_recipe(TransformerConfig(**BASE, fp8="hybrid", fp8_recipe="tensorwise"))
+        with te_ext.te_autocast(recipe, group):
+            pass
+        monkeypatch.delattr(te, "autocast")
+        with te_ext.te_autocast(recipe, group):
+            pass
+        assert [(r["kind"], r["recipe"], r["group"], r["enabled"]) for r in te.RECORD] == [
+            ("autocast", recipe, group, True),
+            ("fp8_autocast", recipe, group, True),
+        ]
+
+
 def _linears(model):
     return [
         (n, type(m).__name__)

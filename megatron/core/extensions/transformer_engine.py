@@ -22,7 +22,7 @@ never needs it; ``te_import_error()`` says whether it imports here (its core lib
   ``fp8_format``: ``Format.E4M3`` for ``--fp8-format e4m3``, ``Format.HYBRID`` for ``hybrid``.
   ``--no-fp8-wgrad`` needs a recipe field keeping wgrad in high precision (``DelayedScaling``'s
   ``override_linear_precision``, where the installed TE has it); otherwise it is refused.
-* ``te_autocast(config, amax_group)``: TE's ``autocast`` (``fp8_autocast`` in older TE) with that
+* ``te_autocast(recipe, amax_group)``: TE's ``autocast`` (``fp8_autocast`` in older TE) with that
   recipe and amax-reduction group, entered around each transformer layer (``fp8_utils``).
 * FP8 state: TE keeps delayed scaling's scales and amax histories in ``fp8_meta`` and checkpoints
   them as a pickled byte tensor. Here ``_extra_state`` is a plain fp32 tensor instead: forward
@@ -127,9 +127,9 @@ def _high_precision_wgrad(cls: type, wgrad: bool) -> Dict[str, Tuple[bool, bool,
     return {"override_linear_precision": (False, False, True)}
 
 
-def te_autocast(config: ModelParallelConfig, amax_group: Optional[dist.ProcessGroup]) -> ContextManager:
-    """TE's quantization autocast with ``te_recipe(config)``, amaxes reduced over ``amax_group``."""
-    te, recipe = _te_pytorch(), te_recipe(config)
+def te_autocast(recipe: Any, amax_group: Optional[dist.ProcessGroup]) -> ContextManager:
+    """TE's quantization autocast with ``recipe`` (``te_recipe(config)``), amaxes reduced over ``amax_group``."""
+    te = _te_pytorch()
     if hasattr(te, "autocast"):  # newer TE; fp8_autocast is its deprecated spelling
         return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group)
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)

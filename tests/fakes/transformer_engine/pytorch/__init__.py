@@ -23,14 +23,7 @@ _ACTIVE: List[dict] = []
 
 
 @contextlib.contextmanager
-def autocast(
-    enabled: bool = True,
-    calibrating: bool = False,
-    recipe=None,
-    amax_reduction_group=None,
-    _graph: bool = False,
-):
-    entry = {"kind": "autocast", "enabled": enabled, "recipe": recipe, "group": amax_reduction_group}
+def _quantizing(entry: dict):
     RECORD.append(entry)
     _ACTIVE.append(entry)
     try:
@@ -39,8 +32,19 @@ def autocast(
         _ACTIVE.pop()
 
 
+def autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    recipe=None,
+    amax_reduction_group=None,
+    _graph: bool = False,
+):
+    return _quantizing({"kind": "autocast", "enabled": enabled, "recipe": recipe, "group": amax_reduction_group})
+
+
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None, _graph=False):
-    return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group)
+    """Older TE's name (deprecated in newer TE)."""
+    return _quantizing({"kind": "fp8_autocast", "enabled": enabled, "recipe": fp8_recipe, "group": fp8_group})
 
 
 class _DelayedState:
@@ -89,7 +93,7 @@ class Linear(torch.nn.Module):
         self.fp8_meta_tensors_initialized = True
 
     def _record(self, x: torch.Tensor) -> None:
-        recipe = _ACTIVE[-1]["recipe"] if _ACTIVE and _ACTIVE[-1]["enabled"] else None
+        recipe = _ACTIVE[-1]["recipe"] if _ACTIVE and _ACTIVE[-1]["enabled"] else None  # the innermost autocast
         RECORD.append({"kind": "forward", "recipe": recipe, "mode": self.parallel_mode})
         if recipe is None or not recipe.delayed():
             return
