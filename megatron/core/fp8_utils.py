@@ -10,6 +10,7 @@ TE's autocast with the mapped recipe and Megatron's amax-reduction group, as Meg
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, ContextManager, Optional
 
 import torch
@@ -72,4 +73,4 @@ def layer_quantization_context(
             "not supported yet (TE's delayed scaling needs its own handling of recomputed forwards); use "
             "--transformer-impl local, whose delayed scaling handles recomputation, or another --fp8-recipe"
         )
-    return lambda: te_autocast(recipe, pg_collection.tp_dp_cp)
+    return functools.partial(te_autocast, recipe, pg_collection.tp_dp_cp)
