@@ -15,4 +15,16 @@ MCORE_ORACLE=${MCORE_ORACLE:-$HOME/.cache/megatron-open/megatron-core-0.16.1}
   python -m pip install --quiet --no-deps --target "$MCORE_ORACLE" megatron-core==0.16.1 ||
   echo "oracle not installed: pip install --no-deps --target $MCORE_ORACLE megatron-core==0.16.1 failed; the BERT parity test will skip" >&2
 export MCORE_ORACLE
+# Transformer Engine 2.9.0's sources, unpacked outside the repo and never installed (its core library needs
+# CUDA), are the oracle of the TE adapter's keywords and of the fake TE's signatures
+# (tests/unit_tests/test_te_oracle.py): a download and an unzip; without them that test skips.
+TE_SOURCE_ORACLE=${TE_SOURCE_ORACLE:-$HOME/.cache/megatron-open/transformer_engine-2.9.0}
+if [ ! -f "$TE_SOURCE_ORACLE/transformer_engine/pytorch/module/linear.py" ]; then
+  te_wheels=$(mktemp -d)
+  { python -m pip download --quiet --no-deps --dest "$te_wheels" transformer_engine==2.9.0 &&
+    python -m zipfile -e "$te_wheels"/transformer_engine-2.9.0-py3-none-any.whl "$TE_SOURCE_ORACLE"; } ||
+    echo "oracle not fetched: pip download --no-deps transformer_engine==2.9.0 failed; the TE oracle test will skip" >&2
+  rm -rf "$te_wheels"
+fi
+export TE_SOURCE_ORACLE
 exec python -m pytest -q --durations=15 tests "$@"

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.core.models import BertModel, GPTModel
 from megatron.core.models.bert import bert_layer_post_ln_spec
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
@@ -144,6 +145,16 @@ def gather_tp(tensor: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torc
     dim, stride = param.partition_dim, param.partition_stride
     pieces = [torch.chunk(s, stride, dim=dim) for s in shards]
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(world)], dim=dim)
+
+
+def loss_and_grads(model: torch.nn.Module, tp_group, seed: int = 0):
+    """One forward/backward of a GPT on ``batch(seed)``: the loss and every full (TP-gathered) gradient by name."""
+    model.zero_grad(set_to_none=True)
+    tokens, labels = batch(seed)
+    loss = model(tokens, None, None, labels=labels).mean()  # [b, s] -> []
+    loss.backward()
+    allreduce_sequence_parallel_grads([model], tp_group)
+    return loss.detach(), {n: gather_tp(p.grad, p, tp_group) for n, p in model.named_parameters()}
 
 
 def batch(seed: int = 0, b: int = 2, s: int = SEQ, vocab: int = VOCAB):

@@ -1,19 +1,24 @@
 """Switching a transformer layer's linears to FP8/FP4 GEMMs (Megatron's ``fp8_utils`` place).
 
-Megatron enters Transformer Engine's ``fp8_autocast`` around each layer; here each
-``ColumnParallelLinear`` / ``RowParallelLinear`` of a layer (attention, MLP, MoE experts) and each
-``ReplicatedLinear`` (MLA's down projections) gets an explicit ``LinearQuantizer`` once, when the
-layer is built. Embeddings, the output layer and the first/last layers under
-``first_last_layers_bf16`` keep their high-precision GEMMs. Multi-token prediction modules
-(``attach_mtp_quantizers``) are FP8 whenever the model is, as Megatron runs them in the global FP8
-context (no layer number, so outside the bf16 window); under FP4 they stay in high precision, as
-Megatron leaves them.
+Each local ``ColumnParallelLinear`` / ``RowParallelLinear`` of a layer (attention, MLP, MoE
+experts) and each ``ReplicatedLinear`` (MLA's down projections) gets an explicit ``LinearQuantizer``
+once, when the layer is built. A layer holding Transformer Engine's linears
+(``core/extensions/transformer_engine.py``) runs its forward inside TE's autocast with the mapped
+recipe and Megatron's amax-reduction group, as Megatron does (``layer_quantization_context``).
+Embeddings, the output layer and the first/last layers under ``first_last_layers_bf16`` keep their
+high-precision GEMMs. Multi-token prediction modules (``attach_mtp_quantizers``) are FP8 whenever
+the model is, as Megatron runs them in the global FP8 context (no layer number, so outside the bf16
+window); under FP4 they stay in high precision, as Megatron leaves them.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Callable, ContextManager, Optional
+
 import torch
 
+from megatron.core.extensions.transformer_engine import is_te_linear, te_autocast, te_recipe
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.quantization.fp8_gemm import check_fp8_dims
 from megatron.core.quantization.recipes import LinearQuantizer, QuantRecipe, recipe_from_config
@@ -79,3 +84,22 @@ def _amax_group(module: torch.nn.Module, recipe: QuantRecipe, pg_collection: Pro
     if recipe.recipe == "delayed":
         return pg_collection.tp_dp_cp
     return pg_collection.tp if isinstance(module, ReplicatedLinear) else module.tp_group
+
+
+def layer_quantization_context(
+    layer: torch.nn.Module, config: TransformerConfig, pg_collection: ProcessGroupCollection, layer_number: int
+) -> Optional[Callable[[], ContextManager]]:
+    """What to enter around ``layer``'s forward: TE's autocast where the layer holds TE linears and runs
+    in FP8/FP4, else None. The amax group is the TP x DP x CP group (Megatron's amax-reduction group)."""
+    if recipe_from_config(config) is None or is_layer_in_high_precision(config, layer_number):
+        return None
+    if not any(is_te_linear(type(m), "column") or is_te_linear(type(m), "row") for m in layer.modules()):
+        return None
+    recipe = te_recipe(config)  # mapped once, when the model is built: a setting TE cannot take raises here
+    if recipe_from_config(config).recipe == "delayed" and config.recompute_granularity == "full":
+        raise NotImplementedError(
+            "fp8_recipe='delayed' with recompute_granularity='full' under transformer_impl='transformer_engine': "
+            "not supported yet (TE's delayed scaling needs its own handling of recomputed forwards); use "
+            "--transformer-impl local, whose delayed scaling handles recomputation, or another --fp8-recipe"
+        )
+    return functools.partial(te_autocast, recipe, pg_collection.tp_dp_cp)

@@ -311,7 +311,7 @@ def _save_legacy(
         if rng_state is not None:
             state["rng_state"] = rng
         for i, chunk in enumerate(model_chunks):
-            state["model" if len(model_chunks) == 1 else f"model{i}"] = unwrap_model(chunk).state_dict()
+            state["model" if len(model_chunks) == 1 else f"model{i}"] = dc.model_state_to_save(unwrap_model(chunk))
         if optim_state is not None:
             state["optimizer"] = optim_state
     _agreed_write(lambda: _write_torch_file(path, state), iter_dir, writer=writer)
@@ -526,6 +526,8 @@ def _load_sharded(
         () if optimizer is not None else (dc.OPTIMIZER_STATE_PREFIX,),
     )
     dc.load(sharded, iter_dir)
+    for chunk in model_chunks:  # parameters were read in place; extra states (TE's FP8 state) go back here
+        dc.load_extra_states(chunk, sharded, groups)
     if optimizer is not None:
         state: Dict[str, Any] = dict(plain_data.decode(common.get("optimizer") or {}))
         state.update(per_param)

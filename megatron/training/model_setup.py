@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.extensions.transformer_engine import te_import_error
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ProcessGroupCollection
@@ -42,6 +43,7 @@ def build_model_chunks(
     groups: ProcessGroupCollection,
 ) -> List[torch.nn.Module]:
     """One model per virtual pipeline chunk held by this rank (one chunk without interleaving)."""
+    report_transformer_impl(config)
     vp = args.virtual_pipeline_model_parallel_size
     pp_rank, pp_size = groups.rank_in("pp"), groups.size_of("pp")
     chunks = []
@@ -63,6 +65,19 @@ def build_model_chunks(
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def report_transformer_impl(config: TransformerConfig) -> None:
+    """One line on global rank 0 when ``--transformer-impl transformer_engine`` falls back to the local layers."""
+    if config.transformer_impl != "transformer_engine" or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    reason = te_import_error()
+    if reason is not None:
+        print(
+            f" > --transformer-impl transformer_engine: Transformer Engine does not import here ({reason}); "
+            "running the local layers (same parameters; FP8/FP4 through megatron.core.quantization)",
+            flush=True,
+        )
 
 
 def _report_parameters(chunks: List[torch.nn.Module], groups: ProcessGroupCollection) -> None:

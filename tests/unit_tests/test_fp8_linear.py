@@ -34,13 +34,12 @@ import torch.nn.functional as F
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import model_sharded_state_dict
-from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.core.fp8_utils import attach_quantizers
 from megatron.core.quantization.fp8 import cast_to_fp8, quantize_current
 from megatron.core.quantization.recipes import LinearQuantizer, QuantRecipe
 from megatron.core.tensor_parallel.linear_function import parallel_linear
 from tests.dist_harness import run_distributed
-from tests.model_utils import batch, build_gpt, gather_tp, gpt2_style, llama_style, single_rank_groups
+from tests.model_utils import batch, build_gpt, gpt2_style, llama_style, loss_and_grads, single_rank_groups
 
 S, B, H, O = 8, 4, 32, 48
 
@@ -156,13 +155,8 @@ def _fp8_style(recipe, **kw):
 
 def _two_steps(model, tp_group):
     """Two forward/backward passes (the second uses delayed scales); loss and gathered grads of the second."""
-    for seed in (0, 1):
-        model.zero_grad(set_to_none=True)
-        tokens, labels = batch(seed)
-        loss = model(tokens, None, None, labels=labels).mean()  # [b, s] -> []
-        loss.backward()
-    allreduce_sequence_parallel_grads([model], tp_group)
-    return loss.detach(), {n: gather_tp(p.grad, p, tp_group) for n, p in model.named_parameters()}
+    loss_and_grads(model, tp_group, 0)
+    return loss_and_grads(model, tp_group, 1)
 
 
 def _scaling_state(model):

@@ -22,6 +22,7 @@ from megatron.core.utils import named_model_params, unwrap_model
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
+EXTRA_STATE = "_extra_state"  # torch.nn.Module's state_dict key for get_extra_state()
 
 
 def model_process_groups(
@@ -80,7 +81,7 @@ def _entries(
     tp_rank, tp_size, dp_rank = groups.rank_in("tp"), groups.size_of("tp"), groups.rank_in("dp_cp")
     entries = []
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or is_empty_extra_state(name, tensor):
             continue
         if is_expert_param(tensor):
             key = prefix + _global_name(_global_name(name, experts), prefixes)
@@ -95,6 +96,37 @@ def _entries(
             spec = sharded_tensor_for(prefix + _global_name(name, prefixes), tensor, tp_rank, tp_size, dp_rank)
         entries.append((name, tensor, spec))
     return entries
+
+
+def is_empty_extra_state(name: str, value: object) -> bool:
+    """A module's ``_extra_state`` that holds nothing (an empty tensor): left out of checkpoints, so
+    that a model whose modules have extra state (Transformer Engine's linears) and one whose modules
+    have none write the same keys."""
+    return name.rpartition(".")[2] == EXTRA_STATE and isinstance(value, torch.Tensor) and value.numel() == 0
+
+
+def model_state_to_save(module: torch.nn.Module) -> Dict[str, object]:
+    """``module.state_dict()`` without empty extra states (``is_empty_extra_state``)."""
+    return {k: v for k, v in module.state_dict().items() if not is_empty_extra_state(k, v)}
+
+
+def load_extra_states(
+    model_chunk: torch.nn.Module, loaded: ShardedStateDict, pg_collection: Optional[ProcessGroupCollection] = None
+) -> int:
+    """Hand each module its ``_extra_state`` read into ``loaded`` (``sharded_state_dict``'s keys); returns how many.
+
+    Parameters and buffers are loaded in place through their views; an extra state is a value the
+    module produced (``get_extra_state``), so it goes back through ``set_extra_state``.
+    """
+    model = unwrap_model(model_chunk)
+    groups = model_process_groups(model, pg_collection)
+    count = 0
+    for name, _, spec in _entries(model_chunk, "", groups):
+        module_name, _, last = name.rpartition(".")
+        if last == EXTRA_STATE and spec.key in loaded:
+            model.get_submodule(module_name).set_extra_state(loaded[spec.key].data)
+            count += 1
+    return count
 
 
 def sharded_state_dict(

@@ -2,12 +2,19 @@
 
 Per-tensor scales on both sides go to ``torch._scaled_mm`` (CPU and CUDA: float8 inputs,
 fp32 accumulation, output in the activation dtype). Block-scaled operands (blockwise, mxfp8,
-nvfp4) are emulated exactly: dequantize to fp32, fp32 matmul. CUDA's kernel wants every
-dimension a multiple of 16: the token dimension, which varies (MoE experts), is zero-padded
-there; the weight dimensions are checked once when FP8 is switched on (``check_fp8_dims``).
+nvfp4) are emulated exactly: dequantize to fp32, fp32 matmul.
+
+The operands handed to ``torch._scaled_mm`` follow the CUDA kernel's rules on every device, so
+that a CPU run exercises the layout a GPU gets (``scaled_mm_operands``): the first operand
+row-major ``[m, k]``, the second column-major ``[k, n]``, every dimension a multiple of 16
+(zero rows/columns are appended and cut off again: they change no sum), fp32 one-element scales
+on the operands' device. Where the kernel has no variant (both operands e5m2, or an output dtype
+other than bf16 / fp16 / fp32) the GEMM is emulated instead (``scaled_mm_supported``).
 """
 
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +23,8 @@ from megatron.core.quantization.gemm import emulated_gemm
 from megatron.core.quantization.tensor import QuantizedTensor
 
 FP8_GEMM_MULTIPLE = 16
+SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def is_per_tensor(q: QuantizedTensor) -> bool:
@@ -48,20 +57,38 @@ def _pad_cols(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if pad == 0 else F.pad(x.view(torch.uint8), (0, pad)).view(x.dtype).contiguous()
 
 
+def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` has a kernel for ``a @ b^T``: per-tensor float8 operands, not both
+    e5m2 (cuBLASLt has no e5m2 x e5m2 FP8 GEMM), an output dtype among ``SCALED_MM_OUT_DTYPES``."""
+    if not (is_per_tensor(a) and is_per_tensor(b)):
+        return False
+    if a.data.dtype not in _FP8_DTYPES or b.data.dtype not in _FP8_DTYPES:
+        return False
+    both_e5m2 = a.data.dtype == b.data.dtype == torch.float8_e5m2
+    return not both_e5m2 and out_dtype in SCALED_MM_OUT_DTYPES
+
+
+def scaled_mm_operands(
+    a: QuantizedTensor, b: QuantizedTensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch._scaled_mm``'s ``(mat1, mat2, scale_a, scale_b)`` for ``a @ b^T`` in the CUDA kernel's layout.
+
+    ``mat1`` ``[m', k']`` row-major, ``mat2`` ``[k', n']`` column-major (the transpose view of a
+    contiguous ``[n', k']``), the primed sizes rounded up to multiples of 16 with zeros; ``scale_a`` /
+    ``scale_b`` 0-dim fp32 on the operands' device.
+    """
+    device = a.data.device
+    mat1 = _pad_cols(_pad_rows(a.data, FP8_GEMM_MULTIPLE), FP8_GEMM_MULTIPLE).contiguous()  # [m', k']
+    b_rows = _pad_cols(_pad_rows(b.data, FP8_GEMM_MULTIPLE), FP8_GEMM_MULTIPLE).contiguous()  # [n', k']
+    scale_a = a.scale_inv.reshape(()).to(device=device, dtype=torch.float32)
+    scale_b = b.scale_inv.reshape(()).to(device=device, dtype=torch.float32)
+    return mat1, b_rows.t(), scale_a, scale_b  # mat2: [k', n'] column-major, as the kernel wants
+
+
 def _scaled_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor ``a.real @ b.real^T`` ``[m, n]`` through ``torch._scaled_mm`` (fp32 accumulation)."""
-    a_data, b_data = a.data, b.data  # [m, k], [n, k]
-    m, n = a_data.size(0), b_data.size(0)
-    if a_data.is_cuda:  # the CUDA kernel's rule; zero rows/columns change no sum
-        a_data = _pad_cols(_pad_rows(a_data, FP8_GEMM_MULTIPLE), FP8_GEMM_MULTIPLE)
-        b_data = _pad_cols(_pad_rows(b_data, FP8_GEMM_MULTIPLE), FP8_GEMM_MULTIPLE)
-    out = torch._scaled_mm(
-        a_data.contiguous(),
-        b_data.contiguous().t(),  # column-major [k, n], as the kernel wants
-        scale_a=a.scale_inv.reshape(()).float(),
-        scale_b=b.scale_inv.reshape(()).float(),
-        out_dtype=out_dtype,
-    )  # [m', n']
+    m, n = a.data.size(0), b.data.size(0)
+    out = torch._scaled_mm(*scaled_mm_operands(a, b), out_dtype=out_dtype)  # [m', n']
     return out[:m, :n]
 
 
@@ -71,7 +98,6 @@ def quantized_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dt
         raise ValueError(f"quantized_matmul: inner dimensions differ: {tuple(a.data.shape)} x {tuple(b.data.shape)}^T")
     if a.data.size(0) == 0 or b.data.size(0) == 0 or a.data.size(1) == 0:
         return torch.zeros(a.data.size(0), b.data.size(0), dtype=out_dtype, device=a.data.device)
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if is_per_tensor(a) and is_per_tensor(b) and a.data.dtype in fp8 and b.data.dtype in fp8:
+    if scaled_mm_supported(a, b, out_dtype):
         return _scaled_mm(a, b, out_dtype)
     return emulated_gemm(a, b, out_dtype)  # [m, n]: dequantize, fp32 matmul

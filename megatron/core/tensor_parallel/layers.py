@@ -133,8 +133,14 @@ def _shard_of_master(
     return torch.cat(blocks[rank::world], dim=dim)
 
 
-def _make_weight(
-    shape: Tuple[int, int],
+def _make_weight(shape: Tuple[int, int], config: ModelParallelConfig) -> torch.nn.Parameter:
+    """An uninitialized weight (on the CPU under ``use_cpu_initialization``): ``init_weight_shard_`` fills it."""
+    device = torch.device("cpu") if config.use_cpu_initialization else _home_device()
+    return torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+
+
+def init_weight_shard_(
+    weight: torch.nn.Parameter,
     full_shape: Tuple[int, int],
     partition_dim: int,
     stride: int,
@@ -142,37 +148,25 @@ def _make_weight(
     config: ModelParallelConfig,
     group: dist.ProcessGroup,
     rng_stream: str,
-) -> torch.nn.Parameter:
-    """Allocate a sharded weight and initialize it the way ``config`` asks.
+) -> None:
+    """Mark ``weight`` as this rank's shard along ``partition_dim`` and initialize it as ``config`` asks.
 
-    ``use_cpu_initialization``: build the full ``full_shape`` weight with the
-    default generator (so the same seed gives the same model for any TP size) and
-    keep this rank's shard. Otherwise each rank fills its own shard under the
-    tracked per-TP-rank stream ``rng_stream``.
+    ``use_cpu_initialization``: build the full ``full_shape`` weight with the default generator
+    (so the same seed gives the same model for any TP size) and keep this rank's shard. Otherwise
+    each rank fills its own shard under the tracked per-TP-rank stream ``rng_stream``. The weight
+    ends on this rank's device.
     """
-    # CPU initialization builds on the CPU and moves the shard afterwards.
-    device = torch.device("cpu") if config.use_cpu_initialization else _home_device()
-    weight = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
-    if config.perform_initialization:
+    if config.perform_initialization and config.use_cpu_initialization:
+        master = torch.empty(full_shape, dtype=torch.float32)
+        init_method(master)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         with torch.no_grad():
-            if config.use_cpu_initialization:
-                master = torch.empty(full_shape, dtype=torch.float32)
-                init_method(master)
-                shard = _shard_of_master(
-                    master,
-                    shape[partition_dim],
-                    partition_dim,
-                    stride,
-                    dist.get_rank(group),
-                    dist.get_world_size(group),
-                )
-                weight.copy_(shard.to(config.params_dtype))
-            else:
-                with get_cuda_rng_tracker().fork(rng_stream):
-                    init_method(weight)
+            weight.copy_(_shard_of_master(master, weight.shape[partition_dim], partition_dim, stride, rank, world))
+    elif config.perform_initialization:
+        with torch.no_grad(), get_cuda_rng_tracker().fork(rng_stream):
+            init_method(weight)
     weight.data = weight.data.to(_home_device())
-    return weight
 
 
 def _make_bias(size: int, config: ModelParallelConfig) -> torch.nn.Parameter:
@@ -180,7 +174,22 @@ def _make_bias(size: int, config: ModelParallelConfig) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros(size, dtype=config.params_dtype, device=_home_device()))
 
 
-def _rng_stream(is_expert: bool) -> str:
+def mark_column_bias(bias: torch.nn.Parameter, stride: int, is_expert: bool) -> None:
+    """A column-parallel bias is split like the output dim; experts' are not reduced over DP."""
+    set_tensor_model_parallel_attributes(bias, True, 0, stride)
+    bias.allreduce = not is_expert
+
+
+def mark_row_bias(bias: torch.nn.Parameter, sequence_parallel: bool, is_expert: bool) -> None:
+    """A row-parallel bias is replicated; under SP each rank's bias grad covers only its sequence piece,
+    so training must all-reduce it (``sequence_parallel``)."""
+    set_tensor_model_parallel_attributes(bias, False, -1, 1)
+    bias.sequence_parallel = sequence_parallel
+    bias.allreduce = not is_expert
+
+
+def weight_rng_stream(is_expert: bool) -> str:
+    """The tracked RNG stream a linear's weight is initialized from."""
     return "expert-parallel-rng" if is_expert else "model-parallel-rng"
 
 
@@ -237,14 +246,15 @@ class ColumnParallelLinear(torch.nn.Module):
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
-            self.weight = _make_weight(
-                shape, (output_size, input_size), 0, stride, init_method, config, self.tp_group, _rng_stream(is_expert)
+            self.weight = _make_weight(shape, config)
+            full = (output_size, input_size)
+            init_weight_shard_(
+                self.weight, full, 0, stride, init_method, config, self.tp_group, weight_rng_stream(is_expert)
             )
             self.weight.allreduce = not is_expert
         if bias:
             self.bias = _make_bias(self.output_size_per_partition, config)
-            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-            self.bias.allreduce = not is_expert
+            mark_column_bias(self.bias, stride, is_expert)
         else:
             self.register_parameter("bias", None)
 
@@ -333,23 +343,15 @@ class RowParallelLinear(torch.nn.Module):
                 "(the bias must be added after the MoE layer's reduction)"
             )
         self.input_size_per_partition = divide(input_size, world)
-        self.weight = _make_weight(
-            (output_size, self.input_size_per_partition),
-            (output_size, input_size),
-            1,
-            stride,
-            init_method,
-            config,
-            self.tp_group,
-            _rng_stream(is_expert),
+        self.weight = _make_weight((output_size, self.input_size_per_partition), config)
+        full = (output_size, input_size)
+        init_weight_shard_(
+            self.weight, full, 1, stride, init_method, config, self.tp_group, weight_rng_stream(is_expert)
         )
         self.weight.allreduce = not is_expert
         if bias:
             self.bias = _make_bias(output_size, config)
-            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
-            # Under SP each rank's bias grad covers only its sequence piece: training must all-reduce it.
-            self.bias.sequence_parallel = config.sequence_parallel and not self.explicit_expert_comm
-            self.bias.allreduce = not is_expert
+            mark_row_bias(self.bias, config.sequence_parallel and not self.explicit_expert_comm, is_expert)
         else:
             self.register_parameter("bias", None)
 
@@ -402,16 +404,9 @@ class VocabParallelEmbedding(torch.nn.Module):
             num_embeddings, rank, world
         )
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
-        self.weight = _make_weight(
-            (self.num_embeddings_per_partition, embedding_dim),
-            (num_embeddings, embedding_dim),
-            0,
-            1,
-            init_method,
-            config,
-            self.tp_group,
-            _rng_stream(False),
-        )
+        self.weight = _make_weight((self.num_embeddings_per_partition, embedding_dim), config)
+        full = (num_embeddings, embedding_dim)
+        init_weight_shard_(self.weight, full, 0, 1, init_method, config, self.tp_group, weight_rng_stream(False))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Embed ``[b, s]`` ids; returns ``[b, s, h]`` or ``[s/tp, b, h]`` (see class doc)."""

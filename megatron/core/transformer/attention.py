@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.context_parallel import cp_chunk_positions, gather_kv_over_cp
+from megatron.core.extensions.transformer_engine import is_te_linear
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
@@ -283,10 +284,13 @@ class SelfAttentionSubmodules:
         """Raise unless every part is one this module builds; whether query/key norms are asked for."""
         expected = {"linear_qkv": ColumnParallelLinear, "core_attention": DotProductAttention}
         expected["linear_proj"] = RowParallelLinear
+        te_modes = {"linear_qkv": "column", "linear_proj": "row"}
         for name, cls in expected.items():
-            if getattr(self, name) not in (cls, None):
+            value = getattr(self, name)
+            if value not in (cls, None) and not is_te_linear(value, te_modes.get(name, "")):
                 raise NotImplementedError(
-                    f"SelfAttentionSubmodules.{name}={getattr(self, name)!r}: only {cls.__name__}"
+                    f"SelfAttentionSubmodules.{name}={value!r}: only {cls.__name__}"
+                    + (f" or the Transformer Engine {te_modes[name]}-parallel linear" if name in te_modes else "")
                 )
         allowed = (None, Norm, LayerNorm if config.normalization == "LayerNorm" else RMSNorm)
         norms = (self.q_layernorm, self.k_layernorm)
@@ -335,7 +339,7 @@ class SelfAttention(MegatronModule):
         if qk_layernorm is None and submodules is not None:
             qk_layernorm = spec_norms or None
         groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
-        self._build(config, layer_number, attn_mask_type, groups, qk_layernorm)
+        self._build(config, layer_number, attn_mask_type, groups, qk_layernorm, submodules or SelfAttentionSubmodules())
 
     def _build(
         self,
@@ -344,13 +348,14 @@ class SelfAttention(MegatronModule):
         attn_mask_type: AttnMaskType,
         groups: ProcessGroupCollection,
         qk_layernorm: Optional[bool],
+        submodules: SelfAttentionSubmodules,
     ) -> None:
         tp = groups.size_of("tp")
         self.heads_per_rank = config.num_attention_heads // tp
         self.groups_per_rank = config.num_query_groups // tp
         d = config.kv_channels
         qkv_size = d * (config.num_attention_heads + 2 * config.num_query_groups)
-        self.linear_qkv = ColumnParallelLinear(
+        self.linear_qkv = (submodules.linear_qkv or ColumnParallelLinear)(
             config.hidden_size,
             qkv_size,
             config=config,
@@ -362,7 +367,7 @@ class SelfAttention(MegatronModule):
         self.core_attention = DotProductAttention(
             config, layer_number, attn_mask_type, cp_group=groups.cp if groups.size_of("cp") > 1 else None
         )
-        self.linear_proj = RowParallelLinear(
+        self.linear_proj = (submodules.linear_proj or RowParallelLinear)(
             d * config.num_attention_heads,
             config.hidden_size,
             config=config,

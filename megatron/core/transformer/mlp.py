@@ -7,6 +7,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from megatron.core.extensions.transformer_engine import is_te_linear
 from megatron.core.parallel_state import ProcessGroupCollection, get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
@@ -27,9 +28,15 @@ class MLPSubmodules:
 
     def check(self) -> None:
         """Raise unless every part is one this module builds."""
-        for name, cls in (("linear_fc1", ColumnParallelLinear), ("linear_fc2", RowParallelLinear)):
-            if getattr(self, name) not in (cls, None):
-                raise NotImplementedError(f"MLPSubmodules.{name}={getattr(self, name)!r}: only {cls.__name__}")
+        for name, cls, mode in (
+            ("linear_fc1", ColumnParallelLinear, "column"),
+            ("linear_fc2", RowParallelLinear, "row"),
+        ):
+            value = getattr(self, name)
+            if value not in (cls, None) and not is_te_linear(value, mode):
+                raise NotImplementedError(
+                    f"MLPSubmodules.{name}={value!r}: only {cls.__name__} or Transformer Engine's {mode}-parallel one"
+                )
         if self.activation_func is not None:
             raise NotImplementedError(
                 f"MLPSubmodules.activation_func={self.activation_func!r}: not supported yet; set config.activation_func"
@@ -59,13 +66,14 @@ class MLP(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(config)
-        (submodules or MLPSubmodules()).check()
+        submodules = submodules or MLPSubmodules()
+        submodules.check()
         if tp_group is None and pg_collection is not None:
             tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
         tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
         ffn = ffn_hidden_size or config.ffn_hidden_size
         gated = config.gated_linear_unit
-        self.linear_fc1 = ColumnParallelLinear(
+        self.linear_fc1 = (submodules.linear_fc1 or ColumnParallelLinear)(
             input_size or config.hidden_size,
             2 * ffn if gated else ffn,
             config=config,
@@ -77,7 +85,7 @@ class MLP(MegatronModule):
             is_expert=is_expert,
             tp_group=tp_group,
         )
-        self.linear_fc2 = RowParallelLinear(
+        self.linear_fc2 = (submodules.linear_fc2 or RowParallelLinear)(
             ffn,
             config.hidden_size,
             config=config,

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Union
 
 import torch
 
-from megatron.core.fp8_utils import attach_quantizers
+from megatron.core.fp8_utils import attach_quantizers, layer_quantization_context
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
@@ -110,6 +110,8 @@ class TransformerBlock(MegatronModule):
         with initialization_rng(self.config.initialization_seed, f"{self.name}.layers.{number - 1}"):
             layer = build_module(spec, self.config, layer_number=number, pg_collection=groups, add_layer_offset=False)
         attach_quantizers(layer, self.config, groups, number)  # FP8/FP4 GEMMs, when the config asks
+        # Transformer Engine's linears quantize inside TE's autocast (a plain attribute: not a submodule)
+        layer.quantization_context = layer_quantization_context(layer, self.config, groups, number)
         return layer
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
@@ -134,7 +136,9 @@ class TransformerBlock(MegatronModule):
         if inference_context is not None:
             extra["inference_context"] = inference_context
         for layer in self.layers[start:end]:
-            hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb, **extra)
+            context = getattr(layer, "quantization_context", None)
+            with context() if context is not None else contextlib.nullcontext():
+                hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb, **extra)
         return hidden
 
     def _recomputed(self, start: int) -> bool:

@@ -13,6 +13,8 @@ from megatron.core.model_parallel_config import ModelParallelConfig, require_div
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
 
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """Initializer drawing from N(0, sigma^2)."""
@@ -194,6 +196,9 @@ class TransformerConfig(ModelParallelConfig):
     """'e2m1' (--fp4-format): FP4 GEMMs with fp4_recipe instead of FP8; None: off."""
     fp4_recipe: str = "nvfp4"
     """'nvfp4': 16-element e2m1 blocks, e4m3 block scales times a per-tensor fp32 scale."""
+    transformer_impl: str = "transformer_engine"
+    """'transformer_engine' (Megatron's default): the layers' linears are Transformer Engine's where it
+    imports (``core/extensions/transformer_engine.py``), else the local ones; 'local': always the local ones."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -223,6 +228,11 @@ class TransformerConfig(ModelParallelConfig):
         self._check_latent_attention()
         self._check_multi_token_prediction()
         self._check_fp8()
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(
+                f"transformer_impl={self.transformer_impl!r}: must be one of {TRANSFORMER_IMPLS} "
+                "('inference_optimized' is not supported yet)"
+            )
         if self.initialization_seed is not None and not self.use_cpu_initialization:
             raise ValueError(
                 f"initialization_seed={self.initialization_seed} needs use_cpu_initialization=True "

@@ -178,6 +178,19 @@ GRID: List[Case] = [
         covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"],
     ),
     Case(
+        "tp2-sp-dp2-fp8-delayed",
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--global-batch-size",
+            "8",
+            *"--bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4".split(),
+        ],
+        covers=["TP", "SP", "DP", "bf16", "FP8 (torch._scaled_mm under CUDA's checks, delayed scaling state)"],
+    ),
+    Case(
         "tp2-dp2-gqa-bf16-legacy-ckpt",
         4,
         [

@@ -294,7 +294,13 @@ RECORDS = (
     Flag("mamba_num_heads", no_op(reasons.UNDER_REFUSED), type=int),
     Flag("use_mamba_mem_eff_path", no_op(reasons.UNDER_REFUSED)),
     Flag("mlp_chunks_for_prefill", no_op(reasons.INFERENCE)),
-    Flag("transformer_impl", not_yet("local", "transformer_engine")),
+    Flag(
+        "transformer_impl",
+        IMPLEMENTED,
+        help="transformer_engine: Transformer Engine's linears and FP8/FP4 recipes where it imports (else the local "
+        "layers, said once on rank 0); local: always the local layers.",
+        fills=same(TC),
+    ),
     Flag("fine_grained_activation_offloading", no_op(reasons.MEMORY)),
     Flag("offload_modules", no_op(reasons.MEMORY)),
     Flag("min_offloaded_tensor_size", no_op(reasons.MEMORY)),

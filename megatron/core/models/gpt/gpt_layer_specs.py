@@ -8,8 +8,10 @@ arguments that in Megatron only pick a GPU kernel are accepted and said so in th
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from dataclasses import replace
+from typing import Optional, Tuple
 
+from megatron.core.extensions import transformer_engine as te_ext
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -100,16 +102,39 @@ def get_mlp_module_spec(
 ) -> ModuleSpec:
     """The MLP of a layer: dense ``MLP``, or with ``num_experts`` a ``MoELayer`` of ``MLP`` experts.
 
-    Megatron-core's arguments. ``use_te``, ``moe_grouped_gemm``, ``moe_use_legacy_grouped_gemm`` and
-    ``use_te_op_fuser`` choose GPU kernels computing the same, so the spec is the same; ``fp8`` is
-    deprecated in Megatron, which warns and ignores it, as here.
+    Megatron-core's arguments. ``use_te``: a dense MLP's linears are Transformer Engine's when it
+    imports (``core/extensions/transformer_engine.py``), else the local ones; experts always use the
+    local ones. ``moe_grouped_gemm``, ``moe_use_legacy_grouped_gemm`` and ``use_te_op_fuser`` choose
+    GPU kernels computing the same, so the spec is the same; ``fp8`` is deprecated in Megatron, which
+    warns and ignores it, as here.
     """
-    del use_te, moe_grouped_gemm, moe_use_legacy_grouped_gemm, use_te_op_fuser  # kernel choices (docstring)
+    del moe_grouped_gemm, moe_use_legacy_grouped_gemm, use_te_op_fuser  # kernel choices (docstring)
     if fp8 is not None:
         warnings.warn("get_mlp_module_spec: the fp8 argument is deprecated and has no effect", stacklevel=2)
     if num_experts:
         return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=MLP))
+    if use_te and te_ext.is_te_available():
+        return ModuleSpec(module=MLP, submodules=MLPSubmodules(*_te_linears()))
     return ModuleSpec(module=MLP, submodules=MLPSubmodules())
+
+
+def _te_linears() -> Tuple[type, type]:
+    """Transformer Engine's (column, row) parallel linears (imports TE)."""
+    return te_ext.TEColumnParallelLinear, te_ext.TERowParallelLinear
+
+
+def _with_te_linears(layer: ModuleSpec) -> ModuleSpec:
+    """A local layer spec with Transformer Engine's linears in self-attention and a dense MLP.
+
+    MLA's projections and MoE experts keep the local linears (and their own quantizers under FP8).
+    """
+    column, row = _te_linears()
+    attention, mlp = layer.submodules.self_attention, layer.submodules.mlp
+    if isinstance(attention.submodules, SelfAttentionSubmodules):
+        attention.submodules = replace(attention.submodules, linear_qkv=column, linear_proj=row)
+    if mlp.module is MLP:
+        mlp.submodules = MLPSubmodules(column, None, row)
+    return layer
 
 
 def get_gpt_decoder_block_spec(
@@ -122,25 +147,33 @@ def get_gpt_decoder_block_spec(
 ) -> TransformerBlockSubmodules:
     """One layer spec per layer of the model: MoE where ``config.moe_layer_freq`` says so, dense elsewhere.
 
-    Megatron-core's arguments. Transformer Engine layers compute what the PyTorch ones do, so
-    ``use_transformer_engine`` picks the same spec. Megatron returns only the specs of the layers of
-    ``(pp_rank, vp_stage)``; ``TransformerBlock`` here picks its stage's layers from the full list
-    itself, so both arguments are accepted and the list always covers every layer.
+    Megatron-core's arguments. ``use_transformer_engine``: Transformer Engine's linears where it
+    imports (in self-attention and dense MLPs), else the local layers. Megatron returns only the
+    specs of the layers of ``(pp_rank, vp_stage)``; ``TransformerBlock`` here picks its stage's
+    layers from the full list itself, so both arguments are accepted and the list always covers
+    every layer.
     """
-    mla = config.multi_latent_attention
-    dense = get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, multi_latent_attention=mla, normalization=normalization, qk_l2_norm=qk_l2_norm
-    )
-    moe = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        qk_layernorm=config.qk_layernorm,
-        multi_latent_attention=mla,
-        normalization=normalization,
-        qk_l2_norm=qk_l2_norm,
-    )
-    return TransformerBlockSubmodules(
-        layer_specs=[moe if config.is_moe_layer(n) else dense for n in range(1, config.num_layers + 1)]
-    )
+    spec = _layer_specs(config, normalization, qk_l2_norm)
+    if use_transformer_engine and te_ext.is_te_available():
+        spec.layer_specs = [_with_te_linears(layer) for layer in spec.layer_specs]
+    return spec
+
+
+def _layer_specs(
+    config: TransformerConfig, normalization: Optional[str], qk_l2_norm: Optional[bool]
+) -> TransformerBlockSubmodules:
+    """The local spec of every layer (each its own objects, so one can be changed alone)."""
+
+    def layer(n: int) -> ModuleSpec:
+        return get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts if config.is_moe_layer(n) else None,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+            normalization=normalization,
+            qk_l2_norm=qk_l2_norm,
+        )
+
+    return TransformerBlockSubmodules(layer_specs=[layer(n) for n in range(1, config.num_layers + 1)])
 
 
 def get_gpt_layer_with_transformer_engine_spec(
@@ -157,11 +190,15 @@ def get_gpt_layer_with_transformer_engine_spec(
     use_kitchen_attention: bool = False,
     kitchen_attention_backend: str = "sdpa",
 ) -> ModuleSpec:
-    """Transformer-Engine layers are an optional accelerator: the PyTorch layers compute the same.
+    """The local layer with Transformer Engine's linears in self-attention and a dense MLP where TE
+    imports (``core/extensions/transformer_engine.py``); without TE, the local layer.
 
     Megatron-core's arguments; ``use_te_op_fuser`` and ``use_te_activation_func`` choose TE kernels
-    and are accepted; the rest mean what they mean in ``get_gpt_layer_local_spec``.
+    and are accepted; the rest mean what they mean in ``get_gpt_layer_local_spec``. Unlike
+    Megatron's, the input norms stay separate modules (no fused ``TELayerNormColumnParallelLinear``),
+    so parameter names are the local layer's.
     """
     settings = dict(locals())
     del settings["use_te_op_fuser"], settings["use_te_activation_func"]
-    return get_gpt_layer_local_spec(**settings)
+    layer = get_gpt_layer_local_spec(**settings)
+    return _with_te_linears(layer) if te_ext.is_te_available() else layer

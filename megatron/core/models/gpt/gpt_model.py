@@ -74,7 +74,8 @@ class GPTModel(LanguageModule):
     ``GPTModel(num_layers=..., hidden_size=..., num_attention_heads=...,
     tensor_model_parallel_size=..., ...)`` where any TransformerConfig field may be given.
     Without a spec the layers come from ``get_gpt_decoder_block_spec(config)`` (MoE layers
-    where ``num_moe_experts`` and ``moe_layer_freq`` put them, dense otherwise).
+    where ``num_moe_experts`` and ``moe_layer_freq`` put them, dense otherwise; Transformer
+    Engine's linears under ``transformer_impl="transformer_engine"`` where it imports).
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, labels=None)`` returns
     logits ``[b, s, vocab/tp]`` (``[b, s, vocab]`` with ``parallel_output=False``), or the
@@ -154,7 +155,9 @@ class GPTModel(LanguageModule):
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
             )
-        block_spec = transformer_layer_spec or get_gpt_decoder_block_spec(config)
+        block_spec = transformer_layer_spec or get_gpt_decoder_block_spec(
+            config, use_transformer_engine=config.transformer_impl == "transformer_engine"
+        )
         self.decoder = TransformerBlock(
             config,
             block_spec,

@@ -1,0 +1,1 @@
+"""Adapters to optional libraries (Megatron-core's ``extensions`` package); each imports its library lazily."""

@@ -1,0 +1,1 @@
+"""Fake ``transformer_engine.common`` (see the package docstring)."""

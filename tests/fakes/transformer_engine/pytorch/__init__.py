@@ -1,0 +1,131 @@
+"""Fake ``transformer_engine.pytorch``: ``Linear`` in high precision, ``autocast`` / ``fp8_autocast``.
+
+Nothing is quantized: ``Linear`` computes ``x W^T + b`` with the tensor-parallel communication
+its ``parallel_mode`` implies (through ``megatron.core.tensor_parallel.mappings``), so a model
+built on it must equal the local layers without FP8. What the adapter hands over is recorded in
+``RECORD`` (the recipe and amax group of every autocast, the recipe each forward ran under).
+Under a delayed recipe, ``fp8_meta`` holds real-shaped state: scales ``[3]`` / ``[2]`` and
+histories ``[len, 3]`` / ``[len, 2]``; each forward writes the input's and weight's amax, reduced
+(MAX) over the autocast's group as TE does, into the forward history's first row, so checkpoints
+have non-trivial state to carry.
+"""
+
+import contextlib
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel import mappings
+
+RECORD: List[dict] = []
+_ACTIVE: List[dict] = []
+
+
+@contextlib.contextmanager
+def _quantizing(entry: dict):
+    RECORD.append(entry)
+    _ACTIVE.append(entry)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    recipe=None,
+    amax_reduction_group=None,
+    _graph: bool = False,
+):
+    return _quantizing({"kind": "autocast", "enabled": enabled, "recipe": recipe, "group": amax_reduction_group})
+
+
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None, _graph=False):
+    """Older TE's name (deprecated in newer TE)."""
+    return _quantizing({"kind": "fp8_autocast", "enabled": enabled, "recipe": fp8_recipe, "group": fp8_group})
+
+
+class _DelayedState:
+    def __init__(self, n: int, history_len: int) -> None:
+        self.scale = torch.ones(n)
+        self.amax_history = torch.zeros(history_len, n)
+
+
+class Linear(torch.nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        rng_tracker_name: Optional[str] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        device="cuda",
+    ) -> None:
+        super().__init__()
+        self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
+        self.tp_group, self.tp_size = tp_group, tp_size
+        out_local = out_features // tp_size if parallel_mode == "column" else out_features
+        in_local = in_features // tp_size if parallel_mode == "row" else in_features
+        self.weight = torch.nn.Parameter(torch.empty(out_local, in_local, dtype=params_dtype, device=device))
+        if init_method is not None:
+            init_method(self.weight)
+        self.use_bias, self.return_bias = bias, return_bias
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_local, dtype=params_dtype, device=device))
+        else:
+            self.bias = torch.Tensor().to(dtype=params_dtype, device=device)
+        self.fp8_meta = {"fp8_checkpoint": False}
+        self.fp8_meta_tensors_initialized = False
+
+    def init_fp8_meta_tensors(self, recipe) -> None:
+        for key, n in (("scaling_fwd", 3), ("scaling_bwd", 2)):
+            self.fp8_meta[key] = _DelayedState(n, recipe.amax_history_len)
+        self.fp8_meta_tensors_initialized = True
+
+    def _record(self, x: torch.Tensor) -> None:
+        recipe = _ACTIVE[-1]["recipe"] if _ACTIVE and _ACTIVE[-1]["enabled"] else None  # the innermost autocast
+        RECORD.append({"kind": "forward", "recipe": recipe, "mode": self.parallel_mode})
+        if recipe is None or not recipe.delayed():
+            return
+        if not self.fp8_meta_tensors_initialized:
+            self.fp8_meta["num_gemms"] = 1
+            self.init_fp8_meta_tensors(recipe)
+        self.fp8_meta["recipe"] = recipe
+        amaxes = torch.stack([x.detach().abs().max().float(), self.weight.detach().abs().max().float()])
+        group = _ACTIVE[-1]["group"]
+        if group is not None and recipe.reduce_amax:  # TE reduces over the autocast's group (at its exit)
+            torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+        history = self.fp8_meta["scaling_fwd"].amax_history
+        history[0, :2] = torch.maximum(history[0, :2], amaxes)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        self._record(inp)
+        parallel = self.tp_size > 1
+        if self.parallel_mode == "column" and parallel:
+            if self.sequence_parallel:
+                inp = mappings.gather_from_sequence_parallel_region(inp, True, self.tp_group)  # [s, b, h]
+            else:
+                inp = mappings.copy_to_tensor_model_parallel_region(inp, self.tp_group)
+        bias = self.bias if self.use_bias else None
+        fused_bias = bias if (self.parallel_mode != "row" and not self.return_bias) else None
+        out = F.linear(inp, self.weight, fused_bias)
+        if self.parallel_mode == "row" and parallel:
+            if self.sequence_parallel:
+                out = mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/tp, b, o]
+            else:
+                out = mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.parallel_mode == "row" and bias is not None and not self.return_bias:
+            out = out + bias
+        if self.return_bias:
+            return out, bias if bias is not None else self.bias
+        return out
