@@ -389,7 +389,8 @@ def load_checkpoint(
 ) -> Tuple[int, Dict[str, Any]]:
     """Restore from ``ckpt_config.load``; returns (iteration, train_state).
 
-    Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release;
+    Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release, when the
+    optimizer's main weights are instead copied from the loaded model (``reload_model_params``);
     RNG unless ``no_load_rng``/``finetune``/release. With ``finetune`` or a release
     checkpoint the iteration is 0 and the train state empty. Without a checkpoint,
     returns (0, {}) (or raises with ``exit_on_missing_checkpoint``; a directory holding
@@ -414,6 +415,8 @@ def load_checkpoint(
         common, rng = _load_sharded(*args)
     else:  # per-rank files and no collective inside: one rank's failure must stop every rank
         common, rng = _agreed_read(lambda: _load_legacy(*args))
+    if optimizer is not None and not load_optim:  # main weights from the loaded model (Megatron does this too)
+        optimizer.reload_model_params()
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
