@@ -39,6 +39,7 @@ from megatron.core.dist_checkpointing import CheckpointingError, checksums, plai
 from megatron.core.dist_checkpointing.serialization import agree_on_error, read_json, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
+from megatron.core.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpoint_values
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
 from megatron.core.utils import named_model_params, unwrap_model
@@ -265,6 +266,7 @@ def _save_sharded(
         common["optimizer"] = plain_data.encode(scalars, "optimizer")
     _agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
     dc.save(sharded, iter_dir)  # DCP files, checksums, then metadata.json last
+    drop_fp8_checkpoint_values(model_chunks)
 
 
 def _write_common_and_rng(iter_dir: str, common: Dict[str, Any], rng_state: Optional[Dict[str, Any]]) -> None:
@@ -315,6 +317,7 @@ def _save_legacy(
         if optim_state is not None:
             state["optimizer"] = optim_state
     _agreed_write(lambda: _write_torch_file(path, state), iter_dir, writer=writer)
+    drop_fp8_checkpoint_values(model_chunks)
     _record_legacy_checksums(iter_dir, path if writer else None)
 
 
@@ -509,9 +512,8 @@ def _load_sharded(
     common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
     if run_args is not None:
         check_checkpoint_args(common.get("args"), run_args, iter_dir)
-    sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     metadata = dc.read_metadata(iter_dir)
-    per_param = None
+    per_param, template = None, {}
     if optimizer is not None:
         if common.get("optimizer") is None:
             raise CheckpointingError(
@@ -519,7 +521,9 @@ def _load_sharded(
                 "load with --no-load-optim or --finetune"
             )
         template, per_param = _optimizer_template(model_chunks, optimizer, groups, metadata)
-        sharded.update(template)
+    # Last: an FP8 weight's entry is the tensor its latest state_dict handed out, filled by the load.
+    sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
+    sharded.update(template)
     # Optimizer state left unread on purpose (--no-load-optim, --finetune, release) is not a mismatch.
     sharded, _ = apply_strictness(
         sharded,
@@ -529,6 +533,7 @@ def _load_sharded(
         () if optimizer is not None else (dc.OPTIMIZER_STATE_PREFIX,),
     )
     dc.load(sharded, iter_dir)
+    load_fp8_checkpoint_values(model_chunks)  # FP8 weights: the loaded high-precision values, cast
     if optimizer is not None:
         state: Dict[str, Any] = dict(plain_data.decode(common.get("optimizer") or {}))
         state.update(per_param)
