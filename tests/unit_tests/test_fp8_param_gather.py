@@ -1,6 +1,7 @@
 """``--fp8-param-gather``: FP8 linear weights, fp32 main weights, FP8 all-gathers (tensorwise, delayed).
 
-A Llama-style GPT in bf16 with ``hybrid`` FP8 on two gloo ranks (DP=2, distributed optimizer):
+A Llama-style GPT in bf16 with ``hybrid`` FP8 on two gloo ranks (DP=2, distributed optimizer), and
+the cast, gather and params-norm checks again under TP=2 x DP=2 on four ranks:
 
 * storage: the 8 transformer linears' weights are 1-byte FP8 parameters, nothing else of theirs is
   kept in high precision; gradients land in the fp32 ``main_grad`` buffer; a training step never
@@ -9,7 +10,8 @@ A Llama-style GPT in bf16 with ``hybrid`` FP8 on two gloo ranks (DP=2, distribut
   full fp32 main weight (gathered through the optimizer's by-name state): e4m3 rounding by search
   (``float_reference``) of ``main * scale`` with ``scale = 448 / amax(full main)`` (tensorwise), or
   the delayed state's scale ``448 / amax`` of the previous step's main weight, with this step's amax
-  recorded in the history (delayed), bitwise.
+  recorded in the history (delayed), bitwise; under TP the amax is the whole (TP-gathered) weight's.
+* the logged params norm counts the FP8 weights' real values (within 2% of the bf16 model's).
 * gathers: the parameter all-gather moves the FP8 weights as 1 byte per element (counted by wrapping
   the collective), 2 bytes per element without the flag.
 * DP=2 equals DP=1 (both with the flag) on the same global batch over 3 steps: losses within
@@ -40,8 +42,9 @@ from megatron.core.quantization.fp8_params import is_fp8_param
 from megatron.core.quantization.recipes import LinearQuantizer
 from megatron.training import arguments as A
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
+from megatron.training.training import params_l2_norm
 from tests.dist_harness import run_distributed
-from tests.model_utils import batch, build_gpt, llama_style, single_rank_groups
+from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups
 from tests.unit_tests.dist_checkpointing.ckpt_utils import groups_for
 from tests.unit_tests.float_reference import E4M3, round_nearest_even
 from tests.unit_tests.training.test_arguments import _validated
@@ -98,16 +101,21 @@ def _reference_cast(main, scale):
     return round_nearest_even(product, E4M3)
 
 
-def _check_cast(ddp, opt, recipe, mains, previous):
+def _amax(main, param, groups):
+    """max |w| over the whole weight: the fp32 main of this TP shard gathered over TP."""
+    return np.float32(np.abs(gather_tp(main, param, groups.tp).numpy()).max())
+
+
+def _check_cast(ddp, groups, recipe, mains, previous):
     """Every FP8 weight equals the reference cast of its full main weight (module doc)."""
     for name, param in _fp8_weights(ddp).items():
-        amax = np.float32(np.abs(mains[name].numpy()).max())
+        amax = _amax(mains[name], param, groups)
         quantizer = param.fp8_meta.quantizer
         if recipe == "tensorwise":
             scale = np.float32(448.0) / amax
         else:
             state = quantizer.delayed["weight"]
-            scale = np.float32(448.0) / np.float32(np.abs(previous[name].numpy()).max())  # most_recent
+            scale = np.float32(448.0) / _amax(previous[name], param, groups)  # most_recent
             assert np.float32(state.scale.item()) == scale, name
             assert np.float32(state.amax_history[0].item()) == amax, name
         expected = _reference_cast(mains[name], scale)
@@ -163,6 +171,18 @@ def _bytes_per_weight_element(ddp, opt, groups):
     return stored, gathered[0] / buffer.param_data.numel()
 
 
+def _train_and_check(ddp, opt, groups, recipe, iters=3):
+    """Train ``iters`` steps checking every cast after the first; (losses, the last full mains)."""
+    losses, previous = [], None
+    for it in range(iters):
+        losses.append(_step(ddp, opt, groups, it))
+        mains = _full_mains(ddp, opt)
+        if previous is not None:
+            _check_cast(ddp, groups, recipe, mains, previous)
+        previous = mains
+    return losses, previous
+
+
 def _train_body(rank, world_size, recipe):
     groups = groups_for(1)  # DP=2
     ddp, opt = _build(groups, recipe)
@@ -178,14 +198,8 @@ def _train_body(rank, world_size, recipe):
     assert weight_casts.count == 0
     ddp, opt = _build(groups, recipe)
     ref_ddp, ref_opt = _build(single_rank_groups(), recipe)  # DP=1, same global batch
-    losses, ref_losses, previous = [], [], None
-    for it in range(3):
-        losses.append(_step(ddp, opt, groups, it))
-        ref_losses.append(_step(ref_ddp, ref_opt, single_rank_groups(), it))
-        mains = _full_mains(ddp, opt)
-        if previous is not None:
-            _check_cast(ddp, opt, recipe, mains, previous)
-        previous = mains
+    ref_losses = [_step(ref_ddp, ref_opt, single_rank_groups(), it) for it in range(3)]
+    losses, previous = _train_and_check(ddp, opt, groups, recipe)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     ref_mains = _full_mains(ref_ddp, ref_opt)
     for name, main in previous.items():
@@ -203,6 +217,24 @@ def test_fp8_weights_cast_from_full_main_and_gathered_as_bytes(recipe):
     assert fp8_bytes == (1.0, 1.0), fp8_bytes  # model storage, all-gather: bytes per weight element
     assert plain_bytes == (2.0, 2.0), plain_bytes
     assert results[1][0] == losses
+
+
+def _tensor_parallel_body(rank, world_size):
+    """TP=2 x DP=2: the scale is the whole weight's (amax over DP shards and TP shards); params norm."""
+    groups = groups_for(2)
+    for recipe in ("tensorwise", "delayed"):
+        ddp, opt = _build(groups, recipe)
+        _train_and_check(ddp, opt, groups, recipe)
+        assert _bytes_per_weight_element(ddp, opt, groups) == (1.0, 1.0)
+        fresh, _ = _build(groups, recipe)  # the logged params norm counts the FP8 weights' real values
+        plain, _ = _build(groups, recipe, fp8_param_gather=False)
+        norm, plain_norm = params_l2_norm([fresh], groups), params_l2_norm([plain], groups)
+        assert abs(norm - plain_norm) <= 0.02 * plain_norm, (recipe, norm, plain_norm)
+    return True
+
+
+def test_tensor_parallel_fp8_weights_use_the_whole_weights_scale():
+    assert all(run_distributed(_tensor_parallel_body, 4))
 
 
 def _snapshot(ddp, opt):
