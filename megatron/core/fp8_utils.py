@@ -77,7 +77,8 @@ def convert_weights_to_fp8(model: torch.nn.Module) -> int:
 
 
 def _dequantized_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    """``weight`` as high-precision values (kept on the parameter for a sharded load to write into)."""
+    """``weight`` as high-precision values, kept on the parameter for a sharded load to write into
+    until ``load_fp8_checkpoint_values`` or ``drop_fp8_checkpoint_values`` (one copy per weight)."""
     values = fp8_params.dequantize(module.weight)
     module.weight.fp8_meta.checkpoint_values = values
     state_dict[prefix + "weight"] = values
@@ -98,7 +99,7 @@ def load_fp8_checkpoint_values(model_chunks) -> None:
     for chunk in model_chunks:
         for param in chunk.parameters():
             meta = getattr(param, "fp8_meta", None)
-            if meta is not None and getattr(meta, "checkpoint_values", None) is not None:
+            if meta is not None and meta.checkpoint_values is not None:
                 fp8_params.load_values(param, meta.checkpoint_values)
                 meta.checkpoint_values = None
 
