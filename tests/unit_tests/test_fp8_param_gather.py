@@ -14,6 +14,7 @@ the cast, gather and params-norm checks again under TP=2 x DP=2 on four ranks:
 * the logged params norm counts the FP8 weights' real values (within 2% of the bf16 model's).
 * gathers: the parameter all-gather moves the FP8 weights as 1 byte per element (counted by wrapping
   the collective), 2 bytes per element without the flag.
+* ``overlap_param_gather`` (FP8 gathers waited for in the next forward) gives the same losses exactly.
 * DP=2 equals DP=1 (both with the flag) on the same global batch over 3 steps: losses within
   rtol 1e-5 and the fp32 main weights within relative error 1e-3 (gradients are summed in another
   order; one FP8 rounding moved by that would change a weight by one code).
@@ -53,13 +54,18 @@ BF16 = {"params_dtype": torch.bfloat16, "bf16": True}
 GLOBAL_BATCH = 4
 
 
-def _build(groups, recipe, fp8_param_gather=True, seed=1234):
+def _build(groups, recipe, fp8_param_gather=True, seed=1234, overlap=False):
     model = build_gpt(llama_style(fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=4, **BF16), groups, seed=seed)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, fp8_param_gather=fp8_param_gather, grad_reduce_in_fp32=True
+        use_distributed_optimizer=True,
+        fp8_param_gather=fp8_param_gather,
+        grad_reduce_in_fp32=True,
+        overlap_param_gather=overlap,
     )
     ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=groups)
-    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True, **BF16)
+    config = OptimizerConfig(
+        lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True, overlap_param_gather=overlap, **BF16
+    )
     return ddp, get_megatron_optimizer(config, [ddp], pg_collection=groups)
 
 
@@ -205,6 +211,8 @@ def _train_body(rank, world_size, recipe):
     for name, main in previous.items():
         err = float((main - ref_mains[name]).norm() / ref_mains[name].norm())
         assert err <= 1e-3, f"{recipe} {name}: DP=2 vs DP=1 relative error {err:.3g}"
+    overlapped, overlapped_opt = _build(groups, recipe, overlap=True)  # gathers waited for in the next forward
+    assert [_step(overlapped, overlapped_opt, groups, it) for it in range(3)] == losses
     fp8_bytes = _bytes_per_weight_element(ddp, opt, groups)
     plain, plain_opt = _build(groups, recipe, fp8_param_gather=False)
     return losses, ref_losses, fp8_bytes, _bytes_per_weight_element(plain, plain_opt, groups)
