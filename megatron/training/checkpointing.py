@@ -39,6 +39,7 @@ from megatron.core.dist_checkpointing import CheckpointingError, checksums, plai
 from megatron.core.dist_checkpointing.serialization import agree_on_error, read_json, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
+from megatron.core.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpoint_values
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
 from megatron.core.utils import named_model_params, unwrap_model
@@ -265,6 +266,7 @@ def _save_sharded(
         common["optimizer"] = plain_data.encode(scalars, "optimizer")
     _agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
     dc.save(sharded, iter_dir)  # DCP files, checksums, then metadata.json last
+    drop_fp8_checkpoint_values(model_chunks)
 
 
 def _write_common_and_rng(iter_dir: str, common: Dict[str, Any], rng_state: Optional[Dict[str, Any]]) -> None:
@@ -315,6 +317,7 @@ def _save_legacy(
         if optim_state is not None:
             state["optimizer"] = optim_state
     _agreed_write(lambda: _write_torch_file(path, state), iter_dir, writer=writer)
+    drop_fp8_checkpoint_values(model_chunks)
     _record_legacy_checksums(iter_dir, path if writer else None)
 
 
@@ -389,7 +392,8 @@ def load_checkpoint(
 ) -> Tuple[int, Dict[str, Any]]:
     """Restore from ``ckpt_config.load``; returns (iteration, train_state).
 
-    Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release;
+    Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release, when the
+    optimizer's main weights are instead copied from the loaded model (``reload_model_params``);
     RNG unless ``no_load_rng``/``finetune``/release. With ``finetune`` or a release
     checkpoint the iteration is 0 and the train state empty. Without a checkpoint,
     returns (0, {}) (or raises with ``exit_on_missing_checkpoint``; a directory holding
@@ -414,6 +418,8 @@ def load_checkpoint(
         common, rng = _load_sharded(*args)
     else:  # per-rank files and no collective inside: one rank's failure must stop every rank
         common, rng = _agreed_read(lambda: _load_legacy(*args))
+    if optimizer is not None and not load_optim:  # main weights from the loaded model (Megatron does this too)
+        optimizer.reload_model_params()
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
@@ -506,9 +512,8 @@ def _load_sharded(
     common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
     if run_args is not None:
         check_checkpoint_args(common.get("args"), run_args, iter_dir)
-    sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     metadata = dc.read_metadata(iter_dir)
-    per_param = None
+    per_param, template = None, {}
     if optimizer is not None:
         if common.get("optimizer") is None:
             raise CheckpointingError(
@@ -516,7 +521,9 @@ def _load_sharded(
                 "load with --no-load-optim or --finetune"
             )
         template, per_param = _optimizer_template(model_chunks, optimizer, groups, metadata)
-        sharded.update(template)
+    # Last: an FP8 weight's entry is the tensor its latest state_dict handed out, filled by the load.
+    sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
+    sharded.update(template)
     # Optimizer state left unread on purpose (--no-load-optim, --finetune, release) is not a mismatch.
     sharded, _ = apply_strictness(
         sharded,
@@ -528,6 +535,7 @@ def _load_sharded(
     dc.load(sharded, iter_dir)
     for chunk in model_chunks:  # parameters were read in place; extra states (TE's FP8 state) go back here
         dc.load_extra_states(chunk, sharded, groups)
+    load_fp8_checkpoint_values(model_chunks)  # FP8 weights: the loaded high-precision values, cast
     if optimizer is not None:
         state: Dict[str, Any] = dict(plain_data.decode(common.get("optimizer") or {}))
         state.update(per_param)

@@ -24,6 +24,7 @@ from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator,
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
+from megatron.core.quantization import fp8_params
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, use_rng_tracker
 from megatron.core.timers import Timers
 from megatron.core.transformer.enums import ModelType
@@ -94,6 +95,7 @@ def params_l2_norm(model_chunks: List[torch.nn.Module], groups: ProcessGroupColl
             chunk.finish_param_sync()  # an overlapped all-gather may still be filling them
     tp_rank = groups.rank_in("tp")
     params = [p for chunk in model_chunks for p in chunk.parameters() if counts_for_norm(p, tp_rank)]
+    params = [fp8_params.dequantize(p) if fp8_params.is_fp8_param(p) else p for p in params]  # real values
     return get_grad_norm_fp32(params, [groups.mp])
 
 

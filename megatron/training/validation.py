@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from megatron.core import fp8_utils
 from megatron.core.context_parallel import CP_COMM_TYPES, local_sequence_length
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -500,6 +501,16 @@ def check_sequence_split(args: argparse.Namespace) -> None:
         raise ArgumentsError(flag_message(None, str(err))) from err
 
 
+def check_fp8_param_gather(args: argparse.Namespace) -> None:
+    """--fp8-param-gather needs --fp8-format with a per-tensor --fp8-recipe (the core's rule, flags named)."""
+    if not args.fp8_param_gather:
+        return
+    try:
+        fp8_utils.check_fp8_param_gather(args)
+    except ValueError as err:
+        raise ArgumentsError(flag_message(None, str(err))) from err
+
+
 STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_deprecated,
     set_encoder_decoder,
@@ -520,6 +531,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_data,
     set_evaluation,
     check_configs,
+    check_fp8_param_gather,
     check_sequence_split,
 ]
 

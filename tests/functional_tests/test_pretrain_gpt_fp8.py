@@ -73,3 +73,27 @@ def test_llama3_fp8_flags_train_on_two_ranks_and_resume_bitwise(tmp_path):
     second = run_gpt(2, base + torch_fmt + ["--load", legacy], str(tmp_path))
     assert_ok(second, "FP8 resumed half, torch format")
     assert first.losses() + second.losses() == straight.losses()
+
+
+def test_fp8_param_gather_trains_on_two_dp_ranks_and_resumes_bitwise(tmp_path):
+    """``--fp8-param-gather --use-distributed-optimizer`` (tensorwise) under DP=2: a straight run of 4
+    iterations equals 2 saved + 2 resumed exactly, and differs from the run without the flag (whose
+    forwards cast the bf16 weights); the checkpoint's linear weights are bf16 values."""
+    recipe = FP8[:4] + ["tensorwise"]
+    base = tiny_gpt_flags(ITERS) + mock_flags() + LLAMA + recipe + ["--use-distributed-optimizer", "--fp8-param-gather"]
+    ckpt, half = str(tmp_path / "ckpt"), ITERS // 2
+    straight = run_gpt(2, base, str(tmp_path))
+    assert_ok(straight, "FP8 param gather straight run")
+    save = ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half)]
+    first = run_gpt(2, base + save, str(tmp_path))
+    assert_ok(first, "FP8 param gather first half")
+    second = run_gpt(2, base + ["--load", ckpt], str(tmp_path))
+    assert_ok(second, "FP8 param gather resumed half")
+    assert len(straight.losses()) == ITERS
+    assert first.losses() + second.losses() == straight.losses()  # printed values, exactly
+    plain = run_gpt(2, base[:-1], str(tmp_path))  # without the flag: each forward casts the bf16 weights
+    assert_ok(plain, "FP8 without param gather")
+    assert plain.losses() != straight.losses()
+    tensors = load_plain_tensors(os.path.join(ckpt, f"iter_{half:07d}"))
+    weights = {k: v for k, v in tensors.items() if k.endswith(("linear_qkv.weight", "linear_fc2.weight"))}
+    assert len(weights) == 4 and all(v.dtype == torch.bfloat16 for v in weights.values()), weights.keys()

@@ -17,6 +17,7 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, sharded_tensor_for
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.quantization.fp8_params import is_fp8_param
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.utils import named_model_params, unwrap_model
 
@@ -176,7 +177,11 @@ def sharded_tensors_by_param_name(
     for chunk in model_chunks:
         groups = model_process_groups(unwrap_model(chunk), pg_collection)
         by_id.update({id(tensor): spec for _, tensor, spec in _entries(chunk, "", groups)})
-    return {name: by_id[id(param)] for name, param in named_model_params(model_chunks)}
+    # An FP8 weight's entry is the high-precision tensor its state_dict handed out (fp8_params).
+    return {
+        name: by_id[id(param.fp8_meta.checkpoint_values if is_fp8_param(param) else param)]
+        for name, param in named_model_params(model_chunks)
+    }
 
 
 def optimizer_state_key(param_key: str, state_name: str) -> str:

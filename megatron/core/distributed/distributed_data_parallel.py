@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import Bucket, BucketGroup, ParamAndGradBuffer
+from megatron.core.fp8_utils import check_fp8_param_gather, convert_weights_to_fp8
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.quantization.fp8_params import is_fp8_param
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import reduce_scatter_tensor
@@ -89,6 +91,9 @@ class DistributedDataParallel(torch.nn.Module):
         )
         self.dp_group = self.pg_collection.dp_cp
         self.dp_size = dist.get_world_size(self.dp_group)
+        if ddp_config.fp8_param_gather:
+            check_fp8_param_gather(config)
+            convert_weights_to_fp8(module)
         first_stage = self.pg_collection.rank_in("pp") == 0
         bucket_size = default_bucket_size(ddp_config, self.dp_size) if first_stage and not disable_bucketing else None
         self.bucket_size = bucket_size
@@ -131,7 +136,9 @@ class DistributedDataParallel(torch.nn.Module):
         shared = self._shared_embedding_ids()
         by_kind: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in reversed(params):
-            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
+            # An FP8 weight's gradient has the dtype the weight had before it was stored in FP8.
+            hp_dtype = param.fp8_meta.hp_dtype if is_fp8_param(param) else param.dtype
+            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else hp_dtype
             by_kind.setdefault((is_expert_param(param), param.dtype, grad_dtype), []).append(param)
         buffers = []
         for (expert, _, grad_dtype), group in sorted(by_kind.items(), key=lambda item: item[0][0]):
@@ -295,7 +302,8 @@ class DistributedDataParallel(torch.nn.Module):
         groups = self.pg_collection
         for param in self.module.parameters():
             name = "expt_dp" if is_expert_param(param) else "dp_cp"
-            dist.broadcast(param.data, src=groups.ranks[name][0], group=getattr(groups, name))
+            data = param.data.view(torch.uint8) if is_fp8_param(param) else param.data  # FP8 bytes
+            dist.broadcast(data, src=groups.ranks[name][0], group=getattr(groups, name))
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """All-gather the distributed optimizer's updated parameters (asynchronously, last bucket first).

@@ -16,12 +16,14 @@ class DistributedDataParallelConfig:
     single bucket otherwise. ``average_in_collective`` divides after the sum instead of
     before it (same result up to rounding; gloo has no averaging all-reduce).
     ``check_for_nan_in_grad`` raises, naming the rank, before a bucket with inf/NaN is reduced.
+    ``fp8_param_gather`` stores the FP8 linears' weights in FP8 and all-gathers their bytes
+    (``quantization/fp8_params.py``); it needs the distributed optimizer.
 
     Every field of megatron-core 0.16 exists with its default. Kernel, NCCL-buffer and FSDP-tuning
     switches (``gradient_reduce_div_fusion``, ``nccl_ub``, ``suggested_communication_unit_size``,
     ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``, ``fsdp_double_buffer``,
     ``disable_symmetric_registration``, ``fsdp_manual_registration``) have no effect here; the
-    features not built yet (FSDP, fp8 gathers, fp32-accumulating reduce-scatter, delayed weight
+    features not built yet (FSDP, the mxfp8 buffer reuse, fp32-accumulating reduce-scatter, delayed weight
     gradients, more than one optimizer instance) raise ``ValueError`` when switched on.
     """
 
@@ -58,6 +60,11 @@ class DistributedDataParallelConfig:
             raise ValueError(f"bucket_size={self.bucket_size!r}: must be a positive number of elements or None")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlap_param_gather=True requires use_distributed_optimizer=True")
+        if self.fp8_param_gather and not self.use_distributed_optimizer:
+            raise ValueError(
+                "fp8_param_gather=True requires use_distributed_optimizer=True (the optimizer keeps the fp32 "
+                "main weights the FP8 weights are cast from)"
+            )
         if self.num_distributed_optimizer_instances != 1:
             raise ValueError(
                 f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
@@ -66,7 +73,6 @@ class DistributedDataParallelConfig:
         switched_on = [
             name
             for name in (
-                "fp8_param_gather",
                 "reuse_grad_buf_for_mxfp8_param_ag",
                 "reduce_scatter_with_fp32_accumulation",
                 "use_megatron_fsdp",

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from megatron.core.utils import all_gather_into_tensor
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 @dataclass
 class BucketPlan:
@@ -192,10 +194,11 @@ class ParamAndGradBuffer:
         if self.param_data is None or self.dp_size == 1:
             return
         for bucket in reversed(self.buckets):
-            shard = bucket.shard(bucket.param_data, self.dp_rank, self.dp_size)
-            bucket.param_gather_handle = all_gather_into_tensor(
-                bucket.param_data, shard, group=self.dp_group, async_op=True
-            )
+            data = bucket.param_data
+            if data.dtype in _FP8_DTYPES:  # FP8 weights (fp8_param_gather): their bytes, 1 per element
+                data = data.view(torch.uint8)
+            shard = bucket.shard(data, self.dp_rank, self.dp_size)
+            bucket.param_gather_handle = all_gather_into_tensor(data, shard, group=self.dp_group, async_op=True)
 
     def local_range(self, param: torch.nn.Parameter) -> Optional[Tuple[int, int]]:
         """The part of ``param.view(-1)`` inside this DP rank's shard, or None."""

@@ -26,6 +26,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.quantization.fp8_params import cast_shards, is_fp8_param
 from megatron.core.utils import all_gather_into_tensor, comm_device, named_model_params
 
 # Elements per rank in one all-gather of a checkpoint save: bounds the device memory it takes
@@ -70,9 +71,9 @@ class DistributedOptimizer(MegatronOptimizer):
         piece = param.detach().view(-1)[flat_range[0] : flat_range[1]]
         if param.dtype == torch.float32:
             return [MainLink(main=torch.nn.Parameter(piece), model=param, flat_range=flat_range)]
-        return [
-            MainLink(main=torch.nn.Parameter(piece.clone().float()), model=param, flat_range=flat_range, is_copy=True)
-        ]
+        link = MainLink(main=None, model=param, flat_range=flat_range, is_copy=True)
+        link.main = torch.nn.Parameter(link.model_values().clone())  # an FP8 weight: dequantized
+        return [link]
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         # A bucket no forward used may still be gathering into the buffer the update writes.
@@ -81,9 +82,37 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _after_step(self) -> None:
         super()._after_step()  # our slices into the parameter buffer
+        self._cast_fp8_weights(record=True)
         self.start_param_sync()
         if not self.config.overlap_param_gather:
             self.finish_param_sync()
+
+    def _cast_fp8_weights(self, record: bool) -> None:
+        """Cast this rank's shards of the fp32 main weights into the FP8 weights (``fp8_param_gather``),
+        buffer by buffer, every FP8 weight of a buffer in its order on every rank (``fp8_params.cast_shards``)."""
+        links = {id(link.model): link for link in self.links}
+        for buffer in self.buffers:
+            shards = []
+            for param in buffer.params:
+                if is_fp8_param(param):
+                    link = links.get(id(param))
+                    shards.append((param, None, None) if link is None else (param, link.main, link.flat_range))
+            cast_shards(shards, buffer.dp_group, record)
+
+    def _recast_fp8_weights(self) -> None:
+        """After main weights were restored: the FP8 weights they were cast to, on every DP rank."""
+        self.finish_param_sync()
+        self._cast_fp8_weights(record=False)
+        self.start_param_sync()
+        self.finish_param_sync()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._recast_fp8_weights()
+
+    def load_state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module], state: Dict[str, Any]) -> None:
+        super().load_state_dict_by_param_name(model_chunks, state)
+        self._recast_fp8_weights()
 
     def start_param_sync(self) -> None:
         """All-gather every bucket's updated parameters from the DP shards (asynchronously).

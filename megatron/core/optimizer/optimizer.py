@@ -57,6 +57,7 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.quantization.fp8_params import is_fp8_param
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.utils import named_model_params
 
@@ -91,6 +92,13 @@ class MainLink:
     def model_data(self) -> torch.Tensor:
         data = self.model.data
         return data if self.flat_range is None else data.view(-1)[self.flat_range[0] : self.flat_range[1]]
+
+    def model_values(self) -> torch.Tensor:
+        """The covered elements' real values in fp32 (an FP8 weight's bytes times its scale)."""
+        if not is_fp8_param(self.model):
+            return self.model_data().float()
+        values = self.model.data.float() * self.model.fp8_meta.scale_inv  # [out, in]
+        return values if self.flat_range is None else values.view(-1)[self.flat_range[0] : self.flat_range[1]]
 
 
 def _fused_adam_available(groups: List[Dict[str, Any]]) -> bool:
@@ -184,7 +192,7 @@ class MegatronOptimizer:
         """Write updated main params back into the model (and gather them, if sharded)."""
         with torch.no_grad():
             for link in self.links:
-                if link.is_copy:
+                if link.is_copy and not is_fp8_param(link.model):  # FP8 weights: DistributedOptimizer casts
                     link.model_data().copy_(link.main)
 
     # --- public API -----------------------------------------------------------------
@@ -308,7 +316,7 @@ class MegatronOptimizer:
             raise NotImplementedError("reload_model_params(state_dict=...) is not supported yet")
         for link in self.links:
             if link.is_copy:
-                link.main.copy_(link.model_data())
+                link.main.copy_(link.model_values())
 
     # --- state ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -396,7 +404,7 @@ class MegatronOptimizer:
             self.optimizer.state[link.main] = entry
         if link.is_copy:
             main = saved.get("main_param")
-            link.main.copy_(_piece_of(link, main, start) if main is not None else link.model_data().float())
+            link.main.copy_(_piece_of(link, main, start) if main is not None else link.model_values())
 
     def _step_state(self, link: MainLink, step: int) -> torch.Tensor:
         """Adam's ``step`` as torch keeps it: on the parameter's device for the fused (or capturable)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.quantization.fp8_gemm import quantized_matmul, transpose
+from megatron.core.quantization.fp8_params import fp8_operand, is_fp8_param
 from megatron.core.quantization.tensor import QuantizedTensor
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.tensor_parallel.utils import divide
@@ -107,6 +108,11 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, weight: torch.Tensor, fus
     """Return ``grad_weight`` ``[o, h]``, or with ``fuse`` and a ``main_grad`` add it there (module doc)."""
     main_grad = getattr(weight, "main_grad", None) if fuse else None
     if main_grad is None:
+        if is_fp8_param(weight):
+            raise ValueError(
+                f"FP8 weight {tuple(weight.shape)} (fp8_param_gather): its gradient needs the data-parallel "
+                "buffer's main_grad (wrap the model in DistributedDataParallel)"
+            )
         return grad_weight.to(weight.dtype)
     main_grad.add_(grad_weight)
     return _wgrad_dummy(weight)
@@ -166,7 +172,8 @@ def _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase)
     """``X W^T + b`` on quantized operands; saves what the quantized backward needs (module doc)."""
     shape = _total_shape(input_, comm, group)
     x_q, x_keep = _quantize_input(quantizer, input_, group, comm, phase)
-    w_q = quantizer.quantize_weight(weight, "fprop", phase)  # [o, h], cached within a step
+    # [o, h]; an FP8 weight (fp8_param_gather) is used as stored, never re-quantized; others cached within a step
+    w_q = fp8_operand(weight) if is_fp8_param(weight) else quantizer.quantize_weight(weight, "fprop", phase)
     out = quantized_matmul(x_q, w_q, input_.dtype)  # [s*b, o]
     if bias is not None:
         out = out + bias
@@ -249,7 +256,8 @@ class _ParallelLinear(torch.autograd.Function):
         quantizer=None,
         phase: Optional[str] = None,
     ) -> torch.Tensor:
-        ctx.group, ctx.comm, ctx.fuse = group, comm, fuse_wgrad_accumulation
+        # An FP8 weight's gradient always goes to main_grad (it has no high-precision .grad).
+        ctx.group, ctx.comm, ctx.fuse = group, comm, fuse_wgrad_accumulation or is_fp8_param(weight)
         ctx.has_bias, ctx.quantizer = bias is not None, quantizer
         if quantizer is not None:
             return _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase)

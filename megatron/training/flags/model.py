@@ -457,6 +457,12 @@ RECORDS = (
     Flag("mscale", IMPLEMENTED, type=float, help="YaRN: cos/sin scale (over --mscale-all-dim's).", fills=same(TC)),
     Flag("mscale_all_dim", IMPLEMENTED, type=float, help="YaRN: softmax temperature coefficient.", fills=same(TC)),
     Flag("cache_mla_latents", not_yet(False)),
-    Flag("fp8_param_gather", not_yet(False), fills=same(DDP)),
+    Flag(
+        "fp8_param_gather",
+        IMPLEMENTED,
+        help="Keep the FP8 linears' weights in FP8 and all-gather their bytes (tensorwise/delayed; "
+        "needs --use-distributed-optimizer).",
+        fills=same(DDP),
+    ),
     Flag("te_precision_config_file", not_yet(None)),
 )

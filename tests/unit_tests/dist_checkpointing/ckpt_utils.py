@@ -98,6 +98,9 @@ class StubOptimizer:
     def state_dict_by_param_name(self, model_chunks) -> Dict[str, object]:
         return self.state
 
+    def reload_model_params(self) -> None:
+        """Main weights from the model (a load without optimizer state): none are kept here."""
+
     def load_state_dict_by_param_name(self, model_chunks, state: Dict[str, object]) -> None:
         names = {n for c in model_chunks for n, _ in c.named_parameters()}
         missing = names - set(state)

@@ -4,6 +4,10 @@
 parameter's view that holds the slice; loading through it gives exactly the state that loading whole
 parameters gives (compared with the state before saving), for DP=2 and TP=2 x DP=2 (a GPT-2 and a
 SwiGLU/GQA model, whose fc1 is a stride-2 view), while allocating little more than 1/dp of the state.
+
+Without optimizer state (``--no-load-optim``, ``--finetune``) the fp32 main weights are copied from the
+loaded bf16 model (before, they kept the fresh model's initial values and the first step overwrote the
+loaded weights).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from megatron.core.dist_checkpointing import plain_data
 from megatron.core.dist_checkpointing.serialization import read_json
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.training.checkpointing import CheckpointConfig, save_checkpoint
+from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gpt2_style, llama_style
 from tests.unit_tests.dist_checkpointing.ckpt_utils import groups_for
@@ -90,3 +94,21 @@ def _body(rank: int, world_size: int, tmp: str, tp: int, style: str) -> None:
 @pytest.mark.parametrize("tp,style", [(1, "gpt2"), (2, "llama")])
 def test_distributed_optimizer_loads_only_its_slices(tmp_path, tp, style):
     run_distributed(_body, 2 * tp, str(tmp_path), tp, style)
+
+
+def _weights_only_body(rank: int, world_size: int, tmp: str) -> None:
+    groups = groups_for(1)
+    ddp, opt = _build(groups, "gpt2", seed=1)
+    _train(groups, ddp, opt)
+    save_checkpoint(2, [ddp], opt, None, CheckpointConfig(save=tmp), {}, {})
+    saved = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    for flags in (dict(no_load_optim=True), dict(finetune=True)):
+        fresh, fresh_opt = _build(groups, "gpt2", seed=7)
+        load_checkpoint([fresh], fresh_opt, None, CheckpointConfig(load=tmp, no_load_rng=True, **flags))
+        assert all(torch.equal(p, saved[n]) for n, p in fresh.module.named_parameters()), flags
+        # the fp32 main weights are the loaded ones, not the fresh model's initial values
+        assert all(torch.equal(link.main, link.model_data().float()) for link in fresh_opt.links), flags
+
+
+def test_main_weights_follow_the_loaded_model_without_optimizer_state(tmp_path):
+    run_distributed(_weights_only_body, 2, str(tmp_path))
