@@ -533,9 +533,12 @@ def _load_sharded(
         () if optimizer is not None else (dc.OPTIMIZER_STATE_PREFIX,),
     )
     dc.load(sharded, iter_dir)
+    # FP8 weights take the loaded high-precision values before anything calls state_dict() again
+    # (its hook would put fresh copies of the current weights in their place).
+    load_fp8_checkpoint_values(model_chunks)
     for chunk in model_chunks:  # parameters were read in place; extra states (TE's FP8 state) go back here
         dc.load_extra_states(chunk, sharded, groups)
-    load_fp8_checkpoint_values(model_chunks)  # FP8 weights: the loaded high-precision values, cast
+    drop_fp8_checkpoint_values(model_chunks)  # the copies that loop's state_dict() made
     if optimizer is not None:
         state: Dict[str, Any] = dict(plain_data.decode(common.get("optimizer") or {}))
         state.update(per_param)
