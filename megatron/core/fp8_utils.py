@@ -43,7 +43,7 @@ def attach_quantizers(
             continue
         check_fp8_dims(f"layer {layer_number} {name}", *module.weight.shape)
         group = pg_collection.tp_dp_cp if recipe.recipe == "delayed" else module.tp_group
-        module.quantizer = LinearQuantizer(recipe, group)
+        module.quantizer = LinearQuantizer(recipe, group, seed=1000 * layer_number + count)  # nvfp4's SR streams
         if module.is_expert:  # per-expert checkpoint keys, like the expert weights
             for buffer in module.quantizer.buffers():
                 buffer.allreduce = False
