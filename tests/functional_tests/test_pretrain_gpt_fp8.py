@@ -93,9 +93,11 @@ def test_nvfp4_resumes_bitwise_with_the_stochastic_rounding_state(tmp_path):
     calls (``sr_calls``), from which the resumed run seeds the draws the straight run made.
     """
     base = tiny_gpt_flags(ITERS) + mock_flags() + LLAMA + ["--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
-    _, tensors = _straight_then_resumed(base + TP2_SP, str(tmp_path), "nvfp4")
+    straight, tensors = _straight_then_resumed(base + TP2_SP, str(tmp_path), "nvfp4")
     calls = {k: v for k, v in tensors.items() if k.endswith(".sr_calls")}
     microbatches = 8 // 2  # global batch / micro batch (TP=2: one data-parallel rank)
     assert len(calls) == 8, sorted(tensors)  # qkv, proj, fc1, fc2 in each of 2 layers
     # Two stochastically rounded gradients (dgrad, wgrad) per backward of each linear.
     assert all(v.dtype == torch.int64 and v.tolist() == [2 * microbatches * ITERS // 2] for v in calls.values())
+    first, second, _ = _halves(base + TP2_SP, str(tmp_path), "nvfp4-legacy", ["--ckpt-format", "torch"])
+    assert first.losses() + second.losses() == straight.losses()

@@ -5,7 +5,8 @@
   weight-gradient input split by rows).
 * Under sequence parallelism each rank quantizes its own rows and the quantized bytes and scales
   are all-gathered: output and gradients equal, bit for bit, a reference that quantizes the
-  gathered input, and the gathered bytes are counted against the formats' sizes.
+  gathered input, the gathered bytes are counted against the formats' sizes, and the linear makes
+  no host read of a device value (FP4 values are packed without the representability check).
 * TP=2 and TP=2+SP GPTs equal one rank within a stated tolerance. nvfp4 is compared with its
   stochastic rounding switched off: its draws are seeded per TP rank, so a shard's draws are not
   the one-rank run's.
@@ -18,6 +19,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
@@ -84,6 +86,21 @@ class _GatherBytes:
             setattr(dist, name, original)
 
 
+class _HostReads(TorchDispatchMode):
+    """Records the ops that read a device tensor's value on the host (a GPU sync)."""
+
+    READS = {"equal", "_local_scalar_dense", "is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _expected_bytes(recipe, tokens, h):
     """Bytes of one rank's quantized ``[tokens, h]`` piece: forward's and the weight gradient's copy."""
     per_block = {"blockwise": (1.0, 128, 4), "mxfp8": (1.0, 32, 1), "nvfp4": (0.5, 16, 1)}[recipe]
@@ -104,10 +121,11 @@ def _sp_linear(recipe_name, rank, world, group, aligned=True):
     w, g = _rand(3 + rank, o, h, scale=0.2, dtype=torch.bfloat16), _rand(5 + rank, s, b, o, dtype=torch.bfloat16)
     piece = x[rank * s // world : (rank + 1) * s // world].clone().requires_grad_(True)  # [s/tp, b, h]
     w_sp, w_ref, x_ref = (t.clone().requires_grad_(True) for t in (w, w, x))
-    with _GatherBytes() as forward:
+    with _GatherBytes() as forward, _HostReads() as reads:
         y = parallel_linear(piece, w_sp, None, group, "sequence_parallel", False, LinearQuantizer(recipe, group, 7))
-    with _GatherBytes() as backward:
+    with _GatherBytes() as backward, reads:
         y.backward(g)
+    assert not reads.seen, f"{recipe_name}: the linear reads the device from the host: {reads.seen}"
     y_ref = parallel_linear(x_ref, w_ref, None, group, "all_reduce", False, LinearQuantizer(recipe, group, 7))
     y_ref.backward(g)
     where = f"{recipe_name} SP"

@@ -14,7 +14,10 @@ Engine's row-/column-wise copies are for that GEMM:
 
 nvfp4's per-tensor amax is reduced (MAX) over ``amax_group`` (the linear's TP group), so an
 operand split over TP ranks, or a sequence-parallel input quantized piece by piece, has the one
-global scale of the whole tensor (TE's NVFP4 quantizer with amax reduction). Its stochastic
+global scale of the whole tensor and TP=2 quantizes as one rank does. Transformer Engine sets
+this amax reduction only on the tensors it all-gathers under sequence parallelism (a
+column-parallel input, a row-parallel output gradient) and keeps a weight shard's own amax; here
+every nvfp4 operand is reduced: one fp32 all-reduce per quantization, a no-op on replicated ones. Its stochastic
 rounding draws from a generator seeded per call by ``(seed, TP rank, calls so far)``; the call
 count is the buffer ``sr_calls``, so checkpoints carry it (a plain int64 tensor) and a resumed run
 draws what the straight run would have drawn. The Hadamard signs are fixed by ``seed``.
