@@ -110,12 +110,13 @@ def _expected_bytes(recipe, tokens, h):
     return fprop, wgrad
 
 
-def _sp_linear(recipe_name, rank, world, group, aligned=True):
+def _sp_linear(recipe_name, rank, world, group, aligned=True, wgrad=True):
     """One SP column-parallel linear vs the same linear on the gathered input; bytes gathered.
 
     ``aligned=False``: a piece holds half a token block, so the bf16 input is gathered instead.
+    ``wgrad=False``: the weight gradient in bf16, its input the bf16 piece gathered in backward.
     """
-    recipe, b, h, o = RECIPES[recipe_name], 2, 32, 32
+    recipe, b, h, o = dataclasses.replace(RECIPES[recipe_name], wgrad=wgrad), 2, 32, 32
     s = TOKEN_BLOCK[recipe_name] * world // (2 if aligned else 4)  # a piece: one token block, or half
     x = _rand(2, s, b, h, dtype=torch.bfloat16)  # [s, b, h], the same on every rank
     w, g = _rand(3 + rank, o, h, scale=0.2, dtype=torch.bfloat16), _rand(5 + rank, s, b, o, dtype=torch.bfloat16)
@@ -133,6 +134,7 @@ def _sp_linear(recipe_name, rank, world, group, aligned=True):
     assert torch.equal(w_sp.grad, w_ref.grad), f"{where}: weight gradient"
     assert torch.equal(piece.grad, x_ref.grad[rank * s // world : (rank + 1) * s // world]), f"{where}: input grad"
     expected = _expected_bytes(recipe_name, s // world * b, h) if aligned else (piece.numel() * 2, 0)
+    expected = expected if wgrad else (expected[0], piece.numel() * 2)
     assert (forward.sent, backward.sent) == expected, f"{where}: {forward.sent}, {backward.sent} != {expected}"
     return forward.sent, backward.sent, piece.numel() * 2  # quantized forward, backward; bf16 forward
 
@@ -187,6 +189,7 @@ def _body(rank, world):
     _check_nvfp4_amax_reduced(rank, world, group)
     gathered = {name: _sp_linear(name, rank, world, group) for name in RECIPES}
     _sp_linear("nvfp4", rank, world, group, aligned=False)
+    _sp_linear("blockwise", rank, world, group, wgrad=False)
     with _nvfp4_without_stochastic_rounding():
         differences = {name: _model_differences(name, tp_groups, ref_groups) for name in RECIPES}
     return gathered, differences
