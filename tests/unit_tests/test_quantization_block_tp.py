@@ -6,7 +6,8 @@
 * Under sequence parallelism each rank quantizes its own rows and the quantized bytes and scales
   are all-gathered: output and gradients equal, bit for bit, a reference that quantizes the
   gathered input, the gathered bytes are counted against the formats' sizes, and the linear makes
-  no host read of a device value (FP4 values are packed without the representability check).
+  no host read of a device value (FP4 values are packed without the representability check);
+  backward starts gathering the kept weight-gradient piece before the input-gradient GEMM.
 * TP=2 and TP=2+SP GPTs equal one rank within a stated tolerance. nvfp4 is compared with its
   stochastic rounding switched off: its draws are seeded per TP rank, so a shard's draws are not
   the one-rank run's.
@@ -24,11 +25,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron.core import parallel_state as ps
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.core.quantization import nvfp4
+from megatron.core.quantization import quantized_gather as qg
 from megatron.core.quantization.block_recipes import BlockOperandQuantizer
 from megatron.core.quantization.recipes import LinearQuantizer, QuantRecipe
+from megatron.core.tensor_parallel import linear_function as lf
 from megatron.core.tensor_parallel.linear_function import parallel_linear
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gather_tp, llama_style, single_rank_groups
+from tests.unit_tests.tensor_parallel.test_linear_function import _recording
 
 RECIPES = {"blockwise": QuantRecipe("blockwise", "e4m3"), "mxfp8": QuantRecipe("mxfp8", "hybrid")}
 RECIPES["nvfp4"] = QuantRecipe("nvfp4", "e2m1")
@@ -139,6 +143,35 @@ def _sp_linear(recipe_name, rank, world, group, aligned=True, wgrad=True):
     return forward.sent, backward.sent, piece.numel() * 2  # quantized forward, backward; bf16 forward
 
 
+def _backward_order(rank, world, group):
+    """Backward starts gathering the kept quantized piece before the input-gradient GEMM and waits after it."""
+    s, b, h = world * TOKEN_BLOCK["nvfp4"], 2, 32
+    piece = _rand(2 + rank, s // world, b, h, dtype=torch.bfloat16).requires_grad_(True)
+    w = _rand(3 + rank, 32, h, scale=0.2, dtype=torch.bfloat16).requires_grad_(True)
+    y = parallel_linear(piece, w, None, group, "sequence_parallel", False, LinearQuantizer(RECIPES["nvfp4"], group))
+    events, originals = [], (qg.all_gather_into_tensor, lf.reduce_scatter_tensor, lf.quantized_matmul)
+
+    def gemm(*args, **kwargs):
+        events.append("gemm")
+        return originals[2](*args, **kwargs)
+
+    qg.all_gather_into_tensor = _recording(originals[0], "all_gather", events)
+    lf.reduce_scatter_tensor = _recording(originals[1], "reduce_scatter", events)
+    lf.quantized_matmul = gemm
+    try:
+        y.backward(torch.ones_like(y))
+    finally:
+        qg.all_gather_into_tensor, lf.reduce_scatter_tensor, lf.quantized_matmul = originals
+    assert events == [
+        *["launch all_gather"] * 2,  # scales, values
+        "gemm",  # dgrad
+        *["wait all_gather"] * 2,
+        "launch reduce_scatter",
+        "gemm",  # wgrad
+        "wait reduce_scatter",
+    ], events
+
+
 @contextlib.contextmanager
 def _nvfp4_without_stochastic_rounding():
     saved = dict(nvfp4.NVFP4_LINEAR_RECIPE)
@@ -190,6 +223,7 @@ def _body(rank, world):
     gathered = {name: _sp_linear(name, rank, world, group) for name in RECIPES}
     _sp_linear("nvfp4", rank, world, group, aligned=False)
     _sp_linear("blockwise", rank, world, group, wgrad=False)
+    _backward_order(rank, world, group)
     with _nvfp4_without_stochastic_rounding():
         differences = {name: _model_differences(name, tp_groups, ref_groups) for name in RECIPES}
     return gathered, differences

@@ -11,7 +11,7 @@ for ``blockwise``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,30 @@ def pieces_align(tokens_per_rank: int, token_block: Optional[int]) -> bool:
     return token_block is None or tokens_per_rank % token_block == 0
 
 
-def _gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Concatenate every rank's ``x [rows, cols]`` along ``dim`` (0 or 1), in rank order."""
-    src = x if dim == 0 else x.t()  # [pieces along dim 0]
+class PendingGather:
+    """A started gather: ``wait()`` waits for its collectives, then completes its result in place."""
+
+    def __init__(self, works: List[Optional[dist.Work]], finish: Callable[[], None]) -> None:
+        self.works, self.finish = works, finish
+
+    def wait(self) -> None:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        self.finish()
+
+
+def _start_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> Tuple[torch.Tensor, Optional[dist.Work]]:
+    """Start concatenating every rank's ``x [rows, cols]`` along ``dim``; the buffer is along dim 0
+    (``_along(buffer, dim)`` once done)."""
+    src = (x if dim == 0 else x.t()).contiguous()  # [pieces along dim 0]
     world = dist.get_world_size(group)
     out = torch.empty((world * src.size(0), src.size(1)), dtype=src.dtype, device=src.device)
-    all_gather_into_tensor(out, src.contiguous(), group=group)
-    return out if dim == 0 else out.t().contiguous()
+    return out, all_gather_into_tensor(out, src, group=group, async_op=True)
+
+
+def _along(buffer: torch.Tensor, dim: int) -> torch.Tensor:
+    return buffer if dim == 0 else buffer.t().contiguous()
 
 
 def _wire_values(q: QuantizedTensor) -> torch.Tensor:
@@ -52,8 +69,11 @@ def _values(raw: torch.Tensor, like: QuantizedTensor, scale_inv: torch.Tensor, b
     return torch.where(nan_block, torch.full_like(values, float("nan")), values)
 
 
-def all_gather_quantized(q: QuantizedTensor, group: dist.ProcessGroup, dim: int) -> QuantizedTensor:
-    """Gather this rank's quantized piece ``q`` with the others' along ``dim`` (0: rows, 1: columns).
+def start_all_gather_quantized(
+    q: QuantizedTensor, group: dist.ProcessGroup, dim: int
+) -> Tuple[QuantizedTensor, PendingGather]:
+    """Start gathering this rank's quantized piece ``q`` with the others' along ``dim`` (0: rows,
+    1: columns). The returned tensor's ``data`` and scales are None until the handle's ``wait()``.
 
     Every block must lie inside one piece (``pieces_align``) and a per-tensor factor
     (``global_scale_inv``) must be equal on all ranks. Values of a non-finite block come back NaN.
@@ -61,15 +81,24 @@ def all_gather_quantized(q: QuantizedTensor, group: dist.ProcessGroup, dim: int)
     if q.block[dim] > q.data.size(dim) or q.data.size(dim) % q.block[dim]:
         raise ValueError(f"blocks {q.block} cross the pieces: a piece has {q.data.size(dim)} along dim {dim}")
     scales = q.scale_raw if q.scale_raw is not None else q.scale_inv  # storage encoding when there is one
-    scales = _gather(scales.view(torch.uint8) if scales.element_size() == 1 else scales, group, dim)
-    scales = scales.view(q.scale_raw.dtype) if q.scale_raw is not None else scales
-    scale_inv = scales.float()  # exact: e8m0 / e4m3 / fp32
-    values = _values(_gather(_wire_values(q), group, dim), q, scale_inv, q.block)
-    return QuantizedTensor(
-        data=values,
-        scale_inv=scale_inv,
-        block=q.block,
-        scale_raw=scales if q.scale_raw is not None else None,
-        global_scale_inv=q.global_scale_inv,
-        element_format=q.element_format,
+    scale_buf, scale_work = _start_gather(
+        scales.view(torch.uint8) if scales.element_size() == 1 else scales, group, dim
     )
+    value_buf, value_work = _start_gather(_wire_values(q), group, dim)
+    out = QuantizedTensor(None, None, q.block, None, q.global_scale_inv, q.element_format)
+
+    def finish() -> None:
+        raw = _along(scale_buf, dim)
+        raw = raw.view(q.scale_raw.dtype) if q.scale_raw is not None else raw
+        out.scale_inv = raw.float()  # exact: e8m0 / e4m3 / fp32
+        out.scale_raw = raw if q.scale_raw is not None else None
+        out.data = _values(_along(value_buf, dim), q, out.scale_inv, q.block)
+
+    return out, PendingGather([scale_work, value_work], finish)
+
+
+def all_gather_quantized(q: QuantizedTensor, group: dist.ProcessGroup, dim: int) -> QuantizedTensor:
+    """``start_all_gather_quantized`` waited for."""
+    out, pending = start_all_gather_quantized(q, group, dim)
+    pending.wait()
+    return out

@@ -32,7 +32,8 @@ and its FP8 bytes are all-gathered, in forward and again in backward. Block reci
 sequence parallelism do the same where their blocks stay inside a rank's piece (always along
 ``h``; along the tokens when ``s/tp * b`` is a multiple of the block): the piece is quantized for
 forward and for the weight gradient, the forward copy's bytes and scales are gathered in forward
-and the weight-gradient copy's in backward (``quantization.quantized_gather``), bit for bit what
+and the weight-gradient copy's in backward, started before the input-gradient GEMM and waited
+for after it (``quantization.quantized_gather``), bit for bit what
 quantizing the gathered input gives; otherwise the high-precision input is gathered.
 """
 
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.quantization.block_recipes import ROW_BLOCK
 from megatron.core.quantization.fp8_gemm import quantized_matmul, transpose
-from megatron.core.quantization.quantized_gather import all_gather_quantized, pieces_align
+from megatron.core.quantization.quantized_gather import all_gather_quantized, pieces_align, start_all_gather_quantized
 from megatron.core.quantization.tensor import QuantizedTensor
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.tensor_parallel.utils import divide
@@ -216,7 +217,7 @@ def _quantized_wgrad_input(ctx, saved) -> Tuple[object, Handle]:
         if ctx.comm == COMM_SEQUENCE_PARALLEL and ctx.quantizer.per_tensor:
             return _gather_quantized(x_q, ctx.group)  # [s*b, h]
         if ctx.x_pieces:
-            return all_gather_quantized(x_q, ctx.group, 1), None  # [h, s*b]
+            return start_all_gather_quantized(x_q, ctx.group, 1)  # [h, s*b] once waited for
         return x_q, None
     if ctx.comm == COMM_SEQUENCE_PARALLEL:
         return _start_gather_first_dim(input_, ctx.group)  # [s, b, h]
