@@ -55,7 +55,7 @@ def _check_nvfp4_amax_reduced(rank, world, group):
     rows = slice(rank * 32, (rank + 1) * 32)
     one_rank = BlockOperandQuantizer("nvfp4")
     for gemm in ("fprop", "dgrad"):  # weight tiles 16x16: shards hold whole tiles
-        full = one_rank(w if gemm == "fprop" else w, "weight", gemm, "e2m1")
+        full = one_rank(w, "weight", gemm, "e2m1")
         shard = BlockOperandQuantizer("nvfp4", group)(w[rows], "weight", gemm, "e2m1")
         ref = dataclasses.replace(full, data=full.data[rows], scale_inv=full.scale_inv[rank * 2 : rank * 2 + 2])
         _equal_quantized(shard, ref, f"nvfp4 weight {gemm}")
