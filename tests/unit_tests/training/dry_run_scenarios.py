@@ -100,7 +100,17 @@ def device_rules() -> Dict[str, Any]:
         "cuda_rng_state_on_gpu": _observe(
             lambda: torch.cuda.set_rng_state(torch.zeros(16, dtype=torch.uint8, device="cuda"))
         ),
+        "rand_cpu_generator": _observe(lambda: torch.rand(4, device="cuda", generator=torch.Generator())),
+        "uniform_cpu_generator": _observe(lambda: x.uniform_(generator=torch.Generator().manual_seed(3))),
+        "rand_cuda_generator": _observe(lambda: _cuda_generator_draw()),
     }
+
+
+def _cuda_generator_draw() -> list:
+    """A generator made on the paper GPU: seeded, kept on cuda:0, accepted by a draw there."""
+    generator = torch.Generator(device="cuda").manual_seed(1234)
+    out = torch.rand(4, device="cuda", generator=generator)
+    return [str(generator.device), generator.initial_seed(), str(out.device)]
 
 
 def host_syncs() -> Dict[str, Any]:
