@@ -65,9 +65,11 @@ class BlockOperandQuantizer(torch.nn.Module):
         if recipe not in BLOCK_RECIPES:
             raise ValueError(f"block recipe {recipe!r}: must be one of {BLOCK_RECIPES}")
         self.recipe, self.amax_group, self.seed = recipe, amax_group, seed
-        self.signs: Optional[torch.Tensor] = None
+        # nvfp4: [16] ±1, shared by the wgrad operands; a buffer so it moves with the model (no copy per
+        # call), not persistent: ``seed`` fixes it
+        signs = random_signs(torch.Generator().manual_seed(seed + 1)) if recipe == "nvfp4" else None
+        self.register_buffer("signs", signs, persistent=False)
         if recipe == "nvfp4":
-            self.signs = random_signs(torch.Generator().manual_seed(seed + 1))  # [16], shared by wgrad operands
             self.register_buffer("sr_calls", torch.zeros(1, dtype=torch.int64))  # stochastic roundings so far
             self._calls, self._calls_version = 0, self.sr_calls._version
         self._quantize: Callable[..., QuantizedTensor] = getattr(self, f"_{recipe}")
@@ -85,7 +87,7 @@ class BlockOperandQuantizer(torch.nn.Module):
     def _nvfp4(self, x: torch.Tensor, role: str, gemm: str, fmt: str) -> QuantizedTensor:
         recipe = NVFP4_LINEAR_RECIPE.get((gemm, role))
         generator = self._next_generator(x.device) if recipe is not None and recipe.stochastic_rounding else None
-        signs = self.signs.to(x.device) if gemm == "wgrad" else None
+        signs = self.signs if gemm == "wgrad" else None
         return quantize_nvfp4_operand(x.float(), gemm, role, generator, signs, amax_group=self.amax_group)
 
     def _next_generator(self, device: torch.device) -> torch.Generator:

@@ -18,7 +18,12 @@ _SIGN_BIT = 0x8
 
 
 def _grid(device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    """``E2M1_MAGNITUDES`` as float32 ``[8]`` on ``device``, computed there (no host-to-device copy):
+    code ``c = 2e + m`` is ``m / 2`` for ``e = 0`` (subnormal), else ``2^(e-1) * (1 + m / 2)``."""
+    code = torch.arange(len(E2M1_MAGNITUDES), dtype=torch.float32, device=device)  # [8]
+    exponent = torch.floor(code / 2)
+    mantissa = code - 2 * exponent
+    return torch.where(exponent == 0, mantissa / 2, torch.exp2(exponent - 1) * (1 + mantissa / 2))
 
 
 def _round_up(

@@ -120,7 +120,7 @@ def update_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, fmt: str,
     amax = history.max() if algo == "max" else history[0].clone()
     if history.numel() > 1:
         history.copy_(torch.roll(history, -1, 0))
-    history[0] = 0.0
+    history[0].zero_()  # a fill on the device; `= 0.0` copies a CPU scalar to it
     new = torch.full_like(scale, fp8_max(fmt)) / amax / (2.0**margin)
     keep = (amax <= 0) | ~torch.isfinite(amax)
     scale.copy_(torch.where(keep, scale, new))

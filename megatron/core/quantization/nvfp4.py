@@ -60,7 +60,7 @@ NVFP4_LINEAR_RECIPE: Dict[Tuple[str, str], NVFP4OperandRecipe] = {
 def global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """``s_enc = 448 * 6 / global_amax`` as an fp32 scalar (``FLT_MAX`` on overflow, 1 if degenerate)."""
     amax = global_amax.float().reshape(())
-    scale = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=amax.device) / amax
+    scale = amax.new_full((), E4M3_MAX * E2M1_MAX) / amax  # a true division (not 1/amax * c), on amax's device
     scale = scale.clamp(max=FP32_MAX)
     degenerate = (amax == 0) | ~torch.isfinite(amax) | (scale == 0)
     return torch.where(degenerate, torch.ones_like(scale), scale)

@@ -95,6 +95,15 @@ def test_module_cuda_keeps_parameter_attributes(results):
     assert results["module_cuda"]["cuda_keeps_attributes"]["value"] == [True, "cuda:0", True]
 
 
+def test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads(results):
+    # Before: nvfp4 could not make its stochastic-rounding generator on the GPU, and uploaded its
+    # constants (e2m1 table, 448*6, Hadamard matrix and signs) per call; delayed scaling uploaded a 0.0.
+    got = results["quantizers"]
+    assert sorted(got) == ["blockwise", "delayed", "mxfp8", "nvfp4", "tensorwise"]
+    for recipe, seen in got.items():
+        assert seen == {"value": ["cuda:0", "cuda:0"], "syncs": []}, (recipe, seen)
+
+
 def test_flash_verdict(results):
     got = results["attention"]
     assert got["bf16"]["value"] == [True, ""]
