@@ -78,6 +78,16 @@ def rule_checks() -> List[Check]:
             ),
         ),
         (
+            "torch.rand on the GPU with a CPU generator fails",
+            True,
+            lambda: torch.rand(4, device=cuda, generator=torch.Generator().manual_seed(1)),
+        ),
+        (
+            "torch.rand on the GPU with a generator of the GPU works",
+            False,
+            lambda: torch.rand(4, device=cuda, generator=torch.Generator(device=cuda).manual_seed(1)),
+        ),
+        (
             "AMP unscale with everything on the GPU works",
             False,
             lambda: torch._amp_foreach_non_finite_check_and_unscale_(

@@ -50,7 +50,7 @@ def attach_quantizers(
     recipe = recipe_from_config(config)
     if recipe is None or is_layer_in_high_precision(config, layer_number):
         return 0
-    return _attach(layer, recipe, pg_collection, f"layer {layer_number}")
+    return _attach(layer, recipe, pg_collection, f"layer {layer_number}", 1000 * layer_number)
 
 
 def attach_mtp_quantizers(
@@ -60,17 +60,21 @@ def attach_mtp_quantizers(
     FP8 always (Megatron's global FP8 context, outside ``first_last_layers_bf16``), never under FP4."""
     if not config.fp8:
         return 0
-    return _attach(mtp_layer, recipe_from_config(config), pg_collection, "mtp")
+    return _attach(mtp_layer, recipe_from_config(config), pg_collection, "mtp", 1000 * (config.num_layers + 1))
 
 
-def _attach(layer: torch.nn.Module, recipe: QuantRecipe, pg_collection: ProcessGroupCollection, where: str) -> int:
-    """A ``LinearQuantizer`` for every quantizable linear of ``layer``; returns how many got one."""
+def _attach(
+    layer: torch.nn.Module, recipe: QuantRecipe, pg_collection: ProcessGroupCollection, where: str, seed_base: int
+) -> int:
+    """A ``LinearQuantizer`` for every quantizable linear of ``layer``, the k-th seeded ``seed_base + k``
+    (nvfp4's stochastic-rounding streams); returns how many got one."""
     count = 0
     for name, module in layer.named_modules():
         if not isinstance(module, _QUANTIZABLE) or module.weight is None:
             continue
         check_fp8_dims(f"{where} {name}", *module.weight.shape)
-        module.quantizer = LinearQuantizer(recipe, _amax_group(module, recipe, pg_collection))
+        group = _amax_group(module, recipe, pg_collection)
+        module.quantizer = LinearQuantizer(recipe, group, seed=seed_base + count)  # nvfp4's SR streams
         if getattr(module, "is_expert", False):  # per-expert checkpoint keys, like the expert weights
             for buffer in module.quantizer.buffers():
                 buffer.allreduce = False

@@ -2,12 +2,12 @@
 
 Every case of ``megatron/training/dry_run/grid.py`` (TP/SP, PP 1F1B and interleaved, DP with
 the distributed optimizer and both overlaps, CP, EP/MoE, bf16, fp16, per-token loss,
-recompute full/selective, grouped-query attention, FP8 with delayed scaling (every
-``torch._scaled_mm`` call meets CUDA's layout checks on fake CUDA tensors), torch_dist and
-legacy checkpoints, a 64-rank layout) trains, saves, resumes and trains again as its first, a
-middle and its last rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's
-bound of host syncs per steady-state iteration (6 for dense models, see grid.py), and every
-bf16/fp16 attention call outside context parallelism is flash-eligible.
+recompute full/selective, grouped-query attention, torch_dist and legacy checkpoints, a
+64-rank layout, each FP8 recipe and NVFP4, every ``torch._scaled_mm`` call meeting CUDA's layout
+checks on fake CUDA tensors) trains, saves, resumes and trains again as its first, a middle and its
+last rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs
+per steady-state iteration (6 for dense models, see grid.py), and every bf16/fp16 attention call
+outside context parallelism is flash-eligible.
 """
 
 import json

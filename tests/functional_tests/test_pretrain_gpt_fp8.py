@@ -44,34 +44,62 @@ FP8 = [
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
-def test_llama3_fp8_flags_train_on_two_ranks_and_resume_bitwise(tmp_path):
-    base = tiny_gpt_flags(ITERS) + mock_flags() + LLAMA + FP8 + TP2_SP
-    ckpt, half = str(tmp_path / "ckpt"), ITERS // 2
-    straight = run_gpt(2, base, str(tmp_path))
-    assert_ok(straight, "FP8 straight run")
-    first = run_gpt(
-        2, base + ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half)], str(tmp_path)
-    )
-    assert_ok(first, "FP8 first half")
-    second = run_gpt(2, base + ["--load", ckpt], str(tmp_path))
-    assert_ok(second, "FP8 resumed half")
+def _halves(base, directory, name, extra=()):
+    """The first ITERS/2 iterations saved to ``directory/name`` and exited, then resumed to ITERS."""
+    ckpt, half = os.path.join(directory, name), ITERS // 2
+    save = ["--save", ckpt, "--save-interval", str(half), "--exit-interval", str(half)]
+    first = run_gpt(2, base + list(extra) + save, directory)
+    assert_ok(first, f"{name}: first half")
+    second = run_gpt(2, base + list(extra) + ["--load", ckpt], directory)
+    assert_ok(second, f"{name}: resumed half")
     assert [line["iteration"] for line in second.lines] == list(range(half + 1, ITERS + 1))
+    return first, second, ckpt
+
+
+def _assert_resumed_bitwise(straight, first, second):
+    """The halves print the straight run's losses and grad norms exactly."""
     assert len(straight.losses()) == ITERS
     assert first.losses() + second.losses() == straight.losses()  # printed values, exactly
-    for a, b in zip(second.lines, straight.lines[half:]):
+    for a, b in zip(second.lines, straight.lines[ITERS // 2 :]):
         assert a["grad norm"] == b["grad norm"]
-    tensors = load_plain_tensors(os.path.join(ckpt, f"iter_{half:07d}"))
+
+
+def _straight_then_resumed(base, directory, name):
+    """A straight run of ITERS and its bitwise equal halves; the straight run and the half's checkpoint."""
+    straight = run_gpt(2, base, directory)
+    assert_ok(straight, f"{name}: straight run")
+    first, second, ckpt = _halves(base, directory, name)
+    _assert_resumed_bitwise(straight, first, second)
+    return straight, load_plain_tensors(os.path.join(ckpt, f"iter_{ITERS // 2:07d}"))
+
+
+def test_llama3_fp8_flags_train_on_two_ranks_and_resume_bitwise(tmp_path):
+    base = tiny_gpt_flags(ITERS) + mock_flags() + LLAMA + FP8 + TP2_SP
+    half = ITERS // 2
+    straight, tensors = _straight_then_resumed(base, str(tmp_path), "ckpt")
     histories = {k: v for k, v in tensors.items() if k.endswith(".quantizer.delayed.input.amax_history")}
     assert len(histories) == 8, sorted(tensors)  # qkv, proj, fc1, fc2 in each of 2 layers
     assert all(v.shape == (1024,) and int((v > 0).sum()) >= half for v in histories.values())
     assert all(v.dtype == torch.float32 for k, v in tensors.items() if ".quantizer." in k)  # not cast to bf16
     # The legacy torch format carries the same state (the model's state_dict).
-    legacy, torch_fmt = str(tmp_path / "legacy"), ["--ckpt-format", "torch"]
-    save = ["--save", legacy, "--save-interval", str(half), "--exit-interval", str(half)]
-    first = run_gpt(2, base + torch_fmt + save, str(tmp_path))
-    assert_ok(first, "FP8 first half, torch format")
-    second = run_gpt(2, base + torch_fmt + ["--load", legacy], str(tmp_path))
-    assert_ok(second, "FP8 resumed half, torch format")
+    first, second, _ = _halves(base, str(tmp_path), "legacy", ["--ckpt-format", "torch"])
+    assert first.losses() + second.losses() == straight.losses()
+
+
+def test_nvfp4_resumes_bitwise_with_the_stochastic_rounding_state(tmp_path):
+    """``--fp4-format e2m1 --fp4-recipe nvfp4`` under TP=2 + SP: 2 + 2 resumed iterations equal 4.
+
+    Gradients are stochastically rounded; the checkpoint holds each linear's count of rounding
+    calls (``sr_calls``), from which the resumed run seeds the draws the straight run made.
+    """
+    base = tiny_gpt_flags(ITERS) + mock_flags() + LLAMA + ["--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
+    straight, tensors = _straight_then_resumed(base + TP2_SP, str(tmp_path), "nvfp4")
+    calls = {k: v for k, v in tensors.items() if k.endswith(".sr_calls")}
+    microbatches = 8 // 2  # global batch / micro batch (TP=2: one data-parallel rank)
+    assert len(calls) == 8, sorted(tensors)  # qkv, proj, fc1, fc2 in each of 2 layers
+    # Two stochastically rounded gradients (dgrad, wgrad) per backward of each linear.
+    assert all(v.dtype == torch.int64 and v.tolist() == [2 * microbatches * ITERS // 2] for v in calls.values())
+    first, second, _ = _halves(base + TP2_SP, str(tmp_path), "nvfp4-legacy", ["--ckpt-format", "torch"])
     assert first.losses() + second.losses() == straight.losses()
 
 

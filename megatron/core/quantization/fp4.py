@@ -18,7 +18,12 @@ _SIGN_BIT = 0x8
 
 
 def _grid(device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    """``E2M1_MAGNITUDES`` as float32 ``[8]`` on ``device``, computed there (no host-to-device copy):
+    code ``c = 2e + m`` is ``m / 2`` for ``e = 0`` (subnormal), else ``2^(e-1) * (1 + m / 2)``."""
+    code = torch.arange(len(E2M1_MAGNITUDES), dtype=torch.float32, device=device)  # [8]
+    exponent = torch.floor(code / 2)
+    mantissa = code - 2 * exponent
+    return torch.where(exponent == 0, mantissa / 2, torch.exp2(exponent - 1) * (1 + mantissa / 2))
 
 
 def _round_up(
@@ -53,22 +58,26 @@ def round_e2m1(y: torch.Tensor, stochastic: bool = False, generator: Optional[to
     return torch.where(finite, rounded, torch.full_like(rounded, float("nan")))
 
 
-def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8, sign in bit 3) of e2m1 ``values``; raises if one is not representable."""
+def e2m1_codes(values: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """4-bit codes (uint8, sign in bit 3) of e2m1 ``values``; raises if one is not representable.
+
+    ``check=False`` skips that test (a host read of the device) for values known to be e2m1.
+    """
     grid = _grid(values.device)
     magnitude = values.float().abs()
     index = torch.bucketize(magnitude, grid)  # exact match -> its own index
     index = index.clamp(max=len(E2M1_MAGNITUDES) - 1)
-    if not torch.equal(grid[index], magnitude):
+    if check and not torch.equal(grid[index], magnitude):
         raise ValueError("pack_e2m1 takes e2m1 values only (finite, from round_e2m1); got others")
     return index.to(torch.uint8) | (torch.signbit(values).to(torch.uint8) << 3)
 
 
-def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
-    """Pack e2m1 ``values [rows, cols]`` (cols even) into bytes ``[rows, cols // 2]`` (uint8)."""
+def pack_e2m1(values: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """Pack e2m1 ``values [rows, cols]`` (cols even) into bytes ``[rows, cols // 2]`` (uint8); ``check``
+    as in ``e2m1_codes``."""
     if values.dim() != 2 or values.shape[1] % 2:
         raise ValueError(f"pack_e2m1 needs [rows, even cols], got {tuple(values.shape)}")
-    codes = e2m1_codes(values).view(values.shape[0], -1, 2)  # [rows, cols/2, 2]
+    codes = e2m1_codes(values, check).view(values.shape[0], -1, 2)  # [rows, cols/2, 2]
     return codes[..., 0] | (codes[..., 1] << 4)  # [rows, cols/2]
 
 

@@ -17,11 +17,12 @@ import torch
 HADAMARD_SIZE = 16
 
 
-def hadamard_matrix(n: int = HADAMARD_SIZE) -> torch.Tensor:
-    """The ``n x n`` Sylvester Hadamard matrix scaled by ``1/sqrt(n)`` (orthonormal), fp32; ``n`` a power of 2."""
+def hadamard_matrix(n: int = HADAMARD_SIZE, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The ``n x n`` Sylvester Hadamard matrix scaled by ``1/sqrt(n)`` (orthonormal), fp32, built on
+    ``device`` (no host-to-device copy); ``n`` a power of 2."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"n={n} must be a power of two")
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)  # [2k, 2k]
     return h / n**0.5
@@ -40,7 +41,7 @@ def random_hadamard_transform(x: torch.Tensor, signs: torch.Tensor, inverse: boo
     n = signs.numel()
     if x.dim() != 2 or x.shape[1] % n:
         raise ValueError(f"random_hadamard_transform needs [rows, cols] with cols % {n} == 0, got {tuple(x.shape)}")
-    q = hadamard_matrix(n).to(x.device) * signs.float().to(x.device)  # [n, n]: H diag(s)
+    q = hadamard_matrix(n, x.device) * signs.to(x.device, torch.float32)  # [n, n]: H diag(s)
     if inverse:
         q = q.T
     blocks = x.float().reshape(x.shape[0], -1, n)  # [rows, cols/n, n]

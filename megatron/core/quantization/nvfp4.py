@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.quantization.formats import FP32_MAX, block_amax, check_operand, expand_blocks, saturate
 from megatron.core.quantization.fp4 import E2M1_MAX, round_e2m1
+from megatron.core.quantization.fp8 import tensor_amax
 from megatron.core.quantization.hadamard import random_hadamard_transform
 from megatron.core.quantization.tensor import QuantizedTensor
 
@@ -58,7 +60,7 @@ NVFP4_LINEAR_RECIPE: Dict[Tuple[str, str], NVFP4OperandRecipe] = {
 def global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """``s_enc = 448 * 6 / global_amax`` as an fp32 scalar (``FLT_MAX`` on overflow, 1 if degenerate)."""
     amax = global_amax.float().reshape(())
-    scale = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=amax.device) / amax
+    scale = amax.new_full((), E4M3_MAX * E2M1_MAX) / amax  # a true division (not 1/amax * c), on amax's device
     scale = scale.clamp(max=FP32_MAX)
     degenerate = (amax == 0) | ~torch.isfinite(amax) | (scale == 0)
     return torch.where(degenerate, torch.ones_like(scale), scale)
@@ -113,12 +115,15 @@ def quantize_nvfp4_operand(
     generator: Optional[torch.Generator] = None,
     hadamard_signs: Optional[torch.Tensor] = None,
     global_amax: Optional[torch.Tensor] = None,
+    amax_group: Optional[dist.ProcessGroup] = None,
 ) -> QuantizedTensor:
     """Quantize GEMM operand ``x [rows, k]`` (reduction dim last) as ``NVFP4_LINEAR_RECIPE`` says.
 
     ``gemm`` is fprop / dgrad / wgrad, ``operand`` input / weight / grad_output. Where the recipe
     applies the RHT, ``hadamard_signs`` (the ±1 vector shared by both wgrad operands) is required and
-    ``global_amax``, if given, must be that of the transformed tensor.
+    ``global_amax``, if given, must be that of the transformed tensor; otherwise it is the
+    (transformed) ``x``'s amax reduced (MAX) over ``amax_group``: give the group of ranks holding
+    pieces of one tensor so that they share its global scale.
     """
     recipe = NVFP4_LINEAR_RECIPE.get((gemm, operand))
     if recipe is None:
@@ -127,4 +132,6 @@ def quantize_nvfp4_operand(
         if hadamard_signs is None:
             raise ValueError(f"the {gemm} {operand} operand gets the random Hadamard transform: pass hadamard_signs")
         x = random_hadamard_transform(x, hadamard_signs)  # [rows, k]
+    if global_amax is None and amax_group is not None:
+        global_amax = tensor_amax(x, amax_group)  # [1]
     return quantize_nvfp4(x, recipe.block, recipe.stochastic_rounding, generator, global_amax)

@@ -94,7 +94,7 @@ class LinearQuantizer(torch.nn.Module):
     keeps one ``DelayedScalingState`` per role, a submodule, so it is in the ``state_dict``.
     """
 
-    def __init__(self, recipe: QuantRecipe, amax_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, recipe: QuantRecipe, amax_group: Optional[dist.ProcessGroup], seed: int = 0) -> None:
         super().__init__()
         self.recipe, self.amax_group = recipe, amax_group
         self.per_tensor = recipe.per_tensor
@@ -110,7 +110,7 @@ class LinearQuantizer(torch.nn.Module):
         elif recipe.recipe not in PER_TENSOR_RECIPES + BLOCK_RECIPES:
             raise ValueError(f"fp8_recipe={recipe.recipe!r}: must be one of {FP8_RECIPES} (fp4_recipe: {FP4_RECIPES})")
         elif not recipe.per_tensor:
-            self._block = BlockOperandQuantizer(recipe.recipe)
+            self._block = BlockOperandQuantizer(recipe.recipe, amax_group, seed)
         self._weight_cache: Optional[Dict[str, Tuple[tuple, QuantizedTensor]]] = None  # None: no caching
 
     def quantize(self, role: str, x: torch.Tensor, gemm: str = "fprop", phase: Optional[str] = None) -> QuantizedTensor:

@@ -28,7 +28,13 @@ the input gradient, dY and X for the weight gradient (in the activation dtype in
 recipe's ``wgrad`` is off, Megatron's ``--no-fp8-wgrad``). Per-tensor recipes quantize each
 operand once (the amax reduced over the quantizer's group, so every TP rank uses one scale) and
 save the FP8 input: under sequence parallelism the local ``[s/tp, b, h]`` piece is quantized
-and its FP8 bytes are all-gathered, in forward and again in backward.
+and its FP8 bytes are all-gathered, in forward and again in backward. Block recipes under
+sequence parallelism do the same where their blocks stay inside a rank's piece (always along
+``h``; along the tokens when ``s/tp * b`` is a multiple of the block): the piece is quantized for
+forward and for the weight gradient, the forward copy's bytes and scales are gathered in forward
+and the weight-gradient copy's in backward, started before the input-gradient GEMM and waited
+for after it (``quantization.quantized_gather``), bit for bit what
+quantizing the gathered input gives; otherwise the high-precision input is gathered.
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.quantization.block_recipes import ROW_BLOCK
 from megatron.core.quantization.fp8_gemm import quantized_matmul, transpose
 from megatron.core.quantization.fp8_params import fp8_operand, is_fp8_param
+from megatron.core.quantization.quantized_gather import all_gather_quantized, pieces_align, start_all_gather_quantized
 from megatron.core.quantization.tensor import QuantizedTensor
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.tensor_parallel.utils import divide
@@ -147,15 +155,30 @@ def _recompute_phase() -> Optional[str]:
     return "recompute" if torch.is_grad_enabled() else "checkpointed"
 
 
+def _block_pieces(quantizer, input_: torch.Tensor, comm: str) -> bool:
+    """Whether a block recipe under SP quantizes its local ``[s/tp, b, h]`` piece and gathers the bytes:
+    its 1xN blocks along ``h`` are row-local; the weight gradient's along the tokens must be too."""
+    if comm != COMM_SEQUENCE_PARALLEL or quantizer.per_tensor:
+        return False
+    tokens = input_.numel() // max(input_.size(-1), 1)  # s/tp * b
+    return pieces_align(tokens, ROW_BLOCK[quantizer.recipe.recipe] if quantizer.recipe.wgrad else None)
+
+
 def _quantize_input(quantizer, input_, group, comm, phase) -> Tuple[QuantizedTensor, Optional[QuantizedTensor]]:
     """The forward GEMM's X ``[s*b, h]`` and what backward keeps for the weight gradient.
 
     Per-tensor: the local piece ``[s*b(/tp), h]`` is quantized (amax reduced) and its FP8 bytes
-    gathered; the piece is kept. Block recipes: the gathered input is quantized along ``h`` for
-    forward and along the tokens (``[h, s*b]``) for the weight gradient, which is kept. None
+    gathered; the piece is kept. Block recipes: the input is quantized along ``h`` for forward and
+    along the tokens (``[h, s*b]``) for the weight gradient, which is kept; under SP, where the
+    blocks allow (``_block_pieces``), per local piece, gathering the forward's quantized bytes (the
+    kept ``[h, s*b/tp]`` piece is gathered in backward), else after gathering the input. None
     (keep the high-precision input) without ``wgrad``.
     """
     h, wgrad = input_.size(-1), quantizer.recipe.wgrad
+    if _block_pieces(quantizer, input_, comm):
+        x_piece = input_.reshape(-1, h)  # [s*b/tp, h]
+        x_keep = quantizer.quantize("input", x_piece.t().contiguous(), "wgrad") if wgrad else None  # [h, s*b/tp]
+        return all_gather_quantized(quantizer.quantize("input", x_piece), group, 0), x_keep  # [s*b, h]
     if quantizer.per_tensor:
         x_piece = quantizer.quantize("input", input_.reshape(-1, h), phase=phase)  # [s*b(/tp), h]
         x_q, handle = _gather_quantized(x_piece, group) if comm == COMM_SEQUENCE_PARALLEL else (x_piece, None)
@@ -185,8 +208,10 @@ def _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase)
         w_q.data if quantizer.per_tensor else None,
         w_q.scale_inv if quantizer.per_tensor else None,
         None if x_keep is None else x_keep.global_scale_inv,
+        None if x_keep is None else x_keep.scale_raw,
     )
     ctx.x_block = None if x_keep is None else x_keep.block
+    ctx.x_format, ctx.x_pieces = getattr(x_keep, "element_format", None), _block_pieces(quantizer, input_, comm)
     return out.reshape(shape[:-1] + (weight.size(0),))  # [s, b, o/tp]
 
 
@@ -195,9 +220,11 @@ def _quantized_wgrad_input(ctx, saved) -> Tuple[object, Handle]:
     the per-tensor piece) or the high-precision input."""
     input_, _, x_data, x_scale_inv = saved[:4]
     if x_data is not None:
-        x_q = QuantizedTensor(x_data, x_scale_inv, ctx.x_block, global_scale_inv=saved[6])
+        x_q = QuantizedTensor(x_data, x_scale_inv, ctx.x_block, saved[7], saved[6], ctx.x_format)
         if ctx.comm == COMM_SEQUENCE_PARALLEL and ctx.quantizer.per_tensor:
             return _gather_quantized(x_q, ctx.group)  # [s*b, h]
+        if ctx.x_pieces:
+            return start_all_gather_quantized(x_q, ctx.group, 1)  # [h, s*b] once waited for
         return x_q, None
     if ctx.comm == COMM_SEQUENCE_PARALLEL:
         return _start_gather_first_dim(input_, ctx.group)  # [s, b, h]

@@ -5,7 +5,8 @@ C++ side has no CUDA device guard and no CUDA hooks: indexing such a tensor, or
 running autograd through it, aborts with "PyTorch is not linked with support for cuda
 devices" / "Cannot access accelerator device". This module compiles (once, cached) and
 loads a tiny shared library that registers a no-op CUDA device guard (one device, one
-stream, events that are always complete) and CUDA hooks that report one device. No
+stream, events that are always complete) and CUDA hooks that report one device and make
+generators on it (``torch.Generator(device="cuda")``: a seed and an offset). No
 kernel ever runs on it: every tensor on it must be a fake tensor.
 
 It imports no torch: ``load_cuda_shim()`` must run before ``import torch``, because torch
@@ -25,8 +26,12 @@ import sys
 from typing import Optional
 
 SHIM_SOURCE = r"""
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Generator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <cstring>
 
 namespace {
 using c10::Device;
@@ -57,6 +62,39 @@ C10_REGISTER_GUARD_IMPL(CUDA, PaperCudaGuard);
 
 namespace at {
 namespace {
+// A generator on cuda:0 holding a seed and an offset (its state: 16 bytes, as CUDA's Philox
+// generator has), so code that seeds a generator of its operand's device runs; no draw reads it.
+struct PaperCudaGenerator final : public c10::GeneratorImpl {
+  explicit PaperCudaGenerator(c10::DeviceIndex index = 0)
+      : c10::GeneratorImpl(c10::Device(c10::DeviceType::CUDA, index < 0 ? 0 : index),
+                           c10::DispatchKeySet(c10::DispatchKey::CUDA)) {}
+  void set_current_seed(uint64_t seed) override { seed_ = seed; offset_ = 0; }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override { seed_ = c10::detail::getNonDeterministicRandom(true); return seed_; }
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.numel() == 16 && state.dtype().itemsize() == 1, "a CUDA generator state is 16 bytes");
+    std::memcpy(&seed_, state.data(), 8);
+    std::memcpy(&offset_, static_cast<const char*>(state.data()) + 8, 8);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto state = at::detail::empty_cpu({16}, c10::ScalarType::Byte, std::nullopt, std::nullopt, std::nullopt,
+                                       std::nullopt);
+    std::memcpy(state.data_ptr(), &seed_, 8);
+    std::memcpy(static_cast<char*>(state.data_ptr()) + 8, &offset_, 8);
+    return state.getIntrusivePtr();
+  }
+  PaperCudaGenerator* clone_impl() const override {
+    auto copy = new PaperCudaGenerator(device_.index());
+    copy->seed_ = seed_;
+    copy->offset_ = offset_;
+    return copy;
+  }
+  uint64_t seed_ = 67280421310721ULL;
+  uint64_t offset_ = 0;
+};
+
 struct PaperCudaHooks final : public CUDAHooksInterface {
   explicit PaperCudaHooks(CUDAHooksArgs) {}
   bool isBuilt() const override { return true; }
@@ -69,6 +107,9 @@ struct PaperCudaHooks final : public CUDAHooksInterface {
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   bool isPinnedPtr(const void*) const override { return false; }
   void init() const override {}
+  Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return make_generator<PaperCudaGenerator>(index);
+  }
 };
 }  // namespace
 C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, PaperCudaHooks);

@@ -165,6 +165,17 @@ def check_list_devices(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -
             )
 
 
+def check_generator_device(func: Any, kwargs: Dict[str, Any], out: Any) -> None:
+    """A random op's ``generator`` must be on the device of the tensor it fills, as torch checks on a GPU."""
+    generator = kwargs.get("generator")
+    if generator is None or not isinstance(out, torch.Tensor) or generator.device.type == out.device.type:
+        return
+    raise DeviceRuleError(
+        f"torch.{func.overloadpacket.__name__}: a generator on {generator.device} draws for a tensor on "
+        f"{out.device}: a kernel takes a generator of its own device (torch.Generator(device=...))"
+    )
+
+
 def _stand_in_values(tensor: torch.Tensor) -> Any:
     """Nested lists (or a scalar) of the values the dry run assumes ``tensor`` holds."""
     value = _guess_of(tensor)
@@ -228,6 +239,7 @@ class DryRunMode(FakeTensorMode):
             check_list_devices(func, args, kwargs)
         self._note_copy(packet, args, kwargs)
         out = super().dispatch(func, types, args, kwargs)
+        check_generator_device(func, kwargs, out)
         self._track(func, packet, args, kwargs, out)
         return out
 

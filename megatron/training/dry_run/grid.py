@@ -11,7 +11,9 @@ applies, and copies the timers' gathered times back: 4 to 6 per iteration in thi
 per-token count and its scale stay on the device). A per-parameter ``.item()`` loop (dozens),
 a copy per microbatch (4 here) or one more per-iteration read on the busiest rank exceeds it.
 MoE cases add one host read per MoE layer and microbatch: ``SequentialMLP`` reads the
-per-expert token counts to split the sorted tokens (as Megatron's does).
+per-expert token counts to split the sorted tokens (as Megatron's does). The FP8/FP4 cases
+(2 layers) hold the dense bound: a quantizer that uploaded a constant per call (dozens per
+iteration) or read the host would exceed it.
 """
 
 from __future__ import annotations
@@ -231,6 +233,31 @@ GRID: List[Case] = [
         ],
         covers=["64 ranks", "TP", "PP 1F1B (4 stages)", "DP 8", "distributed optimizer", "bf16"],
     ),
+]
+
+
+def quantized_case(name: str, precision: str, layout: str, covers: str) -> Case:
+    """A bf16 case with FP8/FP4 ``precision`` flags on a 2-rank ``layout`` (``QUANTIZED_LAYOUTS``): 2
+    layers (the quantizers' many small ops are slow under fake tensors), the dense bound."""
+    layout_flags, layout_covers = QUANTIZED_LAYOUTS[layout]
+    flags = layout_flags + ["--num-layers", "2", "--global-batch-size", "4", "--bf16"] + precision.split()
+    return Case(name, 2, flags, covers=[covers] + layout_covers + ["bf16"])
+
+
+QUANTIZED_LAYOUTS = {
+    "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["TP", "SP"]),
+}
+# Every other FP8/FP4 recipe (delayed scaling: tp2-sp-dp2-fp8-delayed above); hidden 64 and 32 tokens
+# per rank allow each block size (ragged 128-blocks included). They run under TP+SP, where the block
+# recipes all-gather their quantized pieces.
+GRID += [
+    quantized_case(f"{layout}-{name}", precision, layout, covers)
+    for name, precision, layout, covers in (
+        ("fp8-tensorwise", "--fp8-format hybrid --fp8-recipe tensorwise", "tp2-sp", "FP8 tensorwise"),
+        ("fp8-blockwise", "--fp8-format e4m3 --fp8-recipe blockwise", "tp2-sp", "FP8 blockwise"),
+        ("fp8-mxfp8", "--fp8-format hybrid --fp8-recipe mxfp8", "tp2-sp", "MXFP8"),
+        ("fp4-nvfp4", "--fp4-format e2m1 --fp4-recipe nvfp4", "tp2-sp", "NVFP4 (stochastic rounding, RHT)"),
+    )
 ]
 
 

@@ -100,7 +100,17 @@ def device_rules() -> Dict[str, Any]:
         "cuda_rng_state_on_gpu": _observe(
             lambda: torch.cuda.set_rng_state(torch.zeros(16, dtype=torch.uint8, device="cuda"))
         ),
+        "rand_cpu_generator": _observe(lambda: torch.rand(4, device="cuda", generator=torch.Generator())),
+        "uniform_cpu_generator": _observe(lambda: x.uniform_(generator=torch.Generator().manual_seed(3))),
+        "rand_cuda_generator": _observe(lambda: _cuda_generator_draw()),
     }
+
+
+def _cuda_generator_draw() -> list:
+    """A generator made on the paper GPU: seeded, kept on cuda:0, accepted by a draw there."""
+    generator = torch.Generator(device="cuda").manual_seed(1234)
+    out = torch.rand(4, device="cuda", generator=generator)
+    return [str(generator.device), generator.initial_seed(), str(out.device)]
 
 
 def host_syncs() -> Dict[str, Any]:
@@ -173,6 +183,24 @@ def attention() -> Dict[str, Any]:
     }
 
 
+def quantizers() -> Dict[str, Any]:
+    """Every FP8/FP4 recipe quantizes each GEMM operand of a ``[32, 64]`` CUDA tensor (nvfp4: its
+    stochastic rounding, Hadamard transform and e2m1 table included), twice; the syncs are those of the quantizing."""
+    from megatron.core.quantization.nvfp4 import NVFP4_LINEAR_RECIPE
+    from megatron.core.quantization.recipes import FP4_RECIPES, FP8_RECIPES, LinearQuantizer, QuantRecipe
+
+    def quantize_all(quantizer: LinearQuantizer, x: torch.Tensor) -> list:
+        outs = [quantizer.quantize(role, x, gemm) for gemm, role in NVFP4_LINEAR_RECIPE]
+        return sorted({str(t.data.device) for t in outs} | {str(t.scale_inv.device) for t in outs})
+
+    results = {}
+    for recipe in FP8_RECIPES + FP4_RECIPES:
+        quantizer = LinearQuantizer(QuantRecipe(recipe, "e2m1" if recipe in FP4_RECIPES else "hybrid"), None).cuda()
+        x = torch.randn(32, 64, device="cuda")
+        results[recipe] = _observe(lambda q=quantizer, x=x: quantize_all(q, x) + quantize_all(q, x))
+    return results
+
+
 def main() -> None:
     os.environ.update(RANK="5", WORLD_SIZE="8")
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
@@ -182,7 +210,7 @@ def main() -> None:
     install_tensor_methods(patcher, RECORDER)
     results = {}
     with torch.autograd.set_multithreading_enabled(False), DryRunMode(RECORDER):
-        for scenario in (collectives, device_rules, host_syncs, loop_syncs, module_cuda, attention):
+        for scenario in (collectives, device_rules, host_syncs, loop_syncs, module_cuda, attention, quantizers):
             results[scenario.__name__] = scenario()
     patcher.restore()
     dist.destroy_process_group()

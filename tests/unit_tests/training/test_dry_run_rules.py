@@ -1,10 +1,10 @@
 """The dry run's rules on small programs (``dry_run_scenarios.py``, one subprocess for all).
 
 A CPU tensor in an NCCL collective or p2p call, a CUDA tensor in a gloo group, an op
-mixing devices, a fused / foreach optimizer step with state on the host: each raises at
-its source line. Host syncs are counted (one per ``.item()``, ``.tolist()``, ``.cpu()``,
-blocking host-to-device copy, ``nonzero``, ``torch.cuda.synchronize``; none for
-``non_blocking`` uploads or CPU scalars) and stand-in values keep the run healthy.
+mixing devices, a fused / foreach optimizer step with state on the host, a random draw on
+the GPU from a CPU generator: each raises at its source line. Host syncs are counted (one
+per ``.item()``, ``.tolist()``, ``.cpu()``, blocking host-to-device copy, ``nonzero``,
+``torch.cuda.synchronize``; none for ``non_blocking`` uploads or CPU scalars) and stand-in values keep the run healthy.
 """
 
 import json
@@ -55,6 +55,11 @@ def test_device_rules(results):
     )
     assert got["foreach_cpu_scalar_ok"]["value"] == "ok"
     assert "must be a torch.uint8 tensor on the CPU" in got["cuda_rng_state_on_gpu"]["message"]
+    # A random op draws from a generator of its own device (scripts/gpu_checks.py tries it on a GPU).
+    for name, op in (("rand_cpu_generator", "rand"), ("uniform_cpu_generator", "uniform")):
+        assert got[name]["error"] == "DeviceRuleError" and got[name]["site"].startswith(SITE), got[name]
+        assert f"torch.{op}: a generator on cpu draws for a tensor on cuda:0" in got[name]["message"]
+    assert got["rand_cuda_generator"]["value"] == ["cuda:0", 1234, "cuda:0"]
 
 
 def test_host_syncs_and_stand_in_values(results):
@@ -88,6 +93,15 @@ def test_training_loop_reads_losses_and_timers_with_one_copy_each(results):
 def test_module_cuda_keeps_parameter_attributes(results):
     # Same object, now on the GPU, still marked as a tensor-parallel shard (as with .data = on a GPU).
     assert results["module_cuda"]["cuda_keeps_attributes"]["value"] == [True, "cuda:0", True]
+
+
+def test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads(results):
+    # Before: nvfp4 could not make its stochastic-rounding generator on the GPU, and uploaded its
+    # constants (e2m1 table, 448*6, Hadamard matrix and signs) per call; delayed scaling uploaded a 0.0.
+    got = results["quantizers"]
+    assert sorted(got) == ["blockwise", "delayed", "mxfp8", "nvfp4", "tensorwise"]
+    for recipe, seen in got.items():
+        assert seen == {"value": ["cuda:0", "cuda:0"], "syncs": []}, (recipe, seen)
 
 
 def test_flash_verdict(results):
