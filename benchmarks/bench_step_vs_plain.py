@@ -16,39 +16,49 @@ and activations, fp32 main weights in the optimizer, fp32 gradient accumulation 
 Megatron's defaults); plain keeps fp32 weights and runs its forward under
 ``torch.autocast("cpu", torch.bfloat16)`` (bf16 matmuls, fp32 weights, grads and AdamW).
 
-The two step alternately (ours, plain, ours, ...) so that load from other jobs hits both alike; the
-warm-up steps are dropped and the medians and the ratio ours / plain printed.
+Host memory: ours calls ``retain_freed_host_memory()`` as ``initialize_run`` does on CPU (glibc keeps
+freed blocks for reuse, so large tensors stop faulting in fresh pages every step). It is process-wide:
+in one process the plain loop gets it too; with ``--isolated`` only with ``--plain-allocator``.
+
+Two modes. By default both live in one process and step alternately (ours, plain, ours, ...), so
+that load from other jobs hits both alike. ``--isolated RUNS`` runs each in its own process, as a
+training job does, RUNS processes per side, alternating ours, plain, ours, ...; each process drops
+its warm-up steps. The medians and the ratio ours / plain are printed.
 
 Usage: python benchmarks/bench_step_vs_plain.py [--config tiny|gpt2-small] [--dtype fp32|bf16|both]
-       [--iters N] [--warmup N]
+       [--iters N] [--warmup N] [--isolated RUNS [--plain-allocator]]
 
-Measured on the shared 2-core machine (lscpu model name "AMD EPYC", 2 threads, torch's CPU
-kernels; other jobs and tests running, so absolute times swing 2-4x between runs; the ratio is
-what the alternation makes comparable). gpt2-small, median of 3 steps after 1 warm-up:
-    before (main 663bd12), load 7.8:  fp32 ours 50.59 s plain 45.98 s ratio 1.100;
-                                      bf16 ours 16.10 s plain 12.66 s ratio 1.272
-    fp32 CE exp in place, no clone of the softmax (same numbers), load 2.9:
-                                      fp32 ours 24.59 s plain 21.80 s ratio 1.128
-    + one-rank CE on fused log-softmax/softmax (fp32 whole, bf16 per block) and DDP copy into a
-      zeroed main_grad, load 5.6:     fp32 ours 40.77 s plain 40.94 s ratio 0.996;
-                                      bf16 ours 10.28 s plain 13.46 s ratio 0.763
-    same code, a second run, load 4.9 (tests running for its first minutes):
-                                      fp32 ours 28.38 s plain 25.44 s ratio 1.115;
-                                      bf16 ours 12.35 s plain 10.53 s ratio 1.173
-    So on this machine 3 alternating steps do not settle the ratio (0.76-1.17 for bf16 with the
-    same code): more iterations on a quiet machine are needed before claiming <= 1.0.
-Profile (torch.profiler, 2 layers) before: the bf16 blockwise CE backward alone was 2.1 s of a
-6.8 s step (separate sub/exp/sum passes per block), the fp32 CE's max-shift made a fresh
-[tokens, V] tensor; plain's fused log_softmax + backward was ~0.4 s.
+Measured 2026-12-01 on the 2-core machine (lscpu "AMD EPYC", 2 threads), quiet (load 0.5-1.7),
+gpt2-small, after 1 warm-up step:
+    before this session's changes (reference AdamW loop for fp32, fc1 bias as a separate pass, no
+    gradient_accumulation_fusion in this benchmark), one process, median of 5:
+                                      fp32 ours 10.04 s plain 9.46 s ratio 1.061; bf16 0.597
+    + fused AdamW for fp32 too, fc1 bias in its GEMM, the training loop's gradient_accumulation_fusion,
+      one process, median of 7:       fp32 ours 9.55 s plain 9.36 s ratio 1.020; bf16 3.51 / 4.96 s 0.708
+      same, median of 9:              fp32 ours 9.62 s plain 9.31 s ratio 1.033
+      --isolated 3 (median of 9):     fp32 ours 8.44 s plain 8.40 s ratio 1.005
+    + the host allocator setting:
+      --isolated 3 (median of 9):     fp32 ours 8.19 s plain 8.48 s ratio 0.965; bf16 2.74 / 3.58 s 0.766
+      one process (plain gets it too), median of 5:
+                                      fp32 ours 8.13 s plain 8.10 s ratio 1.004; bf16 2.86 / 2.93 s 0.977
+      --isolated 3 --plain-allocator (median of 9): fp32 ours 8.05 s plain 8.06 s ratio 0.998
+The allocator alone, one process per implementation, 3 steps after 1 warm-up (page faults, wall):
+ours 0.25-0.7M faults, 8.4-8.65 s -> 0-0.26M, 7.93-8.04 s; plain 0.64-0.82M, 8.81-8.87 s -> 0-0.2M,
+8.18-8.41 s. Step-to-step noise on this machine is about 3-5%, so fp32 is at parity when both loops
+get the allocator setting, and about 3.5% faster as each runs by default.
+Profile (torch.profiler, 2 layers) before the earlier cross-entropy work: the bf16 blockwise CE
+backward alone was 2.1 s of a 6.8 s step; plain's fused log_softmax + backward was ~0.4 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +75,7 @@ from benchmarks.bench_memory_and_step import GPT2_SMALL  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.training.host_allocator import retain_freed_host_memory  # noqa: E402
 from tests.model_utils import batch, build_gpt, gpt2_style  # noqa: E402
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, max_sequence_length=64)
@@ -138,6 +149,7 @@ def plain_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.
 
 def ours_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
     """One step of ours: DDP (1 gloo rank, fp32 grad buffer) + our optimizer, as the training loop runs it."""
+    retain_freed_host_memory()  # as initialize_run does on CPU; process-wide, so in one process plain gets it too
     groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
     kw = {"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}
     # pretrain_gpt.py's default (Megatron's): weight gradients accumulate straight into main_grad.
@@ -159,21 +171,51 @@ def ours_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.T
     return step
 
 
-def compare(config: str, bf16: bool, iters: int, warmup: int) -> Dict[str, float]:
-    """Median step seconds of ours and plain, stepping alternately; warm-up steps dropped."""
-    kwargs, b, s = CONFIGS[config]
-    tokens, labels = batch(b=b, s=s, vocab=kwargs["vocab_size"])
-    steps = {
-        "ours": ours_step_fn(kwargs, bf16, tokens, labels),
-        "plain": plain_step_fn(kwargs, bf16, tokens, labels),
-    }
+def _timed_steps(steps: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, List[float]]:
+    """Seconds of each step function over ``rounds`` rounds, stepping them alternately."""
     times: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(warmup + iters):
+    for _ in range(rounds):
         for name, step in steps.items():
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _step_fns(config: str, bf16: bool, names: List[str]) -> Dict[str, Callable[[], None]]:
+    kwargs, b, s = CONFIGS[config]
+    tokens, labels = batch(b=b, s=s, vocab=kwargs["vocab_size"])
+    makers = {"ours": ours_step_fn, "plain": plain_step_fn}
+    return {name: makers[name](kwargs, bf16, tokens, labels) for name in names}
+
+
+def compare(config: str, bf16: bool, iters: int, warmup: int) -> Dict[str, float]:
+    """Median step seconds of ours and plain in one process, stepping alternately; warm-up steps dropped."""
+    times = _timed_steps(_step_fns(config, bf16, ["ours", "plain"]), warmup + iters)
     return {name: statistics.median(t[warmup:]) for name, t in times.items()}
+
+
+def compare_isolated(
+    config: str, dtype: str, iters: int, warmup: int, runs: int, plain_allocator: bool
+) -> Dict[str, float]:
+    """Median step seconds of ours and plain, each in its own process (as a training job runs),
+    ``runs`` processes each, alternating ours, plain, ours, ...; each run's warm-up steps dropped."""
+    times: Dict[str, List[float]] = {"ours": [], "plain": []}
+    for _ in range(runs):
+        for name in times:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--config", config]
+            cmd += ["--dtype", dtype, "--iters", str(iters), "--warmup", str(warmup)]
+            cmd += ["--plain-allocator"] if plain_allocator else []
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            times[name] += json.loads(out.strip().splitlines()[-1])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _worker(name: str, config: str, bf16: bool, iters: int, warmup: int, plain_allocator: bool) -> None:
+    """One implementation alone in this process: print its step seconds after warm-up as JSON."""
+    if name == "plain" and plain_allocator:
+        retain_freed_host_memory()
+    print(json.dumps(_timed_steps(_step_fns(config, bf16, [name]), warmup + iters)[name][warmup:]))
 
 
 def main() -> None:
@@ -182,16 +224,38 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--isolated",
+        type=int,
+        default=0,
+        metavar="RUNS",
+        help="each implementation in its own process, RUNS processes each, alternating",
+    )
+    parser.add_argument(
+        "--plain-allocator",
+        action="store_true",
+        help="with --isolated: the plain loop's process gets our host allocator setting too (one process: always)",
+    )
+    parser.add_argument("--worker", choices=("ours", "plain"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        if args.worker:
+            _worker(args.worker, args.config, args.dtype == "bf16", args.iters, args.warmup, args.plain_allocator)
+            dist.destroy_process_group()
+            return
+        how = f"{args.isolated} alternating runs per side, one process each" if args.isolated else "one process"
+        how += ", plain with our host allocator setting" if args.plain_allocator or not args.isolated else ""
         print(
-            f"{args.config}: median of {args.iters} steps after {args.warmup} warm-up, alternating, "
+            f"{args.config}: median of {args.iters} steps after {args.warmup} warm-up, alternating, {how}, "
             f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}"
         )
         for dtype in dtypes:
-            t = compare(args.config, dtype == "bf16", args.iters, args.warmup)
+            if args.isolated:
+                t = compare_isolated(args.config, dtype, args.iters, args.warmup, args.isolated, args.plain_allocator)
+            else:
+                t = compare(args.config, dtype == "bf16", args.iters, args.warmup)
             print(
                 f"{dtype}: ours {t['ours'] * 1e3:9.1f} ms  plain {t['plain'] * 1e3:9.1f} ms  "
                 f"ratio {t['ours'] / t['plain']:.3f}"

@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, seed_rng_tracker
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker
+from megatron.training.host_allocator import retain_freed_host_memory
 
 # True once initialize_distributed started torch.distributed itself; only then
 # does shutdown_distributed tear it down (a harness's own group is left alone).
@@ -360,6 +361,10 @@ def initialize_run(
     world_size = dist.get_world_size() if dist.is_initialized() else launch_env_for(args, environ).world_size
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)
+    if not torch.cuda.is_available():  # CPU training: its tensors live in the host heap
+        report = retain_freed_host_memory(environ)
+        if dist.get_rank() == 0:
+            print(f" > {report}", flush=True)
     rng_tracker = CudaRNGStatesTracker()
     set_random_seed(args.seed, args.data_parallel_random_init, groups, tracker=rng_tracker)
     microbatches = init_num_microbatches_calculator(
