@@ -69,7 +69,8 @@ def build_model_chunks(
 
 def report_transformer_impl(config: TransformerConfig) -> None:
     """One line on global rank 0 when ``--transformer-impl transformer_engine`` falls back to the local layers."""
-    if config.transformer_impl != "transformer_engine" or (dist.is_initialized() and dist.get_rank() != 0):
+    impl = getattr(config, "transformer_impl", None)  # None: a provider that builds its own config
+    if impl != "transformer_engine" or (dist.is_initialized() and dist.get_rank() != 0):
         return
     reason = te_import_error()
     if reason is not None:
