@@ -183,8 +183,4 @@ def check_fp8_param_gather(config: TransformerConfig) -> None:
         raise ValueError(f"fp8_param_gather=True with fp4={config.fp4!r}: not supported yet (FP4 weights)")
     if not config.fp8:
         raise ValueError("fp8_param_gather=True requires FP8 training: set --fp8-format (as Megatron does)")
-    if config.fp8_recipe not in fp8_params.PARAM_GATHER_RECIPES:
-        raise ValueError(
-            f"fp8_param_gather=True with fp8_recipe={config.fp8_recipe!r}: not supported yet "
-            f"(only {fp8_params.PARAM_GATHER_RECIPES})"
-        )
+    fp8_params.check_param_gather_recipe(config.fp8_recipe)

@@ -136,17 +136,25 @@ def cast_shards(
             param.detach().view(-1)[flat_range[0] : flat_range[1]].copy_(data.view(-1))
 
 
+def check_param_gather_recipe(recipe: str) -> None:
+    """The one rule on which recipes FP8 weights take (per-tensor scales only, for now).
+
+    Raises:
+        ValueError: naming ``fp8_recipe``, its value and the recipes allowed.
+    """
+    if recipe not in PARAM_GATHER_RECIPES:
+        raise ValueError(
+            f"fp8_param_gather=True with fp8_recipe={recipe!r}: not supported yet (only {PARAM_GATHER_RECIPES})"
+        )
+
+
 def to_fp8_param(weight: torch.nn.Parameter, quantizer: torch.nn.Module) -> torch.nn.Parameter:
     """A new FP8 parameter holding ``weight`` cast with its whole amax (``quantizer.amax_group``).
 
     Delayed scaling records that amax and updates the scale first, so the first cast is scaled by
     the weight itself rather than the initial scale 1. Attributes of ``weight`` are kept.
     """
-    if quantizer.recipe.recipe not in PARAM_GATHER_RECIPES:
-        raise ValueError(
-            f"fp8_param_gather with fp8_recipe={quantizer.recipe.recipe!r}: not supported yet "
-            f"(only {PARAM_GATHER_RECIPES})"
-        )
+    check_param_gather_recipe(quantizer.recipe.recipe)
     param = torch.nn.Parameter(
         torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
         requires_grad=weight.requires_grad,
