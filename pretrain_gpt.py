@@ -34,14 +34,20 @@ def model_provider(
     config: TransformerConfig,
     args: argparse.Namespace,
     pg_collection=None,
+    report_memory: bool = True,
 ) -> GPTModel:
     """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
 
     With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer); with
     --multi-latent-attention their attention is MLA. Global rank 0 prints the theoretical memory per
-    rank first (Megatron's report, before building).
+    rank first (Megatron's report, before building) unless ``report_memory`` is False (the server).
     """
-    if pre_process and not vp_stage and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+    if (
+        report_memory
+        and pre_process
+        and not vp_stage
+        and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+    ):
         report_theoretical_memory(args, device_type="cuda" if torch.cuda.is_available() else "cpu")
     if args.num_experts:
         spec = get_gpt_decoder_block_spec(config)

@@ -2,15 +2,19 @@
 
 ``torchrun --nproc-per-node N tools/run_text_generation_server.py <model flags> --load CKPT``:
 
-Rank 0 answers Megatron's ``PUT /api`` and OpenAI's ``POST /v1/completions`` (``--port``, default
-5000; ``--port 0`` picks a free one, printed at start). Each request is checked on rank 0, then
-broadcast so that every rank runs the same collective ``engine.generate``. SIGTERM (or Ctrl-C) on
-rank 0 finishes the request in flight, tells the other ranks to stop, and every rank exits 0;
-the other ranks ignore their own SIGTERM and wait for that stop.
+Rank 0 answers Megatron's ``PUT /api`` and OpenAI's ``POST /v1/completions`` (``--host``, default
+127.0.0.1; ``--port``, default 5000; ``--port 0`` picks a free one, printed at start). Each request
+is checked on rank 0, then broadcast so that every rank runs the same collective ``engine.generate``;
+a failure on any rank is answered (400/503/500) and every rank goes on serving. SIGTERM (or Ctrl-C)
+on rank 0 stops accepting, finishes the generation in flight, tells the other ranks to stop, and
+every rank exits 0 (stalled clients hold their own thread only, so they do not delay it); the other
+ranks ignore their own SIGTERM and wait for that stop.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import os
 import signal
 import sys
@@ -26,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core.tensor_parallel.random import use_rng_tracker  # noqa: E402
 from megatron.training.initialize import shutdown_distributed  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
-from tools.text_generation.app import create_app  # noqa: E402
+from tools.text_generation.app import BoundedThreadedServer, ServerLimits, create_app  # noqa: E402
 from tools.text_generation.model_loading import ServedModel, build_engine, load_served_model  # noqa: E402
 from tools.text_generation.ranks import Leader, follow  # noqa: E402
 from tools.text_generation.service import GenerationService  # noqa: E402
@@ -53,22 +57,41 @@ def heartbeat_seconds(served: ServedModel) -> float:
     return min(60.0, served.args.distributed_timeout_minutes * 60.0 / 4)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` serves this machine only (``localhost`` or a loopback address)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def server_limits(args) -> ServerLimits:
+    return ServerLimits(args.max_request_bytes, args.max_connections, args.request_read_timeout, args.api_key)
+
+
 def serve(served: ServedModel, run_generation) -> None:
     """Rank 0: the HTTP server until SIGTERM/SIGINT, then the stop command to every rank."""
-    from werkzeug.serving import make_server
-
+    args = served.args
     lock = threading.Lock()
     leader = Leader(run_generation, lock, heartbeat_seconds(served))
     tok = served.tokenizer
     ctx = PromptContext(tok, tok.vocab_size, served.max_sequence_length, eod_or_none(tok))
-    name = os.path.basename(os.path.normpath(served.args.load))
+    ctx.max_prompts, ctx.max_request_tokens = args.max_prompts_per_request, args.max_request_tokens
+    name = os.path.basename(os.path.normpath(args.load))
     service = GenerationService(leader.generate, ctx, check_sampling=sampling_params, model_name=name)
-    server = make_server(served.args.host, served.args.port, create_app(service, lock), threaded=False)
+    limits = server_limits(args)
+    server = BoundedThreadedServer(args.host, args.port, create_app(service, lock, limits), limits)
+    if not is_loopback(args.host) and args.api_key is None:
+        print(
+            f"WARNING: serving on {args.host}, reachable from other machines, without authentication: anyone who "
+            "reaches this port can generate. Set --api-key, or --host 127.0.0.1 for this machine only.",
+            flush=True,
+        )
     stop = lambda *_: threading.Thread(target=server.shutdown, daemon=True).start()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     leader.start()
-    print(f"text generation server listening on http://{served.args.host}:{server.port}", flush=True)
+    print(f"text generation server listening on http://{args.host}:{server.port}", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
@@ -78,7 +101,8 @@ def serve(served: ServedModel, run_generation) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    served = load_served_model(model_provider, argv)
+    # Training's memory report (optimizer state, activations of a training step) says nothing about serving.
+    served = load_served_model(functools.partial(model_provider, report_memory=False), argv)
     engine = build_engine(served)
 
     def run_generation(prompts: List[List[int]], sampling: Dict[str, Any]):

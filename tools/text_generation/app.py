@@ -1,33 +1,139 @@
-"""The Flask app rank 0 serves: ``PUT /api`` (Megatron) and ``POST /v1/completions`` (OpenAI).
+"""The Flask app rank 0 serves: ``PUT /api`` (Megatron) and ``POST /v1/completions`` (OpenAI), and its HTTP server.
 
-Requests are handled one at a time (a lock around each): every request becomes collectives that all
-ranks must run in the same order.
+Connections are served by threads (at most ``ServerLimits.max_connections`` at once: more are answered
+503 at once), each with a read timeout, so a client that stalls holds one thread and nothing else.
+Generation itself stays one request at a time (a lock around each): every request becomes
+collectives that all ranks must run in the same order. A body is checked (API key, size) before it
+is read and read completely before the lock is taken. Every answer, errors included, is JSON.
 """
 
 from __future__ import annotations
 
+import hmac
+import json
+import socket
 import threading
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
 
-from flask import Flask, jsonify, request
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
+from tools.text_generation.errors import FAILED, OVERLOAD
 from tools.text_generation.service import Answer, GenerationService, error_body
 
 
-def create_app(service: GenerationService, lock: Optional[threading.Lock] = None) -> Flask:
+@dataclass
+class ServerLimits:
+    """What one client may ask of the server (the ``--max-*``, ``--request-read-timeout`` and ``--api-key`` flags)."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_connections: int = 64
+    read_timeout_s: float = 10.0
+    api_key: Optional[str] = None
+
+
+def create_app(
+    service: GenerationService, lock: Optional[threading.Lock] = None, limits: Optional[ServerLimits] = None
+) -> Flask:
     """The app answering both endpoints through ``service``, serialized by ``lock``."""
     app = Flask("megatron_text_generation")
     lock = lock or threading.Lock()
+    limits = limits or ServerLimits()
+    app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes  # also caps chunked bodies while they are read
 
     def serve(handler: Callable[[Any], Answer]):
-        body = request.get_json(force=True, silent=True)
-        if body is None:
-            status, answer = 400, error_body("the request body must be valid JSON")
-        else:
-            with lock:
-                status, answer = handler(body)
+        body, refusal = checked_body(limits)
+        if refusal is not None:
+            return refusal
+        with lock:
+            status, answer = handler(body)
         return jsonify(answer), status
+
+    @app.errorhandler(HTTPException)
+    def http_error(err: HTTPException):  # 404, 405, 413 ... as JSON, not Werkzeug's HTML page
+        return jsonify(error_body(f"{err.name}: {err.description}", err.code or FAILED)), err.code
+
+    @app.errorhandler(Exception)
+    def internal_error(err: Exception):
+        app.logger.exception("request failed")
+        return jsonify(error_body(f"internal error: {type(err).__name__}: {err}", FAILED)), FAILED
 
     app.add_url_rule("/api", "api", lambda: serve(service.api), methods=["PUT"])
     app.add_url_rule("/v1/completions", "completions", lambda: serve(service.completions), methods=["POST"])
     return app
+
+
+def refuse(status: int, message: str, **headers: str) -> Tuple[Response, int]:
+    response = jsonify(error_body(message, status))
+    response.headers.update(headers)
+    return response, status
+
+
+def checked_body(limits: ServerLimits) -> Tuple[Any, Optional[Tuple[Response, int]]]:
+    """(the parsed JSON body, None) or (None, the refusal): 401 without the API key, 413 for a body over
+    the limit (by its Content-Length, before reading it), 408 when the client stops sending, 400 when
+    it is not JSON (including nesting too deep to parse)."""
+    if limits.api_key is not None and not authorized(request.headers.get("Authorization", ""), limits.api_key):
+        return None, refuse(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", **BEARER)
+    size = request.content_length
+    if size is not None and size > limits.max_body_bytes:
+        return None, refuse(413, f"the request body has {size} bytes, over the limit of {limits.max_body_bytes}")
+    try:
+        data = request.get_data(cache=False)
+    except OSError as err:  # the socket's read timeout, or a dropped connection
+        return None, refuse(408, f"the request body did not arrive in {limits.read_timeout_s:g} s ({err})")
+    try:
+        return json.loads(data), None
+    except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the parser's stack
+        return None, refuse(400, f"the request body must be valid JSON ({type(err).__name__}: {str(err)[:200]})")
+
+
+BEARER = {"WWW-Authenticate": "Bearer"}
+
+
+def authorized(header: str, api_key: str) -> bool:
+    """Whether ``Authorization`` carries ``Bearer <api_key>`` (compared in constant time)."""
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class BoundedThreadedServer(ThreadedWSGIServer):
+    """Werkzeug's threaded server with at most ``max_connections`` connections served at once.
+
+    A connection beyond them is answered 503 and closed by the accepting thread without being read.
+    """
+
+    def __init__(self, host: str, port: int, app: Flask, limits: ServerLimits):
+        handler = type("TimedRequestHandler", (WSGIRequestHandler,), {"timeout": limits.read_timeout_s})
+        super().__init__(host, port, app, handler)
+        self.slots = threading.BoundedSemaphore(limits.max_connections)
+        self.max_connections = limits.max_connections
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.answer_overloaded(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def answer_overloaded(self, connection: socket.socket) -> None:
+        message = f"the server is serving its maximum of {self.max_connections} connections; retry later"
+        body = json.dumps(error_body(message, OVERLOAD)).encode()
+        head = f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        try:
+            connection.settimeout(1.0)
+            connection.sendall(head.encode() + b"Retry-After: 1\r\nConnection: close\r\n\r\n" + body)
+        except OSError:
+            pass  # the client is gone or not reading: closing is all that is left

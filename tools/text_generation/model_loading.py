@@ -27,18 +27,68 @@ SERVER_ARG_DEFAULTS: Dict[str, Any] = {
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The server's own flags (Megatron's ``--port``, and where to listen)."""
+    """The server's own flags (Megatron's ``--port``; where to listen, who may ask, and how much)."""
     group = parser.add_argument_group(title="text generation server")
     group.add_argument("--port", type=int, default=5000, help="Port the HTTP server listens on (rank 0).")
-    group.add_argument("--host", default="0.0.0.0", help="Address the HTTP server listens on (rank 0).")
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address the HTTP server listens on (rank 0). The default serves this machine only; 0.0.0.0 serves "
+        "every interface, and anyone who reaches it may generate unless --api-key is set (a warning says so).",
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="Require 'Authorization: Bearer KEY' (as OpenAI clients send) on every request; others get 401.",
+    )
     group.add_argument(
         "--inference-max-seq-length",
         type=int,
         default=None,
         help="Longest prompt + generation served (default: --max-position-embeddings, else --seq-length).",
     )
+    limits = parser.add_argument_group(title="text generation server limits (per request unless stated)")
+    limits.add_argument(
+        "--max-prompts-per-request", type=int, default=128, help="Prompts in one request (Megatron's limit: 128)."
+    )
+    limits.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=65536,
+        help="Prompt tokens plus tokens to generate, summed over the prompts of one request.",
+    )
+    limits.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="Request body size; a larger Content-Length is answered 413 before the body is read.",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=64,
+        help="Connections served at once (reading, queued for generation or generating; one generation runs at "
+        "a time); more are answered 503 at once.",
+    )
+    limits.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=10.0,
+        help="Seconds a connection may stay silent while its request is read; then it is closed (408 or dropped).",
+    )
     parser.set_defaults(skip_train=True)  # nothing is trained: no --train-iters needed
     return parser
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Each limit flag must be positive; errors name the flag, the value and the rule."""
+    for flag in ("max_prompts_per_request", "max_request_tokens", "max_request_bytes", "max_connections"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be at least 1")
+    if not 0 < args.request_read_timeout < float("inf"):
+        raise SystemExit(f"--request-read-timeout={args.request_read_timeout}: must be a positive number of seconds")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("--api-key is empty: give a key, or leave the flag out to serve without one")
 
 
 @dataclass
@@ -63,6 +113,7 @@ class ServedModel:
 def load_served_model(model_provider, argv: Optional[Sequence[str]] = None) -> ServedModel:
     """Initialize the ranks, build the model from the flags, restore ``--load`` (required) and set eval mode."""
     args, run = initialize_run(argv, add_server_args, SERVER_ARG_DEFAULTS, "gpt")
+    check_server_args(args)
     if not args.load:
         raise SystemExit("--load is required: the checkpoint to serve")
     limit = args.max_position_embeddings

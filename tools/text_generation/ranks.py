@@ -3,16 +3,21 @@
 Commands are plain dicts sent with ``broadcast_object_list`` over the world group:
 ``{"op": "generate", "prompts": ..., "sampling": ...}``, ``{"op": "noop"}`` (a heartbeat that keeps
 idle followers inside the process-group timeout) and ``{"op": "stop"}`` (every rank leaves its loop).
-The engine's ``ValueError`` is raised on every rank alike: followers log it and wait for the next command.
+After each generation every rank, failed or not, sends its outcome to all (``agree``: one
+``all_gather_object``), so a follower's failure reaches rank 0, which answers with the most serious
+one (``errors.worst``), and every rank leaves the request in step, ready for the next command.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
+
+from tools.text_generation.errors import OVERLOAD, GenerationFailed, describe, status_of, worst
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +31,30 @@ def broadcast_command(command: Optional[Dict[str, Any]] = None) -> Dict[str, Any
     box: List[Any] = [command]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+Outcome = Tuple[Optional[int], str]  # (HTTP status of the failure or None, message)
+
+
+def run_and_agree(run: Callable[[], Any]) -> Tuple[Any, Optional[Outcome]]:
+    """``run()`` on this rank, then every rank's outcome exchanged: (this rank's result, worst failure or None)."""
+    result, outcome = None, (None, "")
+    try:
+        result = run()
+    except Exception as err:  # noqa: BLE001 - every failure must reach the other ranks, not end this one
+        rank = dist.get_rank() if dist.is_initialized() else None
+        logger.warning("generation failed on rank %s: %s: %s", rank, type(err).__name__, err)
+        outcome = (status_of(err), describe(err, rank))
+    return result, worst(agree(outcome))
+
+
+def agree(outcome: Outcome) -> List[Outcome]:
+    """Every rank's outcome, in rank order (a collective: every rank calls it after each generation)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [outcome]
+    outcomes: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    return [tuple(o) for o in outcomes]
 
 
 class Leader:
@@ -48,9 +77,18 @@ class Leader:
         self._thread.start()
 
     def generate(self, prompts: List[List[int]], sampling: Dict[str, Any]) -> Sequence[Any]:
-        """Called with ``lock`` held (by the app): tells the followers, then generates alongside them."""
+        """Called with ``lock`` held (by the app): tells the followers, then generates alongside them.
+
+        Raises :class:`GenerationFailed` with the most serious failure of any rank (every rank is past
+        the request by then), or with 503 once the server is stopping.
+        """
+        if self._stopped.is_set():
+            raise GenerationFailed(OVERLOAD, "the server is stopping")
         broadcast_command({"op": GENERATE, "prompts": prompts, "sampling": sampling})
-        return self.run_generation(prompts, sampling)
+        results, failure = run_and_agree(lambda: self.run_generation(prompts, sampling))
+        if failure is not None:
+            raise GenerationFailed(*failure)
+        return results
 
     def stop(self) -> None:
         """Stops the heartbeats and tells the followers to leave their loop."""
@@ -75,7 +113,4 @@ def follow(run_generation: Callable[[List[List[int]], Dict[str, Any]], Sequence[
             return served
         if command["op"] == GENERATE:
             served += 1
-            try:
-                run_generation(command["prompts"], command["sampling"])
-            except ValueError as err:  # rank 0 raised the same error and answered 400
-                logger.info("generation refused on this rank too: %s", err)
+            run_and_agree(functools.partial(run_generation, command["prompts"], command["sampling"]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
+from tools.text_generation.errors import BAD_INPUT, describe, status_of
 from tools.text_generation.responses import api_answer, completions_answer, decode_result
 from tools.text_generation.validation import (
     PromptContext,
@@ -20,9 +21,13 @@ GenerateFn = Callable[[List[List[int]], Dict[str, Any]], Sequence[Any]]
 Answer = Tuple[int, Dict[str, Any]]
 
 
-def error_body(message: str) -> Dict[str, Any]:
-    """The JSON of a refused request (OpenAI's error shape, used by both endpoints)."""
-    return {"error": {"message": message, "type": "invalid_request_error"}}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 503: "server_overloaded"}
+
+
+def error_body(message: str, status: int = BAD_INPUT) -> Dict[str, Any]:
+    """The JSON of a refused or failed request (OpenAI's error shape, used by both endpoints)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 class GenerationService:
@@ -30,7 +35,9 @@ class GenerationService:
 
     Args:
         generate: ``(prompts, sampling kwargs) -> results`` (``GenerationResult``-like objects);
-            a ``ValueError`` from it is the client's fault (400), as the engine's own checks are.
+            what it raises is answered as ``errors.status_of`` says: a ``ValueError`` is the client's
+            fault (400), as the engine's own checks are; out of memory 503; ``GenerationFailed`` its own
+            status (a failure on another rank); anything else 500.
         ctx: the tokenizer and limits requests are checked against.
         check_sampling: raises ``ValueError`` for sampling settings the engine refuses
             (``SamplingParams(**kwargs)``), called before ``generate`` so no rank starts on them.
@@ -65,8 +72,12 @@ class GenerationService:
         try:
             request = parse(body, self.ctx)
             self.check_sampling(request.sampling)
-            results = self.generate(request.prompts, request.sampling)
         except (RequestError, ValueError) as err:
-            return 400, error_body(str(err))
-        decoded = [decode_result(r, request, self.ctx.tokenizer) for r in results]
-        return 200, build(decoded, request)
+            return BAD_INPUT, error_body(str(err))
+        try:
+            results = self.generate(request.prompts, request.sampling)
+            decoded = [decode_result(r, request, self.ctx.tokenizer) for r in results]
+            return 200, build(decoded, request)
+        except Exception as err:  # noqa: BLE001 - answered, never the end of the server
+            status = status_of(err)
+            return status, error_body(describe(err), status)

@@ -8,6 +8,7 @@ can broadcast them to the other ranks).
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -16,6 +17,8 @@ MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1000
 MAX_OPENAI_LOGPROBS = 5
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 128  # prompts per request (Megatron's text_generation_server refuses more)
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 
 
 class RequestError(ValueError):
@@ -56,13 +59,18 @@ def check_fields(body: Any, allowed: Sequence[str], required: Sequence[str]) -> 
     return body
 
 
+def short(value: Any) -> str:
+    """``repr(value)`` cut short in length and depth: an error message never echoes a whole request back."""
+    return reprlib.repr(value)
+
+
 def get_int(body: Mapping[str, Any], name: str, default: Optional[int], low: int, high: Optional[int] = None) -> Any:
     """``body[name]`` as an int in [low, high] (booleans are not ints here); ``default`` when absent or null."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer, got {value!r}")
+        raise RequestError(f"{name} must be an integer, got {short(value)}")
     if value < low or (high is not None and value > high):
         bound = f"at least {low}" if high is None else f"between {low} and {high}"
         raise RequestError(f"{name} must be {bound}, got {value}")
@@ -75,7 +83,7 @@ def get_float(body: Mapping[str, Any], name: str, default: float, low: float, hi
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"{name} must be a number, got {value!r}")
+        raise RequestError(f"{name} must be a number, got {short(value)}")
     if not low <= value <= high:
         raise RequestError(f"{name} must be between {low} and {high}, got {value}")
     return float(value)
@@ -84,7 +92,7 @@ def get_float(body: Mapping[str, Any], name: str, default: float, low: float, hi
 def get_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {value!r}")
+        raise RequestError(f"{name} must be true or false, got {short(value)}")
     return value
 
 
@@ -95,9 +103,11 @@ def get_stop(body: Mapping[str, Any]) -> List[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}")
+        raise RequestError(f"stop must be a non-empty string or a list of non-empty strings, got {short(value)}")
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for i, text in enumerate(stops):
+        check_encodable(text, f"stop string {i}")
     return list(stops)
 
 
@@ -113,6 +123,8 @@ def encode_prompts(
     """Token ids of each prompt (a string, or already token ids), ``bos`` in front when given."""
     encoded = []
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            check_encodable(prompt, f"prompt {i}")
         ids = list(prompt) if isinstance(prompt, list) else tokenizer.tokenize(prompt)
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -124,14 +136,37 @@ def encode_prompts(
     return encoded
 
 
-def check_lengths(prompts: Sequence[Sequence[int]], tokens_to_generate: int, max_sequence_length: int) -> None:
-    """Every prompt plus the tokens to generate must fit the model's sequence length."""
+def check_encodable(text: str, what: str) -> None:
+    """``text`` must be valid Unicode (JSON's ``"\\ud800"`` escapes decode to lone surrogates, which are not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(
+            f"{what} holds an invalid character at {err.start} (a lone surrogate?): {err.reason}"
+        ) from None
+
+
+def check_prompt_count(prompts: Sequence[Any], ctx: PromptContext) -> None:
+    """At most ``ctx.max_prompts`` prompts, counted before any is tokenized."""
+    if len(prompts) > ctx.max_prompts:
+        raise RequestError(f"a request holds at most {ctx.max_prompts} prompts, got {len(prompts)}")
+
+
+def check_lengths(prompts: Sequence[Sequence[int]], tokens_to_generate: int, ctx: PromptContext) -> None:
+    """Every prompt plus the tokens to generate must fit the model's sequence length, and all of them
+    together ``ctx.max_request_tokens`` (the batch the engine holds at once)."""
     for i, ids in enumerate(prompts):
-        if len(ids) + tokens_to_generate > max_sequence_length:
+        if len(ids) + tokens_to_generate > ctx.max_sequence_length:
             raise RequestError(
                 f"prompt {i} has {len(ids)} tokens; with {tokens_to_generate} tokens to generate that is "
-                f"{len(ids) + tokens_to_generate}, over the maximum sequence length {max_sequence_length}"
+                f"{len(ids) + tokens_to_generate}, over the maximum sequence length {ctx.max_sequence_length}"
             )
+    total = sum(len(ids) + tokens_to_generate for ids in prompts)
+    if ctx.max_request_tokens is not None and total > ctx.max_request_tokens:
+        raise RequestError(
+            f"the request needs {total} tokens (prompt tokens plus tokens to generate, over all prompts), "
+            f"over the limit of {ctx.max_request_tokens} per request"
+        )
 
 
 @dataclass
@@ -142,6 +177,8 @@ class PromptContext:
     vocab_size: int
     max_sequence_length: int
     eod: Optional[int]
+    max_prompts: int = MAX_PROMPTS
+    max_request_tokens: Optional[int] = None  # prompt + generated tokens over all prompts; None: no limit
 
 
 API_FIELDS = (
@@ -156,7 +193,19 @@ API_FIELDS = (
     "stop_on_double_eol",
     "random_seed",
 )
-COMPLETIONS_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "logprobs", "echo", "stop", "seed", "model", "n")
+COMPLETIONS_FIELDS = (
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "logprobs",
+    "echo",
+    "stop",
+    "seed",
+    "model",
+    "n",
+    "stream",
+)
 
 
 def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
@@ -167,7 +216,8 @@ def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
     body = check_fields(body, API_FIELDS, ["prompts"])
     prompts = body["prompts"]
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise RequestError(f"prompts must be a non-empty list of strings, got {prompts!r}")
+        raise RequestError(f"prompts must be a non-empty list of strings, got {short(prompts)}")
+    check_prompt_count(prompts, ctx)
     tokens = get_int(body, "tokens_to_generate", 64, 0)
     logprobs = get_bool(body, "logprobs")
     if tokens == 0 and not logprobs:
@@ -176,7 +226,7 @@ def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
     top_p = get_float(body, "top_p", 0.0, 0.0, 1.0)
     if top_k > 0 and top_p > 0:
         raise RequestError(f"cannot set both top_k ({top_k}) and top_p ({top_p})")
-    seed = get_int(body, "random_seed", -1, -1)
+    seed = get_int(body, "random_seed", -1, -1, MAX_SEED)
     stop = ["\n\n"] if get_bool(body, "stop_on_double_eol") else []
     stop = ["\n"] if get_bool(body, "stop_on_eol") else stop
     add_bos = get_bool(body, "add_BOS")
@@ -184,7 +234,7 @@ def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
         raise RequestError("add_BOS: the tokenizer has no end-of-document token to use as BOS")
     bos = ctx.eod if add_bos else None
     ids = encode_prompts(prompts, ctx.tokenizer, ctx.vocab_size, bos)
-    check_lengths(ids, tokens, ctx.max_sequence_length)
+    check_lengths(ids, tokens, ctx)
     sampling = dict(
         temperature=get_float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_k=top_k,
@@ -201,17 +251,20 @@ def parse_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
     """OpenAI's ``POST /v1/completions`` body (its defaults: 16 tokens, temperature 1, top_p 1)."""
     body = check_fields(body, COMPLETIONS_FIELDS, ["prompt"])
     get_int(body, "n", 1, 1, 1)  # one completion per prompt only
+    if get_bool(body, "stream"):
+        raise RequestError("stream=true is not supported: the whole completion is answered at once")
     if body.get("model") is not None and not isinstance(body["model"], str):
-        raise RequestError(f"model must be a string, got {body['model']!r}")
+        raise RequestError(f"model must be a string, got {short(body['model'])}")
     prompts = completion_prompts(body["prompt"])
+    check_prompt_count(prompts, ctx)
     tokens = get_int(body, "max_tokens", 16, 0)
     logprobs = get_int(body, "logprobs", None, 0, MAX_OPENAI_LOGPROBS)
     top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be above 0 (1 keeps every token)")
     ids = encode_prompts(prompts, ctx.tokenizer, ctx.vocab_size)
-    check_lengths(ids, tokens, ctx.max_sequence_length)
-    seed = get_int(body, "seed", None, 0)
+    check_lengths(ids, tokens, ctx)
+    seed = get_int(body, "seed", None, 0, MAX_SEED)
     sampling = dict(
         temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
         top_k=0,

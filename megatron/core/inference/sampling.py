@@ -35,16 +35,22 @@ def sample_tokens(
 
     Greedy (``temperature`` 0 or ``top_k`` 1): the argmax. Otherwise the logits are divided by the
     temperature, cut by ``top_k`` or ``top_p``, and a token is drawn from their softmax with ``generator``.
+    A row whose scaled logits overflow fp32 (a temperature as small as 1e-300 is 0 in fp32) takes its
+    argmax, the limit of sampling as the temperature goes to 0, instead of non-finite probabilities.
     """
     if params.greedy:
         return torch.argmax(logits, dim=-1)
-    scaled = logits.float() / params.temperature
+    logits = logits.float()
+    scaled = logits / params.temperature  # [b, V]
+    overflow = (~torch.isfinite(scaled) & torch.isfinite(logits)).any(dim=-1)  # [b]
+    scaled = scaled.masked_fill(overflow[:, None], 0.0)  # any valid row: its draw is replaced below
     if params.top_k > 0:
         scaled = _keep_top_k(scaled, params.top_k)
     elif params.top_p > 0.0:
         scaled = _keep_top_p(scaled, params.top_p)
     probs = torch.softmax(scaled, dim=-1)  # [b, V]
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [b]
+    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [b]
+    return torch.where(overflow, torch.argmax(logits, dim=-1), sampled)
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

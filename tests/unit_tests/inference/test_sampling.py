@@ -126,6 +126,18 @@ def test_top_k_and_top_p_keep_only_their_tokens():
     assert all(len(set(draws[j].tolist())) > 1 for j in range(4) if len(nucleus[j]) > 1)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-30])
+def test_vanishing_temperature_takes_the_argmax_instead_of_non_finite_probabilities(temperature):
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1)) * 1e9  # [b, V]
+    logits[1] = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2))  # finite at T=1e-30: sampled
+    with pytest.raises(RuntimeError):  # what the guard prevents: softmax of overflowed logits
+        torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+    params = SamplingParams(temperature=temperature)
+    tokens = sample_tokens(logits, params, torch.Generator().manual_seed(0))  # [b]
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    assert tokens[1] == logits[1].argmax()  # the limit T -> 0; for 1e-30 row 1 is a sharp softmax, argmax too
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [

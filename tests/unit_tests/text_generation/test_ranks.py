@@ -6,7 +6,10 @@ import threading
 import time
 from typing import Any, Dict, List
 
+import pytest
+
 from tools.text_generation import ranks
+from tools.text_generation.errors import GenerationFailed
 
 
 def test_followers_run_each_generation_until_stop_and_survive_refused_ones(monkeypatch):
@@ -25,10 +28,36 @@ def test_followers_run_each_generation_until_stop_and_survive_refused_ones(monke
         if prompts == [[]]:
             raise ValueError("empty prompt")  # rank 0 answered 400 for it
         seen.append((prompts, sampling))
+        if sampling["n"] == 1:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")  # not a ValueError
 
+    outcomes = []
+    monkeypatch.setattr(ranks, "agree", lambda outcome: outcomes.append(outcome) or [outcome])
     assert ranks.follow(run) == 3
     assert seen == [([[1, 2]], {"n": 1}), ([[3]], {"n": 2})]
     assert len(commands) == 1
+    assert [status for status, _ in outcomes] == [500, 400, None]  # every generation's outcome was shared
+    assert "RuntimeError: probability tensor" in outcomes[0][1]
+
+
+def test_leader_answers_with_the_worst_failure_of_any_rank_and_refuses_once_stopping(monkeypatch):
+    monkeypatch.setattr(ranks, "broadcast_command", lambda command=None: command)
+    follower = [(None, "")]
+    monkeypatch.setattr(ranks, "agree", lambda outcome: [outcome, *follower])
+    leader = ranks.Leader(lambda prompts, sampling: ["ok"], threading.Lock(), heartbeat_s=60)
+    assert leader.generate([[1]], {}) == ["ok"]
+    for status, message in [(503, "out of memory on rank 1"), (500, "internal error on rank 1: KeyError: 3")]:
+        follower[:] = [(status, message)]
+        with pytest.raises(GenerationFailed) as caught:
+            leader.generate([[1]], {})
+        assert caught.value.status == status and str(caught.value) == message
+    follower[:] = [(400, "bad"), (500, "bug")]  # ranks disagree: the most serious failure is answered
+    with pytest.raises(GenerationFailed, match="bug"):
+        leader.generate([[1]], {})
+    leader._stopped.set()
+    with pytest.raises(GenerationFailed, match="stopping") as caught:
+        leader.generate([[1]], {})
+    assert caught.value.status == 503
 
 
 def test_leader_broadcasts_before_generating_heartbeats_when_idle_and_stops_last(monkeypatch):

@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("flask")
 
-from tools.text_generation.app import create_app  # noqa: E402
+from tools.text_generation.app import ServerLimits, create_app  # noqa: E402
+from tools.text_generation.errors import GenerationFailed  # noqa: E402
 from tools.text_generation.service import GenerationService  # noqa: E402
 from tools.text_generation.validation import PromptContext  # noqa: E402
 
@@ -84,9 +85,12 @@ def engine():
     return FakeEngine()
 
 
-def make_client(engine: FakeEngine, max_len: int = 32):
-    ctx = PromptContext(CharTokenizer(), 256, max_len, EOD)
-    return create_app(GenerationService(engine.generate, ctx, check_sampling, "tiny")).test_client()
+MAX_REQUEST_TOKENS = 100
+
+
+def make_client(engine: FakeEngine, max_len: int = 32, limits: Optional[ServerLimits] = None, tokenizer=None):
+    ctx = PromptContext(tokenizer or CharTokenizer(), 256, max_len, EOD, max_request_tokens=MAX_REQUEST_TOKENS)
+    return create_app(GenerationService(engine.generate, ctx, check_sampling, "tiny"), limits=limits).test_client()
 
 
 def put_api(client, body):
@@ -184,7 +188,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop must be"),
     ("/v1/completions", {"prompt": [1, 999]}, "outside [0, 256)"),
     ("/v1/completions", {"prompt": {"a": 1}}, "prompt must be"),
-    ("/v1/completions", {"prompt": "hi", "stream": True}, "unknown field"),
+    ("/v1/completions", {"prompt": "hi", "stream": True}, "stream=true is not supported"),
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt 0 holds an invalid character at 1"),
+    ("/api", {"prompts": ["x\udfff"]}, "prompt 0 holds an invalid character"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, "stop string 0 holds an invalid character"),
+    ("/v1/completions", {"prompt": ["a"] * 129}, "at most 128 prompts, got 129"),
+    ("/api", {"prompts": ["a"] * 4096}, "at most 128 prompts, got 4096"),
+    ("/v1/completions", {"prompt": ["abcd"] * 20, "max_tokens": 2}, "needs 120 tokens"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed must be between 0 and"),
     ("/v1/completions", {"prompt": "x" * 30, "max_tokens": 3}, "over the maximum sequence length"),
     ("/v1/completions", [1, 2], "must be a JSON object"),
 ]
@@ -204,8 +215,42 @@ def test_malformed_json_and_wrong_method(engine):
     client = make_client(engine)
     res = client.put("/api", data="{not json", content_type="application/json")
     assert res.status_code == 400 and "valid JSON" in res.json["error"]["message"]
-    assert client.get("/api").status_code == 405
-    assert post_completions(client, {"prompt": "ok", "max_tokens": 1}).status_code == 200
+    deep = "[" * 100_000 + "]" * 100_000
+    res = client.put("/api", data=deep, content_type="application/json")
+    assert res.status_code == 400 and "RecursionError" in res.json["error"]["message"]
+    for method, path in (("GET", "/api"), ("POST", "/api"), ("GET", "/v1/completions")):
+        res = client.open(path, method=method)
+        assert res.status_code == 405 and res.is_json and "Method Not Allowed" in res.json["error"]["message"]
+    assert client.get("/nowhere").status_code == 404 and client.get("/nowhere").is_json
+    assert post_completions(client, {"prompt": "ok", "max_tokens": 1, "stream": False}).status_code == 200
+    assert engine.calls and len(engine.calls) == 1
+
+
+class CountingTokenizer(CharTokenizer):
+    calls = 0
+
+    def tokenize(self, text: str) -> List[int]:
+        CountingTokenizer.calls += 1
+        return super().tokenize(text)
+
+
+def test_body_over_the_limit_is_413_from_its_length_and_prompts_are_counted_before_tokenizing(engine):
+    client = make_client(engine, limits=ServerLimits(max_body_bytes=1000), tokenizer=CountingTokenizer())
+    res = client.post("/v1/completions", data=b"x" * 1001, content_type="application/json")
+    assert res.status_code == 413 and "over the limit of 1000" in res.json["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": ["a"] * 129}).status_code == 400
+    assert CountingTokenizer.calls == 0 and engine.calls == []
+
+
+def test_api_key_is_a_bearer_token(engine):
+    client = make_client(engine, limits=ServerLimits(api_key="s3cret"))
+    body = {"prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        res = client.post("/v1/completions", json=body, headers=headers)
+        assert res.status_code == 401 and res.headers["WWW-Authenticate"] == "Bearer", headers
+    assert engine.calls == []
+    res = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert res.status_code == 200 and len(engine.calls) == 1
 
 
 def test_engine_value_errors_are_the_clients_400(engine):
@@ -216,6 +261,32 @@ def test_engine_value_errors_are_the_clients_400(engine):
     client = create_app(GenerationService(refuse, ctx, check_sampling)).test_client()
     res = post_completions(client, {"prompt": "hi", "max_tokens": 1})
     assert res.status_code == 400 and "too long" in res.json["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "error, status, message",
+    [
+        (RuntimeError("probability tensor contains either inf, nan or element < 0"), 500, "internal error"),
+        (MemoryError(), 503, "out of memory"),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB"), 503, "out of memory"),
+        (GenerationFailed(503, "out of memory on rank 1"), 503, "on rank 1"),
+        (GenerationFailed(500, "internal error on rank 1: KeyError"), 500, "rank 1"),
+    ],
+)
+def test_generation_failures_get_one_answer_and_the_server_keeps_serving(error, status, message):
+    engine = FakeEngine()
+    fail = [error]
+
+    def generate(prompts, sampling):
+        if fail:
+            raise fail.pop()
+        return engine.generate(prompts, sampling)
+
+    ctx = PromptContext(CharTokenizer(), 256, 32, EOD)
+    client = create_app(GenerationService(generate, ctx, check_sampling)).test_client()
+    res = post_completions(client, {"prompt": "hi", "max_tokens": 1})
+    assert res.status_code == status and message in res.json["error"]["message"], res.json
+    assert post_completions(client, {"prompt": "hi", "max_tokens": 2}).json["choices"][0]["text"] == "ab"
 
 
 def test_sampling_check_refuses_before_generating(engine):
