@@ -61,8 +61,9 @@ def rank_env(rank: int, world: int, port: int) -> Dict[str, str]:
 class ServerRanks:
     """The server's ranks, started on ``__enter__``; every rank is killed on ``__exit__`` if still alive."""
 
-    def __init__(self, flags: Sequence[str], log_dir: str, world: int = 1):
+    def __init__(self, flags: Sequence[str], log_dir: str, world: int = 1, script: str = SERVER):
         self.flags, self.world = list(flags) + ["--port", "0", "--host", "127.0.0.1"], world
+        self.script = script
         self.logs = [os.path.join(log_dir, f"server_rank{r}.log") for r in range(world)]
         self.procs: List[subprocess.Popen] = []
         self.url = ""
@@ -71,7 +72,7 @@ class ServerRanks:
         port = free_port()
         for rank, path in enumerate(self.logs):
             with open(path, "w") as log:
-                cmd = [sys.executable, SERVER, *self.flags]
+                cmd = [sys.executable, self.script, *self.flags]
                 env = rank_env(rank, self.world, port)
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
         try:
@@ -112,10 +113,13 @@ class ServerRanks:
                 proc.wait(timeout=30)
 
 
-def call(url: str, method: str, body: Any = None, raw: Optional[bytes] = None) -> Tuple[int, Any]:
+def call(
+    url: str, method: str, body: Any = None, raw: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None
+) -> Tuple[int, Any]:
     """(HTTP status, parsed JSON answer) of one request."""
     data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
             return response.status, json.load(response)

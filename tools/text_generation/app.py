@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
 from flask import Flask, Response, jsonify, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from tools.text_generation.errors import FAILED, OVERLOAD
@@ -82,8 +82,9 @@ def checked_body(limits: ServerLimits) -> Tuple[Any, Optional[Tuple[Response, in
         return None, refuse(413, f"the request body has {size} bytes, over the limit of {limits.max_body_bytes}")
     try:
         data = request.get_data(cache=False)
-    except OSError as err:  # the socket's read timeout, or a dropped connection
-        return None, refuse(408, f"the request body did not arrive in {limits.read_timeout_s:g} s ({err})")
+    except (OSError, ClientDisconnected):  # the socket's read timeout (Werkzeug: "disconnected"), or a dropped one
+        message = f"the request body stopped arriving (nothing for {limits.read_timeout_s:g} s, or the client left)"
+        return None, refuse(408, message)
     try:
         return json.loads(data), None
     except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the parser's stack

@@ -294,3 +294,52 @@ def test_sampling_check_refuses_before_generating(engine):
     res = put_api(client, {"prompts": ["hi"], "temperature": 60})
     assert res.status_code == 400 and engine.calls == []
     assert put_api(client, {"prompts": ["hi"], "tokens_to_generate": 1}).status_code == 200
+
+
+def test_threaded_server_bounds_connections_and_times_out_stalled_ones(engine):
+    """The real HTTP server in-process: with 2 slots, one stalled client leaves one for others; a third
+    connection while both are held gets 503 unread; the stalled one gets 408 after the read timeout."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from tools.text_generation.app import BoundedThreadedServer
+
+    limits = ServerLimits(max_connections=2, read_timeout_s=4.0)
+    ctx = PromptContext(CharTokenizer(), 256, 32, EOD)
+    app = create_app(GenerationService(engine.generate, ctx, check_sampling), limits=limits)
+    server = BoundedThreadedServer("127.0.0.1", 0, app, limits)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stalled() -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+        return sock
+
+    def post() -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", method="POST")
+        req.data, req.headers["Content-type"] = b'{"prompt": "hi", "max_tokens": 1}', "application/json"
+        try:
+            with urllib.request.urlopen(req, timeout=10) as res:
+                return res.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    try:
+        first = stalled()
+        start = time.monotonic()
+        assert post() == 200 and time.monotonic() - start < limits.read_timeout_s
+        time.sleep(0.5)  # the answered connection's thread closes it (after the client has its answer)
+        second = stalled()
+        time.sleep(0.3)
+        assert post() == 503
+        start = time.monotonic()
+        assert first.recv(1024).startswith(b"HTTP/1.1 408 ")
+        assert time.monotonic() - start < limits.read_timeout_s + 1
+        second.recv(1024)
+        time.sleep(0.2)
+        assert post() == 200  # the slots came back
+    finally:
+        server.shutdown()
+        server.server_close()
