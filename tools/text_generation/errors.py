@@ -7,7 +7,7 @@ its own failure the same way, and the ranks agree on the worst one (``ranks.agre
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional, Tuple
 
 BAD_INPUT, OVERLOAD, FAILED = 400, 503, 500
 # When ranks disagree, the answer is the most serious failure: a bug over a resource shortage over bad input.
@@ -43,6 +43,8 @@ def status_of(err: BaseException) -> int:
 
 def describe(err: BaseException, rank: Optional[int] = None) -> str:
     """The client's message: what failed (and where, for an internal error), never a traceback."""
+    if isinstance(err, GenerationFailed):  # already described by the rank that failed
+        return str(err)
     status = status_of(err)
     where = "" if rank is None else f" on rank {rank}"
     if status == OVERLOAD:
@@ -52,7 +54,7 @@ def describe(err: BaseException, rank: Optional[int] = None) -> str:
     return str(err)
 
 
-def worst(statuses_and_messages):
+def worst(statuses_and_messages: Iterable[Tuple[Optional[int], str]]) -> Optional[Tuple[int, str]]:
     """The most serious ``(status, message)`` of the ranks' outcomes (``None`` when all succeeded)."""
     failed = [(s, m) for s, m in statuses_and_messages if s is not None]
     if not failed:

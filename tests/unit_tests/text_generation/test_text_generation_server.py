@@ -270,7 +270,7 @@ def test_engine_value_errors_are_the_clients_400(engine):
         (MemoryError(), 503, "out of memory"),
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB"), 503, "out of memory"),
         (GenerationFailed(503, "out of memory on rank 1"), 503, "on rank 1"),
-        (GenerationFailed(500, "internal error on rank 1: KeyError"), 500, "rank 1"),
+        (GenerationFailed(500, "internal error on rank 1: KeyError: 3"), 500, "internal error on rank 1: KeyError: 3"),
     ],
 )
 def test_generation_failures_get_one_answer_and_the_server_keeps_serving(error, status, message):
@@ -343,3 +343,10 @@ def test_threaded_server_bounds_connections_and_times_out_stalled_ones(engine):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_only_loopback_hosts_count_as_this_machine_only():
+    from tools.run_text_generation_server import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.4", "example.org"))
