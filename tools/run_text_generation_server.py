@@ -6,9 +6,9 @@ Rank 0 answers Megatron's ``PUT /api`` and OpenAI's ``POST /v1/completions`` (``
 127.0.0.1; ``--port``, default 5000; ``--port 0`` picks a free one, printed at start). Each request
 is checked on rank 0, then broadcast so that every rank runs the same collective ``engine.generate``;
 a failure on any rank is answered (400/503/500) and every rank goes on serving. SIGTERM (or Ctrl-C)
-on rank 0 stops accepting, finishes the generation in flight, tells the other ranks to stop, and
-every rank exits 0 (stalled clients hold their own thread only, so they do not delay it); the other
-ranks ignore their own SIGTERM and wait for that stop.
+on rank 0 stops accepting, finishes the generation in flight, tells the other ranks to stop (within
+1 s of the signal otherwise: stalled clients hold their own thread only), and every rank exits 0;
+the other ranks ignore their own SIGTERM and wait for that stop.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: the repository root holds megatron/ and tools/
@@ -87,7 +88,12 @@ def serve(served: ServedModel, run_generation) -> None:
             "reaches this port can generate. Set --api-key, or --host 127.0.0.1 for this machine only.",
             flush=True,
         )
-    stop = lambda *_: threading.Thread(target=server.shutdown, daemon=True).start()  # noqa: E731
+    signalled: List[float] = []
+
+    def stop(*_) -> None:
+        signalled.append(time.monotonic())
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     leader.start()
@@ -97,7 +103,8 @@ def serve(served: ServedModel, run_generation) -> None:
     finally:
         server.server_close()
         leader.stop()
-    print("text generation server stopped", flush=True)
+    after = f" {time.monotonic() - signalled[0]:.1f} s after the signal" if signalled else ""
+    print(f"text generation server stopped: every rank told to stop{after}", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -350,3 +350,24 @@ def test_only_loopback_hosts_count_as_this_machine_only():
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.4", "example.org"))
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("max_connections", 0, "--max-connections=0: must be at least 1"),
+        ("max_prompts_per_request", -1, "--max-prompts-per-request=-1: must be at least 1"),
+        ("request_read_timeout", float("inf"), "--request-read-timeout=inf: must be a positive"),
+        ("api_key", " ", "--api-key is empty"),
+    ],
+)
+def test_server_flags_are_checked_naming_the_flag_and_the_rule(flag, value, message):
+    import argparse
+
+    from tools.text_generation.model_loading import add_server_args, check_server_args
+
+    args = add_server_args(argparse.ArgumentParser()).parse_args([])
+    check_server_args(args)  # the defaults pass
+    setattr(args, flag, value)
+    with pytest.raises(SystemExit, match=message):
+        check_server_args(args)
