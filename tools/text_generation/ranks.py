@@ -15,9 +15,10 @@ import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
-from tools.text_generation.errors import OVERLOAD, GenerationFailed, describe, status_of, worst
+from tools.text_generation.errors import OVERLOAD, GenerationFailed, describe, is_out_of_memory, status_of, worst
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def run_and_agree(run: Callable[[], Any]) -> Tuple[Any, Optional[Outcome]]:
         rank = dist.get_rank() if dist.is_initialized() else None
         logger.warning("generation failed on rank %s: %s: %s", rank, type(err).__name__, err)
         outcome = (status_of(err), describe(err, rank))
+        if is_out_of_memory(err) and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the failed request's cached blocks, back for the next one
     return result, worst(agree(outcome))
 
 

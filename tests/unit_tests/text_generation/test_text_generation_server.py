@@ -306,7 +306,7 @@ def test_threaded_server_bounds_connections_and_times_out_stalled_ones(engine):
 
     from tools.text_generation.app import BoundedThreadedServer
 
-    limits = ServerLimits(max_connections=2, read_timeout_s=4.0)
+    limits = ServerLimits(max_connections=2, read_timeout_s=8.0)
     ctx = PromptContext(CharTokenizer(), 256, 32, EOD)
     app = create_app(GenerationService(engine.generate, ctx, check_sampling), limits=limits)
     server = BoundedThreadedServer("127.0.0.1", 0, app, limits)
