@@ -41,7 +41,8 @@ def create_app(
     app = Flask("megatron_text_generation")
     lock = lock or threading.Lock()
     limits = limits or ServerLimits()
-    app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes  # also caps chunked bodies while they are read
+    # Werkzeug stops reading a chunked body at this length: one byte more than allowed tells it was over.
+    app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes + 1
 
     def serve(handler: Callable[[Any], Answer]):
         body, refusal = checked_body(limits)
@@ -85,6 +86,8 @@ def checked_body(limits: ServerLimits) -> Tuple[Any, Optional[Tuple[Response, in
     except (OSError, ClientDisconnected):  # the socket's read timeout (Werkzeug: "disconnected"), or a dropped one
         message = f"the request body stopped arriving (nothing for {limits.read_timeout_s:g} s, or the client left)"
         return None, refuse(408, message)
+    if len(data) > limits.max_body_bytes:  # a chunked body (no Content-Length), cut at the limit plus one byte
+        return None, refuse(413, f"the request body is over the limit of {limits.max_body_bytes} bytes")
     try:
         return json.loads(data), None
     except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the parser's stack

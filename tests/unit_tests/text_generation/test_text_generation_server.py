@@ -298,7 +298,8 @@ def test_sampling_check_refuses_before_generating(engine):
 
 def test_threaded_server_bounds_connections_and_times_out_stalled_ones(engine):
     """The real HTTP server in-process: with 2 slots, one stalled client leaves one for others; a third
-    connection while both are held gets 503 unread; the stalled one gets 408 after the read timeout."""
+    connection while both are held gets 503 unread; the stalled one gets 408 after the read timeout; a
+    chunked body over the limit gets 413."""
     import socket
     import threading
     import time
@@ -306,7 +307,7 @@ def test_threaded_server_bounds_connections_and_times_out_stalled_ones(engine):
 
     from tools.text_generation.app import BoundedThreadedServer
 
-    limits = ServerLimits(max_connections=2, read_timeout_s=8.0)
+    limits = ServerLimits(max_body_bytes=1000, max_connections=2, read_timeout_s=8.0)
     ctx = PromptContext(CharTokenizer(), 256, 32, EOD)
     app = create_app(GenerationService(engine.generate, ctx, check_sampling), limits=limits)
     server = BoundedThreadedServer("127.0.0.1", 0, app, limits)
@@ -340,6 +341,11 @@ def test_threaded_server_bounds_connections_and_times_out_stalled_ones(engine):
         second.recv(1024)
         time.sleep(0.2)
         assert post() == 200  # the slots came back
+        chunked = socket.create_connection(("127.0.0.1", server.port), timeout=10)  # no Content-Length to check
+        chunked.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunked.sendall(b"400\r\n" + b" " * 1024 + b"\r\n")  # over the 1,000-byte limit: spaces would parse
+        chunked.sendall(b"e\r\n" + b'{"prompt":"a"}' + b"\r\n0\r\n\r\n")
+        assert chunked.recv(1024).startswith(b"HTTP/1.1 413 ")
     finally:
         server.shutdown()
         server.server_close()
