@@ -359,8 +359,9 @@ def _mapped_from_hf(hf_sd: StateDict, model: torch.nn.Module, args: Args, kind: 
     tracker = ReadTracker(hf_sd)
     try:
         sd = resize_vocab(_FROM_HF[kind](tracker, model), args["padded_vocab_size"])
-    except KeyError as e:
-        raise ConversionError(f"{hf_dir}: weight {e.args[0]!r} is missing") from None
+    except KeyError as e:  # name it as the file would (the mapping may have stripped a prefix)
+        absent = [n for n in expected if n not in hf_sd and n.endswith(str(e.args[0]))] or [e.args[0]]
+        raise ConversionError(f"{hf_dir}: weight {absent[0]!r} is missing") from None
     except ConversionError:
         raise
     except (RuntimeError, ValueError) as e:  # a reshape or a layer layout the config does not allow
