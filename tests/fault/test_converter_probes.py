@@ -155,6 +155,13 @@ def test_shard_outside_the_model_directory_is_refused(saved, tmp_path, capsys, n
     assert f"shard file {name!r} is outside the model directory" in _convert_error(hf_dir, tmp_path, capsys)
 
 
+def test_truncated_weights_file_is_named(saved, tmp_path, capsys):
+    hf_dir = _copy(saved, "gpt2", tmp_path)
+    path = os.path.join(hf_dir, WEIGHTS)
+    os.truncate(path, os.path.getsize(path) // 2)
+    assert f"cannot read {path}: " in _convert_error(hf_dir, tmp_path, capsys)
+
+
 # --- config.json: types, ranges, heads, memory, for every family -------------------------------------------
 @pytest.mark.parametrize(
     "kind, field", [("gpt2", "n_layer"), ("llama", "num_hidden_layers"), ("bert", "num_hidden_layers"), ("t5", "d_ff")]

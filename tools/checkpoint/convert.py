@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -167,21 +168,28 @@ def read_hf_weights(hf_dir: str) -> StateDict:
 
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        files = shard_paths(hf_dir, read_json(index, "safetensors index").get("weight_map"), index)
-        return {k: v for path in files for k, v in _load_safetensors(load_file, path).items()}
+        listing = read_json(index, "safetensors index")
+        files = shard_paths(hf_dir, listing.get("weight_map") if isinstance(listing, dict) else None, index)
+        return {k: v for path in files for k, v in _load_weights_file(load_file, path).items()}
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        return _load_safetensors(load_file, os.path.join(hf_dir, "model.safetensors"))
+        return _load_weights_file(load_file, os.path.join(hf_dir, "model.safetensors"))
     if os.path.isfile(os.path.join(hf_dir, "pytorch_model.bin")):
-        return torch.load(os.path.join(hf_dir, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        bin_file = functools.partial(torch.load, map_location="cpu", weights_only=True)
+        return _load_weights_file(bin_file, os.path.join(hf_dir, "pytorch_model.bin"))
     raise ConversionError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
-def _load_safetensors(load_file: Any, path: str) -> StateDict:
-    """One safetensors file; a missing or corrupt one is a ``ConversionError`` naming it."""
+def _load_weights_file(load_file: Any, path: str) -> StateDict:
+    """One weights file read by ``load_file``; a missing or corrupt one is a ``ConversionError`` naming it."""
     try:
-        return load_file(path)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
-        raise ConversionError(f"cannot read {path}: {type(e).__name__}: {e}") from None
+        sd = load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors and torch raise their own error types for a bad file
+        raise ConversionError(
+            f"cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+    if not isinstance(sd, dict):
+        raise ConversionError(f"{path} holds a {type(sd).__name__}, not a dict of tensors")
+    return sd
 
 
 def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str, where: str) -> None:
