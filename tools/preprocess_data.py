@@ -9,7 +9,8 @@ arrays; the parent appends them to the datasets in input order with one bulk wri
 ``--partitions N`` runs N such pipelines on N byte ranges of the input at once, then concatenates
 their outputs, which are therefore identical to a single-partition run.
 
-Bad lines (invalid JSON or UTF-8, missing key, non-string or empty text) are skipped and
+Bad lines (invalid JSON or UTF-8, missing key, non-string or empty text, a text the splitter or
+tokenizer refuses, such as one with a lone surrogate) are skipped and
 summarised at the end, or stop the run with ``--strict``. A run that would write no document (every
 line skipped, empty input) or no token exits 1 and writes nothing.
 
@@ -65,7 +66,7 @@ from tools.long_texts import tokenize_all  # noqa: E402
 from tools.merge_datasets import write_merged  # noqa: E402
 from tools.preprocess_encoder import Encoder  # noqa: E402, F401  (Megatron-LM's per-line API, re-exported)
 
-BAD_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "non_string", "empty_text")
+BAD_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "non_string", "empty_text", "tokenizer_error")
 MAX_REPORTED = 10
 
 
@@ -232,20 +233,49 @@ def encode_block(task: Tuple[str, int, bytes]) -> Dict[str, Any]:
     lines = block.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    per_key: List[List[str]] = [[] for _ in keys]
-    bad = []
+    docs: List[Tuple[int, List[str]]] = []  # (line number, texts per key)
+    bad: List[Tuple[int, str, str]] = []  # (line number, reason, message)
     for lineno, raw in enumerate(lines, first_line):
         texts, problem = parse_line(raw, keys)
         if problem:
-            bad.append((problem[0], f"{path}:{lineno}: {problem[1]}"))
-            if _WORKER["cfg"].strict:  # the parent stops at this line: nothing to encode
-                return dict(encoded=None, docs=0, nbytes=len(block), bad=bad)
+            bad.append((lineno, problem[0], f"{path}:{lineno}: {problem[1]}"))
+            if _WORKER["cfg"].strict:  # the parent stops at the first bad line: only earlier ones matter
+                break
             continue
-        for bucket, text in zip(per_key, texts):
-            bucket.append(text)
-    return dict(
-        encoded={k: encode_texts(t) for k, t in zip(keys, per_key)}, docs=len(per_key[0]), nbytes=len(block), bad=bad
-    )
+        docs.append((lineno, texts))
+    encoded, good, failed = encode_documents(keys, docs)
+    bad += [(lineno, "tokenizer_error", f"{path}:{lineno}: {message}") for lineno, message in failed]
+    bad.sort(key=lambda b: b[0])  # input order, so --strict names the first bad line
+    return dict(encoded=encoded, docs=good, nbytes=len(block), bad=[(reason, msg) for _, reason, msg in bad])
+
+
+def encode_documents(
+    keys: Sequence[str], docs: List[Tuple[int, List[str]]]
+) -> Tuple[Dict[str, Any], int, List[Tuple[int, str]]]:
+    """Encoded arrays per key, the number of documents encoded, and ``(line, message)`` of each
+    line the splitter or tokenizer refused (a lone surrogate, a non-number for NullTokenizer, ...).
+
+    The block is encoded in one batch; only when that raises is each line tried alone, so a bad
+    line costs its block a second pass and drops nothing but itself.
+    """
+    failed: List[Tuple[int, str]] = []
+    try:
+        return _encode_keys(keys, docs), len(docs), failed
+    except Exception:  # some line's text is refused: found below, one line at a time
+        pass
+    good = []
+    for lineno, texts in docs:
+        try:
+            _encode_keys(keys, [(lineno, texts)])
+        except Exception as e:  # any library's error: this line is skipped, counted and named
+            failed.append((lineno, f"tokenizer failed: {type(e).__name__}: {str(e)[:200]}"))
+            continue
+        good.append((lineno, texts))
+    return _encode_keys(keys, good), len(good), failed
+
+
+def _encode_keys(keys: Sequence[str], docs: List[Tuple[int, List[str]]]) -> Dict[str, Any]:
+    return {k: encode_texts([texts[i] for _, texts in docs]) for i, k in enumerate(keys)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,14 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
-from megatron.training.flags.registry import config_from_args, fills_of, flag_specs, not_supported_yet
+from megatron.training.flags.registry import (
+    bounded_flags,
+    config_from_args,
+    fills_of,
+    flag_names,
+    flag_specs,
+    not_supported_yet,
+)
 from megatron.training.flags_table import FlagSpec
 from megatron.training.training_log import LoggingConfig
 
@@ -66,6 +73,16 @@ def check_not_supported(args: argparse.Namespace, specs: Sequence[FlagSpec]) -> 
         if not status.accepts(value):
             allowed = f" (supported: {', '.join(map(repr, status.harmless))})" if len(status.harmless) > 1 else ""
             raise UnsupportedFlagError(f"not supported yet: {names[dest]}={value!r}{allowed}")
+
+
+def check_bounds(args: argparse.Namespace) -> None:
+    """Every flag whose record gives ``bounds`` holds a value within them (each element of a list flag);
+    run first, so no later step divides by, reshapes with or counts down from a bad value."""
+    names = flag_names()
+    for dest, bounds in bounded_flags().items():
+        value = getattr(args, dest)
+        for v in value if isinstance(value, list) else [value]:
+            _require(v is None or bounds.accepts(v), f"{names[dest]}={v!r} {bounds.rule(v)}")
 
 
 def check_deprecated(args: argparse.Namespace) -> None:
@@ -185,7 +202,6 @@ def set_batch_sizes(args: argparse.Namespace) -> None:
     step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = step
-    _require(args.global_batch_size > 0, f"--global-batch-size={args.global_batch_size} must be positive")
     if args.rampup_batch_size is None and not args.decrease_batch_size_if_needed:
         _require(
             args.global_batch_size % step == 0,
@@ -315,12 +331,9 @@ def set_learning_rate(args: argparse.Namespace) -> None:
             f"--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-iters "
             f"({args.lr_warmup_iters}) / --lr-warmup-samples ({args.lr_warmup_samples}) are exclusive",
         )
-        _require(
-            0.0 <= args.lr_warmup_fraction <= 1.0, f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1]"
-        )
     if not args.skip_train:
         _require(args.lr is not None, "--lr is required for training")
-        _require(0.0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr ({args.lr})]")
+        _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be at most --lr ({args.lr})")
     if args.train_iters is not None and args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.train_samples is not None and args.lr_decay_samples is None:
@@ -367,14 +380,13 @@ MEGATRON_EVAL_INTERVAL = 1000  # Megatron's argparse default; the flag table's c
 
 
 def set_evaluation(args: argparse.Namespace) -> None:
-    """--eval-interval left out means Megatron's 1000; a given one must be positive.
+    """--eval-interval left out means Megatron's 1000 (a given one is positive: its record's bounds).
 
     The interval sizes the validation split (``train_iters // eval_interval + 1`` evaluations),
-    so None or 0 would fail later inside the data setup instead of naming the flag here.
+    so None would fail later inside the data setup.
     """
     if args.eval_interval is None:
         args.eval_interval = MEGATRON_EVAL_INTERVAL
-    _require(args.eval_interval > 0, f"--eval-interval={args.eval_interval} must be a positive number of iterations")
 
 
 def check_expert_parallel(args: argparse.Namespace) -> None:
@@ -539,6 +551,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
 def validate_args(args: argparse.Namespace, world_size: int, specs: Sequence[FlagSpec]) -> argparse.Namespace:
     """Refuse unsupported flags, fill derived defaults and check every cross-flag rule, in place."""
     check_not_supported(args, specs)
+    check_bounds(args)
     set_parallel_sizes(args, world_size)
     for step in STEPS:
         step(args)

@@ -6,6 +6,7 @@ the marker file, which the test checks first, so the refusals below prove someth
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -130,6 +131,34 @@ def test_a_pickle_may_not_modify_an_allowed_class(tmp_path):
     with pytest.raises(CheckpointingError, match="modifies the class PurePosixPath"):
         load_metadata_file(str(path))
     assert repr(pathlib.PurePosixPath("/a")) == "PurePosixPath('/a')"  # undone, not just refused
+
+
+# GLOBAL torch.serialization._get_layout (the one allowed function), then BUILD on it with slot
+# state {'__defaults__': ('torch.sparse_coo',)}, or with dict state {'note': 1} (its __dict__).
+_FUNCTION_GLOBAL = b"ctorch.serialization\n_get_layout\n"
+_SET_DEFAULTS = _FUNCTION_GLOBAL + b"N}(X\x0c\x00\x00\x00__defaults__(X\x10\x00\x00\x00torch.sparse_cootu\x86b."
+_SET_DICT = _FUNCTION_GLOBAL + b"}(X\x04\x00\x00\x00noteK\x01ub."
+
+
+@pytest.mark.parametrize("payload", [_SET_DEFAULTS, _SET_DICT], ids=["__defaults__", "__dict__"])
+def test_a_pickle_may_not_modify_an_allowed_function(tmp_path, payload):
+    from megatron.core.dist_checkpointing.safe_metadata import _RestrictedUnpickler
+
+    function = _RestrictedUnpickler._ALLOWED[("torch.serialization", "_get_layout")]
+    defaults, attrs = function.__defaults__, dict(vars(function))
+    path = tmp_path / ".metadata"
+    path.write_bytes(payload)
+    with pytest.raises(CheckpointingError, match="modifies the function _get_layout"):
+        load_metadata_file(str(path))
+    assert function.__defaults__ is defaults and vars(function) == attrs  # undone, not just refused
+    # The payload is live: the same bytes through the same unpickler without the guard change it.
+    try:
+        _RestrictedUnpickler(io.BytesIO(payload)).load()
+        assert function.__defaults__ is not defaults or vars(function) != attrs
+    finally:
+        function.__defaults__ = defaults
+        vars(function).clear()
+        vars(function).update(attrs)
 
 
 def test_crafted_legacy_file_refused_on_resume(tmp_path):

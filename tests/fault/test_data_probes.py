@@ -1,7 +1,8 @@
 """Bad training data stops ``pretrain_gpt.py`` before the first iteration, or is handled correctly.
 
 End-to-end probes: a stale index cache after re-preprocessing under the same prefix, a corrupt
-``.idx``, and token ids beyond the model's vocabulary (data made by a bigger tokenizer).
+``.idx``, and token ids beyond the model's vocabulary (data made by a bigger tokenizer). And one for
+``tools/preprocess_data.py``: a line the tokenizer refuses is skipped and named, not fatal.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import struct
 from typing import List, Sequence
 
 import numpy as np
+import pytest
 
 from megatron.core.datasets.indexed_dataset import HEADER_SIZE, get_idx_path
+from megatron.core.tokenizers import build_tokenizer
 from tests.functional_tests.gpt_runs import assert_ok, run_gpt, tiny_gpt_flags
+from tests.tokenizer_files import make_tokenizer_files, megatron_flags
+from tests.unit_tests.data.test_preprocess_data import check_dataset, expected_sequences, run_tool, write_lines
 from tests.unit_tests.datasets.fixtures import write_dataset
 
 VOCAB = 600
@@ -81,3 +86,36 @@ def test_token_ids_beyond_the_vocabulary_stop_every_rank(tmp_path):
         "--vocab-size 600, padded to a multiple of --make-vocab-size-divisible-by 512 x "
         "--tensor-model-parallel-size 2) has 1024 entries"
     ) in result.output, result.output[-4000:]
+
+
+# Line 2 holds a lone surrogate (valid JSON, refused by every library tokenizer with a TypeError);
+# line 4 a text NullTokenizer cannot read as numbers (a ValueError); the others are valid for both.
+TOKENIZER_BAD_LINES = [
+    {"text": "12 7 9"},
+    {"text": "bad \ud800 surrogate"},
+    {"text": "3 4"},
+    {"text": "x 5"},
+    {"text": "8"},
+]
+
+
+@pytest.mark.parametrize("tok_type", ["GPT2BPETokenizer", "NullTokenizer"])
+def test_line_the_tokenizer_refuses_is_skipped_with_file_and_line(tmp_path, tok_type, capsys):
+    files = make_tokenizer_files(tmp_path / "tok")
+    src = write_lines(tmp_path / "in.jsonl", TOKENIZER_BAD_LINES)
+    flags = megatron_flags(tok_type, files[tok_type])
+    rc, prefix = run_tool(tmp_path, src, flags)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    tok = build_tokenizer(tok_type, **files[tok_type])
+    bad_lines = [2] if tok_type == "GPT2BPETokenizer" else [2, 4]
+    assert f"skipped {len(bad_lines)} bad lines: tokenizer_error={len(bad_lines)}" in err
+    for lineno in bad_lines:
+        assert f"in.jsonl:{lineno}: tokenizer failed: " in err
+    valid = [d["text"] for i, d in enumerate(TOKENIZER_BAD_LINES, 1) if i not in bad_lines]
+    check_dataset(f"{prefix}_text_document", expected_sequences(tok, valid, False, False, False))
+
+    rc, _ = run_tool(tmp_path, src, flags, "--strict", name="strict")
+    assert rc == 1
+    assert "in.jsonl:2: tokenizer failed: " in capsys.readouterr().err
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("strict")]

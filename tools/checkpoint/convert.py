@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -63,7 +64,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError
-from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
+from megatron.core.dist_checkpointing.serialization import read_json, saved_tensor, write_json_atomic
 from megatron.core.models.bert import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.hf_state_dict import (
@@ -92,6 +93,15 @@ from tools.checkpoint.bert import (
     build_bert,
     tokenizer_flags,
     wordpiece_vocab_size,
+)
+from tools.checkpoint.checks import (
+    ReadTracker,
+    check_all_read,
+    check_hf_tensors,
+    check_model_args,
+    check_shapes,
+    meta_copy,
+    shard_paths,
 )
 from tools.checkpoint.hf_config import (
     Args,
@@ -158,13 +168,28 @@ def read_hf_weights(hf_dir: str) -> StateDict:
 
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        files = sorted(set(read_json(index, "safetensors index")["weight_map"].values()))
-        return {k: v for name in files for k, v in load_file(os.path.join(hf_dir, name)).items()}
+        listing = read_json(index, "safetensors index")
+        files = shard_paths(hf_dir, listing.get("weight_map") if isinstance(listing, dict) else None, index)
+        return {k: v for path in files for k, v in _load_weights_file(load_file, path).items()}
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        return load_file(os.path.join(hf_dir, "model.safetensors"))
+        return _load_weights_file(load_file, os.path.join(hf_dir, "model.safetensors"))
     if os.path.isfile(os.path.join(hf_dir, "pytorch_model.bin")):
-        return torch.load(os.path.join(hf_dir, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        bin_file = functools.partial(torch.load, map_location="cpu", weights_only=True)
+        return _load_weights_file(bin_file, os.path.join(hf_dir, "pytorch_model.bin"))
     raise ConversionError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _load_weights_file(load_file: Any, path: str) -> StateDict:
+    """One weights file read by ``load_file``; a missing or corrupt one is a ``ConversionError`` naming it."""
+    try:
+        sd = load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors and torch raise their own error types for a bad file
+        raise ConversionError(
+            f"cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+    if not isinstance(sd, dict):
+        raise ConversionError(f"{path} holds a {type(sd).__name__}, not a dict of tensors")
+    return sd
 
 
 def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str, where: str) -> None:
@@ -263,10 +288,15 @@ def load_megatron(
     args = dict(common["args"])
     if verify:
         dc.verify_checksums(iter_dir)  # a flipped bit is named before any tensor is read
-    saved = dc.read_metadata(iter_dir).state_dict_metadata
+    metadata = dc.read_metadata(iter_dir)
+    saved = metadata.state_dict_metadata
     if EMBEDDING_KEY not in saved:
         raise ConversionError(f"{iter_dir} has no {EMBEDDING_KEY!r}: not a GPT, BERT or T5 checkpoint")
-    args["padded_vocab_size"] = int(saved[EMBEDDING_KEY].size[0])  # whatever TP it was saved under
+    # The resume path's check (a crafted bytes entry is refused, not read as a tensor); every other key
+    # gets it from dc.load below.
+    embedding = saved_tensor(metadata, EMBEDDING_KEY, iter_dir)
+    args["padded_vocab_size"] = int(embedding.size[0])  # whatever TP it was saved under
+    check_model_args(args, os.path.join(iter_dir, COMMON_FILE))
     _check_family(saved, kind, iter_dir)
     if kind == "bert":
         args["bert_binary_head"] = BINARY_HEAD_KEY in saved
@@ -274,7 +304,7 @@ def load_megatron(
         check_t5_args(args, os.path.join(iter_dir, COMMON_FILE))
     model = build_model(args, groups, kind)
     dc.load(dc.model_sharded_state_dict([model], pg_collection=groups), iter_dir)
-    return {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, args, common
+    return {k: v.detach() for k, v in _model_tensors(model).items()}, args, common
 
 
 _FAMILY_KEYS = {"bert": ("a BERT", LM_HEAD_KEY), "t5": ("a T5", CROSS_ATTENTION_KEY)}
@@ -297,9 +327,12 @@ _FROM_HF = {
 }
 
 
-def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_by: int = 128) -> List[str]:
+def hf_to_megatron(
+    hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_by: int = 128, allow_nonfinite: bool = False
+) -> List[str]:
     """Convert ``hf_dir`` into ``save/release``; returns the matching ``pretrain_gpt.py`` (BERT:
-    ``pretrain_bert.py``, T5: ``pretrain_t5.py``) flags."""
+    ``pretrain_bert.py``, T5: ``pretrain_t5.py``) flags. Config, dtypes, values, names and shapes are
+    checked first (``tools/checkpoint/checks.py``); ``allow_nonfinite`` converts NaN/inf values as they are."""
     where = os.path.join(hf_dir, "config.json")
     hf_config = read_hf_config(hf_dir)
     kind, args = megatron_args_from_hf(hf_config, where, tp, divisible_by)
@@ -310,20 +343,46 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, divisible_b
             f"--target-pipeline-model-parallel-size {pp} does not divide the {args['num_layers']} layers of {where}"
         )
     hf_sd = read_hf_weights(hf_dir)
+    check_hf_tensors(hf_sd, hf_dir, allow_nonfinite)
     with single_process_group() as groups:
         model = build_model(args, groups, kind)
-        try:
-            sd = resize_vocab(_FROM_HF[kind](hf_sd, model), args["padded_vocab_size"])
-        except KeyError as e:
-            raise ConversionError(f"{hf_dir}: weight {e.args[0]!r} is missing") from None
-        if not args["untie_embeddings_and_output_weights"]:
-            sd.pop("output_layer.weight", None)  # tied: our output layer reads the embedding
-        model.load_state_dict(sd, strict=True)
+        model.load_state_dict(_mapped_from_hf(hf_sd, model, args, kind, hf_dir), strict=True)
         save_release(model, args, groups, save, hf_config["vocab_size"])
     if kind == "t5":
         return t5_flags(args)
     flags = megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
     return flags + (tokenizer_flags(hf_dir) if kind == "bert" else [])
+
+
+def _mapped_from_hf(hf_sd: StateDict, model: torch.nn.Module, args: Args, kind: str, hf_dir: str) -> StateDict:
+    """Our state dict from the HF tensors, with every tensor's shape checked and every tensor used.
+
+    Expected HF shapes come from the export mapping run on shape-only copies of ``model``'s tensors,
+    so the HF names in a message are the file's; what that mapping cannot name (another layout of the
+    same weights) is checked by our names after the import mapping.
+    """
+    ours = _model_tensors(model)
+    expected = _to_hf_names(resize_vocab(meta_copy(ours), args["vocab_size"]), args, kind)
+    check_shapes(hf_sd, expected, hf_dir, sorted(hf_sd))
+    tracker = ReadTracker(hf_sd)
+    try:
+        sd = resize_vocab(_FROM_HF[kind](tracker, model), args["padded_vocab_size"])
+    except KeyError as e:  # name it as the file would (the mapping may have stripped a prefix)
+        absent = [n for n in expected if n not in hf_sd and n.endswith(str(e.args[0]))] or [e.args[0]]
+        raise ConversionError(f"{hf_dir}: weight {absent[0]!r} is missing") from None
+    except ConversionError:
+        raise
+    except (RuntimeError, ValueError) as e:  # a reshape or a layer layout the config does not allow
+        raise ConversionError(f"{hf_dir}: the weights do not fit config.json: {e}") from None
+    check_all_read(tracker, hf_dir, _BUFFERS)
+    if not args["untie_embeddings_and_output_weights"]:
+        sd.pop("output_layer.weight", None)  # tied: our output layer reads the embedding
+    check_shapes(sd, ours, f"{hf_dir} (converted)", sorted(sd))
+    return sd
+
+
+def _model_tensors(model: torch.nn.Module) -> StateDict:
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int] = None, verify: bool = True) -> int:
@@ -387,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="checked against the layer count and printed with the flags",
     )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="hf-to-megatron: convert NaN or infinite weights as they are (refused by default)",
+    )
     p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
     families = ["gpt2", *DECODER_FAMILIES, "bert", "t5"]
@@ -424,6 +488,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.target_tensor_parallel_size,
                 args.target_pipeline_model_parallel_size,
                 args.make_vocab_size_divisible_by,
+                args.allow_nonfinite,
             )
             script = _script_of(flags)
             print(f"wrote {checkpoint_dir(args.save, 0, release=True)}; train or evaluate with {script}:")

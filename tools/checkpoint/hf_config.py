@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
 from tools.checkpoint import deepseek, llama_family
+from tools.checkpoint.checks import check_hf_config, check_model_args, head_size
 from tools.checkpoint.errors import ConversionError, require_field
 from tools.checkpoint.llama_family import DECODER_FAMILIES
 
@@ -42,7 +43,7 @@ def architecture_of(hf_config: Dict[str, Any], where: str) -> str:
     return known[0]
 
 
-def _gpt2_like(num_layers: int, hidden: int, heads: int, ffn: int, max_positions: int) -> Args:
+def _gpt2_like(num_layers: int, hidden: int, heads: int, ffn: int, max_positions: int, where: str) -> Args:
     """The layout GPT-2 and BERT share: LayerNorm, gelu MLP with biases, learned absolute positions, tied output."""
     return dict(
         num_layers=num_layers,
@@ -51,7 +52,7 @@ def _gpt2_like(num_layers: int, hidden: int, heads: int, ffn: int, max_positions
         group_query_attention=False,
         num_query_groups=heads,
         ffn_hidden_size=ffn,
-        kv_channels=hidden // heads,
+        kv_channels=head_size(hidden, heads, where),
         normalization="LayerNorm",
         swiglu=False,
         openai_gelu=False,
@@ -69,7 +70,7 @@ def _gpt2_args(hf: Dict[str, Any], where: str) -> Args:
         require_field(hf, field, (None, False), where)
     require_field(hf, "tie_word_embeddings", (None, True), where)
     hidden = hf["n_embd"]
-    args = _gpt2_like(hf["n_layer"], hidden, hf["n_head"], hf.get("n_inner") or 4 * hidden, hf["n_positions"])
+    args = _gpt2_like(hf["n_layer"], hidden, hf["n_head"], hf.get("n_inner") or 4 * hidden, hf["n_positions"], where)
     args.update(
         openai_gelu=_GPT2_ACTIVATIONS[hf["activation_function"]],
         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
@@ -104,7 +105,7 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         group_query_attention=groups != heads,
         num_query_groups=groups,
         ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        kv_channels=hf.get("head_dim") or head_size(hf["hidden_size"], heads, where),
         normalization="RMSNorm",
         swiglu=True,
         openai_gelu=False,
@@ -136,9 +137,9 @@ def _bert_args(hf: Dict[str, Any], where: str) -> Args:
     if binary:
         require_field(hf, "type_vocab_size", (2,), where)  # pretrain_bert.py's binary head comes with 2 token types
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    if hidden % heads:
-        raise ConversionError(f"{where}: field 'hidden_size' {hidden} is not a multiple of num_attention_heads {heads}")
-    args = _gpt2_like(hf["num_hidden_layers"], hidden, heads, hf["intermediate_size"], hf["max_position_embeddings"])
+    args = _gpt2_like(
+        hf["num_hidden_layers"], hidden, heads, hf["intermediate_size"], hf["max_position_embeddings"], where
+    )
     args.update(
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
         layernorm_epsilon=hf.get("layer_norm_eps", 1e-12),
@@ -163,18 +164,24 @@ _ARGS_OF.update({kind: functools.partial(_llama_args, kind=kind) for kind in DEC
 
 
 def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by: int) -> Tuple[str, Args]:
-    """(kind, model flags by destination) of a HF config (kind as ``architecture_of``); vocab padded for ``tp``."""
+    """(kind, model flags by destination) of a HF config (kind as ``architecture_of``); vocab padded for ``tp``.
+
+    The config's fields and the resulting flags go through ``checks`` (types, ranges, memory) first.
+    """
     kind = architecture_of(hf, where)
+    check_hf_config(hf, where)
     try:
         args = _ARGS_OF[kind](hf, where)
+        vocab = hf["vocab_size"]
     except KeyError as e:
         raise ConversionError(f"{where}: field {e.args[0]!r} is missing") from None
     args.update(
-        vocab_size=hf["vocab_size"],
+        vocab_size=vocab,
         make_vocab_size_divisible_by=divisible_by,
         tensor_model_parallel_size=tp,
-        padded_vocab_size=vocab_size_with_padding(hf["vocab_size"], divisible_by, tp),
+        padded_vocab_size=vocab_size_with_padding(vocab, divisible_by, tp),
     )
+    check_model_args(args, where)
     return kind, args
 
 

@@ -72,30 +72,52 @@ def _get_layout(name: str) -> torch.layout:
     return value
 
 
+# What BUILD can change on an allowed function besides its __dict__ (``__closure__`` and
+# ``__globals__`` are read-only; their contents are reached only through these).
+_FUNCTION_ATTRS = ("__defaults__", "__kwdefaults__", "__code__", "__name__", "__qualname__", "__module__", "__doc__")
+
+
+def _state(obj: Any) -> Dict[str, Any]:
+    """Everything a pickle's BUILD could set on an allowed class or function (``setattr`` targets)."""
+    state = dict(vars(obj))
+    if callable(obj) and not isinstance(obj, type):
+        state.update({name: getattr(obj, name) for name in _FUNCTION_ATTRS})
+        state["__annotations__"] = dict(obj.__annotations__)
+    return state
+
+
+def _restore(obj: Any, before: Dict[str, Any]) -> None:
+    """Undo changes to ``obj`` against its ``_state`` snapshot."""
+    for name in set(vars(obj)) - set(before):
+        delattr(obj, name)
+    for name, value in before.items():
+        if name == "__annotations__":
+            obj.__annotations__ = value
+        elif getattr(obj, name, _MISSING) is not value:
+            setattr(obj, name, value)
+
+
 @contextlib.contextmanager
-def _classes_unchanged() -> Iterator[None]:
-    """Refuse a pickle that sets attributes on an allowed class itself.
+def _allowed_unchanged() -> Iterator[None]:
+    """Refuse a pickle that sets attributes on an allowed class or function itself.
 
     ``find_class`` limits which globals a pickle can name, not what BUILD does with them: a
-    BUILD aimed at a class (slot state) calls ``setattr`` on it and would change that class for
-    the whole process. Every allowed class's namespace is compared before and after; a change
-    is undone and refused.
+    BUILD aimed at a global (dict or slot state) updates its ``__dict__`` or calls ``setattr``
+    on it, and would change a class's methods or a function's ``__defaults__`` or ``__code__``
+    for the whole process. Every allowed global's state (``_state``) is compared before and
+    after; a change is undone and refused.
     """
-    classes = {obj for obj in _RestrictedUnpickler._ALLOWED.values() if isinstance(obj, type)}
-    before = {cls: dict(vars(cls)) for cls in classes}
+    allowed = {id(obj): obj for obj in _RestrictedUnpickler._ALLOWED.values()}.values()
+    before = {id(obj): _state(obj) for obj in allowed}
     try:
         yield
     finally:
-        changed = [cls for cls in classes if dict(vars(cls)) != before[cls]]
-        for cls in changed:
-            for name in set(vars(cls)) - set(before[cls]):
-                delattr(cls, name)
-            for name, value in before[cls].items():
-                if vars(cls).get(name, _MISSING) is not value:
-                    setattr(cls, name, value)
+        changed = [obj for obj in allowed if _state(obj) != before[id(obj)]]
+        for obj in changed:
+            _restore(obj, before[id(obj)])
     if changed:
-        names = ", ".join(sorted(cls.__qualname__ for cls in changed))
-        raise pickle.UnpicklingError(f"refusing a pickle that modifies the class {names}")
+        names = ", ".join(sorted(f"{'class' if isinstance(o, type) else 'function'} {o.__qualname__}" for o in changed))
+        raise pickle.UnpicklingError(f"refusing a pickle that modifies the {names}")
 
 
 _MISSING = object()
@@ -156,7 +178,7 @@ def load_metadata_file(path: str) -> Metadata:
             raise ValueError(f"{size} bytes is more than any checkpoint metadata")
         with open(path, "rb") as f:
             data = f.read()
-        with _classes_unchanged():
+        with _allowed_unchanged():
             metadata = _RestrictedUnpickler(io.BytesIO(data)).load()
         return validate_metadata(metadata, path)
     except Exception as e:  # noqa: BLE001 - find_class admits no code; whatever else breaks is corruption

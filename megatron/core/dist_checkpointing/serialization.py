@@ -175,15 +175,20 @@ def read_metadata(checkpoint_dir: str) -> Metadata:
     return metadata
 
 
+def saved_tensor(metadata: Metadata, key: str, checkpoint_dir: str) -> TensorStorageMetadata:
+    """The metadata of ``key``, which must be saved as a tensor (not missing, not a bytes entry)."""
+    saved = metadata.state_dict_metadata
+    if key not in saved:
+        raise CheckpointingError(f"key {key!r} is not in the checkpoint {checkpoint_dir}")
+    if not isinstance(saved[key], TensorStorageMetadata):
+        raise CheckpointingError(f"key {key!r} in {checkpoint_dir} is not a tensor")
+    return saved[key]
+
+
 def check_against_metadata(sharded_sd: ShardedStateDict, metadata: Metadata, checkpoint_dir: str) -> None:
     """Every key must be saved as a tensor of the same global shape."""
-    saved = metadata.state_dict_metadata
     for key, spec in sharded_sd.items():
-        if key not in saved:
-            raise CheckpointingError(f"key {key!r} is not in the checkpoint {checkpoint_dir}")
-        md = saved[key]
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointingError(f"key {key!r} in {checkpoint_dir} is not a tensor")
+        md = saved_tensor(metadata, key, checkpoint_dir)
         if tuple(md.size) != spec.global_shape:
             raise CheckpointingError(
                 f"shape mismatch for key {key!r}: checkpoint {checkpoint_dir} has "

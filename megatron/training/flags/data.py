@@ -8,7 +8,7 @@ from megatron.core.datasets.masked_dataset import MaskedWordPieceDatasetConfig a
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig as T5DS
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
-from megatron.training.flags.record import IMPLEMENTED, Flag, no_op, not_yet, same, to
+from megatron.training.flags.record import IMPLEMENTED, Flag, at_least, between, no_op, not_yet, same, to
 from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
@@ -42,6 +42,7 @@ RECORDS = (
         help="Tokens per training sample.",
         type=int,
         fills=(*same(FL), to(DS, "sequence_length")),
+        bounds=at_least(1),
     ),
     Flag(
         "encoder_seq_length",
@@ -62,14 +63,16 @@ RECORDS = (
         IMPLEMENTED,
         help="BERT: probability that a token is masked ([MASK] 8 times in 10, else a random token or itself).",
         fills=(to(MDS, "masking_probability"),),
+        bounds=between(0, 1),
     ),
     Flag(
         "short_seq_prob",
         IMPLEMENTED,
         help="BERT: probability that a sample is cut to a random length shorter than --seq-length.",
         fills=(to(MDS, "short_sequence_probability"),),
+        bounds=between(0, 1),
     ),
-    Flag("num_workers", IMPLEMENTED),
+    Flag("num_workers", IMPLEMENTED, bounds=at_least(0)),
     Flag("reset_position_ids", IMPLEMENTED, fills=same(GDS)),
     Flag(
         "reset_attention_mask",
@@ -93,7 +96,7 @@ RECORDS = (
     Flag("fim_suffix_token", no_op(reasons.UNDER_REFUSED)),
     Flag("fim_pad_token", no_op(reasons.UNDER_REFUSED)),
     Flag("fim_eod_token", no_op(reasons.UNDER_REFUSED)),
-    Flag("vocab_size", IMPLEMENTED, type=int),
+    Flag("vocab_size", IMPLEMENTED, type=int, bounds=at_least(1)),
     Flag("padded_vocab_size", IMPLEMENTED, type=int, fills=same(FL)),
     Flag("vocab_file", IMPLEMENTED),
     Flag("merge_file", IMPLEMENTED),

@@ -17,7 +17,20 @@ from megatron.training.flags.derive import (
     xavier_or_default,
     zero_if_none,
 )
-from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, no_op, not_yet, same, to, validated
+from megatron.training.flags.record import (
+    IMPLEMENTED,
+    Bounds,
+    Flag,
+    ProjectFlag,
+    at_least,
+    between,
+    no_op,
+    not_yet,
+    positive,
+    same,
+    to,
+    validated,
+)
 from megatron.training.flags_table import attn_backend, int_tuple, moe_layer_freq, str_to_bool
 from megatron.training.training_log import FlopsConfig as FL
 
@@ -25,7 +38,11 @@ _BALANCE_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 RECORDS = (
     Flag(
-        "tensor_model_parallel_size", IMPLEMENTED, help="Ranks that split each layer's matrices (TP).", fills=same(TC)
+        "tensor_model_parallel_size",
+        IMPLEMENTED,
+        help="Ranks that split each layer's matrices (TP).",
+        fills=same(TC),
+        bounds=at_least(1),
     ),
     Flag("pipeline_model_parallel_comm_backend", no_op(reasons.COMMUNICATORS)),
     Flag(
@@ -33,6 +50,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Ranks that split the layer stack into stages (PP).",
         fills=same(TC),
+        bounds=at_least(1),
     ),
     Flag(
         "sequence_parallel",
@@ -41,12 +59,16 @@ RECORDS = (
         fills=same(TC),
     ),
     Flag(
-        "context_parallel_size", IMPLEMENTED, help="Ranks that split the sequence of every layer (CP).", fills=same(TC)
+        "context_parallel_size",
+        IMPLEMENTED,
+        help="Ranks that split the sequence of every layer (CP).",
+        fills=same(TC),
+        bounds=at_least(1),
     ),
     Flag("hierarchical_context_parallel_sizes", not_yet(None), type=int),
     Flag("max_seqlen_per_dp_cp_rank", not_yet(None), type=int),
     Flag("hybrid_context_parallel", not_yet(False)),
-    Flag("expert_model_parallel_size", IMPLEMENTED, fills=same(TC)),
+    Flag("expert_model_parallel_size", IMPLEMENTED, fills=same(TC), bounds=at_least(1)),
     Flag(
         "expert_tensor_parallel_size",
         IMPLEMENTED,
@@ -96,7 +118,14 @@ RECORDS = (
     Flag("microbatch_group_size_per_vp_stage", not_yet(None), type=int),
     Flag("mtp_standalone", not_yet(False)),
     Flag("cpu_offloading_num_layers", no_op(reasons.MEMORY)),
-    Flag("num_layers", IMPLEMENTED, help="Number of transformer layers (required).", type=int, fills=same(TC, FL)),
+    Flag(
+        "num_layers",
+        IMPLEMENTED,
+        help="Number of transformer layers (required).",
+        type=int,
+        fills=same(TC, FL),
+        bounds=at_least(1),
+    ),
     Flag(
         "mtp_num_layers",
         IMPLEMENTED,
@@ -113,9 +142,21 @@ RECORDS = (
     ),
     Flag("account_for_embedding_in_pipeline_split", not_yet(False)),
     Flag("account_for_loss_in_pipeline_split", not_yet(False)),
-    Flag("hidden_size", IMPLEMENTED, help="Transformer hidden size h (required).", type=int, fills=same(TC, FL)),
     Flag(
-        "num_attention_heads", IMPLEMENTED, help="Number of attention heads (required).", type=int, fills=same(TC, FL)
+        "hidden_size",
+        IMPLEMENTED,
+        help="Transformer hidden size h (required).",
+        type=int,
+        fills=same(TC, FL),
+        bounds=at_least(1),
+    ),
+    Flag(
+        "num_attention_heads",
+        IMPLEMENTED,
+        help="Number of attention heads (required).",
+        type=int,
+        fills=same(TC, FL),
+        bounds=at_least(1),
     ),
     Flag(
         "attention_backend",
@@ -125,7 +166,10 @@ RECORDS = (
     ),
     Flag("softmax_type", not_yet("vanilla")),
     Flag(
-        "num_query_groups", IMPLEMENTED, help="Key/value head groups with --group-query-attention.", fills=same(TC, FL)
+        "num_query_groups",
+        IMPLEMENTED,
+        help="Key/value head groups with --group-query-attention.",
+        fills=same(TC, FL),
     ),
     Flag(
         "ffn_hidden_size",
@@ -133,6 +177,7 @@ RECORDS = (
         help="MLP hidden size; default 4h, or int(4h*2/3/64)*64 with --swiglu.",
         type=int,
         fills=same(TC, FL),
+        bounds=at_least(1),
     ),
     Flag(
         "kv_channels",
@@ -140,12 +185,19 @@ RECORDS = (
         help="Per-head projection size; default hidden size / heads.",
         type=int,
         fills=same(TC, FL),
+        bounds=at_least(1),
     ),
-    Flag("hidden_dropout", IMPLEMENTED, help="Dropout on the residual branches.", fills=same(TC)),
-    Flag("attention_dropout", IMPLEMENTED, help="Dropout on attention probabilities.", fills=same(TC)),
+    Flag("hidden_dropout", IMPLEMENTED, help="Dropout on the residual branches.", fills=same(TC), bounds=between(0, 1)),
+    Flag(
+        "attention_dropout",
+        IMPLEMENTED,
+        help="Dropout on attention probabilities.",
+        fills=same(TC),
+        bounds=between(0, 1),
+    ),
     Flag("fp32_residual_connection", IMPLEMENTED, fills=same(TC)),
     Flag("apply_residual_connection_post_layernorm", IMPLEMENTED, fills=same(TC)),
-    Flag("layernorm_epsilon", IMPLEMENTED, fills=same(TC)),
+    Flag("layernorm_epsilon", IMPLEMENTED, fills=same(TC), bounds=positive()),
     Flag("layernorm_zero_centered_gamma", IMPLEMENTED, fills=same(TC)),
     Flag("add_bias_linear", IMPLEMENTED, help="No biases in linear layers.", fills=same(TC)),
     Flag(
@@ -180,7 +232,11 @@ RECORDS = (
     Flag("linear_num_key_heads", no_op(reasons.UNDER_REFUSED)),
     Flag("linear_num_value_heads", no_op(reasons.UNDER_REFUSED)),
     Flag(
-        "init_method_std", IMPLEMENTED, help="Standard deviation of the normal weight initialisation.", fills=same(TC)
+        "init_method_std",
+        IMPLEMENTED,
+        help="Standard deviation of the normal weight initialisation.",
+        fills=same(TC),
+        bounds=at_least(0),
     ),
     Flag("embedding_init_method_std", IMPLEMENTED, type=float, fills=same(TC)),
     Flag("init_model_with_meta_device", not_yet(False)),
@@ -205,13 +261,23 @@ RECORDS = (
         fills=same(TC),
     ),
     Flag("fp8_quantizer_factory", no_op(reasons.UNDER_REFUSED)),
-    Flag("fp8_margin", IMPLEMENTED, help="Delayed scaling: scales divided by 2**margin.", fills=same(TC)),
+    Flag(
+        "fp8_margin",
+        IMPLEMENTED,
+        help="Delayed scaling: scales divided by 2**margin.",
+        fills=same(TC),
+    ),
     Flag(
         "fp8_interval",
         no_op("deprecated: Transformer Engine >= 1.8 and Megatron ignore it (scales update every step)"),
         fills=same(TC),
     ),
-    Flag("fp8_amax_history_len", IMPLEMENTED, help="Delayed scaling: amaxes kept per tensor.", fills=same(TC)),
+    Flag(
+        "fp8_amax_history_len",
+        IMPLEMENTED,
+        help="Delayed scaling: amaxes kept per tensor.",
+        fills=same(TC),
+    ),
     Flag("fp8_amax_compute_algo", IMPLEMENTED, help="Delayed scaling: max or most_recent amax.", fills=same(TC)),
     Flag("fp8_wgrad", IMPLEMENTED, help="Off: weight-gradient GEMMs in the activation dtype.", fills=same(TC)),
     Flag("first_last_layers_bf16", IMPLEMENTED, help="Keep the first/last layers out of FP8.", fills=same(TC)),
@@ -243,7 +309,11 @@ RECORDS = (
         type=int,
         fills=(*same(TC), to(FL, "moe_ffn_hidden_size", zero_if_none("moe_ffn_hidden_size"))),
     ),
-    Flag("moe_router_topk", IMPLEMENTED, fills=(*same(TC), to(FL, "moe_router_topk", zero_if_none("moe_router_topk")))),
+    Flag(
+        "moe_router_topk",
+        IMPLEMENTED,
+        fills=(*same(TC), to(FL, "moe_router_topk", zero_if_none("moe_router_topk"))),
+    ),
     Flag("moe_enable_routing_replay", not_yet(False)),
     Flag("moe_router_padding_for_quantization", not_yet(False)),
     Flag("moe_router_padding_for_fp8", not_yet(False)),
@@ -323,6 +393,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Size of the learned position table; default --seq-length.",
         type=int,
+        bounds=at_least(1),
     ),
     Flag(
         "position_embedding_type",
@@ -332,14 +403,19 @@ RECORDS = (
     Flag("relative_attention_num_buckets", IMPLEMENTED, help="T5 relative position bias: number of buckets."),
     Flag("relative_attention_max_distance", IMPLEMENTED, help="T5 relative position bias: largest bucketed distance."),
     Flag("use_rotary_position_embeddings", IMPLEMENTED),
-    Flag("rotary_base", IMPLEMENTED),
-    Flag("rotary_percent", IMPLEMENTED),
+    Flag("rotary_base", IMPLEMENTED, bounds=positive()),
+    Flag("rotary_percent", IMPLEMENTED, bounds=Bounds(low=0, high=1, low_open=True)),
     Flag("rotary_seq_len_interpolation_factor", IMPLEMENTED, type=float),
     Flag("use_rope_scaling", IMPLEMENTED),
     Flag("rope_scaling_factor", IMPLEMENTED),
     Flag("no_rope_freq", not_yet(None)),
     Flag("add_position_embedding", IMPLEMENTED),
-    Flag("make_vocab_size_divisible_by", IMPLEMENTED, help="Pad the vocabulary to a multiple of this x TP."),
+    Flag(
+        "make_vocab_size_divisible_by",
+        IMPLEMENTED,
+        help="Pad the vocabulary to a multiple of this x TP.",
+        bounds=at_least(1),
+    ),
     Flag("openai_gelu", IMPLEMENTED),
     Flag("squared_relu", IMPLEMENTED),
     Flag(
@@ -380,7 +456,7 @@ RECORDS = (
     Flag("untie_embeddings_and_output_weights", IMPLEMENTED, help="Separate input embedding and output layer weights."),
     Flag("weight_decay", IMPLEMENTED, help="Weight-decay coefficient.", fills=same(OPT)),
     Flag("apply_wd_to_qk_layernorm", not_yet(False)),
-    Flag("clip_grad", IMPLEMENTED, help="Gradient clipping by global norm.", fills=same(OPT)),
+    Flag("clip_grad", IMPLEMENTED, help="Gradient clipping by global norm.", fills=same(OPT), bounds=at_least(0)),
     Flag("adam_beta1", IMPLEMENTED, fills=same(OPT)),
     Flag("adam_beta2", IMPLEMENTED, fills=same(OPT)),
     Flag("adam_eps", IMPLEMENTED, fills=same(OPT)),
@@ -399,6 +475,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Random seed; each pipeline stage adds 100 x its rank.",
         fills=(to(TC, "initialization_seed", initialization_seed), to(DS, "random_seed")),
+        bounds=at_least(0),
     ),
     Flag("te_rng_tracker", no_op(reasons.KERNEL)),
     Flag("inference_rng_tracker", no_op(reasons.KERNEL)),

@@ -11,6 +11,7 @@ these records (``registry.py``).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
 
@@ -92,6 +93,52 @@ def validated(name: str) -> Derive:
 
 
 @dataclass(frozen=True)
+class Bounds:
+    """The values a numeric flag accepts: ``low`` and ``high`` (None: unbounded), each inclusive
+    unless ``low_open``/``high_open``; float values must also be finite. ``validation.check_bounds``
+    checks every bounded flag before anything uses its value."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def rule(self, value: Optional[float] = None) -> str:
+        """The rule in words: ``must be > 0``, ``must be in [0, 1)``, ... (``must be finite and ...`` for nan, inf)."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return "must be finite and " + self.rule().removeprefix("must be ")
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"must be in {left}{self.low:g}, {self.high:g}{right}"
+        if self.low is not None:
+            return f"must be {'>' if self.low_open else '>='} {self.low:g}"
+        return f"must be {'<' if self.high_open else '<='} {self.high:g}"
+
+    def accepts(self, value: float) -> bool:
+        """Whether ``value`` is within the bounds (and finite)."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+def positive() -> Bounds:
+    """Bounds of a flag that must be > 0."""
+    return Bounds(low=0, low_open=True)
+
+
+def at_least(low: float) -> Bounds:
+    """Bounds of a flag that must be >= ``low``."""
+    return Bounds(low=low)
+
+
+def between(low: float, high: float, high_open: bool = False) -> Bounds:
+    """Bounds of a flag that must be in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
+    return Bounds(low=low, high=high, high_open=high_open)
+
+
+@dataclass(frozen=True)
 class Flag:
     """One flag's record, keyed by its destination; see the module docstring."""
 
@@ -101,6 +148,7 @@ class Flag:
     type: Optional[Callable[[str], Any]] = None
     fills: Tuple[Fill, ...] = ()
     project: Optional[ProjectFlag] = None  # set for this project's own flags only
+    bounds: Optional[Bounds] = None  # the values a numeric flag accepts (checked by validation.check_bounds)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.flags import checkpointing, data, logging, model, training
-from megatron.training.flags.record import Fill, Flag, NoOp, NotSupportedYet
+from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet
 from megatron.training.flags_table import FlagSpec, megatron_flag_specs
 from megatron.training.training_log import FlopsConfig, LoggingConfig
 
@@ -254,6 +254,11 @@ def config_from_args(target: type, args: argparse.Namespace, **overrides: Any) -
 def not_supported_yet() -> Dict[str, NotSupportedYet]:
     """``{dest: status}`` of the flags refused unless harmless."""
     return {d: r.status for d, r in RECORDS.items() if isinstance(r.status, NotSupportedYet)}
+
+
+def bounded_flags() -> Dict[str, Bounds]:
+    """``{dest: bounds}`` of the numeric flags whose records limit their values."""
+    return {d: r.bounds for d, r in RECORDS.items() if r.bounds is not None}
 
 
 def no_op_flags() -> Dict[str, NoOp]:

@@ -419,7 +419,7 @@ def test_eval_interval_left_out_is_megatrons_1000():
     batch = args.global_batch_size
     assert samples_per_split(args) == [10 * batch, (10 // 1000 + 1) * args.eval_iters * batch, args.eval_iters * batch]
     assert _validated(["--eval-interval", "3"]).eval_interval == 3
-    with pytest.raises(A.ArgumentsError, match=r"--eval-interval=0 must be a positive number"):
+    with pytest.raises(A.ArgumentsError, match=r"--eval-interval=0 must be >= 1"):
         _validated(["--eval-interval", "0"])
 
 

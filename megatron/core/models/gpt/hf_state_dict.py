@@ -174,7 +174,7 @@ def _swiglu_from_hf(mlp: StateDict) -> StateDict:
 
 def _under(sd: StateDict, prefix: str) -> StateDict:
     """The entries of ``sd`` under ``prefix``, with it stripped."""
-    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: sd[k] for k in sd if k.startswith(prefix)}  # indexed: a reader may track reads
 
 
 def _dense_mlp_to_hf(sd: StateDict, i: int) -> StateDict:
