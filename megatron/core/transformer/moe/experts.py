@@ -122,6 +122,10 @@ class GroupedMLP(SequentialMLP):
     or their linears are FP8/FP4-quantized, the experts run in ``SequentialMLP``'s loop.
     """
 
+    # The forward reads the experts' weights without calling the experts: the distributed optimizer's
+    # parameter-gather pre-hook must wait for all of them here, not at the experts' (skipped) forwards.
+    reads_submodule_parameters = True
+
     def run_experts(self, permuted: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """Tokens ``[N, h]`` sorted by expert -> outputs ``[N, h]``, two grouped GEMMs."""
         quantized = any(getattr(e.linear_fc1, "quantizer", None) is not None for e in self.local_experts)
