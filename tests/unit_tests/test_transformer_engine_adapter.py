@@ -310,3 +310,25 @@ def test_the_entry_point_builds_te_linears_when_te_imports():
     assert kinds["default"] == te_kinds, kinds
     assert kinds["local"] == ["ColumnParallelLinear", "RowParallelLinear"], kinds
     assert set(te_kinds) <= set(kinds["moe"]), kinds  # attention's linears; the experts stay local
+
+
+def _first_microbatch_marks(rank, world_size):
+    from megatron.core.quantization.step import quantized_step
+
+    with fake_transformer_engine() as te:
+        model = build_gpt(gpt2_style(), single_rank_groups())
+        count = len(_linears(model))
+        tokens, labels = batch()
+        te.RECORD.clear()
+        with quantized_step([model]):  # what every schedule runs a step in
+            for _ in range(2):
+                model(tokens, None, None, labels=labels)
+        model(tokens, None, None, labels=labels)
+        firsts = [r["first"] for r in te.RECORD if r["kind"] == "forward"]
+    return count, firsts
+
+
+def test_te_linears_get_is_first_microbatch_once_per_step():
+    """True at each TE linear's first forward of a step, False at the next microbatch, None outside a step."""
+    count, firsts = run_distributed(_first_microbatch_marks, 1)[0]
+    assert count == 8 and firsts == [True] * count + [False] * count + [None] * count, firsts

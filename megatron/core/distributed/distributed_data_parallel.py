@@ -295,8 +295,9 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero all main grads and reset bucket state; call at the start of each iteration."""
         for param in self.module.parameters():
             param.grad = None
-            if getattr(param, "grad_added_to_main_grad", False):  # left set by a backward that raised
-                param.grad_added_to_main_grad = False
+            # Created on every parameter, as Transformer Engine's fused weight-gradient accumulation expects
+            # (it sets the flag when it wrote into main_grad); also clears one left set by a backward that raised.
+            param.grad_added_to_main_grad = False
         for buffer in self.all_buffers:
             buffer.grad_data.zero_()
             buffer.reset()
