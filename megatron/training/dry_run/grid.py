@@ -11,7 +11,8 @@ applies, and copies the timers' gathered times back: 4 to 6 per iteration in thi
 per-token count and its scale stay on the device). A per-parameter ``.item()`` loop (dozens),
 a copy per microbatch (4 here) or one more per-iteration read on the busiest rank exceeds it.
 MoE cases add one host read per MoE layer and microbatch: ``SequentialMLP`` reads the
-per-expert token counts to split the sorted tokens (as Megatron's does). The FP8/FP4 cases
+per-expert token counts to split the sorted tokens (as Megatron's does); ``GroupedMLP`` (grouped
+GEMM) also uploads them as its groups' ends, one more. The FP8/FP4 cases
 (2 layers) hold the dense bound: a quantizer that uploaded a constant per call (dozens per
 iteration) or read the host would exceed it.
 """
@@ -178,6 +179,17 @@ GRID: List[Case] = [
         ],
         max_syncs=moe_bound(moe_layers=4, microbatches=2),
         covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"],
+    ),
+    Case(
+        "moe-grouped-gemm-dp2-distopt-overlap-bf16",
+        2,
+        [
+            *"--num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --global-batch-size 8".split(),
+            *"--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather".split(),
+        ],
+        # GroupedMLP also uploads the counts it read (its groups' ends): one more per MoE layer and microbatch.
+        max_syncs=moe_bound(moe_layers=2, microbatches=2) + 2 * 2,
+        covers=["MoE grouped GEMM", "DP", "distributed optimizer", "overlap param gather", "bf16"],
     ),
     Case(
         "tp2-sp-dp2-fp8-delayed",
