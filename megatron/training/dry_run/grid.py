@@ -79,6 +79,7 @@ class Case:
     flags: List[str]
     max_syncs: int = DENSE_SYNC_BOUND
     covers: List[str] = field(default_factory=list)
+    python_path: List[str] = field(default_factory=list)  # e.g. the fake Transformer Engine's folder
 
 
 def moe_bound(moe_layers: int, microbatches: int) -> int:
@@ -248,6 +249,23 @@ GRID: List[Case] = [
 ]
 
 
+# The repository's fake Transformer Engine (plain torch behind TE's API), for a source checkout's grid:
+# --transformer-impl transformer_engine then builds the adapter's TE linears through pretrain_gpt.py's specs.
+FAKE_TE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "fakes")
+GRID.append(
+    Case(
+        "tp2-sp-te-spec-fake-te-bf16",
+        2,
+        [
+            *"--num-layers 2 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 4".split(),
+            *"--bf16 --transformer-impl transformer_engine".split(),
+        ],
+        covers=["TE layer spec (fake TE)", "TP", "SP", "bf16"],
+        python_path=[os.path.normpath(FAKE_TE_PATH)],
+    )
+)
+
+
 def quantized_case(name: str, precision: str, layout: str, covers: str) -> Case:
     """A bf16 case with FP8/FP4 ``precision`` flags on a 2-rank ``layout`` (``QUANTIZED_LAYOUTS``): 2
     layers (the quantizers' many small ops are slow under fake tensors), the dense bound."""
@@ -300,6 +318,7 @@ def grid_jobs(cases: Sequence[Case], ranks: str, workdir: str, iters: int = 3, r
             iters=iters,
             resume_iters=resume_iters,
             max_syncs=case.max_syncs,
+            python_path=case.python_path,
         )
         for case in cases
         for rank in pick_ranks(ranks, case.world_size)
