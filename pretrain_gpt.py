@@ -16,7 +16,7 @@ from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
@@ -39,8 +39,10 @@ def model_provider(
     """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
 
     With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer); with
-    --multi-latent-attention their attention is MLA. Global rank 0 prints the theoretical memory per
-    rank first (Megatron's report, before building) unless ``report_memory`` is False (the server).
+    --multi-latent-attention their attention is MLA; with --transformer-impl transformer_engine and TE
+    importable, self-attention and dense MLPs use TE's linears. Global rank 0 prints the theoretical memory per
+    rank first (Megatron's report, before building)
+    unless ``report_memory`` is False (the server).
     """
     if (
         report_memory
@@ -49,10 +51,10 @@ def model_provider(
         and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
     ):
         report_theoretical_memory(args, device_type="cuda" if torch.cuda.is_available() else "cpu")
-    if args.num_experts:
-        spec = get_gpt_decoder_block_spec(config)
-    else:
-        spec = get_gpt_layer_local_spec(multi_latent_attention=config.multi_latent_attention)
+    # One spec per layer (MoE where --moe-layer-freq says); TE's linears where --transformer-impl
+    # transformer_engine (the default) asks for them and TE imports (else the local layers, and
+    # model_setup.report_transformer_impl says so once).
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=config.transformer_impl == "transformer_engine")
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

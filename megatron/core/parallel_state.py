@@ -21,11 +21,13 @@ import torch.distributed as dist
 
 from megatron.core.memory_buffer import destroy_global_memory_buffer, get_global_memory_buffer
 from megatron.core.process_groups import (
+    GLOO_GROUP_NAMES,
     LayoutError,
     ParallelLayout,
     ParallelStateError,
     ProcessGroup,
     ProcessGroupCollection,
+    build_gloo_data_parallel_groups,
     build_process_groups,
     create_group,
     create_hierarchical_groups,
@@ -134,14 +136,12 @@ def initialize_model_parallel(
     )
     timeout = timedelta(minutes=distributed_timeout_minutes)
     groups = build_process_groups(layout, timeout, None, get_embedding_ranks, get_position_embedding_ranks)
-    if create_gloo_process_groups:  # gloo twins for CPU tensors: built over NCCL, the groups themselves otherwise
-        twin = (layout, timeout, "gloo", get_embedding_ranks, get_position_embedding_ranks)
-        gloo = build_process_groups(*twin) if dist.get_backend() == "nccl" else groups
-        _GLOO_GROUPS = {
-            name: getattr(gloo, name) for name in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
-        }
-    else:
-        _GLOO_GROUPS = None
+    _GLOO_GROUPS = None
+    if create_gloo_process_groups:  # gloo copies of the data-parallel groups only, and only over NCCL
+        if dist.get_backend() == "nccl":
+            _GLOO_GROUPS = build_gloo_data_parallel_groups(layout, timeout)
+        else:  # the groups are gloo (or CPU-capable) already
+            _GLOO_GROUPS = {name: getattr(groups, name) for name in GLOO_GROUP_NAMES}
     set_default_process_groups(groups)
     _VIRTUAL_PIPELINE_RANK = 0 if virtual_pipeline_model_parallel_size is not None else None
     _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size

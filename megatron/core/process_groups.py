@@ -337,6 +337,29 @@ def _instance_rank_lists(layout: ParallelLayout) -> Dict[str, List[List[int]]]:
     return lists
 
 
+# The groups Megatron hands out gloo copies of (``get_data_parallel_group_gloo``,
+# ``get_expert_data_parallel_group_gloo``): CPU-side collectives of the data-parallel ranks. No other
+# group gets a gloo copy.
+GLOO_GROUP_NAMES = ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
+
+
+def build_gloo_data_parallel_groups(
+    layout: ParallelLayout, timeout: Optional[timedelta] = None
+) -> Dict[str, Optional[ProcessGroup]]:
+    """Gloo copies of this rank's ``GLOO_GROUP_NAMES`` groups, each distinct rank list created once;
+    a collective call on every rank of the world."""
+    instances = _instance_rank_lists(layout)
+    lists = {
+        "dp": layout.dense_grid().groups("dp"),
+        "dp_cp": layout.dense_grid().groups("dp-cp"),
+        "expt_dp": layout.expert_grid().groups("dp"),
+        "intra_dp_cp": instances["intra_dp_cp"],
+        "intra_expt_dp": instances["intra_expt_dp"],
+    }
+    factory, rank = GroupFactory(timeout, "gloo"), dist.get_rank()
+    return {name: factory.mine(lists[name], rank)[0] for name in GLOO_GROUP_NAMES}
+
+
 def build_process_groups(
     layout: ParallelLayout,
     timeout: Optional[timedelta] = None,

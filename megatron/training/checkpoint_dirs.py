@@ -5,12 +5,16 @@ Pure file-system logic with no collective; ``checkpointing.py`` decides which ra
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import List, Optional, Tuple
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.training.checkpoint_config import CheckpointConfig
+
+logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -103,3 +107,29 @@ def refuse_untracked(root: str) -> None:
             f"{root} has no {TRACKER_FILE} but holds a complete {release}: restore the "
             f"tracker to load it: echo release > {os.path.join(root, TRACKER_FILE)}"
         )
+
+
+def iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
+    """(iteration, release) to load, or None when there is no checkpoint (fresh start)."""
+    if cfg.ckpt_step is not None:
+        return cfg.ckpt_step, False
+    found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
+    if found is None:
+        refuse_untracked(cfg.load)
+        message = f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found" + (
+            "" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"
+        )
+        if cfg.exit_on_missing_checkpoint:
+            raise CheckpointingError(message + " and --exit-on-missing-checkpoint is set")
+        logger.warning("%s; starting from random initialization", message)
+    return found
+
+
+def load_target(cfg: CheckpointConfig) -> Tuple[Optional[Tuple[int, bool, str]], Optional[str]]:
+    """(iteration, release, format) to load or None, and the error that stops the load, as this rank sees them
+    (``checkpointing.load_checkpoint`` asks rank 0 alone and hands its answer to every rank)."""
+    try:
+        found = iteration_to_load(cfg)
+        return (None if found is None else (*found, detect_format(checkpoint_dir(cfg.load, *found)))), None
+    except CheckpointingError as e:
+        return None, str(e)

@@ -50,6 +50,8 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     checkpoint_dir,
     complete_checkpoints,
     detect_format,
+    iteration_to_load,
+    load_target,
     read_tracker,
     refuse_untracked,
     update_tracker,
@@ -365,20 +367,21 @@ def _write_torch_file(path: str, state: Dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- load
-def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
-    """(iteration, release) to load, or None when there is no checkpoint (fresh start)."""
-    if cfg.ckpt_step is not None:
-        return cfg.ckpt_step, False
-    found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
-    if found is None:
-        refuse_untracked(cfg.load)
-        message = f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found" + (
-            "" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"
-        )
-        if cfg.exit_on_missing_checkpoint:
-            raise CheckpointingError(message + " and --exit-on-missing-checkpoint is set")
-        logger.warning("%s; starting from random initialization", message)
-    return found
+def _agreed_target(cfg: CheckpointConfig) -> Optional[Tuple[int, bool, str]]:
+    """Global rank 0 reads the tracker and detects the format; every rank gets its answer.
+
+    A rank that read the tracker itself could see another iteration (an older copy on a shared
+    file system after a requeue), or none, and leave while the others wait in a collective.
+    """
+    if not dist.is_initialized():
+        target, error = load_target(cfg)
+    else:
+        answer = [load_target(cfg) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(answer, src=0)
+        target, error = answer[0]
+    if error is not None:
+        raise CheckpointingError(error)
+    return target
 
 
 def load_checkpoint(
@@ -403,16 +406,15 @@ def load_checkpoint(
     """
     if ckpt_config.load is None:
         return 0, {}
-    found = _iteration_to_load(ckpt_config)
-    if found is None:
+    target = _agreed_target(ckpt_config)
+    if target is None:
         return 0, {}
-    iteration, release = found
+    iteration, release, fmt = target
     iter_dir = checkpoint_dir(ckpt_config.load, iteration, release)
     groups = dc.model_process_groups(unwrap_model(model_chunks[0]), pg_collection)
     fresh = ckpt_config.finetune or release
     load_optim = optimizer is not None and not ckpt_config.no_load_optim and not fresh
     load_rng = not ckpt_config.no_load_rng and not fresh
-    fmt = detect_format(iter_dir)
     args = (iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng, ckpt_config, run_args)
     if fmt == "torch_dist":
         common, rng = _load_sharded(*args)
@@ -439,7 +441,7 @@ def load_args_from_checkpoint(args: Any) -> Optional[str]:
     """
     if not args.load:
         raise CheckpointingError("--use-checkpoint-args needs --load: the checkpoint to take the model flags from")
-    found = _iteration_to_load(config_from_args(CheckpointConfig, args))
+    found = iteration_to_load(config_from_args(CheckpointConfig, args))
     if found is None:
         return None
     iter_dir = checkpoint_dir(args.load, *found)
@@ -508,18 +510,11 @@ def _load_sharded(
     run_args: Optional[Dict[str, Any]],
 ) -> Tuple[Dict[str, Any], Optional[Dict]]:
     if cfg.verify_checkpoint:
-        dc.verify_checksums(iter_dir)
-    common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
-    if run_args is not None:
-        check_checkpoint_args(common.get("args"), run_args, iter_dir)
-    metadata = dc.read_metadata(iter_dir)
+        dc.verify_checksums(iter_dir)  # collective: every rank raises on a mismatch
+    # Each rank reads the files; whatever one of them finds wrong stops all before the collective load.
+    common, metadata = _agreed_read(lambda: _sharded_header(iter_dir, optimizer is not None, run_args))
     per_param, template = None, {}
     if optimizer is not None:
-        if common.get("optimizer") is None:
-            raise CheckpointingError(
-                f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
-                "load with --no-load-optim or --finetune"
-            )
         template, per_param = _optimizer_template(model_chunks, optimizer, groups, metadata)
     # Last: an FP8 weight's entry is the tensor its latest state_dict handed out, filled by the load.
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
@@ -551,6 +546,21 @@ def _load_sharded(
             )
         )
     return common, rng
+
+
+def _sharded_header(
+    iter_dir: str, with_optimizer: bool, run_args: Optional[Dict[str, Any]]
+) -> Tuple[Dict[str, Any], Any]:
+    """A torch_dist checkpoint's common state and metadata, checked against this run."""
+    common = read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state")
+    if run_args is not None:
+        check_checkpoint_args(common.get("args"), run_args, iter_dir)
+    if with_optimizer and common.get("optimizer") is None:
+        raise CheckpointingError(
+            f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim?); "
+            "load with --no-load-optim or --finetune"
+        )
+    return common, dc.read_metadata(iter_dir)
 
 
 def _agreed_read(read: Callable[[], Any]) -> Any:

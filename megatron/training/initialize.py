@@ -269,6 +269,7 @@ def initialize_distributed(
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        create_gloo_process_groups=getattr(args, "enable_gloo_process_groups", True),
     )
 
 

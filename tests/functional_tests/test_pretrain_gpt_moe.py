@@ -10,8 +10,11 @@ losses (the balance loss too: every microbatch is routed whole by one data-paral
 """
 
 import math
+import os
 
-from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags
+import pytest
+
+from tests.functional_tests.gpt_runs import REPO, assert_ok, mock_flags, run_gpt, tiny_gpt_flags
 
 ITERS = 3
 REL_TOL = 2e-6
@@ -92,3 +95,27 @@ def test_moe_alltoall_etp1_tp2_ep2_prints_the_single_rank_losses(tmp_path):
         assert_ok(result, name)
         assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), name
     _assert_same_losses(single, four, "TP=2 SP EP=2 ETP=1 alltoall")
+
+
+ISSUE_27 = (  # the report's command: Megatron's DeepSeek-V3 launch turns both of these on
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32"
+    " --micro-batch-size 2 --global-batch-size 8 --train-iters 6 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer"
+    " --vocab-size 1000 --log-interval 1 --eval-iters 0 --eval-interval 1000 --num-experts 4 --moe-router-topk 2"
+    " --moe-grouped-gemm --use-distributed-optimizer --hidden-dropout 0 --attention-dropout 0"
+    " --use-cpu-initialization --distributed-backend gloo"
+).split()
+LATE_GATHER_SCRIPT = [os.path.join(REPO, "tests", "functional_tests", "late_gather_gpt.py")]
+
+
+@pytest.mark.slow  # tests/unit_tests/distributed/test_param_gather_reads.py proves every read waits
+def test_grouped_gemm_with_overlapped_param_gather_prints_the_same_losses(tmp_path):
+    """Without overlap, with it, and with it while every all-gather lands only when waited for."""
+    overlap = ISSUE_27 + ["--overlap-param-gather", "--overlap-grad-reduce"]
+    plain = run_gpt(2, ISSUE_27, str(tmp_path))
+    overlapped = run_gpt(2, overlap, str(tmp_path))
+    late = run_gpt(2, overlap, str(tmp_path), script=LATE_GATHER_SCRIPT)
+    for name, result in (("plain", plain), ("overlapped", overlapped), ("late gathers", late)):
+        assert_ok(result, name)
+        assert [line["iteration"] for line in result.lines] == list(range(1, 7)), name
+    assert overlapped.losses() == plain.losses(), (overlapped.losses(), plain.losses())
+    assert late.losses() == plain.losses(), (late.losses(), plain.losses())

@@ -277,3 +277,58 @@ def test_without_te_the_local_layers_run_and_rank0_says_so_once():
     said, silent = per_rank[0]
     assert len(said) == 1 and "Transformer Engine does not import here" in said[0] and "local layers" in said[0]
     assert silent == [] and per_rank[1] == [[], []]
+
+
+ENTRY_FLAGS = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16"
+ENTRY_FLAGS += " --micro-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data"
+ENTRY_FLAGS += " --tokenizer-type NullTokenizer --vocab-size 128"
+
+
+def _entry_point_linears(rank, world_size):
+    """The linears ``pretrain_gpt.model_provider`` builds from flags, with the fake TE importable."""
+    import pretrain_gpt
+    from megatron.core import tensor_parallel
+    from megatron.training import arguments
+
+    ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    kinds = {}
+    cases = {"default": [], "local": ["--transformer-impl", "local"], "moe": ["--num-experts", "2"]}
+    with fake_transformer_engine():
+        for name, extra in cases.items():
+            args = arguments.validate_args(arguments.parse_args(ENTRY_FLAGS.split() + extra), world_size)
+            config = arguments.core_transformer_config_from_args(args)
+            model = pretrain_gpt.model_provider(config=config, args=args)
+            kinds[name] = sorted({kind for _, kind in _linears(model)})
+    return kinds
+
+
+def test_the_entry_point_builds_te_linears_when_te_imports():
+    """``--transformer-impl transformer_engine`` (the default) reaches TE through ``pretrain_gpt.py``."""
+    kinds = run_distributed(_entry_point_linears, 1)[0]
+    te_kinds = ["TEColumnParallelLinear", "TERowParallelLinear"]
+    assert kinds["default"] == te_kinds, kinds
+    assert kinds["local"] == ["ColumnParallelLinear", "RowParallelLinear"], kinds
+    assert set(te_kinds) <= set(kinds["moe"]), kinds  # attention's linears; the experts stay local
+
+
+def _first_microbatch_marks(rank, world_size):
+    from megatron.core.quantization.step import quantized_step
+
+    with fake_transformer_engine() as te:
+        model = build_gpt(gpt2_style(), single_rank_groups())
+        count = len(_linears(model))
+        tokens, labels = batch()
+        te.RECORD.clear()
+        with quantized_step([model]):  # what every schedule runs a step in
+            for _ in range(2):
+                model(tokens, None, None, labels=labels)
+        model(tokens, None, None, labels=labels)
+        firsts = [r["first"] for r in te.RECORD if r["kind"] == "forward"]
+    return count, firsts
+
+
+def test_te_linears_get_is_first_microbatch_once_per_step():
+    """True at each TE linear's first forward of a step, False at the next microbatch, None outside a step."""
+    count, firsts = run_distributed(_first_microbatch_marks, 1)[0]
+    assert count == 8 and firsts == [True] * count + [False] * count + [None] * count, firsts

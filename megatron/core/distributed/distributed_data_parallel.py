@@ -22,7 +22,9 @@ Earlier microbatches run inside ``no_sync()``. With ``use_distributed_optimizer`
 buffers are reduce-scattered (each DP rank gets its slice summed) instead of all-reduced,
 and parameters live in a flat buffer that the optimizer all-gathers after its step; with
 ``overlap_param_gather`` those gathers run into the next forward, where a pre-hook on each module
-waits for the buckets of that module's own parameters (``finish_param_sync`` waits for all).
+waits for the buckets of the parameters it reads: its own, all below it for a module that reads its
+submodules' weights itself (``reads_submodule_parameters``), and any passed to it as arguments
+(``finish_param_sync`` waits for all).
 Averaging: gradients are scaled by 1/dp, except with ``calculate_per_token_loss`` (the
 loss is a sum; ``finalize_model_grads`` divides by the global token count).
 """
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -157,23 +159,31 @@ class DistributedDataParallel(torch.nn.Module):
         return buffers
 
     def _param_gather_waits(self) -> List[Any]:
-        """A forward pre-hook per module with parameters: wait for their buckets' all-gathers.
+        """A forward pre-hook per module: wait for the all-gathers of the parameters its forward reads.
 
-        Buckets are in backward order, so the first module of the forward waits for the last
-        bucket and the gathers of lower-indexed buckets keep running under its compute.
+        Those are its direct parameters, every parameter below it when it reads its submodules'
+        weights itself (``reads_submodule_parameters``: the grouped-GEMM experts), and parameters
+        handed to it as arguments (the output layer's tied embedding weight). Buckets are in backward
+        order, so the first module of the forward waits for the last bucket and the gathers of
+        lower-indexed buckets keep running under its compute.
         """
         hooks = []
         for module in self.module.modules():
-            buckets = self._own_buckets(module)
-            if buckets:
-                hooks.append(module.register_forward_pre_hook(functools.partial(_wait_param_gathers, buckets)))
+            buckets = self._buckets_of(self._params_read_by(module))
+            hook = functools.partial(_wait_param_gathers, buckets, self._buckets_of)
+            hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         return hooks
 
-    def _own_buckets(self, module: torch.nn.Module) -> List[Bucket]:
-        """The buckets holding ``module``'s direct parameters, each once."""
+    @staticmethod
+    def _params_read_by(module: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+        """The parameters ``module``'s own forward reads (besides those passed to it)."""
+        return module.parameters(recurse=getattr(module, "reads_submodule_parameters", False))
+
+    def _buckets_of(self, params: Iterable[Any]) -> List[Bucket]:
+        """The buckets holding those of ``params`` that live in this wrapper's buffers, each once."""
         found: Dict[tuple, Bucket] = {}
-        for param in module.parameters(recurse=False):
-            buffer = self._buffer_of.get(id(param))
+        for param in params:
+            buffer = self._buffer_of.get(id(param)) if isinstance(param, torch.nn.Parameter) else None
             if buffer is not None:
                 bucket = buffer.bucket_of[id(param)]
                 found[(id(buffer), bucket.index)] = bucket
@@ -285,8 +295,9 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero all main grads and reset bucket state; call at the start of each iteration."""
         for param in self.module.parameters():
             param.grad = None
-            if getattr(param, "grad_added_to_main_grad", False):  # left set by a backward that raised
-                param.grad_added_to_main_grad = False
+            # Created on every parameter, as Transformer Engine's fused weight-gradient accumulation expects
+            # (it sets the flag when it wrote into main_grad); also clears one left set by a backward that raised.
+            param.grad_added_to_main_grad = False
         for buffer in self.all_buffers:
             buffer.grad_data.zero_()
             buffer.reset()
@@ -358,7 +369,10 @@ class DistributedDataParallel(torch.nn.Module):
         return self.module.sharded_state_dict(*args, **kwargs)
 
 
-def _wait_param_gathers(buckets: List[Bucket], module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook: ``module``'s parameters are current once their buckets are gathered."""
-    for bucket in buckets:
+def _wait_param_gathers(
+    buckets: List[Bucket], buckets_of: Callable, module: torch.nn.Module, args: tuple, kwargs: dict
+) -> None:
+    """Forward pre-hook: the parameters ``module`` reads, and those passed to it, are current once
+    their buckets are gathered."""
+    for bucket in buckets + buckets_of([*args, *kwargs.values()]):
         bucket.finish_param_gather()

@@ -168,6 +168,9 @@ def _make_classes(base: type) -> Dict[str, type]:
         """``te.pytorch.Linear`` with our parameter layout, attributes, initialization and FP8 state format."""
 
         te_parallel_mode: Optional[str] = None
+        # TE's weight caching: True for the step's first forward (cast the weight and keep it), False for the
+        # later microbatches (reuse it), None outside a step (cast every call); see quantization/step.py.
+        is_first_microbatch: Optional[bool] = None
 
         def __init__(
             self,
@@ -217,7 +220,9 @@ def _make_classes(base: type) -> Dict[str, type]:
 
         def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
             """``[s(/tp), b, h]`` -> (output, bias or None): ours and Megatron's return convention."""
-            out = super().forward(input_)
+            out = super().forward(input_, is_first_microbatch=self.is_first_microbatch)
+            if self.is_first_microbatch:
+                self.is_first_microbatch = False  # weights cannot change before the step ends
             if not self.skip_bias_add:
                 return out, None
             out, bias = out  # TE hands the bias back for a later fused add

@@ -10,6 +10,9 @@ The schedules run each ``forward_backward`` call inside ``quantized_step(model_c
   ``fp8.AmaxReducer`` per amax group reduces them in one all-reduce, when a state is about to
   quantize again (the next microbatch) and when the step ends. Nothing is pending after the
   step, so a checkpoint taken between steps holds every amax.
+* ``te_first_microbatch``: Transformer Engine's linears get ``is_first_microbatch=True`` at their
+  first forward of the step and False after it (TE casts each weight once and reuses it), None
+  outside a step.
 """
 
 from __future__ import annotations
@@ -63,9 +66,30 @@ def defer_amax_reduction(quantizers: Sequence[LinearQuantizer]) -> Iterator[None
             state.reducer, state.pending = None, False
 
 
+def te_linears(model_chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
+    """The chunks' Transformer Engine linears (the adapter's classes carry ``te_parallel_mode``)."""
+    return [m for chunk in model_chunks for m in chunk.modules() if getattr(m, "te_parallel_mode", None)]
+
+
+@contextlib.contextmanager
+def te_first_microbatch(linears: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Each TE linear's next forward is the step's first (module doc); back to None at the end."""
+    for linear in linears:
+        linear.is_first_microbatch = True
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.is_first_microbatch = None
+
+
 @contextlib.contextmanager
 def quantized_step(model_chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """One schedule call: weights cached and amax reductions deferred (module doc)."""
     quantizers = linear_quantizers(model_chunks)
-    with cache_quantized_weights(quantizers), defer_amax_reduction(quantizers):
+    with (
+        cache_quantized_weights(quantizers),
+        defer_amax_reduction(quantizers),
+        te_first_microbatch(te_linears(model_chunks)),
+    ):
         yield

@@ -28,8 +28,11 @@ FLASH_HEAD_DIM_MAX = 256  # PyTorch's flash kernel pads smaller head dims to a m
 _flash_warnings: Set[str] = set()  # one warning per distinct case (a CPU run: one in all)
 
 
-def flash_blockers(query: torch.Tensor, mask: Optional[torch.Tensor]) -> List[str]:
-    """Why PyTorch's flash attention cannot run SDPA on ``query`` ``[b, heads, s, d]`` with ``mask``."""
+def flash_blockers(
+    query: torch.Tensor, mask: Optional[torch.Tensor], value: Optional[torch.Tensor] = None
+) -> List[str]:
+    """Why PyTorch's flash attention cannot run SDPA on ``query`` ``[b, heads, s, d]`` and ``value``
+    ``[b, groups, s, dv]`` with ``mask``."""
     reasons = []
     if query.device.type != "cuda":
         reasons.append(f"tensors on {query.device.type}")
@@ -39,6 +42,9 @@ def flash_blockers(query: torch.Tensor, mask: Optional[torch.Tensor]) -> List[st
         reasons.append("an explicit attention mask (padding, sliding window, context parallel or reset masks)")
     if query.shape[-1] > FLASH_HEAD_DIM_MAX:
         reasons.append(f"head dim {query.shape[-1]} (needs <= {FLASH_HEAD_DIM_MAX})")
+    if value is not None and value.shape[-1] != query.shape[-1]:
+        # PyTorch's flash kernel takes one head size for q, k and v (MLA: values narrower than queries/keys).
+        reasons.append(f"value head dim {value.shape[-1]} != query/key head dim {query.shape[-1]}")
     return reasons
 
 
@@ -164,17 +170,18 @@ class DotProductAttention(MegatronModule):
         if gqa and mask is not None:
             k, v, gqa = repeat_kv(k, heads), repeat_kv(v, heads), False
         keep = mask if mask is None or mask.is_floating_point() else ~mask  # SDPA: True = attend, or additive
-        with self._sdpa_kernel(q, mask):
+        with self._sdpa_kernel(q, mask, v):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
             )
 
-    def _sdpa_kernel(self, q: torch.Tensor, mask: Optional[torch.Tensor]):
+    def _sdpa_kernel(self, q: torch.Tensor, mask: Optional[torch.Tensor], v: Optional[torch.Tensor] = None):
         """``attention_backend=flash``: pin SDPA to flash attention where it can run it (CUDA, fp16/bf16,
-        no explicit mask, head dim <= 256), else warn once why not; other backends: PyTorch picks."""
+        no explicit mask, head dim <= 256 and the same for values), else warn once why not; other
+        backends: PyTorch picks."""
         if self.backend != "flash":
             return contextlib.nullcontext()
-        reasons = flash_blockers(q, mask)
+        reasons = flash_blockers(q, mask, v)
         if reasons:
             warn_flash_unavailable(reasons)
             return contextlib.nullcontext()

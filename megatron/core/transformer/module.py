@@ -46,10 +46,12 @@ class MegatronModule(torch.nn.Module):
 
     def set_is_first_microbatch(self) -> None:
         """Megatron's new-step mark: quantized weights cached for the step are quantized again at
-        their next use (``LinearQuantizer.invalidate_weight_cache``)."""
+        their next use (``LinearQuantizer.invalidate_weight_cache``; TE linears: ``is_first_microbatch``)."""
         for module in self.modules():
             if isinstance(module, LinearQuantizer):
                 module.invalidate_weight_cache()
+            elif getattr(module, "te_parallel_mode", None):  # a Transformer Engine linear: cast its weight again
+                module.is_first_microbatch = True
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:

@@ -11,7 +11,8 @@ applies, and copies the timers' gathered times back: 4 to 6 per iteration in thi
 per-token count and its scale stay on the device). A per-parameter ``.item()`` loop (dozens),
 a copy per microbatch (4 here) or one more per-iteration read on the busiest rank exceeds it.
 MoE cases add one host read per MoE layer and microbatch: ``SequentialMLP`` reads the
-per-expert token counts to split the sorted tokens (as Megatron's does). The FP8/FP4 cases
+per-expert token counts to split the sorted tokens (as Megatron's does); ``GroupedMLP`` (grouped
+GEMM) also uploads them as its groups' ends, one more. The FP8/FP4 cases
 (2 layers) hold the dense bound: a quantizer that uploaded a constant per call (dozens per
 iteration) or read the host would exceed it.
 """
@@ -78,6 +79,7 @@ class Case:
     flags: List[str]
     max_syncs: int = DENSE_SYNC_BOUND
     covers: List[str] = field(default_factory=list)
+    python_path: List[str] = field(default_factory=list)  # e.g. the fake Transformer Engine's folder
 
 
 def moe_bound(moe_layers: int, microbatches: int) -> int:
@@ -180,6 +182,17 @@ GRID: List[Case] = [
         covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"],
     ),
     Case(
+        "moe-grouped-gemm-dp2-distopt-overlap-bf16",
+        2,
+        [
+            *"--num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --global-batch-size 8".split(),
+            *"--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather".split(),
+        ],
+        # GroupedMLP also uploads the counts it read (its groups' ends): one more per MoE layer and microbatch.
+        max_syncs=moe_bound(moe_layers=2, microbatches=2) + 2 * 2,
+        covers=["MoE grouped GEMM", "DP", "distributed optimizer", "overlap param gather", "bf16"],
+    ),
+    Case(
         "tp2-sp-dp2-fp8-delayed",
         4,
         [
@@ -236,6 +249,23 @@ GRID: List[Case] = [
 ]
 
 
+# The repository's fake Transformer Engine (plain torch behind TE's API), for a source checkout's grid:
+# --transformer-impl transformer_engine then builds the adapter's TE linears through pretrain_gpt.py's specs.
+FAKE_TE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "fakes")
+GRID.append(
+    Case(
+        "tp2-sp-te-spec-fake-te-bf16",
+        2,
+        [
+            *"--num-layers 2 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 4".split(),
+            *"--bf16 --transformer-impl transformer_engine".split(),
+        ],
+        covers=["TE layer spec (fake TE)", "TP", "SP", "bf16"],
+        python_path=[os.path.normpath(FAKE_TE_PATH)],
+    )
+)
+
+
 def quantized_case(name: str, precision: str, layout: str, covers: str) -> Case:
     """A bf16 case with FP8/FP4 ``precision`` flags on a 2-rank ``layout`` (``QUANTIZED_LAYOUTS``): 2
     layers (the quantizers' many small ops are slow under fake tensors), the dense bound."""
@@ -288,6 +318,7 @@ def grid_jobs(cases: Sequence[Case], ranks: str, workdir: str, iters: int = 3, r
             iters=iters,
             resume_iters=resume_iters,
             max_syncs=case.max_syncs,
+            python_path=case.python_path,
         )
         for case in cases
         for rank in pick_ranks(ranks, case.world_size)

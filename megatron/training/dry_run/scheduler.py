@@ -64,6 +64,7 @@ class Job:
     resume_iters: int = 2
     checkpoint: bool = True
     max_syncs: Optional[int] = None
+    python_path: List[str] = field(default_factory=list)  # put first on sys.path in each phase (a fake package)
 
     def phases(self) -> List[Phase]:
         """``train`` stops after ``iters`` (``--exit-interval``) and saves; ``resume`` loads and finishes.
@@ -134,8 +135,12 @@ def judge(outcome: Outcome) -> None:
                 outcome.problems.append(f"{segment}: {count} host syncs > --max-syncs-per-iter {job.max_syncs}")
 
 
-def _child(phase: Phase, result_path: str, log_path: str) -> None:
+def _child(phase: Phase, result_path: str, log_path: str, python_path: Sequence[str] = ()) -> None:
+    import sys
+
     import torch
+
+    sys.path[:0] = list(python_path)
 
     torch.set_num_threads(1)
     with redirected_output(log_path):
@@ -162,7 +167,9 @@ def _start(outcome: Outcome, index: int) -> _Running:
         shutil.rmtree(os.path.join(outcome.job.workdir, "checkpoint"), ignore_errors=True)
     result_path = os.path.join(outcome.job.workdir, f"{phase.name}.json")
     log_path = os.path.join(outcome.job.workdir, f"{phase.name}.log")
-    process = multiprocessing.get_context("fork").Process(target=_child, args=(phase, result_path, log_path))
+    process = multiprocessing.get_context("fork").Process(
+        target=_child, args=(phase, result_path, log_path, outcome.job.python_path)
+    )
     process.start()
     return _Running(outcome, index, process, result_path, time.time())
 

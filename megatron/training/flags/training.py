@@ -80,7 +80,12 @@ RECORDS = (
     Flag("check_for_nan_in_loss_and_grad", IMPLEMENTED, fills=(to(DDP, "check_for_nan_in_grad"),)),
     Flag("check_for_large_grads", not_yet(False), fills=same(DDP)),
     Flag("result_rejected_tracker_filename", not_yet(None)),
-    Flag("enable_gloo_process_groups", no_op(reasons.HOUSEKEEPING)),
+    Flag(
+        "enable_gloo_process_groups",
+        IMPLEMENTED,
+        help="--disable-gloo-process-groups: build no gloo copies of the data-parallel groups (over NCCL; "
+        "the training loop's CPU-side statistics use the groups' own device); get_*_group_gloo() then raise.",
+    ),
     Flag("tp_comm_overlap_cfg", no_op(reasons.OVERLAP)),
     Flag("checkpoint_activations", IMPLEMENTED),
     Flag("masked_softmax_fusion", no_op(reasons.KERNEL), fills=same(TC)),

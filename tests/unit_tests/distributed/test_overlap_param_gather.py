@@ -132,13 +132,15 @@ def _stale_fusion_flags_cleared(rank: int, world_size: int) -> None:
         groups, gpt2_style(num_layers=1), DIST, dict(use_distributed_optimizer=True), iters=0
     )
     params = list(ddp.module.parameters())
+    ddp.zero_grad_buffer()  # creates the attribute TE's fused weight-gradient accumulation sets
+    assert all(p.grad_added_to_main_grad is False for p in params)
     for param in params:  # what a backward that raised after the fused wgrad leaves behind
         param.grad_added_to_main_grad = True
     ddp.zero_grad_buffer()
-    assert not any(getattr(p, "grad_added_to_main_grad", False) for p in params)
+    assert all(p.grad_added_to_main_grad is False for p in params)
 
 
-def test_zero_grad_buffer_clears_fusion_flags_left_by_a_failed_backward():
+def test_zero_grad_buffer_creates_and_clears_the_fusion_flags():
     run_distributed(_stale_fusion_flags_cleared, 1)
 
 

@@ -105,6 +105,14 @@ def _flash_warnings(run) -> List[str]:
     return [str(w.message) for w in caught if "attention" in str(w.message)]
 
 
+def test_flash_backend_checks_the_value_head_size_on_the_attention_path(monkeypatch):
+    """MLA's values are narrower than its queries and keys: flash is not pinned, and the reason says so."""
+    monkeypatch.setattr(attention, "_flash_warnings", set())
+    q, k, v = (t.transpose(1, 2) for t in _qkv())  # [b, heads, s, d]
+    got = _flash_warnings(lambda: _attention("flash")._sdpa(q, k[..., :D], v[..., : D - 2], None, True, 0.0))
+    assert len(got) == 1 and f"value head dim {D - 2} != query/key head dim {D}" in got[0], got
+
+
 def test_flash_backend_warns_once_on_cpu_and_auto_stays_silent(monkeypatch):
     monkeypatch.setattr(attention, "_flash_warnings", set())
     q, k, v = _qkv()
@@ -136,5 +144,9 @@ def test_flash_backend_names_why_flash_cannot_run(monkeypatch):
     ):
         got = _flash_warnings(lambda: [enter(q, m), enter(q, m)])
         assert len(got) == 1 and why in got[0] and "--attention-backend flash" in got[0], (why, got)
+    with FakeCuda():
+        narrow_v = torch.zeros(B, HEADS, S, D - 2, device="cuda", dtype=torch.bfloat16)  # MLA: dv != dqk
+    got = _flash_warnings(lambda: [flash._sdpa_kernel(bf16, None, narrow_v).__enter__() for _ in range(2)])
+    assert len(got) == 1 and f"value head dim {D - 2} != query/key head dim {D}" in got[0], got
     got = _flash_warnings(lambda: _attention("flash", apply_query_key_layer_scaling=True))
     assert len(got) == 1 and "--apply-query-key-layer-scaling" in got[0], got

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe import experts
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.gpu.fake_cuda import fake_world
@@ -27,13 +28,21 @@ VARIANTS = {
 
 
 class _CountGroupedMM(TorchDispatchMode):
+    """Counts ``_grouped_mm`` calls and logs each one's group sizes and operand shapes."""
+
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.groups = []  # (group sizes, shapes of the two operands)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._grouped_mm.default
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            self.calls += 1
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+            self.groups.append((sizes, tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **kwargs)
 
 
 def _routing():
@@ -74,6 +83,7 @@ def _run(module, tokens, probs, routing_map, dy):
         out = module(tokens, probs, routing_map)
         out.backward(dy)
     grads = {n: p.grad for n, p in module.named_parameters()}
+    _run.groups = counter.groups
     return out.detach(), tokens.grad, probs.grad, grads, counter.calls
 
 
@@ -113,3 +123,47 @@ def test_unsupported_dtype_runs_the_loop_and_bf16_runs_grouped():
         got = _run(grouped, bf16[0], bf16[1], routing_map, bf16[2])
         assert got[-1] > 0 and got[0].dtype == torch.bfloat16
         torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype, align, tol", [(torch.float32, 4, (RTOL, ATOL)), (torch.bfloat16, 8, (1e-2, 1e-2))])
+def test_each_experts_rows_are_padded_to_16_bytes_and_padding_changes_nothing(dtype, align, tol, monkeypatch):
+    """The kernel gets groups of a multiple of 16 bytes / element size rows, every operand's token
+    dimension covering them; outputs and gradients equal the unpadded run's (up to the GEMMs'
+    summation order: the zero rows change how the kernel blocks the sums)."""
+    with fake_world(1):
+        groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
+        probs, routing_map = _routing()
+        counts = routing_map.sum(0).tolist()
+        assert any(c % align for c in counts), counts  # something to pad
+        g = torch.Generator().manual_seed(8)
+        tokens, dy = (torch.randn(T, H, generator=g).to(dtype) for _ in range(2))
+        _, grouped = _pair("gelu_bias", groups, dtype)
+        got = _run(grouped, tokens, probs.to(dtype), routing_map, dy)
+        padded = [-(-c // align) * align for c in counts]
+        for sizes, a, b in _run.groups:
+            assert sizes == padded, (sizes, counts)
+            tokens_dim = a[1] if len(b) == 2 else a[0]  # dW: [out, M] x [M, in]; else [M, k] x [E, k, n]
+            assert tokens_dim == sum(padded) and (len(b) == 2 or b[0] == E), (a, b)
+        monkeypatch.setattr(experts, "group_alignment", lambda dtype: 1)
+        ref = _run(grouped, tokens, probs.to(dtype), routing_map, dy)
+        assert all(sizes == counts for sizes, _, _ in _run.groups)
+        for a, b in zip(got[:3], ref[:3]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol[0], atol=tol[1])
+        for name in ref[3]:
+            torch.testing.assert_close(got[3][name].float(), ref[3][name].float(), rtol=tol[0], atol=tol[1], msg=name)
+
+
+def test_backward_keeps_the_expert_weights_not_a_stacked_copy():
+    """What the grouped GEMMs save for backward: the parameters themselves, no ``[E, ...]`` stack."""
+    with fake_world(1):
+        groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
+        _, grouped = _pair("swiglu", groups)
+        probs, routing_map = _routing()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            grouped(torch.randn(T, H, requires_grad=True), probs, routing_map)
+        stacks = [tuple(t.shape) for t in saved if t.dim() == 3]
+        assert not stacks, f"stacked expert weights kept for backward: {stacks}"
+        storages = {t.untyped_storage().data_ptr() for t in saved}
+        weights = [p for n, p in grouped.named_parameters() if n.endswith("weight")]
+        assert all(w.untyped_storage().data_ptr() in storages for w in weights)

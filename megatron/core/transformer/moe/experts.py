@@ -17,6 +17,37 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# CUDA's grouped GEMM (CUTLASS with TMA loads) needs every group of the token dimension to start on a
+# 16-byte boundary: the weight-gradient GEMM contracts over tokens, group by group, so each expert's
+# row count is padded to a multiple of 16 bytes / element size (8 rows in bf16, 4 in fp32).
+GROUP_ALIGN_BYTES = 16
+
+
+def group_alignment(dtype: torch.dtype) -> int:
+    """Rows each expert's group is padded to a multiple of for ``torch._grouped_mm`` in ``dtype``."""
+    return max(1, GROUP_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``x`` ``[M, in]`` (rows grouped by expert, group ``e`` ending at ``ends[e]``) times expert ``e``'s
+    ``weight`` ``[out, in]`` transposed -> ``[M, out]``, one ``torch._grouped_mm`` each way.
+
+    Saved for backward: ``x`` and the expert weights themselves (the parameters, no memory of their
+    own); the stacked copy the kernel reads exists only inside forward and backward, not once per
+    MoE layer and microbatch until the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, ends, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)  # [M, out]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, ends, *weights = ctx.saved_tensors
+        grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=ends) if ctx.needs_input_grad[0] else None
+        grad_w = torch._grouped_mm(grad.t(), x, offs=ends)  # [E, out, in]: per group, grad_e^T @ x_e
+        return (grad_x, None, *grad_w.unbind(0))
 
 
 def permute_by_expert(probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
@@ -122,28 +153,28 @@ class GroupedMLP(SequentialMLP):
     or their linears are FP8/FP4-quantized, the experts run in ``SequentialMLP``'s loop.
     """
 
+    # The forward reads the experts' weights without calling the experts: the distributed optimizer's
+    # parameter-gather pre-hook must wait for all of them here, not at the experts' (skipped) forwards.
+    reads_submodule_parameters = True
+
     def run_experts(self, permuted: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """Tokens ``[N, h]`` sorted by expert -> outputs ``[N, h]``, two grouped GEMMs."""
+        """Tokens ``[N, h]`` sorted by expert -> outputs ``[N, h]``, two grouped GEMMs over the groups
+        padded to ``group_alignment`` rows (``M`` in all; zero input rows, their outputs dropped)."""
         quantized = any(getattr(e.linear_fc1, "quantizer", None) is not None for e in self.local_experts)
         if quantized or not grouped_mm_supported(permuted) or not all(type(e) is MLP for e in self.local_experts):
             return super().run_experts(permuted, counts)  # FP8/FP4 experts quantize inside their linears
         fc1 = [e.linear_fc1 for e in self.local_experts]
         fc2 = [e.linear_fc2 for e in self.local_experts]
-        sizes = torch.tensor(counts, device=permuted.device)  # [E], one host-to-device copy
-        ends = sizes.cumsum(0).to(torch.int32)  # [E] group ends
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(len(counts), device=permuted.device), sizes, output_size=permuted.shape[0]
-        )  # [N], no host read
-        w1 = torch.stack([layer.weight for layer in fc1]).transpose(1, 2)  # [E, h, f1/tp]
-        hidden = torch._grouped_mm(permuted, w1, offs=ends)  # [N, f1/tp]
+        expert_of_row, rows, ends = _padded_groups(counts, group_alignment(permuted.dtype), permuted.device)
+        x = permuted.new_zeros(expert_of_row.shape[0], permuted.shape[1]).index_copy(0, rows, permuted)  # [M, h]
+        hidden = GroupedLinear.apply(x, ends, *[layer.weight for layer in fc1])  # [M, f1/tp]
         if fc1[0].bias is not None:
-            hidden = hidden + torch.stack([layer.bias for layer in fc1])[expert_of_row]  # [N, f1/tp]
-        hidden = self._activation(hidden)  # [N, f/tp]
-        w2 = torch.stack([layer.weight for layer in fc2]).transpose(1, 2)  # [E, f/tp, h]
-        out = torch._grouped_mm(hidden, w2, offs=ends)  # [N, h] partial over TP
+            hidden = hidden + torch.stack([layer.bias for layer in fc1])[expert_of_row]  # [M, f1/tp]
+        hidden = self._activation(hidden)  # [M, f/tp]; padding rows reach only padding rows of the output
+        out = GroupedLinear.apply(hidden, ends, *[layer.weight for layer in fc2])  # [M, h] partial over TP
         if fc2[0].bias is not None:
-            out = out + self._bias_share(torch.stack([layer.bias for layer in fc2]))[expert_of_row]  # [N, h]
-        return out
+            out = out + self._bias_share(torch.stack([layer.bias for layer in fc2]))[expert_of_row]  # [M, h]
+        return out[rows]  # [N, h]
 
     def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
         """``MLP``'s activation on fc1's output ``[N, f1/tp]`` (gated: ``act(gate) * up``)."""
@@ -151,3 +182,20 @@ class GroupedMLP(SequentialMLP):
             gate, up = torch.chunk(hidden, 2, dim=-1)  # [N, f/tp] each
             return self.config.activation_func(gate) * up
         return self.config.activation_func(hidden)
+
+
+def _padded_groups(
+    counts: List[int], align: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's ``counts[e]`` rows padded to a multiple of ``align``: the expert of every padded row
+    ``[M]``, the padded row of every real row ``[N]``, and the groups' ends ``[E]`` (int32)."""
+    sizes = torch.tensor(counts, device=device)  # [E], one host-to-device copy
+    padded_sizes = (sizes + align - 1) // align * align  # [E]
+    total = sum(-(-c // align) * align for c in counts)  # M, known on the host
+    padded_ends = padded_sizes.cumsum(0)  # [E]
+    shift = (padded_ends - padded_sizes) - (sizes.cumsum(0) - sizes)  # [E] padded start - packed start
+    real = sum(counts)  # N
+    rows = torch.arange(real, device=device) + torch.repeat_interleave(shift, sizes, output_size=real)  # [N]
+    experts = torch.arange(len(counts), device=device)
+    expert_of_row = torch.repeat_interleave(experts, padded_sizes, output_size=total)  # [M]
+    return expert_of_row, rows, padded_ends.to(torch.int32)

@@ -92,9 +92,9 @@ class Linear(torch.nn.Module):
             self.fp8_meta[key] = _DelayedState(n, recipe.amax_history_len)
         self.fp8_meta_tensors_initialized = True
 
-    def _record(self, x: torch.Tensor) -> None:
+    def _record(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> None:
         recipe = _ACTIVE[-1]["recipe"] if _ACTIVE and _ACTIVE[-1]["enabled"] else None  # the innermost autocast
-        RECORD.append({"kind": "forward", "recipe": recipe, "mode": self.parallel_mode})
+        RECORD.append({"kind": "forward", "recipe": recipe, "mode": self.parallel_mode, "first": is_first_microbatch})
         if recipe is None or not recipe.delayed():
             return
         if not self.fp8_meta_tensors_initialized:
@@ -109,7 +109,7 @@ class Linear(torch.nn.Module):
         history[0, :2] = torch.maximum(history[0, :2], amaxes)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        self._record(inp)
+        self._record(inp, is_first_microbatch)
         parallel = self.tp_size > 1
         if self.parallel_mode == "column" and parallel:
             if self.sequence_parallel:
