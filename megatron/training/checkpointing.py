@@ -71,11 +71,14 @@ def check_save_dir(cfg: CheckpointConfig) -> None:
 
     Rank 0 creates the directory and a probe file; every rank raises if it failed.
     """
-    error = _save_dir_problem(cfg) if cfg.save is not None and dist.get_rank() == 0 else None
+    error = save_dir_problem(cfg) if dist.get_rank() == 0 else None
     agree_on_error(error, None)
 
 
-def _save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
+def save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
+    """Why ``--save`` cannot be used (not writable, or its checkpoints would be overwritten); None if it can."""
+    if cfg.save is None:
+        return None
     probe = os.path.join(cfg.save, f".write_probe.{os.getpid()}")
     try:
         os.makedirs(cfg.save, exist_ok=True)
@@ -372,13 +375,41 @@ def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
     found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
     if found is None:
         refuse_untracked(cfg.load)
-        message = f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found" + (
-            "" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"
-        )
-        if cfg.exit_on_missing_checkpoint:
-            raise CheckpointingError(message + " and --exit-on-missing-checkpoint is set")
-        logger.warning("%s; starting from random initialization", message)
+        why = _checkpoint_required(cfg)
+        if why:
+            raise CheckpointingError(f"{_no_checkpoint(cfg.load)}, and {why}")
+        logger.warning("%s; starting from random initialization", _no_checkpoint(cfg.load))
     return found
+
+
+def _no_checkpoint(load: str) -> str:
+    return f"no checkpoint to load: {os.path.join(load, TRACKER_FILE)} not found" + (
+        "" if os.path.isdir(load) else f" (directory {load} does not exist)"
+    )
+
+
+def _checkpoint_required(cfg: CheckpointConfig) -> Optional[str]:
+    if cfg.exit_on_missing_checkpoint:
+        return "--exit-on-missing-checkpoint is set"
+    return "--finetune starts from its weights" if cfg.finetune else None
+
+
+def missing_checkpoint(load: str, ckpt_step: Optional[int], why: Optional[str]) -> Optional[str]:
+    """Why ``--load`` cannot start this run, or None: no checkpoint although the run needs one (``why``),
+    or complete checkpoints without a tracker (a fresh start would overwrite them).
+
+    A load without a checkpoint starts from random weights only when nothing needs the weights:
+    with ``--exit-on-missing-checkpoint``, ``--finetune``, ``--skip-train`` or a server it is an error.
+    """
+    if ckpt_step is not None:
+        return None
+    try:
+        if os.path.isdir(load) and read_tracker(load) is not None:
+            return None
+        refuse_untracked(load)
+    except CheckpointingError as e:
+        return f"--load {load}: {e}"
+    return f"--load {load}: {_no_checkpoint(load)}, and {why}: check the path" if why else None
 
 
 def load_checkpoint(

@@ -38,7 +38,6 @@ from megatron.training.arguments import (
 )
 from megatron.training.checkpointing import (
     args_to_plain_data,
-    check_save_dir,
     collect_rng_state,
     load_checkpoint,
     restore_rng_state,
@@ -48,6 +47,7 @@ from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import RunState, initialize_run, shutdown_distributed
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
+from megatron.training.preflight import reported_once
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
 from megatron.training.training_log import (
@@ -403,11 +403,14 @@ def pretrain(
     the end, validation and test) with what ``collect_non_loss_data`` gathered: the forward step's
     ``loss_func`` must then accept ``non_loss_data=True``. The writer is None without TensorBoard.
     """
-    args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
-    with use_rng_tracker(run.rng_tracker):  # the run's own streams behind get_cuda_rng_tracker()
-        loop = _build_loop(args, run, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func)
-        loop.process_non_loss_data_func = process_non_loss_data_func
-        _run_loop(loop)
+    with reported_once():  # a mistake in the flags or inputs: one message on one rank, no traceback
+        args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
+        with use_rng_tracker(run.rng_tracker):  # the run's own streams behind get_cuda_rng_tracker()
+            loop = _build_loop(
+                args, run, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func
+            )
+            loop.process_non_loss_data_func = process_non_loss_data_func
+            _run_loop(loop)
     shutdown_distributed()  # on success only: after an error, peers may still hold in-flight work
     return loop.state
 
@@ -426,7 +429,6 @@ def _build_loop(
     set_global_variables(args, tokenizer)
     config = core_transformer_config_from_args(args)
     timers = Timers(args.timing_log_level, args.timing_log_option)
-    check_save_dir(checkpoint_config_from_args(args))  # before any heavy work: not at the first save
     built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
     use_aux_loss_tracker(built.model, run.aux_losses)
     state = TrainState()
