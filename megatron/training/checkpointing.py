@@ -28,6 +28,7 @@ import enum
 import json
 import logging
 import os
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +44,7 @@ from megatron.core.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpo
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
 from megatron.core.utils import named_model_params, unwrap_model
+from megatron.training import run_report
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
 from megatron.training.checkpoint_config import SUPPORTED_FORMATS, CheckpointConfig  # noqa: F401 - re-exported
 from megatron.training.checkpoint_dirs import (  # noqa: F401
@@ -193,6 +195,8 @@ def save_checkpoint(
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
     saver = _save_sharded if ckpt_config.ckpt_format == "torch_dist" else _save_legacy
     rng_state = None if ckpt_config.no_save_rng else collect_rng_state(rng_tracker or get_cuda_rng_tracker())
+    started = time.time()
+    run_report.report(run_report.saving_line(iteration, ckpt_config.save, ckpt_config.ckpt_format))
     try:
         _agreed_write(lambda: _start_directory(iter_dir), iter_dir)
         saver(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
@@ -202,8 +206,14 @@ def save_checkpoint(
     except WRITE_FAILURES as e:
         raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(ckpt_config.save)}") from e
     _agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
-    logger.info("saved checkpoint at iteration %d to %s (%s)", iteration, ckpt_config.save, ckpt_config.ckpt_format)
+    seconds = time.time() - started
+    run_report.report(run_report.saved_line(iteration, ckpt_config.save, _position(groups), seconds))
     return iter_dir
+
+
+def _position(groups: ProcessGroupCollection) -> Tuple[int, int, int, int]:
+    """(tp rank, TP, pp rank, PP) of this rank, for the ``[ t x/TP, p y/PP ]`` of Megatron's checkpoint lines."""
+    return groups.rank_in("tp"), groups.size_of("tp"), groups.rank_in("pp"), groups.size_of("pp")
 
 
 def _agreed_write(write: Callable[[], None], directory: str, writer: Optional[bool] = None) -> None:
@@ -444,6 +454,8 @@ def load_checkpoint(
     load_optim = optimizer is not None and not ckpt_config.no_load_optim and not fresh
     load_rng = not ckpt_config.no_load_rng and not fresh
     fmt = detect_format(iter_dir)
+    started = time.time()
+    run_report.report(run_report.loading_line(ckpt_config.load, iteration, fmt))
     args = (iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng, ckpt_config, run_args)
     if fmt == "torch_dist":
         common, rng = _load_sharded(*args)
@@ -455,7 +467,11 @@ def load_checkpoint(
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
         restore_rng_state(rng, rng_tracker or get_cuda_rng_tracker())
-    logger.info("loaded checkpoint %s (%s)", iter_dir, fmt)
+    what = "model" + (", optimizer and scheduler" if load_optim else "") + (", RNG states" if rng is not None else "")
+    if fresh:
+        what += "; starting at iteration 0 (" + ("--finetune" if ckpt_config.finetune else "release checkpoint") + ")"
+    elapsed = time.time() - started
+    run_report.report(run_report.loaded_line(ckpt_config.load, iteration, _position(groups), elapsed, what))
     if fresh:
         return 0, {}
     return int(common["iteration"]), dict(common.get("train_state") or {})

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, seed_rng_
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker
 from megatron.training.host_allocator import retain_freed_host_memory
 from megatron.training.preflight import check_inputs, check_port_free
+from megatron.training.run_report import print_arguments, print_enabled_summary
 
 # True once initialize_distributed started torch.distributed itself; only then
 # does shutdown_distributed tear it down (a harness's own group is left alone).
@@ -368,6 +369,8 @@ def initialize_run(
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)
     check_inputs(args)  # files, directories, checkpoint and ports, before anything is built
+    print_arguments(args)
+    print_enabled_summary(args)
     if not torch.cuda.is_available():  # CPU training: its tensors live in the host heap
         report = retain_freed_host_memory(environ)
         if dist.get_rank() == 0:

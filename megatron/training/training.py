@@ -253,7 +253,7 @@ def collect_non_loss_data(loop: Loop, iterators: List) -> List[Any]:
         return loop.schedule(iterators, forward_only=True, collect_non_loss_data=True)
 
 
-def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> None:
+def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List], final: bool = False) -> None:
     if iterators is None or loop.args.eval_iters <= 0:
         return
     process = loop.process_non_loss_data_func
@@ -263,7 +263,7 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> Non
     if prefix == "validation":  # the extra batch too: a resumed run reads the samples the straight run reads
         batches = loop.args.eval_iters + (non_loss_data is not None)
         loop.state.consumed_valid_samples += batches * loop.microbatches.get_current_global_batch_size()
-    loop.logger.evaluation_log(loop.state.iteration, prefix, losses)
+    loop.logger.evaluation_log(loop.state.iteration, prefix, losses, final=final)
     if process is not None and dist.get_rank() == dist.get_world_size() - 1:
         process(non_loss_data, loop.state.iteration, loop.logger.writers.tensorboard)
 
@@ -469,7 +469,7 @@ def _run_loop(loop: Loop) -> None:
             if reason is None and args.save and not saved_now:
                 _save(loop)
         if reason is None:
-            _evaluate_and_log(loop, "validation", loop.data.valid)
-            _evaluate_and_log(loop, "test", loop.data.test)
+            _evaluate_and_log(loop, "validation", loop.data.valid, final=True)
+            _evaluate_and_log(loop, "test", loop.data.test, final=True)
     finally:
         loop.logger.close()
