@@ -388,7 +388,8 @@ def _iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
         why = _checkpoint_required(cfg)
         if why:
             raise CheckpointingError(f"{_no_checkpoint(cfg.load)}, and {why}")
-        logger.warning("%s; starting from random initialization", _no_checkpoint(cfg.load))
+        if run_report.is_reporting_rank():  # the same on every rank: said once
+            logger.warning("%s; starting from random initialization", _no_checkpoint(cfg.load))
     return found
 
 
