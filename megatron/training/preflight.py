@@ -123,7 +123,7 @@ def load_problem(args: argparse.Namespace) -> Optional[str]:
         return None
     reasons = [
         ("exit_on_missing_checkpoint", "--exit-on-missing-checkpoint is set"),
-        ("skip_train", "--skip-train evaluates the loaded model"),
+        ("skip_train", "nothing is trained (--skip-train: evaluating or serving)"),
         ("finetune", "--finetune starts from its weights"),
     ]
     why = next((text for flag, text in reasons if getattr(args, flag, False)), None)

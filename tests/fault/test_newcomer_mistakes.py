@@ -68,14 +68,14 @@ def test_load_typo_with_exit_on_missing_checkpoint(tmp_path):
 def test_load_typo_with_skip_train(tmp_path):
     load = str(tmp_path / "chekpoints")
     result = run_gpt(1, tiny_gpt_flags(2) + mock_flags() + ["--load", load, "--skip-train"], str(tmp_path))
-    assert_one_clear_message(result, _no_checkpoint(load, "--skip-train evaluates the loaded model"))
+    assert_one_clear_message(result, _no_checkpoint(load, "nothing is trained (--skip-train: evaluating or serving)"))
 
 
 def test_load_typo_for_the_server(tmp_path):
     load = str(tmp_path / "chekpoints")
     flags = with_flags(tiny_gpt_flags(2), {"--train-iters": None}) + mock_flags() + ["--load", load, "--port", "0"]
     result = run_gpt(1, flags, str(tmp_path), script=[SERVER])
-    assert_one_clear_message(result, _no_checkpoint(load, "--skip-train evaluates the loaded model"))
+    assert_one_clear_message(result, _no_checkpoint(load, "nothing is trained (--skip-train: evaluating or serving)"))
 
 
 def test_busy_rendezvous_port(tmp_path):
