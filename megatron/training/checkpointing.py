@@ -57,6 +57,7 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     update_tracker,
 )
 from megatron.training.flags.registry import config_from_args
+from megatron.training.preflight import writable_dir_problem
 from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -81,14 +82,9 @@ def save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
     """Why ``--save`` cannot be used (not writable, or its checkpoints would be overwritten); None if it can."""
     if cfg.save is None:
         return None
-    probe = os.path.join(cfg.save, f".write_probe.{os.getpid()}")
-    try:
-        os.makedirs(cfg.save, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("probe")
-        os.remove(probe)
-    except OSError as e:
-        return f"--save {cfg.save}: the checkpoint directory cannot be created or written: {e}"
+    unwritable = writable_dir_problem("--save", cfg.save, "the checkpoint directory")
+    if unwritable:
+        return unwritable
     same = cfg.load is not None and os.path.realpath(cfg.load) == os.path.realpath(cfg.save)
     saved = complete_checkpoints(cfg.save)
     if not saved or (same and not cfg.finetune):

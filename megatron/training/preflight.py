@@ -99,7 +99,7 @@ def tokenizer_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def writable_dir_problem(flag: str, path: Optional[str]) -> Optional[str]:
+def writable_dir_problem(flag: str, path: Optional[str], what: str = "the directory") -> Optional[str]:
     """``path`` can be created and written (a probe file), else the flag, the path and why."""
     if not path:
         return None
@@ -110,7 +110,7 @@ def writable_dir_problem(flag: str, path: Optional[str]) -> Optional[str]:
             f.write("probe")
         os.remove(probe)
     except OSError as e:
-        return f"{flag} {path}: the directory cannot be created or written: {e.strerror or e}"
+        return f"{flag} {path}: {what} cannot be created or written: {e}"
     return None
 
 
