@@ -4,14 +4,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# On a terminal pip shows its progress; otherwise (CI, logs) it stays quiet. Each step says what it does.
+QUIET=-q
+[[ -t 1 ]] && QUIET=
 if [[ ! -x .venv/bin/python ]]; then
+  echo "setup: creating .venv with $PY"
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
 stamp=.venv/.installed-$(cat requirements.txt requirements-test.txt setup.py | sha1sum | cut -c1-12)
 if [[ ! -f $stamp ]]; then
-  python -m pip install -q --upgrade pip
-  python -m pip install -q -r requirements-test.txt
-  python -m pip install -q --no-deps -e .
+  echo "setup: installing the requirements into .venv (first time: a few minutes)"
+  python -m pip install $QUIET --upgrade pip
+  python -m pip install $QUIET -r requirements-test.txt
+  python -m pip install $QUIET --no-deps -e .
   touch "$stamp"
+  echo "setup: .venv ready (activate it in your shell with: . .venv/bin/activate)"
 fi

@@ -28,7 +28,7 @@ machine with ``--calibrate-ranks`` processes running at once (gloo), so that the
 checked against real steps here (``benchmarks/bench_plan_parallelism.py``).
 
     python tools/plan_parallelism.py --gpus-per-node 8 --num-nodes 8 --gpu-memory-gb 80 \\
-        --hf-config llama-70b/config.json --seq-length 4096 --global-batch-size 512 --top 10
+        --hf-config examples/configs/llama3_70b/config.json --seq-length 4096 --global-batch-size 512 --top 10
 """
 
 from __future__ import annotations
@@ -386,12 +386,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _hf_flags_or_exit(opts: argparse.Namespace) -> List[str]:
+    """``hf_config_flags``, or one line naming the flag and what is wrong (no traceback)."""
+    missing = [f"--{n.replace('_', '-')}" for n in ("seq_length", "global_batch_size") if getattr(opts, n) is None]
+    if missing:
+        raise SystemExit(f"error: --hf-config needs {' and '.join(missing)}")
+    try:
+        return hf_config_flags(opts.hf_config)
+    except OSError as e:
+        raise SystemExit(f"error: --hf-config {opts.hf_config}: {e.strerror or e}") from None
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"error: --hf-config {opts.hf_config} is not a Hugging Face model config: {e!r}") from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List[Plan]:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     opts, model_flags = _parser().parse_args(argv[:split]), argv[split + 1 :]
     if opts.hf_config:
-        model_flags = hf_config_flags(opts.hf_config) + model_flags
+        model_flags = _hf_flags_or_exit(opts) + model_flags
         model_flags += ["--seq-length", str(opts.seq_length), "--global-batch-size", str(opts.global_batch_size)]
         model_flags += ["--bf16"] if "--fp16" not in model_flags and "--bf16" not in model_flags else []
     cluster = Cluster(

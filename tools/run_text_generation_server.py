@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core.tensor_parallel.random import use_rng_tracker  # noqa: E402
 from megatron.training.initialize import shutdown_distributed  # noqa: E402
+from megatron.training.preflight import reported_once  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
 from tools.text_generation.app import BoundedThreadedServer, ServerLimits, create_app  # noqa: E402
 from tools.text_generation.model_loading import ServedModel, build_engine, load_served_model  # noqa: E402
@@ -109,7 +110,8 @@ def serve(served: ServedModel, run_generation) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # Training's memory report (optimizer state, activations of a training step) says nothing about serving.
-    served = load_served_model(functools.partial(model_provider, report_memory=False), argv)
+    with reported_once():  # a mistake in the flags or a --load without checkpoint: one message, no traceback
+        served = load_served_model(functools.partial(model_provider, report_memory=False), argv)
     engine = build_engine(served)
 
     def run_generation(prompts: List[List[int]], sampling: Dict[str, Any]):

@@ -109,19 +109,30 @@ def refuse_untracked(root: str) -> None:
         )
 
 
+def no_checkpoint_message(load: str) -> str:
+    """What a ``--load`` without a tracker lacks, for errors and the fresh-start warning."""
+    return f"no checkpoint to load: {os.path.join(load, TRACKER_FILE)} not found" + (
+        "" if os.path.isdir(load) else f" (directory {load} does not exist)"
+    )
+
+
+def checkpoint_required(cfg: CheckpointConfig) -> Optional[str]:
+    """Why this run cannot start from random weights, or None."""
+    if cfg.exit_on_missing_checkpoint:
+        return "--exit-on-missing-checkpoint is set"
+    return "--finetune starts from its weights" if cfg.finetune else None
+
+
 def iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
-    """(iteration, release) to load, or None when there is no checkpoint (fresh start)."""
+    """(iteration, release) to load, or None when there is no checkpoint (fresh start: the caller warns)."""
     if cfg.ckpt_step is not None:
         return cfg.ckpt_step, False
     found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
     if found is None:
         refuse_untracked(cfg.load)
-        message = f"no checkpoint to load: {os.path.join(cfg.load, TRACKER_FILE)} not found" + (
-            "" if os.path.isdir(cfg.load) else f" (directory {cfg.load} does not exist)"
-        )
-        if cfg.exit_on_missing_checkpoint:
-            raise CheckpointingError(message + " and --exit-on-missing-checkpoint is set")
-        logger.warning("%s; starting from random initialization", message)
+        why = checkpoint_required(cfg)
+        if why:
+            raise CheckpointingError(f"{no_checkpoint_message(cfg.load)}, and {why}")
     return found
 
 

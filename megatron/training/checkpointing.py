@@ -28,6 +28,7 @@ import enum
 import json
 import logging
 import os
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +44,7 @@ from megatron.core.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpo
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
 from megatron.core.utils import named_model_params, unwrap_model
+from megatron.training import run_report
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
 from megatron.training.checkpoint_config import SUPPORTED_FORMATS, CheckpointConfig  # noqa: F401 - re-exported
 from megatron.training.checkpoint_dirs import (  # noqa: F401
@@ -52,11 +54,13 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     detect_format,
     iteration_to_load,
     load_target,
+    no_checkpoint_message,
     read_tracker,
     refuse_untracked,
     update_tracker,
 )
 from megatron.training.flags.registry import config_from_args
+from megatron.training.preflight import writable_dir_problem
 from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -73,19 +77,17 @@ def check_save_dir(cfg: CheckpointConfig) -> None:
 
     Rank 0 creates the directory and a probe file; every rank raises if it failed.
     """
-    error = _save_dir_problem(cfg) if cfg.save is not None and dist.get_rank() == 0 else None
+    error = save_dir_problem(cfg) if dist.get_rank() == 0 else None
     agree_on_error(error, None)
 
 
-def _save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
-    probe = os.path.join(cfg.save, f".write_probe.{os.getpid()}")
-    try:
-        os.makedirs(cfg.save, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("probe")
-        os.remove(probe)
-    except OSError as e:
-        return f"--save {cfg.save}: the checkpoint directory cannot be created or written: {e}"
+def save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
+    """Why ``--save`` cannot be used (not writable, or its checkpoints would be overwritten); None if it can."""
+    if cfg.save is None:
+        return None
+    unwritable = writable_dir_problem("--save", cfg.save, "the checkpoint directory")
+    if unwritable:
+        return unwritable
     same = cfg.load is not None and os.path.realpath(cfg.load) == os.path.realpath(cfg.save)
     saved = complete_checkpoints(cfg.save)
     if not saved or (same and not cfg.finetune):
@@ -192,6 +194,8 @@ def save_checkpoint(
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
     saver = _save_sharded if ckpt_config.ckpt_format == "torch_dist" else _save_legacy
     rng_state = None if ckpt_config.no_save_rng else collect_rng_state(rng_tracker or get_cuda_rng_tracker())
+    started = time.time()
+    run_report.report(run_report.saving_line(iteration, ckpt_config.save, ckpt_config.ckpt_format))
     try:
         _agreed_write(lambda: _start_directory(iter_dir), iter_dir)
         saver(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
@@ -201,8 +205,14 @@ def save_checkpoint(
     except WRITE_FAILURES as e:
         raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(ckpt_config.save)}") from e
     _agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
-    logger.info("saved checkpoint at iteration %d to %s (%s)", iteration, ckpt_config.save, ckpt_config.ckpt_format)
+    seconds = time.time() - started
+    run_report.report(run_report.saved_line(iteration, ckpt_config.save, _position(groups), seconds))
     return iter_dir
+
+
+def _position(groups: ProcessGroupCollection) -> Tuple[int, int, int, int]:
+    """(tp rank, TP, pp rank, PP) of this rank, for the ``[ t x/TP, p y/PP ]`` of Megatron's checkpoint lines."""
+    return groups.rank_in("tp"), groups.size_of("tp"), groups.rank_in("pp"), groups.size_of("pp")
 
 
 def _agreed_write(write: Callable[[], None], directory: str, writer: Optional[bool] = None) -> None:
@@ -384,6 +394,24 @@ def _agreed_target(cfg: CheckpointConfig) -> Optional[Tuple[int, bool, str]]:
     return target
 
 
+def missing_checkpoint(load: str, ckpt_step: Optional[int], why: Optional[str]) -> Optional[str]:
+    """Why ``--load`` cannot start this run, or None: no checkpoint although the run needs one (``why``),
+    or complete checkpoints without a tracker (a fresh start would overwrite them).
+
+    A load without a checkpoint starts from random weights only when nothing needs the weights:
+    with ``--exit-on-missing-checkpoint``, ``--finetune``, ``--skip-train`` or a server it is an error.
+    """
+    if ckpt_step is not None:
+        return None
+    try:
+        if os.path.isdir(load) and read_tracker(load) is not None:
+            return None
+        refuse_untracked(load)
+    except CheckpointingError as e:
+        return f"--load {load}: {e}"
+    return f"--load {load}: {no_checkpoint_message(load)}, and {why}: check the path" if why else None
+
+
 def load_checkpoint(
     model_chunks: Sequence[torch.nn.Module],
     optimizer: Any,
@@ -408,6 +436,8 @@ def load_checkpoint(
         return 0, {}
     target = _agreed_target(ckpt_config)
     if target is None:
+        if run_report.is_reporting_rank():  # every rank got rank 0's answer: said once
+            logger.warning("%s; starting from random initialization", no_checkpoint_message(ckpt_config.load))
         return 0, {}
     iteration, release, fmt = target
     iter_dir = checkpoint_dir(ckpt_config.load, iteration, release)
@@ -415,6 +445,8 @@ def load_checkpoint(
     fresh = ckpt_config.finetune or release
     load_optim = optimizer is not None and not ckpt_config.no_load_optim and not fresh
     load_rng = not ckpt_config.no_load_rng and not fresh
+    started = time.time()
+    run_report.report(run_report.loading_line(ckpt_config.load, iteration, fmt))
     args = (iter_dir, model_chunks, optimizer if load_optim else None, groups, load_rng, ckpt_config, run_args)
     if fmt == "torch_dist":
         common, rng = _load_sharded(*args)
@@ -426,7 +458,11 @@ def load_checkpoint(
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if rng is not None:
         restore_rng_state(rng, rng_tracker or get_cuda_rng_tracker())
-    logger.info("loaded checkpoint %s (%s)", iter_dir, fmt)
+    what = "model" + (", optimizer and scheduler" if load_optim else "") + (", RNG states" if rng is not None else "")
+    if fresh:
+        what += "; starting at iteration 0 (" + ("--finetune" if ckpt_config.finetune else "release checkpoint") + ")"
+    elapsed = time.time() - started
+    run_report.report(run_report.loaded_line(ckpt_config.load, iteration, _position(groups), elapsed, what))
     if fresh:
         return 0, {}
     return int(common["iteration"]), dict(common.get("train_state") or {})

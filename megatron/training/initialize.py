@@ -31,6 +31,8 @@ from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator,
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, seed_rng_tracker
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker
 from megatron.training.host_allocator import retain_freed_host_memory
+from megatron.training.preflight import check_inputs, check_port_free
+from megatron.training.run_report import print_arguments, print_enabled_summary
 
 # True once initialize_distributed started torch.distributed itself; only then
 # does shutdown_distributed tear it down (a harness's own group is left alone).
@@ -230,6 +232,7 @@ def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str
         dist.init_process_group(backend, store=FakeStore(), rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:
         backend = choose_backend(getattr(args, "distributed_backend", None), cuda)
+        check_port_free(env.master_addr, env.master_port, env.rank, environ)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
@@ -350,7 +353,11 @@ def initialize_run(
     entry_point: str = "gpt",
     environ: Optional[Mapping[str, str]] = None,
 ) -> Tuple[argparse.Namespace, RunState]:
-    """``initialize_megatron``, also returning the run's groups and microbatch calculator."""
+    """``initialize_megatron``, also returning the run's groups and microbatch calculator.
+
+    Flags are validated before torch.distributed starts, what they name (data, tokenizer files,
+    ``--load``, output directories) right after, before anything is built (``preflight``).
+    """
     from megatron.training.arguments import parse_args, validate_args
 
     args = parse_args(argv, extra_args_provider, defaults=args_defaults, entry_point=entry_point)
@@ -362,6 +369,9 @@ def initialize_run(
     world_size = dist.get_world_size() if dist.is_initialized() else launch_env_for(args, environ).world_size
     validate_args(args, world_size)  # once, before any process group exists
     groups = initialize_distributed(args, environ)
+    check_inputs(args)  # files, directories, checkpoint and ports, before anything is built
+    print_arguments(args)
+    print_enabled_summary(args)
     if not torch.cuda.is_available():  # CPU training: its tensors live in the host heap
         report = retain_freed_host_memory(environ)
         if dist.get_rank() == 0:

@@ -38,7 +38,6 @@ from megatron.training.arguments import (
 )
 from megatron.training.checkpointing import (
     args_to_plain_data,
-    check_save_dir,
     collect_rng_state,
     load_checkpoint,
     restore_rng_state,
@@ -48,6 +47,7 @@ from megatron.training.data import DataIterators, build_data_iterators
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import RunState, initialize_run, shutdown_distributed
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
+from megatron.training.preflight import reported_once
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
 from megatron.training.training_log import (
@@ -253,7 +253,7 @@ def collect_non_loss_data(loop: Loop, iterators: List) -> List[Any]:
         return loop.schedule(iterators, forward_only=True, collect_non_loss_data=True)
 
 
-def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> None:
+def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List], final: bool = False) -> None:
     if iterators is None or loop.args.eval_iters <= 0:
         return
     process = loop.process_non_loss_data_func
@@ -263,7 +263,7 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List]) -> Non
     if prefix == "validation":  # the extra batch too: a resumed run reads the samples the straight run reads
         batches = loop.args.eval_iters + (non_loss_data is not None)
         loop.state.consumed_valid_samples += batches * loop.microbatches.get_current_global_batch_size()
-    loop.logger.evaluation_log(loop.state.iteration, prefix, losses)
+    loop.logger.evaluation_log(loop.state.iteration, prefix, losses, final=final)
     if process is not None and dist.get_rank() == dist.get_world_size() - 1:
         process(non_loss_data, loop.state.iteration, loop.logger.writers.tensorboard)
 
@@ -403,11 +403,14 @@ def pretrain(
     the end, validation and test) with what ``collect_non_loss_data`` gathered: the forward step's
     ``loss_func`` must then accept ``non_loss_data=True``. The writer is None without TensorBoard.
     """
-    args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
-    with use_rng_tracker(run.rng_tracker):  # the run's own streams behind get_cuda_rng_tracker()
-        loop = _build_loop(args, run, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func)
-        loop.process_non_loss_data_func = process_non_loss_data_func
-        _run_loop(loop)
+    with reported_once():  # a mistake in the flags or inputs: one message on one rank, no traceback
+        args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
+        with use_rng_tracker(run.rng_tracker):  # the run's own streams behind get_cuda_rng_tracker()
+            loop = _build_loop(
+                args, run, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func
+            )
+            loop.process_non_loss_data_func = process_non_loss_data_func
+            _run_loop(loop)
     shutdown_distributed()  # on success only: after an error, peers may still hold in-flight work
     return loop.state
 
@@ -426,7 +429,6 @@ def _build_loop(
     set_global_variables(args, tokenizer)
     config = core_transformer_config_from_args(args)
     timers = Timers(args.timing_log_level, args.timing_log_option)
-    check_save_dir(checkpoint_config_from_args(args))  # before any heavy work: not at the first save
     built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
     use_aux_loss_tracker(built.model, run.aux_losses)
     state = TrainState()
@@ -467,7 +469,7 @@ def _run_loop(loop: Loop) -> None:
             if reason is None and args.save and not saved_now:
                 _save(loop)
         if reason is None:
-            _evaluate_and_log(loop, "validation", loop.data.valid)
-            _evaluate_and_log(loop, "test", loop.data.test)
+            _evaluate_and_log(loop, "validation", loop.data.valid, final=True)
+            _evaluate_and_log(loop, "test", loop.data.test, final=True)
     finally:
         loop.logger.close()

@@ -67,7 +67,7 @@ def format_log_line(
         ("elapsed time per iteration (ms)", f"{elapsed_ms_per_iter:.1f}"),
     ]
     if tflops_per_gpu is not None:
-        fields.append(("throughput per GPU (TFLOP/s/GPU)", f"{tflops_per_gpu:.1f}"))
+        fields.append(("throughput per GPU (TFLOP/s/GPU)", _tflops_text(tflops_per_gpu)))
     if tokens_per_sec_per_gpu is not None:
         fields.append(("tokens per second per GPU", f"{tokens_per_sec_per_gpu:.1f}"))
     fields.append(("learning rate", f"{learning_rate:.6E}"))
@@ -124,6 +124,11 @@ def parse_log_line(line: str) -> Optional[Dict[str, Any]]:
     return result
 
 
+def _tflops_text(tflops: float) -> str:
+    """Megatron's one decimal; three significant digits below 1 (a CPU's rate, which would print 0.0)."""
+    return f"{tflops:.1f}" if tflops >= 1.0 or tflops == 0.0 else f"{tflops:.3g}"
+
+
 def format_evaluation_block(prefix: str, label: str, losses: Mapping[str, float]) -> str:
     """Megatron's evaluation report: a ``{prefix} loss at {label}`` line framed by dashes.
 
@@ -141,15 +146,18 @@ _EVAL_HEAD = re.compile(r"^\s*(?P<prefix>.+?) loss at (?P<label>[^|]+?)\s*\|(?P<
 
 def parse_evaluation_line(line: str) -> Optional[Dict[str, Any]]:
     """Fields of an evaluation line (``'lm loss value'``, ``'lm loss PPL'``, plus ``'prefix'``,
-    ``'label'`` and ``'iteration'`` when the label is ``iteration N``); None otherwise."""
+    ``'label'`` and ``'iteration'`` when the label is ``iteration N``; the end-of-training report's
+    ``iteration N on test set`` gives ``prefix`` test and ``final`` True); None otherwise."""
     match = _EVAL_HEAD.match(line.rstrip("\n"))
     if match is None or parse_log_line(line) is not None:
         return None
     result = _parse_fields(match["rest"])
     result.update(prefix=match["prefix"].strip(), label=match["label"])
-    number = re.fullmatch(r"iteration (\d+)", match["label"])
+    number = re.fullmatch(r"iteration (\d+)(?: on (\w+) set)?", match["label"])
     if number:
         result["iteration"] = int(number[1])
+        if number[2]:  # the end-of-training report: "validation loss at iteration N on test set"
+            result.update(prefix=number[2], final=True)
     return result
 
 
@@ -507,17 +515,21 @@ class TrainingLogger:
         loss_dict: Mapping[str, Any],
         consumed_samples: Optional[int] = None,
         label: Optional[str] = None,
+        final: bool = False,
     ) -> Optional[str]:
         """Print the ``{prefix} loss at iteration N`` block (last rank) and write its scalars.
 
         ``prefix`` is ``"validation"`` or ``"test"``; tags are ``<loss> <prefix>`` and, with
         ``--log-validation-ppl-to-tensorboard``, ``<loss> <prefix> ppl``. ``label``
-        replaces ``iteration N`` in the text (e.g. the end-of-training report).
+        replaces ``iteration N`` in the text. ``final``: the end-of-training report, which Megatron
+        labels ``validation loss at iteration N on validation set`` (``... on test set``).
         """
         if not self.is_logging_rank:
             return None
         losses = {name: _to_float(value) for name, value in loss_dict.items()}
-        block = format_evaluation_block(prefix, label or f"iteration {iteration}", losses)
+        if final:
+            label = f"iteration {iteration} on {prefix} set"
+        block = format_evaluation_block("validation" if final else prefix, label or f"iteration {iteration}", losses)
         print(block, flush=True)
         for name, value in losses.items():
             self.writers.add_scalar(f"{name} {prefix}", value, iteration, consumed_samples)

@@ -47,11 +47,14 @@ CASES = {
     "examples/pretrain_gpt_multinode.sh": Case([], dict(DATA="MOCK", CKPT="{tmp}/ckpt", PRECISION="")),
     # Outside a Slurm job the sbatch script trains with torchrun and has nothing to requeue.
     SBATCH_GPT: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
-    "examples/quickstart.sh": Case([], QUICKSTART_ENV),
     "examples/bert/quickstart.sh": Case([], QUICKSTART_ENV),
     "examples/t5/quickstart.sh": Case([], QUICKSTART_ENV),
 }
 COVERED_ELSEWHERE = {
+    "examples/quickstart.sh": (
+        "tests/functional_tests/test_example_scripts.py",
+        "test_quickstart_reruns_reusing_its_data_and_resuming",
+    ),
     "examples/bert/train_bert_340m_distributed.sh": (
         "tests/functional_tests/test_pretrain_bert.py",
         "test_megatron_example_script_scaled_down",
@@ -88,3 +91,25 @@ def test_example_script_runs_at_toy_size(script):
         result = run_script(script, args, env)
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.output[-6000:]}"
     assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), result.output[-6000:]
+
+
+def test_quickstart_reruns_reusing_its_data_and_resuming():
+    """The quickstart at toy size, then again in the same directory with more iterations: the second run
+    reuses the corpus, tokenizer and data, resumes from the first run's checkpoint and says so."""
+    if not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")):
+        pytest.skip(f"examples/quickstart.sh sets up and uses {REPO}/.venv (bash scripts/setup_env.sh creates it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = toy_env(ITERS, **{k: v.format(tmp=tmp) for k, v in QUICKSTART_ENV.items()})
+        first = run_script("examples/quickstart.sh", [], env)
+        assert first.returncode == 0, first.output[-6000:]
+        assert [line["iteration"] for line in first.lines] == list(range(1, ITERS + 1)), first.output[-6000:]
+        assert "quickstart: training from scratch" in first.output
+        again = run_script("examples/quickstart.sh", [], dict(env, TRAIN_ITERS=str(ITERS + 2)))
+    assert again.returncode == 0, again.output[-6000:]
+    for what in ("the corpus", "the tokenizer", "the preprocessed data"):
+        assert f"quickstart: reusing {what}" in again.output, again.output[-6000:]
+    assert f"(iteration {ITERS}) up to {ITERS + 2} iterations" in again.output
+    assert (
+        f"successfully loaded checkpoint from {tmp}/q/checkpoints [ t 1/2, p 1/1 ] at iteration {ITERS}" in again.output
+    )
+    assert [line["iteration"] for line in again.lines] == [ITERS + 1, ITERS + 2], again.output[-6000:]

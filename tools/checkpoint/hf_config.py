@@ -11,10 +11,13 @@ so one reader serves both our converted checkpoints and trained ones.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Tuple
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn.functional as F
 
+from megatron.core.tokenizers.gpt2_bpe import EOD_TOKEN
 from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
 from tools.checkpoint import deepseek, llama_family
@@ -287,6 +290,27 @@ def query_groups(args: Args) -> int:
     return args["num_query_groups"] if args.get("group_query_attention") else args["num_attention_heads"]
 
 
+GPT2_END_OF_TEXT_ID = 50256  # GPT-2's own vocabulary
+
+
+def gpt2_end_of_text_id(args: Args, vocab_size: int) -> Optional[int]:
+    """GPT-2's bos/eos (``<|endoftext|>``) id inside an exported vocabulary of ``vocab_size`` tokens.
+
+    The id the run's ``--vocab-file`` gives the token when that file is readable; else GPT-2's 50256 when
+    the vocabulary holds it; else None (``transformers``' default 50256 would point outside a smaller one).
+    """
+    path = args.get("vocab_file")
+    if path and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                found = json.load(f).get(EOD_TOKEN)
+        except (OSError, ValueError, AttributeError):
+            found = None
+        if isinstance(found, int) and 0 <= found < vocab_size:
+            return found
+    return GPT2_END_OF_TEXT_ID if vocab_size > GPT2_END_OF_TEXT_ID else None
+
+
 def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> Any:
     """A ``transformers`` config of class ``kind`` for the model ``args`` describes."""
     import transformers
@@ -306,6 +330,8 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
             layer_norm_epsilon=args["layernorm_epsilon"],
             tie_word_embeddings=True,
             architectures=["GPT2LMHeadModel"],
+            bos_token_id=gpt2_end_of_text_id(args, vocab_size),
+            eos_token_id=gpt2_end_of_text_id(args, vocab_size),
         )
     family = DECODER_FAMILIES[kind]
     config_class = getattr(transformers, family.config_class)

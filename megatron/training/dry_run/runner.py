@@ -107,10 +107,10 @@ def install_loop_hooks(patcher: Patcher, recorder: Recorder) -> None:
         recorder.iterations.append(IterationInfo(recorder.segment, int(skipped), dict(losses)))
         return losses, skipped, grad_norm, num_zeros
 
-    def evaluate_and_log(loop: Any, prefix: str, iterators: Any) -> None:
+    def evaluate_and_log(loop: Any, prefix: str, iterators: Any, final: bool = False) -> None:
         previous, recorder.segment = recorder.segment, prefix
         try:
-            original_eval(loop, prefix, iterators)
+            original_eval(loop, prefix, iterators, final=final)
         finally:
             recorder.segment = previous
 

@@ -202,3 +202,13 @@ def test_trained_checkpoint_to_hf(tmp_path):
     assert convert.megatron_to_hf(save, hf_dir, "llama") == 1024  # NullTokenizer: no converter record, kept
     diff = run_distributed(_trained_body, 1, save, hf_dir)[0]
     assert diff <= MAX_ABS, f"trained checkpoint: max |logits diff| {diff:.3g}"
+
+
+def test_gpt2_export_keeps_bos_and_eos_inside_the_vocabulary(tmp_path):
+    from tools.checkpoint.hf_config import gpt2_end_of_text_id
+
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text('{"a": 0, "<|endoftext|>": 7999, "b": 1}')  # a trained 8000-token vocabulary
+    assert gpt2_end_of_text_id({"vocab_file": str(vocab)}, 8000) == 7999
+    assert gpt2_end_of_text_id({"vocab_file": str(tmp_path / "gone.json")}, 50304) == 50256  # GPT-2's own
+    assert gpt2_end_of_text_id({}, 1024) is None  # never an id outside the exported vocabulary

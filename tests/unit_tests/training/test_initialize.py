@@ -204,7 +204,9 @@ def test_initialize_megatron_creates_process_group_from_torchrun_env():
     # The group it started is destroyed again, so no gloo thread outlives the interpreter.
     lines = out.stdout.splitlines()
     assert sum("host allocator:" in line for line in lines) == 1  # a CPU run says what it did to the host heap
-    rest = " ".join(line for line in lines if "host allocator:" not in line)
+    assert sum(line.startswith(" > enabled: fp32 | TP=1 PP=1") for line in lines) == 1  # what the flags switch on
+    end = lines.index("-------------------- end of arguments ---------------------")  # Megatron's argument dump
+    rest = " ".join(line for line in lines[end + 1 :] if "host allocator:" not in line and "> enabled:" not in line)
     assert rest.split() == ["gloo", "1", "1", str(4 // 1), "False", "False"]
 
 

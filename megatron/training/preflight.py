@@ -1,0 +1,182 @@
+"""Start-up checks of what the flags name (files, directories, checkpoints, the rendezvous port),
+run before the tokenizer and the model are built, and the one-message report of a user's mistake.
+
+A mistake a user can fix (a flag's value, a missing file) is an ``InputError`` (an
+``ArgumentsError``, so a ``SystemExit`` with a message: no traceback). ``reported_once`` prints it on
+one rank only: rank 0 for a mistake every rank sees alike (flag validation), else the lowest rank
+that found it; the other ranks exit 1 silently. ``MEGATRON_TRACEBACK=1`` prints the traceback too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import socket
+import sys
+import traceback
+from typing import Iterator, List, Mapping, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron.training.validation import ArgumentsError
+
+TRACEBACK_ENV = "MEGATRON_TRACEBACK"
+
+# Tokenizers whose --tokenizer-model is a local file (HuggingFaceTokenizer also takes a hub name).
+_MODEL_FILE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer")
+
+
+class InputError(ArgumentsError):
+    """A file, directory, checkpoint or port named by a flag cannot be used.
+
+    ``reporter`` is the rank that prints the message (None: rank 0, the mistake is the same everywhere).
+    """
+
+    def __init__(self, message: str, reporter: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.reporter = reporter
+
+
+def launch_rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This process's global rank: torch.distributed's once it is up, else torchrun's or Slurm's variable."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    environ = os.environ if environ is None else environ
+    for name in ("RANK", "SLURM_PROCID"):
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return 0
+
+
+@contextlib.contextmanager
+def reported_once() -> Iterator[None]:
+    """Let an ``ArgumentsError`` print on one rank; the others exit with status 1 and say nothing."""
+    try:
+        yield
+    except ArgumentsError as err:
+        if os.environ.get(TRACEBACK_ENV):
+            traceback.print_exc(file=sys.stderr)
+        reporter = getattr(err, "reporter", None) or 0
+        if launch_rank() != reporter:
+            err.code = 1  # SystemExit prints a non-int code; an int exits silently
+        raise
+
+
+# ---------------------------------------------------------------- what one rank can check alone
+def data_prefixes(args: argparse.Namespace) -> List[str]:
+    """The dataset prefixes of --data-path and --train/valid/test-data-path (weights dropped)."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    prefixes: List[str] = []
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        blend = get_blend_from_list(getattr(args, flag, None))
+        prefixes.extend(blend[0] if blend else [])
+    return prefixes
+
+
+def data_problem(args: argparse.Namespace) -> Optional[str]:
+    """The first prefix whose ``.bin`` or ``.idx`` is missing, named with its flag (None: all there)."""
+    if getattr(args, "mock_data", False):
+        return None
+    for prefix in data_prefixes(args):
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+            return f"--data-path {prefix}: {' and '.join(missing)} not found{hint}"
+    return None
+
+
+def tokenizer_problem(args: argparse.Namespace) -> Optional[str]:
+    """A tokenizer file flag naming a file that is not there."""
+    named = [("--vocab-file", getattr(args, "vocab_file", None)), ("--merge-file", getattr(args, "merge_file", None))]
+    if getattr(args, "tokenizer_type", None) in _MODEL_FILE_TOKENIZERS:
+        named.append(("--tokenizer-model", getattr(args, "tokenizer_model", None)))
+    for flag, path in named:
+        if path and not os.path.exists(path):
+            return f"{flag} {path}: no such file (--tokenizer-type {args.tokenizer_type})"
+    return None
+
+
+def writable_dir_problem(flag: str, path: Optional[str], what: str = "the directory") -> Optional[str]:
+    """``path`` can be created and written (a probe file), else the flag, the path and why."""
+    if not path:
+        return None
+    probe = os.path.join(path, f".write_probe.{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        return f"{flag} {path}: {what} cannot be created or written: {e}"
+    return None
+
+
+def load_problem(args: argparse.Namespace) -> Optional[str]:
+    """``--load`` names no checkpoint although this run needs one, or untracked checkpoints
+    (``checkpointing.missing_checkpoint``)."""
+    from megatron.training.checkpointing import missing_checkpoint
+
+    if not getattr(args, "load", None):
+        return None
+    reasons = [
+        ("exit_on_missing_checkpoint", "--exit-on-missing-checkpoint is set"),
+        ("skip_train", "nothing is trained (--skip-train: evaluating or serving)"),
+        ("finetune", "--finetune starts from its weights"),
+    ]
+    why = next((text for flag, text in reasons if getattr(args, flag, False)), None)
+    return missing_checkpoint(args.load, getattr(args, "ckpt_step", None), why)
+
+
+def local_problems(args: argparse.Namespace, rank: int) -> List[str]:
+    """Everything this rank finds wrong with the inputs, first the cheapest to fix."""
+    from megatron.training.arguments import checkpoint_config_from_args
+    from megatron.training.checkpointing import save_dir_problem
+
+    checks = [tokenizer_problem(args), data_problem(args), load_problem(args)]
+    if rank == 0:  # rank 0 creates the output directories
+        checks.append(save_dir_problem(checkpoint_config_from_args(args)))
+        checks.append(writable_dir_problem("--tensorboard-dir", getattr(args, "tensorboard_dir", None)))
+    return [c for c in checks if c]
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Collective, after torch.distributed starts and before the tokenizer and model are built.
+
+    Each rank checks its own view of the files; when any rank finds a problem every rank raises
+    ``InputError``, reported by the lowest rank that found one.
+    """
+    rank = dist.get_rank()
+    mine = local_problems(args, rank)
+    found: Sequence[Optional[str]] = [mine[0] if mine else None]
+    if dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        gathered: List[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, found[0])
+        found = gathered
+    elif dist.get_world_size() > 1:
+        found = [found[0] if r == rank else None for r in range(dist.get_world_size())]
+    failed = [(r, msg) for r, msg in enumerate(found) if msg]
+    if failed:
+        reporter, message = failed[0]
+        raise InputError(message if reporter == 0 else f"rank {reporter}: {message}", reporter=reporter)
+
+
+def check_port_free(host: str, port: int, rank: int, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Rank 0 will listen on the rendezvous port (not when torchrun's agent holds the store): is it free?"""
+    environ = os.environ if environ is None else environ
+    if rank != 0 or environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store: TIME_WAIT is no conflict
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # not ours to judge (e.g. a privileged port): the store reports it
+            raise InputError(
+                f"the rendezvous port {port} (MASTER_PORT) is already in use on {host}: another job, or an earlier "
+                "run that has not exited, listens on it; set MASTER_PORT to a free port",
+                reporter=0,
+            ) from None
