@@ -63,6 +63,7 @@ _FEATURE_LIST = (
     _f("no_recompute_method", "recompute_method", lambda v: v is None, "no recomputation method"),
     _f("distribute_saved", "distribute_saved_activations", bool, "saved activations split over TP"),
     _f("tp1", "tensor_model_parallel_size", lambda v: v == 1, "tensor-parallel size 1"),
+    _f("sequence_parallel", "sequence_parallel", bool, "sequence parallelism"),
     _f("mla", "multi_latent_attention", bool, "multi-latent attention"),
     _f("not_mla", "multi_latent_attention", lambda v: not v, "standard attention (no MLA)"),
     _f(
@@ -133,6 +134,11 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("recompute_method", "not_full_recompute", "a recomputation method applies to full recomputation only"),
     Refused("distribute_saved", "not_full_recompute", "only full recomputation saves layer inputs to split"),
     Refused("distribute_saved", "tp1", "the saved inputs are split over tensor-parallel ranks: needs TP > 1"),
+    Refused(
+        "distribute_saved",
+        "sequence_parallel",
+        "each TP rank's layer input is already its own sequence slice, not a copy to split (Megatron refuses it too)",
+    ),
     # attention and position embeddings
     Refused("mla", "gqa", "MLA builds every head's keys from one latent: num-query-groups must equal the heads"),
     Refused("mla", "rotary_interleaved", "MLA de-interleaves its rotary channels itself"),

@@ -17,7 +17,18 @@ from megatron.training.flags.derive import (
     xavier_or_default,
     zero_if_none,
 )
-from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, no_op, not_yet, same, to, validated
+from megatron.training.flags.record import (
+    IMPLEMENTED,
+    SPEED_BITWISE,
+    SPEED_RTOL,
+    Flag,
+    ProjectFlag,
+    no_op,
+    not_yet,
+    same,
+    to,
+    validated,
+)
 from megatron.training.flags_table import attn_backend, int_tuple, moe_layer_freq, str_to_bool
 from megatron.training.training_log import FlopsConfig as FL
 
@@ -75,7 +86,7 @@ RECORDS = (
     Flag("bf16", IMPLEMENTED, help="Train in bf16.", fills=same(TC, OPT)),
     Flag("deterministic_mode", no_op(reasons.KERNEL)),
     Flag("async_tensor_model_parallel_allreduce", no_op(reasons.OVERLAP), fills=same(TC)),
-    Flag("tp_comm_overlap", no_op(reasons.OVERLAP), fills=same(TC)),
+    Flag("tp_comm_overlap", no_op(reasons.OVERLAP), fills=same(TC), speed_only=SPEED_BITWISE),
     Flag("tp_comm_bulk_wgrad", no_op(reasons.OVERLAP)),
     Flag("tp_comm_bulk_dgrad", no_op(reasons.OVERLAP)),
     Flag("tp_comm_overlap_ag", no_op(reasons.OVERLAP)),
@@ -83,7 +94,7 @@ RECORDS = (
     Flag("tp_comm_overlap_rs_dgrad", no_op(reasons.OVERLAP)),
     Flag("tp_comm_split_ag", no_op(reasons.OVERLAP)),
     Flag("tp_comm_split_rs", no_op(reasons.OVERLAP)),
-    Flag("cross_entropy_loss_fusion", no_op(reasons.KERNEL), fills=same(TC)),
+    Flag("cross_entropy_loss_fusion", no_op(reasons.KERNEL), fills=same(TC), speed_only=SPEED_BITWISE),
     Flag("cross_entropy_fusion_impl", no_op(reasons.KERNEL)),
     Flag("tp_comm_bootstrap_backend", no_op(reasons.COMMUNICATORS)),
     Flag("overlap_moe_expert_parallel_comm", no_op(reasons.OVERLAP)),
@@ -187,10 +198,10 @@ RECORDS = (
     Flag("apply_query_key_layer_scaling", IMPLEMENTED, fills=same(TC)),
     Flag("disable_bf16_reduced_precision_matmul", no_op(reasons.KERNEL)),
     Flag("use_fused_weighted_squared_relu", not_yet(False)),
-    Flag("recompute_granularity", IMPLEMENTED, fills=same(TC)),
-    Flag("recompute_method", IMPLEMENTED, fills=same(TC)),
-    Flag("recompute_num_layers", IMPLEMENTED, type=int, fills=same(TC)),
-    Flag("distribute_saved_activations", IMPLEMENTED, fills=same(TC)),
+    Flag("recompute_granularity", IMPLEMENTED, fills=same(TC), speed_only=SPEED_BITWISE),
+    Flag("recompute_method", IMPLEMENTED, fills=same(TC), speed_only=SPEED_BITWISE),
+    Flag("recompute_num_layers", IMPLEMENTED, type=int, fills=same(TC), speed_only=SPEED_BITWISE),
+    Flag("distribute_saved_activations", IMPLEMENTED, fills=same(TC), speed_only=SPEED_BITWISE),
     Flag("recompute_modules", no_op(reasons.MEMORY)),
     Flag(
         "fp8",
@@ -256,12 +267,12 @@ RECORDS = (
     Flag("moe_router_enable_expert_bias", IMPLEMENTED, fills=same(TC)),
     Flag("moe_router_bias_update_rate", IMPLEMENTED, type=float, fills=same(TC)),
     Flag("moe_router_force_load_balancing", IMPLEMENTED, fills=same(TC)),
-    Flag("moe_grouped_gemm", IMPLEMENTED, fills=same(TC)),
+    Flag("moe_grouped_gemm", IMPLEMENTED, fills=same(TC), speed_only=SPEED_RTOL),
     Flag("moe_use_legacy_grouped_gemm", no_op(reasons.KERNEL)),
     Flag("moe_z_loss_coeff", IMPLEMENTED, type=float, fills=same(TC)),
     Flag("moe_input_jitter_eps", IMPLEMENTED, type=float, fills=same(TC)),
     # Both implemented (token_dispatcher.py); 'flex' (DeepEP / HybridEP kernels, GPU only) stays refused.
-    Flag("moe_token_dispatcher_type", not_yet("allgather", "alltoall"), fills=same(TC)),
+    Flag("moe_token_dispatcher_type", not_yet("allgather", "alltoall"), fills=same(TC), speed_only=SPEED_RTOL),
     Flag("moe_enable_deepep", not_yet(False)),
     Flag("moe_flex_dispatcher_backend", no_op(reasons.KERNEL)),
     Flag("moe_per_layer_logging", not_yet(False)),
@@ -269,7 +280,7 @@ RECORDS = (
     Flag("moe_pad_expert_input_to_capacity", IMPLEMENTED, fills=same(TC)),
     Flag("moe_token_drop_policy", IMPLEMENTED, fills=same(TC)),
     Flag("moe_layer_recompute", not_yet(False)),
-    Flag("moe_permute_fusion", no_op(reasons.KERNEL)),
+    Flag("moe_permute_fusion", no_op(reasons.KERNEL), speed_only=SPEED_BITWISE),
     Flag("moe_router_fusion", no_op(reasons.KERNEL)),
     Flag("moe_apply_probs_on_input", not_yet(False)),
     Flag("moe_latent_size", not_yet(None), type=int),

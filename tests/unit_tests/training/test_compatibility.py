@@ -48,6 +48,10 @@ EXAMPLES = {
         2,
     ),  # fmt: skip
     ("distribute_saved", "tp1"): (FULL + ["--distribute-saved-activations"], 1),
+    ("distribute_saved", "sequence_parallel"): (
+        FULL + ["--distribute-saved-activations", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        2,
+    ),
     ("mla", "gqa"): (MLA + ["--group-query-attention", "--num-query-groups", "2"], 1),
     ("mla", "rotary_interleaved"): (MLA + ["--rotary-interleaved"], 1),
     ("mla", "qkv_bias"): (MLA + ["--add-qkv-bias"], 1),
