@@ -198,10 +198,12 @@ RECORDS = (
     Flag("apply_query_key_layer_scaling", IMPLEMENTED, fills=same(TC)),
     Flag("disable_bf16_reduced_precision_matmul", no_op(reasons.KERNEL)),
     Flag("use_fused_weighted_squared_relu", not_yet(False)),
-    Flag("recompute_granularity", IMPLEMENTED, fills=same(TC), speed_only=SPEED_BITWISE),
-    Flag("recompute_method", IMPLEMENTED, fills=same(TC), speed_only=SPEED_BITWISE),
-    Flag("recompute_num_layers", IMPLEMENTED, type=int, fills=same(TC), speed_only=SPEED_BITWISE),
-    Flag("distribute_saved_activations", IMPLEMENTED, fills=same(TC), speed_only=SPEED_BITWISE),
+    # Recomputation: the rerun block's input gradient sums its contributions in another order (grad norms
+    # differ in the 9th digit on DP2, measured by the invariance suite), so RTOL, not BITWISE.
+    Flag("recompute_granularity", IMPLEMENTED, fills=same(TC), speed_only=SPEED_RTOL),
+    Flag("recompute_method", IMPLEMENTED, fills=same(TC), speed_only=SPEED_RTOL),
+    Flag("recompute_num_layers", IMPLEMENTED, type=int, fills=same(TC), speed_only=SPEED_RTOL),
+    Flag("distribute_saved_activations", IMPLEMENTED, fills=same(TC), speed_only=SPEED_RTOL),
     Flag("recompute_modules", no_op(reasons.MEMORY)),
     Flag(
         "fp8",

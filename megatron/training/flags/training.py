@@ -67,7 +67,7 @@ RECORDS = (
     Flag("manual_gc_eval", no_op(reasons.HOUSEKEEPING)),
     Flag("iterations_to_skip", not_yet([]), type=int),
     Flag("batch_size", IMPLEMENTED, type=int),
-    Flag("recompute_activations", IMPLEMENTED, speed_only=SPEED_BITWISE),
+    Flag("recompute_activations", IMPLEMENTED, speed_only=SPEED_RTOL),
     Flag("check_for_nan_in_loss_and_grad", IMPLEMENTED, fills=(to(DDP, "check_for_nan_in_grad"),)),
     Flag("check_for_large_grads", not_yet(False), fills=same(DDP)),
     Flag("result_rejected_tracker_filename", not_yet(None)),
