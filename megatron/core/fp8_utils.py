@@ -14,10 +14,11 @@ window); under FP4 they stay in high precision, as Megatron leaves them.
 from __future__ import annotations
 
 import functools
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
+from megatron.core import compatibility
 from megatron.core.extensions.transformer_engine import is_te_linear, te_autocast, te_recipe
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.quantization import fp8_params
@@ -170,17 +171,14 @@ def drop_fp8_checkpoint_values(model_chunks) -> None:
                 param.fp8_meta.checkpoint_values = None
 
 
-def check_fp8_param_gather(config: TransformerConfig) -> None:
-    """``fp8_param_gather`` needs a per-tensor FP8 recipe (Megatron refuses it without ``--fp8-format``).
-
-    ``config``: a ``TransformerConfig``, or anything with its ``fp8``, ``fp8_recipe`` and ``fp4`` (the
-    parsed flags, so the command line states the same rule).
+def check_fp8_param_gather(config: TransformerConfig, ddp_config: Any) -> None:
+    """The compatibility matrix's rows on ``fp8_param_gather`` across the model and DDP configs.
 
     Raises:
-        ValueError: naming the setting and the rule.
+        ValueError: naming the settings and the reason (``megatron/core/compatibility.py``).
     """
-    if config.fp4:
-        raise ValueError(f"fp8_param_gather=True with fp4={config.fp4!r}: not supported yet (FP4 weights)")
-    if not config.fp8:
-        raise ValueError("fp8_param_gather=True requires FP8 training: set --fp8-format (as Megatron does)")
-    fp8_params.check_param_gather_recipe(config.fp8_recipe)
+    compatibility.check(
+        config,
+        fp8_param_gather=ddp_config.fp8_param_gather,
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+    )

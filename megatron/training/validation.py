@@ -15,12 +15,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron.core import fp8_utils
 from megatron.core.context_parallel import CP_COMM_TYPES, local_sequence_length
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.flags import compatibility
 from megatron.training.flags.registry import (
     bounded_flags,
     config_from_args,
@@ -157,8 +157,7 @@ def set_virtual_pipeline(args: argparse.Namespace) -> None:
         per_stage is None or per_rank is None,
         "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are exclusive",
     )
-    pp = args.pipeline_model_parallel_size
-    _require(pp > 1, f"virtual pipeline stages need --pipeline-model-parallel-size > 1 (got {pp})")
+    pp = args.pipeline_model_parallel_size  # > 1: the compatibility matrix's rule (check_compatibility)
     if per_stage is not None:
         layers_per_rank = args.num_layers // pp
         _require(
@@ -406,23 +405,6 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
         f"world size {args.world_size} is not divisible by {etp_flag} ({etp}) x "
         f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {etp * ep * pp}",
     )
-    _require(
-        ep == 1 or args.ckpt_format != "torch",
-        f"--ckpt-format torch with --expert-model-parallel-size={ep}: not supported yet (use torch_dist)",
-    )
-    _require(
-        etp == tp or args.ckpt_format != "torch",
-        f"--ckpt-format torch with --expert-tensor-parallel-size={etp} != --tensor-model-parallel-size={tp}: "
-        "not supported yet (use torch_dist)",
-    )
-
-
-def check_rope_scaling(args: argparse.Namespace) -> None:
-    """--use-rope-scaling (Llama 3.1's) scales the GPT model's RoPE; multi-latent attention has its own (YaRN)."""
-    _require(
-        not (args.use_rope_scaling and args.multi_latent_attention),
-        "--use-rope-scaling with --multi-latent-attention: not supported (MLA scales its RoPE with --rope-type yarn)",
-    )
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:
@@ -513,14 +495,13 @@ def check_sequence_split(args: argparse.Namespace) -> None:
         raise ArgumentsError(flag_message(None, str(err))) from err
 
 
-def check_fp8_param_gather(args: argparse.Namespace) -> None:
-    """--fp8-param-gather needs --fp8-format with a per-tensor --fp8-recipe (the core's rule, flags named)."""
-    if not args.fp8_param_gather:
-        return
-    try:
-        fp8_utils.check_fp8_param_gather(args)
-    except ValueError as err:
-        raise ArgumentsError(flag_message(None, str(err))) from err
+def check_compatibility(args: argparse.Namespace) -> None:
+    """Refuse a pair of features the compatibility matrix (``megatron/core/compatibility.py``) refuses.
+
+    Runs before the configs are built, so the message names both flags rather than config fields.
+    """
+    message = compatibility.refused_message(args)
+    _require(message is None, message or "")
 
 
 STEPS: List[Callable[[argparse.Namespace], None]] = [
@@ -532,18 +513,17 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_batch_sizes,
     set_model_shape,
     check_context_parallel,
-    check_rope_scaling,
     set_moe,
     check_expert_parallel,
     set_precision,
     set_recompute,
+    check_compatibility,
     check_training_length,
     set_learning_rate,
     set_weight_decay,
     set_data,
     set_evaluation,
     check_configs,
-    check_fp8_param_gather,
     check_sequence_split,
 ]
 

@@ -302,9 +302,15 @@ def test_checkpoint_resume_is_bitwise_and_loads_without_the_flag(tmp_path, recip
 def _refusals_body(rank, world_size):
     groups = single_rank_groups()
     for kw, message in (
-        (dict(bf16=True), "requires FP8 training"),
-        (dict(fp8="hybrid", fp8_recipe="blockwise", bf16=True), "fp8_recipe='blockwise': not supported yet"),
-        (dict(fp8="hybrid", fp8_recipe="mxfp8", bf16=True), "fp8_recipe='mxfp8': not supported yet"),
+        (dict(bf16=True), "FP8 weights need FP8 training"),
+        (
+            dict(fp8="hybrid", fp8_recipe="blockwise", bf16=True),
+            "fp8_recipe='blockwise': FP8 parameter all-gather with an FP8 recipe",
+        ),
+        (
+            dict(fp8="hybrid", fp8_recipe="mxfp8", bf16=True),
+            "fp8_recipe='mxfp8': FP8 parameter all-gather with an FP8 recipe",
+        ),
     ):
         model = build_gpt(llama_style(**kw), groups)
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, fp8_param_gather=True)
@@ -314,14 +320,23 @@ def _refusals_body(rank, world_size):
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="fp8_param_gather=True requires use_distributed_optimizer=True"):
+    with pytest.raises(
+        ValueError,
+        match="fp8_param_gather=True, use_distributed_optimizer=False: FP8 parameter all-gather with no distributed",
+    ):
         DistributedDataParallelConfig(fp8_param_gather=True)
     assert all(run_distributed(_refusals_body, 1))
     fp8 = ["--bf16", "--fp8-format", "hybrid", "--use-distributed-optimizer", "--fp8-param-gather"]
     for extra, message in (
-        (["--bf16", "--use-distributed-optimizer", "--fp8-param-gather"], "--fp8-param-gather requires FP8 training"),
-        (fp8[:3] + ["--fp8-param-gather"], "--fp8-param-gather requires --use-distributed-optimizer"),
-        (fp8 + ["--fp8-recipe", "blockwise"], "--fp8-param-gather with --fp8-recipe 'blockwise': not supported"),
+        (
+            ["--bf16", "--use-distributed-optimizer", "--fp8-param-gather"],
+            "--fp8-param-gather=True, --fp8-format=None: .*FP8 weights need FP8 training",
+        ),
+        (fp8[:3] + ["--fp8-param-gather"], "--fp8-param-gather=True, --use-distributed-optimizer=False: "),
+        (
+            fp8 + ["--fp8-recipe", "blockwise"],
+            "--fp8-param-gather=True, --fp8-format='hybrid', --fp8-recipe='blockwise': ",
+        ),
         (["--bf16", "--fp4-format", "e2m1", "--use-distributed-optimizer", "--fp8-param-gather"], "FP4 weights"),
     ):
         with pytest.raises(A.ArgumentsError, match=message):

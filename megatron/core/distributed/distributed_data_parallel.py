@@ -94,7 +94,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.dp_group = self.pg_collection.dp_cp
         self.dp_size = dist.get_world_size(self.dp_group)
         if ddp_config.fp8_param_gather:
-            check_fp8_param_gather(config)
+            check_fp8_param_gather(config, ddp_config)
             convert_weights_to_fp8(module)
         first_stage = self.pg_collection.rank_in("pp") == 0
         bucket_size = default_bucket_size(ddp_config, self.dp_size) if first_stage and not disable_bucketing else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core import compatibility
+
 
 @dataclass
 class DistributedDataParallelConfig:
@@ -58,13 +60,7 @@ class DistributedDataParallelConfig:
     def __post_init__(self) -> None:
         if self.bucket_size is not None and (isinstance(self.bucket_size, bool) or self.bucket_size < 1):
             raise ValueError(f"bucket_size={self.bucket_size!r}: must be a positive number of elements or None")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather=True requires use_distributed_optimizer=True")
-        if self.fp8_param_gather and not self.use_distributed_optimizer:
-            raise ValueError(
-                "fp8_param_gather=True requires use_distributed_optimizer=True (the optimizer keeps the fp32 "
-                "main weights the FP8 weights are cast from)"
-            )
+        compatibility.check(self)  # overlapped / FP8 parameter gathers need the distributed optimizer
         if self.num_distributed_optimizer_instances != 1:
             raise ValueError(
                 f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core import compatibility
 from megatron.core.model_parallel_config import require_one_precision
 
 OPTIMIZERS = ("adam", "sgd")
@@ -147,8 +148,7 @@ class OptimizerConfig:
             )
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ValueError(f"loss_scale_window={self.loss_scale_window}, hysteresis={self.hysteresis}: must be >= 1")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather=True requires use_distributed_optimizer=True")
+        compatibility.check(self)
         if self.fp16 and self.params_dtype not in (torch.float16, torch.float32):
             raise ValueError(f"fp16=True with params_dtype={self.params_dtype}: expected torch.float16")
         if self.bf16 and self.params_dtype not in (torch.bfloat16, torch.float32):

@@ -9,6 +9,7 @@ from typing import Callable, List, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core import compatibility
 from megatron.core.model_parallel_config import ModelParallelConfig, require_divisible, require_positive
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
@@ -207,6 +208,7 @@ class TransformerConfig(ModelParallelConfig):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         require_positive("num_query_groups", self.num_query_groups)
+        compatibility.check(self)  # the pairs of features that do not combine (megatron/core/compatibility.py)
         require_divisible("num_attention_heads", self.num_attention_heads, "num_query_groups", self.num_query_groups)
         tp = self.tensor_model_parallel_size
         require_divisible("num_attention_heads", self.num_attention_heads, "tensor_model_parallel_size", tp)
@@ -313,11 +315,6 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe_layer_freq()
 
     def _check_router(self) -> None:
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-            raise ValueError(
-                "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
-                f"(got {self.moe_router_score_function!r})"
-            )
         eps = self.moe_input_jitter_eps
         if eps is not None and not 0 < eps < 1:
             raise ValueError(f"moe_input_jitter_eps={eps}: must be in (0, 1)")
@@ -348,18 +345,10 @@ class TransformerConfig(ModelParallelConfig):
         policy = self.moe_token_drop_policy
         if policy not in ("probs", "position"):
             raise ValueError(f"moe_token_drop_policy={policy!r}: must be one of ('probs', 'position')")
-        if self.moe_pad_expert_input_to_capacity and factor is None:
-            raise ValueError(
-                "moe_pad_expert_input_to_capacity=True pads to the capacity, which needs a factor "
-                "(got moe_expert_capacity_factor=None)"
-            )
 
     def _check_shared_experts(self) -> None:
         size = self.moe_shared_expert_intermediate_size
         if size is None:
-            given = [f"{n}=True" for n in ("moe_shared_expert_gate", "moe_shared_expert_overlap") if getattr(self, n)]
-            if given:
-                raise ValueError(f"{', '.join(given)} needs shared experts (moe_shared_expert_intermediate_size=None)")
             return
         require_positive("moe_shared_expert_intermediate_size", size)
         require_divisible(
@@ -375,8 +364,6 @@ class TransformerConfig(ModelParallelConfig):
         if self.rope_type not in (None, "rope", "yarn"):
             raise ValueError(f"rope_type={self.rope_type!r}: must be 'rope' or 'yarn'")
         if not self.multi_latent_attention:
-            if self.rope_type == "yarn":
-                raise ValueError("rope_type='yarn' needs multi_latent_attention=True (YaRN is built for MLA only)")
             return
         if self.rope_type is None:
             self.rope_type = "yarn"
@@ -394,16 +381,6 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: must be even (RoPE rotates pairs)")
         if self.rotary_scaling_factor < 1.0:
             raise ValueError(f"rotary_scaling_factor={self.rotary_scaling_factor}: must be >= 1")
-        if self.num_query_groups != self.num_attention_heads:
-            raise ValueError(
-                f"num_query_groups={self.num_query_groups}: multi_latent_attention=True needs "
-                f"num_query_groups == num_attention_heads={self.num_attention_heads} (keys come from one latent)"
-            )
-        if self.rotary_interleaved or self.add_qkv_bias:
-            raise ValueError(
-                f"rotary_interleaved={self.rotary_interleaved}, add_qkv_bias={self.add_qkv_bias}: not supported "
-                "with multi_latent_attention=True (MLA de-interleaves its rotary channels itself; no QKV bias)"
-            )
 
     def _check_moe_layer_freq(self) -> None:
         freq = self.moe_layer_freq
@@ -428,29 +405,13 @@ class TransformerConfig(ModelParallelConfig):
     def _check_recompute(self) -> None:
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity={self.recompute_granularity!r}: must be 'full' or 'selective'")
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ValueError(f"recompute_method={self.recompute_method!r}: must be 'uniform' or 'block'")
         if self.recompute_granularity == "full":
-            if self.recompute_method not in ("uniform", "block"):
-                raise ValueError(
-                    f"recompute_method={self.recompute_method!r}: recompute_granularity='full' needs "
-                    "'uniform' or 'block'"
-                )
             require_positive("recompute_num_layers", self.recompute_num_layers)
-        elif self.recompute_method is not None:
-            raise ValueError(
-                f"recompute_method={self.recompute_method!r} needs recompute_granularity='full' "
-                f"(got recompute_granularity={self.recompute_granularity!r})"
-            )
-        if self.distribute_saved_activations and (
-            self.recompute_granularity != "full" or self.tensor_model_parallel_size == 1
-        ):
-            raise ValueError(
-                f"distribute_saved_activations=True needs recompute_granularity='full' (got "
-                f"recompute_granularity={self.recompute_granularity!r}) and tensor_model_parallel_size > 1 "
-                f"(got tensor_model_parallel_size={self.tensor_model_parallel_size})"
-            )
 
     def _check_fp8(self) -> None:
-        """FP8/FP4 settings: known format, recipe and algorithm, a half-precision model, bf16 layer counts."""
+        """FP8/FP4 settings: known format, recipe and algorithm, bf16 layer counts (pairs: the matrix's)."""
         if self.fp4 is not None:
             self._check_fp4()
         if self.fp8 is None:
@@ -466,29 +427,18 @@ class TransformerConfig(ModelParallelConfig):
         require_positive("fp8_amax_history_len", self.fp8_amax_history_len)
         if self.fp8_margin < 0:
             raise ValueError(f"fp8_margin={self.fp8_margin}: must be >= 0")
-        if not (self.bf16 or self.fp16):
-            raise ValueError(f"fp8={self.fp8!r} needs bf16=True or fp16=True (FP8 GEMMs write half-precision outputs)")
         if self.first_last_layers_bf16:
             self._check_bf16_layers()
 
     def _check_fp4(self) -> None:
-        """FP4 settings: e2m1 with a known recipe, not together with FP8, a half-precision model."""
+        """FP4 settings: e2m1 with a known recipe (FP8 or fp32 beside it: the matrix's rows)."""
         if self.fp4 not in FP4_FORMATS:
             raise ValueError(f"fp4={self.fp4!r}: must be one of {FP4_FORMATS}")
         if self.fp4_recipe not in FP4_RECIPES:
             raise ValueError(f"fp4_recipe={self.fp4_recipe!r}: must be one of {FP4_RECIPES}")
-        if self.fp8 is not None:
-            raise ValueError(f"fp4={self.fp4!r} and fp8={self.fp8!r}: choose one")
-        if not (self.bf16 or self.fp16):
-            raise ValueError(f"fp4={self.fp4!r} needs bf16=True or fp16=True (FP4 GEMMs write half-precision outputs)")
 
     def _check_bf16_layers(self) -> None:
-        """Megatron's rules for first_last_layers_bf16: not with delayed scaling, counts within a stage."""
-        if self.fp8_recipe == "delayed":
-            raise ValueError(
-                "first_last_layers_bf16=True cannot be combined with fp8_recipe='delayed' "
-                "(Megatron refuses it too: use tensorwise, blockwise or mxfp8)"
-            )
+        """Megatron's rule for first_last_layers_bf16: counts within a stage (delayed scaling: the matrix's)."""
         per_stage = self.num_layers // self.pipeline_model_parallel_size
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             value = getattr(self, name)

@@ -3,7 +3,8 @@
 Megatron's own facts about a flag (option strings, destination, default, choices,
 nargs, action) stay in ``megatron_flags.tsv``. A :class:`Flag` adds ours, keyed by
 the destination: the value type where the table's default does not tell, the help
-text, the status, and the config fields the flag fills. The parser, ``--help``, the
+text, the status, the config fields the flag fills, and whether it changes only speed
+or memory (``speed_only``, proven by the speed-flag invariance suite). The parser, ``--help``, the
 refusal of unsupported values and the flag -> config mapping are generated from
 these records (``registry.py``).
 """
@@ -92,6 +93,29 @@ def validated(name: str) -> Derive:
     return read
 
 
+BITWISE = "bitwise"  # the same arithmetic in the same order: losses and grad norms bit for bit
+RTOL = "rtol"  # the same math summed in another order: equal within the invariance suite's relative tolerance
+
+
+@dataclass(frozen=True)
+class SpeedOnly:
+    """The flag changes only speed or memory: runs with and without it train the same model.
+
+    ``tolerance`` (``BITWISE`` or ``RTOL``) is how equal ``tests/unit_tests/training/test_speed_flag_invariance.py``
+    requires their losses and grad norms to be.
+    """
+
+    tolerance: str = BITWISE
+
+    def __post_init__(self) -> None:
+        if self.tolerance not in (BITWISE, RTOL):
+            raise ValueError(f"SpeedOnly(tolerance={self.tolerance!r}): must be {BITWISE!r} or {RTOL!r}")
+
+
+SPEED_BITWISE = SpeedOnly(BITWISE)
+SPEED_RTOL = SpeedOnly(RTOL)
+
+
 @dataclass(frozen=True)
 class Bounds:
     """The values a numeric flag accepts: ``low`` and ``high`` (None: unbounded), each inclusive
@@ -149,6 +173,7 @@ class Flag:
     fills: Tuple[Fill, ...] = ()
     project: Optional[ProjectFlag] = None  # set for this project's own flags only
     bounds: Optional[Bounds] = None  # the values a numeric flag accepts (checked by validation.check_bounds)
+    speed_only: Optional[SpeedOnly] = None  # set when the flag changes only speed or memory
 
 
 @dataclass(frozen=True)

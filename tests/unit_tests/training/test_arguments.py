@@ -181,7 +181,9 @@ def test_unsupported_flag_is_refused_not_ignored(extra, flag):
 def test_fp8_flags_fill_the_config_and_need_bf16():
     args = _validated(["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--no-fp8-wgrad"])
     assert (args.fp8, args.fp8_recipe, args.fp8_amax_history_len, args.fp8_wgrad) == ("hybrid", "delayed", 1024, False)
-    with pytest.raises(A.ArgumentsError, match="--fp8-format 'hybrid' needs --bf16 or --fp16"):
+    with pytest.raises(
+        A.ArgumentsError, match="--fp8-format='hybrid', --bf16=False, --fp16=False: FP8 GEMMs with fp32"
+    ):
         _validated(["--fp8-format", "hybrid"])
 
 
@@ -319,14 +321,21 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
             r"--num-attention-heads 4 must be divisible by --num-query-groups 3",
         ),
         (["--batch-size", "4"], 1, r"--batch-size.*--micro-batch-size"),
-        (["--recompute-granularity", "full"], 1, r"--recompute-method None: --recompute-granularity 'full' needs"),
-        (["--recompute-method", "block"], 1, r"--recompute-method 'block' needs --recompute-granularity 'full'"),
+        (
+            ["--recompute-granularity", "full"],
+            1,
+            r"--recompute-granularity='full', --recompute-method=None: full recomputation with no recomputation",
+        ),
+        (
+            ["--recompute-method", "block"],
+            1,
+            r"--recompute-method='block', --recompute-granularity=None: a recomputation method with no full",
+        ),
         (
             ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
             + ["--distribute-saved-activations"],
             1,
-            r"--distribute-saved-activations needs .*tensor_model_parallel_size > 1 "
-            r"\(got --tensor-model-parallel-size 1\)",
+            r"--distribute-saved-activations=True, --tensor-model-parallel-size=1: saved activations split",
         ),
         (
             ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
@@ -334,7 +343,7 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
             r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4",
         ),
         (["--hidden-size", "66"], 1, r"--hidden-size 66 must be divisible by --num-attention-heads 4"),
-        (["--overlap-param-gather"], 1, r"--overlap-param-gather requires --use-distributed-optimizer"),
+        (["--overlap-param-gather"], 1, r"--overlap-param-gather=True, --use-distributed-optimizer=False: "),
         (["--save-interval", "0"], 1, r"--save-interval 0: must be an integer >= 1"),
         (["--adam-beta1", "1.5"], 1, r"--adam-beta1 1.5"),
         (["--log-interval", "0"], 1, r"--log-interval=0 must be at least 1"),
@@ -380,7 +389,7 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (
             ["--num-experts", "4", "--expert-model-parallel-size", "2", "--ckpt-format", "torch"],
             2,
-            r"--ckpt-format torch with --expert-model-parallel-size=2",
+            r"--ckpt-format='torch', --expert-model-parallel-size=2: .* not supported",
         ),
         (
             ["--num-experts", "4", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
@@ -391,7 +400,7 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (
             ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--ckpt-format", "torch"],
             2,
-            r"--ckpt-format torch with --expert-tensor-parallel-size=2 != --tensor-model-parallel-size=1",
+            r"--ckpt-format='torch', --expert-tensor-parallel-size=2, --tensor-model-parallel-size=1: ",
         ),
     ],
 )

@@ -45,12 +45,15 @@ def test_mla_and_shared_expert_flags_fill_the_config():
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (["--rope-type", "yarn"], "--rope-type 'yarn' needs --multi-latent-attention"),
+        (["--rope-type", "yarn"], "--rope-type='yarn', --multi-latent-attention=False: YaRN"),
         (["--num-experts", "4", "--moe-shared-expert-gate"], "--moe-shared-expert-intermediate-size"),
         (MLA_FLAGS + ["--rotary-scaling-factor", "0.5"], "--rotary-scaling-factor 0.5: must be >= 1"),
-        (MLA_FLAGS + ["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
+        (
+            MLA_FLAGS + ["--group-query-attention", "--num-query-groups", "2"],
+            "--multi-latent-attention=True, --num-query-groups=2",
+        ),
         (MLA_FLAGS + ["--cache-mla-latents"], "not supported yet.*--cache-mla-latents"),
-        (MLA_FLAGS + ["--use-rope-scaling"], "--use-rope-scaling with --multi-latent-attention"),
+        (MLA_FLAGS + ["--use-rope-scaling"], "--use-rope-scaling=True, --multi-latent-attention=True: "),
     ],
 )
 def test_bad_combinations_are_refused_naming_the_flags(extra, named):
