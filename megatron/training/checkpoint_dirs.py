@@ -144,3 +144,60 @@ def load_target(cfg: CheckpointConfig) -> Tuple[Optional[Tuple[int, bool, str]],
         return (None if found is None else (*found, detect_format(checkpoint_dir(cfg.load, *found)))), None
     except CheckpointingError as e:
         return None, str(e)
+
+
+def writable_dir_problem(flag: str, path: Optional[str], what: str = "the directory") -> Optional[str]:
+    """``path`` can be created and written (a probe file), else the flag, the path and why."""
+    if not path:
+        return None
+    probe = os.path.join(path, f".write_probe.{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        return f"{flag} {path}: {what} cannot be created or written: {e}"
+    return None
+
+
+def save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
+    """Why ``--save`` cannot be used (not writable, or its checkpoints would be overwritten); None if it can."""
+    if cfg.save is None:
+        return None
+    unwritable = writable_dir_problem("--save", cfg.save, "the checkpoint directory")
+    if unwritable:
+        return unwritable
+    same = cfg.load is not None and os.path.realpath(cfg.load) == os.path.realpath(cfg.save)
+    saved = complete_checkpoints(cfg.save)
+    if not saved or (same and not cfg.finetune):
+        return None
+    why = (
+        "--finetune restarts at iteration 0"
+        if same
+        else f"this run does not resume from it (--load {cfg.load})"
+        if cfg.load
+        else "this run starts from scratch"
+    )
+    return (
+        f"--save {cfg.save} already holds {len(saved)} complete checkpoint(s), the newest {saved[-1][1]}, and "
+        f"{why}: its saves would overwrite them. Resume with --load {cfg.save}, or save to another directory"
+    )
+
+
+def missing_checkpoint(load: str, ckpt_step: Optional[int], why: Optional[str]) -> Optional[str]:
+    """Why ``--load`` cannot start this run, or None: no checkpoint although the run needs one (``why``),
+    or complete checkpoints without a tracker (a fresh start would overwrite them).
+
+    A load without a checkpoint starts from random weights only when nothing needs the weights:
+    with ``--exit-on-missing-checkpoint``, ``--finetune``, ``--skip-train`` or a server it is an error.
+    """
+    if ckpt_step is not None:
+        return None
+    try:
+        if os.path.isdir(load) and read_tracker(load) is not None:
+            return None
+        refuse_untracked(load)
+    except CheckpointingError as e:
+        return f"--load {load}: {e}"
+    return f"--load {load}: {no_checkpoint_message(load)}, and {why}: check the path" if why else None

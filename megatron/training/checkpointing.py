@@ -54,13 +54,14 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     detect_format,
     iteration_to_load,
     load_target,
+    missing_checkpoint,
     no_checkpoint_message,
     read_tracker,
     refuse_untracked,
+    save_dir_problem,
     update_tracker,
 )
 from megatron.training.flags.registry import config_from_args
-from megatron.training.preflight import writable_dir_problem
 from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -79,30 +80,6 @@ def check_save_dir(cfg: CheckpointConfig) -> None:
     """
     error = save_dir_problem(cfg) if dist.get_rank() == 0 else None
     agree_on_error(error, None)
-
-
-def save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
-    """Why ``--save`` cannot be used (not writable, or its checkpoints would be overwritten); None if it can."""
-    if cfg.save is None:
-        return None
-    unwritable = writable_dir_problem("--save", cfg.save, "the checkpoint directory")
-    if unwritable:
-        return unwritable
-    same = cfg.load is not None and os.path.realpath(cfg.load) == os.path.realpath(cfg.save)
-    saved = complete_checkpoints(cfg.save)
-    if not saved or (same and not cfg.finetune):
-        return None
-    why = (
-        "--finetune restarts at iteration 0"
-        if same
-        else f"this run does not resume from it (--load {cfg.load})"
-        if cfg.load
-        else "this run starts from scratch"
-    )
-    return (
-        f"--save {cfg.save} already holds {len(saved)} complete checkpoint(s), the newest {saved[-1][1]}, and "
-        f"{why}: its saves would overwrite them. Resume with --load {cfg.save}, or save to another directory"
-    )
 
 
 # ---------------------------------------------------------------- plain data
@@ -392,24 +369,6 @@ def _agreed_target(cfg: CheckpointConfig) -> Optional[Tuple[int, bool, str]]:
     if error is not None:
         raise CheckpointingError(error)
     return target
-
-
-def missing_checkpoint(load: str, ckpt_step: Optional[int], why: Optional[str]) -> Optional[str]:
-    """Why ``--load`` cannot start this run, or None: no checkpoint although the run needs one (``why``),
-    or complete checkpoints without a tracker (a fresh start would overwrite them).
-
-    A load without a checkpoint starts from random weights only when nothing needs the weights:
-    with ``--exit-on-missing-checkpoint``, ``--finetune``, ``--skip-train`` or a server it is an error.
-    """
-    if ckpt_step is not None:
-        return None
-    try:
-        if os.path.isdir(load) and read_tracker(load) is not None:
-            return None
-        refuse_untracked(load)
-    except CheckpointingError as e:
-        return f"--load {load}: {e}"
-    return f"--load {load}: {no_checkpoint_message(load)}, and {why}: check the path" if why else None
 
 
 def load_checkpoint(

@@ -20,6 +20,11 @@ from typing import Iterator, List, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from megatron.training.checkpoint_dirs import (  # noqa: F401 - writable_dir_problem re-exported
+    missing_checkpoint,
+    save_dir_problem,
+    writable_dir_problem,
+)
 from megatron.training.validation import ArgumentsError
 
 TRACEBACK_ENV = "MEGATRON_TRACEBACK"
@@ -99,26 +104,9 @@ def tokenizer_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def writable_dir_problem(flag: str, path: Optional[str], what: str = "the directory") -> Optional[str]:
-    """``path`` can be created and written (a probe file), else the flag, the path and why."""
-    if not path:
-        return None
-    probe = os.path.join(path, f".write_probe.{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("probe")
-        os.remove(probe)
-    except OSError as e:
-        return f"{flag} {path}: {what} cannot be created or written: {e}"
-    return None
-
-
 def load_problem(args: argparse.Namespace) -> Optional[str]:
     """``--load`` names no checkpoint although this run needs one, or untracked checkpoints
-    (``checkpointing.missing_checkpoint``)."""
-    from megatron.training.checkpointing import missing_checkpoint
-
+    (``checkpoint_dirs.missing_checkpoint``)."""
     if not getattr(args, "load", None):
         return None
     reasons = [
@@ -133,7 +121,6 @@ def load_problem(args: argparse.Namespace) -> Optional[str]:
 def local_problems(args: argparse.Namespace, rank: int) -> List[str]:
     """Everything this rank finds wrong with the inputs, first the cheapest to fix."""
     from megatron.training.arguments import checkpoint_config_from_args
-    from megatron.training.checkpointing import save_dir_problem
 
     checks = [tokenizer_problem(args), data_problem(args), load_problem(args)]
     if rank == 0:  # rank 0 creates the output directories
