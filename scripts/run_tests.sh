@@ -11,7 +11,7 @@ Sets up .venv (scripts/setup_env.sh), lints with ruff, installs the two test ora
 when missing, then runs pytest on what it is given:
   (nothing)              the default tier of tests/ (every feature and layout family, ~12 min on 2 cores)
   --full                 every test: the default tier plus the tests tests/conftest.py lists as full-only
-  PATHS / NODE IDS       only those, e.g. tests/fault or tests/unit_tests/test_foo.py::test_bar
+  PATHS / NODE IDS       only those, every test in them (full-only ones too), e.g. tests/fault
   -k EXPR, -x, ...       any other pytest option, applied to the default tier (or to the given paths)
   -h, --help             this help; installs and downloads nothing
 Without this script: python -m pytest runs the default tier, RUN_FULL=1 python -m pytest everything.
