@@ -1,7 +1,7 @@
 """Shared pytest setup: keep torch to one thread per process on the 2-core machines, and the two tiers.
 
 The default tier (``bash scripts/run_tests.sh``, or plain ``python -m pytest``) runs at least one test of
-every feature and layout family in about 12-14 minutes on 2 cores; paths or node ids given by name run all
+every feature and layout family (aiming at 12 minutes on 2 cores); paths or node ids given by name run all
 their tests. ``FULL_ONLY`` lists the tests only the
 full tier runs (``bash scripts/run_tests.sh --full`` or ``RUN_FULL=1``; ``.ci/run`` runs both), each with
 the default-tier sibling that covers its family; ``tests/tiers.py`` holds the rule and its check. A test
