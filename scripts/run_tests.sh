@@ -1,8 +1,35 @@
 #!/usr/bin/env bash
-# The project's test command: set up .venv, lint, then run the whole suite.
-# Extra arguments go to pytest (e.g. scripts/run_tests.sh -k tensor_parallel).
+# The project's test command: set up .venv, lint, then run the default tier of the suite (or what it is given).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+usage() {
+  cat <<'EOF'
+usage: bash scripts/run_tests.sh [--full] [PYTEST ARGS...]
+
+Sets up .venv (scripts/setup_env.sh), lints with ruff, installs the two test oracles outside the repository
+when missing, then runs pytest on what it is given:
+  (nothing)              the default tier of tests/ (every feature and layout family, ~20 min on 2 cores)
+  --full                 every test: the default tier plus the tests tests/conftest.py lists as full-only
+  PATHS / NODE IDS       only those, every test in them (full-only ones too), e.g. tests/fault
+  -k EXPR, -x, ...       any other pytest option, applied to the default tier (or to the given paths)
+  -h, --help             this help; installs and downloads nothing
+Without this script: python -m pytest runs the default tier, RUN_FULL=1 python -m pytest everything.
+EOF
+}
+
+pytest_args=()
+for arg in "$@"; do
+  case "$arg" in
+    -h | --help)
+      usage
+      exit 0
+      ;;
+    --full) export RUN_FULL=1 ;;
+    *) pytest_args+=("$arg") ;;
+  esac
+done
+
 bash scripts/setup_env.sh
 . .venv/bin/activate
 # Lint first (rules in ruff.toml): a style or import error fails before the suite runs.
@@ -27,4 +54,5 @@ if [ ! -f "$TE_SOURCE_ORACLE/transformer_engine/pytorch/module/linear.py" ]; the
   rm -rf "$te_wheels"
 fi
 export TE_SOURCE_ORACLE
-exec python -m pytest -q --durations=15 tests "$@"
+# No path given: pytest.ini's testpaths (tests/) applies; given paths replace it.
+exec python -m pytest -q --durations=15 ${pytest_args[@]+"${pytest_args[@]}"}
