@@ -10,7 +10,8 @@ implements the API the adapter uses in plain torch and records what it is handed
   parameter names and values; a GPT model equals the local one in loss and gradients at TP=1 and
   TP=2 (with and without SP), each block's forward runs in one TE autocast with the mapped recipe and
   the TP x DP x CP group (the first/last bf16 window's layers in a nested disabled one), and no local
-  quantizer is attached. Under delayed scaling the fake TE all-reduces the amaxes when the outermost
+  quantizer is attached; a chunk under full recomputation re-enters the region when recomputed in
+  backward. Under delayed scaling the fake TE all-reduces the amaxes when the outermost
   autocast exits, as TE does: exactly once per microbatch forward, not once per layer.
 * Checkpoints: parameters load across impls both ways (torch_dist and the torch format, through
   the core API and through ``save_checkpoint`` / ``load_checkpoint``); TE's delayed-scaling state
@@ -153,6 +154,12 @@ def _one_autocast_per_block(te, tp_groups):
     forwards = [r for r in te.RECORD if r["kind"] == "forward"]
     assert [r["recipe"] is None for r in forwards] == [True] * 4 + [False] * 4
     assert [r["enabled"] for r in te.RECORD if r["kind"] == "autocast"] == [True, False]  # outer, layer 1's
+    te.RECORD.clear()
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model = build_gpt(gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="tensorwise", **recompute), tp_groups)
+    model(tokens, None, None, labels=labels).mean().backward()
+    forwards = [r for r in te.RECORD if r["kind"] == "forward"]
+    assert len(forwards) == 16 and all(r["recipe"] is not None for r in forwards)  # recomputed ones too
 
 
 def _one_amax_reduction_per_microbatch(te, tp_groups):
