@@ -164,7 +164,8 @@ def _one_autocast_per_block(te, tp_groups):
 
 def _one_amax_reduction_per_microbatch(te, tp_groups):
     """Delayed scaling: TE all-reduces the amaxes when the outermost autocast exits, so once per
-    microbatch forward over the TP x DP x CP group (not once per layer), none in a no-grad forward;
+    microbatch forward over the TP x DP x CP group (not once per layer), none in a no-grad forward,
+    and the backward ones once, in the region's first linear's backward;
     afterwards each linear's weight amax is the max of ``|W|`` over the TP ranks' shards."""
     model = build_gpt(gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4), tp_groups)
     microbatches = 3
@@ -176,7 +177,8 @@ def _one_amax_reduction_per_microbatch(te, tp_groups):
         model(tokens, None, None, labels=labels)
     reductions = [r for r in te.RECORD if r["kind"] == "amax_reduction"]
     group = tp_groups.tp_dp_cp
-    assert len(reductions) == microbatches, reductions  # the per-layer regions gave 2 (layers) per microbatch
+    # forward then backward per microbatch; the per-layer regions gave 2 (layers) of each per microbatch
+    assert [r["forward"] for r in reductions] == [True, False] * microbatches, reductions
     assert all(r["group"] is group and r["linears"] == 8 for r in reductions), reductions
     assert all(r["all_reduce"] == (torch.distributed.get_world_size(group) > 1) for r in reductions)
     for name, linear in model.named_modules():

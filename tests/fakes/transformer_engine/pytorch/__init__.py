@@ -14,10 +14,14 @@ only when the OUTERMOST one exits (enabled, not ``_graph``, grad enabled) is eve
 history row concatenated and all-reduced (MAX) over its group: one collective per buffer key and
 region, recorded as ``{"kind": "amax_reduction", ...}`` (``all_reduce`` False where the group has
 one rank or the recipe says ``reduce_amax=False``, where TE skips the collective). Inner regions,
-``enabled=False`` ones included, reduce nothing of their own.
+``enabled=False`` ones included, reduce nothing of their own. Backward likewise: each delayed
+forward's output-gradient amax goes to the backward history's first row, and the first quantized
+linear of an outermost region (the last to run backward) reduces the backward rows after its own
+(``forward: False`` records).
 """
 
 import contextlib
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -29,25 +33,28 @@ RECORD: List[dict] = []
 _ACTIVE: List[dict] = []  # the autocast regions entered, outermost first
 # TE's global amax buffer: (str(recipe), group) -> (recipe, group, linears registered under it)
 _AMAX_BUFFER: Dict[Tuple[str, Any], Tuple[Any, Any, List["Linear"]]] = {}
+_FIRST_MODULE = [False]  # TE's IS_FIRST_FP8_MODULE: set entering an outermost region, taken by its first linear
 
 
 @contextlib.contextmanager
 def _quantizing(entry: dict, graph: bool):
     RECORD.append(entry)
+    if not _ACTIVE:
+        _FIRST_MODULE[0] = True
     _ACTIVE.append(entry)
     try:
         yield
     finally:
         _ACTIVE.pop()
         if entry["enabled"] and not _ACTIVE and not graph and torch.is_grad_enabled():
-            _reduce_forward_amaxes()  # TE's autocast_exit at depth 0
+            _reduce_amaxes("scaling_fwd")  # TE's autocast_exit at depth 0
 
 
-def _reduce_forward_amaxes() -> None:
-    """TE's ``reduce_and_update_fp8_tensors(forward=True)``: one MAX all-reduce per buffer key."""
+def _reduce_amaxes(meta_key: str) -> None:
+    """TE's ``reduce_and_update_fp8_tensors``: one MAX all-reduce per buffer key of ``meta_key``'s rows."""
     for recipe, group, linears in _AMAX_BUFFER.values():
-        rows = [m.fp8_meta["scaling_fwd"].amax_history[0] for m in linears]  # each [3]
-        amaxes = torch.cat(rows)  # [3 * len(linears)]
+        rows = [m.fp8_meta[meta_key].amax_history[0] for m in linears]  # each [3] (forward) or [2]
+        amaxes = torch.cat(rows)  # [n * len(linears)]
         collective = (
             recipe.reduce_amax and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1
         )
@@ -55,7 +62,15 @@ def _reduce_forward_amaxes() -> None:
             torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
             for row, reduced in zip(rows, amaxes.split([r.numel() for r in rows])):
                 row.copy_(reduced)
-        RECORD.append({"kind": "amax_reduction", "group": group, "linears": len(linears), "all_reduce": collective})
+        RECORD.append(
+            {
+                "kind": "amax_reduction",
+                "forward": meta_key == "scaling_fwd",
+                "group": group,
+                "linears": len(linears),
+                "all_reduce": collective,
+            }
+        )
 
 
 def autocast(
@@ -119,11 +134,16 @@ class Linear(torch.nn.Module):
             self.fp8_meta[key] = _DelayedState(n, recipe.amax_history_len)
         self.fp8_meta_tensors_initialized = True
 
-    def _record(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> None:
+    def _record(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> Optional[bool]:
+        """Record the forward; under delayed scaling write the local amaxes and return whether this
+        linear is its region's first (it reduces the backward amaxes), else None."""
         recipe = _ACTIVE[-1]["recipe"] if _ACTIVE and _ACTIVE[-1]["enabled"] else None  # the innermost autocast
         RECORD.append({"kind": "forward", "recipe": recipe, "mode": self.parallel_mode, "first": is_first_microbatch})
-        if recipe is None or not recipe.delayed():
-            return
+        if recipe is None:
+            return None
+        first, _FIRST_MODULE[0] = _FIRST_MODULE[0], False
+        if not recipe.delayed():
+            return None
         if not self.fp8_meta_tensors_initialized:
             self.fp8_meta["num_gemms"] = 1
             self.init_fp8_meta_tensors(recipe)
@@ -132,6 +152,14 @@ class Linear(torch.nn.Module):
         amaxes = torch.stack([x.detach().abs().max().float(), self.weight.detach().abs().max().float()])
         history = self.fp8_meta["scaling_fwd"].amax_history
         history[0, :2] = torch.maximum(history[0, :2], amaxes)  # local; reduced when the outermost region exits
+        return first
+
+    def _backward_amax(self, first: bool, grad: torch.Tensor) -> None:
+        """Output-gradient amax into the backward history; the region's first linear then reduces them."""
+        history = self.fp8_meta["scaling_bwd"].amax_history
+        history[0, 0] = torch.maximum(history[0, 0], grad.detach().abs().max().float())
+        if first:
+            _reduce_amaxes("scaling_bwd")
 
     def _join_amax_buffer(self, recipe, group) -> None:
         """TE's ``add_fp8_tensors_to_global_buffer``: once per linear, under its first region's key."""
@@ -141,7 +169,7 @@ class Linear(torch.nn.Module):
         _AMAX_BUFFER.setdefault((str(recipe), group), (recipe, group, []))[2].append(self)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        self._record(inp, is_first_microbatch)
+        first = self._record(inp, is_first_microbatch)
         parallel = self.tp_size > 1
         if self.parallel_mode == "column" and parallel:
             if self.sequence_parallel:
@@ -158,6 +186,8 @@ class Linear(torch.nn.Module):
                 out = mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.parallel_mode == "row" and bias is not None and not self.return_bias:
             out = out + bias
+        if first is not None and out.requires_grad:
+            out.register_hook(functools.partial(self._backward_amax, first))
         if self.return_bias:
             return out, bias if bias is not None else self.bias
         return out
