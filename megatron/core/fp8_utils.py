@@ -2,9 +2,10 @@
 
 Each local ``ColumnParallelLinear`` / ``RowParallelLinear`` of a layer (attention, MLP, MoE
 experts) and each ``ReplicatedLinear`` (MLA's down projections) gets an explicit ``LinearQuantizer``
-once, when the layer is built. A layer holding Transformer Engine's linears
-(``core/extensions/transformer_engine.py``) runs its forward inside TE's autocast with the mapped
-recipe and Megatron's amax-reduction group, as Megatron does (``layer_quantization_context``).
+once, when the layer is built. A block whose layers hold Transformer Engine's
+linears (``core/extensions/transformer_engine.py``) runs them inside one TE autocast with the mapped
+recipe and Megatron's amax-reduction group (``block_quantization_context``), so delayed scaling's
+amaxes are all-reduced once per block forward; bf16-window layers nest an ``enabled=False`` region.
 Embeddings, the output layer and the first/last layers under ``first_last_layers_bf16`` keep their
 high-precision GEMMs. Multi-token prediction modules (``attach_mtp_quantizers``) are FP8 whenever
 the model is, as Megatron runs them in the global FP8 context (no layer number, so outside the bf16
@@ -14,7 +15,7 @@ window); under FP4 they stay in high precision, as Megatron leaves them.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
@@ -92,14 +93,18 @@ def _amax_group(module: torch.nn.Module, recipe: QuantRecipe, pg_collection: Pro
     return pg_collection.tp if isinstance(module, ReplicatedLinear) else module.tp_group
 
 
-def layer_quantization_context(
-    layer: torch.nn.Module, config: TransformerConfig, pg_collection: ProcessGroupCollection, layer_number: int
-) -> Optional[Callable[[], ContextManager]]:
-    """What to enter around ``layer``'s forward: TE's autocast where the layer holds TE linears and runs
-    in FP8/FP4, else None. The amax group is the TP x DP x CP group (Megatron's amax-reduction group)."""
-    if recipe_from_config(config) is None or is_layer_in_high_precision(config, layer_number):
+def block_quantization_context(
+    layers: Sequence[torch.nn.Module], config: TransformerConfig, pg_collection: ProcessGroupCollection
+) -> Optional[Callable[..., ContextManager]]:
+    """What to enter once around a transformer block's layers: TE's autocast with the mapped recipe and
+    the TP x DP x CP group (Megatron's amax-reduction group) where a layer holds TE linears and the
+    model runs in FP8/FP4, else None. One region per block forward (per microbatch and model chunk):
+    TE all-reduces delayed scaling's amaxes when the outermost region exits, so once, not per layer
+    (Megatron's outer FP8 context). Called with ``enabled=False`` it gives a nested high-precision region.
+    """
+    if recipe_from_config(config) is None:
         return None
-    if not any(is_te_linear(type(m), "column") or is_te_linear(type(m), "row") for m in layer.modules()):
+    if not any(is_te_linear(type(m), "column") or is_te_linear(type(m), "row") for m in _modules(layers)):
         return None
     recipe = te_recipe(config)  # mapped once, when the model is built: a setting TE cannot take raises here
     if recipe_from_config(config).recipe == "delayed" and config.recompute_granularity == "full":
@@ -109,6 +114,21 @@ def layer_quantization_context(
             "--transformer-impl local, whose delayed scaling handles recomputation, or another --fp8-recipe"
         )
     return functools.partial(te_autocast, recipe, pg_collection.tp_dp_cp)
+
+
+def layer_quantization_context(
+    block_context: Optional[Callable[..., ContextManager]], config: TransformerConfig, layer_number: int
+) -> Optional[Callable[[], ContextManager]]:
+    """What layer ``layer_number`` enters inside the block's region: for a layer in the bf16 window a
+    nested TE autocast with ``enabled=False`` (its TE linears run in high precision), else None."""
+    if block_context is None or not is_layer_in_high_precision(config, layer_number):
+        return None
+    return functools.partial(block_context, enabled=False)
+
+
+def _modules(layers: Sequence[torch.nn.Module]) -> Iterator[torch.nn.Module]:
+    for layer in layers:
+        yield from layer.modules()
 
 
 def convert_weights_to_fp8(model: torch.nn.Module) -> int:

@@ -8,8 +8,11 @@ implements the API the adapter uses in plain torch and records what it is handed
   class and fields of an independent table; ``--no-fp8-wgrad`` is refused where TE has no switch.
 * With the fake, ``--transformer-impl transformer_engine`` builds TE linears with the local layers'
   parameter names and values; a GPT model equals the local one in loss and gradients at TP=1 and
-  TP=2 (with and without SP), each layer's forward runs in TE's autocast with the mapped recipe and
-  the TP x DP x CP group (none in the first/last bf16 window), and no local quantizer is attached.
+  TP=2 (with and without SP), each block's forward runs in one TE autocast with the mapped recipe and
+  the TP x DP x CP group (the first/last bf16 window's layers in a nested disabled one), and no local
+  quantizer is attached; a chunk under full recomputation re-enters the region when recomputed in
+  backward. Under delayed scaling the fake TE all-reduces the amaxes when the outermost
+  autocast exits, as TE does: exactly once per microbatch forward, not once per layer.
 * Checkpoints: parameters load across impls both ways (torch_dist and the torch format, through
   the core API and through ``save_checkpoint`` / ``load_checkpoint``); TE's delayed-scaling state
   round-trips as a plain fp32 tensor; a pickled TE state is refused unread.
@@ -128,9 +131,10 @@ def _compare_impls(tp_groups, ref_groups):
                 )
 
 
-def _autocast_per_layer(te, tp_groups):
-    """FP8 under the TE impl: one autocast per layer with the mapped recipe and the TP x DP x CP group;
-    the bf16 window gets none; TE linears get no local quantizer, the local impl's linears do."""
+def _one_autocast_per_block(te, tp_groups):
+    """FP8 under the TE impl: one autocast per block forward with the mapped recipe and the TP x DP x CP
+    group, the bf16 window's layer nested in a disabled one; TE linears get no local quantizer, the
+    local impl's linears do."""
     te.RECORD.clear()
     model = build_gpt(gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="tensorwise"), tp_groups)
     assert all(getattr(m, "quantizer", None) is None for m in model.modules() if te_ext.is_te_linear(type(m), "column"))
@@ -139,8 +143,8 @@ def _autocast_per_layer(te, tp_groups):
     tokens, labels = batch(0)
     model(tokens, None, None, labels=labels).mean().backward()
     casts = [r for r in te.RECORD if r["kind"] == "autocast"]
-    assert len(casts) == 2 and all(c["group"] is tp_groups.tp_dp_cp and c["enabled"] for c in casts)
-    assert all(type(c["recipe"]).__name__ == "Float8CurrentScaling" for c in casts)
+    assert len(casts) == 1 and casts[0]["group"] is tp_groups.tp_dp_cp and casts[0]["enabled"], casts
+    assert type(casts[0]["recipe"]).__name__ == "Float8CurrentScaling"
     forwards = [r for r in te.RECORD if r["kind"] == "forward"]
     assert len(forwards) == 8 and all(r["recipe"] is not None for r in forwards)  # 4 linears x 2 layers
     te.RECORD.clear()
@@ -149,7 +153,39 @@ def _autocast_per_layer(te, tp_groups):
     model(tokens, None, None, labels=labels)
     forwards = [r for r in te.RECORD if r["kind"] == "forward"]
     assert [r["recipe"] is None for r in forwards] == [True] * 4 + [False] * 4
-    assert len([r for r in te.RECORD if r["kind"] == "autocast"]) == 1
+    assert [r["enabled"] for r in te.RECORD if r["kind"] == "autocast"] == [True, False]  # outer, layer 1's
+    te.RECORD.clear()
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model = build_gpt(gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="tensorwise", **recompute), tp_groups)
+    model(tokens, None, None, labels=labels).mean().backward()
+    forwards = [r for r in te.RECORD if r["kind"] == "forward"]
+    assert len(forwards) == 16 and all(r["recipe"] is not None for r in forwards)  # recomputed ones too
+
+
+def _one_amax_reduction_per_microbatch(te, tp_groups):
+    """Delayed scaling: TE all-reduces the amaxes when the outermost autocast exits, so once per
+    microbatch forward over the TP x DP x CP group (not once per layer), none in a no-grad forward,
+    and the backward ones once, in the region's first linear's backward;
+    afterwards each linear's weight amax is the max of ``|W|`` over the TP ranks' shards."""
+    model = build_gpt(gpt2_style(bf16=True, fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4), tp_groups)
+    microbatches = 3
+    te.RECORD.clear()
+    for i in range(microbatches):
+        tokens, labels = batch(i)
+        model(tokens, None, None, labels=labels).mean().backward()
+    with torch.no_grad():
+        model(tokens, None, None, labels=labels)
+    reductions = [r for r in te.RECORD if r["kind"] == "amax_reduction"]
+    group = tp_groups.tp_dp_cp
+    # forward then backward per microbatch; the per-layer regions gave 2 (layers) of each per microbatch
+    assert [r["forward"] for r in reductions] == [True, False] * microbatches, reductions
+    assert all(r["group"] is group and r["linears"] == 8 for r in reductions), reductions
+    assert all(r["all_reduce"] == (torch.distributed.get_world_size(group) > 1) for r in reductions)
+    for name, linear in model.named_modules():
+        if te_ext.is_te_linear(type(linear), "column") or te_ext.is_te_linear(type(linear), "row"):
+            local = linear.weight.detach().abs().max().float()
+            torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=tp_groups.tp)
+            assert torch.equal(linear.fp8_meta["scaling_fwd"].amax_history[0, 1], local), name
 
 
 def _fp8_state(model):
@@ -215,7 +251,8 @@ def _body(rank, world_size, directory):
     tp_groups = ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     with fake_transformer_engine() as te:
         _compare_impls(tp_groups, single_rank_groups())
-        _autocast_per_layer(te, tp_groups)
+        _one_autocast_per_block(te, tp_groups)
+        _one_amax_reduction_per_microbatch(te, tp_groups)
         _checkpoints(tp_groups, directory)
         _training_checkpoints(tp_groups, directory)
     return True

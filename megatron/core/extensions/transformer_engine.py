@@ -23,7 +23,9 @@ never needs it; ``te_import_error()`` says whether it imports here (its core lib
   ``--no-fp8-wgrad`` needs a recipe field keeping wgrad in high precision (``DelayedScaling``'s
   ``override_linear_precision``, where the installed TE has it); otherwise it is refused.
 * ``te_autocast(recipe, amax_group)``: TE's ``autocast`` (``fp8_autocast`` in older TE) with that
-  recipe and amax-reduction group, entered around each transformer layer (``fp8_utils``).
+  recipe and amax-reduction group, entered once around a transformer block's layers, so delayed
+  scaling's amaxes are all-reduced once per block forward (TE reduces when the outermost region
+  exits); layers kept in high precision run in a nested ``enabled=False`` region (``fp8_utils``).
 * FP8 state: TE keeps delayed scaling's scales and amax histories in ``fp8_meta`` and checkpoints
   them as a pickled byte tensor. Here ``_extra_state`` is a plain fp32 tensor instead: forward
   scales ``[3]``, forward histories ``[len, 3]``, backward scales ``[2]``, backward histories
@@ -127,12 +129,13 @@ def _high_precision_wgrad(cls: type, wgrad: bool) -> Dict[str, Tuple[bool, bool,
     return {"override_linear_precision": (False, False, True)}
 
 
-def te_autocast(recipe: Any, amax_group: Optional[dist.ProcessGroup]) -> ContextManager:
-    """TE's quantization autocast with ``recipe`` (``te_recipe(config)``), amaxes reduced over ``amax_group``."""
+def te_autocast(recipe: Any, amax_group: Optional[dist.ProcessGroup], enabled: bool = True) -> ContextManager:
+    """TE's quantization autocast with ``recipe`` (``te_recipe(config)``), amaxes reduced over ``amax_group``
+    when the outermost such region exits; ``enabled=False``: a high-precision region nested in one."""
     te = _te_pytorch()
     if hasattr(te, "autocast"):  # newer TE; fp8_autocast is its deprecated spelling
-        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group)
-    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)
+        return te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=amax_group)
+    return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_group)
 
 
 def fp8_state_size(config: ModelParallelConfig) -> int:

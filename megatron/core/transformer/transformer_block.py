@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from typing import Any, ContextManager, List, Optional, Union
 
 import torch
 
-from megatron.core.fp8_utils import attach_quantizers, layer_quantization_context
+from megatron.core.fp8_utils import attach_quantizers, block_quantization_context, layer_quantization_context
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
@@ -92,6 +92,11 @@ class TransformerBlock(MegatronModule):
         self.pre_process, self.post_process = pre_process, post_process
         numbers = layer_numbers_to_build(config, groups.rank_in("pp"), groups.size_of("pp"), vp_stage)
         self.layers = torch.nn.ModuleList(self._build_layer(spec, n, groups) for n in numbers)
+        # Transformer Engine's linears quantize inside one TE autocast around all layers (plain attributes:
+        # not submodules); a bf16-window layer nests a disabled one.
+        self.quantization_context = block_quantization_context(self.layers, config, groups)
+        for layer, number in zip(self.layers, numbers):
+            layer.quantization_context = layer_quantization_context(self.quantization_context, config, number)
         if isinstance(spec, TransformerBlockSubmodules):
             spec.check_layer_norm(config)
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
@@ -110,8 +115,6 @@ class TransformerBlock(MegatronModule):
         with initialization_rng(self.config.initialization_seed, f"{self.name}.layers.{number - 1}"):
             layer = build_module(spec, self.config, layer_number=number, pg_collection=groups, add_layer_offset=False)
         attach_quantizers(layer, self.config, groups, number)  # FP8/FP4 GEMMs, when the config asks
-        # Transformer Engine's linears quantize inside TE's autocast (a plain attribute: not a submodule)
-        layer.quantization_context = layer_quantization_context(layer, self.config, groups, number)
         return layer
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
@@ -129,7 +132,17 @@ class TransformerBlock(MegatronModule):
         context_mask: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
+        reenter_quantization: bool = False,
     ) -> torch.Tensor:
+        """Layers ``start:end``. ``reenter_quantization``: enter the block's TE autocast again, for a
+        chunk under full recomputation (recomputed during backward, outside the block's region; nested,
+        so no region of its own, in the first forward)."""
+        if reenter_quantization:
+            with self._quantization():
+                return self._run_layers(
+                    hidden, start, end, attention_mask, rotary_pos_emb, context, context_mask, attention_bias,
+                    inference_context,
+                )  # fmt: skip
         extra = {} if context is None else {"context": context, "context_mask": context_mask}
         if attention_bias is not None:
             extra["attention_bias"] = attention_bias
@@ -140,6 +153,10 @@ class TransformerBlock(MegatronModule):
             with context() if context is not None else contextlib.nullcontext():
                 hidden, _ = layer(hidden, attention_mask, rotary_pos_emb=rotary_pos_emb, **extra)
         return hidden
+
+    def _quantization(self) -> ContextManager:
+        """The block's one TE autocast region (``fp8_utils.block_quantization_context``), or nothing."""
+        return self.quantization_context() if self.quantization_context is not None else contextlib.nullcontext()
 
     def _recomputed(self, start: int) -> bool:
         """Whether the layers starting at local index ``start`` are run under full recomputation."""
@@ -174,14 +191,14 @@ class TransformerBlock(MegatronModule):
         forked = self.config.sequence_parallel and dropout
         rng = get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext()
         step = self.config.recompute_num_layers if self.config.recompute_method == "uniform" else 1
-        with rng:
+        with rng, self._quantization():  # one TE region: delayed scaling reduces amaxes once, at its exit
             start = 0
             while start < len(self.layers):
                 end = min(start + (step or 1), len(self.layers))
                 if self._recomputed(start):
                     hidden_states = checkpoint(
                         lambda h, c, a, s=start, e=end: self._run_layers(
-                            h, s, e, attention_mask, rotary_pos_emb, c, context_mask, a, inference_context
+                            h, s, e, attention_mask, rotary_pos_emb, c, context_mask, a, inference_context, True
                         ),
                         bool(self.config.distribute_saved_activations),
                         hidden_states,
