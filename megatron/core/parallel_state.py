@@ -30,6 +30,7 @@ from megatron.core.process_groups import (
     create_group,
     create_hierarchical_groups,
     default_process_groups,
+    destroy_process_groups,
     forbid_default_process_groups,
     get_nccl_options,
     get_tensor_model_parallel_group_if_none,
@@ -73,6 +74,7 @@ _OVERRIDES: Dict[str, int] = {}
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
 _GLOO_GROUPS: Optional[Dict[str, ProcessGroup]] = None  # data-parallel groups over gloo
+_BUILT: List[ProcessGroupCollection] = []  # what initialize_model_parallel created (and its gloo twins)
 
 
 def initialize_model_parallel(
@@ -140,8 +142,13 @@ def initialize_model_parallel(
         _GLOO_GROUPS = {
             name: getattr(gloo, name) for name in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
         }
+        _BUILT.extend([groups] if gloo is groups else [groups, gloo])
     else:
         _GLOO_GROUPS = None
+        _BUILT.append(groups)
+    # Every rank has finished creating every group once it leaves this barrier, so a peer's
+    # destroy_model_parallel never closes a group another rank is still connecting.
+    dist.barrier()
     set_default_process_groups(groups)
     _VIRTUAL_PIPELINE_RANK = 0 if virtual_pipeline_model_parallel_size is not None else None
     _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
@@ -165,9 +172,15 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the default groups and every override (the groups themselves are left to torch)."""
+    """Destroy the groups ``initialize_model_parallel`` built (gloo twins too); forget every override.
+
+    Groups installed or created otherwise are left alone; a collection returned by
+    ``initialize_model_parallel`` must not be used after this call.
+    """
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
     set_default_process_groups(None)
+    while _BUILT:
+        destroy_process_groups(_BUILT.pop())
     destroy_global_memory_buffer()
     _OVERRIDES.clear()
     _VIRTUAL_PIPELINE_RANK = _VIRTUAL_PIPELINE_WORLD_SIZE = _GLOO_GROUPS = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -233,6 +233,21 @@ def create_group(
     if ranks is None or dist.get_rank() in ranks:
         _CREATED.append(group)
     return group
+
+
+def destroy_process_groups(groups: ProcessGroupCollection) -> None:
+    """Destroy every distinct group of ``groups`` (never the world); a local call on each rank.
+
+    Frees each group's communicator threads; ``groups`` must not be used afterwards.
+    """
+    seen: Dict[int, ProcessGroup] = {}
+    for item in fields(groups):
+        group = getattr(groups, item.name)
+        if isinstance(group, ProcessGroup) and group is not dist.GroupMember.WORLD:
+            seen.setdefault(id(group), group)
+    for group in seen.values():
+        dist.destroy_process_group(group)
+    _CREATED[:] = [group for group in _CREATED if group is None or id(group) not in seen]
 
 
 def update_pg_timeout(timeout: timedelta, pg: Optional[ProcessGroup] = None) -> None:
