@@ -173,9 +173,26 @@ def _os_threads() -> int:
         return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
 
 
+def _check_group_if_none_helper(rank):
+    """megatron.core.utils.get_tensor_model_parallel_group_if_none: pass-through, then the defaults."""
+    import warnings
+
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none as if_none
+
+    assert if_none(None) is None and if_none(dist.group.WORLD) is dist.group.WORLD  # no default groups yet
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert if_none(None) is groups.tp and if_none(None, is_expert=True) is groups.expt_tp
+    assert [w.category for w in caught] == [DeprecationWarning] * 2 * (rank == 0)
+    assert if_none(groups.dp) is groups.dp
+    ps.destroy_model_parallel()
+
+
 def _init_destroy_cycles(rank, world_size, cycles):
     import threading
 
+    _check_group_if_none_helper(rank)
     counts = []
     for cycle in range(cycles):
         groups = ps.initialize_model_parallel(tensor_model_parallel_size=1 + cycle % 2)
