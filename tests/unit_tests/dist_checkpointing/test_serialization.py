@@ -225,7 +225,7 @@ def _one_rank_raises_before_save(rank, world, tmp):
         raise RuntimeError("rank 2 fails before the save")
     state = {"w": ShardedTensor("w", torch.full((2,), float(rank)), (2 * world,), (2 * rank,))}
     start = time.monotonic()
-    with pytest.raises(CheckpointingError, match=r"rank\(s\) \[2\] did not reach") as raised:
+    with pytest.raises(CheckpointingError, match=r"rank\(s\) \[2\] did not reach it") as raised:
         dcp_mc.save(state, os.path.join(tmp, "ckpt"), process_group=group)
     elapsed = time.monotonic() - start
     assert AGREEMENT_TIMEOUT_S <= elapsed < AGREEMENT_TIMEOUT_S + 5, elapsed
