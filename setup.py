@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     package_data={"megatron.training": ["megatron_flags.tsv"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "numpy>=1.26"],
+    install_requires=["torch>=2.6", "numpy>=1.26", "packaging>=20"],
     extras_require={
         # Optional GPU accelerators; imported lazily, never needed on CPU.
         "te": ["transformer-engine[pytorch]"],

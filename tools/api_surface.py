@@ -76,7 +76,25 @@ MODULES: Tuple[str, ...] = (
     "optimizer.optimizer",
     "optimizer.distrib_optimizer",
     "tokenizers",
+    "config",
+    "process_groups_config",
+    "utils",
 )
+
+# Modules too large to cover whole: only these names of theirs are listed (issue 38's list).
+SELECTED: Dict[str, Tuple[str, ...]] = {
+    "utils": (
+        "get_te_version",
+        "is_te_min_version",
+        "get_torch_version",
+        "is_torch_min_version",
+        "ExperimentalNotEnabledError",
+        "experimental_cls",
+        "get_tensor_model_parallel_group_if_none",
+        "unwrap_model",
+    ),
+    "process_groups_config": ("ProcessGroupCollection",),
+}
 
 # Private names that downstream code uses widely enough to be part of the surface.
 PRIVATE_KEPT: Dict[str, Tuple[str, ...]] = {
@@ -201,6 +219,8 @@ def _describe_class(node: ast.ClassDef, index: UpstreamIndex) -> UpstreamName:
 
 
 def _wanted(module: str, name: str) -> bool:
+    if module in SELECTED:
+        return name in SELECTED[module]
     return name not in NOT_API and (not name.startswith("_") or name in PRIVATE_KEPT.get(module, ()))
 
 

@@ -14,6 +14,7 @@ As in Megatron, the ``set_*`` functions override what the matching size/rank get
 from __future__ import annotations
 
 import warnings
+from dataclasses import fields
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
@@ -32,6 +33,7 @@ from megatron.core.process_groups import (
     create_group,
     create_hierarchical_groups,
     default_process_groups,
+    destroy_groups,
     forbid_default_process_groups,
     get_nccl_options,
     get_tensor_model_parallel_group_if_none,
@@ -75,6 +77,7 @@ _OVERRIDES: Dict[str, int] = {}
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
 _GLOO_GROUPS: Optional[Dict[str, ProcessGroup]] = None  # data-parallel groups over gloo
+_BUILT: List[Optional[ProcessGroup]] = []  # the groups initialize_model_parallel created (gloo copies too)
 
 
 def initialize_model_parallel(
@@ -140,8 +143,13 @@ def initialize_model_parallel(
     if create_gloo_process_groups:  # gloo copies of the data-parallel groups only, and only over NCCL
         if dist.get_backend() == "nccl":
             _GLOO_GROUPS = build_gloo_data_parallel_groups(layout, timeout)
+            _BUILT.extend(_GLOO_GROUPS.values())
         else:  # the groups are gloo (or CPU-capable) already
             _GLOO_GROUPS = {name: getattr(groups, name) for name in GLOO_GROUP_NAMES}
+    _BUILT.extend(getattr(groups, item.name) for item in fields(groups))
+    # Every rank has finished creating every group once it leaves this barrier, so a peer's
+    # destroy_model_parallel never closes a group another rank is still connecting.
+    dist.barrier()
     set_default_process_groups(groups)
     _VIRTUAL_PIPELINE_RANK = 0 if virtual_pipeline_model_parallel_size is not None else None
     _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
@@ -165,9 +173,15 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the default groups and every override (the groups themselves are left to torch)."""
+    """Destroy the groups ``initialize_model_parallel`` built (gloo twins too); forget every override.
+
+    Groups installed or created otherwise are left alone; a collection returned by
+    ``initialize_model_parallel`` must not be used after this call.
+    """
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
     set_default_process_groups(None)
+    destroy_groups(_BUILT)
+    _BUILT.clear()
     destroy_global_memory_buffer()
     _OVERRIDES.clear()
     _VIRTUAL_PIPELINE_RANK = _VIRTUAL_PIPELINE_WORLD_SIZE = _GLOO_GROUPS = None

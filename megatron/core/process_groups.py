@@ -15,7 +15,7 @@ import contextlib
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -233,6 +233,20 @@ def create_group(
     if ranks is None or dist.get_rank() in ranks:
         _CREATED.append(group)
     return group
+
+
+def destroy_groups(groups: Iterable[Optional[ProcessGroup]]) -> None:
+    """Destroy each distinct group of ``groups`` (None and the world skipped); a local call on each rank.
+
+    Frees each group's communicator threads; the groups must not be used afterwards.
+    """
+    seen: Dict[int, ProcessGroup] = {}
+    for group in groups:
+        if isinstance(group, ProcessGroup) and group is not dist.GroupMember.WORLD:
+            seen.setdefault(id(group), group)
+    for group in seen.values():
+        dist.destroy_process_group(group)
+    _CREATED[:] = [group for group in _CREATED if group is None or id(group) not in seen]
 
 
 def update_pg_timeout(timeout: timedelta, pg: Optional[ProcessGroup] = None) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Type, Union
+import importlib.metadata
+import warnings
+from typing import Callable, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version as PkgVersion
 
 WrapperTypes = Union[Type[torch.nn.Module], Tuple[Type[torch.nn.Module], ...]]
 
@@ -95,3 +98,105 @@ def apply_keeping_fp32(module: torch.nn.Module, fn, recurse: bool, names: Sequen
         if after.dtype != before.dtype:
             module._buffers[name] = before.to(after.device)
     return module
+
+
+# ----------------------------------------------------------------------------------
+# Megatron-core's version checks, experimental gate and default-group helper.
+# ----------------------------------------------------------------------------------
+def get_torch_version() -> PkgVersion:
+    """The installed torch version."""
+    return PkgVersion(torch.__version__)
+
+
+def _at_least(installed: PkgVersion, version: str, check_equality: bool) -> bool:
+    wanted = PkgVersion(version)
+    return installed >= wanted if check_equality else installed > wanted
+
+
+def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether torch is at least ``version`` (strictly newer with ``check_equality=False``)."""
+    return _at_least(get_torch_version(), version, check_equality)
+
+
+def get_te_version() -> Optional[PkgVersion]:
+    """The installed Transformer Engine version, or None when it is not installed."""
+    try:
+        import transformer_engine as te
+    except ImportError:
+        return None
+    found = getattr(te, "__version__", None)
+    return PkgVersion(str(found) if found is not None else importlib.metadata.version("transformer-engine"))
+
+
+def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether Transformer Engine is at least ``version``; False when it is not installed (upstream raises)."""
+    installed = get_te_version()
+    return installed is not None and _at_least(installed, version, check_equality)
+
+
+class ExperimentalNotEnabledError(Exception):
+    """Experimental code used while ``megatron.core.config`` has experimental features off."""
+
+
+def _require_experimental(name: str) -> None:
+    from megatron.core import config
+
+    if config.is_experimental_enabled() is not True:
+        raise ExperimentalNotEnabledError(
+            f"{name} is experimental: call megatron.core.config.set_experimental_flag(True)"
+        )
+
+
+def experimental_cls(introduced_with_version: str) -> Callable[[type], type]:
+    """Class decorator: the class and its instances work only while experimental features are on.
+
+    Creating an instance, or reading any attribute of the class or of an instance, raises
+    ``ExperimentalNotEnabledError`` while they are off; ``is_experimental`` always answers with
+    the switch. ``introduced_with_version`` is recorded (we have no end-of-life check).
+    """
+
+    def decorate(cls: type) -> type:
+        def guard(attr: str, read: Callable[[], object]) -> object:
+            from megatron.core import config
+
+            if attr == "is_experimental":
+                return config.is_experimental_enabled()
+            _require_experimental(cls.__name__)
+            return read()
+
+        class Gate(type(cls)):
+            def __call__(self, *args, **kwargs):
+                _require_experimental(cls.__name__)
+                return super().__call__(*args, **kwargs)
+
+            def __getattribute__(self, attr: str) -> object:
+                return guard(attr, lambda: super(Gate, self).__getattribute__(attr))
+
+        def instance_getattribute(self, attr: str) -> object:
+            return guard(attr, lambda: super(gated, self).__getattribute__(attr))
+
+        namespace = {"__getattribute__": instance_getattribute, "__doc__": cls.__doc__, "__module__": cls.__module__}
+        namespace.update(__qualname__=cls.__qualname__, introduced_with_version=introduced_with_version)
+        gated = Gate(cls.__name__, (cls,), namespace)
+        return gated
+
+    return decorate
+
+
+def get_tensor_model_parallel_group_if_none(
+    tp_group: Optional[dist.ProcessGroup], is_expert: bool = False, check_initialized: bool = True
+) -> Optional[dist.ProcessGroup]:
+    """``tp_group``, or the default (expert-)TP group with a DeprecationWarning (Megatron-core's rules).
+
+    None without torch.distributed; ``tp_group`` as given while no default groups exist.
+    """
+    from megatron.core import process_groups
+
+    del check_initialized  # without default groups the argument passes through, as upstream
+    if not dist.is_initialized():
+        return None
+    if tp_group is not None or not process_groups.has_default_process_groups():
+        return tp_group
+    if dist.get_rank() == 0:
+        warnings.warn("tp_group is None: using the default TP group; pass tp_group", DeprecationWarning, stacklevel=2)
+    return process_groups.get_tensor_model_parallel_group_if_none(None, is_expert)

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, checksums, plain_data
-from megatron.core.dist_checkpointing.serialization import agree_on_error, read_json, write_json_atomic
+from megatron.core.dist_checkpointing.agreement import agree_on_error
+from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpoint_values

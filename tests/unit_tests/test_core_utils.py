@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron.core.utils import named_model_params, unwrap_model
@@ -50,3 +51,71 @@ def test_named_model_params_prefixes_chunks():
     named = named_model_params(chunks)
     assert [name for name, _ in named] == ["chunk0.weight", "chunk0.bias", "chunk1.weight"]
     assert named[2][1] is chunks[1].weight
+
+
+# ---------------------------------------------------------------- megatron-core's version checks and experimental gate
+def test_torch_version_checks_follow_packaging_order():
+    from packaging.version import Version
+
+    from megatron.core.utils import get_torch_version, is_torch_min_version
+
+    installed = Version(torch.__version__)
+    assert get_torch_version() == installed
+    assert is_torch_min_version("2.0") and not is_torch_min_version("99.0")
+    assert is_torch_min_version(torch.__version__)  # equality counts by default
+    assert not is_torch_min_version(torch.__version__, check_equality=False)
+
+
+def test_te_version_checks_with_and_without_transformer_engine(monkeypatch):
+    import sys
+    import types
+
+    from packaging.version import Version
+
+    from megatron.core.utils import get_te_version, is_te_min_version
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import fails: not installed
+    assert get_te_version() is None and not is_te_min_version("0.1")
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.9.0+abc"))
+    assert get_te_version() == Version("2.9.0+abc")
+    assert is_te_min_version("2.9.0") and is_te_min_version("1.13") and not is_te_min_version("2.10")
+    assert not is_te_min_version("2.9.0+abc", check_equality=False)
+
+
+def test_experimental_cls_works_only_while_the_flag_is_on():
+    from megatron.core import config
+    from megatron.core.utils import ExperimentalNotEnabledError, experimental_cls
+
+    class Plain:
+        LIMIT = 3
+
+        def __init__(self, x: int) -> None:
+            self.x = x
+
+        def doubled(self) -> int:
+            return 2 * self.x
+
+    Gated = experimental_cls(introduced_with_version="0.16.0")(Plain)
+    assert config.is_experimental_enabled() is False
+    assert Gated.is_experimental is False
+    for use in (lambda: Gated(1), lambda: Gated.LIMIT):
+        with pytest.raises(ExperimentalNotEnabledError):
+            use()
+    config.set_experimental_flag(True)
+    try:
+        obj = Gated(4)
+        assert obj.doubled() == 8 and obj.x == 4 and Gated.LIMIT == 3 and isinstance(obj, Plain)
+        assert Gated.is_experimental is True and obj.is_experimental is True
+    finally:
+        config.set_experimental_flag(False)
+    with pytest.raises(ExperimentalNotEnabledError):
+        obj.doubled()
+    assert Plain(5).doubled() == 10  # the undecorated class is untouched
+
+
+def test_process_groups_config_path_and_group_helper_without_distributed():
+    from megatron.core import process_groups, process_groups_config
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    assert process_groups_config.ProcessGroupCollection is process_groups.ProcessGroupCollection
+    assert get_tensor_model_parallel_group_if_none(None) is None  # torch.distributed not initialized

@@ -166,3 +166,45 @@ def test_expert_grid_with_expert_tp_equals_megatron_core(tmp_path):
             assert grid.groups(token) == ranks, (case, key)
         # The collection's expert groups are those grids' groups (names of process_groups._EXPERT_GROUPS).
         assert layout.expert_data_parallel_size == case["world"] // (case["etp"] * case["ep"] * case["pp"])
+
+
+def _os_threads() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def _check_group_if_none_helper(rank):
+    """megatron.core.utils.get_tensor_model_parallel_group_if_none: pass-through, then the defaults."""
+    import warnings
+
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none as if_none
+
+    assert if_none(None) is None and if_none(dist.group.WORLD) is dist.group.WORLD  # no default groups yet
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert if_none(None) is groups.tp and if_none(None, is_expert=True) is groups.expt_tp
+    assert [w.category for w in caught] == [DeprecationWarning] * 2 * (rank == 0)
+    assert if_none(groups.dp) is groups.dp
+    ps.destroy_model_parallel()
+
+
+def _init_destroy_cycles(rank, world_size, cycles):
+    import threading
+
+    _check_group_if_none_helper(rank)
+    counts = []
+    for cycle in range(cycles):
+        groups = ps.initialize_model_parallel(tensor_model_parallel_size=1 + cycle % 2)
+        ps.destroy_model_parallel()
+        # The collection's own groups are gone from torch's registry, not just forgotten by us.
+        assert groups.tp not in dist.distributed_c10d._world.pg_map
+        if cycle in (10, cycles - 1):  # after a warm-up, and at the end
+            counts.append((_os_threads(), threading.active_count()))
+    return counts
+
+
+def test_destroy_model_parallel_frees_the_groups_it_built():
+    """200 init/destroy cycles keep a rank's thread count flat (each leaked gloo group holds threads)."""
+    for (os_warm, py_warm), (os_end, py_end) in run_distributed(_init_destroy_cycles, 2, 200):
+        assert os_end <= os_warm + 2 and py_end <= py_warm + 1, (os_warm, os_end, py_warm, py_end)

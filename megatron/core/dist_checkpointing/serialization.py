@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from megatron.core.dist_checkpointing import checksums, nested
+from megatron.core.dist_checkpointing.agreement import agree_on_error
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
 from megatron.core.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
@@ -58,19 +59,6 @@ def read_json(path: str, what: str) -> dict:
     if not isinstance(data, dict):
         raise CheckpointingError(f"{what} is corrupt: {path}: expected a JSON object")
     return data
-
-
-def agree_on_error(error: Optional[str], process_group: Optional[dist.ProcessGroup]) -> None:
-    """Raise on every rank if any rank found an error (each rank's message is kept)."""
-    if not dist.is_initialized():
-        if error:
-            raise CheckpointingError(error)
-        return
-    messages: List[Optional[str]] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(messages, error, group=process_group)
-    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg]
-    if failed:
-        raise CheckpointingError(error or f"rank {failed[0][0]} of the group failed: {failed[0][1]}")
 
 
 def _check_values(sharded_sd: Dict[str, ShardedTensor]) -> None:

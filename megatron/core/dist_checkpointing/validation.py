@@ -37,9 +37,9 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.agreement import agree_on_error
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
-from megatron.core.dist_checkpointing.serialization import agree_on_error
 from megatron.core.utils import comm_device
 
 logger = logging.getLogger(__name__)

@@ -58,11 +58,14 @@ def split_tensor_into_1d_equal_chunks(
 
 
 def gather_split_1d_tensor(tensor: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Inverse of ``split_tensor_into_1d_equal_chunks``: the flat tensor of all ranks' slices."""
+    """Inverse of ``split_tensor_into_1d_equal_chunks``: the flat tensor of all ranks' slices.
+
+    ``tensor`` may have any shape; each rank's piece enters in row-major order.
+    """
     group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
     world = dist.get_world_size(group)
-    out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)  # [world * numel]
+    all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=group)  # gloo needs matching 1-D shapes
     return out
 
 

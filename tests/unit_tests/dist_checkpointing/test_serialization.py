@@ -209,3 +209,34 @@ def _errors_body(rank, world, tmp):
 
 def test_bad_checkpoints_raise_clear_errors_on_every_rank(tmp_path):
     run_distributed(_errors_body, 2, str(tmp_path))
+
+
+AGREEMENT_TIMEOUT_S = 3
+
+
+def _one_rank_raises_before_save(rank, world, tmp):
+    """Rank 2 fails before the collective save; ranks 0 and 1 must give up after the group's timeout."""
+    import time
+    from datetime import timedelta
+
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=AGREEMENT_TIMEOUT_S))
+    dist.barrier(group=group)  # every rank is past group creation; from here on rank 2 only fails
+    if rank == 2:
+        raise RuntimeError("rank 2 fails before the save")
+    state = {"w": ShardedTensor("w", torch.full((2,), float(rank)), (2 * world,), (2 * rank,))}
+    start = time.monotonic()
+    with pytest.raises(CheckpointingError, match=r"rank\(s\) \[2\] did not reach it") as raised:
+        dcp_mc.save(state, os.path.join(tmp, "ckpt"), process_group=group)
+    elapsed = time.monotonic() - start
+    assert AGREEMENT_TIMEOUT_S <= elapsed < AGREEMENT_TIMEOUT_S + 5, elapsed
+    raise RuntimeError(f"rank {rank} stopped after {elapsed:.1f}s: {raised.value}")
+
+
+def test_save_agreement_names_a_rank_that_failed_before_it(tmp_path):
+    """No rank waits forever: the peers of a failed rank stop within the agreement timeout and name it."""
+    with pytest.raises(AssertionError) as failure:  # the harness reports every rank's end
+        run_distributed(_one_rank_raises_before_save, 3, str(tmp_path))
+    report = str(failure.value)
+    assert "hung (killed" not in report and "rank 2 fails before the save" in report
+    for rank in (0, 1):
+        assert f"rank {rank} stopped after" in report and "rank(s) [2] did not reach" in report, report

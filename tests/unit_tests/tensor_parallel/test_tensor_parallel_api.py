@@ -87,6 +87,11 @@ def _check_wrappers_without_group(rank):
     assert view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
     assert copy.untyped_storage().nbytes() == full.untyped_storage().nbytes() // TP
     assert torch.equal(tensor_parallel.gather_split_1d_tensor(copy), full.view(-1))
+    # Any-rank pieces gather flat, in each piece's logical (row-major) order; a transposed view too.
+    pieces = [_rand(90 + r, 2, 4) for r in range(TP)]
+    assert torch.equal(tensor_parallel.gather_split_1d_tensor(pieces[rank]), torch.cat(pieces).view(-1))
+    want = torch.cat([p.t().reshape(-1) for p in pieces])
+    assert torch.equal(tensor_parallel.gather_split_1d_tensor(pieces[rank].t()), want)
 
 
 def _check_broadcast_data(rank):
