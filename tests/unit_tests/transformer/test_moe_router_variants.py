@@ -294,7 +294,7 @@ def test_router_numerics():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(moe_router_enable_expert_bias=True), "moe_router_score_function='sigmoid'"),
+        (dict(moe_router_enable_expert_bias=True), "score_function='softmax': the router's expert bias"),
         (dict(moe_router_num_groups=4), "needs both"),
         (dict(moe_router_num_groups=3, moe_router_group_topk=1), "num_moe_experts=8 must be divisible"),
         (dict(moe_router_num_groups=4, moe_router_group_topk=3), "moe_router_topk=2 must be divisible"),
