@@ -116,11 +116,14 @@ def no_checkpoint_message(load: str) -> str:
     )
 
 
-def checkpoint_required(cfg: CheckpointConfig) -> Optional[str]:
-    """Why this run cannot start from random weights, or None."""
-    if cfg.exit_on_missing_checkpoint:
+def checkpoint_required(exit_on_missing_checkpoint: bool, finetune: bool, skip_train: bool = False) -> Optional[str]:
+    """Why this run cannot start from random weights, or None (the one list of reasons: the load path and
+    the start-up preflight both ask here)."""
+    if exit_on_missing_checkpoint:
         return "--exit-on-missing-checkpoint is set"
-    return "--finetune starts from its weights" if cfg.finetune else None
+    if skip_train:
+        return "nothing is trained (--skip-train: evaluating or serving)"
+    return "--finetune starts from its weights" if finetune else None
 
 
 def iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
@@ -130,7 +133,7 @@ def iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
     found = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
     if found is None:
         refuse_untracked(cfg.load)
-        why = checkpoint_required(cfg)
+        why = checkpoint_required(cfg.exit_on_missing_checkpoint, cfg.finetune)
         if why:
             raise CheckpointingError(f"{no_checkpoint_message(cfg.load)}, and {why}")
     return found

@@ -21,6 +21,7 @@ from typing import Iterator, List, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 from megatron.training.checkpoint_dirs import (  # noqa: F401 - writable_dir_problem re-exported
+    checkpoint_required,
     missing_checkpoint,
     save_dir_problem,
     writable_dir_problem,
@@ -109,12 +110,11 @@ def load_problem(args: argparse.Namespace) -> Optional[str]:
     (``checkpoint_dirs.missing_checkpoint``)."""
     if not getattr(args, "load", None):
         return None
-    reasons = [
-        ("exit_on_missing_checkpoint", "--exit-on-missing-checkpoint is set"),
-        ("skip_train", "nothing is trained (--skip-train: evaluating or serving)"),
-        ("finetune", "--finetune starts from its weights"),
-    ]
-    why = next((text for flag, text in reasons if getattr(args, flag, False)), None)
+    why = checkpoint_required(
+        getattr(args, "exit_on_missing_checkpoint", False),
+        getattr(args, "finetune", False),
+        getattr(args, "skip_train", False),
+    )
     return missing_checkpoint(args.load, getattr(args, "ckpt_step", None), why)
 
 
