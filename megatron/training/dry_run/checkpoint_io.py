@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from megatron.training.checkpoint_formats.base import TORCH
+from megatron.training.checkpoint_formats.registry import get_format
 from megatron.training.dry_run.fake_cuda import Patcher, describe_tensor
 from megatron.training.dry_run.report import CheckpointRuleError, Recorder
 
@@ -43,6 +45,9 @@ _WEIGHTS_ONLY_LEAVES = (type(None), bool, int, float, str, torch.dtype)
 # Modules whose ``dist.get_rank()`` decides who writes checkpoint files.
 RANK0_DUTY_MODULES = (
     "megatron.training.checkpointing",
+    "megatron.training.checkpoint_formats.common",
+    "megatron.training.checkpoint_formats.torch_dist",
+    "megatron.training.checkpoint_formats.torch_legacy",
     "megatron.core.dist_checkpointing.serialization",
     "megatron.core.dist_checkpointing.checksums",
 )
@@ -202,7 +207,7 @@ class CheckpointIO:
         self.acting_as_rank0 = False
 
     def install(self) -> None:
-        from megatron.training import checkpointing, training
+        from megatron.training import training
 
         patcher = self.patcher
         patcher.set(dcp, "save", _dcp_save(self.recorder, dcp.save))
@@ -219,15 +224,13 @@ class CheckpointIO:
         patcher.set(dist, "get_rank", get_rank)
         for name, segment in (("save_checkpoint", "save"), ("load_checkpoint", "load")):
             patcher.set(training, name, self._duties(getattr(training, name), segment))
-        legacy = getattr(checkpointing, "_save_legacy", None)
-        if legacy is not None:
-            patcher.set(
-                checkpointing,
-                "_save_legacy",
-                lambda iter_dir, chunks, optimizer, groups, *rest: legacy(
-                    iter_dir, chunks, optimizer, _DpRankZero(groups), *rest
-                ),
-            )
+        legacy = get_format(TORCH)
+        legacy_save = legacy.save
+        patcher.set(
+            legacy,
+            "save",
+            lambda request: legacy_save(dataclasses.replace(request, groups=_DpRankZero(request.groups))),
+        )
 
     def _duties(self, function: Callable, segment: str) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
