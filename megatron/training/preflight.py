@@ -26,6 +26,7 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401 - writable_dir_pro
     save_dir_problem,
     writable_dir_problem,
 )
+from megatron.training.flags.registry import flags_with
 from megatron.training.validation import ArgumentsError
 
 TRACEBACK_ENV = "MEGATRON_TRACEBACK"
@@ -76,8 +77,8 @@ def data_prefixes(args: argparse.Namespace) -> List[str]:
     from megatron.core.datasets.utils import get_blend_from_list
 
     prefixes: List[str] = []
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        blend = get_blend_from_list(getattr(args, flag, None))
+    for dest in flags_with("data_prefixes"):
+        blend = get_blend_from_list(getattr(args, dest, None))
         prefixes.extend(blend[0] if blend else [])
     return prefixes
 

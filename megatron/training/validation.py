@@ -22,11 +22,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.flags import compatibility
 from megatron.training.flags.registry import (
+    RECORDS,
     bounded_flags,
     config_from_args,
     fills_of,
     flag_names,
     flag_specs,
+    flags_with,
     not_supported_yet,
 )
 from megatron.training.flags_table import FlagSpec
@@ -86,43 +88,44 @@ def check_bounds(args: argparse.Namespace) -> None:
 
 
 def check_deprecated(args: argparse.Namespace) -> None:
-    """Flags Megatron removed: name the replacement instead of guessing."""
-    replaced = {
-        "batch_size": "--micro-batch-size",
-        "warmup": "--lr-warmup-fraction",
-        "model_parallel_size": "--tensor-model-parallel-size",
-        "checkpoint_activations": "--recompute-activations or --recompute-granularity",
-        "dist_ckpt_format_deprecated": "--ckpt-format",
-    }
-    for dest, new in replaced.items():
+    """Flags Megatron removed (their records' ``replaced_by``): name the replacement instead of guessing."""
+    names = flag_names()
+    for dest, record in RECORDS.items():
+        if record.replaced_by is None:
+            continue
         value = getattr(args, dest)
-        _require(
-            value in (None, False),
-            f"--{dest.replace('_deprecated', '').replace('_', '-')}={value!r} is no longer valid: use {new}",
-        )
+        _require(value in (None, False), f"{names[dest]}={value!r} is no longer valid: use {record.replaced_by}")
     if args.use_dist_ckpt_deprecated:
         args.ckpt_format = "torch_dist"
 
 
 def set_encoder_decoder(args: argparse.Namespace) -> None:
     """Megatron's rule: ``--encoder-num-layers`` / ``--encoder-seq-length`` stand for ``--num-layers`` /
-    ``--seq-length`` (one of each pair); the decoder defaults to the encoder's layer count."""
-    for encoder, plain in (("encoder_num_layers", "num_layers"), ("encoder_seq_length", "seq_length")):
+    ``--seq-length`` (records' ``stands_for``; one of each pair); the decoder defaults to the encoder's layer count."""
+    names = flag_names()
+    for encoder, record in RECORDS.items():
+        plain = record.stands_for
+        if plain is None:
+            continue
         given = getattr(args, encoder)
         if given is None:
             setattr(args, encoder, getattr(args, plain))
             continue
-        flags = f"--{encoder.replace('_', '-')}={given} and --{plain.replace('_', '-')}={getattr(args, plain)}"
-        _require(getattr(args, plain) is None, f"{flags}: give one of the two")
+        _require(
+            getattr(args, plain) is None,
+            f"{names[encoder]}={given} and {names[plain]}={getattr(args, plain)}: give one of the two",
+        )
         setattr(args, plain, given)
     if args.decoder_num_layers is None:
         args.decoder_num_layers = args.encoder_num_layers
 
 
 def check_required(args: argparse.Namespace) -> None:
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length"):
-        _require(getattr(args, dest) is not None, f"--{dest.replace('_', '-')} is required")
-        _require(getattr(args, dest) > 0, f"--{dest.replace('_', '-')}={getattr(args, dest)} must be positive")
+    """The flags whose records say ``required``: given, and positive."""
+    names = flag_names()
+    for dest in flags_with("required"):
+        _require(getattr(args, dest) is not None, f"{names[dest]} is required")
+        _require(getattr(args, dest) > 0, f"{names[dest]}={getattr(args, dest)} must be positive")
 
 
 # ----------------------------------------------------------------------------------
@@ -257,14 +260,10 @@ def set_position_embeddings(args: argparse.Namespace) -> None:
 
 def set_moe(args: argparse.Namespace) -> None:
     """One load-balancing type and coefficient (Megatron takes lists); experts default to --ffn-hidden-size."""
-    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+    for dest in flags_with("one_value"):  # Megatron takes a list here
         value = getattr(args, dest)
         if isinstance(value, list):
-            _require(
-                len(value) == 1,
-                f"--{dest.replace('_', '-')}={value!r}: several load-balancing losses "
-                "are not supported yet; give one value",
-            )
+            _require(len(value) == 1, f"{flag_names()[dest]}={value!r}: several values are not supported yet; give one")
             setattr(args, dest, value[0])
     # --num-experts, --moe-router-topk, --moe-layer-freq and the expert FFN size: TransformerConfig's rules.
 
