@@ -27,7 +27,7 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401 - writable_dir_pro
     writable_dir_problem,
 )
 from megatron.training.flags.registry import flags_with
-from megatron.training.validation import ArgumentsError
+from megatron.training.validation import ArgumentsError, flag_names_in_errors
 
 TRACEBACK_ENV = "MEGATRON_TRACEBACK"
 
@@ -59,9 +59,11 @@ def launch_rank(environ: Optional[Mapping[str, str]] = None) -> int:
 
 @contextlib.contextmanager
 def reported_once() -> Iterator[None]:
-    """Let an ``ArgumentsError`` print on one rank; the others exit with status 1 and say nothing."""
+    """Let an ``ArgumentsError`` print on one rank; the others exit with status 1 and say nothing. Any other
+    error that names flag-filled settings (the core's ``Config.field=value``) is rewritten with the flags."""
     try:
-        yield
+        with flag_names_in_errors():  # the core names config fields; the user sees the flags
+            yield
     except ArgumentsError as err:
         if os.environ.get(TRACEBACK_ENV):
             traceback.print_exc(file=sys.stderr)

@@ -249,10 +249,7 @@ class TransformerConfig(ModelParallelConfig):
             if self.embedding_init_method_std is None:
                 self.embedding_init_method_std = self.init_method_std
             if not self.embedding_init_method_std > 0:
-                raise ValueError(
-                    f"embedding_init_method_std={self.embedding_init_method_std} "
-                    "(--embedding-init-method-std): must be positive"
-                )
+                raise ValueError(f"embedding_init_method_std={self.embedding_init_method_std}: must be positive")
             self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
@@ -266,8 +263,7 @@ class TransformerConfig(ModelParallelConfig):
         window = tuple(self.window_size)
         if len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
             raise ValueError(
-                f"window_size={self.window_size!r} (--window-size): need (left, right) integers, "
-                "each >= 0 or -1 for unlimited"
+                f"window_size={self.window_size!r}: need (left, right) integers, each >= 0 or -1 for unlimited"
             )
         self.window_size = window
 

@@ -325,7 +325,7 @@ def test_strictness_values_are_megatrons():
     assert [s.value for s in StrictHandling] == list(
         spec.choices
     ) and spec.default == CheckpointConfig().dist_ckpt_strictness
-    with pytest.raises(ValueError, match="--dist-ckpt-strictness 'strict': must be one of assume_ok_unexpected"):
+    with pytest.raises(ValueError, match="dist_ckpt_strictness='strict': must be one of assume_ok_unexpected"):
         CheckpointConfig(dist_ckpt_strictness="strict")
 
 
