@@ -17,6 +17,7 @@ import dataclasses
 from functools import partial
 from typing import Iterator, List, Optional, Sequence
 
+from megatron.core.activations import gelu_tanh
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.t5_dataset import (
     MockT5MaskedWordPieceDataset,
@@ -31,7 +32,6 @@ from megatron.core.models.T5 import (
     get_t5_v11_encoder_block_spec,
     t5_padding_attention_masks,
 )
-from megatron.core.models.T5.t5_spec import gelu_tanh
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.registry import config_from_args

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron.core.transformer.moe_choices import BALANCE_TYPES, DISPATCHER_TYPES
 from megatron.core.transformer.transformer_config import TransformerConfig as TC
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import num_moe_layers, zero_if_none
@@ -19,8 +20,6 @@ from megatron.training.flags.record import (
 )
 from megatron.training.flags_table import moe_layer_freq
 from megatron.training.training_log import FlopsConfig as FL
-
-_BALANCE_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 RECORDS = (
     Flag("moe_extended_tp", not_yet(False)),
@@ -68,7 +67,7 @@ RECORDS = (
     Flag("moe_z_loss_coeff", IMPLEMENTED, type=float, fills=same(TC)),
     Flag("moe_input_jitter_eps", IMPLEMENTED, type=float, fills=same(TC)),
     # Both implemented (token_dispatcher.py); 'flex' (DeepEP / HybridEP kernels, GPU only) stays refused.
-    Flag("moe_token_dispatcher_type", not_yet("allgather", "alltoall"), fills=same(TC), speed_only=SPEED_RTOL),
+    Flag("moe_token_dispatcher_type", not_yet(*DISPATCHER_TYPES), fills=same(TC), speed_only=SPEED_RTOL),
     Flag("moe_enable_deepep", not_yet(False)),
     Flag("moe_flex_dispatcher_backend", no_op(reasons.KERNEL)),
     Flag("moe_per_layer_logging", not_yet(False)),
@@ -93,7 +92,7 @@ RECORDS = (
     Flag("moe_use_upcycling", not_yet(False)),
     Flag(
         "moe_router_load_balancing_type",
-        not_yet(*_BALANCE_TYPES, *([t] for t in _BALANCE_TYPES)),  # sinkhorn and several at once: refused
+        not_yet(*BALANCE_TYPES, *([t] for t in BALANCE_TYPES)),  # sinkhorn and several at once: refused
         fills=same(TC),
         one_value=True,
     ),
