@@ -70,6 +70,7 @@ def test_the_rule_sees_a_planted_flag_and_spares_docstrings():
         ("tiktoken_pattern=None: TikTokenizer requires one", "--tiktoken-pattern None: TikTokenizer requires one"),
         ("give bf16=True or fp16=True", "give --bf16 or --fp16"),
         ("dist_ckpt_strictness='strict': must be one of", "--dist-ckpt-strictness 'strict': must be one of"),
+        ("verify_checkpoint=False loads it anyway", "--no-verify-checkpoint loads it anyway"),
     ],
 )
 def test_the_cli_translates_fields_to_flags(core, shown):
