@@ -24,13 +24,13 @@ from megatron.core.datasets.bert_dataset import (
     BERTMaskedWordPieceDatasetConfig,
     MockBERTMaskedWordPieceDataset,
 )
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.models.bert import BertModel
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec, bert_layer_post_ln_spec
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 from megatron.training.flags.registry import config_from_args
+from megatron.training.providers import build_datasets, language_model_kwargs, refuse_experts
 from megatron.training.training import pretrain
 from megatron.training.utils import next_batch_on_device
 
@@ -49,38 +49,24 @@ def model_provider(
     """The BERT model (this rank's pipeline stage / virtual chunk) described by the flags."""
     if config.calculate_per_token_loss:
         raise ValueError("--calculate-per-token-loss: pretrain_bert.py averages the loss per micro batch, as Megatron")
-    if config.num_moe_experts:
-        raise ValueError(f"not supported yet: --num-experts={config.num_moe_experts} (BERT layers are dense)")
+    refuse_experts(config, "BERT")
     return BertModel(
         config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,
         transformer_layer_spec=bert_layer_post_ln_spec if args.bert_post_layernorm else bert_layer_local_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
         add_binary_head=args.bert_binary_head,
         vp_stage=vp_stage,
-        pg_collection=pg_collection,
+        **language_model_kwargs(args, pre_process, post_process, pg_collection),
     )
-
-
-def dataset_config(args: argparse.Namespace, tokenizer) -> BERTMaskedWordPieceDatasetConfig:
-    """BERT dataset settings from the data flags (their records say which field each fills; the
-    masking options without a flag take the values Megatron's pretrain_bert.py fixes)."""
-    return config_from_args(BERTMaskedWordPieceDatasetConfig, args, tokenizer=tokenizer)
 
 
 def train_valid_test_datasets_provider(
     num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer, pg_collection=None
 ) -> List:
     """[train, valid, test] masked-LM datasets (synthetic sentences with ``--mock-data``)."""
-    cls = MockBERTMaskedWordPieceDataset if args.mock_data else BERTMaskedWordPieceDataset
-    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, dataset_config(args, tokenizer)).build()
+    # The masking options without a flag take the values Megatron's pretrain_bert.py fixes (registry.NOT_A_FLAG).
+    config = config_from_args(BERTMaskedWordPieceDatasetConfig, args, tokenizer=tokenizer)
+    return build_datasets(num_samples, args, config, BERTMaskedWordPieceDataset, MockBERTMaskedWordPieceDataset)
 
 
 def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tensor):

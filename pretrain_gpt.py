@@ -13,7 +13,6 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -21,6 +20,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 from megatron.training.flags.registry import config_from_args
+from megatron.training.providers import build_datasets, language_model_kwargs
 from megatron.training.theoretical_memory import report_theoretical_memory
 from megatron.training.training import pretrain
 from megatron.training.utils import masked_token_loss, next_batch_on_device
@@ -58,21 +58,13 @@ def model_provider(
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
-        pg_collection=pg_collection,
         vp_stage=vp_stage,
+        **language_model_kwargs(args, pre_process, post_process, pg_collection),
     )
 
 
@@ -85,8 +77,7 @@ def train_valid_test_datasets_provider(
     num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer, pg_collection=None
 ) -> List:
     """[train, valid, test] GPT datasets (mock data with ``--mock-data``)."""
-    cls = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, dataset_config(args, tokenizer)).build()
+    return build_datasets(num_samples, args, dataset_config(args, tokenizer), GPTDataset, MockGPTDataset)
 
 
 loss_func = masked_token_loss  # (loss_mask, output_tensor) -> (loss sum, token count, {"lm loss": [sum, count]})

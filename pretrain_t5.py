@@ -17,7 +17,7 @@ import dataclasses
 from functools import partial
 from typing import Iterator, List, Optional, Sequence
 
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.activations import gelu_tanh
 from megatron.core.datasets.t5_dataset import (
     MockT5MaskedWordPieceDataset,
     T5MaskedWordPieceDataset,
@@ -31,10 +31,10 @@ from megatron.core.models.T5 import (
     get_t5_v11_encoder_block_spec,
     t5_padding_attention_masks,
 )
-from megatron.core.models.T5.t5_spec import gelu_tanh
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.registry import config_from_args
+from megatron.training.providers import build_datasets, language_model_kwargs, refuse_experts
 from megatron.training.training import pretrain
 from megatron.training.utils import masked_token_loss, next_batch_on_device
 
@@ -51,8 +51,7 @@ def model_provider(
     pg_collection=None,
 ) -> T5Model:
     """The T5 model described by the flags (pipeline parallelism is refused by ``T5Model``)."""
-    if config.num_moe_experts:
-        raise ValueError(f"not supported yet: --num-experts={config.num_moe_experts} (T5 layers are dense)")
+    refuse_experts(config, "T5")
     if args.pipeline_model_parallel_size > 1:
         raise ValueError(
             f"not supported yet: --pipeline-model-parallel-size={args.pipeline_model_parallel_size} "
@@ -70,18 +69,10 @@ def model_provider(
         encoder_config=encoder_config,
         transformer_encoder_layer_spec=encoder_spec(args.encoder_num_layers),
         transformer_decoder_layer_spec=decoder_spec(args.decoder_num_layers),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         relative_attention_num_buckets=args.relative_attention_num_buckets,
         relative_attention_max_distance=args.relative_attention_max_distance,
-        pg_collection=pg_collection,
+        **language_model_kwargs(args, pre_process, post_process, pg_collection),
     )
 
 
@@ -104,8 +95,7 @@ def train_valid_test_datasets_provider(
 ) -> List:
     """[train, valid, test] span-corruption datasets (synthetic sentences with ``--mock-data``)."""
     config = config_from_args(T5MaskedWordPieceDatasetConfig, args, tokenizer=tokenizer)
-    cls = MockT5MaskedWordPieceDataset if args.mock_data else T5MaskedWordPieceDataset
-    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
+    return build_datasets(num_samples, args, config, T5MaskedWordPieceDataset, MockT5MaskedWordPieceDataset)
 
 
 def forward_step(data_iterator: Iterator, model: T5Model):

@@ -31,6 +31,7 @@ import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import sys
 import tempfile
 import time
@@ -163,7 +164,17 @@ def build_tokenizer(tokenizer_type: str, kwargs: Dict[str, Any]) -> Any:
     try:
         return _build(tokenizer_type, **kwargs)
     except Exception as e:  # any library's loading error: report it as a usage problem
-        raise UsageError(f"cannot build {tokenizer_type}: {type(e).__name__}: {e}") from None
+        raise UsageError(f"cannot build {tokenizer_type}: {type(e).__name__}: {_as_flags(str(e))}") from None
+
+
+def _as_flags(message: str) -> str:
+    """The core names ``build_tokenizer``'s keywords (``vocab_file=...``); this tool's flags are ``--vocab-file``."""
+    return re.sub(r"(?<![\w.-])([a-z_]+)=", lambda m: _flag(m.group(1)), message)
+
+
+def _flag(name: str) -> str:
+    known = name == "tokenizer_type" or name in TOKENIZER_KEYWORDS
+    return "--" + name.replace("_", "-") + "=" if known else name + "="
 
 
 # --------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ _FEATURE_LIST = (
 )
 FEATURES: Dict[str, Feature] = {f.name: f for f in _FEATURE_LIST}
 
-_HALF_OUTPUTS = "the low-precision GEMMs write bf16/fp16 outputs: give --bf16 or --fp16"
+_HALF_OUTPUTS = "the low-precision GEMMs write bf16/fp16 outputs: give bf16=True or fp16=True"
 REFUSED: Tuple[Refused, ...] = (
     # precision
     Refused("fp4", "fp8", "one low-precision GEMM format at a time: choose FP8 or FP4"),
@@ -113,11 +113,15 @@ REFUSED: Tuple[Refused, ...] = (
     Refused(
         "first_last_bf16",
         "fp8_delayed",
-        "Megatron refuses it too: use --fp8-recipe tensorwise, blockwise or mxfp8",
+        "Megatron refuses it too: use fp8_recipe='tensorwise', 'blockwise' or 'mxfp8'",
     ),
     # FP8 parameter all-gather
     Refused("fp8_param_gather", "fp4", "not supported yet (FP4 weights)"),
-    Refused("fp8_param_gather", "no_fp8", "FP8 weights need FP8 training (Megatron refuses it without --fp8-format)"),
+    Refused(
+        "fp8_param_gather",
+        "no_fp8",
+        "FP8 weights need FP8 training (Megatron refuses it without TransformerConfig.fp8)",
+    ),
     Refused(
         "fp8_param_gather",
         "fp8_not_per_tensor",
@@ -130,7 +134,7 @@ REFUSED: Tuple[Refused, ...] = (
     ),
     Refused("overlap_param_gather", "no_dist_opt", "only the distributed optimizer all-gathers parameters"),
     # recomputation
-    Refused("full_recompute", "no_recompute_method", "full recomputation needs --recompute-method uniform or block"),
+    Refused("full_recompute", "no_recompute_method", "full recomputation needs recompute_method='uniform' or 'block'"),
     Refused("recompute_method", "not_full_recompute", "a recomputation method applies to full recomputation only"),
     Refused("distribute_saved", "not_full_recompute", "only full recomputation saves layer inputs to split"),
     Refused("distribute_saved", "tp1", "the saved inputs are split over tensor-parallel ranks: needs TP > 1"),
@@ -144,7 +148,7 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("mla", "rotary_interleaved", "MLA de-interleaves its rotary channels itself"),
     Refused("mla", "qkv_bias", "MLA's projections have no QKV bias"),
     Refused("yarn", "not_mla", "YaRN is built for multi-latent attention only"),
-    Refused("rope_scaling", "mla", "MLA scales its RoPE with --rope-type yarn"),
+    Refused("rope_scaling", "mla", "MLA scales its RoPE with rope_type='yarn'"),
     # MoE
     Refused("expert_bias", "softmax_router", "the expert bias is defined for sigmoid router scores"),
     Refused("pad_to_capacity", "dropless", "padding to the capacity needs a capacity factor"),
@@ -153,7 +157,11 @@ REFUSED: Tuple[Refused, ...] = (
     # checkpoints and layouts
     Refused("ckpt_torch", "ep", "not supported yet: per-rank files cannot hold EP shards (use torch_dist)"),
     Refused("ckpt_torch", "etp_differs", "not supported yet: per-rank files assume expert-TP = TP (use torch_dist)"),
-    Refused("vpp", "pp1", "virtual stages interleave pipeline stages: needs --pipeline-model-parallel-size > 1"),
+    Refused(
+        "vpp",
+        "pp1",
+        "virtual stages interleave pipeline stages: needs TransformerConfig.pipeline_model_parallel_size > 1",
+    ),
 )
 
 

@@ -120,13 +120,13 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         super().__init__(micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank)
         if start_global_batch_size < 1 or batch_size_increment < 1 or ramup_samples < 0:
             raise BatchSizeError(
-                f"--rampup-batch-size {start_global_batch_size} {batch_size_increment} {ramup_samples}: "
+                f"rampup_batch_size=[{start_global_batch_size}, {batch_size_increment}, {ramup_samples}]: "
                 "start and increment must be positive and the number of samples non-negative"
             )
         diff = global_batch_size - start_global_batch_size
         if diff < 0 or diff % batch_size_increment:
             raise BatchSizeError(
-                f"--rampup-batch-size: global batch size ({global_batch_size}) minus start "
+                f"rampup_batch_size: global batch size ({global_batch_size}) minus start "
                 f"({start_global_batch_size}) must be a non-negative multiple of the increment "
                 f"({batch_size_increment})"
             )
@@ -172,7 +172,7 @@ def build_num_microbatches_calculator(
             global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank
         )
     if len(rampup_batch_size) != 3:
-        raise BatchSizeError(f"--rampup-batch-size {rampup_batch_size}: expected 3 values: start increment samples")
+        raise BatchSizeError(f"rampup_batch_size={rampup_batch_size}: expected 3 values: start increment samples")
     start, increment, samples = (int(v) for v in rampup_batch_size)
     return RampupBatchsizeNumMicroBatchesCalculator(
         global_batch_size,

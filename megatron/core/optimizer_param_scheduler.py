@@ -80,7 +80,7 @@ class OptimizerParamScheduler:
         if not 0.0 <= self.min_lr <= self.max_lr:
             raise ValueError(f"min_lr={self.min_lr}, max_lr={self.max_lr}: need 0 <= min_lr <= max_lr")
         if self.init_lr > self.max_lr:
-            raise ValueError(f"init_lr={self.init_lr} (--lr-warmup-init) must not exceed max_lr={self.max_lr}")
+            raise ValueError(f"OptimizerParamScheduler.init_lr={self.init_lr} must not exceed max_lr={self.max_lr}")
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style={self.lr_decay_style!r}: must be one of {LR_DECAY_STYLES}")
         if self.lr_decay_steps <= 0 or not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
@@ -91,7 +91,8 @@ class OptimizerParamScheduler:
         if self.lr_decay_style == "WSD":
             if self.wsd_decay_steps is None or self.lr_wsd_decay_style is None:
                 raise ValueError(
-                    "lr_decay_style='WSD' needs wsd_decay_steps (--lr-wsd-decay-iters/-samples) and lr_wsd_decay_style"
+                    "lr_decay_style='WSD' needs OptimizerParamScheduler.wsd_decay_steps and "
+                    "OptimizerParamScheduler.lr_wsd_decay_style"
                 )
             wsd_anneal_coefficient(self.lr_wsd_decay_style, 0.0)  # validates the style name
         if not 0.0 <= self.start_wd <= self.end_wd:
@@ -102,7 +103,7 @@ class OptimizerParamScheduler:
             raise ValueError(f"wd_incr_style='constant' needs start_wd == end_wd, got {self.start_wd}, {self.end_wd}")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError(
-                "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive"
+                "override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True are mutually exclusive"
             )
 
     def get_wd(self) -> float:
@@ -172,8 +173,8 @@ class OptimizerParamScheduler:
         if not self.use_checkpoint_opt_param_scheduler and current != saved:
             raise ValueError(
                 f"OptimizerParamScheduler: {name}={current} from the arguments but {saved} in the "
-                "checkpoint; pass --use-checkpoint-opt-param-scheduler or "
-                "--override-opt-param-scheduler"
+                "checkpoint; set use_checkpoint_opt_param_scheduler=True or "
+                "override_opt_param_scheduler=True"
             )
         return saved
 

@@ -26,7 +26,8 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401 - writable_dir_pro
     save_dir_problem,
     writable_dir_problem,
 )
-from megatron.training.validation import ArgumentsError
+from megatron.training.flags.registry import flags_with
+from megatron.training.validation import ArgumentsError, flag_names_in_errors
 
 TRACEBACK_ENV = "MEGATRON_TRACEBACK"
 
@@ -58,9 +59,11 @@ def launch_rank(environ: Optional[Mapping[str, str]] = None) -> int:
 
 @contextlib.contextmanager
 def reported_once() -> Iterator[None]:
-    """Let an ``ArgumentsError`` print on one rank; the others exit with status 1 and say nothing."""
+    """Let an ``ArgumentsError`` print on one rank; the others exit with status 1 and say nothing. Any other
+    error that names flag-filled settings (the core's ``Config.field=value``) is rewritten with the flags."""
     try:
-        yield
+        with flag_names_in_errors():  # the core names config fields; the user sees the flags
+            yield
     except ArgumentsError as err:
         if os.environ.get(TRACEBACK_ENV):
             traceback.print_exc(file=sys.stderr)
@@ -76,8 +79,8 @@ def data_prefixes(args: argparse.Namespace) -> List[str]:
     from megatron.core.datasets.utils import get_blend_from_list
 
     prefixes: List[str] = []
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        blend = get_blend_from_list(getattr(args, flag, None))
+    for dest in flags_with("data_prefixes"):
+        blend = get_blend_from_list(getattr(args, dest, None))
         prefixes.extend(blend[0] if blend else [])
     return prefixes
 

@@ -9,9 +9,10 @@ and a non-zero exit code, and ``except Exception`` blocks do not swallow it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,12 +23,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.checkpoint_formats.base import TORCH_DIST
 from megatron.training.flags import compatibility
+from megatron.training.flags.record import Fill
 from megatron.training.flags.registry import (
+    CONFIG_TARGETS,
+    RECORDS,
     bounded_flags,
     config_from_args,
     fills_of,
     flag_names,
     flag_specs,
+    flags_with,
     not_supported_yet,
 )
 from megatron.training.flags_table import FlagSpec
@@ -87,43 +92,44 @@ def check_bounds(args: argparse.Namespace) -> None:
 
 
 def check_deprecated(args: argparse.Namespace) -> None:
-    """Flags Megatron removed: name the replacement instead of guessing."""
-    replaced = {
-        "batch_size": "--micro-batch-size",
-        "warmup": "--lr-warmup-fraction",
-        "model_parallel_size": "--tensor-model-parallel-size",
-        "checkpoint_activations": "--recompute-activations or --recompute-granularity",
-        "dist_ckpt_format_deprecated": "--ckpt-format",
-    }
-    for dest, new in replaced.items():
+    """Flags Megatron removed (their records' ``replaced_by``): name the replacement instead of guessing."""
+    names = flag_names()
+    for dest, record in RECORDS.items():
+        if record.replaced_by is None:
+            continue
         value = getattr(args, dest)
-        _require(
-            value in (None, False),
-            f"--{dest.replace('_deprecated', '').replace('_', '-')}={value!r} is no longer valid: use {new}",
-        )
+        _require(value in (None, False), f"{names[dest]}={value!r} is no longer valid: use {record.replaced_by}")
     if args.use_dist_ckpt_deprecated:
         args.ckpt_format = TORCH_DIST
 
 
 def set_encoder_decoder(args: argparse.Namespace) -> None:
     """Megatron's rule: ``--encoder-num-layers`` / ``--encoder-seq-length`` stand for ``--num-layers`` /
-    ``--seq-length`` (one of each pair); the decoder defaults to the encoder's layer count."""
-    for encoder, plain in (("encoder_num_layers", "num_layers"), ("encoder_seq_length", "seq_length")):
+    ``--seq-length`` (records' ``stands_for``; one of each pair); the decoder defaults to the encoder's layer count."""
+    names = flag_names()
+    for encoder, record in RECORDS.items():
+        plain = record.stands_for
+        if plain is None:
+            continue
         given = getattr(args, encoder)
         if given is None:
             setattr(args, encoder, getattr(args, plain))
             continue
-        flags = f"--{encoder.replace('_', '-')}={given} and --{plain.replace('_', '-')}={getattr(args, plain)}"
-        _require(getattr(args, plain) is None, f"{flags}: give one of the two")
+        _require(
+            getattr(args, plain) is None,
+            f"{names[encoder]}={given} and {names[plain]}={getattr(args, plain)}: give one of the two",
+        )
         setattr(args, plain, given)
     if args.decoder_num_layers is None:
         args.decoder_num_layers = args.encoder_num_layers
 
 
 def check_required(args: argparse.Namespace) -> None:
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length"):
-        _require(getattr(args, dest) is not None, f"--{dest.replace('_', '-')} is required")
-        _require(getattr(args, dest) > 0, f"--{dest.replace('_', '-')}={getattr(args, dest)} must be positive")
+    """The flags whose records say ``required``: given, and positive."""
+    names = flag_names()
+    for dest in flags_with("required"):
+        _require(getattr(args, dest) is not None, f"{names[dest]} is required")
+        _require(getattr(args, dest) > 0, f"{names[dest]}={getattr(args, dest)} must be positive")
 
 
 # ----------------------------------------------------------------------------------
@@ -258,14 +264,10 @@ def set_position_embeddings(args: argparse.Namespace) -> None:
 
 def set_moe(args: argparse.Namespace) -> None:
     """One load-balancing type and coefficient (Megatron takes lists); experts default to --ffn-hidden-size."""
-    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+    for dest in flags_with("one_value"):  # Megatron takes a list here
         value = getattr(args, dest)
         if isinstance(value, list):
-            _require(
-                len(value) == 1,
-                f"--{dest.replace('_', '-')}={value!r}: several load-balancing losses "
-                "are not supported yet; give one value",
-            )
+            _require(len(value) == 1, f"{flag_names()[dest]}={value!r}: several values are not supported yet; give one")
             setattr(args, dest, value[0])
     # --num-experts, --moe-router-topk, --moe-layer-freq and the expert FFN size: TransformerConfig's rules.
 
@@ -425,39 +427,77 @@ def check_context_parallel(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------
 # The configs' own rules, with flag names.
 # ----------------------------------------------------------------------------------
-_SETTING = re.compile(r"(?<![\w-])([a-z][a-z0-9_]*)=(\([^)]*\)|\[[^\]]*\]|'[^']*'|[^\s,:;]+)")
+# ``field=value``, optionally ``Config.field=value``; and a bare ``Config.field`` (how the core names its settings).
+_SETTING = re.compile(r"(?<![\w.-])(?:([A-Z]\w*)\.)?([a-z][a-z0-9_]*)=(\([^)]*\)|\[[^\]]*\]|'[^']*'|[^\s,:;]+)")
+_FIELD = re.compile(r"(?<![\w.-])([A-Z]\w*)\.([a-z][a-z0-9_]*)(?![\w=])")
 
 
-def _as_flag(target: Optional[type], name: str, value: str, specs: Dict[str, FlagSpec]) -> Optional[str]:
-    """``field=value`` of ``target`` (a flag destination when None) as the user wrote it; None if no flag fills it."""
-    source = fills_of(target).get(name) if target is not None else (name, None) if name in specs else None
+def _config_class(name: str) -> Optional[type]:
+    """The config built from flags that is, or derives from, the class called ``name`` (None: no such config)."""
+    return next((t for t in CONFIG_TARGETS if any(base.__name__ == name for base in t.__mro__)), None)
+
+
+def _source(target: Optional[type], name: str, specs: Dict[str, FlagSpec]) -> Optional[Tuple[str, Optional[Fill]]]:
+    """(flag dest, fill) behind field ``name`` of ``target`` (a flag destination when None); None if no flag."""
+    if target is not None:
+        return fills_of(target).get(name)
+    return (name, None) if name in specs else None
+
+
+def _as_flag(target: Optional[type], name: str, value: Optional[str], specs: Dict[str, FlagSpec]) -> Optional[str]:
+    """``field=value`` (``value`` None: the bare field) as the user wrote it; None if no flag fills it."""
+    source = _source(target, name, specs)
     if source is None:
         return None
     dest, fill = source
     spec = specs[dest]
     if fill is not None and fill.derive is not None:
-        return f"{name}={value} (from {spec.name})"
-    if (spec.action, value) in (("storetrue", "True"), ("storefalse", "False")):
+        return f"{name} (from {spec.name})" if value is None else f"{name}={value} (from {spec.name})"
+    if value is None or (spec.action, value) in (("storetrue", "True"), ("storefalse", "False")):
         return spec.name
     return f"{spec.name} {value}" if spec.action == "store" else f"{spec.name} ({name}={value})"
 
 
 def flag_message(target: Optional[type], message: str) -> str:
-    """A config's error with each ``field=value`` of a flag-filled field rewritten as ``--flag value``.
+    """An error of the core with each setting it names rewritten as the flag the user typed: the one place
+    where config field names become flags.
 
-    With ``target`` None the names are flag destinations (a rule of the core on plain settings).
+    ``field=value`` of ``target`` (flag destinations when None) becomes ``--flag value``; ``Config.field=value``
+    and a bare ``Config.field`` name the field of that config, whatever ``target``.
     """
     specs = {spec.dest: spec for spec in flag_specs()}
 
     def rewrite(match: re.Match) -> str:
-        flag = _as_flag(target, match.group(1), match.group(2), specs)
+        owner = _config_class(match.group(1)) if match.group(1) else target
+        flag = None if match.group(1) and owner is None else _as_flag(owner, match.group(2), match.group(3), specs)
         return match.group(0) if flag is None else flag
 
-    text = _SETTING.sub(rewrite, message)
+    def rewrite_field(match: re.Match) -> str:
+        owner = _config_class(match.group(1))
+        flag = None if owner is None else _as_flag(owner, match.group(2), None, specs)
+        return match.group(0) if flag is None else flag
+
+    text = _FIELD.sub(rewrite_field, _SETTING.sub(rewrite, message))
     for name in re.findall(r" \((--[a-z0-9-]+)\)", text):  # the core's own hint, now said once
         if text.count(name) > 1:
             text = text.replace(f" ({name})", "", 1)
     return text
+
+
+@contextlib.contextmanager
+def flag_names_in_errors() -> Iterator[None]:
+    """Let an error of the core that names flag-filled settings reach the user with the flags instead
+    (same exception and traceback, its text rewritten by ``flag_message``)."""
+    try:
+        yield
+    except ArgumentsError:
+        raise  # already said with flags
+    except Exception as err:
+        if err.args and isinstance(err.args[0], str):
+            text = flag_message(None, err.args[0])
+            if text != err.args[0]:
+                err.args = (text, *err.args[1:])
+        raise
 
 
 CHECKED_CONFIGS = (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig, CheckpointConfig, LoggingConfig)
@@ -502,7 +542,7 @@ def check_compatibility(args: argparse.Namespace) -> None:
     Runs before the configs are built, so the message names both flags rather than config fields.
     """
     message = compatibility.refused_message(args)
-    _require(message is None, message or "")
+    _require(message is None, flag_message(None, message or ""))
 
 
 STEPS: List[Callable[[argparse.Namespace], None]] = [

@@ -502,7 +502,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             written = read_hf_config(args.hf_dir_out)["architectures"][0]
             print(f"wrote {args.hf_dir_out} ({written}, vocabulary {vocab})")
     except (ConversionError, CheckpointingError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # The core names its setting; this tool's flag for it is --no-verify-checkpoint.
+        print(f"error: {str(e).replace('verify_checkpoint=False', '--no-verify-checkpoint')}", file=sys.stderr)
         return 2
     return 0
 

@@ -15,10 +15,8 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch.nn.functional as F
-
+from megatron.core.activations import activation, activation_name
 from megatron.core.tokenizers.gpt2_bpe import EOD_TOKEN
-from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
 from tools.checkpoint import deepseek, llama_family
 from tools.checkpoint.checks import check_hf_config, check_model_args, head_size
@@ -372,7 +370,7 @@ def _bert_config(args: Args, vocab_size: int) -> Any:
 
 def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
     """Keyword arguments of ``GPTModel`` (TP=1) for the model ``args`` describes."""
-    activation = F.silu if args.get("swiglu") else (openai_gelu if args.get("openai_gelu") else F.gelu)
+    chosen = activation(activation_name(*(bool(args.get(k)) for k in ("swiglu", "squared_relu", "openai_gelu"))))
     return dict(
         num_layers=args["num_layers"],
         hidden_size=args["hidden_size"],
@@ -382,7 +380,7 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         kv_channels=args.get("kv_channels"),
         normalization=args["normalization"],
         gated_linear_unit=bool(args.get("swiglu")),
-        activation_func=activation,
+        activation_func=chosen,
         add_bias_linear=args["add_bias_linear"],
         add_qkv_bias=bool(args.get("add_qkv_bias")),
         qk_layernorm=bool(args.get("qk_layernorm")),

@@ -124,7 +124,7 @@ class BlendedMegatronDatasetBuilder:
             if wanted[i] and low_level is not None and ranges[i][0] == ranges[i][1]:
                 raise ValueError(
                     f"split {split.name}: no documents ({ranges[i]} of {num_documents} in "
-                    f"{prefix}) but {sizes[i]} samples requested; change --split"
+                    f"{prefix}) but {sizes[i]} samples requested; change BlendedMegatronDatasetConfig.split"
                 )
             if wanted[i]:
                 indices = np.arange(ranges[i][0], ranges[i][1], dtype=np.int64) if low_level is not None else None

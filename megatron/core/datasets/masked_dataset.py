@@ -74,7 +74,8 @@ class MaskedWordPieceDatasetConfig(BlendedMegatronDatasetConfig):
         if missing:
             raise ValueError(
                 f"tokenizer {type(self.tokenizer).__name__} lacks {', '.join(missing)}: masked-LM data needs a "
-                "WordPiece vocabulary with [CLS], [SEP] and [MASK] (--tokenizer-type BertWordPieceLowerCase/Case)"
+                "WordPiece vocabulary with [CLS], [SEP] and [MASK] "
+                "(tokenizer_type='BertWordPieceLowerCase' or 'BertWordPieceCase')"
             )
         if not 0.0 < self.masking_probability < 1.0:
             raise ValueError(f"masking_probability={self.masking_probability}: must be in (0, 1)")
@@ -196,11 +197,12 @@ class MaskedWordPieceDataset(MegatronDataset):
                 f"{where}: every document has fewer than {min_sentences} sentences, but the classification "
                 "head (next-sentence / sentence-order prediction) needs two per sample. Preprocess the data "
                 "with tools/preprocess_data.py --split-sentences, or set classification_head=False "
-                "(--bert-no-binary-head)."
+                "(bert_binary_head=False)."
             )
         raise ValueError(
             f"{where}: no document gives a sample: each is empty or has a sentence longer than "
-            f"{LONG_SENTENCE_LEN} tokens (such documents are skipped). Preprocess with --split-sentences."
+            f"{LONG_SENTENCE_LEN} tokens (such documents are skipped). Preprocess with "
+            "tools/preprocess_data.py --split-sentences."
         )
 
     def _word_candidates(self, token_ids: List[int]) -> List[List[int]]:

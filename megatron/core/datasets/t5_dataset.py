@@ -53,8 +53,8 @@ class T5MaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
         length = self.sequence_length_decoder
         if not isinstance(length, int) or isinstance(length, bool) or length < 2:
             raise ValueError(
-                f"sequence_length_decoder={length!r}: must be an integer >= 2 ([BOS] and one sentinel; "
-                "--decoder-seq-length)"
+                f"T5MaskedWordPieceDatasetConfig.sequence_length_decoder={length!r}: must be an integer >= 2 "
+                "([BOS] and one sentinel)"
             )
         missing = [name for name in ("bos", "eos") if special_token(self.tokenizer, name) is None]
         if missing:
@@ -62,7 +62,7 @@ class T5MaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
         if not list(getattr(self.tokenizer, "additional_special_tokens_ids", None) or []):
             raise ValueError(
                 f"tokenizer {type(self.tokenizer).__name__} has no sentinel tokens (additional_special_tokens_ids "
-                "is empty): T5 span corruption needs them; build the tokenizer with --vocab-extra-ids N "
+                "is empty): T5 span corruption needs them; build the tokenizer with vocab_extra_ids=N "
                 "(Megatron's T5 examples use 100)"
             )
 
@@ -122,7 +122,8 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
         if len(spans) > len(self._sentinels):
             raise ValueError(
                 f"sample {idx}: {len(spans)} masked spans but the tokenizer has only {len(self._sentinels)} "
-                "sentinels: raise --vocab-extra-ids (megatron-core fails here with an IndexError)"
+                f"sentinels (vocab_extra_ids={len(self._sentinels)}): raise it "
+                "(megatron-core fails here with an IndexError)"
             )
         encoder: List[int] = []
         targets: List[int] = []
@@ -141,8 +142,9 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
         used = len(targets) + 1
         if used > dec_length:
             raise ValueError(
-                f"sequence_length_decoder={dec_length}: a sample needs {used} decoder tokens ([BOS], sentinels "
-                "and masked tokens): raise --decoder-seq-length (megatron-core fails here with an AssertionError)"
+                f"T5MaskedWordPieceDatasetConfig.sequence_length_decoder={dec_length}: a sample needs {used} "
+                "decoder tokens ([BOS], sentinels and masked tokens): raise it (megatron-core fails here with an "
+                "AssertionError)"
             )
         pad = self._pad_token_id
         text_enc = _padded(encoder, enc_length, pad)

@@ -135,5 +135,5 @@ def verify_files(checkpoint_dir: str, files: Mapping[str, Mapping], names: List[
             raise CheckpointingError(
                 f"checkpoint file corrupt: {path}: {ALGORITHM} {actual} differs from "
                 f"{entry[ALGORITHM]} recorded in {where} (flipped bits or a damaged copy); "
-                "--no-verify-checkpoint loads it anyway"
+                "verify_checkpoint=False loads it anyway"
             )

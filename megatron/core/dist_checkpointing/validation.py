@@ -79,7 +79,7 @@ def parse_strictness(value: str) -> StrictHandling:
         return StrictHandling(value)
     except ValueError:
         raise ValueError(
-            f"--dist-ckpt-strictness {value!r}: must be one of {', '.join(s.value for s in StrictHandling)}"
+            f"dist_ckpt_strictness={value!r}: must be one of {', '.join(s.value for s in StrictHandling)}"
         ) from None
 
 
@@ -118,11 +118,11 @@ def _unexpected_error(keys: List[str], strict: StrictHandling, where: str) -> Op
     message = f"{len(keys)} tensor(s) of this model are not in the checkpoint {where}: {_shown(keys)}"
     if strict in _RAISE_ON_UNEXPECTED:
         return (
-            message + f" (--dist-ckpt-strictness {strict.value}; log_unexpected loads the others and keeps "
+            message + f" (dist_ckpt_strictness={strict.value}; log_unexpected loads the others and keeps "
             "these at their initial values)"
         )
     if strict is not StrictHandling.IGNORE_ALL:
-        logger.warning("%s; they keep their initial values (--dist-ckpt-strictness %s)", message, strict.value)
+        logger.warning("%s; they keep their initial values (dist_ckpt_strictness=%s)", message, strict.value)
     return None
 
 
@@ -133,14 +133,14 @@ def _handle_missing(keys: List[str], strict: StrictHandling, where: str) -> None
     if strict in _RAISE_ON_MISSING:
         raise CheckpointingError(
             f"{message}: {_shown(keys)}; the checkpoint holds another architecture (e.g. a learned position table "
-            f"under --position-embedding-type rope). --dist-ckpt-strictness {strict.value} refuses this; "
+            f"under position_embedding_type='rope'). dist_ckpt_strictness={strict.value} refuses this; "
             "raise_unexpected or log_all loads it anyway"
         )
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
     if strict in _WARN_ON_MISSING and first_rank:
-        logger.warning("%s, not loaded: %s (--dist-ckpt-strictness %s)", message, _shown(keys), strict.value)
+        logger.warning("%s, not loaded: %s (dist_ckpt_strictness=%s)", message, _shown(keys), strict.value)
     elif strict is not StrictHandling.IGNORE_ALL and first_rank:
-        logger.info("%s, not loaded (--dist-ckpt-strictness %s)", message, strict.value)
+        logger.info("%s, not loaded (dist_ckpt_strictness=%s)", message, strict.value)
 
 
 def apply_strictness(

@@ -123,8 +123,8 @@ def _high_precision_wgrad(cls: type, wgrad: bool) -> Dict[str, Tuple[bool, bool,
         return {}
     if "override_linear_precision" not in {f.name for f in dataclasses.fields(cls)}:
         raise ValueError(
-            f"fp8_wgrad=False (--no-fp8-wgrad): Transformer Engine's {cls.__name__} here has no "
-            "override_linear_precision to keep weight gradients in high precision; use --transformer-impl local"
+            f"fp8_wgrad=False: Transformer Engine's {cls.__name__} here has no "
+            "override_linear_precision to keep weight gradients in high precision; use transformer_impl='local'"
         )
     return {"override_linear_precision": (False, False, True)}
 
@@ -345,5 +345,6 @@ def _check_state_size(module: torch.nn.Module, state: torch.Tensor) -> None:
     if state.numel() != module.fp8_state_size:
         raise ValueError(
             f"{type(module).__name__}: FP8 state has {state.numel()} values, this config expects "
-            f"{module.fp8_state_size} (saved with another --fp8-recipe or --fp8-amax-history-len?)"
+            f"{module.fp8_state_size} (saved with another TransformerConfig.fp8_recipe or "
+            "TransformerConfig.fp8_amax_history_len?)"
         )

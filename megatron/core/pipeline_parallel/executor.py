@@ -18,12 +18,12 @@ from megatron.core.pipeline_parallel.microbatch import (
     ScheduleArgs,
     as_chunk_list,
     as_iterator_list,
-    backward_step,
     context_parallel_group,
     deallocate_output,
     finalize_grads,
-    forward_step,
     get_model_config,
+    run_backward,
+    run_forward,
 )
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
 from megatron.core.quantization.step import quantized_step
@@ -107,7 +107,7 @@ class _PipelineRun:
             input_tensor = self.inbox.pop((st.FORWARD, op.microbatch, stage - 1))  # [s, b, h]
             input_tensor.requires_grad_(not self.forward_only)
         with torch.set_grad_enabled(not self.forward_only):
-            output, tokens = forward_step(
+            output, tokens = run_forward(
                 self.forward_step_func,
                 self.iterators[op.chunk],
                 self.chunks[op.chunk],
@@ -129,7 +129,7 @@ class _PipelineRun:
         stage, first, last = self._stage(op)
         input_tensor, output = self.saved.pop((op.microbatch, op.chunk))
         grad = None if last else self.inbox.pop((st.BACKWARD, op.microbatch, stage + 1))
-        input_grad = backward_step(input_tensor, output, grad, self.config)
+        input_grad = run_backward(input_tensor, output, grad, self.config)
         if not first:
             self.outbox[(st.BACKWARD, op.microbatch, stage)] = input_grad
 

@@ -1,7 +1,7 @@
 """The per-microbatch primitives that every schedule runs: one forward, one backward, and their helpers.
 
-``forward_step`` runs the model on one microbatch and, on the last stage, scales its loss (see the
-loss convention in ``schedules``); ``backward_step`` back-propagates it; ``deallocate_output`` frees a
+``run_forward`` runs the model on one microbatch and, on the last stage, scales its loss (see the
+loss convention in ``schedules``); ``run_backward`` back-propagates it; ``deallocate_output`` frees a
 sent activation. ``schedules`` (no pipelining, the schedule selection) and ``executor`` (the
 pipelined tables) both build on this module, and neither imports the other's internals.
 """
@@ -177,7 +177,7 @@ def set_aux_loss_scale(
     tracker.set_loss_scale(scale)
 
 
-def forward_step(
+def run_forward(
     forward_step_func: Callable,
     data_iterator: Optional[Iterator],
     model: torch.nn.Module,
@@ -189,7 +189,8 @@ def forward_step(
     collect_non_loss_data: bool = False,
     cp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Run one microbatch through ``model``; on the last stage apply the loss function.
+    """Run one microbatch through ``model``; on the last stage apply the loss function. (Megatron-core's
+    positional ``forward_step`` in ``schedules.py`` wraps this; the schedules call it directly.)
 
     ``cp_group``: the context-parallel group when CP > 1 (see the module docstring), else None.
 
@@ -236,7 +237,7 @@ def calc_loss(
     return loss, num_tokens
 
 
-def backward_step(
+def run_backward(
     input_tensor: Optional[torch.Tensor],
     output_tensor: torch.Tensor,
     output_tensor_grad: Optional[torch.Tensor],

@@ -150,13 +150,13 @@ def forward_backward_no_pipelining(
     def one(grad_enabled: bool) -> None:
         nonlocal total_tokens
         with torch.set_grad_enabled(grad_enabled):
-            output, tokens = microbatch.forward_step(
+            output, tokens = microbatch.run_forward(
                 forward_step_func, iterator, chunks[0], num_microbatches, None, store, config,
                 collect_non_loss_data=collect_non_loss_data, cp_group=cp_group,
             )  # fmt: skip
         total_tokens = total_tokens + tokens
         if not forward_only:
-            microbatch.backward_step(None, output, None, config)
+            microbatch.run_backward(None, output, None, config)
 
     with quantized_step(chunks):  # FP8: weights quantized once, amax reductions batched
         if forward_only:
@@ -252,7 +252,7 @@ def forward_step(
     vp_stage: Optional[int] = None,
     is_last_stage: bool = True,
 ) -> tuple:
-    """Run one microbatch (``microbatch.forward_step``) with Megatron-core's arguments.
+    """Run one microbatch (``microbatch.run_forward``) with Megatron-core's arguments.
 
     ``is_first_microbatch`` marks a new step as in Megatron (``set_is_first_microbatch``: weights
     cached for FP8 are quantized again); ``vp_stage`` only steers a consistency check upstream: no
@@ -272,7 +272,7 @@ def forward_step(
         set_current_microbatch(model, current_microbatch)
     if is_first_microbatch and hasattr(unwrap_model(model), "set_is_first_microbatch"):
         unwrap_model(model).set_is_first_microbatch()
-    return microbatch.forward_step(
+    return microbatch.run_forward(
         forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
         is_last_stage=is_last_stage, collect_non_loss_data=collect_non_loss_data,
     )  # fmt: skip
@@ -316,7 +316,7 @@ def backward_step(
     """
     was_list = isinstance(input_tensor, list)
     tensors = [x[0] if isinstance(x, list) else x for x in (input_tensor, output_tensor, output_tensor_grad)]
-    grad = microbatch.backward_step(tensors[0], tensors[1], tensors[2], config)
+    grad = microbatch.run_backward(tensors[0], tensors[1], tensors[2], config)
     return [grad] if was_list else grad
 
 

@@ -20,12 +20,12 @@ class MissingSpecialTokenError(NotImplementedError):
     """
 
 
-def check_file(path: Optional[str], flag: str, what: str) -> str:
-    """Returns ``path`` if it names an existing file, else raises an error naming ``flag``."""
+def check_file(path: Optional[str], name: str, what: str) -> str:
+    """Returns ``path`` if it names an existing file, else raises an error naming the argument ``name``."""
     if path is None:
-        raise ValueError(f"{flag} is required: give the {what}")
+        raise ValueError(f"{name}=None: required, give the {what}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag}={path!r}: no such file ({what})")
+        raise FileNotFoundError(f"{name}={path!r}: no such file ({what})")
     return path
 
 

@@ -83,11 +83,11 @@ def build_tokenizer(
     """
     if tokenizer_type not in _BUILDERS:
         raise ValueError(
-            f"--tokenizer-type={tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"
+            f"tokenizer_type={tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"
         )
     if vocab_extra_ids and tokenizer_type not in _EXTRA_IDS_TYPES:
         raise ValueError(
-            f"--vocab-extra-ids={vocab_extra_ids} is not supported by "
+            f"vocab_extra_ids={vocab_extra_ids} is not supported by "
             f"{tokenizer_type}; only by {', '.join(_EXTRA_IDS_TYPES)}"
         )
     return _BUILDERS[tokenizer_type](

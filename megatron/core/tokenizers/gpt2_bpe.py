@@ -24,14 +24,14 @@ class GPT2BPETokenizer(TokenizersLibraryMixin, MegatronTokenizer):
     tokenizer_type = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str):
-        check_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
-        check_file(merge_file, "--merge-file", "GPT-2 merges.txt")
+        check_file(vocab_file, "vocab_file", "GPT-2 vocab.json")
+        check_file(merge_file, "merge_file", "GPT-2 merges.txt")
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         with open(vocab_file, encoding="utf-8") as f:
             self._vocab: Dict[str, int] = json.load(f)
         if EOD_TOKEN not in self._vocab:
-            raise ValueError(f"--vocab-file={vocab_file!r} has no {EOD_TOKEN} token (the eod)")
+            raise ValueError(f"vocab_file={vocab_file!r} has no {EOD_TOKEN} token (the eod)")
         self._special_ids = {"eod": self._vocab[EOD_TOKEN]}
         self._tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         # GPT-2's own split regex, no space added in front of the text.

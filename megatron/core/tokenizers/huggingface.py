@@ -18,7 +18,7 @@ def load_hf_tokenizer(tokenizer_model: Optional[str], trust_remote_code: bool = 
         **kwargs: passed on to ``from_pretrained``.
     """
     if tokenizer_model is None:
-        raise ValueError("--tokenizer-model is required: give a local tokenizer directory or tokenizer.json")
+        raise ValueError("tokenizer_model=None: required, give a local tokenizer directory or tokenizer.json")
     import transformers
 
     if os.path.isfile(tokenizer_model):
@@ -30,7 +30,7 @@ def load_hf_tokenizer(tokenizer_model: Optional[str], trust_remote_code: bool = 
         )
     except (OSError, ValueError) as err:
         raise FileNotFoundError(
-            f"--tokenizer-model={tokenizer_model!r} is neither a tokenizer.json file, a directory "
+            f"tokenizer_model={tokenizer_model!r} is neither a tokenizer.json file, a directory "
             f"of tokenizer files, nor a model in the local Hugging Face cache (nothing is "
             f"downloaded): {err}"
         ) from err

@@ -21,7 +21,7 @@ class NullTokenizer(MegatronTokenizer):
 
     def __init__(self, vocab_size: int):
         if vocab_size is None or int(vocab_size) <= 0:
-            raise ValueError(f"--vocab-size={vocab_size} must be a positive integer for NullTokenizer")
+            raise ValueError(f"vocab_size={vocab_size} must be a positive integer for NullTokenizer")
         self._text_vocab_size = int(vocab_size)
         self._special_ids = {"eod": self._text_vocab_size}  # Megatron's null eod: one past the text ids
 

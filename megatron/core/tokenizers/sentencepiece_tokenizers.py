@@ -26,7 +26,7 @@ class _SentencePieceBase(MegatronTokenizer):
     """Loads the model; encodes with SentencePiece's native multi-threaded batch encoder."""
 
     def __init__(self, tokenizer_model: str, num_threads: Optional[int] = None):
-        check_file(tokenizer_model, "--tokenizer-model", "SentencePiece tokenizer.model")
+        check_file(tokenizer_model, "tokenizer_model", "SentencePiece tokenizer.model")
         import sentencepiece
 
         self._sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)

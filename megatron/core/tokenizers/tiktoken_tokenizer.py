@@ -43,11 +43,11 @@ def read_ranks(path: str) -> Dict[bytes, int]:
                     token, rank = line.split()
                     ranks[base64.b64decode(token)] = int(rank)
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"--tokenizer-model={path!r}: ranks are not the distinct ids 0..{len(ranks) - 1}")
+        raise ValueError(f"tokenizer_model={path!r}: ranks are not the distinct ids 0..{len(ranks) - 1}")
     missing = [b for b in range(256) if ranks.get(bytes([b])) != b]
     if missing:
         raise ValueError(
-            f"--tokenizer-model={path!r}: rank b must be the single byte b for b < 256; wrong for {missing[:5]}"
+            f"tokenizer_model={path!r}: rank b must be the single byte b for b < 256; wrong for {missing[:5]}"
         )
     return ranks
 
@@ -70,13 +70,15 @@ def special_token_list(num_special_tokens: int, special_tokens: Optional[List[st
     """The strings of ids ``0 .. num_special_tokens-1``."""
     tokens = list(special_tokens) if special_tokens else list(REQUIRED_SPECIAL_TOKENS)
     if len(set(tokens)) != len(tokens):
-        raise ValueError(f"--tiktoken-special-tokens has duplicates: {tokens}")
+        raise ValueError(f"tiktoken_special_tokens={tokens}: has duplicates")
     absent = [t for t in REQUIRED_SPECIAL_TOKENS if t not in tokens]
     if absent:
-        raise ValueError(f"--tiktoken-special-tokens must include {list(REQUIRED_SPECIAL_TOKENS)}; missing {absent}")
+        raise ValueError(
+            f"tiktoken_special_tokens={tokens}: must include {list(REQUIRED_SPECIAL_TOKENS)}; missing {absent}"
+        )
     if len(tokens) > num_special_tokens:
         raise ValueError(
-            f"--tiktoken-num-special-tokens={num_special_tokens} is less than the {len(tokens)} special tokens given"
+            f"tiktoken_num_special_tokens={num_special_tokens} is less than the {len(tokens)} special tokens given"
         )
     return tokens + [f"<SPECIAL_{i}>" for i in range(len(tokens), num_special_tokens)]
 
@@ -108,9 +110,9 @@ class TikTokenizer(MegatronTokenizer):
         special_tokens: Optional[List[str]] = None,
         num_threads: Optional[int] = None,
     ):
-        check_file(tokenizer_model, "--tokenizer-model", "tiktoken ranks file")
+        check_file(tokenizer_model, "tokenizer_model", "tiktoken ranks file")
         if pattern is None:
-            raise ValueError("--tiktoken-pattern is required for TikTokenizer: v1, v2 or a regex")
+            raise ValueError("tiktoken_pattern=None: TikTokenizer requires one: v1, v2 or a regex")
         import tiktoken
 
         specials = special_token_list(num_special_tokens, special_tokens)
@@ -120,8 +122,8 @@ class TikTokenizer(MegatronTokenizer):
         inner = vocab_size - num_special_tokens
         if not 256 <= inner <= len(ranks):
             raise ValueError(
-                f"--vocab-size={vocab_size} must be between {num_special_tokens + 256} "
-                f"and {num_special_tokens + len(ranks)} (--tiktoken-num-special-tokens="
+                f"vocab_size={vocab_size} must be between {num_special_tokens + 256} "
+                f"and {num_special_tokens + len(ranks)} (tiktoken_num_special_tokens="
                 f"{num_special_tokens} plus the {len(ranks)} ranks of the file)"
             )
         # Shifting every rank keeps the merge order and makes tiktoken emit final ids directly.

@@ -17,16 +17,6 @@ HF_SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s
 # SentencePiece skips longer training lines (its max_sentence_length default).
 SENTENCEPIECE_MAX_LINE_BYTES = 4192
 
-_FLAG_OF_ARG = {
-    "vocab_file": "--vocab-file",
-    "merge_file": "--merge-file",
-    "tokenizer_model": "--tokenizer-model",
-    "vocab_size": "--vocab-size",
-    "vocab_extra_ids": "--vocab-extra-ids",
-    "tiktoken_pattern": "--tiktoken-pattern",
-    "tiktoken_num_special_tokens": "--tiktoken-num-special-tokens",
-}
-
 
 @dataclasses.dataclass
 class TrainedTokenizer:
@@ -48,10 +38,11 @@ class TrainedTokenizer:
 
 
 def megatron_flags(tokenizer_type: str, kwargs: Dict[str, object]) -> List[str]:
-    """Megatron command-line flags equal to ``build_tokenizer(tokenizer_type, **kwargs)``."""
-    flags = ["--tokenizer-type", tokenizer_type]
-    for name, value in kwargs.items():
-        flags += [_FLAG_OF_ARG[name], str(value)]
+    """Megatron command-line flags equal to ``build_tokenizer(tokenizer_type, **kwargs)``: each keyword is
+    spelled as Megatron's flag of the same name (``vocab_file`` -> ``--vocab-file``)."""
+    flags = []
+    for name, value in {"tokenizer_type": tokenizer_type, **kwargs}.items():
+        flags += ["--" + name.replace("_", "-"), str(value)]
     return flags
 
 

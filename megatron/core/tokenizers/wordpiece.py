@@ -32,14 +32,14 @@ class BertWordPieceTokenizer(TokenizersLibraryMixin, MegatronTokenizer):
     """
 
     def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0):
-        check_file(vocab_file, "--vocab-file", "BERT vocab.txt")
+        check_file(vocab_file, "vocab_file", "BERT vocab.txt")
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
         self.tokenizer_type = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
         self._vocab = read_vocab_txt(vocab_file)
         missing = [t for t in REQUIRED_TOKENS if t not in self._vocab]
         if missing:
-            raise ValueError(f"--vocab-file={vocab_file!r} lacks the BERT tokens {missing}")
+            raise ValueError(f"vocab_file={vocab_file!r} lacks the BERT tokens {missing}")
         model = models.WordPiece(dict(self._vocab), unk_token="[UNK]", max_input_chars_per_word=MAX_CHARS_PER_WORD)
         self._tokenizer = Tokenizer(model)
         self._tokenizer.normalizer = normalizers.BertNormalizer(

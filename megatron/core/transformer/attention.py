@@ -55,7 +55,7 @@ def warn_flash_unavailable(reasons: List[str]) -> None:
         return
     _flash_warnings.add(key)
     warnings.warn(
-        f"--attention-backend flash: flash attention cannot run here ({'; '.join(reasons)}); "
+        f"attention_backend=flash: flash attention cannot run here ({'; '.join(reasons)}); "
         "PyTorch picks another kernel (warned once per case)",
         stacklevel=3,
     )
@@ -114,7 +114,7 @@ class DotProductAttention(MegatronModule):
         self.backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.use_sdpa = self.backend in _SDPA_BACKENDS and not config.apply_query_key_layer_scaling
         if self.backend == "flash" and not self.use_sdpa:
-            warn_flash_unavailable(["--apply-query-key-layer-scaling runs the unfused softmax"])
+            warn_flash_unavailable(["apply_query_key_layer_scaling=True runs the unfused softmax"])
 
     def forward(
         self,
@@ -385,7 +385,7 @@ class SelfAttention(MegatronModule):
             tp_group=groups.tp,
         )
         if qk_layernorm is False and config.qk_layernorm:
-            raise ValueError("the layer spec says qk_layernorm=False but config.qk_layernorm=True (--qk-layernorm)")
+            raise ValueError("the layer spec says qk_layernorm=False but TransformerConfig.qk_layernorm=True")
         with_qk_norm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
         self.q_layernorm = build_norm(config, d) if with_qk_norm else None
         self.k_layernorm = build_norm(config, d) if with_qk_norm else None

@@ -111,7 +111,7 @@ def block_quantization_context(
         raise NotImplementedError(
             "fp8_recipe='delayed' with recompute_granularity='full' under transformer_impl='transformer_engine': "
             "not supported yet (TE's delayed scaling needs its own handling of recomputed forwards); use "
-            "--transformer-impl local, whose delayed scaling handles recomputation, or another --fp8-recipe"
+            "transformer_impl='local', whose delayed scaling handles recomputation, or another fp8_recipe"
         )
     return functools.partial(te_autocast, recipe, pg_collection.tp_dp_cp)
 

@@ -92,7 +92,7 @@ class MLASelfAttention(MegatronModule):
     ) -> None:
         super().__init__(config)
         if not config.multi_latent_attention:
-            raise ValueError("MLASelfAttention needs config.multi_latent_attention=True (--multi-latent-attention)")
+            raise ValueError("MLASelfAttention needs TransformerConfig.multi_latent_attention=True")
         groups = pg_collection
         self.tp_group = groups.tp
         self.tp_size = groups.size_of("tp")

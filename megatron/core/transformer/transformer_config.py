@@ -13,6 +13,7 @@ from megatron.core import compatibility
 from megatron.core.model_parallel_config import ModelParallelConfig, require_divisible, require_positive
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
+from megatron.core.transformer import moe_choices
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
@@ -249,10 +250,7 @@ class TransformerConfig(ModelParallelConfig):
             if self.embedding_init_method_std is None:
                 self.embedding_init_method_std = self.init_method_std
             if not self.embedding_init_method_std > 0:
-                raise ValueError(
-                    f"embedding_init_method_std={self.embedding_init_method_std} "
-                    "(--embedding-init-method-std): must be positive"
-                )
+                raise ValueError(f"embedding_init_method_std={self.embedding_init_method_std}: must be positive")
             self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
@@ -266,8 +264,7 @@ class TransformerConfig(ModelParallelConfig):
         window = tuple(self.window_size)
         if len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
             raise ValueError(
-                f"window_size={self.window_size!r} (--window-size): need (left, right) integers, "
-                "each >= 0 or -1 for unlimited"
+                f"window_size={self.window_size!r}: need (left, right) integers, each >= 0 or -1 for unlimited"
             )
         self.window_size = window
 
@@ -290,10 +287,11 @@ class TransformerConfig(ModelParallelConfig):
             self.expert_tensor_parallel_size,
         )
         choices = {
-            "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
-            "moe_token_dispatcher_type": ("allgather", "alltoall"),
-            "moe_router_score_function": ("softmax", "sigmoid"),
-            "moe_router_dtype": (None, "fp32", "fp64"),
+            "moe_router_load_balancing_type": moe_choices.BALANCE_TYPES,
+            "moe_token_dispatcher_type": moe_choices.DISPATCHER_TYPES,
+            "moe_router_score_function": moe_choices.SCORE_FUNCTIONS,
+            "moe_router_dtype": moe_choices.ROUTER_DTYPES,
+            "moe_token_drop_policy": moe_choices.DROP_POLICIES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -342,9 +340,6 @@ class TransformerConfig(ModelParallelConfig):
             self.moe_expert_capacity_factor = factor = None  # Megatron: a negative factor means dropless
         if factor == 0:
             raise ValueError("moe_expert_capacity_factor=0: must be > 0 (or negative / None for dropless)")
-        policy = self.moe_token_drop_policy
-        if policy not in ("probs", "position"):
-            raise ValueError(f"moe_token_drop_policy={policy!r}: must be one of ('probs', 'position')")
 
     def _check_shared_experts(self) -> None:
         size = self.moe_shared_expert_intermediate_size

@@ -60,7 +60,7 @@ RECORDS = (
     Flag("no_load_optim", IMPLEMENTED, fills=same(CK)),
     Flag("no_load_rng", IMPLEMENTED, fills=same(CK)),
     Flag("use_dist_ckpt_deprecated", IMPLEMENTED),
-    Flag("dist_ckpt_format_deprecated", IMPLEMENTED),
+    Flag("dist_ckpt_format_deprecated", IMPLEMENTED, replaced_by="--ckpt-format"),
     Flag("ckpt_fully_parallel_save_deprecated", no_op(reasons.CHECKPOINT_IO)),
     # This project's own flag (not in Megatron-LM).
     Flag(

@@ -8,7 +8,20 @@ from megatron.core.datasets.masked_dataset import MaskedWordPieceDatasetConfig a
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig as T5DS
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
-from megatron.training.flags.record import IMPLEMENTED, Flag, at_least, between, no_op, not_yet, same, to
+from megatron.training.flags.record import (
+    CHECKED,
+    FILLED,
+    IMPLEMENTED,
+    TAKEN,
+    Flag,
+    always,
+    at_least,
+    between,
+    no_op,
+    not_yet,
+    same,
+    to,
+)
 from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
@@ -17,6 +30,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...",
         fills=(to(DS, "blend", blend),),
+        data_prefixes=True,
     ),
     Flag("phase_transition_iterations", not_yet(None)),
     Flag(
@@ -25,9 +39,9 @@ RECORDS = (
         help="Train/valid/test proportions; default '969, 30, 1' with --data-path.",
         fills=(to(DS, "split", split),),
     ),
-    Flag("train_data_path", IMPLEMENTED, fills=(to(DS, "blend_per_split", blend_per_split),)),
-    Flag("valid_data_path", IMPLEMENTED),
-    Flag("test_data_path", IMPLEMENTED),
+    Flag("train_data_path", IMPLEMENTED, fills=(to(DS, "blend_per_split", blend_per_split),), data_prefixes=True),
+    Flag("valid_data_path", IMPLEMENTED, data_prefixes=True),
+    Flag("test_data_path", IMPLEMENTED, data_prefixes=True),
     Flag("data_args_path", not_yet(None)),
     Flag("per_split_data_args_path", not_yet(None)),
     Flag("per_dataset_sequences_path", not_yet(None)),
@@ -43,12 +57,15 @@ RECORDS = (
         type=int,
         fills=(*same(FL), to(DS, "sequence_length")),
         bounds=at_least(1),
+        from_checkpoint=FILLED,
+        required=True,
     ),
     Flag(
         "encoder_seq_length",
         IMPLEMENTED,
         help="T5: encoder tokens per sample; stands for --seq-length (give one of the two).",
         type=int,
+        stands_for="seq_length",
     ),
     Flag(
         "decoder_seq_length",
@@ -97,7 +114,16 @@ RECORDS = (
     Flag("fim_pad_token", no_op(reasons.UNDER_REFUSED)),
     Flag("fim_eod_token", no_op(reasons.UNDER_REFUSED)),
     Flag("vocab_size", IMPLEMENTED, type=int, bounds=at_least(1)),
-    Flag("padded_vocab_size", IMPLEMENTED, type=int, fills=same(FL)),
+    Flag(
+        "padded_vocab_size",
+        IMPLEMENTED,
+        type=int,
+        fills=same(FL),
+        architecture=always,
+        from_checkpoint=CHECKED,
+        label="padded vocabulary size (tokenizer vocabulary, --make-vocab-size-divisible-by, "
+        "--tensor-model-parallel-size)",
+    ),
     Flag("vocab_file", IMPLEMENTED),
     Flag("merge_file", IMPLEMENTED),
     Flag("vocab_extra_ids", IMPLEMENTED),
@@ -105,12 +131,13 @@ RECORDS = (
         "tokenizer_type",
         IMPLEMENTED,
         help="Tokenizer; default GPT2BPETokenizer (GPT) or BertWordPieceLowerCase (BERT, T5).",
+        architecture=always,
     ),
     Flag("tokenizer_model", IMPLEMENTED),
     Flag("tokenizer_metadata", not_yet(None)),
     Flag("tokenizer_special_tokens", not_yet(None)),
     Flag("legacy_tokenizer", not_yet(False)),
-    Flag("tiktoken_pattern", IMPLEMENTED),
+    Flag("tiktoken_pattern", IMPLEMENTED, from_checkpoint=TAKEN),
     Flag("tiktoken_num_special_tokens", IMPLEMENTED),
     Flag("tiktoken_special_tokens", IMPLEMENTED),
     Flag("tokenizer_sentencepiece_legacy", not_yet(False)),

@@ -11,8 +11,8 @@ import os
 from typing import Any, Callable, List, Optional
 
 import torch
-import torch.nn.functional as F
 
+from megatron.core.activations import activation, activation_name
 from megatron.core.datasets.utils import get_blend_from_list
 
 Args = argparse.Namespace
@@ -47,28 +47,9 @@ def none_if_empty(dest: str) -> Callable[[Args], Any]:
 
 
 # ------------------------------------------------------------------ model
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 (Primer's activation)."""
-    return torch.pow(F.relu(x), 2)
-
-
-def openai_gelu(x: torch.Tensor) -> torch.Tensor:
-    """GeLU with the tanh approximation used by the original GPT."""
-    return F.gelu(x, approximate="tanh")
-
-
 def activation_from_args(args: Args) -> Callable[[torch.Tensor], torch.Tensor]:
-    """--swiglu (SiLU, gated), --squared-relu, --openai-gelu, else exact GeLU; at most one of them."""
-    chosen = [name for name in ("swiglu", "squared_relu", "openai_gelu") if getattr(args, name)]
-    if len(chosen) > 1:
-        raise ValueError(f"choose one activation, got {', '.join('--' + c.replace('_', '-') for c in chosen)}")
-    if args.swiglu:
-        return F.silu
-    if args.squared_relu:
-        return squared_relu
-    if args.openai_gelu:
-        return openai_gelu
-    return F.gelu
+    """--swiglu (SiLU, gated), --squared-relu, --openai-gelu, else exact GeLU (the core's registry); one at most."""
+    return activation(activation_name(args.swiglu, args.squared_relu, args.openai_gelu))
 
 
 def bias_activation_fusion(args: Args) -> bool:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 Derive = Callable[[argparse.Namespace], Any]
+SavedArgs = Mapping[str, Any]  # a checkpoint's flags as plain data (``common.json``'s ``args``)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,38 @@ def between(low: float, high: float, high_open: bool = False) -> Bounds:
     return Bounds(low=low, high=high, high_open=high_open)
 
 
+# When an architecture flag's saved value must equal the run's, judged from the checkpoint's own flags.
+def always(saved: SavedArgs) -> bool:
+    """The flag shapes the weights of every model."""
+    return True
+
+
+def with_rope(saved: SavedArgs) -> bool:
+    """The flag matters for a model with rotary position embeddings only."""
+    return saved.get("position_embedding_type") == "rope"
+
+
+def with_learned_positions(saved: SavedArgs) -> bool:
+    """The flag matters for a model with a learned position table only."""
+    return saved.get("position_embedding_type") == "learned_absolute"
+
+
+def with_moe(saved: SavedArgs) -> bool:
+    """The flag matters for a mixture-of-experts model only."""
+    return saved.get("num_experts") is not None
+
+
+def tuple_from_plain(value: Any) -> Any:
+    """A tuple flag's value read back from JSON, where it was saved as a list (None stays None)."""
+    return None if value is None else tuple(value)
+
+
+# What --use-checkpoint-args does with a flag's saved value.
+TAKEN = "taken"  # replaces the command line's (every architecture flag unless it says otherwise)
+FILLED = "filled"  # fills the flag only when the command line leaves it unset
+CHECKED = "checked"  # compared (an architecture flag) but recomputed, never taken
+
+
 @dataclass(frozen=True)
 class Flag:
     """One flag's record, keyed by its destination; see the module docstring."""
@@ -174,6 +207,22 @@ class Flag:
     project: Optional[ProjectFlag] = None  # set for this project's own flags only
     bounds: Optional[Bounds] = None  # the values a numeric flag accepts (checked by validation.check_bounds)
     speed_only: Optional[SpeedOnly] = None  # set when the flag changes only speed or memory
+    # Changes what the weights mean (``checkpoint_args.check_checkpoint_args``): when, from the saved flags.
+    architecture: Optional[Callable[[SavedArgs], bool]] = None
+    from_checkpoint: Optional[str] = None  # TAKEN / FILLED / CHECKED; None: TAKEN for architecture flags
+    from_plain: Optional[Callable[[Any], Any]] = None  # the saved JSON value back to the parsed type
+    label: Optional[str] = None  # how messages name a value computed from other flags
+    required: bool = False  # the run cannot start without it (validation.check_required)
+    replaced_by: Optional[str] = None  # a flag Megatron removed: what to give instead
+    stands_for: Optional[str] = None  # another name of the flag with this destination; give one of the two
+    one_value: bool = False  # Megatron takes a list; one value is supported here
+    data_prefixes: bool = False  # a --data-path style list whose prefixes' .bin/.idx must exist
+
+    def checkpoint_use(self) -> Optional[str]:
+        """What ``--use-checkpoint-args`` does with this flag (TAKEN, FILLED, CHECKED or None: nothing)."""
+        if self.from_checkpoint is not None:
+            return self.from_checkpoint
+        return TAKEN if self.architecture is not None else None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
@@ -28,12 +28,14 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
-from megatron.training.flags import checkpointing, data, logging, model, training
-from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet
+from megatron.training.flags import checkpointing, data, logging, model, moe, training
+from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet, SavedArgs
 from megatron.training.flags_table import FlagSpec, megatron_flag_specs
 from megatron.training.training_log import FlopsConfig, LoggingConfig
 
-_ALL: Tuple[Flag, ...] = model.RECORDS + training.RECORDS + checkpointing.RECORDS + data.RECORDS + logging.RECORDS
+_ALL: Tuple[Flag, ...] = (
+    model.RECORDS + moe.RECORDS + training.RECORDS + checkpointing.RECORDS + data.RECORDS + logging.RECORDS
+)
 
 
 def _index(records: Tuple[Flag, ...]) -> Dict[str, Flag]:
@@ -254,6 +256,21 @@ def config_from_args(target: type, args: argparse.Namespace, **overrides: Any) -
 def not_supported_yet() -> Dict[str, NotSupportedYet]:
     """``{dest: status}`` of the flags refused unless harmless."""
     return {d: r.status for d, r in RECORDS.items() if isinstance(r.status, NotSupportedYet)}
+
+
+def flags_with(attribute: str) -> List[str]:
+    """The destinations whose records set ``attribute`` (``required``, ``data_prefixes``, ``one_value`` ...)."""
+    return [d for d, r in RECORDS.items() if getattr(r, attribute)]
+
+
+def architecture_flags() -> Dict[str, Callable[[SavedArgs], bool]]:
+    """``{dest: when}`` of the flags that change what the weights mean, with when they matter."""
+    return {d: r.architecture for d, r in RECORDS.items() if r.architecture is not None}
+
+
+def checkpoint_uses(use: str) -> List[str]:
+    """The destinations ``--use-checkpoint-args`` treats as ``use`` (``record.TAKEN``, ``FILLED`` or ``CHECKED``)."""
+    return [d for d, r in RECORDS.items() if r.checkpoint_use() == use]
 
 
 def bounded_flags() -> Dict[str, Bounds]:

@@ -46,6 +46,7 @@ RECORDS = (
         help="Samples per microbatch per data-parallel rank (required).",
         type=int,
         bounds=at_least(1),
+        required=True,
     ),
     Flag(
         "global_batch_size",
@@ -77,7 +78,7 @@ RECORDS = (
     Flag("manual_gc_interval", no_op(reasons.HOUSEKEEPING)),
     Flag("manual_gc_eval", no_op(reasons.HOUSEKEEPING)),
     Flag("iterations_to_skip", not_yet([]), type=int),
-    Flag("batch_size", IMPLEMENTED, type=int),
+    Flag("batch_size", IMPLEMENTED, type=int, replaced_by="--micro-batch-size"),
     Flag("recompute_activations", IMPLEMENTED, speed_only=SPEED_RTOL),
     Flag("check_for_nan_in_loss_and_grad", IMPLEMENTED, fills=(to(DDP, "check_for_nan_in_grad"),)),
     Flag("check_for_large_grads", not_yet(False), fills=same(DDP)),
@@ -89,7 +90,7 @@ RECORDS = (
         "the training loop's CPU-side statistics use the groups' own device); get_*_group_gloo() then raise.",
     ),
     Flag("tp_comm_overlap_cfg", no_op(reasons.OVERLAP)),
-    Flag("checkpoint_activations", IMPLEMENTED),
+    Flag("checkpoint_activations", IMPLEMENTED, replaced_by="--recompute-activations or --recompute-granularity"),
     Flag("masked_softmax_fusion", no_op(reasons.KERNEL), fills=same(TC), speed_only=SPEED_BITWISE),
     Flag(
         "bias_gelu_fusion",
@@ -169,7 +170,7 @@ RECORDS = (
         fills=(*same(OPT), to(SCHED, "max_lr")),
         bounds=at_least(0),
     ),
-    Flag("warmup", IMPLEMENTED, type=int),
+    Flag("warmup", IMPLEMENTED, type=int, replaced_by="--lr-warmup-fraction"),
     Flag("min_lr", IMPLEMENTED, help="Learning rate at the end of decay.", fills=same(OPT, SCHED), bounds=at_least(0)),
     Flag("decoupled_lr", IMPLEMENTED, type=float, fills=same(OPT)),
     Flag("decoupled_min_lr", IMPLEMENTED, type=float, fills=same(OPT)),
@@ -183,7 +184,7 @@ RECORDS = (
         "decoder_last_pipeline_num_layers", IMPLEMENTED, type=int, fills=(to(TC, "num_layers_in_last_pipeline_stage"),)
     ),
     Flag("pipeline_model_parallel_layout", not_yet(None)),
-    Flag("model_parallel_size", IMPLEMENTED, type=int),
+    Flag("model_parallel_size", IMPLEMENTED, type=int, replaced_by="--tensor-model-parallel-size"),
     Flag(
         "num_layers_per_virtual_pipeline_stage",
         IMPLEMENTED,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.training import checkpointing as ckpt
-from megatron.training.checkpoint_args import ARCHITECTURE_ARGS, check_checkpoint_args
+from megatron.training.checkpoint_args import architecture_args, check_checkpoint_args
 from megatron.training.checkpointing import CheckpointConfig, check_save_dir, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.model_utils import build_gpt, gpt2_style
@@ -240,7 +240,7 @@ def test_every_architecture_flag_is_a_real_destination():
     from megatron.training.arguments import flag_specs
 
     dests = {spec.dest for spec in flag_specs()}
-    assert set(ARCHITECTURE_ARGS) <= dests, set(ARCHITECTURE_ARGS) - dests
+    assert set(architecture_args()) <= dests, set(architecture_args()) - dests
 
 
 # ------------------------------------------------------------------ 2 ranks: architecture
@@ -325,7 +325,7 @@ def test_strictness_values_are_megatrons():
     assert [s.value for s in StrictHandling] == list(
         spec.choices
     ) and spec.default == CheckpointConfig().dist_ckpt_strictness
-    with pytest.raises(ValueError, match="--dist-ckpt-strictness 'strict': must be one of assume_ok_unexpected"):
+    with pytest.raises(ValueError, match="dist_ckpt_strictness='strict': must be one of assume_ok_unexpected"):
         CheckpointConfig(dist_ckpt_strictness="strict")
 
 

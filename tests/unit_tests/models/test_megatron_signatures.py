@@ -58,7 +58,7 @@ def _qk_layernorm_body(rank, world_size):
     assert attention(_model(_config())).q_layernorm is None
     assert attention(_model(_config(), qk_layernorm=True)).q_layernorm is not None  # the spec asks for them
     assert attention(_model(_config(qk_layernorm=True))).k_layernorm is not None  # the spec's None: the config's
-    with pytest.raises(ValueError, match="qk_layernorm=False but config.qk_layernorm=True"):
+    with pytest.raises(ValueError, match="qk_layernorm=False but TransformerConfig.qk_layernorm=True"):
         _model(_config(qk_layernorm=True), qk_layernorm=False)
 
 

@@ -9,7 +9,7 @@ from megatron.core.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 
 def test_unknown_type_lists_valid_types():
-    with pytest.raises(ValueError, match="--tokenizer-type='GPT3Tokenizer'") as info:
+    with pytest.raises(ValueError, match="tokenizer_type='GPT3Tokenizer'") as info:
         build_tokenizer("GPT3Tokenizer")
     for name in ("GPT2BPETokenizer", "TikTokenizer", "NullTokenizer", "BertWordPieceCase"):
         assert name in str(info.value)
@@ -18,16 +18,16 @@ def test_unknown_type_lists_valid_types():
 @pytest.mark.parametrize(
     "tokenizer_type,kwargs,flag",
     [
-        ("GPT2BPETokenizer", {}, "--vocab-file"),
-        ("BertWordPieceLowerCase", {}, "--vocab-file"),
-        ("SentencePieceTokenizer", {}, "--tokenizer-model"),
-        ("GPTSentencePieceTokenizer", {}, "--tokenizer-model"),
-        ("Llama2Tokenizer", {}, "--tokenizer-model"),
-        ("TikTokenizer", {"tiktoken_pattern": "v2"}, "--tokenizer-model"),
-        ("HuggingFaceTokenizer", {}, "--tokenizer-model"),
+        ("GPT2BPETokenizer", {}, "vocab_file"),
+        ("BertWordPieceLowerCase", {}, "vocab_file"),
+        ("SentencePieceTokenizer", {}, "tokenizer_model"),
+        ("GPTSentencePieceTokenizer", {}, "tokenizer_model"),
+        ("Llama2Tokenizer", {}, "tokenizer_model"),
+        ("TikTokenizer", {"tiktoken_pattern": "v2"}, "tokenizer_model"),
+        ("HuggingFaceTokenizer", {}, "tokenizer_model"),
     ],
 )
-def test_missing_flag_is_named(tokenizer_type, kwargs, flag):
+def test_missing_argument_is_named(tokenizer_type, kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         build_tokenizer(tokenizer_type, **kwargs)
 
@@ -35,12 +35,12 @@ def test_missing_flag_is_named(tokenizer_type, kwargs, flag):
 @pytest.mark.parametrize(
     "tokenizer_type,arg,flag",
     [
-        ("GPT2BPETokenizer", "vocab_file", "--vocab-file"),
-        ("GPT2BPETokenizer", "merge_file", "--merge-file"),
-        ("BertWordPieceCase", "vocab_file", "--vocab-file"),
-        ("SentencePieceTokenizer", "tokenizer_model", "--tokenizer-model"),
-        ("TikTokenizer", "tokenizer_model", "--tokenizer-model"),
-        ("HuggingFaceTokenizer", "tokenizer_model", "--tokenizer-model"),
+        ("GPT2BPETokenizer", "vocab_file", "vocab_file"),
+        ("GPT2BPETokenizer", "merge_file", "merge_file"),
+        ("BertWordPieceCase", "vocab_file", "vocab_file"),
+        ("SentencePieceTokenizer", "tokenizer_model", "tokenizer_model"),
+        ("TikTokenizer", "tokenizer_model", "tokenizer_model"),
+        ("HuggingFaceTokenizer", "tokenizer_model", "tokenizer_model"),
     ],
 )
 def test_missing_file_is_named(tokenizer_files, tmp_path, tokenizer_type, arg, flag):
@@ -66,7 +66,7 @@ def test_bert_vocab_without_required_tokens(tmp_path):
 
 
 def test_vocab_extra_ids_refused_where_unsupported(tokenizer_files):
-    with pytest.raises(ValueError, match="--vocab-extra-ids=2 is not supported by GPT2BPETokenizer"):
+    with pytest.raises(ValueError, match="vocab_extra_ids=2 is not supported by GPT2BPETokenizer"):
         build_tokenizer("GPT2BPETokenizer", vocab_extra_ids=2, **tokenizer_files["GPT2BPETokenizer"])
 
 

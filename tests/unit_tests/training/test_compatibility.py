@@ -16,6 +16,7 @@ from megatron.core.compatibility import FEATURES, REFUSED
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import arguments as A
 from megatron.training.flags import compatibility as cli
+from megatron.training.validation import flag_message
 from tests.functional_tests.gpt_runs import REPO, mock_flags, run_gpt, tiny_gpt_flags
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8"]
@@ -90,7 +91,11 @@ def test_pretrain_gpt_validation_refuses_each_pair_naming_both_flags(rule):
     message = str(caught.value)
     for setting in compatibility.settings_of(rule):
         assert cli.flag_for(setting) in message, (setting, message)
-    assert rule.reason in message and FEATURES[rule.first].text in message and FEATURES[rule.second].text in message
+    assert (
+        flag_message(None, rule.reason) in message
+        and FEATURES[rule.first].text in message
+        and FEATURES[rule.second].text in message
+    )
 
 
 def test_each_feature_alone_is_accepted():

@@ -121,7 +121,7 @@ def test_flash_backend_warns_once_on_cpu_and_auto_stays_silent(monkeypatch):
     assert _flash_warnings(lambda: [auto(q, k, v, m) for m in (None, mask)]) == []
     got = _flash_warnings(lambda: [flash(q, k, v, m) for m in (None, mask, None, mask)])
     assert len(got) == 1, got  # a CPU run: one warning, not one per call or per layer
-    assert got[0].startswith("--attention-backend flash") and "tensors on cpu" in got[0], got
+    assert got[0].startswith("attention_backend=flash") and "tensors on cpu" in got[0], got
 
 
 def test_flash_backend_names_why_flash_cannot_run(monkeypatch):
@@ -143,7 +143,7 @@ def test_flash_backend_names_why_flash_cannot_run(monkeypatch):
         (wide, None, "head dim 264"),
     ):
         got = _flash_warnings(lambda: [enter(q, m), enter(q, m)])
-        assert len(got) == 1 and why in got[0] and "--attention-backend flash" in got[0], (why, got)
+        assert len(got) == 1 and why in got[0] and "attention_backend=flash" in got[0], (why, got)
     with FakeCuda():
         narrow_v = torch.zeros(B, HEADS, S, D - 2, device="cuda", dtype=torch.bfloat16)  # MLA: dv != dqk
     got = _flash_warnings(lambda: [flash._sdpa_kernel(bf16, None, narrow_v).__enter__() for _ in range(2)])

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-import torch
-import torch.nn.functional as F
-
+from megatron.core.activations import gelu_tanh
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.cross_attention import CrossAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -32,11 +30,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 NormSpec = Union[type, Any]
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GeLU with the tanh approximation: Hugging Face's ``gelu_new``, T5 v1.1's gate activation."""
-    return F.gelu(x, approximate="tanh")
 
 
 def _encoder_layer(norm: NormSpec) -> ModuleSpec:

@@ -141,7 +141,7 @@ class GPTModel(LanguageModule):
         self.rotary_pos_emb = None
         if config.multi_latent_attention:
             if rope_scaling:
-                raise ValueError("rope_scaling=True (Llama 3.1's, --use-rope-scaling): not supported with MLA")
+                raise ValueError("rope_scaling=True (Llama 3.1's): not supported with MLA")
             self.rotary_pos_emb = _latent_attention_rotary(
                 config, rotary_percent, seq_len_interpolation_factor, rotary_base
             )

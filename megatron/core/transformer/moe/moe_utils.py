@@ -19,16 +19,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.transformer.moe_choices import BALANCE_LOSS_NAMES
 from megatron.core.utils import comm_device
 
-LOAD_BALANCING_LOSS = "load_balancing_loss"
+LOAD_BALANCING_LOSS = BALANCE_LOSS_NAMES["aux_loss"]
 Z_LOSS = "z_loss"
-# --moe-router-load-balancing-type -> the name its loss is tracked and logged under (Megatron's).
-BALANCE_LOSS_NAMES = {
-    "aux_loss": LOAD_BALANCING_LOSS,
-    "seq_aux_loss": "seq_load_balancing_loss",
-    "global_aux_loss": "global_load_balancing_loss",
-}
 
 
 def switch_load_balancing_loss(

@@ -27,8 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-DROP_POLICIES = ("probs", "position")
+from megatron.core.transformer.moe_choices import DROP_POLICIES, SCORE_FUNCTIONS
 
 
 def group_limited_topk(

@@ -34,8 +34,7 @@ from megatron.core.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.moe.experts import sort_by_expert
-
-DISPATCHER_TYPES = ("allgather", "alltoall")
+from megatron.core.transformer.moe_choices import DISPATCHER_TYPES
 
 
 @dataclass
@@ -164,7 +163,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
 def build_dispatcher(kind: str, num_experts: int, num_local_experts: int, groups: ProcessGroupCollection):
     """The dispatcher ``moe_token_dispatcher_type`` names."""
-    classes = {"allgather": AllGatherDispatcher, "alltoall": AllToAllDispatcher}
+    classes = dict(zip(DISPATCHER_TYPES, (AllGatherDispatcher, AllToAllDispatcher)))  # in the list's order
     if kind not in classes:
         raise ValueError(f"moe_token_dispatcher_type={kind!r}: must be one of {DISPATCHER_TYPES}")
     return classes[kind](num_experts, num_local_experts, groups)

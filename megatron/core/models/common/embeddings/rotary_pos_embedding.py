@@ -71,7 +71,7 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim/2]
         if rope_scaling:
             if rope_scaling_factor < 1.0:
-                raise ValueError(f"rope_scaling_factor={rope_scaling_factor}: must be >= 1 (--rope-scaling-factor)")
+                raise ValueError(f"rope_scaling_factor={rope_scaling_factor}: must be >= 1")
             inv_freq = llama3_scaled_frequencies(inv_freq, rope_scaling_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
