@@ -30,6 +30,7 @@ from megatron.training.flags.registry import (
     not_supported_yet,
 )
 from megatron.training.flags_table import FlagSpec
+from megatron.training.training_config import TrainingConfig
 from megatron.training.training_log import LoggingConfig
 
 DEFAULT_SPLIT = "969, 30, 1"
@@ -322,8 +323,8 @@ def check_training_length(args: argparse.Namespace) -> None:
             )
 
 
-def set_learning_rate(args: argparse.Namespace) -> None:
-    """Warmup given one way only; decay length defaults to the training length."""
+def check_learning_rate(args: argparse.Namespace) -> None:
+    """Warmup given one way only (the decay length left out is the training length: ``derive.decay_steps``)."""
     if args.lr_warmup_fraction is not None:
         _require(
             args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
@@ -333,10 +334,6 @@ def set_learning_rate(args: argparse.Namespace) -> None:
     if not args.skip_train:
         _require(args.lr is not None, "--lr is required for training")
         _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be at most --lr ({args.lr})")
-    if args.train_iters is not None and args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.train_samples is not None and args.lr_decay_samples is None:
-        args.lr_decay_samples = args.train_samples
     if args.lr_decay_style == "WSD":
         _require(
             args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
@@ -348,14 +345,13 @@ def set_learning_rate(args: argparse.Namespace) -> None:
     )
 
 
-def set_weight_decay(args: argparse.Namespace) -> None:
+def check_weight_decay(args: argparse.Namespace) -> None:
     """Constant style uses --weight-decay; a schedule needs --start- and --end-weight-decay."""
     if args.weight_decay_incr_style == "constant":
         _require(
             args.start_weight_decay is None and args.end_weight_decay is None,
             "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine",
         )
-        args.start_weight_decay = args.end_weight_decay = args.weight_decay
     else:
         _require(
             args.start_weight_decay is not None and args.end_weight_decay is not None,
@@ -373,19 +369,6 @@ def set_data(args: argparse.Namespace) -> None:
     )
     if args.data_path and args.split is None:
         args.split = DEFAULT_SPLIT
-
-
-MEGATRON_EVAL_INTERVAL = 1000  # Megatron's argparse default; the flag table's column says None
-
-
-def set_evaluation(args: argparse.Namespace) -> None:
-    """--eval-interval left out means Megatron's 1000 (a given one is positive: its record's bounds).
-
-    The interval sizes the validation split (``train_iters // eval_interval + 1`` evaluations),
-    so None would fail later inside the data setup.
-    """
-    if args.eval_interval is None:
-        args.eval_interval = MEGATRON_EVAL_INTERVAL
 
 
 def check_expert_parallel(args: argparse.Namespace) -> None:
@@ -459,7 +442,14 @@ def flag_message(target: Optional[type], message: str) -> str:
     return text
 
 
-CHECKED_CONFIGS = (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig, CheckpointConfig, LoggingConfig)
+CHECKED_CONFIGS = (
+    TransformerConfig,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    CheckpointConfig,
+    LoggingConfig,
+    TrainingConfig,
+)
 
 
 def check_configs(args: argparse.Namespace) -> None:
@@ -519,10 +509,9 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_recompute,
     check_compatibility,
     check_training_length,
-    set_learning_rate,
-    set_weight_decay,
+    check_learning_rate,
+    check_weight_decay,
     set_data,
-    set_evaluation,
     check_configs,
     check_sequence_split,
 ]

@@ -9,6 +9,8 @@ from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig as 
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
 from megatron.training.flags.record import IMPLEMENTED, Flag, at_least, between, no_op, not_yet, same, to
+from megatron.training.theoretical_memory_params import LanguageModelShape as LMS
+from megatron.training.training_config import TrainingConfig as TRAIN
 from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
@@ -41,7 +43,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Tokens per training sample.",
         type=int,
-        fills=(*same(FL), to(DS, "sequence_length")),
+        fills=(*same(FL, TRAIN), to(DS, "sequence_length")),
         bounds=at_least(1),
     ),
     Flag(
@@ -55,7 +57,7 @@ RECORDS = (
         IMPLEMENTED,
         help="T5: decoder tokens per sample ([BOS], sentinels and masked spans).",
         type=int,
-        fills=(to(T5DS, "sequence_length_decoder"),),
+        fills=(to(T5DS, "sequence_length_decoder"), *same(TRAIN)),
     ),
     Flag("sample_rate", not_yet(1.0)),
     Flag(
@@ -72,7 +74,7 @@ RECORDS = (
         fills=(to(MDS, "short_sequence_probability"),),
         bounds=between(0, 1),
     ),
-    Flag("num_workers", IMPLEMENTED, bounds=at_least(0)),
+    Flag("num_workers", IMPLEMENTED, fills=same(TRAIN), bounds=at_least(0)),
     Flag("reset_position_ids", IMPLEMENTED, fills=same(GDS)),
     Flag(
         "reset_attention_mask",
@@ -97,7 +99,7 @@ RECORDS = (
     Flag("fim_pad_token", no_op(reasons.UNDER_REFUSED)),
     Flag("fim_eod_token", no_op(reasons.UNDER_REFUSED)),
     Flag("vocab_size", IMPLEMENTED, type=int, bounds=at_least(1)),
-    Flag("padded_vocab_size", IMPLEMENTED, type=int, fills=same(FL)),
+    Flag("padded_vocab_size", IMPLEMENTED, type=int, fills=(*same(FL), to(LMS, "vocab_size"))),
     Flag("vocab_file", IMPLEMENTED),
     Flag("merge_file", IMPLEMENTED),
     Flag("vocab_extra_ids", IMPLEMENTED),

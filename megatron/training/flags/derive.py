@@ -7,6 +7,7 @@ that reads several flags says which in its docstring.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Callable, List, Optional
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 
 Args = argparse.Namespace
 
@@ -101,6 +103,11 @@ def initialization_seed(args: Args) -> Optional[int]:
     return args.seed if args.use_cpu_initialization else None
 
 
+def tied_embeddings(args: Args) -> bool:
+    """Not --untie-embeddings-and-output-weights: the output layer reuses the word embedding."""
+    return not args.untie_embeddings_and_output_weights
+
+
 def num_moe_layers(args: Args) -> int:
     """MoE layers among --num-layers: none without --num-experts, else as --moe-layer-freq picks them."""
     if not args.num_experts:
@@ -115,10 +122,10 @@ def _samples(args: Args, iters: Optional[int]) -> Optional[int]:
 
 
 def decay_steps(args: Args) -> Optional[int]:
-    """--lr-decay-iters x global batch, or --lr-decay-samples."""
+    """--lr-decay-iters x global batch, or --lr-decay-samples; left out: the training length (iterations or samples)."""
     if args.train_iters is not None:
-        return _samples(args, args.lr_decay_iters)
-    return args.lr_decay_samples
+        return _samples(args, args.train_iters if args.lr_decay_iters is None else args.lr_decay_iters)
+    return args.train_samples if args.lr_decay_samples is None else args.lr_decay_samples
 
 
 def warmup_steps(args: Args) -> Any:
@@ -128,6 +135,16 @@ def warmup_steps(args: Args) -> Any:
     if args.train_iters is not None:
         return _samples(args, args.lr_warmup_iters)
     return args.lr_warmup_samples
+
+
+def start_wd(args: Args) -> float:
+    """--start-weight-decay, or --weight-decay under --weight-decay-incr-style constant."""
+    return args.weight_decay if args.weight_decay_incr_style == "constant" else args.start_weight_decay
+
+
+def end_wd(args: Args) -> float:
+    """--end-weight-decay, or --weight-decay under --weight-decay-incr-style constant."""
+    return args.weight_decay if args.weight_decay_incr_style == "constant" else args.end_weight_decay
 
 
 def wd_incr_steps(args: Args) -> Optional[int]:
@@ -142,6 +159,45 @@ def wsd_decay_steps(args: Args) -> Optional[int]:
     if args.train_iters is not None:
         return _samples(args, args.lr_wsd_decay_iters)
     return args.lr_wsd_decay_samples
+
+
+# ------------------------------------------------------------------ training length and evaluation
+def total_train_iters(args: Args) -> int:
+    """--train-iters, or the iterations --train-samples takes (--rampup-batch-size included); 0 with neither.
+
+    Reads --global-batch-size, --micro-batch-size, --decrease-batch-size-if-needed and the data-parallel size.
+    """
+    if args.train_iters is not None:
+        return args.train_iters
+    if args.train_samples is None:
+        return 0  # --skip-train without a length: nothing to train
+    if args.rampup_batch_size is None:
+        return math.ceil(args.train_samples / args.global_batch_size)
+    calculator = build_num_microbatches_calculator(
+        0,
+        args.rampup_batch_size,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.data_parallel_size,
+        args.decrease_batch_size_if_needed,
+    )
+    consumed = iterations = 0
+    while consumed < args.train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations
+
+
+MEGATRON_EVAL_INTERVAL = 1000  # Megatron's argparse default; the flag table's column says None
+
+
+def eval_interval(args: Args) -> int:
+    """--eval-interval, or Megatron's 1000 when left out (a given one is positive: its record's bounds).
+
+    The interval sizes the validation split (``train_iters // eval_interval + 1`` evaluations).
+    """
+    return MEGATRON_EVAL_INTERVAL if args.eval_interval is None else args.eval_interval
 
 
 # ------------------------------------------------------------------ data

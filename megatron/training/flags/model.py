@@ -14,6 +14,7 @@ from megatron.training.flags.derive import (
     attention_backend_name,
     initialization_seed,
     num_moe_layers,
+    tied_embeddings,
     xavier_or_default,
     zero_if_none,
 )
@@ -34,6 +35,8 @@ from megatron.training.flags.record import (
     validated,
 )
 from megatron.training.flags_table import attn_backend, int_tuple, moe_layer_freq, str_to_bool
+from megatron.training.theoretical_memory_params import LanguageModelShape as LMS
+from megatron.training.training_config import TrainingConfig as TRAIN
 from megatron.training.training_log import FlopsConfig as FL
 
 _BALANCE_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -397,18 +400,20 @@ RECORDS = (
         IMPLEMENTED,
         help="Size of the learned position table; default --seq-length.",
         type=int,
+        fills=(to(LMS, "max_sequence_length"),),
         bounds=at_least(1),
     ),
     Flag(
         "position_embedding_type",
         not_yet("learned_absolute", "rope", "none", "relative"),
         help="Position encoding (relative: T5's bucketed attention bias, pretrain_t5.py only).",
+        fills=same(LMS),
     ),
     Flag("relative_attention_num_buckets", IMPLEMENTED, help="T5 relative position bias: number of buckets."),
     Flag("relative_attention_max_distance", IMPLEMENTED, help="T5 relative position bias: largest bucketed distance."),
     Flag("use_rotary_position_embeddings", IMPLEMENTED),
     Flag("rotary_base", IMPLEMENTED, bounds=positive()),
-    Flag("rotary_percent", IMPLEMENTED, bounds=Bounds(low=0, high=1, low_open=True)),
+    Flag("rotary_percent", IMPLEMENTED, fills=same(LMS), bounds=Bounds(low=0, high=1, low_open=True)),
     Flag("rotary_seq_len_interpolation_factor", IMPLEMENTED, type=float),
     Flag("use_rope_scaling", IMPLEMENTED),
     Flag("rope_scaling_factor", IMPLEMENTED),
@@ -457,7 +462,12 @@ RECORDS = (
             group="network size", option_strings=("--bert-post-layernorm",), default=False, action="storetrue"
         ),
     ),
-    Flag("untie_embeddings_and_output_weights", IMPLEMENTED, help="Separate input embedding and output layer weights."),
+    Flag(
+        "untie_embeddings_and_output_weights",
+        IMPLEMENTED,
+        help="Separate input embedding and output layer weights.",
+        fills=(to(LMS, "share_embeddings_and_output_weights", tied_embeddings),),
+    ),
     Flag("weight_decay", IMPLEMENTED, help="Weight-decay coefficient.", fills=same(OPT)),
     Flag("apply_wd_to_qk_layernorm", not_yet(False)),
     Flag("clip_grad", IMPLEMENTED, help="Gradient clipping by global norm.", fills=same(OPT), bounds=at_least(0)),
@@ -478,7 +488,7 @@ RECORDS = (
         "seed",
         IMPLEMENTED,
         help="Random seed; each pipeline stage adds 100 x its rank.",
-        fills=(to(TC, "initialization_seed", initialization_seed), to(DS, "random_seed")),
+        fills=(to(TC, "initialization_seed", initialization_seed), to(DS, "random_seed"), to(TRAIN, "seed")),
         bounds=at_least(0),
     ),
     Flag("te_rng_tracker", no_op(reasons.KERNEL)),

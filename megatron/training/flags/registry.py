@@ -31,6 +31,8 @@ from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.flags import checkpointing, data, logging, model, training
 from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet
 from megatron.training.flags_table import FlagSpec, megatron_flag_specs
+from megatron.training.theoretical_memory_params import LanguageModelShape
+from megatron.training.training_config import TrainingConfig
 from megatron.training.training_log import FlopsConfig, LoggingConfig
 
 _ALL: Tuple[Flag, ...] = model.RECORDS + training.RECORDS + checkpointing.RECORDS + data.RECORDS + logging.RECORDS
@@ -55,7 +57,9 @@ CONFIG_TARGETS: Tuple[type, ...] = (
     OptimizerParamScheduler,
     CheckpointConfig,
     LoggingConfig,
+    TrainingConfig,
     FlopsConfig,
+    LanguageModelShape,
     GPTDatasetConfig,
     BERTMaskedWordPieceDatasetConfig,
     T5MaskedWordPieceDatasetConfig,
@@ -165,7 +169,9 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         "wandb_mode": NotAFlag("from the WANDB_MODE environment variable (offline when unset)"),
         "timers_to_log": NotAFlag("the fixed list of Megatron's logged timers"),
     },
+    TrainingConfig: {},
     FlopsConfig: {},
+    LanguageModelShape: {},
     BlendedMegatronDatasetConfig: {
         "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
         **{

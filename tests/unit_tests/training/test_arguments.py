@@ -423,11 +423,11 @@ def test_eval_interval_left_out_is_megatrons_1000():
     from megatron.training.data import samples_per_split
 
     assert A.parse_args(BASE).eval_interval is None  # the flag table's default column
-    args = _validated()
-    assert args.eval_interval == 1000  # Megatron's argparse default
-    batch = args.global_batch_size
-    assert samples_per_split(args) == [10 * batch, (10 // 1000 + 1) * args.eval_iters * batch, args.eval_iters * batch]
-    assert _validated(["--eval-interval", "3"]).eval_interval == 3
+    cfg = A.training_config_from_args(_validated())
+    assert cfg.eval_interval == 1000  # Megatron's argparse default, derived into the config
+    batch = cfg.global_batch_size
+    assert samples_per_split(cfg) == [10 * batch, (10 // 1000 + 1) * cfg.eval_iters * batch, cfg.eval_iters * batch]
+    assert A.training_config_from_args(_validated(["--eval-interval", "3"])).eval_interval == 3
     with pytest.raises(A.ArgumentsError, match=r"--eval-interval=0 must be >= 1"):
         _validated(["--eval-interval", "0"])
 
