@@ -33,8 +33,6 @@ from megatron.training.flags_table import FlagSpec
 from megatron.training.training_config import TrainingConfig
 from megatron.training.training_log import LoggingConfig
 
-DEFAULT_SPLIT = "969, 30, 1"
-
 
 class ArgumentsError(SystemExit):
     """Invalid flags; ``str(error)`` is the message, the exit code is non-zero."""
@@ -360,15 +358,13 @@ def check_weight_decay(args: argparse.Namespace) -> None:
         )
 
 
-def set_data(args: argparse.Namespace) -> None:
-    """Default split for a single --data-path; one way of naming the data."""
+def check_data(args: argparse.Namespace) -> None:
+    """One way of naming the data (the split left out is derived: ``derive.split``)."""
     per_split = args.train_data_path or args.valid_data_path or args.test_data_path
     _require(
         not (args.data_path and per_split),
         "--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive",
     )
-    if args.data_path and args.split is None:
-        args.split = DEFAULT_SPLIT
 
 
 def check_expert_parallel(args: argparse.Namespace) -> None:
@@ -511,7 +507,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_training_length,
     check_learning_rate,
     check_weight_decay,
-    set_data,
+    check_data,
     check_configs,
     check_sequence_split,
 ]

@@ -219,9 +219,14 @@ def blend_per_split(args: Args) -> Any:
     return [get_blend_from_list(p) for p in _per_split(args)] if _uses_per_split(args) else None
 
 
+DEFAULT_SPLIT = "969, 30, 1"  # Megatron's --split for a single --data-path
+
+
 def split(args: Args) -> Optional[str]:
-    """--split for a single --data-path; None with per-split paths."""
-    return None if _uses_per_split(args) else args.split
+    """--split for a single --data-path (Megatron's ``969, 30, 1`` when left out); None with per-split paths."""
+    if _uses_per_split(args):
+        return None
+    return DEFAULT_SPLIT if args.split is None and args.data_path else args.split
 
 
 def create_attention_mask(args: Args) -> bool:

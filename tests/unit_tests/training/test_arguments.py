@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import arguments as A
+from megatron.training.flags import derive
 from megatron.training.flags.registry import no_op_flags, not_supported_yet
 from megatron.training.flags_table import FLAGS_TSV
 from tests.dist_harness import run_distributed
@@ -219,11 +220,11 @@ def test_ffn_hidden_size_defaults(h):
 def test_kv_channels_split_tokenizer_and_batch_defaults():
     args = _validated(["--data-path", "corpus_text_document"], world_size=8)
     assert args.kv_channels == 64 // 4
-    assert args.split == "969, 30, 1"
+    assert args.split is None and derive.split(args) == "969, 30, 1"  # derived into the dataset config
     assert args.data_parallel_size == 8 and args.global_batch_size == 2 * 8
     assert args.max_position_embeddings == 32
-    assert _validated(["--split", "1,0,0", "--data-path", "x"]).split == "1,0,0"
-    assert _validated().split is None
+    assert derive.split(_validated(["--split", "1,0,0", "--data-path", "x"])) == "1,0,0"
+    assert derive.split(_validated()) is None
     assert A.parse_args(BASE, entry_point="gpt").tokenizer_type == "GPT2BPETokenizer"
     for ep in ("bert", "t5"):
         assert A.parse_args(BASE, entry_point=ep).tokenizer_type == "BertWordPieceLowerCase"
