@@ -21,6 +21,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.flags import compatibility
+from megatron.training.flags.derive import global_batch_size
 from megatron.training.flags.registry import (
     bounded_flags,
     config_from_args,
@@ -195,25 +196,23 @@ def check_pipeline_layers(args: argparse.Namespace) -> None:
         )
 
 
-def set_batch_sizes(args: argparse.Namespace) -> None:
-    """Global batch defaults to micro batch x DP and must be a multiple of it."""
-    step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = step
+def check_batch_sizes(args: argparse.Namespace) -> None:
+    """The global batch (left out: micro batch x DP, ``derive.global_batch_size``) is a multiple of micro batch x DP."""
+    step, batch = args.micro_batch_size * args.data_parallel_size, global_batch_size(args)
     if args.rampup_batch_size is None and not args.decrease_batch_size_if_needed:
         _require(
-            args.global_batch_size % step == 0,
-            f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
+            batch % step == 0,
+            f"--global-batch-size ({batch}) is not divisible by --micro-batch-size "
             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {step}",
         )
     vp = args.virtual_pipeline_model_parallel_size
     if vp is not None and args.rampup_batch_size is None:
-        num_micro = args.global_batch_size // step
+        num_micro = batch // step
         pp = args.pipeline_model_parallel_size
         _require(
             num_micro % pp == 0,
             f"the interleaved schedule needs the number of microbatches ({num_micro} = --global-batch-size "
-            f"{args.global_batch_size} / ({args.micro_batch_size} x DP {args.data_parallel_size})) to be a "
+            f"{batch} / ({args.micro_batch_size} x DP {args.data_parallel_size})) to be a "
             f"multiple of --pipeline-model-parallel-size ({pp})",
         )
 
@@ -496,7 +495,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_required,
     set_virtual_pipeline,
     check_pipeline_layers,
-    set_batch_sizes,
+    check_batch_sizes,
     set_model_shape,
     check_context_parallel,
     set_moe,

@@ -117,8 +117,13 @@ def num_moe_layers(args: Args) -> int:
 
 
 # ------------------------------------------------------------------ LR schedule (counted in samples)
+def global_batch_size(args: Args) -> int:
+    """--global-batch-size, or --micro-batch-size x the data-parallel size when left out (Megatron's default)."""
+    return args.micro_batch_size * args.data_parallel_size if args.global_batch_size is None else args.global_batch_size
+
+
 def _samples(args: Args, iters: Optional[int]) -> Optional[int]:
-    return None if iters is None else iters * args.global_batch_size
+    return None if iters is None else iters * global_batch_size(args)
 
 
 def decay_steps(args: Args) -> Optional[int]:
@@ -172,11 +177,11 @@ def total_train_iters(args: Args) -> int:
     if args.train_samples is None:
         return 0  # --skip-train without a length: nothing to train
     if args.rampup_batch_size is None:
-        return math.ceil(args.train_samples / args.global_batch_size)
+        return math.ceil(args.train_samples / global_batch_size(args))
     calculator = build_num_microbatches_calculator(
         0,
         args.rampup_batch_size,
-        args.global_batch_size,
+        global_batch_size(args),
         args.micro_batch_size,
         args.data_parallel_size,
         args.decrease_batch_size_if_needed,

@@ -221,7 +221,8 @@ def test_kv_channels_split_tokenizer_and_batch_defaults():
     args = _validated(["--data-path", "corpus_text_document"], world_size=8)
     assert args.kv_channels == 64 // 4
     assert args.split is None and derive.split(args) == "969, 30, 1"  # derived into the dataset config
-    assert args.data_parallel_size == 8 and args.global_batch_size == 2 * 8
+    assert args.data_parallel_size == 8 and args.global_batch_size is None
+    assert A.training_config_from_args(args).global_batch_size == 2 * 8  # derived: micro batch x DP
     assert args.max_position_embeddings == 32
     assert derive.split(_validated(["--split", "1,0,0", "--data-path", "x"])) == "1,0,0"
     assert derive.split(_validated()) is None
@@ -633,7 +634,7 @@ def test_scheduler_kwargs_count_samples():
     assert sched.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     frac = _validated(["--train-iters", "100", "--lr-warmup-fraction", "0.25", "--lr-decay-iters", "40"])
     kw = A.optimizer_param_scheduler_kwargs(frac)
-    assert kw["lr_warmup_steps"] == pytest.approx(0.25 * 40 * frac.global_batch_size)
+    assert kw["lr_warmup_steps"] == pytest.approx(0.25 * 40 * A.training_config_from_args(frac).global_batch_size)
 
 
 def test_encoder_flags_stand_for_num_layers_and_seq_length():
