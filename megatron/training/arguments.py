@@ -20,8 +20,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import validation
 from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.data import VocabularyCheck
 from megatron.training.flags.registry import RECORDS, config_from_args, config_kwargs, flag_specs
 from megatron.training.flags_table import build_parser
+from megatron.training.theoretical_memory_params import LanguageModelShape
+from megatron.training.training_config import RunConfigs, TrainingConfig
 from megatron.training.training_log import FlopsConfig, LoggingConfig
 from megatron.training.validation import (  # noqa: F401 - re-exported for callers
     ArgumentsError,
@@ -133,3 +136,40 @@ def logging_config_from_args(args: argparse.Namespace, environ: Optional[Mapping
     """The logging config from args; the W&B mode is ``WANDB_MODE`` when set, else offline (not a flag)."""
     env = os.environ if environ is None else environ
     return config_from_args(LoggingConfig, args, wandb_mode=env.get("WANDB_MODE", "offline"))
+
+
+def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
+    """The training loop's settings from validated args."""
+    return config_from_args(TrainingConfig, args)
+
+
+def run_configs_from_args(args: argparse.Namespace, saved_args: Dict[str, Any]) -> RunConfigs:
+    """Every config the training loop reads, built once after start-up (the tokenizer has padded the vocabulary).
+
+    ``saved_args`` is what checkpoints store of the flags (``checkpointing.args_to_plain_data(args)``).
+    """
+    return RunConfigs(
+        training=training_config_from_args(args),
+        checkpoint=checkpoint_config_from_args(args),
+        logging=logging_config_from_args(args),
+        flops=flops_config_from_args(args),
+        saved_args=saved_args,
+    )
+
+
+def vocabulary_check_from_args(args: argparse.Namespace) -> Optional[VocabularyCheck]:
+    """The data's token-id check against the padded vocabulary, naming the flags that sized it; None for mock data."""
+    if getattr(args, "mock_data", False):
+        return None
+    origin = (
+        f"--tokenizer-type {args.tokenizer_type}"
+        + (f" --vocab-size {args.vocab_size}" if getattr(args, "vocab_size", None) else "")
+        + f", padded to a multiple of --make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}"
+        f" x --tensor-model-parallel-size {args.tensor_model_parallel_size}"
+    )
+    return VocabularyCheck(args.padded_vocab_size, origin)
+
+
+def language_model_shape_from_args(args: argparse.Namespace) -> LanguageModelShape:
+    """What the theoretical memory needs of the model besides its ``TransformerConfig`` (vocabulary padded by then)."""
+    return config_from_args(LanguageModelShape, args)

@@ -1,8 +1,7 @@
-"""Train/valid/test data iterators for the training loop, from a dataset provider and the flags."""
+"""Train/valid/test data iterators for the training loop, from a dataset provider and the ``TrainingConfig``."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
@@ -10,6 +9,7 @@ from megatron.core.datasets.data_samplers import build_pretraining_data_loader
 from megatron.core.datasets.utils import get_num_samples
 from megatron.core.datasets.vocab_check import check_token_ids_in_vocabulary
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.training.training_config import TrainingConfig
 
 DatasetProvider = Callable[[List[int]], Sequence[Any]]
 
@@ -23,14 +23,26 @@ class DataIterators:
     test: Optional[List[Iterator]]
 
 
-def samples_per_split(args: argparse.Namespace) -> List[int]:
+@dataclass(frozen=True)
+class VocabularyCheck:
+    """The padded vocabulary every token id of the data must fit, and how it was sized (named in the error)."""
+
+    padded_vocab_size: int
+    origin: str  # the flags that sized it: tokenizer, --vocab-size, padding
+
+    def __call__(self, datasets: Sequence[Any]) -> None:
+        """Stop (on every rank) if a dataset holds token ids the padded vocabulary lacks."""
+        check_token_ids_in_vocabulary(datasets, self.padded_vocab_size, self.origin)
+
+
+def samples_per_split(cfg: TrainingConfig) -> List[int]:
     """Samples the run will draw from train, valid and test (Megatron's accounting)."""
-    if args.train_samples is not None:
-        train_iters = args.train_samples // args.global_batch_size
-        sizes = get_num_samples(train_iters, args.global_batch_size, args.eval_interval, args.eval_iters)
-        sizes[0] = args.train_samples
+    if cfg.train_samples is not None:
+        train_iters = cfg.train_samples // cfg.global_batch_size
+        sizes = get_num_samples(train_iters, cfg.global_batch_size, cfg.eval_interval, cfg.eval_iters)
+        sizes[0] = cfg.train_samples
         return sizes
-    return get_num_samples(args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters)
+    return get_num_samples(cfg.train_iters, cfg.global_batch_size, cfg.eval_interval, cfg.eval_iters)
 
 
 def _forever(loader: Any) -> Iterator:
@@ -39,7 +51,7 @@ def _forever(loader: Any) -> Iterator:
 
 
 def _iterators(
-    dataset: Any, consumed: int, args: argparse.Namespace, groups: ProcessGroupCollection, num_chunks: int, cyclic: bool
+    dataset: Any, consumed: int, cfg: TrainingConfig, groups: ProcessGroupCollection, num_chunks: int, cyclic: bool
 ) -> Optional[List[Iterator]]:
     """``num_chunks`` identical iterators (each chunk of a virtual pipeline reads its own)."""
     if dataset is None or len(dataset) == 0:
@@ -49,45 +61,34 @@ def _iterators(
         loader = build_pretraining_data_loader(
             dataset,
             consumed % len(dataset) if cyclic else consumed,
-            args.micro_batch_size,
+            cfg.micro_batch_size,
             groups.rank_in("dp"),
             groups.size_of("dp"),
-            args.dataloader_type or "single",
-            args.num_workers,
-            seed=args.seed,
+            cfg.dataloader_type or "single",
+            cfg.num_workers,
+            seed=cfg.seed,
         )
         # Evaluation restarts its split when it runs out, as Megatron's cyclic iterator does.
         out.append(_forever(loader) if cyclic else iter(loader))
     return out
 
 
-def check_data_vocabulary(datasets: Sequence[Any], args: argparse.Namespace) -> None:
-    """Stop (on every rank) if a data prefix holds token ids the padded vocabulary lacks; not for mock data."""
-    if getattr(args, "mock_data", False):
-        return
-    origin = (
-        f"--tokenizer-type {args.tokenizer_type}"
-        + (f" --vocab-size {args.vocab_size}" if getattr(args, "vocab_size", None) else "")
-        + f", padded to a multiple of --make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}"
-        f" x --tensor-model-parallel-size {args.tensor_model_parallel_size}"
-    )
-    check_token_ids_in_vocabulary(datasets, args.padded_vocab_size, origin)
-
-
 def build_data_iterators(
     provider: DatasetProvider,
-    args: argparse.Namespace,
+    cfg: TrainingConfig,
     groups: ProcessGroupCollection,
     num_chunks: int,
     consumed_train: int,
     consumed_valid: int,
+    vocabulary: Optional[VocabularyCheck] = None,
 ) -> DataIterators:
-    """Call ``provider(samples_per_split)``, check the token ids against the vocabulary, and wrap
-    each split in per-DP-rank iterators."""
-    train_ds, valid_ds, test_ds = provider(samples_per_split(args))
-    check_data_vocabulary([train_ds, valid_ds, test_ds], args)
+    """Call ``provider(samples_per_split)``, check the token ids against the vocabulary (unless
+    ``vocabulary`` is None: mock data), and wrap each split in per-DP-rank iterators."""
+    train_ds, valid_ds, test_ds = provider(samples_per_split(cfg))
+    if vocabulary is not None:
+        vocabulary([train_ds, valid_ds, test_ds])
     return DataIterators(
-        train=_iterators(train_ds, consumed_train, args, groups, num_chunks, cyclic=False),
-        valid=_iterators(valid_ds, consumed_valid, args, groups, num_chunks, cyclic=True),
-        test=_iterators(test_ds, 0, args, groups, num_chunks, cyclic=True),
+        train=_iterators(train_ds, consumed_train, cfg, groups, num_chunks, cyclic=False),
+        valid=_iterators(valid_ds, consumed_valid, cfg, groups, num_chunks, cyclic=True),
+        test=_iterators(test_ds, 0, cfg, groups, num_chunks, cyclic=True),
     )

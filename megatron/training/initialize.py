@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, seed_rng_tracker
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker
+from megatron.training.flags.derive import global_batch_size
 from megatron.training.host_allocator import retain_freed_host_memory
 from megatron.training.preflight import check_inputs, check_port_free
 from megatron.training.run_report import print_arguments, print_enabled_summary
@@ -381,7 +382,7 @@ def initialize_run(
     microbatches = init_num_microbatches_calculator(
         args.rank,
         args.rampup_batch_size,
-        args.global_batch_size,
+        global_batch_size(args),  # --global-batch-size, or micro batch x DP
         args.micro_batch_size,
         args.data_parallel_size,
         args.decrease_batch_size_if_needed,

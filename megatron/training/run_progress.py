@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.training.checkpoint_dirs import checkpoint_dir, read_tracker
 from megatron.training.checkpointing import saved_args
-from megatron.training.training import total_train_iters
+from megatron.training.flags.derive import total_train_iters
 
 FINISHED, UNFINISHED, NO_CHECKPOINT = 0, 1, 2
 

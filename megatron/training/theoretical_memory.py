@@ -39,6 +39,7 @@ from megatron.training.theoretical_memory_params import (
     chunk_parameters,
     state_bytes,
 )
+from megatron.training.training_config import TrainingConfig
 
 __all__ = [
     "LanguageModelShape",
@@ -87,16 +88,9 @@ def estimate_memory(
 
 
 def _from_args(args: argparse.Namespace) -> Tuple[TransformerConfig, LanguageModelShape, RankPosition]:
-    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args, language_model_shape_from_args
 
-    c = core_transformer_config_from_args(args)
-    lm = LanguageModelShape(
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        rotary_percent=args.rotary_percent,
-    )
+    c, lm = core_transformer_config_from_args(args), language_model_shape_from_args(args)
     tp, pp, cp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.context_parallel_size
     pos = RankPosition(
         tp=tp,
@@ -117,16 +111,22 @@ def estimate_from_args(
     pp_ranks: Optional[Sequence[int]] = None,
 ) -> Dict[int, MemoryEstimate]:
     """``estimate_memory`` of DP rank 0 on the given pipeline ranks (all by default), from validated args."""
-    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args
+    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args, training_config_from_args
 
     c, lm, pos = _from_args(args)
-    m = num_microbatches or args.global_batch_size // (args.micro_batch_size * pos.dp)
+    t = training_config_from_args(args)
+    m = num_microbatches or _microbatches(t, pos)
     ddp, opt = ddp_config_from_args(args), optimizer_config_from_args(args)
     ranks = range(pos.pp) if pp_ranks is None else pp_ranks
     return {
-        r: estimate_memory(c, lm, ddp, opt, _at_stage(pos, r), args.micro_batch_size, args.seq_length, m, device_type)
+        r: estimate_memory(c, lm, ddp, opt, _at_stage(pos, r), t.micro_batch_size, t.seq_length, m, device_type)
         for r in ranks
     }
+
+
+def _microbatches(t: TrainingConfig, pos: RankPosition) -> int:
+    """Microbatches per step at the full global batch."""
+    return t.global_batch_size // (t.micro_batch_size * pos.dp)
 
 
 def report_theoretical_memory(
@@ -144,7 +144,9 @@ def report_theoretical_memory(
     stage = max(estimates, key=lambda r: estimates[r].total)
     e = estimates[stage]
     if verbose:
-        m = num_microbatches or args.global_batch_size // (args.micro_batch_size * _from_args(args)[2].dp)
+        from megatron.training.arguments import training_config_from_args
+
+        m = num_microbatches or _microbatches(training_config_from_args(args), _from_args(args)[2])
         _print_details(e, stage, m)
     print(
         f"Theoretical memory footprints: weight and optimizer={e.state.total / MB:.2f} MB, "

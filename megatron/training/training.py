@@ -1,17 +1,18 @@
 """``pretrain()``: the one training loop every entry point shares.
 
-Build (model chunks, optimizer, LR schedule, data), optionally resume, then per
-iteration: one call of the pipeline schedule returned by ``get_forward_backward_func``
-(no pipelining when PP=1), one optimizer step, logging, evaluation, checkpoints and
-exit checks. The loop always holds a list of model chunks, so pipeline and virtual
-pipeline layouts change nothing here.
+Start up (flags, process groups, seeds), build the tokenizer and, once, the run's configs
+(``RunConfigs``: training, checkpoint, logging, FLOPs), then the model chunks, optimizer, LR
+schedule and data, optionally resume, then per iteration: one call of the pipeline schedule
+returned by ``get_forward_backward_func`` (no pipelining when PP=1), one optimizer step, logging,
+evaluation, checkpoints and exit checks. The loop always holds a list of model chunks, so pipeline
+and virtual pipeline layouts change nothing here. Only start-up (``pretrain``, ``_build_loop``)
+reads the parsed flags; the loop reads its configs (``tests/unit_tests/training/test_loop_configs.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import NonFiniteGradientError
-from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
+from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
@@ -31,10 +32,9 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker, aux_loss_pairs, use_aux_loss_tracker
 from megatron.core.utils import comm_device
 from megatron.training.arguments import (
-    checkpoint_config_from_args,
     core_transformer_config_from_args,
-    flops_config_from_args,
-    logging_config_from_args,
+    run_configs_from_args,
+    vocabulary_check_from_args,
 )
 from megatron.training.checkpointing import (
     args_to_plain_data,
@@ -50,7 +50,9 @@ from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_opt
 from megatron.training.preflight import reported_once
 from megatron.training.signal_handler import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer_from_args
+from megatron.training.training_config import RunConfigs, TrainingConfig
 from megatron.training.training_log import (
+    IterationStats,
     TrainingLogger,
     num_floating_point_operations,
 )
@@ -117,37 +119,16 @@ def rng_untouched(tracker: CudaRNGStatesTracker) -> Iterator[None]:
         restore_rng_state(saved, tracker)
 
 
-def total_train_iters(args: argparse.Namespace) -> int:
-    """``--train-iters``, or the iterations ``--train-samples`` takes (batch ramp-up included)."""
-    if args.train_iters is not None:
-        return args.train_iters
-    if args.rampup_batch_size is None:
-        return math.ceil(args.train_samples / args.global_batch_size)
-    calculator = build_num_microbatches_calculator(
-        0,
-        args.rampup_batch_size,
-        args.global_batch_size,
-        args.micro_batch_size,
-        args.data_parallel_size,
-        args.decrease_batch_size_if_needed,
-    )
-    consumed = iterations = 0
-    while consumed < args.train_samples:
-        calculator.update(consumed, consistency_check=False)
-        consumed += calculator.get_current_global_batch_size()
-        iterations += 1
-    return iterations
-
-
 @dataclass
 class Loop:
     """Everything one run's iterations need, bundled so helpers take one argument.
 
+    ``configs`` are the run's settings, built once after start-up: the loop never reads the flags.
     ``run`` holds the run's own groups, microbatch calculator, aux-loss and RNG trackers
     (``initialize_run``): the loop passes them on and never reads Megatron's module-level accessors.
     """
 
-    args: argparse.Namespace
+    configs: RunConfigs
     run: RunState
     forward_step_func: Callable
     built: ModelAndOptimizer
@@ -155,8 +136,12 @@ class Loop:
     state: TrainState
     logger: TrainingLogger
     timers: Timers
-    train_iters: int = 0  # --train-iters, or what --train-samples takes (computed once)
     process_non_loss_data_func: Optional[Callable] = None  # pretrain()'s: (collected, iteration, writer)
+
+    @property
+    def train_iters(self) -> int:
+        """--train-iters, or what --train-samples takes (``TrainingConfig.train_iters``)."""
+        return self.configs.training.train_iters
 
     @property
     def groups(self) -> ProcessGroupCollection:
@@ -177,7 +162,7 @@ class Loop:
     def schedule(
         self, data_iterator: List, forward_only: bool, collect_non_loss_data: bool = False
     ) -> List[Dict[str, torch.Tensor]]:
-        chunks = self.built.model
+        chunks, cfg = self.built.model, self.configs.training
         schedule = get_forward_backward_func(
             self.groups.size_of("pp"), self.groups.layout.virtual_pipeline_model_parallel_size
         )
@@ -186,9 +171,9 @@ class Loop:
             data_iterator=data_iterator if len(chunks) > 1 else data_iterator[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=self.microbatches.get(),
-            seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size,
-            decoder_seq_length=getattr(self.args, "decoder_seq_length", None),
+            seq_length=cfg.seq_length,
+            micro_batch_size=cfg.micro_batch_size,
+            decoder_seq_length=cfg.decoder_seq_length,
             forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data,
             pg_collection=self.groups,
@@ -202,16 +187,16 @@ def train_step(loop: Loop) -> tuple:
     Megatron logs them: without their coefficient, averaged over MoE layers, microbatches
     and data-parallel ranks (``aux_loss_pairs``; reduced with the main losses in one all-reduce).
     """
-    built, timers = loop.built, loop.timers
+    built, timers, barrier = loop.built, loop.timers, loop.configs.logging.barrier_with_L1_time
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.zero_grad()
     loop.aux_losses.clear()
-    timers("forward-backward", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
+    timers("forward-backward", log_level=1).start(barrier=barrier)
     losses = loop.schedule(loop.data.train, forward_only=False)
     timers("forward-backward").stop()
     aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, loop.microbatches.get(), loop.aux_losses)
-    timers("optimizer", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
+    timers("optimizer", log_level=1).start(barrier=barrier)
     success, grad_norm, num_zeros = built.optimizer.step()
     timers("optimizer").stop()
     if success:
@@ -254,14 +239,15 @@ def collect_non_loss_data(loop: Loop, iterators: List) -> List[Any]:
 
 
 def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List], final: bool = False) -> None:
-    if iterators is None or loop.args.eval_iters <= 0:
+    eval_iters = loop.configs.training.eval_iters
+    if iterators is None or eval_iters <= 0:
         return
     process = loop.process_non_loss_data_func
     with rng_untouched(loop.rng_tracker):
-        losses = evaluate(loop, iterators, loop.args.eval_iters)
+        losses = evaluate(loop, iterators, eval_iters)
         non_loss_data = collect_non_loss_data(loop, iterators) if process is not None else None
     if prefix == "validation":  # the extra batch too: a resumed run reads the samples the straight run reads
-        batches = loop.args.eval_iters + (non_loss_data is not None)
+        batches = eval_iters + (non_loss_data is not None)
         loop.state.consumed_valid_samples += batches * loop.microbatches.get_current_global_batch_size()
     loop.logger.evaluation_log(loop.state.iteration, prefix, losses, final=final)
     if process is not None and dist.get_rank() == dist.get_world_size() - 1:
@@ -269,16 +255,16 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List], final:
 
 
 def _save(loop: Loop) -> None:
-    args, built = loop.args, loop.built
+    built = loop.built
     with rng_untouched(loop.rng_tracker):
         save_checkpoint(
             loop.state.iteration,
             built.model,
             built.optimizer,
             built.scheduler,
-            checkpoint_config_from_args(args),
+            loop.configs.checkpoint,
             train_state=asdict(loop.state),
-            args_dict=args_to_plain_data(args),
+            args_dict=loop.configs.saved_args,
             pg_collection=loop.groups,
             rng_tracker=loop.rng_tracker,
         )
@@ -290,12 +276,12 @@ def _should_exit(loop: Loop, start_time: float, handler: Optional[DistributedSig
     A signal and the time limit may reach ranks at different steps: one MAX all-reduce
     per iteration makes every rank take the same decision.
     """
-    args = loop.args
-    if handler is not None or args.exit_duration_in_mins:  # the same on every rank: all or none reduce
-        reason = _agreed_stop(handler, args.exit_duration_in_mins, start_time)
+    cfg = loop.configs.training
+    if handler is not None or cfg.exit_duration_in_mins:  # the same on every rank: all or none reduce
+        reason = _agreed_stop(handler, cfg.exit_duration_in_mins, start_time)
         if reason is not None:
             return reason
-    if args.exit_interval and loop.state.iteration % args.exit_interval == 0:
+    if cfg.exit_interval and loop.state.iteration % cfg.exit_interval == 0:
         return "interval"
     return None
 
@@ -330,35 +316,44 @@ def _log_iteration(
     num_zeros: Optional[int],
     elapsed_ms: float,
 ) -> None:
-    args, state, built = loop.args, loop.state, loop.built
+    state, built, configs = loop.state, loop.built, loop.configs
     batch = loop.microbatches.get_current_global_batch_size()
-    loop.logger.training_log(
+    stats = IterationStats(
         iteration=state.iteration,
         train_iters=loop.train_iters,
-        loss_dict=losses,
+        losses=losses,
         learning_rate=_group_lr(built.optimizer, decoupled=False),
         decoupled_lr=_group_lr(built.optimizer, True),
         loss_scale=float(built.optimizer.get_loss_scale()),
         grad_norm=grad_norm,
-        params_norm=params_l2_norm(built.model, loop.groups) if args.log_params_norm else None,
+        params_norm=params_l2_norm(built.model, loop.groups) if configs.logging.log_params_norm else None,
         num_zeros=num_zeros,
         skipped=bool(skipped),
-        nan=None,
         consumed_samples=state.consumed_train_samples,
         global_batch_size=batch,
         elapsed_ms_per_iter=elapsed_ms,
-        flops_per_iter=num_floating_point_operations(flops_config_from_args(args), batch),
-        seq_length=args.seq_length,
-        timers=loop.timers,
+        flops_per_iter=num_floating_point_operations(configs.flops, batch),
+        seq_length=configs.training.seq_length,
     )
+    loop.logger.training_log(stats, loop.timers)
+
+
+def _saves_now(loop: Loop) -> bool:
+    """Whether this iteration is a multiple of --save-interval (with --save)."""
+    ckpt = loop.configs.checkpoint
+    return bool(ckpt.save and ckpt.save_interval and loop.state.iteration % ckpt.save_interval == 0)
+
+
+def _signal_handler(cfg: TrainingConfig) -> Any:
+    """The --exit-signal handler under --exit-signal-handler, else a context that does nothing."""
+    return DistributedSignalHandler(cfg.exit_signal) if cfg.exit_signal_handler else contextlib.nullcontext()
 
 
 def train(loop: Loop) -> Optional[str]:
     """Iterate until ``--train-iters``/``--train-samples`` or an exit condition; returns the exit reason."""
-    args, state = loop.args, loop.state
+    cfg, state = loop.configs.training, loop.state
     start_time = time.time()
-    handler_ctx = DistributedSignalHandler(args.exit_signal) if args.exit_signal_handler else contextlib.nullcontext()
-    with handler_ctx as handler:
+    with _signal_handler(cfg) as handler:
         while state.iteration < loop.train_iters:
             loop.microbatches.update(state.consumed_train_samples, consistency_check=True)
             t0 = time.time()
@@ -369,17 +364,16 @@ def train(loop: Loop) -> Optional[str]:
             state.iteration += 1
             batch = loop.microbatches.get_current_global_batch_size()
             state.consumed_train_samples += batch
-            state.floating_point_operations_so_far += num_floating_point_operations(flops_config_from_args(args), batch)
+            state.floating_point_operations_so_far += num_floating_point_operations(loop.configs.flops, batch)
             _log_iteration(loop, losses, skipped, grad_norm, num_zeros, (time.time() - t0) * 1000.0)
-            if args.eval_interval and state.iteration % args.eval_interval == 0 and not args.skip_train:
+            if cfg.eval_interval and state.iteration % cfg.eval_interval == 0 and not cfg.skip_train:
                 _evaluate_and_log(loop, "validation", loop.data.valid)
-            saved = False
-            if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            saved = _saves_now(loop)
+            if saved:
                 _save(loop)
-                saved = True
             reason = _should_exit(loop, start_time, handler)
             if reason is not None:
-                if args.save and not saved:
+                if loop.configs.checkpoint.save and not saved:
                     _save(loop)
                 return reason
     return None
@@ -405,9 +399,19 @@ def pretrain(
     """
     with reported_once():  # a mistake in the flags or inputs: one message on one rank, no traceback
         args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
+        tokenizer = build_tokenizer_from_args(args)  # pads the vocabulary the FLOPs config reads
+        set_global_variables(args, tokenizer)
+        configs = run_configs_from_args(args, saved_args=args_to_plain_data(args))  # once: the loop reads only these
         with use_rng_tracker(run.rng_tracker):  # the run's own streams behind get_cuda_rng_tracker()
             loop = _build_loop(
-                args, run, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func
+                args,
+                configs,
+                run,
+                tokenizer,
+                train_valid_test_dataset_provider,
+                model_provider,
+                model_type,
+                forward_step_func,
             )
             loop.process_non_loss_data_func = process_non_loss_data_func
             _run_loop(loop)
@@ -417,29 +421,33 @@ def pretrain(
 
 def _build_loop(
     args: argparse.Namespace,
+    configs: RunConfigs,
     run: RunState,
+    tokenizer: Any,
     train_valid_test_dataset_provider: Callable,
     model_provider: Callable,
     model_type: ModelType,
     forward_step_func: Callable,
 ) -> Loop:
-    """Tokenizer, model and optimizer, the checkpoint to resume from, data iterators and log writers."""
+    """Model and optimizer, the checkpoint to resume from, data iterators and log writers.
+
+    ``args`` only reach the providers that declare them (Megatron's signatures) and the model's
+    config; everything else reads ``configs``.
+    """
     groups = run.groups
-    tokenizer = build_tokenizer_from_args(args)
-    set_global_variables(args, tokenizer)
     config = core_transformer_config_from_args(args)
-    timers = Timers(args.timing_log_level, args.timing_log_option)
+    timers = Timers(configs.logging.timing_log_level, configs.logging.timing_log_option)
     built = setup_model_and_optimizer(model_provider, model_type, args, config, groups)
     use_aux_loss_tracker(built.model, run.aux_losses)
     state = TrainState()
-    if args.load:
+    if configs.checkpoint.load:
         iteration, saved_state = load_checkpoint(
             built.model,
             built.optimizer,
             built.scheduler,
-            checkpoint_config_from_args(args),
+            configs.checkpoint,
             pg_collection=groups,
-            run_args=args_to_plain_data(args),
+            run_args=configs.saved_args,
             rng_tracker=run.rng_tracker,
         )
         state = TrainState(**{**asdict(TrainState()), **(saved_state or {}), "iteration": iteration})
@@ -450,23 +458,26 @@ def _build_loop(
     )
     with rng_untouched(run.rng_tracker):  # the state seeded at start-up, or restored, is what step 1 sees
         data = build_data_iterators(
-            provider, args, groups, len(built.model), state.consumed_train_samples, state.consumed_valid_samples
+            provider,
+            configs.training,
+            groups,
+            len(built.model),
+            state.consumed_train_samples,
+            state.consumed_valid_samples,
+            vocabulary_check_from_args(args),
         )
-        logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
-    loop = Loop(args, run, forward_step_func, built, data, state, logger, timers)
-    loop.train_iters = total_train_iters(args)
-    return loop
+        logger = TrainingLogger(configs.logging, dist.get_rank(), dist.get_world_size())
+    return Loop(configs, run, forward_step_func, built, data, state, logger, timers)
 
 
 def _run_loop(loop: Loop) -> None:
     """Train (saving at the end unless just saved), then evaluate on validation and test."""
-    args, state = loop.args, loop.state
+    state = loop.state
     try:
         reason = None
-        if not args.skip_train and loop.train_iters > state.iteration:
+        if not loop.configs.training.skip_train and loop.train_iters > state.iteration:
             reason = train(loop)
-            saved_now = args.save_interval and state.iteration % args.save_interval == 0
-            if reason is None and args.save and not saved_now:
+            if reason is None and loop.configs.checkpoint.save and not _saves_now(loop):
                 _save(loop)
         if reason is None:
             _evaluate_and_log(loop, "validation", loop.data.valid, final=True)

@@ -203,6 +203,7 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = False
     timing_log_level: int = 0
     timing_log_option: str = "minmax"
+    barrier_with_L1_time: bool = True  # level-1 timers wait for every rank before they start
     tensorboard_dir: Optional[str] = None
     tensorboard_log_interval: int = 1
     tensorboard_queue_size: int = 1000
@@ -233,6 +234,38 @@ class LoggingConfig:
 
 
 # ====================================================================== the logger
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """One training iteration's figures, as the loop hands them to ``TrainingLogger.training_log``.
+
+    ``elapsed_ms_per_iter`` is this iteration's wall time; ``flops_per_iter`` the model FLOPs of its
+    whole global batch, summed over all ranks (``num_floating_point_operations``; None leaves the
+    TFLOP/s field out), divided by the world size for the per-GPU figure (context-parallel ranks each
+    compute 1/cp of every sequence, so this is their share too). ``nan`` None counts the iteration as
+    a NaN iteration when a reported (reduced) loss is nan or inf, skipped or not: with
+    ``--no-check-for-nan-in-loss-and-grad`` an fp32 step with a NaN loss is applied, and the line
+    prints that loss (Megatron counts skipped ones only). ``memory`` None reads the device's.
+    """
+
+    iteration: int
+    train_iters: int
+    losses: Mapping[str, Any]
+    learning_rate: float
+    consumed_samples: int
+    global_batch_size: int
+    elapsed_ms_per_iter: float
+    seq_length: int
+    loss_scale: float = 1.0
+    decoupled_lr: Optional[float] = None
+    grad_norm: Optional[float] = None
+    params_norm: Optional[float] = None
+    num_zeros: Optional[float] = None
+    skipped: bool = False
+    nan: Optional[bool] = None
+    flops_per_iter: Optional[float] = None
+    memory: Optional[Mapping[str, float]] = None
 
 
 @dataclass
@@ -312,70 +345,20 @@ class TrainingLogger:
         return writers
 
     # ------------------------------------------------------------------ training
-    def training_log(
-        self,
-        iteration: int,
-        *,
-        train_iters: int,
-        loss_dict: Mapping[str, Any],
-        learning_rate: float,
-        consumed_samples: int,
-        global_batch_size: int,
-        elapsed_ms_per_iter: float,
-        seq_length: int,
-        loss_scale: float = 1.0,
-        decoupled_lr: Optional[float] = None,
-        grad_norm: Optional[float] = None,
-        params_norm: Optional[float] = None,
-        num_zeros: Optional[float] = None,
-        skipped: bool = False,
-        nan: Optional[bool] = None,
-        flops_per_iter: Optional[float] = None,
-        timers: Any = None,
-        memory: Optional[Mapping[str, float]] = None,
-    ) -> Optional[str]:
+    def training_log(self, stats: IterationStats, timers: Any = None) -> Optional[str]:
         """Account one iteration; every ``log_interval`` iterations print the line (returned there).
 
-        ``elapsed_ms_per_iter`` is this iteration's wall time; ``flops_per_iter`` the model
-        FLOPs of its whole global batch, summed over all ranks (``num_floating_point_operations``;
-        None leaves the TFLOP/s field out), divided by ``world_size`` for the per-GPU figure (context-parallel
-        ranks each compute 1/cp of every sequence, so this is their share too). ``nan`` None
-        counts an iteration as a NaN iteration when a reported (reduced) loss is nan or inf,
-        skipped or not: with ``--no-check-for-nan-in-loss-and-grad`` an fp32 step with a NaN
-        loss is applied, and the line prints that loss (Megatron counts skipped ones only).
+        ``timers`` (the loop's ``Timers``) are reported after the line; the report is a collective.
         """
-        losses = {name: _to_float(value) for name, value in loss_dict.items()}
-        self._accumulate(losses, skipped, nan, elapsed_ms_per_iter, flops_per_iter, global_batch_size * seq_length)
-        if self.writers.active and iteration % self.config.tensorboard_log_interval == 0:
-            self._write_iteration_scalars(
-                iteration,
-                losses,
-                learning_rate,
-                decoupled_lr,
-                consumed_samples,
-                global_batch_size,
-                loss_scale,
-                grad_norm,
-                params_norm,
-                num_zeros,
-                memory,
-            )
-        if iteration % self.config.log_interval != 0:
+        losses = {name: _to_float(value) for name, value in stats.losses.items()}
+        tokens = stats.global_batch_size * stats.seq_length
+        self._accumulate(losses, stats.skipped, stats.nan, stats.elapsed_ms_per_iter, stats.flops_per_iter, tokens)
+        if self.writers.active and stats.iteration % self.config.tensorboard_log_interval == 0:
+            self._write_iteration_scalars(stats, losses)
+        if stats.iteration % self.config.log_interval != 0:
             self.writers.commit()
             return None
-        line = self._log_interval(
-            iteration,
-            train_iters,
-            learning_rate,
-            decoupled_lr,
-            consumed_samples,
-            global_batch_size,
-            loss_scale,
-            grad_norm,
-            params_norm,
-            num_zeros,
-            timers,
-        )
+        line = self._log_interval(stats, timers)
         self.writers.commit()
         return line
 
@@ -403,55 +386,31 @@ class TrainingLogger:
         acc.flops_known = acc.flops_known and flops is not None
         acc.flops += flops or 0.0
 
-    def _write_iteration_scalars(
-        self,
-        iteration: int,
-        losses: Dict[str, float],
-        learning_rate: float,
-        decoupled_lr: Optional[float],
-        samples: int,
-        global_batch_size: int,
-        loss_scale: float,
-        grad_norm: Optional[float],
-        params_norm: Optional[float],
-        num_zeros: Optional[float],
-        memory: Optional[Mapping[str, float]],
-    ) -> None:
+    def _write_iteration_scalars(self, stats: IterationStats, losses: Dict[str, float]) -> None:
         cfg, w = self.config, self.writers
-        w.add_scalar("learning-rate", learning_rate, iteration, samples)
-        if decoupled_lr is not None:
-            w.add_scalar("decoupled-learning-rate", decoupled_lr, iteration, samples)
-        w.add_scalar("batch-size", global_batch_size, iteration, samples)
+        iteration, samples = stats.iteration, stats.consumed_samples
+        w.add_scalar("learning-rate", stats.learning_rate, iteration, samples)
+        if stats.decoupled_lr is not None:
+            w.add_scalar("decoupled-learning-rate", stats.decoupled_lr, iteration, samples)
+        w.add_scalar("batch-size", stats.global_batch_size, iteration, samples)
         for name, value in losses.items():
             w.add_scalar(name, value, iteration, samples)
         optional = {
-            "loss-scale": loss_scale if cfg.log_loss_scale_to_tensorboard else None,
+            "loss-scale": stats.loss_scale if cfg.log_loss_scale_to_tensorboard else None,
             "world-size": self.world_size if cfg.log_world_size_to_tensorboard else None,
-            "grad-norm": grad_norm,
-            "num-zeros": num_zeros,
-            "params-norm": params_norm,
+            "grad-norm": stats.grad_norm,
+            "num-zeros": stats.num_zeros,
+            "params-norm": stats.params_norm,
         }
         for tag, value in optional.items():
             if value is not None:
                 w.add_scalar(tag, value, iteration, samples)
         if cfg.log_memory_to_tensorboard:
-            for tag, value in (memory if memory is not None else device_memory_scalars()).items():
+            memory = stats.memory if stats.memory is not None else device_memory_scalars()
+            for tag, value in memory.items():
                 w.add_scalar(tag, value, iteration)
 
-    def _log_interval(
-        self,
-        iteration: int,
-        train_iters: int,
-        learning_rate: float,
-        decoupled_lr: Optional[float],
-        samples: int,
-        global_batch_size: int,
-        loss_scale: float,
-        grad_norm: Optional[float],
-        params_norm: Optional[float],
-        num_zeros: Optional[float],
-        timers: Any,
-    ) -> Optional[str]:
+    def _log_interval(self, stats: IterationStats, timers: Any) -> Optional[str]:
         acc, self._interval = self._interval, _Interval()
         iterations = max(1, acc.iterations)
         elapsed_s = acc.elapsed_ms / 1000.0
@@ -459,26 +418,26 @@ class TrainingLogger:
         tokens_per_s = (
             acc.tokens / (elapsed_s * self.world_size) if self.config.log_throughput and elapsed_s > 0 else None
         )
-        self._write_interval_scalars(iteration, elapsed_s / iterations, tflops, tokens_per_s, timers, iterations)
+        self._write_interval_scalars(stats.iteration, elapsed_s / iterations, tflops, tokens_per_s, timers, iterations)
         line = None
         if self.is_logging_rank:
             line = format_log_line(
-                iteration=iteration,
-                train_iters=train_iters,
-                consumed_samples=samples,
+                iteration=stats.iteration,
+                train_iters=stats.train_iters,
+                consumed_samples=stats.consumed_samples,
                 elapsed_ms_per_iter=acc.elapsed_ms / iterations,
-                learning_rate=learning_rate,
-                global_batch_size=global_batch_size,
+                learning_rate=stats.learning_rate,
+                global_batch_size=stats.global_batch_size,
                 losses={name: total / max(1, acc.advanced) for name, total in acc.loss_sums.items()},
-                loss_scale=loss_scale,
-                grad_norm=grad_norm,
+                loss_scale=stats.loss_scale,
+                grad_norm=stats.grad_norm,
                 skipped_iters=acc.skipped,
                 nan_iters=acc.nan,
                 tflops_per_gpu=tflops,
                 tokens_per_sec_per_gpu=tokens_per_s,
-                decoupled_lr=decoupled_lr,
-                params_norm=params_norm if self.config.log_params_norm else None,
-                num_zeros=num_zeros if self.config.log_num_zeros_in_grad else None,
+                decoupled_lr=stats.decoupled_lr,
+                params_norm=stats.params_norm if self.config.log_params_norm else None,
+                num_zeros=stats.num_zeros if self.config.log_num_zeros_in_grad else None,
             )
             print(line, flush=True)
         if timers is not None:

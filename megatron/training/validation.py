@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.checkpoint_formats.base import TORCH_DIST
 from megatron.training.flags import compatibility
+from megatron.training.flags.derive import global_batch_size
 from megatron.training.flags.record import Fill
 from megatron.training.flags.registry import (
     CONFIG_TARGETS,
@@ -36,9 +37,8 @@ from megatron.training.flags.registry import (
     not_supported_yet,
 )
 from megatron.training.flags_table import FlagSpec
+from megatron.training.training_config import TrainingConfig
 from megatron.training.training_log import LoggingConfig
-
-DEFAULT_SPLIT = "969, 30, 1"
 
 
 class ArgumentsError(SystemExit):
@@ -203,25 +203,23 @@ def check_pipeline_layers(args: argparse.Namespace) -> None:
         )
 
 
-def set_batch_sizes(args: argparse.Namespace) -> None:
-    """Global batch defaults to micro batch x DP and must be a multiple of it."""
-    step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = step
+def check_batch_sizes(args: argparse.Namespace) -> None:
+    """The global batch (left out: micro batch x DP, ``derive.global_batch_size``) is a multiple of micro batch x DP."""
+    step, batch = args.micro_batch_size * args.data_parallel_size, global_batch_size(args)
     if args.rampup_batch_size is None and not args.decrease_batch_size_if_needed:
         _require(
-            args.global_batch_size % step == 0,
-            f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
+            batch % step == 0,
+            f"--global-batch-size ({batch}) is not divisible by --micro-batch-size "
             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {step}",
         )
     vp = args.virtual_pipeline_model_parallel_size
     if vp is not None and args.rampup_batch_size is None:
-        num_micro = args.global_batch_size // step
+        num_micro = batch // step
         pp = args.pipeline_model_parallel_size
         _require(
             num_micro % pp == 0,
             f"the interleaved schedule needs the number of microbatches ({num_micro} = --global-batch-size "
-            f"{args.global_batch_size} / ({args.micro_batch_size} x DP {args.data_parallel_size})) to be a "
+            f"{batch} / ({args.micro_batch_size} x DP {args.data_parallel_size})) to be a "
             f"multiple of --pipeline-model-parallel-size ({pp})",
         )
 
@@ -325,8 +323,8 @@ def check_training_length(args: argparse.Namespace) -> None:
             )
 
 
-def set_learning_rate(args: argparse.Namespace) -> None:
-    """Warmup given one way only; decay length defaults to the training length."""
+def check_learning_rate(args: argparse.Namespace) -> None:
+    """Warmup given one way only (the decay length left out is the training length: ``derive.decay_steps``)."""
     if args.lr_warmup_fraction is not None:
         _require(
             args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
@@ -336,10 +334,6 @@ def set_learning_rate(args: argparse.Namespace) -> None:
     if not args.skip_train:
         _require(args.lr is not None, "--lr is required for training")
         _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be at most --lr ({args.lr})")
-    if args.train_iters is not None and args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.train_samples is not None and args.lr_decay_samples is None:
-        args.lr_decay_samples = args.train_samples
     if args.lr_decay_style == "WSD":
         _require(
             args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
@@ -351,14 +345,13 @@ def set_learning_rate(args: argparse.Namespace) -> None:
     )
 
 
-def set_weight_decay(args: argparse.Namespace) -> None:
+def check_weight_decay(args: argparse.Namespace) -> None:
     """Constant style uses --weight-decay; a schedule needs --start- and --end-weight-decay."""
     if args.weight_decay_incr_style == "constant":
         _require(
             args.start_weight_decay is None and args.end_weight_decay is None,
             "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine",
         )
-        args.start_weight_decay = args.end_weight_decay = args.weight_decay
     else:
         _require(
             args.start_weight_decay is not None and args.end_weight_decay is not None,
@@ -367,28 +360,13 @@ def set_weight_decay(args: argparse.Namespace) -> None:
         )
 
 
-def set_data(args: argparse.Namespace) -> None:
-    """Default split for a single --data-path; one way of naming the data."""
+def check_data(args: argparse.Namespace) -> None:
+    """One way of naming the data (the split left out is derived: ``derive.split``)."""
     per_split = args.train_data_path or args.valid_data_path or args.test_data_path
     _require(
         not (args.data_path and per_split),
         "--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive",
     )
-    if args.data_path and args.split is None:
-        args.split = DEFAULT_SPLIT
-
-
-MEGATRON_EVAL_INTERVAL = 1000  # Megatron's argparse default; the flag table's column says None
-
-
-def set_evaluation(args: argparse.Namespace) -> None:
-    """--eval-interval left out means Megatron's 1000 (a given one is positive: its record's bounds).
-
-    The interval sizes the validation split (``train_iters // eval_interval + 1`` evaluations),
-    so None would fail later inside the data setup.
-    """
-    if args.eval_interval is None:
-        args.eval_interval = MEGATRON_EVAL_INTERVAL
 
 
 def check_expert_parallel(args: argparse.Namespace) -> None:
@@ -500,7 +478,14 @@ def flag_names_in_errors() -> Iterator[None]:
         raise
 
 
-CHECKED_CONFIGS = (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig, CheckpointConfig, LoggingConfig)
+CHECKED_CONFIGS = (
+    TransformerConfig,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    CheckpointConfig,
+    LoggingConfig,
+    TrainingConfig,
+)
 
 
 def check_configs(args: argparse.Namespace) -> None:
@@ -551,7 +536,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_required,
     set_virtual_pipeline,
     check_pipeline_layers,
-    set_batch_sizes,
+    check_batch_sizes,
     set_model_shape,
     check_context_parallel,
     set_moe,
@@ -560,10 +545,9 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_recompute,
     check_compatibility,
     check_training_length,
-    set_learning_rate,
-    set_weight_decay,
-    set_data,
-    set_evaluation,
+    check_learning_rate,
+    check_weight_decay,
+    check_data,
     check_configs,
     check_sequence_split,
 ]

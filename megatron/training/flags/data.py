@@ -22,6 +22,8 @@ from megatron.training.flags.record import (
     same,
     to,
 )
+from megatron.training.theoretical_memory_params import LanguageModelShape as LMS
+from megatron.training.training_config import TrainingConfig as TRAIN
 from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
@@ -55,7 +57,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Tokens per training sample.",
         type=int,
-        fills=(*same(FL), to(DS, "sequence_length")),
+        fills=(*same(FL, TRAIN), to(DS, "sequence_length")),
         bounds=at_least(1),
         from_checkpoint=FILLED,
         required=True,
@@ -72,7 +74,7 @@ RECORDS = (
         IMPLEMENTED,
         help="T5: decoder tokens per sample ([BOS], sentinels and masked spans).",
         type=int,
-        fills=(to(T5DS, "sequence_length_decoder"),),
+        fills=(to(T5DS, "sequence_length_decoder"), *same(TRAIN)),
     ),
     Flag("sample_rate", not_yet(1.0)),
     Flag(
@@ -89,7 +91,7 @@ RECORDS = (
         fills=(to(MDS, "short_sequence_probability"),),
         bounds=between(0, 1),
     ),
-    Flag("num_workers", IMPLEMENTED, bounds=at_least(0)),
+    Flag("num_workers", IMPLEMENTED, fills=same(TRAIN), bounds=at_least(0)),
     Flag("reset_position_ids", IMPLEMENTED, fills=same(GDS)),
     Flag(
         "reset_attention_mask",
@@ -118,7 +120,7 @@ RECORDS = (
         "padded_vocab_size",
         IMPLEMENTED,
         type=int,
-        fills=same(FL),
+        fills=(*same(FL), to(LMS, "vocab_size")),
         architecture=always,
         from_checkpoint=CHECKED,
         label="padded vocabulary size (tokenizer vocabulary, --make-vocab-size-divisible-by, "

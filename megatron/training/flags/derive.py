@@ -7,6 +7,7 @@ that reads several flags says which in its docstring.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Callable, List, Optional
 
@@ -14,6 +15,7 @@ import torch
 
 from megatron.core.activations import activation, activation_name
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 
 Args = argparse.Namespace
 
@@ -82,6 +84,11 @@ def initialization_seed(args: Args) -> Optional[int]:
     return args.seed if args.use_cpu_initialization else None
 
 
+def tied_embeddings(args: Args) -> bool:
+    """Not --untie-embeddings-and-output-weights: the output layer reuses the word embedding."""
+    return not args.untie_embeddings_and_output_weights
+
+
 def num_moe_layers(args: Args) -> int:
     """MoE layers among --num-layers: none without --num-experts, else as --moe-layer-freq picks them."""
     if not args.num_experts:
@@ -91,15 +98,20 @@ def num_moe_layers(args: Args) -> int:
 
 
 # ------------------------------------------------------------------ LR schedule (counted in samples)
+def global_batch_size(args: Args) -> int:
+    """--global-batch-size, or --micro-batch-size x the data-parallel size when left out (Megatron's default)."""
+    return args.micro_batch_size * args.data_parallel_size if args.global_batch_size is None else args.global_batch_size
+
+
 def _samples(args: Args, iters: Optional[int]) -> Optional[int]:
-    return None if iters is None else iters * args.global_batch_size
+    return None if iters is None else iters * global_batch_size(args)
 
 
 def decay_steps(args: Args) -> Optional[int]:
-    """--lr-decay-iters x global batch, or --lr-decay-samples."""
+    """--lr-decay-iters x global batch, or --lr-decay-samples; left out: the training length (iterations or samples)."""
     if args.train_iters is not None:
-        return _samples(args, args.lr_decay_iters)
-    return args.lr_decay_samples
+        return _samples(args, args.train_iters if args.lr_decay_iters is None else args.lr_decay_iters)
+    return args.train_samples if args.lr_decay_samples is None else args.lr_decay_samples
 
 
 def warmup_steps(args: Args) -> Any:
@@ -109,6 +121,16 @@ def warmup_steps(args: Args) -> Any:
     if args.train_iters is not None:
         return _samples(args, args.lr_warmup_iters)
     return args.lr_warmup_samples
+
+
+def start_wd(args: Args) -> float:
+    """--start-weight-decay, or --weight-decay under --weight-decay-incr-style constant."""
+    return args.weight_decay if args.weight_decay_incr_style == "constant" else args.start_weight_decay
+
+
+def end_wd(args: Args) -> float:
+    """--end-weight-decay, or --weight-decay under --weight-decay-incr-style constant."""
+    return args.weight_decay if args.weight_decay_incr_style == "constant" else args.end_weight_decay
 
 
 def wd_incr_steps(args: Args) -> Optional[int]:
@@ -123,6 +145,45 @@ def wsd_decay_steps(args: Args) -> Optional[int]:
     if args.train_iters is not None:
         return _samples(args, args.lr_wsd_decay_iters)
     return args.lr_wsd_decay_samples
+
+
+# ------------------------------------------------------------------ training length and evaluation
+def total_train_iters(args: Args) -> int:
+    """--train-iters, or the iterations --train-samples takes (--rampup-batch-size included); 0 with neither.
+
+    Reads --global-batch-size, --micro-batch-size, --decrease-batch-size-if-needed and the data-parallel size.
+    """
+    if args.train_iters is not None:
+        return args.train_iters
+    if args.train_samples is None:
+        return 0  # --skip-train without a length: nothing to train
+    if args.rampup_batch_size is None:
+        return math.ceil(args.train_samples / global_batch_size(args))
+    calculator = build_num_microbatches_calculator(
+        0,
+        args.rampup_batch_size,
+        global_batch_size(args),
+        args.micro_batch_size,
+        args.data_parallel_size,
+        args.decrease_batch_size_if_needed,
+    )
+    consumed = iterations = 0
+    while consumed < args.train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations
+
+
+MEGATRON_EVAL_INTERVAL = 1000  # Megatron's argparse default; the flag table's column says None
+
+
+def eval_interval(args: Args) -> int:
+    """--eval-interval, or Megatron's 1000 when left out (a given one is positive: its record's bounds).
+
+    The interval sizes the validation split (``train_iters // eval_interval + 1`` evaluations).
+    """
+    return MEGATRON_EVAL_INTERVAL if args.eval_interval is None else args.eval_interval
 
 
 # ------------------------------------------------------------------ data
@@ -144,9 +205,14 @@ def blend_per_split(args: Args) -> Any:
     return [get_blend_from_list(p) for p in _per_split(args)] if _uses_per_split(args) else None
 
 
+DEFAULT_SPLIT = "969, 30, 1"  # Megatron's --split for a single --data-path
+
+
 def split(args: Args) -> Optional[str]:
-    """--split for a single --data-path; None with per-split paths."""
-    return None if _uses_per_split(args) else args.split
+    """--split for a single --data-path (Megatron's ``969, 30, 1`` when left out); None with per-split paths."""
+    if _uses_per_split(args):
+        return None
+    return DEFAULT_SPLIT if args.split is None and args.data_path else args.split
 
 
 def create_attention_mask(args: Args) -> bool:

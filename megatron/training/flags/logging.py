@@ -26,7 +26,7 @@ RECORDS = (
     Flag("log_device_memory_used", no_op(reasons.DIAGNOSTICS)),
     Flag("log_num_zeros_in_grad", IMPLEMENTED, fills=same(OPT, LOG)),
     Flag("log_max_attention_logit", no_op(reasons.DIAGNOSTICS)),
-    Flag("barrier_with_L1_time", IMPLEMENTED),
+    Flag("barrier_with_L1_time", IMPLEMENTED, fills=same(LOG)),
     Flag("log_world_size_to_tensorboard", IMPLEMENTED, fills=same(LOG)),
     Flag("wandb_project", IMPLEMENTED, fills=(to(LOG, "wandb_project", none_if_empty("wandb_project")),)),
     Flag("wandb_exp_name", IMPLEMENTED, fills=same(LOG)),

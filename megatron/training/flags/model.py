@@ -13,6 +13,7 @@ from megatron.training.flags.derive import (
     as_bool,
     attention_backend_name,
     initialization_seed,
+    tied_embeddings,
     xavier_or_default,
     zero_if_none,
 )
@@ -38,6 +39,8 @@ from megatron.training.flags.record import (
     with_rope,
 )
 from megatron.training.flags_table import attn_backend, int_tuple, str_to_bool
+from megatron.training.theoretical_memory_params import LanguageModelShape as LMS
+from megatron.training.training_config import TrainingConfig as TRAIN
 from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
@@ -365,6 +368,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Size of the learned position table; default --seq-length.",
         type=int,
+        fills=(to(LMS, "max_sequence_length"),),
         bounds=at_least(1),
         architecture=with_learned_positions,
     ),
@@ -372,13 +376,20 @@ RECORDS = (
         "position_embedding_type",
         not_yet("learned_absolute", "rope", "none", "relative"),
         help="Position encoding (relative: T5's bucketed attention bias, pretrain_t5.py only).",
+        fills=same(LMS),
         architecture=always,
     ),
     Flag("relative_attention_num_buckets", IMPLEMENTED, help="T5 relative position bias: number of buckets."),
     Flag("relative_attention_max_distance", IMPLEMENTED, help="T5 relative position bias: largest bucketed distance."),
     Flag("use_rotary_position_embeddings", IMPLEMENTED, from_checkpoint=TAKEN),
     Flag("rotary_base", IMPLEMENTED, bounds=positive(), architecture=with_rope),
-    Flag("rotary_percent", IMPLEMENTED, bounds=Bounds(low=0, high=1, low_open=True), architecture=with_rope),
+    Flag(
+        "rotary_percent",
+        IMPLEMENTED,
+        fills=same(LMS),
+        bounds=Bounds(low=0, high=1, low_open=True),
+        architecture=with_rope,
+    ),
     Flag("rotary_seq_len_interpolation_factor", IMPLEMENTED, type=float, architecture=with_rope),
     Flag("use_rope_scaling", IMPLEMENTED, architecture=with_rope),
     Flag("rope_scaling_factor", IMPLEMENTED, architecture=with_rope),
@@ -434,6 +445,7 @@ RECORDS = (
         IMPLEMENTED,
         help="Separate input embedding and output layer weights.",
         architecture=always,
+        fills=(to(LMS, "share_embeddings_and_output_weights", tied_embeddings),),
     ),
     Flag("weight_decay", IMPLEMENTED, help="Weight-decay coefficient.", fills=same(OPT)),
     Flag("apply_wd_to_qk_layernorm", not_yet(False)),
@@ -455,7 +467,7 @@ RECORDS = (
         "seed",
         IMPLEMENTED,
         help="Random seed; each pipeline stage adds 100 x its rank.",
-        fills=(to(TC, "initialization_seed", initialization_seed), to(DS, "random_seed")),
+        fills=(to(TC, "initialization_seed", initialization_seed), to(DS, "random_seed"), to(TRAIN, "seed")),
         bounds=at_least(0),
     ),
     Flag("te_rng_tracker", no_op(reasons.KERNEL)),

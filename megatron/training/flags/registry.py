@@ -31,6 +31,8 @@ from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.flags import checkpointing, data, logging, model, moe, training
 from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet, SavedArgs
 from megatron.training.flags_table import FlagSpec, megatron_flag_specs
+from megatron.training.theoretical_memory_params import LanguageModelShape
+from megatron.training.training_config import TrainingConfig
 from megatron.training.training_log import FlopsConfig, LoggingConfig
 
 _ALL: Tuple[Flag, ...] = (
@@ -57,7 +59,9 @@ CONFIG_TARGETS: Tuple[type, ...] = (
     OptimizerParamScheduler,
     CheckpointConfig,
     LoggingConfig,
+    TrainingConfig,
     FlopsConfig,
+    LanguageModelShape,
     GPTDatasetConfig,
     BERTMaskedWordPieceDatasetConfig,
     T5MaskedWordPieceDatasetConfig,
@@ -167,7 +171,9 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         "wandb_mode": NotAFlag("from the WANDB_MODE environment variable (offline when unset)"),
         "timers_to_log": NotAFlag("the fixed list of Megatron's logged timers"),
     },
+    TrainingConfig: {},
     FlopsConfig: {},
+    LanguageModelShape: {},
     BlendedMegatronDatasetConfig: {
         "tokenizer": NotAFlag("the tokenizer object the entry point built (--tokenizer-type ...)"),
         **{

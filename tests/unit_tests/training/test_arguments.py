@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import arguments as A
+from megatron.training.flags import derive
 from megatron.training.flags.registry import no_op_flags, not_supported_yet
 from megatron.training.flags_table import FLAGS_TSV
 from tests.dist_harness import run_distributed
@@ -219,11 +220,12 @@ def test_ffn_hidden_size_defaults(h):
 def test_kv_channels_split_tokenizer_and_batch_defaults():
     args = _validated(["--data-path", "corpus_text_document"], world_size=8)
     assert args.kv_channels == 64 // 4
-    assert args.split == "969, 30, 1"
-    assert args.data_parallel_size == 8 and args.global_batch_size == 2 * 8
+    assert args.split is None and derive.split(args) == "969, 30, 1"  # derived into the dataset config
+    assert args.data_parallel_size == 8 and args.global_batch_size is None
+    assert A.training_config_from_args(args).global_batch_size == 2 * 8  # derived: micro batch x DP
     assert args.max_position_embeddings == 32
-    assert _validated(["--split", "1,0,0", "--data-path", "x"]).split == "1,0,0"
-    assert _validated().split is None
+    assert derive.split(_validated(["--split", "1,0,0", "--data-path", "x"])) == "1,0,0"
+    assert derive.split(_validated()) is None
     assert A.parse_args(BASE, entry_point="gpt").tokenizer_type == "GPT2BPETokenizer"
     for ep in ("bert", "t5"):
         assert A.parse_args(BASE, entry_point=ep).tokenizer_type == "BertWordPieceLowerCase"
@@ -423,11 +425,11 @@ def test_eval_interval_left_out_is_megatrons_1000():
     from megatron.training.data import samples_per_split
 
     assert A.parse_args(BASE).eval_interval is None  # the flag table's default column
-    args = _validated()
-    assert args.eval_interval == 1000  # Megatron's argparse default
-    batch = args.global_batch_size
-    assert samples_per_split(args) == [10 * batch, (10 // 1000 + 1) * args.eval_iters * batch, args.eval_iters * batch]
-    assert _validated(["--eval-interval", "3"]).eval_interval == 3
+    cfg = A.training_config_from_args(_validated())
+    assert cfg.eval_interval == 1000  # Megatron's argparse default, derived into the config
+    batch = cfg.global_batch_size
+    assert samples_per_split(cfg) == [10 * batch, (10 // 1000 + 1) * cfg.eval_iters * batch, cfg.eval_iters * batch]
+    assert A.training_config_from_args(_validated(["--eval-interval", "3"])).eval_interval == 3
     with pytest.raises(A.ArgumentsError, match=r"--eval-interval=0 must be >= 1"):
         _validated(["--eval-interval", "0"])
 
@@ -632,7 +634,7 @@ def test_scheduler_kwargs_count_samples():
     assert sched.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     frac = _validated(["--train-iters", "100", "--lr-warmup-fraction", "0.25", "--lr-decay-iters", "40"])
     kw = A.optimizer_param_scheduler_kwargs(frac)
-    assert kw["lr_warmup_steps"] == pytest.approx(0.25 * 40 * frac.global_batch_size)
+    assert kw["lr_warmup_steps"] == pytest.approx(0.25 * 40 * A.training_config_from_args(frac).global_batch_size)
 
 
 def test_encoder_flags_stand_for_num_layers_and_seq_length():

@@ -14,6 +14,7 @@ from megatron.core.timers import Timers
 from megatron.training.arguments import flops_config_from_args, logging_config_from_args, parse_args
 from megatron.training.training_log import (
     FlopsConfig,
+    IterationStats,
     LoggingConfig,
     TrainingLogger,
     format_evaluation_block,
@@ -252,9 +253,11 @@ def test_logging_config_rejects_bad_values(kwargs, message):
 
 # ---------------------------------------------------------------------- the logger
 def step(logger, iteration, loss, **overrides):
+    timers = overrides.pop("timers", None)
     kw = dict(
+        iteration=iteration,
         train_iters=8,
-        loss_dict={"lm loss": loss},
+        losses={"lm loss": loss},
         learning_rate=1e-3,
         consumed_samples=4 * iteration,
         global_batch_size=4,
@@ -264,7 +267,7 @@ def step(logger, iteration, loss, **overrides):
         flops_per_iter=2e11,
     )
     kw.update(overrides)
-    return logger.training_log(iteration, **kw)
+    return logger.training_log(IterationStats(**kw), timers)
 
 
 def test_interval_averages_and_counts(capsys):
