@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megatron.training.training_log import parse_evaluation_line, parse_log_line
+from tests.entry_launcher import LaunchTimeout, launch
 from tests.tokenizer_files import corpus_texts, make_tokenizer_files, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -169,28 +170,40 @@ def run_gpt(
     timeout: float = RUN_TIMEOUT_S,
     env: Optional[Dict[str, str]] = None,
     script: Optional[Sequence[str]] = None,
+    launcher: str = "fork",
 ) -> RunResult:
-    """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py flags`` with a hard timeout.
+    """``pretrain_gpt.py flags`` on ``nproc`` local ranks with a hard timeout.
 
-    ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments).
+    ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments). ``launcher="fork"`` starts
+    the ranks from the tests' preloaded fork server (``tests/entry_launcher.py``: torchrun's environment
+    without its start-up cost); ``"torchrun"`` runs ``torchrun --standalone --nproc-per-node nproc``.
     """
     entry = list(script) if script else [os.path.join(REPO, "pretrain_gpt.py")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *flags]
     full_env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false"
     )
     full_env.update(env or {})
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        raise AssertionError(
-            f"pretrain_gpt.py on {nproc} ranks did not finish in {timeout}s:\n"
-            f"{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}"
-        ) from err
-    output = proc.stdout + proc.stderr
+    if launcher == "fork":
+        try:
+            returncode, stdout, stderr = launch(nproc, [*entry, *flags], cwd, full_env, free_port(), timeout)
+        except LaunchTimeout as err:
+            raise AssertionError(str(err)) from err
+        output = stdout + stderr
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        try:
+            proc = subprocess.run(
+                cmd + entry + list(flags), cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as err:
+            raise AssertionError(
+                f"pretrain_gpt.py on {nproc} ranks did not finish in {timeout}s:\n"
+                f"{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}"
+            ) from err
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
     lines = [p for p in map(parse_log_line, output.splitlines()) if p is not None]
     evals = [p for p in map(parse_evaluation_line, output.splitlines()) if p is not None]
-    return RunResult(proc.returncode, output, lines, evals)
+    return RunResult(returncode, output, lines, evals)
 
 
 def assert_ok(result: RunResult, what: str) -> None:
