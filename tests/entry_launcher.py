@@ -194,6 +194,7 @@ def serve() -> None:
         pids = [_fork_rank(request, rank, (requests, replies)) for rank in range(request["nproc"])]
         writer.write(json.dumps({"pids": pids}) + "\n")
         writer.write(json.dumps({"returncode": _wait_ranks(pids)}) + "\n")
+    os._exit(0)  # the client closed the pipe: no need for the interpreter's slow teardown of torch
 
 
 # ---------------------------------------------------------------- client (in the pytest process)
