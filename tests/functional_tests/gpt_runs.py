@@ -1,18 +1,22 @@
 """Run ``pretrain_gpt.py`` under torchrun on CPU ranks and read back what it printed.
 
-Shared by the end-to-end tests: a tiny preprocessed corpus (built once per session from
+Shared by the end-to-end tests: a tiny preprocessed corpus (built once per process from
 standard-library docstrings with a locally trained GPT-2 BPE), a base set of Megatron flags
 for a tiny model, and helpers that launch a run with a timeout and parse its log lines.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron.training.training_log import parse_evaluation_line, parse_log_line
 from tests.entry_launcher import LaunchTimeout, launch
@@ -35,8 +39,28 @@ class RunResult:
         return [line["lm loss"] for line in self.lines]
 
 
+_BUILT: Dict[str, str] = {}  # corpus kind -> the private folder this process preprocessed it into
+
+
+def _built_once(kind: str, build: Callable[[str], Dict[str, str]], tmp_dir: str) -> Dict[str, str]:
+    """``build(folder)``'s files, built once per process and copied into ``tmp_dir`` (paths moved along)."""
+    if kind not in _BUILT:
+        _BUILT[kind] = tempfile.mkdtemp(prefix=f"{kind}-")
+        atexit.register(shutil.rmtree, _BUILT[kind], True)
+        with open(os.path.join(_BUILT[kind], "paths.json"), "w") as f:
+            json.dump(build(_BUILT[kind]), f)
+    shutil.copytree(_BUILT[kind], tmp_dir, dirs_exist_ok=True)
+    with open(os.path.join(tmp_dir, "paths.json")) as f:
+        paths = json.load(f)
+    return {name: os.path.join(tmp_dir, os.path.relpath(path, _BUILT[kind])) for name, path in paths.items()}
+
+
 def build_corpus(tmp_dir: str) -> Dict[str, str]:
-    """Tokenizer files and a preprocessed dataset prefix under ``tmp_dir``."""
+    """Tokenizer files and a preprocessed dataset prefix under ``tmp_dir`` (preprocessed once per process)."""
+    return _built_once("gpt_corpus", _build_corpus, tmp_dir)
+
+
+def _build_corpus(tmp_dir: str) -> Dict[str, str]:
     tok = make_tokenizer_files(os.path.join(tmp_dir, "tok"))["GPT2BPETokenizer"]
     corpus = write_jsonl(os.path.join(tmp_dir, "corpus.jsonl"), corpus_texts(200_000))
     prefix = os.path.join(tmp_dir, "data")
@@ -62,7 +86,12 @@ def build_corpus(tmp_dir: str) -> Dict[str, str]:
 
 
 def build_sentence_corpus(tmp_dir: str) -> Dict[str, str]:
-    """A WordPiece vocabulary and the sample corpus preprocessed with ``--split-sentences`` (BERT, T5)."""
+    """A WordPiece vocabulary and the sample corpus preprocessed with ``--split-sentences`` (BERT, T5), once per
+    process."""
+    return _built_once("sentence_corpus", _build_sentence_corpus, tmp_dir)
+
+
+def _build_sentence_corpus(tmp_dir: str) -> Dict[str, str]:
     vocab = make_tokenizer_files(os.path.join(tmp_dir, "tok"))["BertWordPieceLowerCase"]["vocab_file"]
     texts = write_jsonl(os.path.join(tmp_dir, "corpus.jsonl"), corpus_texts(200_000))
     prefix = os.path.join(tmp_dir, "data")
