@@ -257,19 +257,24 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="entry-launch-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         request = dict(nproc=nproc, argv=list(argv), cwd=cwd, env=env, port=port, stdout=out, stderr=err)
-        proc.stdin.write(json.dumps(request).encode() + b"\n")
-        # The server's own start (its imports) does not count against the run's timeout.
-        pids = _Server.reply(time.monotonic() + max(timeout, 300))
-        if pids is None:
-            _Server.stop()
-            raise LaunchTimeout("the entry-point launcher did not start the ranks within its timeout")
-        done = _Server.reply(time.monotonic() + timeout)
-        if done is None:
-            for pid in pids["pids"]:
+        pids: List[int] = []
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            # The server's own start (its imports) does not count against the run's timeout.
+            started = _Server.reply(time.monotonic() + max(timeout, 300))
+            if started is None:
+                raise LaunchTimeout("the entry-point launcher did not start the ranks within its timeout")
+            pids = started["pids"]
+            done = _Server.reply(time.monotonic() + timeout)
+            if done is None:
+                tail = (_read(out) + _read(err))[-8000:]
+                raise LaunchTimeout(f"{argv[0]} on {nproc} ranks did not finish in {timeout}s:\n{tail}")
+        except BaseException:
+            # A run left unfinished would leave its reply in the pipe: kill it and start a new server next time.
+            for pid in pids:
                 _signal(pid, signal.SIGKILL)
-            _Server.reply(time.monotonic() + 60)
-            tail = (_read(out) + _read(err))[-8000:]
-            raise LaunchTimeout(f"{argv[0]} on {nproc} ranks did not finish in {timeout}s:\n{tail}")
+            _Server.stop()
+            raise
         return done["returncode"], _read(out), _read(err)
 
 
