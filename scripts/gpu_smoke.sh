@@ -74,7 +74,8 @@ train_and_resume() {
 }
 
 dry_run_grid() {
-  $PY tools/gpu_dry_run.py --dry-run-grid "${DRY_RUN_GRID:-all}" --dry-run-workdir "$WORK/grid" --dry-run-json "$WORK/dry_run_grid.json"
+  $PY tools/gpu_dry_run.py --dry-run-grid "${DRY_RUN_GRID:-all}" --dry-run-rank "${DRY_RUN_RANKS:-first,middle,last}" \
+    --dry-run-workdir "$WORK/grid" --dry-run-json "$WORK/dry_run_grid.json"
 }
 
 echo "gpu_smoke ($MODE): logs in $WORK (removed if every step passes, unless KEEP_WORK is set)"

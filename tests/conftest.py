@@ -84,9 +84,23 @@ FULL_ONLY = {  # one key per entry, however long
         "test_round_trip_is_exact (Mixtral's expert names); [qwen3_moe-2] the MoE train and export path"
     ),
     "tests/unit_tests/tools/test_checkpoint_convert.py::test_hf_to_megatron_logits[1]": "[2]",
+    "tests/unit_tests/inference/test_engine_hf.py::test_greedy_equals_hugging_face[tp2-and-pp2]": (
+        "test_engine_tp2_pp2.py::test_tp2_pp2_equals_hugging_face (the same greedy body under TP=2 and PP=2 at once)"
+    ),
+    "tests/unit_tests/distributed/test_data_parallel.py::test_dp_training_equals_single_rank[2-1]": (
+        "[4-2] (DP=2, there under TP=2)"
+    ),
+    "tests/unit_tests/optimizer/test_distributed_optimizer.py::test_distributed_optimizer_state_is_sharded_and_portable[2]": (  # noqa: E501
+        "[4] (the state sharded over 4 ranks and loaded elsewhere)"
+    ),
     # The fake-CUDA dry-run grid: the default tier runs 7 of its 12 cases (the script runs only those).
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-pp4-dp8-distopt-bf16]": (
         "[tp2-sp-pp2-dp2-distopt-bf16] (the same TP, PP, DP and distributed-optimizer layout on 8 ranks)"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe_as_its_middle_rank": (
+        "test_case_is_gpu_safe[the same case] as its first and last rank: a middle rank's TP, PP, CP and EP"
+        " coordinates are each 0 or the last; its one interior DP shard (ep2-moe-tp2-dp4's DP rank 1 of 4) is"
+        " test_distributed_optimizer_state_is_sharded_and_portable[4]'s"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_every_case_runs_as_first_middle_and_last_rank": (
         "test_case_is_gpu_safe (each case it runs, as its first, middle and last rank)"

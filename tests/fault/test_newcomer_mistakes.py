@@ -36,7 +36,10 @@ def null_tokenizer_flags() -> list:
 
 def test_wrong_data_path_is_one_message_from_two_ranks(tmp_path):
     prefix = str(tmp_path / "corpus_text_documnet")  # a typo
-    result = run_gpt(2, null_tokenizer_flags() + ["--data-path", prefix], str(tmp_path), timeout=240)
+    # Through real torchrun, as a user starts it (the other probes use the tests' preloaded launcher).
+    result = run_gpt(
+        2, null_tokenizer_flags() + ["--data-path", prefix], str(tmp_path), timeout=240, launcher="torchrun"
+    )
     assert_one_clear_message(result, f"--data-path {prefix}: {prefix}.bin and {prefix}.idx not found")
 
 

@@ -1,20 +1,25 @@
 """Run ``pretrain_gpt.py`` under torchrun on CPU ranks and read back what it printed.
 
-Shared by the end-to-end tests: a tiny preprocessed corpus (built once per session from
+Shared by the end-to-end tests: a tiny preprocessed corpus (built once per process from
 standard-library docstrings with a locally trained GPT-2 BPE), a base set of Megatron flags
 for a tiny model, and helpers that launch a run with a timeout and parse its log lines.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron.training.training_log import parse_evaluation_line, parse_log_line
+from tests.entry_launcher import LaunchTimeout, launch
 from tests.tokenizer_files import corpus_texts, make_tokenizer_files, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,8 +39,28 @@ class RunResult:
         return [line["lm loss"] for line in self.lines]
 
 
+_BUILT: Dict[str, str] = {}  # corpus kind -> the private folder this process preprocessed it into
+
+
+def _built_once(kind: str, build: Callable[[str], Dict[str, str]], tmp_dir: str) -> Dict[str, str]:
+    """``build(folder)``'s files, built once per process and copied into ``tmp_dir`` (paths moved along)."""
+    if kind not in _BUILT:
+        _BUILT[kind] = tempfile.mkdtemp(prefix=f"{kind}-")
+        atexit.register(shutil.rmtree, _BUILT[kind], True)
+        with open(os.path.join(_BUILT[kind], "paths.json"), "w") as f:
+            json.dump(build(_BUILT[kind]), f)
+    shutil.copytree(_BUILT[kind], tmp_dir, dirs_exist_ok=True)
+    with open(os.path.join(tmp_dir, "paths.json")) as f:
+        paths = json.load(f)
+    return {name: os.path.join(tmp_dir, os.path.relpath(path, _BUILT[kind])) for name, path in paths.items()}
+
+
 def build_corpus(tmp_dir: str) -> Dict[str, str]:
-    """Tokenizer files and a preprocessed dataset prefix under ``tmp_dir``."""
+    """Tokenizer files and a preprocessed dataset prefix under ``tmp_dir`` (preprocessed once per process)."""
+    return _built_once("gpt_corpus", _build_corpus, tmp_dir)
+
+
+def _build_corpus(tmp_dir: str) -> Dict[str, str]:
     tok = make_tokenizer_files(os.path.join(tmp_dir, "tok"))["GPT2BPETokenizer"]
     corpus = write_jsonl(os.path.join(tmp_dir, "corpus.jsonl"), corpus_texts(200_000))
     prefix = os.path.join(tmp_dir, "data")
@@ -61,7 +86,12 @@ def build_corpus(tmp_dir: str) -> Dict[str, str]:
 
 
 def build_sentence_corpus(tmp_dir: str) -> Dict[str, str]:
-    """A WordPiece vocabulary and the sample corpus preprocessed with ``--split-sentences`` (BERT, T5)."""
+    """A WordPiece vocabulary and the sample corpus preprocessed with ``--split-sentences`` (BERT, T5), once per
+    process."""
+    return _built_once("sentence_corpus", _build_sentence_corpus, tmp_dir)
+
+
+def _build_sentence_corpus(tmp_dir: str) -> Dict[str, str]:
     vocab = make_tokenizer_files(os.path.join(tmp_dir, "tok"))["BertWordPieceLowerCase"]["vocab_file"]
     texts = write_jsonl(os.path.join(tmp_dir, "corpus.jsonl"), corpus_texts(200_000))
     prefix = os.path.join(tmp_dir, "data")
@@ -169,28 +199,40 @@ def run_gpt(
     timeout: float = RUN_TIMEOUT_S,
     env: Optional[Dict[str, str]] = None,
     script: Optional[Sequence[str]] = None,
+    launcher: str = "fork",
 ) -> RunResult:
-    """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py flags`` with a hard timeout.
+    """``pretrain_gpt.py flags`` on ``nproc`` local ranks with a hard timeout.
 
-    ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments).
+    ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments). ``launcher="fork"`` starts
+    the ranks from the tests' preloaded fork server (``tests/entry_launcher.py``: torchrun's environment
+    without its start-up cost); ``"torchrun"`` runs ``torchrun --standalone --nproc-per-node nproc``.
     """
     entry = list(script) if script else [os.path.join(REPO, "pretrain_gpt.py")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *flags]
     full_env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false"
     )
     full_env.update(env or {})
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        raise AssertionError(
-            f"pretrain_gpt.py on {nproc} ranks did not finish in {timeout}s:\n"
-            f"{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}"
-        ) from err
-    output = proc.stdout + proc.stderr
+    if launcher == "fork":
+        try:
+            returncode, stdout, stderr = launch(nproc, [*entry, *flags], cwd, full_env, free_port(), timeout)
+        except LaunchTimeout as err:
+            raise AssertionError(str(err)) from err
+        output = stdout + stderr
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        try:
+            proc = subprocess.run(
+                cmd + entry + list(flags), cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as err:
+            raise AssertionError(
+                f"pretrain_gpt.py on {nproc} ranks did not finish in {timeout}s:\n"
+                f"{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}"
+            ) from err
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
     lines = [p for p in map(parse_log_line, output.splitlines()) if p is not None]
     evals = [p for p in map(parse_evaluation_line, output.splitlines()) if p is not None]
-    return RunResult(proc.returncode, output, lines, evals)
+    return RunResult(returncode, output, lines, evals)
 
 
 def assert_ok(result: RunResult, what: str) -> None:

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests.functional_tests.gpt_runs import REPO
+from tests.entry_launcher import launch
+from tests.functional_tests.gpt_runs import REPO, free_port
 
 
 def test_simple_mcore_train_loop_on_two_ranks(tmp_path):
@@ -30,12 +31,14 @@ def test_simple_mcore_train_loop_on_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("entry", ["pretrain_gpt.py", "pretrain_bert.py", "pretrain_t5.py"])
-def test_entry_points_refuse_unknown_flags(entry):
-    bad = subprocess.run(
-        [sys.executable, os.path.join(REPO, entry), "--no-such-flag"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=REPO),
+def test_entry_points_refuse_unknown_flags(entry, tmp_path):
+    # One rank from the tests' preloaded launcher: the flag is refused before anything distributed starts.
+    code, _, stderr = launch(
+        1,
+        [os.path.join(REPO, entry), "--no-such-flag"],
+        str(tmp_path),
+        dict(os.environ, PYTHONPATH=REPO),
+        free_port(),
+        120,
     )
-    assert bad.returncode != 0 and "unrecognized arguments: --no-such-flag" in bad.stderr
+    assert code != 0 and "unrecognized arguments: --no-such-flag" in stderr

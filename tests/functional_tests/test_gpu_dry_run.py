@@ -7,7 +7,8 @@ recompute full/selective, grouped-query attention, torch_dist and legacy checkpo
 checks on fake CUDA tensors) trains, saves, resumes and trains again as its first, a middle and its
 last rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs
 per steady-state iteration (6 for dense models, see grid.py), and every bf16/fp16 attention call
-outside context parallelism is flash-eligible.
+outside context parallelism is flash-eligible. The default tier plays its cases as their first and
+last rank; the full tier adds each middle rank (``DRY_RUN_RANKS`` tells the script which).
 """
 
 import json
@@ -22,6 +23,11 @@ from tools.dry_run.grid import GRID, pick_ranks
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+MIDDLE_RANK_CASES = [
+    c for c in GRID if pick_ranks("middle", c.world_size)[0] not in pick_ranks("first,last", c.world_size)
+]
+
+
 def cases_to_run(items) -> str:
     """``all`` when this session checks the whole grid, else the cases whose test runs (comma-separated).
 
@@ -29,20 +35,34 @@ def cases_to_run(items) -> str:
     script runs only those; a test that needs every case asks for ``all``.
     """
     names = []
-    for item in items:
-        if item.module.__name__ != __name__ or item.get_closest_marker("skip") is not None:
-            continue
+    for item in _selected(items):
         if item.originalname == "test_every_case_runs_as_first_middle_and_last_rank":
             return "all"
-        if item.originalname == "test_case_is_gpu_safe":
+        if item.originalname in ("test_case_is_gpu_safe", "test_case_is_gpu_safe_as_its_middle_rank"):
             names.append(item.callspec.params["case"].name)
-    return ",".join(names or [GRID[0].name])
+    return ",".join(dict.fromkeys(names)) or GRID[0].name
+
+
+def ranks_to_play(items) -> str:
+    """``first,middle,last`` when a test of this session checks a middle rank, else ``first,last``.
+
+    The default tier plays each case as its first and last rank; the middle ranks are the full tier's
+    (``test_case_is_gpu_safe_as_its_middle_rank``, ``test_every_case_runs_as_first_middle_and_last_rank``).
+    """
+    middle = ("test_case_is_gpu_safe_as_its_middle_rank", "test_every_case_runs_as_first_middle_and_last_rank")
+    return "first,middle,last" if any(item.originalname in middle for item in _selected(items)) else "first,last"
+
+
+def _selected(items):
+    """This module's tests that run in this session."""
+    return [i for i in items if i.module.__name__ == __name__ and i.get_closest_marker("skip") is None]
 
 
 @pytest.fixture(scope="module")
 def grid(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_smoke")
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "DRY_RUN_GRID": cases_to_run(request.session.items)}
+    env["DRY_RUN_RANKS"] = ranks_to_play(request.session.items)
     env["STEP_TIMEOUT_S"] = "1100"  # the script's 300 s per step is for a GPU; 2 busy CPU cores need longer
     run = subprocess.run(
         ["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
@@ -65,15 +85,26 @@ def test_every_case_runs_as_first_middle_and_last_rank(grid):
     assert {e["world_size"] for e in entries.values()} >= {2, 4, 8, 64}
 
 
+def _assert_gpu_safe(entries, case, rank):
+    entry = entries[(case.name, rank)]
+    assert entry["errors"] == [] and entry["problems"] == [], (rank, entry["problems"])
+    assert entry["phases"] == ["train", "resume"]
+    assert 0 < entry["steady_max_syncs"] <= case.max_syncs, (rank, entry["syncs_per_iteration"])
+    attention = entry["attention"]
+    half = "--bf16" in case.flags or "--fp16" in case.flags
+    if half and "--context-parallel-size" not in case.flags:
+        assert attention["calls"] > 0 and attention["flash"] == attention["calls"], (rank, attention)
+
+
 @pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
 def test_case_is_gpu_safe(grid, case):
+    """The case played as its first and its last rank."""
     _, entries = grid
-    for rank in pick_ranks("first,middle,last", case.world_size):
-        entry = entries[(case.name, rank)]
-        assert entry["errors"] == [] and entry["problems"] == [], (rank, entry["problems"])
-        assert entry["phases"] == ["train", "resume"]
-        assert 0 < entry["steady_max_syncs"] <= case.max_syncs, (rank, entry["syncs_per_iteration"])
-        attention = entry["attention"]
-        half = "--bf16" in case.flags or "--fp16" in case.flags
-        if half and "--context-parallel-size" not in case.flags:
-            assert attention["calls"] > 0 and attention["flash"] == attention["calls"], (rank, attention)
+    for rank in pick_ranks("first,last", case.world_size):
+        _assert_gpu_safe(entries, case, rank)
+
+
+@pytest.mark.parametrize("case", MIDDLE_RANK_CASES, ids=[c.name for c in MIDDLE_RANK_CASES])
+def test_case_is_gpu_safe_as_its_middle_rank(grid, case):
+    _, entries = grid
+    _assert_gpu_safe(entries, case, pick_ranks("middle", case.world_size)[0])
