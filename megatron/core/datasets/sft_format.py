@@ -30,8 +30,11 @@ CHATML_TEMPLATE = (
 Messages = List[Dict[str, str]]
 
 
-def conversation_messages(record: Any) -> Messages:
-    """The messages of one JSON record; a ValueError saying what is wrong otherwise."""
+def conversation_messages(record: Any, need_assistant: bool = True) -> Messages:
+    """The messages of one JSON record; a ValueError saying what is wrong otherwise.
+
+    ``need_assistant``: a training conversation must hold an assistant turn (a chat request need not).
+    """
     if not isinstance(record, dict):
         raise ValueError(f"a JSON object expected, got {type(record).__name__}")
     if "messages" in record:
@@ -47,7 +50,7 @@ def conversation_messages(record: Any) -> Messages:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} must be {{'role': one of {ROLES}, 'content': a string}}")
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant message (nothing to train on)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -100,11 +103,30 @@ def _with_chatml(tokenizer: Any, messages: Messages) -> Tuple[List[int], List[bo
     ids: List[int] = []
     trained: List[bool] = []
     for m in messages:
-        for text, train in ((f"<|im_start|>{m['role']}\n", False), (f"{m['content']}<|im_end|>\n", None)):
+        for text, train in ((_chatml_header(m["role"]), False), (f"{m['content']}<|im_end|>\n", None)):
             piece = _encode(tokenizer, text)
             ids += piece
             trained += [m["role"] == "assistant" if train is None else train] * len(piece)
     return ids, trained
+
+
+def _chatml_header(role: str) -> str:
+    return f"<|im_start|>{role}\n"
+
+
+def default_prompt_format(tokenizer: Any) -> str:
+    """``chat_template`` when the tokenizer has one (``--sft-tokenizer-prompt-format``'s default), else ``chatml``."""
+    return "chat_template" if getattr(hf_tokenizer(tokenizer), "chat_template", None) else "chatml"
+
+
+def generation_prompt_ids(tokenizer: Any, messages: Messages, prompt_format: str) -> List[int]:
+    """Token ids of ``messages`` followed by the assistant turn's opening, as in training (the prompt of a chat)."""
+    if prompt_format == "chat_template":
+        hf = hf_tokenizer(tokenizer)
+        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(hf.encode(text, add_special_tokens=False))
+    ids, _ = format_conversation(tokenizer, messages, prompt_format) if messages else ([], [])
+    return ids + _encode(tokenizer, _chatml_header("assistant"))
 
 
 def format_conversation(tokenizer: Any, messages: Messages, prompt_format: str) -> Tuple[List[int], List[bool]]:
