@@ -49,6 +49,8 @@ CASES = {
     SBATCH_GPT: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
     "examples/bert/quickstart.sh": Case([], QUICKSTART_ENV),
     "examples/t5/quickstart.sh": Case([], QUICKSTART_ENV),
+    # HF model made locally -> convert -> SFT (TP=2 + SP, packed) -> export (logits checked) -> chat endpoint.
+    "examples/finetune/finetune.sh": Case([], dict(FINETUNE_DIR="{tmp}/ft", TRAIN_ITERS=str(ITERS), LOG_INTERVAL="1")),
 }
 COVERED_ELSEWHERE = {
     "examples/quickstart.sh": (

@@ -57,6 +57,8 @@ def conversation_messages(record: Any, need_assistant: bool = True) -> Messages:
 
 def hf_tokenizer(tokenizer: Any) -> Any:
     """The ``transformers`` tokenizer inside our ``HuggingFaceTokenizer`` (or the object itself)."""
+    if hasattr(tokenizer, "apply_chat_template"):  # already one (its own _tokenizer is the Rust backend)
+        return tokenizer
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
