@@ -83,6 +83,12 @@ def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
     ``--sft`` the SFT dataset's, every packed sequence a multiple of 2 x CP long."""
     if getattr(args, "sft", False):
         cp = args.context_parallel_size
+        if args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1:
+            # A micro batch becomes one packed row [1, b*s]: stages exchange activations shaped [s, b, h].
+            raise ValueError(
+                f"--sft with --pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
+                f"--micro-batch-size 1 (got {args.micro_batch_size}): each micro batch is one packed row"
+            )
         return config_from_args(
             SFTDatasetConfig, args, tokenizer=tokenizer, sft_pad_to_multiple_of=2 * cp if cp > 1 else 1
         )

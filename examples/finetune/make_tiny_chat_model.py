@@ -45,7 +45,7 @@ def write_model(out: str, vocab_size: int) -> None:
     import torch
     import transformers
 
-    trained = train_tokenizer("huggingface-chat", corpus_texts(60_000), vocab_size, out)
+    trained = train_tokenizer("huggingface-chat", corpus_texts(30_000), vocab_size, out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(trained.kwargs["tokenizer_model"], local_files_only=True)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
