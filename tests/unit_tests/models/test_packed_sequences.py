@@ -125,6 +125,10 @@ def _no_square(rank, world_size):
     assert shapes and not _square(shapes, TOTAL), _square(shapes, TOTAL)[:5]
     # The probe sees a dense mask where there is one: the same row unpacked, windowed.
     assert _square(_probe(model, batch["tokens"], batch["labels"]), TOTAL)
+    with pytest.raises(NotImplementedError, match="packed_seq_params with an attention_mask"):
+        model(batch["tokens"], None, torch.zeros(1, 1, TOTAL, TOTAL, dtype=torch.bool), packed_seq_params=params)
+    with pytest.raises(ValueError, match=r"expected \(1, cu_seqlens\[-1\] / cp\) = \(1, 36\)"):
+        model(batch["tokens"][:, :-4], None, None, packed_seq_params=params)
 
 
 def test_segments_of_a_cp_rank_and_of_windows():

@@ -241,6 +241,8 @@ class GPTModel(LanguageModule):
         if inference_context is not None and position_ids is None and input_ids is not None:
             position_ids = inference_context.query_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
         packed = {}
+        if packed_seq_params is not None and inference_context is not None:
+            raise NotImplementedError("GPTModel.forward: packed_seq_params with an inference_context")
         if packed_seq_params is not None:
             position_ids = self._check_packed(packed_seq_params, input_ids, attention_mask, position_ids, labels)
             packed = {"packed_seq_params": packed_seq_params}
@@ -314,6 +316,10 @@ class GPTModel(LanguageModule):
         token's position within its sequence)."""
         if attention_mask is not None or (self.mtp is not None and labels is not None):
             raise NotImplementedError("GPTModel.forward: packed_seq_params with an attention_mask or with MTP")
+        if self.config.multi_latent_attention:
+            raise NotImplementedError(
+                "GPTModel.forward: packed_seq_params with multi-latent attention: not supported yet"
+            )
         cu = params.layout_cu_seqlens()
         total = int(cu[-1])
         if input_ids is not None and tuple(input_ids.shape) != (1, total // self.cp_size):
