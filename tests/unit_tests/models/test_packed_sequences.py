@@ -4,8 +4,9 @@ Reference: the same model run on each sequence alone, ``[1, L]``, unpacked (plai
 positions from 0). Checked, fp32 rtol=1e-5: every sequence's per-token losses, and the gradients of
 each sequence's loss (single process), or of a randomly weighted sum of the sequences' losses (so
 every sequence's gradient counts) under TP=2 + sequence parallelism with PP=2, and CP=2 with PP=2
-(each sequence split into 2 x cp load-balanced chunks). Styles: GPT-2 (learned positions) and Llama
-(RoPE, grouped-query attention 8 heads / 4 groups), with and without a sliding window.
+(each sequence split into 2 x cp load-balanced chunks). Styles: GPT-2 (learned positions), Llama
+(RoPE, grouped-query attention 8 heads / 4 groups), with and without a sliding window, and Qwen (Llama with
+QKV bias and query/key norms).
 
 No ``[t, t]`` tensor: every tensor an op creates during a packed forward and backward (a
 ``TorchDispatchMode``) and every tensor autograd saves is checked for two dimensions of size ``t``;
@@ -33,7 +34,11 @@ from tests.unit_tests.pipeline_parallel.pipeline_parity import build_chunks, loa
 RTOL, ATOL = 1e-5, 1e-6
 LENGTHS = [4, 12, 8, 12]  # every length divisible by 2 x cp = 4; total 36 (no model dimension is 36)
 TOTAL = sum(LENGTHS)
-STYLES = {"gpt2": gpt2_style, "llama": llama_style}
+STYLES = {
+    "gpt2": gpt2_style,
+    "llama": llama_style,
+    "qwen": lambda **kw: llama_style(add_qkv_bias=True, qk_layernorm=True, **kw),  # Qwen2's bias, Qwen3's norms
+}
 
 
 def _sequences(seed: int = 0):
@@ -59,7 +64,7 @@ def _split(per_token: torch.Tensor):
     return list(torch.split(per_token, LENGTHS, dim=1))
 
 
-@pytest.mark.parametrize("style,window", [("gpt2", None), ("llama", None), ("llama", (5, 0))])
+@pytest.mark.parametrize("style,window", [("gpt2", None), ("llama", None), ("llama", (5, 0)), ("qwen", None)])
 def test_packed_row_equals_sequences_alone(style, window):
     run_distributed(_single, 1, style, window)
 
