@@ -16,11 +16,14 @@ are packed end to end while they fit; otherwise one a row. Every sequence is pad
 ``sft_pad_to_multiple_of`` (2 x CP under context parallelism) and the rest of the row is one padding
 sequence; padding has loss mask 0. Each sample carries ``cu_seqlens`` ``[sequence_length + 1]``:
 the boundaries, the last one repeated to fill (``packed_batch`` turns a micro batch into one packed
-row and its ``PackedSeqParams``).
+row and its ``PackedSeqParams``). The rows are cached like the GPT dataset's indices (``--data-cache-path``,
+else ``<data dir>/cache/SFTDataset_indices``), keyed by the description, which holds the file's SHA-256, the
+tokenizer and the SFT settings; the conversations themselves are tokenized again at every start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 from dataclasses import dataclass
@@ -29,10 +32,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, special_token
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, index_cache_dir, special_token
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.sft_format import PROMPT_FORMATS, conversation_messages, format_conversation
-from megatron.core.datasets.utils import Split
+from megatron.core.datasets.utils import Split, load_or_build_indices
 from megatron.core.packed_seq_params import PackedSeqParams
 
 IGNORE_INDEX = -100  # Megatron's label of untrained positions (here the loss mask carries it; labels stay ids)
@@ -72,8 +75,10 @@ class SFTLowLevelDataset:
         self.path = path
         self.malformed: List[Tuple[int, str]] = []  # (1-based line number, reason)
         self.conversations: List[Tuple[np.ndarray, np.ndarray]] = []
+        digest = hashlib.sha256()
         with open(path, "rb") as f:
             for number, raw in enumerate(f, 1):
+                digest.update(raw)
                 if not raw.strip():
                     continue
                 try:
@@ -84,6 +89,7 @@ class SFTLowLevelDataset:
                     self.malformed.append((number, str(err)))
                     continue
                 self.conversations.append((np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=bool)))
+        self.sha256 = digest.hexdigest()
         self._report()
 
     def _report(self) -> None:
@@ -98,7 +104,7 @@ class SFTLowLevelDataset:
 
     def identity(self) -> Dict[str, Any]:
         """What identifies the file's content in a dataset description."""
-        return {"path": self.path, "conversations": len(self), "malformed": len(self.malformed)}
+        return {"path": self.path, "sha256": self.sha256, "conversations": len(self), "malformed": len(self.malformed)}
 
 
 def _padded(n: int, multiple: int) -> int:
@@ -137,7 +143,13 @@ class SFTDataset(MegatronDataset):
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         self.pad_id = special_token(config.tokenizer, "pad") or special_token(config.tokenizer, "eod") or 0
         self.truncated = sum(len(dataset.conversations[i][0]) > config.sequence_length + 1 for i in self.indices)
-        self.rows = self._build_rows()
+        self.path_to_cache = index_cache_dir(config, dataset_path, type(self).__name__)
+        stem = f"{self.unique_description_hash}-{type(self).__name__}-{index_split.name}"
+        arrays = load_or_build_indices(
+            self.path_to_cache, stem, self.unique_description, ("row_offsets", "row_conversations"), self._row_arrays
+        )
+        offsets, conversations = arrays["row_offsets"], arrays["row_conversations"]
+        self.rows = [conversations[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
 
     @staticmethod
     def _key_config_attributes() -> Iterable[str]:
@@ -165,6 +177,12 @@ class SFTDataset(MegatronDataset):
                 for row in pack_rows(lengths, c.sequence_length, c.sft_pack_sequences, c.sft_pad_to_multiple_of)
             ]
         return rows[: self.num_samples] if self.num_samples is not None else rows
+
+    def _row_arrays(self) -> Dict[str, np.ndarray]:
+        """The rows as ``row_offsets`` ``[rows + 1]`` into ``row_conversations`` (cached like GPT's indices)."""
+        rows = self._build_rows()
+        offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+        return {"row_offsets": offsets, "row_conversations": np.asarray(sum(rows, []), dtype=np.int64)}
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -139,3 +139,22 @@ def test_packed_batch_and_pack_rows():
     flat, params = packed_batch(batch)
     assert flat["tokens"].shape == (1, 16) and params.cu_seqlens_q.tolist() == [0, 3, 8, 16]
     assert params.max_seqlen_q == 8 and np.array_equal(flat["tokens"][0].numpy(), np.arange(16))
+
+
+def test_rows_are_cached_and_keyed_by_the_file_content(tokenizer, tmp_path):
+    lines = [json.dumps(c) for c in CONVERSATIONS * 2]
+    path = _write(tmp_path / "chat.jsonl", lines)
+
+    def build():
+        config = _config(tokenizer, path, split="1,0,0")
+        return BlendedMegatronDatasetBuilder(SFTDataset, [None, None, None], lambda: True, config).build()[0]
+
+    def cached():
+        return sorted((tmp_path / "cache" / "SFTDataset_indices").glob("*-row_offsets.npy"))
+
+    first = build()
+    assert len(cached()) == 1
+    assert build().rows == first.rows and len(cached()) == 1  # read back, not rebuilt under another key
+    _write(tmp_path / "chat.jsonl", lines[::-1])  # same conversations, another order: another file
+    build()
+    assert len(cached()) == 2
