@@ -97,6 +97,10 @@ class DotProductAttention(MegatronModule):
     all-gathered over CP into sequence order, and the causal mask and sliding window use the
     queries' global positions. A given ``attention_mask`` is then ``[b, 1, s/cp, s]`` (this
     rank's query rows, every key), as ``get_batch_on_this_cp_rank`` slices it.
+
+    ``packed_seq_params`` (``megatron.core.packed_seq_params``): the ``[t, 1, ., d]`` inputs are packed
+    sequences, each attending causally to itself only, computed segment by segment without a
+    ``[t, t]`` mask (``_packed``, ``packed_attention.packed_segments``).
     """
 
     def __init__(

@@ -6,7 +6,7 @@ each sequence's loss (single process), or of a randomly weighted sum of the sequ
 every sequence's gradient counts) under TP=2 + sequence parallelism with PP=2, and CP=2 with PP=2
 (each sequence split into 2 x cp load-balanced chunks). Styles: GPT-2 (learned positions), Llama
 (RoPE, grouped-query attention 8 heads / 4 groups), with and without a sliding window, and Qwen (Llama with
-QKV bias and query/key norms).
+QKV bias and query/key norms); the windowed Llama case also under selective recomputation.
 
 No ``[t, t]`` tensor: every tensor an op creates during a packed forward and backward (a
 ``TorchDispatchMode``) and every tensor autograd saves is checked for two dimensions of size ``t``;
@@ -64,14 +64,17 @@ def _split(per_token: torch.Tensor):
     return list(torch.split(per_token, LENGTHS, dim=1))
 
 
-@pytest.mark.parametrize("style,window", [("gpt2", None), ("llama", None), ("llama", (5, 0)), ("qwen", None)])
-def test_packed_row_equals_sequences_alone(style, window):
-    run_distributed(_single, 1, style, window)
+@pytest.mark.parametrize(
+    "style,window,recompute",
+    [("gpt2", None, None), ("llama", None, None), ("llama", (5, 0), "selective"), ("qwen", None, None)],
+)
+def test_packed_row_equals_sequences_alone(style, window, recompute):
+    run_distributed(_single, 1, style, window, recompute)
 
 
-def _single(rank, world_size, style, window):
+def _single(rank, world_size, style, window, recompute):
     groups = single_rank_groups()
-    model = build_gpt(_kwargs(style, window_size=window), groups)
+    model = build_gpt(_kwargs(style, window_size=window, recompute_granularity=recompute), groups)
     seqs = _sequences()
     batch, params = _packed_batch(seqs)
     for i, (tokens, labels) in enumerate(seqs):
