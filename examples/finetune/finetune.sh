@@ -34,7 +34,7 @@ MODEL=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size
 say "3/5 fine-tune (TP=2 + sequence parallel, packed conversations, 10% held out for evaluation)"
 OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 pretrain_gpt.py "${MODEL[@]}" \
   --tensor-model-parallel-size 2 --sequence-parallel \
-  --load "$DIR/ckpt_in" --finetune --no-load-optim --no-load-rng \
+  --pretrained-checkpoint "$DIR/ckpt_in" --load "$DIR/ckpt_ft" --no-load-optim --no-load-rng \
   --sft --data-path "$DIR/chat.jsonl" --split 90,10,0 --calculate-per-token-loss \
   --micro-batch-size 2 --global-batch-size 8 --train-iters "$ITERS" \
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2 \
