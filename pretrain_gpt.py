@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 from functools import partial
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.sft_dataset import SFTDataset, SFTDatasetConfig, packed_batch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
@@ -69,34 +71,59 @@ def model_provider(
 
 
 def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
-    """GPT dataset settings from the data flags (their records say which field each fills)."""
+    """GPT dataset settings from the data flags (their records say which field each fills); with
+    ``--sft`` the SFT dataset's, every packed sequence a multiple of 2 x CP long."""
+    if getattr(args, "sft", False):
+        cp = args.context_parallel_size
+        if args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1:
+            # A micro batch becomes one packed row [1, b*s]: stages exchange activations shaped [s, b, h].
+            raise ValueError(
+                f"--sft with --pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
+                f"--micro-batch-size 1 (got {args.micro_batch_size}): each micro batch is one packed row"
+            )
+        return config_from_args(
+            SFTDatasetConfig, args, tokenizer=tokenizer, sft_pad_to_multiple_of=2 * cp if cp > 1 else 1
+        )
     return config_from_args(GPTDatasetConfig, args, tokenizer=tokenizer)
 
 
 def train_valid_test_datasets_provider(
     num_samples: Sequence[int], *, args: argparse.Namespace, tokenizer, pg_collection=None
 ) -> List:
-    """[train, valid, test] GPT datasets (mock data with ``--mock-data``)."""
-    return build_datasets(num_samples, args, dataset_config(args, tokenizer), GPTDataset, MockGPTDataset)
+    """[train, valid, test] GPT datasets (mock data with ``--mock-data``; conversations with ``--sft``)."""
+    dataset_class = SFTDataset if args.sft else GPTDataset
+    return build_datasets(num_samples, args, dataset_config(args, tokenizer), dataset_class, MockGPTDataset)
 
 
 loss_func = masked_token_loss  # (loss_mask, output_tensor) -> (loss sum, token count, {"lm loss": [sum, count]})
 
 
-def get_batch(data_iterator: Iterator, model: torch.nn.Module) -> dict:
-    """The next micro batch, on the GPU if there is one, cut to this context-parallel rank's chunks."""
+def get_batch(data_iterator: Iterator, model: torch.nn.Module) -> Tuple[dict, Optional[PackedSeqParams]]:
+    """The next micro batch, on the GPU if there is one, cut to this context-parallel rank's chunks.
+
+    An SFT batch (rows with ``cu_seqlens``) becomes one packed row ``[1, b*s]`` and its ``PackedSeqParams``.
+    """
     batch = next_batch_on_device(data_iterator)
+    params = None
+    if "cu_seqlens" in batch:
+        batch, params = packed_batch(batch)
     groups = unwrap_model(model).pg_collection
-    return get_batch_on_this_cp_rank(batch, groups.cp if groups.size_of("cp") > 1 else None)
+    cp = groups.cp if groups.size_of("cp") > 1 else None
+    return get_batch_on_this_cp_rank(batch, cp, params.cu_seqlens_q if params is not None else None), params
 
 
 def forward_step(data_iterator: Iterator, model: GPTModel):
     """Run one micro batch; returns the model output and the loss function to apply to it."""
-    batch = get_batch(data_iterator, model)
+    batch, packed_seq_params = get_batch(data_iterator, model)
     attention_mask = batch.get("attention_mask")
     output = model(
-        batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"], loss_mask=batch["loss_mask"]
-    )  # the loss mask: for multi-token prediction's losses
+        batch["tokens"],
+        batch["position_ids"],
+        attention_mask,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],  # for multi-token prediction's losses
+        packed_seq_params=packed_seq_params,
+    )
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -63,6 +63,10 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_example_scripts.py::test_example_script_runs_at_toy_size[examples/t5/quickstart.sh]": (  # noqa: E501
         "[examples/quickstart.sh] (corpus, tokenizer, preprocessing) and test_pretrain_t5"
     ),
+    "tests/functional_tests/test_example_scripts.py::test_example_script_runs_at_toy_size[examples/finetune/finetune.sh]": (  # noqa: E501
+        "test_packed_sequences (packed == alone, TP/SP/PP/CP), test_sft_dataset, test_chat_completions and "
+        "test_checkpoint_convert cover its stages (about 6 minutes end to end)"
+    ),
     "tests/functional_tests/test_pretrain_gpt.py::test_mock_data_layouts_agree": (
         "test_tp2_and_dp2_print_the_single_rank_losses; mock data in resume[pp2] and the example scripts"
     ),

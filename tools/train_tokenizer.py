@@ -19,7 +19,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.tokenizers.training import TRAINERS, train_tokenizer  # noqa: E402
 
-KINDS = ("gpt2bpe", "sentencepiece-bpe", "sentencepiece-unigram", "wordpiece", "tiktoken", "huggingface")
+KINDS = (
+    "gpt2bpe",
+    "sentencepiece-bpe",
+    "sentencepiece-unigram",
+    "wordpiece",
+    "tiktoken",
+    "huggingface",
+    "huggingface-chat",
+)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -68,6 +68,23 @@ def gathered_order(local_length: int, cp_size: int, device: Optional[torch.devic
     return torch.argsort(gathered_positions)
 
 
+def packed_cp_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Packed-row indices ``[t/cp]`` held by CP rank ``cp_rank``: chunks r and 2cp-1-r of each sequence in turn.
+
+    ``cu_seqlens`` ``[n + 1]`` are the layout (padded) boundaries; every length must divide into ``2 * cp``.
+    """
+    starts, ends = cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()
+    pieces = []
+    for start, end in zip(starts, ends):
+        if (end - start) % (2 * cp_size):
+            raise ValueError(
+                f"packed sequence of length {end - start} (tokens {start}..{end - 1}) must be divisible by "
+                f"2 x context_parallel_size={cp_size}: pad it (cu_seqlens_q_padded)"
+            )
+        pieces.append(start + cp_chunk_positions(end - start, cp_size, cp_rank, cu_seqlens.device))
+    return torch.cat(pieces).long()  # [t/cp]
+
+
 def _cp_size_rank(cp_group: Optional[dist.ProcessGroup]) -> tuple:
     if cp_group is None:
         return 1, 0
@@ -75,13 +92,17 @@ def _cp_size_rank(cp_group: Optional[dist.ProcessGroup]) -> tuple:
 
 
 def get_batch_on_this_cp_rank(
-    batch: Dict[str, Optional[torch.Tensor]], cp_group: Optional[dist.ProcessGroup]
+    batch: Dict[str, Optional[torch.Tensor]],
+    cp_group: Optional[dist.ProcessGroup],
+    packed_cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Dict[str, Optional[torch.Tensor]]:
     """This CP rank's part of a micro batch (a new dict; the batch itself is unchanged).
 
     ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, ...) keep their columns at
     ``cp_chunk_positions``; an ``attention_mask`` ``[b, 1, s, s]`` keeps those query rows and all
-    keys (in sequence order, as ``gather_kv_over_cp`` delivers them). Identity without CP.
+    keys (in sequence order, as ``gather_kv_over_cp`` delivers them). A packed batch (``[1, t]``
+    entries with the layout boundaries ``packed_cu_seqlens``) keeps ``packed_cp_indices``: every
+    sequence is split on its own. Identity without CP.
     """
     cp_size, cp_rank = _cp_size_rank(cp_group)
     if cp_size == 1:
@@ -92,21 +113,34 @@ def get_batch_on_this_cp_rank(
             out[key] = None
             continue
         dim = 2 if key == "attention_mask" else 1
-        index = cp_chunk_positions(value.shape[dim], cp_size, cp_rank, value.device)  # [s/cp]
+        if packed_cu_seqlens is not None:
+            if key == "attention_mask":
+                raise ValueError("get_batch_on_this_cp_rank: a packed batch has no attention_mask")
+            index = packed_cp_indices(packed_cu_seqlens, cp_size, cp_rank).to(value.device)  # [t/cp]
+        else:
+            index = cp_chunk_positions(value.shape[dim], cp_size, cp_rank, value.device)  # [s/cp]
         out[key] = value.index_select(dim, index)
     return out
 
 
-def gather_kv_over_cp(t: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
+def gather_kv_over_cp(
+    t: torch.Tensor, cp_group: dist.ProcessGroup, packed_cu_seqlens: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Keys or values ``[s/cp, b, g, d]`` of this rank -> ``[s, b, g, d]`` of the whole sequence, in order.
 
-    Backward reduce-scatters: the gradient of each key sums the contributions of all ranks' queries.
+    With ``packed_cu_seqlens`` (a packed row, ``packed_cp_indices`` layout) the result is the packed
+    row in order. Backward reduce-scatters: each key's gradient sums all ranks' queries' contributions.
     """
     cp_size = dist.get_world_size(cp_group)
     if cp_size == 1:
         return t
     gathered = gather_from_sequence_parallel_region(t, True, group=cp_group)  # [s, b, g, d], rank order
-    return gathered.index_select(0, gathered_order(t.shape[0], cp_size, t.device))  # [s, b, g, d]
+    if packed_cu_seqlens is None:
+        order = gathered_order(t.shape[0], cp_size, t.device)  # [s]
+    else:
+        held = [packed_cp_indices(packed_cu_seqlens, cp_size, r) for r in range(cp_size)]
+        order = torch.argsort(torch.cat(held)).to(t.device)  # [s]
+    return gathered.index_select(0, order)  # [s, b, g, d]
 
 
 def roll_left_over_cp(t: torch.Tensor, cp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:

@@ -24,6 +24,8 @@ class CheckpointConfig:
         no_save_optim / no_save_rng: leave optimizer / RNG state out of saves.
         no_load_optim / no_load_rng: ignore optimizer (and scheduler) / RNG state on load.
         finetune: load the model only and start at iteration 0 with a fresh train state.
+        pretrained_checkpoint: while ``load`` holds no checkpoint (or is None), load this one as ``finetune``
+            does (``--pretrained-checkpoint``); once ``load`` holds one, the run resumes from it.
         ckpt_format: a registered ``checkpoint_formats`` name: ``torch_dist`` (sharded, any layout) or
             ``torch`` (legacy, per TP/PP rank).
         exit_on_missing_checkpoint: a ``load`` without a checkpoint is an error, not a fresh start.
@@ -42,6 +44,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    pretrained_checkpoint: Optional[str] = None
     ckpt_format: str = TORCH_DIST
     exit_on_missing_checkpoint: bool = False
     ckpt_step: Optional[int] = None

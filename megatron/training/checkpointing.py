@@ -28,6 +28,7 @@ through ``checkpoint_formats.registry``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -233,6 +234,7 @@ def load_checkpoint(
 ) -> Tuple[int, Dict[str, Any]]:
     """Restore from ``ckpt_config.load``; returns (iteration, train_state).
 
+    ``pretrained_checkpoint``: while ``load`` has no checkpoint, that one is loaded with ``finetune``.
     Model always; optimizer and scheduler unless ``no_load_optim``/``finetune``/release, when the
     optimizer's main weights are instead copied from the loaded model (``reload_model_params``);
     RNG unless ``no_load_rng``/``finetune``/release. With ``finetune`` or a release
@@ -242,6 +244,14 @@ def load_checkpoint(
     data) must agree with the checkpoint's on every architecture flag, finetuning included.
     The saved model-parallel RNG streams go into ``rng_tracker`` (None: ``get_cuda_rng_tracker()``).
     """
+    pretrained = ckpt_config.pretrained_checkpoint
+    if pretrained is not None and (ckpt_config.load is None or _agreed_target(ckpt_config) is None):
+        from_pretrained = dataclasses.replace(ckpt_config, load=pretrained, finetune=True, pretrained_checkpoint=None)
+        if _agreed_target(dataclasses.replace(from_pretrained, finetune=False)) is None:  # None: not there
+            raise CheckpointingError(f"--pretrained-checkpoint {pretrained}: {no_checkpoint_message(pretrained)}")
+        return load_checkpoint(
+            model_chunks, optimizer, opt_param_scheduler, from_pretrained, pg_collection, run_args, rng_tracker
+        )
     if ckpt_config.load is None:
         return 0, {}
     target = _agreed_target(ckpt_config)

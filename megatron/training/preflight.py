@@ -90,6 +90,10 @@ def data_problem(args: argparse.Namespace) -> Optional[str]:
     if getattr(args, "mock_data", False):
         return None
     for prefix in data_prefixes(args):
+        if getattr(args, "sft", False):  # --sft reads JSON-lines files directly
+            if not os.path.isfile(prefix):
+                return f"--data-path {prefix}: no such JSON-lines file (--sft)"
+            continue
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""

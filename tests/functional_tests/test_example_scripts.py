@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import pytest
 
-from tests.functional_tests.example_runs import GPT3, SBATCH_GPT, run_script, toy_env
+from tests.functional_tests.example_runs import GPT3, RUN_TIMEOUT_S, SBATCH_GPT, run_script, toy_env
 from tests.functional_tests.gpt_runs import REPO
 
 ITERS = 3
@@ -27,6 +27,7 @@ class Case:
 
     args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
+    timeout: float = RUN_TIMEOUT_S
 
 
 GPT_FAMILY_ARGS = ["{tmp}/ckpt", "{tmp}/tb", "-", "MOCK"]
@@ -49,6 +50,11 @@ CASES = {
     SBATCH_GPT: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
     "examples/bert/quickstart.sh": Case([], QUICKSTART_ENV),
     "examples/t5/quickstart.sh": Case([], QUICKSTART_ENV),
+    # HF model made locally -> convert -> SFT (TP=2 + SP, packed) -> export (logits checked) -> chat endpoint.
+    # Five stages, each its own process (tokenizer training, two conversions, the export check, the server): slower.
+    "examples/finetune/finetune.sh": Case(
+        [], dict(FINETUNE_DIR="{tmp}/ft", TRAIN_ITERS=str(ITERS), LOG_INTERVAL="1"), timeout=3 * RUN_TIMEOUT_S
+    ),
 }
 COVERED_ELSEWHERE = {
     "examples/quickstart.sh": (
@@ -88,7 +94,7 @@ def test_example_script_runs_at_toy_size(script):
     with tempfile.TemporaryDirectory() as tmp:
         args = [a.format(tmp=tmp) for a in case.args]
         env = toy_env(ITERS, **{k: v.format(tmp=tmp) for k, v in case.env.items()})
-        result = run_script(script, args, env)
+        result = run_script(script, args, env, timeout=case.timeout)
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.output[-6000:]}"
     assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), result.output[-6000:]
 

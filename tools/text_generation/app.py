@@ -1,4 +1,5 @@
-"""The Flask app rank 0 serves: ``PUT /api`` (Megatron) and ``POST /v1/completions`` (OpenAI), and its HTTP server.
+"""The Flask app rank 0 serves: ``PUT /api`` (Megatron), ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(OpenAI), and its HTTP server.
 
 Connections are served by threads (at most ``ServerLimits.max_connections`` at once: more are answered
 503 at once), each with a read timeout, so a client that stalls holds one thread and nothing else.
@@ -63,6 +64,9 @@ def create_app(
 
     app.add_url_rule("/api", "api", lambda: serve(service.api), methods=["PUT"])
     app.add_url_rule("/v1/completions", "completions", lambda: serve(service.completions), methods=["POST"])
+    app.add_url_rule(
+        "/v1/chat/completions", "chat_completions", lambda: serve(service.chat_completions), methods=["POST"]
+    )
     return app
 
 

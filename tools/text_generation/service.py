@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
+from tools.text_generation.chat import chat_answer, parse_chat_completions
 from tools.text_generation.errors import BAD_INPUT, describe, status_of
 from tools.text_generation.responses import api_answer, completions_answer, decode_result
 from tools.text_generation.validation import (
@@ -66,6 +67,12 @@ class GenerationService:
             body,
             parse_completions,
             lambda decoded, req: completions_answer(decoded, req, self.ctx.tokenizer, self.model_name),
+        )
+
+    def chat_completions(self, body: Any) -> Answer:
+        """``POST /v1/chat/completions``."""
+        return self._answer(
+            body, parse_chat_completions, lambda decoded, req: chat_answer(decoded, req, self.model_name)
         )
 
     def _answer(self, body: Any, parse: Callable, build: Callable) -> Answer:

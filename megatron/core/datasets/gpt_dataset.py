@@ -26,6 +26,16 @@ _NO_PAD_ID = -1
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 
+def index_cache_dir(config: Any, dataset_path: Optional[str], class_name: str) -> Optional[str]:
+    """Where a dataset caches its indices: ``config.path_to_cache``, else ``<data dir>/cache/<class_name>_indices``;
+    None for pathless data."""
+    if config.path_to_cache is not None:
+        return config.path_to_cache
+    if dataset_path is None:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(dataset_path)), "cache", f"{class_name}_indices")
+
+
 def special_token(tokenizer: Any, name: str) -> Optional[int]:
     """The tokenizer's ``name`` token id, or None when it has none.
 
@@ -194,14 +204,7 @@ class GPTDataset(MegatronDataset):
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
 
     def _cache_dir(self) -> Optional[str]:
-        """The configured cache, else ``<data dir>/cache/<Class>_indices``; None for pathless data."""
-        if self.config.path_to_cache is not None:
-            return self.config.path_to_cache
-        if self.dataset_path is None:
-            return None
-        return os.path.join(
-            os.path.dirname(os.path.abspath(self.dataset_path)), "cache", f"{type(self).__name__}_indices"
-        )
+        return index_cache_dir(self.config, self.dataset_path, type(self).__name__)
 
     def _drop_last_partial(self) -> bool:
         if self.index_split == Split.valid:

@@ -128,17 +128,27 @@ def train_tiktoken(texts: Iterable[str], vocab_size: int, output_dir: str, patte
     )
 
 
-def train_huggingface(texts: Iterable[str], vocab_size: int, output_dir: str) -> TrainedTokenizer:
-    """Writes a ``transformers`` tokenizer directory (byte-level BPE, ``<s>`` before each text)."""
+def train_huggingface(texts: Iterable[str], vocab_size: int, output_dir: str, chat: bool = False) -> TrainedTokenizer:
+    """Writes a ``transformers`` tokenizer directory (byte-level BPE, ``<s>`` before each text).
+
+    ``chat``: with ChatML's ``<|im_start|>`` / ``<|im_end|>`` special tokens and chat template
+    (``megatron.core.datasets.sft_format.CHATML_TEMPLATE``), as a chat model's tokenizer ships.
+    """
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = _train_byte_level_bpe(texts, vocab_size, list(HF_SPECIAL_TOKENS.values()))
+    from megatron.core.datasets.sft_format import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE
+
+    specials = list(HF_SPECIAL_TOKENS.values()) + (list(CHATML_SPECIAL_TOKENS) if chat else [])
+    tokenizer = _train_byte_level_bpe(texts, vocab_size, specials)
     bos = HF_SPECIAL_TOKENS["bos_token"]
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
     )
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **HF_SPECIAL_TOKENS)
+    if chat:
+        wrapped.add_special_tokens({"additional_special_tokens": list(CHATML_SPECIAL_TOKENS)})
+        wrapped.chat_template = CHATML_TEMPLATE
     files = list(wrapped.save_pretrained(output_dir))
     return TrainedTokenizer("HuggingFaceTokenizer", {"tokenizer_model": output_dir}, files)
 
@@ -200,6 +210,7 @@ TRAINERS: Dict[str, Callable[[Iterable[str], int, str], TrainedTokenizer]] = {
     "wordpiece-cased": lambda t, v, o: train_wordpiece(t, v, o, lower_case=False),
     "tiktoken": train_tiktoken,
     "huggingface": train_huggingface,
+    "huggingface-chat": lambda t, v, o: train_huggingface(t, v, o, chat=True),
 }
 
 

@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron.core.context_parallel import cp_chunk_positions, gather_kv_over_cp
+from megatron.core.context_parallel import cp_chunk_positions, gather_kv_over_cp, packed_cp_indices
 from megatron.core.extensions.transformer_engine import is_te_linear
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.masks import build_attention_mask
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, Norm, RMSNorm, build_norm
+from megatron.core.transformer.packed_attention import packed_segments
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -95,6 +97,10 @@ class DotProductAttention(MegatronModule):
     all-gathered over CP into sequence order, and the causal mask and sliding window use the
     queries' global positions. A given ``attention_mask`` is then ``[b, 1, s/cp, s]`` (this
     rank's query rows, every key), as ``get_batch_on_this_cp_rank`` slices it.
+
+    ``packed_seq_params`` (``megatron.core.packed_seq_params``): the ``[t, 1, ., d]`` inputs are packed
+    sequences, each attending causally to itself only, computed segment by segment without a
+    ``[t, t]`` mask (``_packed``, ``packed_attention.packed_segments``).
     """
 
     def __init__(
@@ -123,8 +129,11 @@ class DotProductAttention(MegatronModule):
         value: torch.Tensor,
         attention_mask: Optional[torch.Tensor],
         attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         s, b, heads, _ = query.shape
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, attention_bias, packed_seq_params)
         causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if attention_bias is not None and self.cp_size > 1:
             raise NotImplementedError("DotProductAttention: attention_bias with context parallelism")
@@ -149,6 +158,46 @@ class DotProductAttention(MegatronModule):
                 k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # [b, heads, sk, d]
                 ctx = self._unfused(q, k, v, attention_mask, causal, dropout_p)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * ctx.shape[-1])  # [s, b, heads*dv]
+
+    def _packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        params: PackedSeqParams,
+    ) -> torch.Tensor:
+        """Packed row ``[t(/cp), 1, heads, d]``: each sequence attends causally to itself only
+        (``packed_attention.packed_segments``), without a ``[t, t]`` mask -> ``[t(/cp), 1, heads*dv]``."""
+        t, b, heads, _ = query.shape
+        if b != 1 or mask is not None or bias is not None:
+            raise NotImplementedError(
+                f"packed_seq_params: needs micro batch 1 (got {b}) and no attention_mask or attention_bias"
+            )
+        if self.attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise NotImplementedError(f"packed_seq_params with attn_mask_type={self.attn_mask_type.name}")
+        cu = params.layout_cu_seqlens().to(query.device)
+        positions = torch.arange(t, device=query.device)  # [t] packed-row position of each query
+        if self.cp_size > 1:
+            key = gather_kv_over_cp(key, self.cp_group, cu)  # [t, 1, g, d] the whole packed row
+            value = gather_kv_over_cp(value, self.cp_group, cu)
+            positions = packed_cp_indices(cu, self.cp_size, torch.distributed.get_rank(self.cp_group))  # [t/cp]
+        q = query.permute(1, 2, 0, 3)  # [1, heads, t(/cp), d]
+        k, v = (x.permute(1, 2, 0, 3) for x in (key, value))  # [1, g, t, d]
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        pieces = []
+        with _dropout_rng(dropout_p > 0, self.config.sequence_parallel):
+            for seg in packed_segments(positions, cu, self.config.window_size):
+                qs = q[:, :, seg.q_start : seg.q_end]  # [1, heads, q, d]
+                ks, vs = k[:, :, seg.k_start : seg.k_end], v[:, :, seg.k_start : seg.k_end]  # [1, g, k, d]
+                if self.use_sdpa:
+                    pieces.append(self._sdpa(qs, ks, vs, seg.mask, seg.mask is None, dropout_p))
+                else:
+                    ks, vs = repeat_kv(ks, heads), repeat_kv(vs, heads)  # [1, heads, k, d]
+                    pieces.append(self._unfused(qs, ks, vs, seg.mask, seg.mask is None, dropout_p))
+        ctx = torch.cat(pieces, dim=2)  # [1, heads, t(/cp), dv]
+        return ctx.permute(2, 0, 1, 3).reshape(t, b, heads * ctx.shape[-1])  # [t(/cp), 1, heads*dv]
 
     def _sdpa(
         self,
@@ -262,14 +311,18 @@ def run_core_attention(
     value: torch.Tensor,
     mask: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
+    packed_seq_params: Optional[PackedSeqParams] = None,
 ) -> torch.Tensor:
     """``attention.core_attention`` on ``[s, b, heads, d]`` inputs, recomputed in backward under selective
     recomputation (the bias, which carries a gradient, goes in as a checkpointed input)."""
+    packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
     if not (attention.recompute_core_attention and attention.training):
-        return attention.core_attention(query, key, value, mask, bias)
+        return attention.core_attention(query, key, value, mask, bias, **packed)
     if bias is None:
-        return checkpoint(lambda q, k, v: attention.core_attention(q, k, v, mask), False, query, key, value)
-    return checkpoint(lambda q, k, v, t: attention.core_attention(q, k, v, mask, t), False, query, key, value, bias)
+        return checkpoint(lambda q, k, v: attention.core_attention(q, k, v, mask, **packed), False, query, key, value)
+    return checkpoint(
+        lambda q, k, v, t: attention.core_attention(q, k, v, mask, t, **packed), False, query, key, value, bias
+    )
 
 
 @dataclass
@@ -408,8 +461,12 @@ class SelfAttention(MegatronModule):
         rotary_pos_emb: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s(/tp with SP), b, h]`` -> (output ``[s(/tp), b, h]``, output bias or None).
+
+        ``packed_seq_params``: the rows are packed sequences (``megatron.core.packed_seq_params``),
+        each attending to itself only; the rotary angles already follow each sequence's positions.
 
         ``attention_bias`` ``[1|b, heads/tp, s, s]`` is added to the scores (T5's relative position bias).
         ``inference_context`` (a ``megatron.core.inference.StaticInferenceContext``): this call's tokens
@@ -426,7 +483,9 @@ class SelfAttention(MegatronModule):
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
         if inference_context is not None:
             key, value, attention_mask = self._with_kv_cache(inference_context, key, value, attention_mask)
-        context = run_core_attention(self, query, key, value, attention_mask, attention_bias)  # [s, b, heads/tp*d]
+        context = run_core_attention(
+            self, query, key, value, attention_mask, attention_bias, packed_seq_params
+        )  # [s, b, heads/tp*d]
         return self.linear_proj(context)
 
     def _with_kv_cache(

@@ -137,6 +137,7 @@ class TransformerBlock(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
         reenter_quantization: bool = False,
+        packed_seq_params: Optional[Any] = None,
     ) -> torch.Tensor:
         """Layers ``start:end``. ``reenter_quantization``: enter the block's TE autocast again, for a
         chunk under full recomputation (recomputed during backward, outside the block's region; nested,
@@ -145,13 +146,15 @@ class TransformerBlock(MegatronModule):
             with self._quantization():
                 return self._run_layers(
                     hidden, start, end, attention_mask, rotary_pos_emb, context, context_mask, attention_bias,
-                    inference_context,
+                    inference_context, packed_seq_params=packed_seq_params,
                 )  # fmt: skip
         extra = {} if context is None else {"context": context, "context_mask": context_mask}
         if attention_bias is not None:
             extra["attention_bias"] = attention_bias
         if inference_context is not None:
             extra["inference_context"] = inference_context
+        if packed_seq_params is not None:
+            extra["packed_seq_params"] = packed_seq_params
         for layer in self.layers[start:end]:
             context = getattr(layer, "quantization_context", None)
             with context() if context is not None else contextlib.nullcontext():
@@ -178,6 +181,7 @@ class TransformerBlock(MegatronModule):
         context_mask: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
+        packed_seq_params: Optional[Any] = None,
     ) -> torch.Tensor:
         """``[s(/tp with SP), b, h]`` -> same shape.
 
@@ -185,7 +189,8 @@ class TransformerBlock(MegatronModule):
         mask (True = blocked) for layers with cross-attention. ``attention_bias`` ``[1|b, heads/tp, s, s]``
         is added to every layer's self-attention scores (T5's relative position bias, computed once).
         Under full recomputation both tensors enter the checkpoint as inputs, so their gradients flow.
-        ``inference_context`` (the KV cache, ``megatron.core.inference``) goes to every layer.
+        ``inference_context`` (the KV cache, ``megatron.core.inference``) and ``packed_seq_params``
+        (packed sequences, ``megatron.core.packed_seq_params``) go to every layer.
         """
         if not self.pre_process:
             hidden_states = self.input_tensor
@@ -202,8 +207,18 @@ class TransformerBlock(MegatronModule):
                 if self._recomputed(start):
                     hidden_states = checkpoint(
                         lambda h, c, a, s=start, e=end: self._run_layers(
-                            h, s, e, attention_mask, rotary_pos_emb, c, context_mask, a, inference_context, True
-                        ),
+                            h,
+                            s,
+                            e,
+                            attention_mask,
+                            rotary_pos_emb,
+                            c,
+                            context_mask,
+                            a,
+                            inference_context,
+                            True,
+                            packed_seq_params,
+                        ),  # fmt: skip
                         bool(self.config.distribute_saved_activations),
                         hidden_states,
                         context,
@@ -221,6 +236,7 @@ class TransformerBlock(MegatronModule):
                         context_mask,
                         attention_bias,
                         inference_context,
+                        packed_seq_params=packed_seq_params,
                     )
                 start = end
         if self.final_layernorm is not None:

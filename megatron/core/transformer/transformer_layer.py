@@ -153,8 +153,11 @@ class TransformerLayer(MegatronModule):
         context_mask: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
+        packed_seq_params: Optional[Any] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s(/tp with SP), b, h]`` -> (same shape, ``context``).
+
+        ``packed_seq_params`` (``megatron.core.packed_seq_params``): the rows are packed sequences.
 
         ``context`` (the encoder output ``[sk(/tp), b, h]``) and ``context_mask`` (True = blocked) feed
         the cross-attention of layers that have one; ``attention_bias`` is added to the self-attention
@@ -168,7 +171,9 @@ class TransformerLayer(MegatronModule):
             normed,
             attention_mask,
             rotary_pos_emb=rotary_pos_emb,
-            **_given(attention_bias=attention_bias, inference_context=inference_context),
+            **_given(
+                attention_bias=attention_bias, inference_context=inference_context, packed_seq_params=packed_seq_params
+            ),
         )
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, normed if post_ln_residual else hidden_states)
         if self.post_self_attn_layernorm is not None:

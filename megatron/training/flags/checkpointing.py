@@ -21,7 +21,12 @@ RECORDS = (
     Flag("non_persistent_local_ckpt_dir", no_op(reasons.UNDER_REFUSED)),
     Flag("non_persistent_local_ckpt_algo", no_op(reasons.UNDER_REFUSED)),
     Flag("finetune", IMPLEMENTED, fills=same(CK)),
-    Flag("pretrained_checkpoint", not_yet(None)),
+    Flag(
+        "pretrained_checkpoint",
+        IMPLEMENTED,
+        help="While --load holds no checkpoint, load the weights from here as --finetune does; then resume --load.",
+        fills=same(CK),
+    ),
     Flag("ckpt_step", IMPLEMENTED, type=int, fills=same(CK)),
     Flag(
         "use_checkpoint_args",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig as DS
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as GDS
 from megatron.core.datasets.masked_dataset import MaskedWordPieceDatasetConfig as MDS
+from megatron.core.datasets.sft_dataset import SFTDatasetConfig as SFT
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig as T5DS
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import blend, blend_per_split, create_attention_mask, split
@@ -14,6 +15,7 @@ from megatron.training.flags.record import (
     IMPLEMENTED,
     TAKEN,
     Flag,
+    ProjectFlag,
     always,
     at_least,
     between,
@@ -146,4 +148,36 @@ RECORDS = (
     Flag("tokenizer_hf_use_fast", not_yet(False)),
     Flag("tokenizer_hf_include_special_tokens", not_yet(False)),
     Flag("trust_remote_code", IMPLEMENTED),
+    # Supervised fine-tuning (Megatron-LM's newer --sft and --sft-tokenizer-prompt-format; not in the table).
+    Flag(
+        "sft",
+        IMPLEMENTED,
+        help="Supervised fine-tuning: --data-path files are JSON-lines conversations (SFTDataset), "
+        "packed rows, loss on assistant tokens only.",
+        project=ProjectFlag(group="data and dataloader", option_strings=("--sft",), default=False, action="storetrue"),
+    ),
+    Flag(
+        "sft_tokenizer_prompt_format",
+        IMPLEMENTED,
+        help="--sft: 'chat_template' (the tokenizer's own) or the built-in 'chatml'.",
+        fills=same(SFT),
+        project=ProjectFlag(
+            group="data and dataloader",
+            option_strings=("--sft-tokenizer-prompt-format",),
+            default="chat_template",
+            action="store",
+        ),
+    ),
+    Flag(
+        "sft_pack_sequences",
+        IMPLEMENTED,
+        help="--sft: one conversation per row, padded, instead of packing several per row.",
+        fills=same(SFT),
+        project=ProjectFlag(
+            group="data and dataloader",
+            option_strings=("--no-sft-pack-sequences",),
+            default=True,
+            action="storefalse",
+        ),
+    ),
 )

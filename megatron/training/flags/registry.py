@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Tuple
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.datasets.sft_dataset import SFTDatasetConfig
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -63,6 +64,7 @@ CONFIG_TARGETS: Tuple[type, ...] = (
     FlopsConfig,
     LanguageModelShape,
     GPTDatasetConfig,
+    SFTDatasetConfig,
     BERTMaskedWordPieceDatasetConfig,
     T5MaskedWordPieceDatasetConfig,
 )
@@ -207,6 +209,9 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
                 "context_parallel_size",
             )
         },  # fmt: skip
+    },
+    SFTDatasetConfig: {
+        "sft_pad_to_multiple_of": NotAFlag("pretrain_gpt.py --sft derives it: 2 x --context-parallel-size"),
     },
 }
 

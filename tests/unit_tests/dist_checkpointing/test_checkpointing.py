@@ -176,6 +176,19 @@ def _sharded_body(rank, world, tmp):
     assert load_checkpoint([model], opt, _scheduler(), CheckpointConfig(load=tmp, finetune=True)) == (0, {})
     assert opt.state == before
     assert_same_weights(saved, full_weights_by_key(model, groups))
+
+    # --pretrained-checkpoint: while --load holds nothing, its weights as --finetune; then --load wins.
+    empty = os.path.join(tmp, "not_yet_saved")
+    groups, model, opt = _setup(tp=2, seed=8)
+    before = dict(opt.state)
+    pretrained = CheckpointConfig(load=empty, pretrained_checkpoint=tmp)
+    assert load_checkpoint([model], opt, _scheduler(), pretrained) == (0, {})
+    assert opt.state == before
+    assert_same_weights(saved, full_weights_by_key(model, groups))
+    resumed = CheckpointConfig(load=tmp, pretrained_checkpoint=empty)
+    assert load_checkpoint([model], opt, _scheduler(), resumed) == (10, TRAIN_STATE)
+    with pytest.raises(CheckpointingError, match=r"--pretrained-checkpoint .*not_yet_saved"):
+        load_checkpoint([model], opt, _scheduler(), CheckpointConfig(load=empty, pretrained_checkpoint=empty))
     _crash_body(rank, tmp, cfg, saved)
     return True
 

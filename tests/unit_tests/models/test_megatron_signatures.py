@@ -38,7 +38,7 @@ def _forward_body(rank, world_size):
     tokens = torch.randint(0, 64, (2, 8))
     with pytest.raises(TypeError, match="not_an_argument"):
         model(tokens, not_an_argument=1)
-    with pytest.raises(NotImplementedError, match="not supported yet: inference_params=.*, packed_seq_params="):
+    with pytest.raises(NotImplementedError, match="not supported yet: inference_params="):
         model(tokens, packed_seq_params=object(), inference_params=object())
     with pytest.raises(NotImplementedError, match="extra_block_kwargs"):
         model(tokens, extra_block_kwargs={"context": None})

@@ -7,12 +7,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron.core.context_parallel import cp_chunk_positions
+from megatron.core.context_parallel import cp_chunk_positions, packed_cp_indices
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.models.common.language_module import LanguageModule
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.packed_seq_params import PackedSeqParams, packed_position_ids
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -213,8 +214,13 @@ class GPTModel(LanguageModule):
         it). ``loss_mask`` ``[b, s]`` is used only by multi-token prediction (``mtp_num_layers``), as in Megatron:
         its losses count the shifted mask's tokens; the main loss is returned per token and the loss
         function applies the mask. ``inference_params`` (megatron-core's deprecated name of
-        ``inference_context``), ``packed_seq_params``, ``extra_block_kwargs`` and ``padding_mask`` raise
+        ``inference_context``), ``extra_block_kwargs`` and ``padding_mask`` raise
         ``NotImplementedError`` unless None.
+
+        ``packed_seq_params`` (``megatron.core.packed_seq_params.PackedSeqParams``, THD): ``input_ids``
+        ``[1, t(/cp)]`` are sequences packed end to end (under CP, this rank's ``packed_cp_indices``);
+        each attends to itself only and, without ``position_ids``, positions restart at every sequence
+        start (rotary angles and learned positions alike). No ``attention_mask``.
 
         ``inference_context`` (``megatron.core.inference.StaticInferenceContext``) makes this call the
         positions from the context's ``sequence_len_offset`` on: attention caches their keys and
@@ -225,7 +231,6 @@ class GPTModel(LanguageModule):
         refuse_unimplemented(
             "GPTModel.forward",
             inference_params=(inference_params, None),
-            packed_seq_params=(packed_seq_params, None),
             extra_block_kwargs=(extra_block_kwargs or None, None),
             padding_mask=(None if padding_mask is None else "a tensor", None),  # Megatron: MoE routing only
         )
@@ -235,12 +240,18 @@ class GPTModel(LanguageModule):
             )
         if inference_context is not None and position_ids is None and input_ids is not None:
             position_ids = inference_context.query_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
+        packed = {}
+        if packed_seq_params is not None and inference_context is not None:
+            raise NotImplementedError("GPTModel.forward: packed_seq_params with an inference_context")
+        if packed_seq_params is not None:
+            position_ids = self._check_packed(packed_seq_params, input_ids, attention_mask, position_ids, labels)
+            packed = {"packed_seq_params": packed_seq_params}
         if decoder_input is None and self.pre_process:
             decoder_input = self._embed(input_ids, position_ids)  # [s/cp(/tp), b, h]
         local = input_ids.shape[1] if input_ids is not None else decoder_input.shape[0]
-        rotary = self._rotary(local, inference_context)
+        rotary = self._rotary(local, inference_context, packed_seq_params, position_ids)
         hidden = self.decoder(
-            decoder_input, attention_mask, rotary_pos_emb=rotary, inference_context=inference_context
+            decoder_input, attention_mask, rotary_pos_emb=rotary, inference_context=inference_context, **packed
         )  # [s(/tp), b, h]
         if not self.post_process:
             return hidden
@@ -293,14 +304,55 @@ class GPTModel(LanguageModule):
             position_ids = self._cp_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
         return self.embedding(input_ids, position_ids)
 
-    def _rotary(self, local: int, inference_context: Optional[Any]) -> Optional[torch.Tensor]:
+    def _check_packed(
+        self,
+        params: PackedSeqParams,
+        input_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Refuse what packed rows do not combine with; the position ids ``[1, t(/cp)]`` (given, or each
+        token's position within its sequence)."""
+        if attention_mask is not None or (self.mtp is not None and labels is not None):
+            raise NotImplementedError("GPTModel.forward: packed_seq_params with an attention_mask or with MTP")
+        if self.config.multi_latent_attention:
+            raise NotImplementedError(
+                "GPTModel.forward: packed_seq_params with multi-latent attention: not supported yet"
+            )
+        cu = params.layout_cu_seqlens()
+        total = int(cu[-1])
+        if input_ids is not None and tuple(input_ids.shape) != (1, total // self.cp_size):
+            raise ValueError(
+                f"GPTModel.forward: packed input_ids have shape {tuple(input_ids.shape)}, expected "
+                f"(1, cu_seqlens[-1] / cp) = (1, {total // self.cp_size})"
+            )
+        if position_ids is not None:
+            return position_ids
+        device = input_ids.device if input_ids is not None else cu.device
+        held = torch.arange(total, device=device)  # [t] packed-row indices
+        if self.cp_size > 1:
+            held = packed_cp_indices(cu, self.cp_size, self.pg_collection.rank_in("cp")).to(device)  # [t/cp]
+        return packed_position_ids(cu, held)[None]  # [1, t(/cp)]
+
+    def _rotary(
+        self,
+        local: int,
+        inference_context: Optional[Any],
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
         """RoPE angles ``[s(/cp), 1, 1, dim]`` of this call's ``local`` positions (None without RoPE).
 
         With a KV cache the positions start at the context's ``sequence_len_offset``; under context
-        parallelism angles are computed for the whole sequence and sliced to this rank's chunks.
+        parallelism angles are computed for the whole sequence and sliced to this rank's chunks. A packed
+        row takes the angles of its ``position_ids`` ``[1, t(/cp)]`` (positions within each sequence).
         """
         if self.rotary_pos_emb is None:
             return None
+        if packed_seq_params is not None:
+            angles = self.rotary_pos_emb(int(position_ids.max()) + 1)  # [longest, 1, 1, dim]
+            return angles.index_select(0, position_ids[0].to(angles.device))  # [t(/cp), 1, 1, dim]
         if inference_context is not None:
             return self.rotary_pos_emb(local, offset=inference_context.sequence_len_offset)  # [s, 1, 1, dim]
         rotary = self.rotary_pos_emb(local * self.cp_size)  # [s, 1, 1, dim], the whole sequence

@@ -1,0 +1,103 @@
+"""OpenAI's ``POST /v1/chat/completions`` (non-streaming): messages in, the assistant's reply out.
+
+The prompt is the conversation formatted exactly as fine-tuning formatted it
+(``megatron.core.datasets.sft_format``): the tokenizer's chat template when it has one, else the
+built-in ChatML, followed by the assistant turn's opening. Generation stops at the end-of-document
+token or at ChatML's ``<|im_end|>`` (token or text), which is not shown.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List, Sequence
+
+from megatron.core.datasets.sft_format import (
+    CHATML_SPECIAL_TOKENS,
+    conversation_messages,
+    default_prompt_format,
+    generation_prompt_ids,
+    hf_tokenizer,
+)
+from tools.text_generation.responses import DecodedResult
+from tools.text_generation.validation import (
+    MAX_SEED,
+    GenerationRequest,
+    PromptContext,
+    RequestError,
+    check_encodable,
+    check_fields,
+    check_lengths,
+    get_bool,
+    get_float,
+    get_int,
+    get_stop,
+    short,
+    stop_token_ids,
+)
+
+CHAT_FIELDS = ("messages", "max_tokens", "temperature", "top_p", "stop", "seed", "model", "n", "stream")
+END_OF_TURN = CHATML_SPECIAL_TOKENS[1]
+
+
+def end_of_turn_ids(tokenizer: Any) -> List[int]:
+    """The id of ``<|im_end|>`` when the tokenizer has it as one token."""
+    hf = hf_tokenizer(tokenizer)
+    convert = getattr(hf, "convert_tokens_to_ids", None)
+    token = convert(END_OF_TURN) if convert is not None else None
+    return [token] if isinstance(token, int) and token != getattr(hf, "unk_token_id", None) else []
+
+
+def parse_chat_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
+    """The chat body (OpenAI's defaults: temperature 1, top_p 1; ``max_tokens`` 16 here as for completions)."""
+    body = check_fields(body, CHAT_FIELDS, ["messages"])
+    get_int(body, "n", 1, 1, 1)  # one reply only
+    if get_bool(body, "stream"):
+        raise RequestError("stream=true is not supported yet: the whole reply is answered at once")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError(f"model must be a string, got {short(body['model'])}")
+    try:
+        messages = conversation_messages({"messages": body["messages"]}, need_assistant=False)
+    except ValueError as err:
+        raise RequestError(f"messages: {err}, got {short(body['messages'])}") from None
+    for i, m in enumerate(messages):
+        check_encodable(m["content"], f"message {i}")
+    ids = generation_prompt_ids(ctx.tokenizer, messages, default_prompt_format(ctx.tokenizer))
+    tokens = get_int(body, "max_tokens", 16, 1)
+    check_lengths([ids], tokens, ctx)
+    top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise RequestError("top_p must be above 0 (1 keeps every token)")
+    sampling = dict(
+        temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_k=0,
+        top_p=0.0 if top_p == 1.0 else top_p,
+        num_tokens_to_generate=tokens,
+        return_log_probs=False,
+        seed=get_int(body, "seed", None, 0, MAX_SEED),
+        stop_token_ids=stop_token_ids(ctx) + end_of_turn_ids(ctx.tokenizer),
+    )
+    return GenerationRequest([ids], sampling, get_stop(body) + [END_OF_TURN])
+
+
+def chat_answer(decoded: Sequence[DecodedResult], request: GenerationRequest, model_name: str) -> Dict[str, Any]:
+    """OpenAI's ``chat.completion`` object: the assistant's message."""
+    (d,) = decoded
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": d.generated_text},
+                "finish_reason": d.finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(d.prompt_tokens),
+            "completion_tokens": len(d.generated_tokens),
+            "total_tokens": len(d.prompt_tokens) + len(d.generated_tokens),
+        },
+    }
