@@ -19,13 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+from megatron.core.tokenizers.chatml import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE  # noqa: F401 - re-exported
+
 PROMPT_FORMATS = ("chat_template", "chatml")
 ROLES = ("system", "user", "assistant")
-CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 Messages = List[Dict[str, str]]
 

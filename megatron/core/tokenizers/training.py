@@ -132,12 +132,12 @@ def train_huggingface(texts: Iterable[str], vocab_size: int, output_dir: str, ch
     """Writes a ``transformers`` tokenizer directory (byte-level BPE, ``<s>`` before each text).
 
     ``chat``: with ChatML's ``<|im_start|>`` / ``<|im_end|>`` special tokens and chat template
-    (``megatron.core.datasets.sft_format.CHATML_TEMPLATE``), as a chat model's tokenizer ships.
+    (``megatron.core.tokenizers.chatml.CHATML_TEMPLATE``), as a chat model's tokenizer ships.
     """
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    from megatron.core.datasets.sft_format import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE
+    from megatron.core.tokenizers.chatml import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE
 
     specials = list(HF_SPECIAL_TOKENS.values()) + (list(CHATML_SPECIAL_TOKENS) if chat else [])
     tokenizer = _train_byte_level_bpe(texts, vocab_size, specials)
