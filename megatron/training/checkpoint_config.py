@@ -9,7 +9,16 @@ from megatron.core.dist_checkpointing.validation import parse_strictness
 
 SUPPORTED_FORMATS = ("torch_dist", "torch")
 _MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
-_FLAGS = ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint")
+_FLAGS = (
+    "no_save_optim",
+    "no_save_rng",
+    "no_load_optim",
+    "no_load_rng",
+    "finetune",
+    "exit_on_missing_checkpoint",
+    "async_save",
+    "use_persistent_ckpt_worker",
+)
 
 
 @dataclass
@@ -30,6 +39,9 @@ class CheckpointConfig:
             not share (``--dist-ckpt-strictness``; see ``dist_checkpointing/validation.py``).
         verify_checkpoint: check every file against the checksums in ``metadata.json`` on load
             (``--no-verify-checkpoint`` turns it off).
+        async_save: the training thread only snapshots the tensors; a background writer writes them
+            and the tracker follows once every rank's files are durable (``--async-save``).
+        use_persistent_ckpt_worker: one writer thread for the whole run instead of one per save.
     """
 
     save: Optional[str] = None
@@ -45,6 +57,8 @@ class CheckpointConfig:
     ckpt_step: Optional[int] = None
     dist_ckpt_strictness: str = "assume_ok_unexpected"
     verify_checkpoint: bool = True
+    async_save: bool = False
+    use_persistent_ckpt_worker: bool = False
 
     def __post_init__(self) -> None:
         parse_strictness(self.dist_ckpt_strictness)
@@ -63,6 +77,10 @@ class CheckpointConfig:
             )
         if self.ckpt_format not in SUPPORTED_FORMATS:
             raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {SUPPORTED_FORMATS}")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ValueError(
+                f"async_save=True with ckpt_format={self.ckpt_format!r}: --async-save needs --ckpt-format torch_dist"
+            )
         for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, checksums, plain_data
 from megatron.core.dist_checkpointing.agreement import agree_on_error
+from megatron.core.dist_checkpointing.async_save import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
@@ -143,15 +144,21 @@ def save_checkpoint(
     args_dict: Dict[str, Any],
     pg_collection: Optional[ProcessGroupCollection] = None,
     rng_tracker: Optional[CudaRNGStatesTracker] = None,
+    async_queue: Optional[AsyncCallsQueue] = None,
 ) -> str:
     """Write ``SAVE/iter_{iteration:07d}`` on every rank, then point the tracker at it; returns the dir.
 
     Collective over the world. ``train_state`` (consumed samples, FLOPs so far, ...) and
     ``args_dict`` must be plain data (see ``args_to_plain_data``). ``rng_tracker`` is the run's
     model-parallel RNG tracker (the training loop passes its own; None: ``get_cuda_rng_tracker()``).
+    With ``async_queue`` (``--async-save``, torch_dist only) the tensors are snapshotted and written
+    by its background writer; ``metadata.json`` and the tracker follow when the queue finalizes the
+    request, after every rank's files are durable (``async_save.py``).
     """
     if ckpt_config.save is None:
         raise ValueError("save_checkpoint needs CheckpointConfig.save (--save)")
+    if async_queue is not None and ckpt_config.ckpt_format != "torch_dist":
+        raise CheckpointingError(f"an asynchronous save needs --ckpt-format torch_dist, not {ckpt_config.ckpt_format}")
     _require_plain("train_state", train_state)
     _require_plain("args_dict", args_dict)
     for chunk in model_chunks:  # --overlap-param-gather leaves gathers running after the step
@@ -170,22 +177,45 @@ def save_checkpoint(
     }
     _require_plain("opt_param_scheduler.state_dict()", common["opt_param_scheduler"])
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
-    saver = _save_sharded if ckpt_config.ckpt_format == "torch_dist" else _save_legacy
     rng_state = None if ckpt_config.no_save_rng else collect_rng_state(rng_tracker or get_cuda_rng_tracker())
     started = time.time()
     run_report.report(run_report.saving_line(iteration, ckpt_config.save, ckpt_config.ckpt_format))
-    try:
+
+    def write() -> Optional[dc.StagedSave]:
         _agreed_write(lambda: _start_directory(iter_dir), iter_dir)
-        saver(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
+        if ckpt_config.ckpt_format != "torch_dist":
+            return _save_legacy(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
+        staged = _save_sharded(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
+        if async_queue is None:
+            staged.write()
+            staged.finalize()
+        return staged
+
+    def publish() -> None:  # after every rank's files: the tracker names the new checkpoint
+        _agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
+        seconds = time.time() - started
+        run_report.report(run_report.saved_line(iteration, ckpt_config.save, _position(groups), seconds))
+
+    staged = _naming_failures(write, iter_dir, ckpt_config.save)
+    if async_queue is None:
         dist.barrier()
-    except CheckpointingError as e:
-        raise CheckpointingError(f"{e}; {_tracker_note(ckpt_config.save)}") from e
-    except WRITE_FAILURES as e:
-        raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(ckpt_config.save)}") from e
-    _agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
-    seconds = time.time() - started
-    run_report.report(run_report.saved_line(iteration, ckpt_config.save, _position(groups), seconds))
+        publish()
+        return iter_dir
+    blocked = time.time() - started
+    run_report.report(run_report.save_scheduled_line(iteration, blocked))
+    finalize = [lambda: _naming_failures(staged.finalize, iter_dir, ckpt_config.save), publish]
+    async_queue.schedule_async_request(AsyncRequest(staged.write, finalize))
     return iter_dir
+
+
+def _naming_failures(step: Callable[[], Any], iter_dir: str, root: str) -> Any:
+    """``step()``; a failed write raises on every rank, naming its cause and the checkpoint the tracker keeps."""
+    try:
+        return step()
+    except CheckpointingError as e:
+        raise CheckpointingError(f"{e}; {_tracker_note(root)}") from e
+    except WRITE_FAILURES as e:
+        raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(root)}") from e
 
 
 def _position(groups: ProcessGroupCollection) -> Tuple[int, int, int, int]:
@@ -246,17 +276,32 @@ def _save_sharded(
     groups: ProcessGroupCollection,
     common: Dict[str, Any],
     rng_state: Optional[Dict[str, Any]],
-) -> None:
+) -> dc.StagedSave:
+    """Planned (collective) and snapshotted: ``write()`` then ``finalize()`` make the checkpoint complete."""
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     common["optimizer"] = None
     if optimizer is not None:
-        specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
-        per_param, scalars = dc.split_optimizer_state(optimizer.state_dict_by_param_name(model_chunks), specs)
-        sharded.update(dc.optimizer_sharded_state_dict(per_param, specs))
+        pieces, scalars = _optimizer_pieces(model_chunks, optimizer, groups)
+        sharded.update(pieces)
         common["optimizer"] = plain_data.encode(scalars, "optimizer")
     _agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
-    dc.save(sharded, iter_dir)  # DCP files, checksums, then metadata.json last
+    staged = dc.save(sharded, iter_dir, async_sharded_save=True)  # snapshot: written by the caller's writer
     drop_fp8_checkpoint_values(model_chunks)
+    return staged
+
+
+def _optimizer_pieces(
+    model_chunks: Sequence[torch.nn.Module], optimizer: Any, groups: ProcessGroupCollection
+) -> Tuple[dc.ShardedStateDict, Dict[str, Any]]:
+    """The optimizer state as checkpoint pieces, and its scalars. The distributed optimizer's DP ranks each
+    give their own slices (no gather: every rank writes 1/DP); the others give whole per-parameter tensors."""
+    if hasattr(optimizer, "sharded_state_to_save"):
+        return optimizer.sharded_state_to_save(
+            model_chunks, dc.sharded_tensors_by_param_name(model_chunks, groups, dp_replicas=False)
+        )
+    specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
+    per_param, scalars = dc.split_optimizer_state(optimizer.state_dict_by_param_name(model_chunks), specs)
+    return dc.optimizer_sharded_state_dict(per_param, specs), scalars
 
 
 def _write_common_and_rng(iter_dir: str, common: Dict[str, Any], rng_state: Optional[Dict[str, Any]]) -> None:

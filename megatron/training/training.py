@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.async_save import AsyncCallsQueue
 from megatron.core.distributed import NonFiniteGradientError
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
@@ -157,6 +158,7 @@ class Loop:
     timers: Timers
     train_iters: int = 0  # --train-iters, or what --train-samples takes (computed once)
     process_non_loss_data_func: Optional[Callable] = None  # pretrain()'s: (collected, iteration, writer)
+    async_queue: Optional[AsyncCallsQueue] = None  # --async-save: the background checkpoint writer
 
     @property
     def groups(self) -> ProcessGroupCollection:
@@ -281,6 +283,7 @@ def _save(loop: Loop) -> None:
             args_dict=args_to_plain_data(args),
             pg_collection=loop.groups,
             rng_tracker=loop.rng_tracker,
+            async_queue=loop.async_queue,
         )
 
 
@@ -371,6 +374,8 @@ def train(loop: Loop) -> Optional[str]:
             state.consumed_train_samples += batch
             state.floating_point_operations_so_far += num_floating_point_operations(flops_config_from_args(args), batch)
             _log_iteration(loop, losses, skipped, grad_norm, num_zeros, (time.time() - t0) * 1000.0)
+            if loop.async_queue is not None:  # publish saves whose files every rank has written
+                loop.async_queue.maybe_finalize_async_calls(blocking=False)
             if args.eval_interval and state.iteration % args.eval_interval == 0 and not args.skip_train:
                 _evaluate_and_log(loop, "validation", loop.data.valid)
             saved = False
@@ -455,6 +460,8 @@ def _build_loop(
         logger = TrainingLogger(logging_config_from_args(args), dist.get_rank(), dist.get_world_size())
     loop = Loop(args, run, forward_step_func, built, data, state, logger, timers)
     loop.train_iters = total_train_iters(args)
+    if args.save and args.async_save:
+        loop.async_queue = AsyncCallsQueue(persistent=bool(args.use_persistent_ckpt_worker))
     return loop
 
 
@@ -468,6 +475,8 @@ def _run_loop(loop: Loop) -> None:
             saved_now = args.save_interval and state.iteration % args.save_interval == 0
             if reason is None and args.save and not saved_now:
                 _save(loop)
+        if loop.async_queue is not None:  # exit waits for the running save and publishes it
+            loop.async_queue.close()
         if reason is None:
             _evaluate_and_log(loop, "validation", loop.data.valid, final=True)
             _evaluate_and_log(loop, "test", loop.data.test, final=True)
