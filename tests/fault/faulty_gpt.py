@@ -5,6 +5,11 @@ Usage: python faulty_gpt.py <fault> <argument> <Megatron flags...>
 - ``kill-at-save N``: SIGKILL itself in the middle of its N-th checkpoint save, after every rank
   wrote its shard files and before ``metadata.json`` marks the directory complete (the moment a
   power cut or an OOM killer hurts most).
+- ``kill-writer N``: rank 1's background writer (``--async-save``) kills the process in the N-th save,
+  after its shard files and before their checksums (the writer dies mid-save).
+- ``kill-before-publish N``: rank 0 is killed as the N-th asynchronous save starts its finalization (every
+  rank's files written, nothing published).
+- ``kill-before-tracker N``: rank 0 is killed in the N-th save after ``metadata.json``, before the tracker.
 - ``file-size-limit BYTES``: no file this process writes may grow past BYTES (``RLIMIT_FSIZE``,
   SIGXFSZ ignored, so writes fail with EFBIG as on a full disk).
 """
@@ -14,6 +19,7 @@ import resource
 import runpy
 import signal
 import sys
+import threading
 
 from megatron.core.dist_checkpointing import serialization
 
@@ -32,12 +38,49 @@ def kill_at_save(target: int) -> None:
     serialization.write_json_atomic = write_or_die
 
 
+def _kill_on_call(owner, name: str, target: int, rank: int, writer_thread: bool = False) -> None:
+    """Replace ``owner.name`` with a wrapper that SIGKILLs this process at its ``target``-th call on ``rank``
+    (with ``writer_thread``, counting only calls from a thread other than the main one)."""
+    original, seen = getattr(owner, name), {"n": 0}
+
+    def call_or_die(*args, **kwargs):
+        if not writer_thread or threading.current_thread() is not threading.main_thread():
+            seen["n"] += 1
+        if seen["n"] == target and int(os.environ.get("RANK", "0")) == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, call_or_die)
+
+
+def kill_writer(target: int) -> None:
+    from megatron.core.dist_checkpointing import checksums
+
+    _kill_on_call(checksums, "hash_files", target, rank=1, writer_thread=True)
+
+
+def kill_before_publish(target: int) -> None:
+    _kill_on_call(serialization.StagedSave, "finalize", target, rank=0)
+
+
+def kill_before_tracker(target: int) -> None:
+    from megatron.training import checkpointing
+
+    _kill_on_call(checkpointing, "update_tracker", target, rank=0)
+
+
 def file_size_limit(nbytes: int) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
-FAULTS = {"kill-at-save": kill_at_save, "file-size-limit": file_size_limit}
+FAULTS = {
+    "kill-at-save": kill_at_save,
+    "kill-writer": kill_writer,
+    "kill-before-publish": kill_before_publish,
+    "kill-before-tracker": kill_before_tracker,
+    "file-size-limit": file_size_limit,
+}
 
 
 def main() -> None:

@@ -37,10 +37,10 @@ def _state(rank: int) -> Dict[str, ShardedTensor]:
     }
 
 
-def checkpoint_content(directory: str) -> Dict[str, object]:
+def checkpoint_content(directory: str, unequal: tuple = ()) -> Dict[str, object]:
     """Every file's bytes, except that DCP's ``.metadata`` is compared without its ``storage_meta`` (the
     directory's path and a random save id, different for any two saves) and ``metadata.json`` without
-    the checksum of ``.metadata``."""
+    the checksums of ``.metadata`` and of the files named in ``unequal``."""
     out: Dict[str, object] = {}
     for folder, _, names in os.walk(directory):
         for name in names:
@@ -50,7 +50,8 @@ def checkpoint_content(directory: str) -> Dict[str, object]:
     metadata = read_metadata(directory)
     out[".metadata"] = (metadata.state_dict_metadata, metadata.storage_data, metadata.planner_data)
     table = json.loads(out[METADATA_FILE])
-    del table["checksums"]["files"][".metadata"]
+    for name in (".metadata", *unequal):
+        del table["checksums"]["files"][name]
     out[METADATA_FILE] = table
     return out
 
