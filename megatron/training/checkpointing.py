@@ -39,7 +39,7 @@ from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, checksums, plain_data
 from megatron.core.dist_checkpointing.agreement import agree_on_error
 from megatron.core.dist_checkpointing.async_save import AsyncCallsQueue, AsyncRequest
-from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
+from megatron.core.dist_checkpointing.serialization import read_json, stage_save, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpoint_values
@@ -181,11 +181,17 @@ def save_checkpoint(
     started = time.time()
     run_report.report(run_report.saving_line(iteration, ckpt_config.save, ckpt_config.ckpt_format))
 
+    if async_queue is not None and async_queue.get_num_unfinalized_calls():
+        logger.warning("checkpoint %d: the previous save is still being written; waiting for it", iteration)
+        async_queue.maybe_finalize_async_calls(blocking=True)  # its snapshot buffers are reused now
+    staging = None if async_queue is None else async_queue.staging_buffers
+    optim = optimizer if save_optim else None
+
     def write() -> Optional[dc.StagedSave]:
         _agreed_write(lambda: _start_directory(iter_dir), iter_dir)
         if ckpt_config.ckpt_format != "torch_dist":
-            return _save_legacy(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
-        staged = _save_sharded(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
+            return _save_legacy(iter_dir, model_chunks, optim, groups, common, rng_state)
+        staged = _save_sharded(iter_dir, model_chunks, optim, groups, common, rng_state, staging)
         if async_queue is None:
             staged.write()
             staged.finalize()
@@ -203,8 +209,16 @@ def save_checkpoint(
         return iter_dir
     blocked = time.time() - started
     run_report.report(run_report.save_scheduled_line(iteration, blocked))
+
+    def write_in_background() -> None:  # no collective: a failure is agreed on by the finalization
+        try:
+            _write_common_and_rng(iter_dir, common, rng_state)
+        except WRITE_FAILURES as e:
+            raise CheckpointingError(describe_write_failure(e, iter_dir)) from e
+        staged.write()
+
     finalize = [lambda: _naming_failures(staged.finalize, iter_dir, ckpt_config.save), publish]
-    async_queue.schedule_async_request(AsyncRequest(staged.write, finalize))
+    async_queue.schedule_async_request(AsyncRequest(write_in_background, finalize))
     return iter_dir
 
 
@@ -276,16 +290,22 @@ def _save_sharded(
     groups: ProcessGroupCollection,
     common: Dict[str, Any],
     rng_state: Optional[Dict[str, Any]],
+    staging: Optional[Dict[Any, torch.Tensor]] = None,
 ) -> dc.StagedSave:
-    """Planned (collective) and snapshotted: ``write()`` then ``finalize()`` make the checkpoint complete."""
+    """Planned (collective): ``write()`` then ``finalize()`` make the checkpoint complete.
+
+    ``staging`` (an asynchronous save): the tensors are snapshotted into these reused host buffers, and
+    ``common.json`` and the RNG files are left to the background writer.
+    """
     sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
     common["optimizer"] = None
     if optimizer is not None:
         pieces, scalars = _optimizer_pieces(model_chunks, optimizer, groups)
         sharded.update(pieces)
         common["optimizer"] = plain_data.encode(scalars, "optimizer")
-    _agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
-    staged = dc.save(sharded, iter_dir, async_sharded_save=True)  # snapshot: written by the caller's writer
+    if staging is None:
+        _agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
+    staged = stage_save(sharded, iter_dir, snapshot=staging is not None, buffers=staging)
     drop_fp8_checkpoint_values(model_chunks)
     return staged
 

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,8 @@ class AsyncCallsQueue:
         self._next_idx = 0
         self._jobs: Optional[queue.Queue] = None
         self._worker: Optional[threading.Thread] = None
+        self.staging_buffers: Dict[Any, torch.Tensor] = {}
+        """Host copies reused by the snapshots of successive saves (``serialization.stage_save``)."""
 
     def schedule_async_request(self, request: AsyncRequest) -> int:
         """Start ``request.write`` in the background; returns its call index.

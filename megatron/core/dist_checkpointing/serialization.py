@@ -108,11 +108,14 @@ def stage_save(
     checkpoint_dir: str,
     snapshot: bool,
     process_group: Optional[dist.ProcessGroup] = None,
+    buffers: Optional[Dict[Any, torch.Tensor]] = None,
 ) -> StagedSave:
     """Collective: side files, the directory and DCP's plan of who writes what; nothing of the tensors yet.
 
     ``snapshot``: the tensors are copied to host memory now (pinned from a GPU), so training may change
-    them while ``StagedSave.write`` runs in the background; the bytes written are the same.
+    them while ``StagedSave.write`` runs in the background; the bytes written are the same. ``buffers``
+    keeps the host copies for the next snapshot (same key, offset, shape and dtype: no new allocation);
+    the caller must not snapshot again before this save's ``write`` has finished.
     """
     parts = nested.split(sharded_state_dict)
     _check_values(parts.tensors)
@@ -131,14 +134,20 @@ def stage_save(
     except WRITE_FAILURES as e:
         error = describe_write_failure(e, checkpoint_dir)
     agree_on_error(error, process_group)
-    tensors = {k: _snapshot(v) for k, v in parts.tensors.items()} if snapshot else parts.tensors
+    tensors = {k: _snapshot(v, buffers) for k, v in parts.tensors.items()} if snapshot else parts.tensors
     return StagedSave(tensors, checkpoint_dir, process_group)
 
 
-def _snapshot(spec: ShardedTensor) -> ShardedTensor:
-    """``spec`` over a host copy of its data (pinned when the data is on a GPU: the copy is asynchronous)."""
-    data = spec.data.detach()
-    copy = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)  # [local shape] host
+def _snapshot(spec: ShardedTensor, buffers: Optional[Dict[Any, torch.Tensor]] = None) -> ShardedTensor:
+    """``spec`` over a host copy of its data (pinned when the data is on a GPU: the copy is asynchronous),
+    in ``buffers``' copy of the same piece when it has one (freshly allocated memory costs a page fault per
+    page on the first write, about as much as the copy itself)."""
+    data, slot = spec.data.detach(), (spec.key, spec.global_offset)
+    copy = None if buffers is None else buffers.get(slot)
+    if copy is None or copy.shape != data.shape or copy.dtype != data.dtype:
+        copy = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)  # [local shape] host
+        if buffers is not None:
+            buffers[slot] = copy
     copy.copy_(data, non_blocking=data.is_cuda)
     return ShardedTensor(spec.key, copy, spec.global_shape, spec.global_offset, spec.replica_id, spec.data_shape)
 
