@@ -78,13 +78,13 @@ def _build(hidden: int, layers: int, vocab: int):
 
 def _body(rank: int, world: int, tmp: str, hidden: int, layers: int, vocab: int) -> Dict[str, float]:
     from megatron.core.dist_checkpointing.serialization import _snapshot
-    from megatron.training.checkpointing import _optimizer_pieces
+    from megatron.training.checkpoint_formats.torch_dist import optimizer_pieces
 
     groups, ddp, opt = _build(hidden, layers, vocab)
     out: Dict[str, float] = {"dp_rank": groups.rank_in("dp")}
-    out["ours_mib"] = peak_rss_growth(lambda: _optimizer_pieces([ddp], opt, groups))
+    out["ours_mib"] = peak_rss_growth(lambda: optimizer_pieces([ddp], opt, groups))
     out["ours_async_mib"] = peak_rss_growth(
-        lambda: [_snapshot(p) for p in _optimizer_pieces([ddp], opt, groups)[0].values()]
+        lambda: [_snapshot(p) for p in optimizer_pieces([ddp], opt, groups)[0].values()]
     )
     out["gather_mib"] = peak_rss_growth(lambda: opt.state_dict_by_param_name([ddp]))
     torch.distributed.barrier()

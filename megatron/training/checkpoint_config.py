@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.core.dist_checkpointing.validation import parse_strictness
+from megatron.training.checkpoint_formats.base import TORCH_DIST
+from megatron.training.checkpoint_formats.registry import format_names, get_format
 
-SUPPORTED_FORMATS = ("torch_dist", "torch")
 _MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
 _FLAGS = (
     "no_save_optim",
@@ -32,7 +33,8 @@ class CheckpointConfig:
         no_save_optim / no_save_rng: leave optimizer / RNG state out of saves.
         no_load_optim / no_load_rng: ignore optimizer (and scheduler) / RNG state on load.
         finetune: load the model only and start at iteration 0 with a fresh train state.
-        ckpt_format: ``torch_dist`` (sharded, any layout) or ``torch`` (legacy, per TP/PP rank).
+        ckpt_format: a registered ``checkpoint_formats`` name: ``torch_dist`` (sharded, any layout) or
+            ``torch`` (legacy, per TP/PP rank).
         exit_on_missing_checkpoint: a ``load`` without a checkpoint is an error, not a fresh start.
         ckpt_step: load this iteration instead of the tracker's (``--ckpt-step``).
         dist_ckpt_strictness: what a torch_dist load does with keys the model and the checkpoint do
@@ -52,7 +54,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
-    ckpt_format: str = "torch_dist"
+    ckpt_format: str = TORCH_DIST
     exit_on_missing_checkpoint: bool = False
     ckpt_step: Optional[int] = None
     dist_ckpt_strictness: str = "assume_ok_unexpected"
@@ -73,13 +75,14 @@ class CheckpointConfig:
         if self.ckpt_format in _MEGATRON_ONLY_FORMATS:
             raise ValueError(
                 f"ckpt_format={self.ckpt_format!r}: not supported yet: --ckpt-format "
-                f"{self.ckpt_format} (use one of {SUPPORTED_FORMATS})"
+                f"{self.ckpt_format} (use one of {format_names()})"
             )
-        if self.ckpt_format not in SUPPORTED_FORMATS:
-            raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {SUPPORTED_FORMATS}")
-        if self.async_save and self.ckpt_format != "torch_dist":
+        if self.ckpt_format not in format_names():
+            raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {format_names()}")
+        if self.async_save and not get_format(self.ckpt_format).supports_async:
             raise ValueError(
-                f"async_save=True with ckpt_format={self.ckpt_format!r}: --async-save needs --ckpt-format torch_dist"
+                f"async_save=True with ckpt_format={self.ckpt_format!r}: --async-save needs a format that saves "
+                f"in the background ({', '.join(n for n in format_names() if get_format(n).supports_async)})"
             )
         for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
             value = getattr(self, name)

@@ -10,9 +10,9 @@ import os
 import re
 from typing import List, Optional, Tuple
 
-from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.checkpoint_formats import registry
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +56,17 @@ def update_tracker(root: str, iteration: int) -> None:
 
 
 def detect_format(iter_dir: str) -> str:
-    """``torch_dist`` if ``metadata.json`` is there, ``torch`` if ``mp_rank_*`` folders are."""
+    """The registered format that recognises ``iter_dir`` (``torch_dist``: ``metadata.json``; ``torch``:
+    ``mp_rank_*`` folders); raises when none does (an interrupted save, or not a checkpoint)."""
     if not os.path.isdir(iter_dir):
         raise CheckpointingError(f"checkpoint directory not found: {iter_dir}")
-    names = os.listdir(iter_dir)
-    if dc.METADATA_FILE in names:
-        return "torch_dist"
-    if any(name.startswith("mp_rank_") for name in names):
-        return "torch"
-    raise CheckpointingError(
-        f"{iter_dir} holds neither {dc.METADATA_FILE} (torch_dist) nor mp_rank_* (torch): "
-        "the checkpoint is incomplete (interrupted save?) or not a checkpoint"
-    )
+    found = registry.detect(os.listdir(iter_dir))
+    if found is None:
+        raise CheckpointingError(
+            f"{iter_dir} holds neither {' nor '.join(registry.markers())}: "
+            "the checkpoint is incomplete (interrupted save?) or not a checkpoint"
+        )
+    return found
 
 
 _ITER_DIR = re.compile(r"iter_(\d{7,})")

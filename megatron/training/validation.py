@@ -20,6 +20,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.checkpoint_formats.base import TORCH_DIST
 from megatron.training.flags import compatibility
 from megatron.training.flags.registry import (
     bounded_flags,
@@ -101,7 +102,7 @@ def check_deprecated(args: argparse.Namespace) -> None:
             f"--{dest.replace('_deprecated', '').replace('_', '-')}={value!r} is no longer valid: use {new}",
         )
     if args.use_dist_ckpt_deprecated:
-        args.ckpt_format = "torch_dist"
+        args.ckpt_format = TORCH_DIST
 
 
 def set_encoder_decoder(args: argparse.Namespace) -> None:

@@ -80,6 +80,7 @@ from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection,
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION,
     COMMON_FILE,
+    TORCH_DIST,
     TRACKER_FILE,
     checkpoint_dir,
     detect_format,
@@ -250,7 +251,7 @@ def save_release(
         "args": args,
         HF_VOCAB_KEY: hf_vocab_size,
         "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1},
-        "ckpt_format": "torch_dist",
+        "ckpt_format": TORCH_DIST,
     }
     write_json_atomic(os.path.join(iter_dir, COMMON_FILE), common)
     dc.save(dc.model_sharded_state_dict([model], pg_collection=groups), iter_dir)  # metadata.json last
@@ -266,7 +267,7 @@ def find_checkpoint(root: str) -> Tuple[str, Dict[str, Any]]:
     if found is None:
         raise ConversionError(f"{root} is not a Megatron checkpoint directory: no {TRACKER_FILE}")
     iter_dir = checkpoint_dir(root, found[0], release=found[1])
-    if detect_format(iter_dir) != "torch_dist":
+    if detect_format(iter_dir) != TORCH_DIST:
         raise ConversionError(
             f"{iter_dir} is a legacy --ckpt-format torch checkpoint; the converter reads torch_dist checkpoints only"
         )

@@ -161,12 +161,16 @@ class StagedSave:
     """
 
     def __init__(
-        self, tensors: Dict[str, ShardedTensor], checkpoint_dir: str, process_group: Optional[dist.ProcessGroup]
+        self,
+        tensors: Dict[str, ShardedTensor],
+        checkpoint_dir: str,
+        process_group: Optional[dist.ProcessGroup],
+        use_dist: bool = True,
     ) -> None:
         self.checkpoint_dir, self.process_group = checkpoint_dir, process_group
         self._planner = ShardedSavePlanner()
         self._writer = FileSystemWriter(checkpoint_dir)  # sync_files: every shard file is fsynced
-        self._dist = _DistWrapper(process_group, True, 0)
+        self._dist = _DistWrapper(process_group, use_dist, 0)  # use_dist=False: DCP's plan of this rank alone
         self._metadata: Optional[Metadata] = None
         self._results: Optional[list] = None
         self._table: checksums.FileTable = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron.training.checkpoint_config import CheckpointConfig as CK
+from megatron.training.checkpoint_formats.base import TORCH, TORCH_DIST
 from megatron.training.flags import reasons
 from megatron.training.flags.record import IMPLEMENTED, SPEED_BITWISE, Flag, ProjectFlag, no_op, not_yet, same
 
@@ -30,7 +31,7 @@ RECORDS = (
     Flag("use_mp_args_from_checkpoint_args", not_yet(False)),
     Flag("use_tokenizer_model_from_checkpoint_args", not_yet(True)),
     Flag("exit_on_missing_checkpoint", IMPLEMENTED, fills=same(CK)),
-    Flag("ckpt_format", not_yet("torch", "torch_dist"), fills=same(CK)),
+    Flag("ckpt_format", not_yet(TORCH, TORCH_DIST), fills=same(CK)),
     Flag("auto_detect_ckpt_format", no_op(reasons.CHECKPOINT_IO)),
     Flag("ckpt_convert_format", not_yet(None)),
     Flag("ckpt_convert_save", no_op(reasons.UNDER_REFUSED)),

@@ -15,6 +15,8 @@ from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from megatron.training import checkpointing as ckpt
+from megatron.training.checkpoint_formats.base import TORCH_DIST
+from megatron.training.checkpoint_formats.registry import get_format
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.unit_tests.dist_checkpointing.ckpt_utils import (
@@ -181,18 +183,19 @@ def _sharded_body(rank, world, tmp):
 def _crash_body(rank, tmp, cfg, saved_at_10):
     """A save that dies after the DCP write leaves the tracker on the previous checkpoint."""
     groups, model, opt = _setup(tp=2, seed=8)
-    original = ckpt._save_sharded
+    sharded = get_format(TORCH_DIST)
+    original = sharded.save
 
     def dies_after_write(*a, **k):
         original(*a, **k)
         raise KeyboardInterrupt("killed after the DCP write")
 
-    ckpt._save_sharded = dies_after_write
+    sharded.save = dies_after_write
     try:
         with pytest.raises(KeyboardInterrupt):
             save_checkpoint(20, [model], opt, _scheduler(), cfg, TRAIN_STATE, ARGS)
     finally:
-        ckpt._save_sharded = original
+        del sharded.save  # the class's method again
     with open(os.path.join(tmp, ckpt.TRACKER_FILE)) as f:
         assert f.read() == "10"
     groups, model, opt = _setup(tp=2, seed=9)
@@ -293,3 +296,35 @@ def _error_checks(rank, tmp):
 
 def test_legacy_format_round_trip_and_errors(tmp_path):
     run_distributed(_legacy_body, 2, str(tmp_path))
+
+
+def _new_format_body(rank, world, tmp):
+    """A format from one module in tests/ (``json_format.py``): saved, detected and loaded by the
+    same ``save_checkpoint`` / ``load_checkpoint`` the training loop calls, with nothing else changed."""
+    from tests.unit_tests.dist_checkpointing import json_format
+
+    cfg = CheckpointConfig(save=tmp, load=tmp, ckpt_format=json_format.NAME)
+    groups, model, opt = _setup(tp=2)
+    saved = full_weights_by_key(model, groups)
+    save_checkpoint(4, [model], opt, _scheduler(), cfg, TRAIN_STATE, ARGS)
+    after_save = _draws()
+    iter_dir = os.path.join(tmp, "iter_0000004")
+    assert os.path.isfile(json_format.rank_file(iter_dir, rank)) and ckpt.detect_format(iter_dir) == json_format.NAME
+    assert ckpt.saved_args(iter_dir) == ARGS
+    _scramble_rng()
+    groups, model, opt = _setup(tp=2, seed=5)
+    # Loading needs no --ckpt-format: the directory is detected through the registry.
+    assert load_checkpoint([model], opt, _scheduler(), CheckpointConfig(load=tmp)) == (4, TRAIN_STATE)
+    assert _same_draws(_draws(), after_save)
+    assert_same_weights(saved, full_weights_by_key(model, groups))
+    _check_optimizer(opt, model, groups, saved)
+    return True
+
+
+def test_a_new_format_is_one_registered_module(tmp_path):
+    from megatron.training.checkpoint_formats import registry
+
+    with pytest.raises(ValueError, match="ckpt_format='test_json': must be one of \\('torch_dist', 'torch'\\)"):
+        CheckpointConfig(ckpt_format="test_json")  # unknown until its module registers it
+    run_distributed(_new_format_body, 2, str(tmp_path))
+    assert registry.format_names() == ("torch_dist", "torch")  # the spawned ranks registered it, not this process

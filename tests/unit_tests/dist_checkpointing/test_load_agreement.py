@@ -16,6 +16,7 @@ from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training import checkpoint_dirs
 from megatron.training import checkpointing as ckpt
+from megatron.training.checkpoint_formats import torch_dist
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.unit_tests.dist_checkpointing.ckpt_utils import (
@@ -77,7 +78,7 @@ def _body(rank: int, world_size: int, tmp: str):
         finally:
             restore()
         assert_same_weights(expected, full_weights_by_key(model, groups))
-    restore = _on_rank1([(ckpt, "read_json", _unreadable)])
+    restore = _on_rank1([(torch_dist, "read_json", _unreadable)])
     try:
         with pytest.raises(CheckpointingError, match="injected on rank 1"):
             load_checkpoint([_model(groups, 4)], None, None, cfg)

@@ -18,7 +18,9 @@ from megatron.core.distributed.finalize_model_grads import allreduce_sequence_pa
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer, aux_loss_pairs, get_aux_loss_tracker
-from megatron.core.transformer.moe.router import topk_softmax
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter, topk_softmax
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gather_tp, gpt2_style, llama_style, single_rank_groups
@@ -159,10 +161,32 @@ def _layer_body(rank, world_size):
             torch.testing.assert_close(
                 grad, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} grad {pname}: {m}"
             )
+    _custom_router_check(groups, x)
     return (out - ref_out).abs().max().item()
 
 
+class RoundRobinRouter(TopKRouter):
+    """A routing rule plugged through the spec: token t goes to expert t mod E alone, with weight 1."""
+
+    def forward(self, tokens, batch_size=1, capacity_groups=1):
+        experts = torch.arange(tokens.shape[0]) % self.config.num_moe_experts  # [T]
+        routing_map = F.one_hot(experts, self.config.num_moe_experts).bool()  # [T, E]
+        return routing_map.to(tokens.dtype), routing_map
+
+
+def _custom_router_check(groups, x):
+    """``MoESubmodules.router`` is the router the layer builds and calls (as a class and as a spec)."""
+    for router in (RoundRobinRouter, ModuleSpec(module=RoundRobinRouter)):
+        layer = MoELayer(_config(), MoESubmodules(router=router), pg_collection=groups)
+        assert type(layer.router) is RoundRobinRouter
+        flat = x.reshape(-1, H)
+        ref = [_expert_ref(flat[t], layer.experts.local_experts[t % E], layer.config) for t in range(flat.shape[0])]
+        torch.testing.assert_close(layer(x)[0], torch.stack(ref).view_as(x), rtol=RTOL, atol=ATOL)
+    assert type(MoELayer(_config(), pg_collection=groups).router) is TopKRouter  # the default
+
+
 def test_moe_layer_equals_token_loop_reference():
+    """The default TopKRouter against the token loop; a custom router from the spec against its own rule."""
     assert run_distributed(_layer_body, 1)[0] <= 1e-5
 
 

@@ -48,9 +48,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 @dataclass
 class MoESubmodules:
-    """The expert MLP class (or spec); ``config.moe_grouped_gemm`` picks the kernel (``GroupedMLP``), not the result.
+    """The router, the expert MLP class (or spec) and the shared experts.
+
+    ``router`` is built as ``router(config, tp_group, dp_group=...)`` and called as
+    ``router(tokens [T, h], batch_size=, capacity_groups=)`` -> (probs ``[T, E]``, routing map ``[T, E]``),
+    with ``set_layer_number``; a new routing rule is a ``TopKRouter`` subclass (or spec) here.
+    ``config.moe_grouped_gemm`` picks the experts' kernel (``GroupedMLP``), not the result.
     ``shared_experts`` is built when ``config.moe_shared_expert_intermediate_size`` is set."""
 
+    router: Union[ModuleSpec, type] = TopKRouter
     experts: Union[ModuleSpec, type, None] = MLP
     shared_experts: Union[ModuleSpec, type, None] = SharedExpertMLP
 
@@ -82,11 +88,11 @@ class MoELayer(MegatronModule):
         self.sequence_parallel = config.sequence_parallel
         self.num_local_experts = config.num_moe_experts // ep_size
         self.local_expert_start = groups.rank_in("ep") * self.num_local_experts
-        self.router = TopKRouter(config, self.tp_group, dp_group=groups.dp_cp)
+        submodules = submodules or MoESubmodules()
+        self.router = build_module(submodules.router, config, self.tp_group, dp_group=groups.dp_cp)
         self.token_dispatcher = build_dispatcher(
             config.moe_token_dispatcher_type, config.num_moe_experts, self.num_local_experts, groups
         )
-        submodules = submodules or MoESubmodules()
         experts_class = GroupedMLP if config.moe_grouped_gemm else SequentialMLP  # same parameters
         self.experts = experts_class(self.num_local_experts, config, submodules.experts, pg_collection=groups)
         self.shared_experts = None
