@@ -22,6 +22,7 @@ from megatron.training import validation
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.flags.registry import RECORDS, config_from_args, config_kwargs, flag_specs
 from megatron.training.flags_table import build_parser
+from megatron.training.straggler import StragglerConfig
 from megatron.training.training_log import FlopsConfig, LoggingConfig
 from megatron.training.validation import (  # noqa: F401 - re-exported for callers
     ArgumentsError,
@@ -120,6 +121,11 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
 def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
     """What to save and load, and how strictly, from parsed args."""
     return config_from_args(CheckpointConfig, args)
+
+
+def straggler_config_from_args(args: argparse.Namespace) -> StragglerConfig:
+    """``--log-straggler`` and its flags (reports every ``--log-interval``), from parsed args."""
+    return config_from_args(StragglerConfig, args)
 
 
 def flops_config_from_args(args: argparse.Namespace) -> FlopsConfig:

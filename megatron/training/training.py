@@ -36,6 +36,7 @@ from megatron.training.arguments import (
     core_transformer_config_from_args,
     flops_config_from_args,
     logging_config_from_args,
+    straggler_config_from_args,
 )
 from megatron.training.checkpointing import (
     args_to_plain_data,
@@ -50,6 +51,7 @@ from megatron.training.initialize import RunState, initialize_run, shutdown_dist
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.preflight import reported_once
 from megatron.training.signal_handler import DistributedSignalHandler
+from megatron.training.straggler import StragglerDetector
 from megatron.training.tokenizer import build_tokenizer_from_args
 from megatron.training.training_log import (
     TrainingLogger,
@@ -159,6 +161,7 @@ class Loop:
     train_iters: int = 0  # --train-iters, or what --train-samples takes (computed once)
     process_non_loss_data_func: Optional[Callable] = None  # pretrain()'s: (collected, iteration, writer)
     async_queue: Optional[AsyncCallsQueue] = None  # --async-save: the background checkpoint writer
+    straggler: Optional[StragglerDetector] = None  # --log-straggler
 
     @property
     def groups(self) -> ProcessGroupCollection:
@@ -210,7 +213,8 @@ def train_step(loop: Loop) -> tuple:
     built.optimizer.zero_grad()
     loop.aux_losses.clear()
     timers("forward-backward", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
-    losses = loop.schedule(loop.data.train, forward_only=False)
+    with loop.straggler.forward_backward() if loop.straggler is not None else contextlib.nullcontext():
+        losses = loop.schedule(loop.data.train, forward_only=False)
     timers("forward-backward").stop()
     aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, loop.microbatches.get(), loop.aux_losses)
     timers("optimizer", log_level=1).start(barrier=loop.args.barrier_with_L1_time)
@@ -365,8 +369,10 @@ def train(loop: Loop) -> Optional[str]:
         while state.iteration < loop.train_iters:
             loop.microbatches.update(state.consumed_train_samples, consistency_check=True)
             t0 = time.time()
+            timed = loop.straggler.step(state.iteration + 1) if loop.straggler is not None else contextlib.nullcontext()
             try:
-                losses, skipped, grad_norm, num_zeros = train_step(loop)
+                with timed:
+                    losses, skipped, grad_norm, num_zeros = train_step(loop)
             except NonFiniteGradientError as err:
                 raise NonFiniteGradientError(f"iteration {state.iteration + 1}: {err}") from err
             state.iteration += 1
@@ -462,6 +468,12 @@ def _build_loop(
     loop.train_iters = total_train_iters(args)
     if args.save and args.async_save:
         loop.async_queue = AsyncCallsQueue(persistent=bool(args.use_persistent_ckpt_worker))
+    if args.log_straggler:
+        loop.straggler = StragglerDetector(straggler_config_from_args(args))
+        model_config = get_model_config(built.model)  # the schedule's: its gradient sync is timed apart
+        model_config.finalize_model_grads_func = loop.straggler.wrap_gradient_sync(
+            model_config.finalize_model_grads_func
+        )
     return loop
 
 
@@ -482,3 +494,5 @@ def _run_loop(loop: Loop) -> None:
             _evaluate_and_log(loop, "test", loop.data.test, final=True)
     finally:
         loop.logger.close()
+        if loop.straggler is not None:
+            loop.straggler.close()

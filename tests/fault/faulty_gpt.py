@@ -10,6 +10,7 @@ Usage: python faulty_gpt.py <fault> <argument> <Megatron flags...>
 - ``kill-before-publish N``: rank 0 is killed as the N-th asynchronous save starts its finalization (every
   rank's files written, nothing published).
 - ``kill-before-tracker N``: rank 0 is killed in the N-th save after ``metadata.json``, before the tracker.
+- ``slow-rank R``: rank R sleeps 150 ms in every forward of its model (a straggler).
 - ``file-size-limit BYTES``: no file this process writes may grow past BYTES (``RLIMIT_FSIZE``,
   SIGXFSZ ignored, so writes fail with EFBIG as on a full disk).
 """
@@ -69,6 +70,22 @@ def kill_before_tracker(target: int) -> None:
     _kill_on_call(checkpointing, "update_tracker", target, rank=0)
 
 
+def slow_rank(rank: int) -> None:
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    import time
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    forward = GPTModel.forward
+
+    def slow_forward(self, *args, **kwargs):
+        time.sleep(0.15)
+        return forward(self, *args, **kwargs)
+
+    GPTModel.forward = slow_forward
+
+
 def file_size_limit(nbytes: int) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -79,6 +96,7 @@ FAULTS = {
     "kill-writer": kill_writer,
     "kill-before-publish": kill_before_publish,
     "kill-before-tracker": kill_before_tracker,
+    "slow-rank": slow_rank,
     "file-size-limit": file_size_limit,
 }
 
