@@ -10,6 +10,8 @@ Usage: python faulty_gpt.py <fault> <argument> <Megatron flags...>
 - ``kill-before-publish N``: rank 0 is killed as the N-th asynchronous save starts its finalization (every
   rank's files written, nothing published).
 - ``kill-before-tracker N``: rank 0 is killed in the N-th save after ``metadata.json``, before the tracker.
+- ``kill-rank1-once N``: on torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), rank 1
+  SIGKILLs itself before training step N+1 (a rank failure that an in-job restart survives).
 - ``slow-rank R``: rank R sleeps 150 ms in every forward of its model (a straggler).
 - ``file-size-limit BYTES``: no file this process writes may grow past BYTES (``RLIMIT_FSIZE``,
   SIGXFSZ ignored, so writes fail with EFBIG as on a full disk).
@@ -70,6 +72,21 @@ def kill_before_tracker(target: int) -> None:
     _kill_on_call(checkpointing, "update_tracker", target, rank=0)
 
 
+def kill_rank1_once(iteration: int) -> None:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or int(os.environ.get("RANK", "0")) != 1:
+        return
+    from megatron.training import training
+
+    step = training.train_step
+
+    def step_or_die(loop):
+        if loop.state.iteration == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(loop)
+
+    training.train_step = step_or_die
+
+
 def slow_rank(rank: int) -> None:
     if int(os.environ.get("RANK", "0")) != rank:
         return
@@ -96,6 +113,7 @@ FAULTS = {
     "kill-writer": kill_writer,
     "kill-before-publish": kill_before_publish,
     "kill-before-tracker": kill_before_tracker,
+    "kill-rank1-once": kill_rank1_once,
     "slow-rank": slow_rank,
     "file-size-limit": file_size_limit,
 }

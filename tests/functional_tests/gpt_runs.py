@@ -169,13 +169,16 @@ def run_gpt(
     timeout: float = RUN_TIMEOUT_S,
     env: Optional[Dict[str, str]] = None,
     script: Optional[Sequence[str]] = None,
+    launcher_args: Sequence[str] = (),
 ) -> RunResult:
     """``torchrun --standalone --nproc-per-node nproc pretrain_gpt.py flags`` with a hard timeout.
 
-    ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments).
+    ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments); ``launcher_args`` go to
+    torchrun (``--max-restarts 1``).
     """
     entry = list(script) if script else [os.path.join(REPO, "pretrain_gpt.py")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *flags]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [*launcher, *launcher_args, *entry, *flags]
     full_env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false"
     )
