@@ -18,7 +18,7 @@ and attention call with its source line.
     python tools/gpu_dry_run.py --dry-run-grid all    # the checked grid (first, middle, last rank)
 
 This script loads a CUDA shim before torch is imported (see
-``megatron/training/dry_run/cuda_shim.py``): run it as a script, not from a process that
+``tools/dry_run/cuda_shim.py``): run it as a script, not from a process that
 imported torch.
 """
 
@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.dry_run.cuda_shim import load_cuda_shim  # noqa: E402 - imports no torch
+from tools.dry_run.cuda_shim import load_cuda_shim  # noqa: E402 - imports no torch
 
 
 def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
@@ -72,7 +72,7 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
 
 
 def _int_flag(flags: Sequence[str], name: str, default: int) -> int:
-    from megatron.training.dry_run.scheduler import flag_value
+    from tools.dry_run.scheduler import flag_value
 
     value = flag_value(flags, name)
     return int(value) if value is not None else default
@@ -80,8 +80,8 @@ def _int_flag(flags: Sequence[str], name: str, default: int) -> int:
 
 def build_jobs(args: argparse.Namespace, flags: List[str], workdir: str) -> list:
     """Jobs for the grid, or for the given flags at the chosen ranks."""
-    from megatron.training.dry_run import grid
-    from megatron.training.dry_run.scheduler import Job
+    from tools.dry_run import grid
+    from tools.dry_run.scheduler import Job
 
     if args.dry_run_grid is not None:
         return grid.grid_jobs(
@@ -114,9 +114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("give pretrain_gpt.py flags after --, or --dry-run-grid all", file=sys.stderr)
         return 2
     print(f"CUDA: {load_cuda_shim()} (shim: a paper GPU for fake tensors in a CPU-only torch)", flush=True)
-    from megatron.training.dry_run import summary
-    from megatron.training.dry_run.runner import preload
-    from megatron.training.dry_run.scheduler import run_jobs
+    from tools.dry_run import summary
+    from tools.dry_run.runner import preload
+    from tools.dry_run.scheduler import run_jobs
 
     preload()
     workdir = args.dry_run_workdir or tempfile.mkdtemp(prefix="gpu-dry-run-")

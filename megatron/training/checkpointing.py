@@ -65,9 +65,8 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     update_tracker,
 )
 from megatron.training.checkpoint_formats.base import TORCH_DIST, LoadRequest, SaveRequest, StagedWrite  # noqa: F401
-from megatron.training.checkpoint_formats.common import COMMON_FILE, agreed_read, agreed_write, layout  # noqa: F401
+from megatron.training.checkpoint_formats.common import COMMON_FILE, agreed_write, layout  # noqa: F401 - COMMON_FILE
 from megatron.training.checkpoint_formats.registry import get_format
-from megatron.training.checkpoint_formats.torch_legacy import legacy_file  # noqa: F401 - re-exported
 from megatron.training.flags.registry import config_from_args
 from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 

@@ -18,7 +18,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel import default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import plan_buckets
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
+from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 INDEX_BYTES = 8  # int64 token ids, positions, routing indices

@@ -1,6 +1,6 @@
 """The fake-CUDA dry-run grid, through the CI half of ``scripts/gpu_smoke.sh`` (run once).
 
-Every case of ``megatron/training/dry_run/grid.py`` (TP/SP, PP 1F1B and interleaved, DP with
+Every case of ``tools/dry_run/grid.py`` (TP/SP, PP 1F1B and interleaved, DP with
 the distributed optimizer and both overlaps, CP, EP/MoE, bf16, fp16, per-token loss,
 recompute full/selective, grouped-query attention, torch_dist and legacy checkpoints, a
 64-rank layout, each FP8 recipe and NVFP4, every ``torch._scaled_mm`` call meeting CUDA's layout
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from megatron.training.dry_run.grid import GRID, pick_ranks
+from tools.dry_run.grid import GRID, pick_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

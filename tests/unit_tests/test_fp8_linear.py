@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import model_sharded_state_dict
-from megatron.core.fp8_utils import attach_quantizers
 from megatron.core.quantization.fp8 import cast_to_fp8, quantize_current
 from megatron.core.quantization.recipes import LinearQuantizer, QuantRecipe
 from megatron.core.tensor_parallel.linear_function import parallel_linear
+from megatron.core.transformer.fp8_utils import attach_quantizers
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gpt2_style, llama_style, loss_and_grads, single_rank_groups
 

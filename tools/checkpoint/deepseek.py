@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from tools.checkpoint.errors import ConversionError, require_field
+from tools.checkpoint.errors import Args, ConversionError, require_field
 
-Args = Dict[str, Any]
 # YaRN parameters without a Megatron flag: MLATransformerConfig's defaults, which a converted model gets.
 YARN_FIXED = (("original_max_position_embeddings", 4096), ("beta_fast", 32), ("beta_slow", 1))
 MLA_DIMS = (  # (our flag destination, HF field)

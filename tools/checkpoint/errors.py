@@ -1,8 +1,11 @@
-"""The converter's error, and the check that names a Hugging Face config field (shared by every family)."""
+"""What every family of the converter shares: its error, the model-flags type, and the check that names a
+Hugging Face config field. Imports nothing of the converter, so that every module may use it."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple
+
+Args = Dict[str, Any]  # model flags by argparse destination
 
 
 class ConversionError(ValueError):

@@ -22,10 +22,10 @@ from megatron.training.flags.derive import openai_gelu
 from megatron.training.validation import vocab_size_with_padding
 from tools.checkpoint import deepseek, llama_family
 from tools.checkpoint.checks import check_hf_config, check_model_args, head_size
-from tools.checkpoint.errors import ConversionError, require_field
+from tools.checkpoint.errors import Args, ConversionError, require_field
 from tools.checkpoint.llama_family import DECODER_FAMILIES
+from tools.checkpoint.t5 import t5_args
 
-Args = Dict[str, Any]
 ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
     **llama_family.ARCHITECTURES,
@@ -155,14 +155,7 @@ def _bert_args(hf: Dict[str, Any], where: str) -> Args:
     return args
 
 
-def _t5_args(hf: Dict[str, Any], where: str) -> Args:
-    """T5 v1.1 (``pretrain_t5.py --t5-v11``): see ``tools/checkpoint/t5.py``, which builds on this module."""
-    from tools.checkpoint.t5 import t5_args
-
-    return t5_args(hf, where)
-
-
-_ARGS_OF = {"gpt2": _gpt2_args, "bert": _bert_args, "t5": _t5_args}
+_ARGS_OF = {"gpt2": _gpt2_args, "bert": _bert_args, "t5": t5_args}  # T5 v1.1: tools/checkpoint/t5.py
 _ARGS_OF.update({kind: functools.partial(_llama_args, kind=kind) for kind in DECODER_FAMILIES})
 
 

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from tools.checkpoint import deepseek
-from tools.checkpoint.errors import ConversionError
-
-Args = Dict[str, Any]
+from tools.checkpoint.errors import Args, ConversionError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from megatron.core.models.T5 import T5Model, get_t5_v11_decoder_block_spec, get_
 from megatron.core.models.T5.hf_state_dict import from_hf_t5, to_hf_t5
 from megatron.core.models.T5.t5_spec import t5_v11_config
 from megatron.core.parallel_state import ProcessGroupCollection
-from tools.checkpoint.hf_config import Args, ConversionError, require_field
+from tools.checkpoint.errors import Args, ConversionError, require_field
 
 T5_CLASS = "T5ForConditionalGeneration"
 CROSS_ATTENTION_KEY = "decoder.layers.0.cross_attention.linear_q.weight"  # in a checkpoint: a T5Model

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
+SHARDED_BACKEND = "torch_dist"  # the one strategy: torch.distributed.checkpoint (Megatron-core's name)
 COMMON_FILE = "common_state.json"  # not common.json: the training checkpoint writes that one itself
 _SHARDED = (ShardedTensor, ShardedObject)
 
@@ -209,6 +210,6 @@ def missing_objects(parts: Parts, checkpoint_dir: str) -> Optional[str]:
 def require_no_strategy(where: str, **strategies: Any) -> None:
     """Only torch.distributed.checkpoint is implemented: refuse another strategy by name."""
     for name, value in strategies.items():
-        if value is None or (isinstance(value, tuple) and value and value[0] == "torch_dist"):
+        if value is None or (isinstance(value, tuple) and value and value[0] == SHARDED_BACKEND):
             continue
-        raise CheckpointingError(f"{where}: {name}={value!r} not supported yet (only torch_dist)")
+        raise CheckpointingError(f"{where}: {name}={value!r} not supported yet (only {SHARDED_BACKEND})")

@@ -34,7 +34,7 @@ from megatron.core.dist_checkpointing.safe_metadata import SafeFileSystemReader,
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 
 METADATA_FILE = "metadata.json"
-BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+BACKEND_METADATA = {"sharded_backend": nested.SHARDED_BACKEND, "sharded_backend_version": 1}
 logger = logging.getLogger(__name__)
 
 
@@ -236,10 +236,10 @@ def check_sharded_checkpoint(checkpoint_dir: str) -> None:
         os.path.join(checkpoint_dir, METADATA_FILE),
         "sharded checkpoint metadata (missing: the checkpoint is incomplete or not a torch_dist checkpoint)",
     )
-    if info.get("sharded_backend") != "torch_dist":
+    if info.get("sharded_backend") != nested.SHARDED_BACKEND:
         raise CheckpointingError(
             f"{os.path.join(checkpoint_dir, METADATA_FILE)}: sharded_backend "
-            f"{info.get('sharded_backend')!r} is not supported (expected 'torch_dist')"
+            f"{info.get('sharded_backend')!r} is not supported (expected {nested.SHARDED_BACKEND!r})"
         )
 
 

@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import Bucket, BucketGroup, ParamAndGradBuffer
-from megatron.core.fp8_utils import check_fp8_param_gather, convert_weights_to_fp8
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.quantization.fp8_params import is_fp8_param
 from megatron.core.tensor_parallel.layers import is_expert_param
+from megatron.core.transformer.fp8_utils import check_fp8_param_gather, convert_weights_to_fp8
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import reduce_scatter_tensor
 

@@ -25,7 +25,6 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 
 from megatron.core.context_parallel import roll_left_over_cp
-from megatron.core.fp8_utils import attach_mtp_quantizers
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -34,6 +33,7 @@ from megatron.core.tensor_parallel import (
     initialization_rng,
     scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.fp8_utils import attach_mtp_quantizers
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_aux_loss_tracker
 from megatron.core.transformer.norms import build_norm

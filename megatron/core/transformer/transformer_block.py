@@ -8,10 +8,14 @@ from typing import Any, ContextManager, List, Optional, Union
 
 import torch
 
-from megatron.core.fp8_utils import attach_quantizers, block_quantization_context, layer_quantization_context
 from megatron.core.parallel_state import ProcessGroupCollection
-from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, initialization_rng
+from megatron.core.transformer.fp8_utils import (
+    attach_quantizers,
+    block_quantization_context,
+    layer_quantization_context,
+)
+from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, Norm, RMSNorm, build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module

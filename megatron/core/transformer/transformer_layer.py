@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ProcessGroupCollection
-from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
+from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig

@@ -21,8 +21,8 @@ from megatron.core.dist_checkpointing import CheckpointingError, plain_data
 from megatron.core.dist_checkpointing.serialization import read_json, stage_save, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
-from megatron.core.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpoint_values
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.transformer.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpoint_values
 from megatron.core.utils import named_model_params
 from megatron.training.checkpoint_formats.base import (
     TORCH_DIST,

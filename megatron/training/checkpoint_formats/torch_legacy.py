@@ -18,8 +18,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, checksums
 from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
-from megatron.core.fp8_utils import drop_fp8_checkpoint_values
 from megatron.core.parallel_state import ProcessGroupCollection
+from megatron.core.transformer.fp8_utils import drop_fp8_checkpoint_values
 from megatron.core.utils import unwrap_model
 from megatron.training.checkpoint_formats.base import (
     TORCH,

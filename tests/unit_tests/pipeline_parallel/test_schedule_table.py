@@ -8,8 +8,8 @@ import pytest
 
 from megatron.core.pipeline_parallel import schedule_table as st
 from megatron.core.pipeline_parallel import schedules
-from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining, get_forward_backward_func
+from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 
 CASES = [(p, m, v) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16) for v in (1, 2, 3) if v == 1 or m % p == 0]
 

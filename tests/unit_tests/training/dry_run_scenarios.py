@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
-from megatron.training.dry_run.cuda_shim import load_cuda_shim  # noqa: E402
+from tools.dry_run.cuda_shim import load_cuda_shim  # noqa: E402
 
 load_cuda_shim()
 
@@ -22,11 +22,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-from megatron.training.dry_run.attention_probe import flash_verdict  # noqa: E402
-from megatron.training.dry_run.fake_cuda import Patcher, patch_cuda_api  # noqa: E402
-from megatron.training.dry_run.fake_mode import DryRunMode, install_tensor_methods  # noqa: E402
-from megatron.training.dry_run.nccl_rules import install_nccl_rules  # noqa: E402
-from megatron.training.dry_run.report import Recorder, traceback_site  # noqa: E402
+from tools.dry_run.attention_probe import flash_verdict  # noqa: E402
+from tools.dry_run.fake_cuda import Patcher, patch_cuda_api  # noqa: E402
+from tools.dry_run.fake_mode import DryRunMode, install_tensor_methods  # noqa: E402
+from tools.dry_run.nccl_rules import install_nccl_rules  # noqa: E402
+from tools.dry_run.report import Recorder, traceback_site  # noqa: E402
 
 RECORDER = Recorder()
 
@@ -152,7 +152,7 @@ def loop_syncs() -> Dict[str, Any]:
 
 def module_cuda() -> Dict[str, Any]:
     """``Module.cuda()`` on fake parameters keeps what the model set on them (as ``.data =`` does on a GPU)."""
-    from megatron.training.dry_run.runner import install_module_moves
+    from tools.dry_run.runner import install_module_moves
 
     def move() -> list:
         layer = torch.nn.Linear(4, 4, device="cpu")

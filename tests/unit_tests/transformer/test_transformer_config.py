@@ -4,8 +4,8 @@ import warnings
 
 import pytest
 
-from megatron.core.pipeline_parallel.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 
 
 def _cfg(**kw):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.training.dry_run.report import DeviceRuleError, Recorder
+from tools.dry_run.report import DeviceRuleError, Recorder
 
 _MISSING = object()
 _GIB = 1024**3

@@ -29,8 +29,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 
-from megatron.training.dry_run.fake_cuda import describe_tensor
-from megatron.training.dry_run.report import DeviceRuleError, Recorder
+from tools.dry_run.fake_cuda import describe_tensor
+from tools.dry_run.report import DeviceRuleError, Recorder
 
 aten = torch.ops.aten
 _GUESS = "_dry_run_value"

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron.training.dry_run.runner import Phase, redirected_output, result_to_json, run_phase
+from tools.dry_run.runner import Phase, redirected_output, result_to_json, run_phase
 
 _OWN_FLAGS = {
     "--train-iters": 1,

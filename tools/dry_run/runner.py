@@ -25,12 +25,12 @@ import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from megatron.training.dry_run.attention_probe import install_attention_probe
-from megatron.training.dry_run.checkpoint_io import CheckpointIO
-from megatron.training.dry_run.fake_cuda import Patcher, patch_cuda_api
-from megatron.training.dry_run.fake_mode import DryRunMode, install_tensor_methods
-from megatron.training.dry_run.nccl_rules import install_nccl_rules
-from megatron.training.dry_run.report import (
+from tools.dry_run.attention_probe import install_attention_probe
+from tools.dry_run.checkpoint_io import CheckpointIO
+from tools.dry_run.fake_cuda import Patcher, patch_cuda_api
+from tools.dry_run.fake_mode import DryRunMode, install_tensor_methods
+from tools.dry_run.nccl_rules import install_nccl_rules
+from tools.dry_run.report import (
     REPO_ROOT,
     CheckpointRuleError,
     DeviceRuleError,

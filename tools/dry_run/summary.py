@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, List, Sequence
 
-from megatron.training.dry_run.report import Event, IterationInfo, Recorder, format_report
-from megatron.training.dry_run.scheduler import Outcome
+from tools.dry_run.report import Event, IterationInfo, Recorder, format_report
+from tools.dry_run.scheduler import Outcome
 
 
 def recorder_of(data: Dict[str, Any]) -> Recorder:

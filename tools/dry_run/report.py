@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType, TracebackType
 from typing import Any, Dict, List, Optional, Tuple
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/dry_run/ -> repo
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
 _TOOL = os.path.join(REPO_ROOT, "tools", "gpu_dry_run.py")
 

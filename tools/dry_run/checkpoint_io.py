@@ -40,8 +40,8 @@ from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.planner import ShardedSavePlanner
 from megatron.training.checkpoint_formats.base import TORCH
 from megatron.training.checkpoint_formats.registry import get_format
-from megatron.training.dry_run.fake_cuda import Patcher, describe_tensor
-from megatron.training.dry_run.report import CheckpointRuleError, Recorder
+from tools.dry_run.fake_cuda import Patcher, describe_tensor
+from tools.dry_run.report import CheckpointRuleError, Recorder
 
 SKELETON_MAGIC = b"MEGATRON-DRY-RUN-SKELETON\n"
 _WEIGHTS_ONLY_LEAVES = (type(None), bool, int, float, str, torch.dtype)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from megatron.training.dry_run.fake_cuda import Patcher, describe_tensor
-from megatron.training.dry_run.report import DeviceRuleError, Recorder
+from tools.dry_run.fake_cuda import Patcher, describe_tensor
+from tools.dry_run.report import DeviceRuleError, Recorder
 
 TENSOR_CALLS = (
     "all_reduce",

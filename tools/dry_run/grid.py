@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-from megatron.training.dry_run.scheduler import Job
+from tools.dry_run.scheduler import Job
 
 DENSE_SYNC_BOUND = 6
 
@@ -251,7 +251,7 @@ GRID: List[Case] = [
 
 # The repository's fake Transformer Engine (plain torch behind TE's API), for a source checkout's grid:
 # --transformer-impl transformer_engine then builds the adapter's TE linears through pretrain_gpt.py's specs.
-FAKE_TE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "fakes")
+FAKE_TE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fakes")
 GRID.append(
     Case(
         "tp2-sp-te-spec-fake-te-bf16",

@@ -16,8 +16,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.training.dry_run.fake_cuda import Patcher
-from megatron.training.dry_run.report import Recorder
+from tools.dry_run.fake_cuda import Patcher
+from tools.dry_run.report import Recorder
 
 FLASH_HEAD_DIM_MAX = 256
 
