@@ -23,6 +23,7 @@ from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.data import VocabularyCheck
 from megatron.training.flags.registry import RECORDS, config_from_args, config_kwargs, flag_specs
 from megatron.training.flags_table import build_parser
+from megatron.training.straggler import StragglerConfig
 from megatron.training.theoretical_memory_params import LanguageModelShape
 from megatron.training.training_config import RunConfigs, TrainingConfig
 from megatron.training.training_log import FlopsConfig, LoggingConfig
@@ -123,6 +124,11 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
 def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
     """What to save and load, and how strictly, from parsed args."""
     return config_from_args(CheckpointConfig, args)
+
+
+def straggler_config_from_args(args: argparse.Namespace) -> StragglerConfig:
+    """``--log-straggler`` and its flags (reports every ``--log-interval``), from parsed args."""
+    return config_from_args(StragglerConfig, args)
 
 
 def flops_config_from_args(args: argparse.Namespace) -> FlopsConfig:

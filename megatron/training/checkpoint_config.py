@@ -7,10 +7,19 @@ from typing import Optional
 
 from megatron.core.dist_checkpointing.validation import parse_strictness
 from megatron.training.checkpoint_formats.base import TORCH_DIST
-from megatron.training.checkpoint_formats.registry import format_names
+from megatron.training.checkpoint_formats.registry import format_names, get_format
 
 _MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
-_FLAGS = ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint")
+_FLAGS = (
+    "no_save_optim",
+    "no_save_rng",
+    "no_load_optim",
+    "no_load_rng",
+    "finetune",
+    "exit_on_missing_checkpoint",
+    "async_save",
+    "use_persistent_ckpt_worker",
+)
 
 
 @dataclass
@@ -34,6 +43,9 @@ class CheckpointConfig:
             not share (``--dist-ckpt-strictness``; see ``dist_checkpointing/validation.py``).
         verify_checkpoint: check every file against the checksums in ``metadata.json`` on load
             (``--no-verify-checkpoint`` turns it off).
+        async_save: the training thread only snapshots the tensors; a background writer writes them
+            and the tracker follows once every rank's files are durable (``--async-save``).
+        use_persistent_ckpt_worker: one writer thread for the whole run instead of one per save.
     """
 
     save: Optional[str] = None
@@ -50,6 +62,8 @@ class CheckpointConfig:
     ckpt_step: Optional[int] = None
     dist_ckpt_strictness: str = "assume_ok_unexpected"
     verify_checkpoint: bool = True
+    async_save: bool = False
+    use_persistent_ckpt_worker: bool = False
 
     def __post_init__(self) -> None:
         parse_strictness(self.dist_ckpt_strictness)
@@ -68,6 +82,11 @@ class CheckpointConfig:
             )
         if self.ckpt_format not in format_names():
             raise ValueError(f"ckpt_format={self.ckpt_format!r}: must be one of {format_names()}")
+        if self.async_save and not get_format(self.ckpt_format).supports_async:
+            raise ValueError(
+                f"async_save=True with ckpt_format={self.ckpt_format!r}: --async-save needs a format that saves "
+                f"in the background ({', '.join(n for n in format_names() if get_format(n).supports_async)})"
+            )
         for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):

@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.agreement import agree_on_error
+from megatron.core.dist_checkpointing.async_save import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
@@ -64,7 +65,7 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     save_dir_problem,
     update_tracker,
 )
-from megatron.training.checkpoint_formats.base import TORCH_DIST, LoadRequest, SaveRequest  # noqa: F401
+from megatron.training.checkpoint_formats.base import TORCH_DIST, LoadRequest, SaveRequest, StagedWrite  # noqa: F401
 from megatron.training.checkpoint_formats.common import COMMON_FILE, agreed_write, layout  # noqa: F401 - COMMON_FILE
 from megatron.training.checkpoint_formats.registry import get_format
 from megatron.training.flags.registry import config_from_args
@@ -123,17 +124,27 @@ def save_checkpoint(
     args_dict: Dict[str, Any],
     pg_collection: Optional[ProcessGroupCollection] = None,
     rng_tracker: Optional[CudaRNGStatesTracker] = None,
+    async_queue: Optional[AsyncCallsQueue] = None,
 ) -> str:
     """Write ``SAVE/iter_{iteration:07d}`` on every rank, then point the tracker at it; returns the dir.
 
     Collective over the world. ``train_state`` (consumed samples, FLOPs so far, ...) and
     ``args_dict`` must be plain data (see ``args_to_plain_data``). ``rng_tracker`` is the run's
     model-parallel RNG tracker (the training loop passes its own; None: ``get_cuda_rng_tracker()``).
+    With ``async_queue`` (``--async-save``) the format only stages the save (plan, host snapshot) and the
+    queue's background writer writes it; ``metadata.json`` and the tracker follow when the queue
+    finalizes it, after every rank's files are durable (``dist_checkpointing/async_save.py``).
     """
     if ckpt_config.save is None:
         raise ValueError("save_checkpoint needs CheckpointConfig.save (--save)")
     _require_plain("train_state", train_state)
     _require_plain("args_dict", args_dict)
+    fmt = get_format(ckpt_config.ckpt_format)
+    if async_queue is not None and not fmt.supports_async:
+        raise CheckpointingError(f"an asynchronous save: --ckpt-format {fmt.name} saves only synchronously")
+    if async_queue is not None and async_queue.get_num_unfinalized_calls():
+        logger.warning("checkpoint %d: the previous save is still being written; waiting for it", iteration)
+        async_queue.maybe_finalize_async_calls(blocking=True)  # its snapshot buffers are reused now
     for chunk in model_chunks:  # --overlap-param-gather leaves gathers running after the step
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
@@ -150,23 +161,43 @@ def save_checkpoint(
     }
     _require_plain("opt_param_scheduler.state_dict()", common["opt_param_scheduler"])
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
-    fmt = get_format(ckpt_config.ckpt_format)
     rng_state = None if ckpt_config.no_save_rng else collect_rng_state(rng_tracker or get_cuda_rng_tracker())
+    request = SaveRequest(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
     started = time.time()
     run_report.report(run_report.saving_line(iteration, ckpt_config.save, ckpt_config.ckpt_format))
-    try:
+
+    def write() -> Optional[StagedWrite]:
         fmt.validate(groups)
         agreed_write(lambda: _start_directory(iter_dir), iter_dir)
-        fmt.save(SaveRequest(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state))
+        if async_queue is not None:
+            return fmt.stage(request, async_queue.staging_buffers)
+        fmt.save(request)
         dist.barrier()
-    except CheckpointingError as e:
-        raise CheckpointingError(f"{e}; {_tracker_note(ckpt_config.save)}") from e
-    except WRITE_FAILURES as e:
-        raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(ckpt_config.save)}") from e
-    agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
-    seconds = time.time() - started
-    run_report.report(run_report.saved_line(iteration, ckpt_config.save, _position(groups), seconds))
+        return None
+
+    def publish() -> None:  # after every rank's files: the tracker names the new checkpoint
+        agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
+        seconds = time.time() - started
+        run_report.report(run_report.saved_line(iteration, ckpt_config.save, _position(groups), seconds))
+
+    staged = _naming_failures(write, iter_dir, ckpt_config.save)
+    if staged is None:
+        publish()
+        return iter_dir
+    run_report.report(run_report.save_scheduled_line(iteration, time.time() - started))
+    finalize = [lambda: _naming_failures(staged.finalize, iter_dir, ckpt_config.save), publish]
+    async_queue.schedule_async_request(AsyncRequest(staged.write, finalize))
     return iter_dir
+
+
+def _naming_failures(step: Callable[[], Any], iter_dir: str, root: str) -> Any:
+    """``step()``; a failed write raises on every rank, naming its cause and the checkpoint the tracker keeps."""
+    try:
+        return step()
+    except CheckpointingError as e:
+        raise CheckpointingError(f"{e}; {_tracker_note(root)}") from e
+    except WRITE_FAILURES as e:
+        raise CheckpointingError(f"{_describe_everywhere(e, iter_dir)}; {_tracker_note(root)}") from e
 
 
 def _position(groups: ProcessGroupCollection) -> Tuple[int, int, int, int]:

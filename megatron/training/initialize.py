@@ -214,6 +214,20 @@ def choose_backend(requested: Optional[str], cuda_available: bool) -> str:
 # ----------------------------------------------------------------------------------
 # Distributed start-up.
 # ----------------------------------------------------------------------------------
+def _restart_store(
+    host: str, port: int, world_size: int, timeout: timedelta, environ: Optional[Mapping[str, str]]
+) -> Optional[dist.Store]:
+    """torchrun's restart N > 0 (``--max-restarts``, an in-job restart after a failed rank): the agent's
+    store under an ``attempt_N/`` prefix. The agent keeps one store for every attempt, and the process
+    group's keys of the failed attempt (the dead ranks' gloo addresses) would otherwise be read again."""
+    environ = os.environ if environ is None else environ
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megatron/attempt_{attempt}/", agent_store)
+
+
 def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str, str]]) -> None:
     env = launch_env_for(args, environ)
     cuda = torch.cuda.is_available()
@@ -234,9 +248,11 @@ def _start_process_group(args: argparse.Namespace, environ: Optional[Mapping[str
     else:
         backend = choose_backend(getattr(args, "distributed_backend", None), cuda)
         check_port_free(env.master_addr, env.master_port, env.rank, environ)
+        store = _restart_store(env.master_addr, env.master_port, env.world_size, timeout, environ)
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            init_method=None if store is not None else f"tcp://{env.master_addr}:{env.master_port}",
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,

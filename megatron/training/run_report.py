@@ -108,6 +108,10 @@ def saved_line(iteration: int, save: str, layout: Any, seconds: float) -> str:
     )
 
 
+def save_scheduled_line(iteration: int, seconds: float) -> str:
+    return f"  checkpoint of iteration {iteration:7d} handed to the background writer ({seconds:.2f} s blocked)"
+
+
 def loading_line(load: str, iteration: int, ckpt_format: str) -> str:
     return f" loading checkpoint from {load} at iteration {iteration} ({ckpt_format} format)"
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.async_save import AsyncCallsQueue
 from megatron.core.distributed import NonFiniteGradientError
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator
 from megatron.core.optimizer.clip_grads import counts_for_norm, get_grad_norm_fp32
@@ -34,6 +35,7 @@ from megatron.core.utils import comm_device
 from megatron.training.arguments import (
     core_transformer_config_from_args,
     run_configs_from_args,
+    straggler_config_from_args,
     vocabulary_check_from_args,
 )
 from megatron.training.checkpointing import (
@@ -49,6 +51,7 @@ from megatron.training.initialize import RunState, initialize_run, shutdown_dist
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.preflight import reported_once
 from megatron.training.signal_handler import DistributedSignalHandler
+from megatron.training.straggler import StragglerDetector
 from megatron.training.tokenizer import build_tokenizer_from_args
 from megatron.training.training_config import RunConfigs, TrainingConfig
 from megatron.training.training_log import (
@@ -137,6 +140,8 @@ class Loop:
     logger: TrainingLogger
     timers: Timers
     process_non_loss_data_func: Optional[Callable] = None  # pretrain()'s: (collected, iteration, writer)
+    async_queue: Optional[AsyncCallsQueue] = None  # --async-save: the background checkpoint writer
+    straggler: Optional[StragglerDetector] = None  # --log-straggler
 
     @property
     def train_iters(self) -> int:
@@ -193,7 +198,8 @@ def train_step(loop: Loop) -> tuple:
     built.optimizer.zero_grad()
     loop.aux_losses.clear()
     timers("forward-backward", log_level=1).start(barrier=barrier)
-    losses = loop.schedule(loop.data.train, forward_only=False)
+    with loop.straggler.forward_backward() if loop.straggler is not None else contextlib.nullcontext():
+        losses = loop.schedule(loop.data.train, forward_only=False)
     timers("forward-backward").stop()
     aux_losses = aux_loss_pairs(get_model_config(built.model), loop.groups, loop.microbatches.get(), loop.aux_losses)
     timers("optimizer", log_level=1).start(barrier=barrier)
@@ -267,6 +273,7 @@ def _save(loop: Loop) -> None:
             args_dict=loop.configs.saved_args,
             pg_collection=loop.groups,
             rng_tracker=loop.rng_tracker,
+            async_queue=loop.async_queue,
         )
 
 
@@ -357,8 +364,10 @@ def train(loop: Loop) -> Optional[str]:
         while state.iteration < loop.train_iters:
             loop.microbatches.update(state.consumed_train_samples, consistency_check=True)
             t0 = time.time()
+            timed = loop.straggler.step(state.iteration + 1) if loop.straggler is not None else contextlib.nullcontext()
             try:
-                losses, skipped, grad_norm, num_zeros = train_step(loop)
+                with timed:
+                    losses, skipped, grad_norm, num_zeros = train_step(loop)
             except NonFiniteGradientError as err:
                 raise NonFiniteGradientError(f"iteration {state.iteration + 1}: {err}") from err
             state.iteration += 1
@@ -366,6 +375,8 @@ def train(loop: Loop) -> Optional[str]:
             state.consumed_train_samples += batch
             state.floating_point_operations_so_far += num_floating_point_operations(loop.configs.flops, batch)
             _log_iteration(loop, losses, skipped, grad_norm, num_zeros, (time.time() - t0) * 1000.0)
+            if loop.async_queue is not None:  # publish saves whose files every rank has written
+                loop.async_queue.maybe_finalize_async_calls(blocking=False)
             if cfg.eval_interval and state.iteration % cfg.eval_interval == 0 and not cfg.skip_train:
                 _evaluate_and_log(loop, "validation", loop.data.valid)
             saved = _saves_now(loop)
@@ -467,7 +478,16 @@ def _build_loop(
             vocabulary_check_from_args(args),
         )
         logger = TrainingLogger(configs.logging, dist.get_rank(), dist.get_world_size())
-    return Loop(configs, run, forward_step_func, built, data, state, logger, timers)
+    loop = Loop(configs, run, forward_step_func, built, data, state, logger, timers)
+    if configs.checkpoint.save and configs.checkpoint.async_save:
+        loop.async_queue = AsyncCallsQueue(persistent=configs.checkpoint.use_persistent_ckpt_worker)
+    if args.log_straggler:
+        loop.straggler = StragglerDetector(straggler_config_from_args(args))
+        model_config = get_model_config(built.model)  # the schedule's: its gradient sync is timed apart
+        model_config.finalize_model_grads_func = loop.straggler.wrap_gradient_sync(
+            model_config.finalize_model_grads_func
+        )
+    return loop
 
 
 def _run_loop(loop: Loop) -> None:
@@ -479,8 +499,12 @@ def _run_loop(loop: Loop) -> None:
             reason = train(loop)
             if reason is None and loop.configs.checkpoint.save and not _saves_now(loop):
                 _save(loop)
+        if loop.async_queue is not None:  # exit waits for the running save and publishes it
+            loop.async_queue.close()
         if reason is None:
             _evaluate_and_log(loop, "validation", loop.data.valid, final=True)
             _evaluate_and_log(loop, "test", loop.data.test, final=True)
     finally:
         loop.logger.close()
+        if loop.straggler is not None:
+            loop.straggler.close()

@@ -200,13 +200,17 @@ def run_gpt(
     env: Optional[Dict[str, str]] = None,
     script: Optional[Sequence[str]] = None,
     launcher: str = "fork",
+    launcher_args: Sequence[str] = (),
 ) -> RunResult:
     """``pretrain_gpt.py flags`` on ``nproc`` local ranks with a hard timeout.
 
     ``script`` replaces ``pretrain_gpt.py`` (a path and its leading arguments). ``launcher="fork"`` starts
     the ranks from the tests' preloaded fork server (``tests/entry_launcher.py``: torchrun's environment
-    without its start-up cost); ``"torchrun"`` runs ``torchrun --standalone --nproc-per-node nproc``.
+    without its start-up cost); ``"torchrun"`` runs ``torchrun --standalone --nproc-per-node nproc``, with
+    ``launcher_args`` (``--max-restarts 1``; they need torchrun).
     """
+    if launcher_args and launcher != "torchrun":
+        raise ValueError(f"launcher_args={list(launcher_args)} need launcher='torchrun'")
     entry = list(script) if script else [os.path.join(REPO, "pretrain_gpt.py")]
     full_env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false"
@@ -222,7 +226,12 @@ def run_gpt(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         try:
             proc = subprocess.run(
-                cmd + entry + list(flags), cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+                cmd + list(launcher_args) + entry + list(flags),
+                cwd=cwd,
+                env=full_env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired as err:
             raise AssertionError(

@@ -2,7 +2,8 @@
 
 Fake tensors hold no data, so the storage layer is replaced, and nothing above it:
 
-* ``torch.distributed.checkpoint.save``: each piece is recorded (key, shape, dtype, device),
+* ``torch.distributed.checkpoint.save`` and ``serialization.StagedSave`` (the sharded save's plan and
+  write): each piece is recorded (key, shape, dtype, device),
   our save planner resolves every piece of the real state dict (its ``.cpu()`` copies are
   recorded), then DCP writes zero-filled real tensors of the same shapes with our planner
   on this rank alone (``no_dist``), every piece this rank holds included, so the rank can
@@ -35,6 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.planner import ShardedSavePlanner
 from megatron.training.checkpoint_formats.base import TORCH
 from megatron.training.checkpoint_formats.registry import get_format
 from tools.dry_run.fake_cuda import Patcher, describe_tensor
@@ -166,6 +169,29 @@ def _dcp_save(recorder: Recorder, original: Callable) -> Callable:
     return save
 
 
+def _staged_save(recorder: Recorder) -> type:
+    """``serialization.StagedSave`` planning (on this rank alone, as ``no_dist``) and writing zero-filled real
+    twins of the recorded pieces, each this rank holds (as ``dcp.save`` is replaced above)."""
+
+    class StandInSave(serialization.StagedSave):
+        def __init__(self, tensors: Dict[str, Any], checkpoint_dir: str, process_group: Any = None) -> None:
+            for key, spec in tensors.items():
+                recorder.add("ckpt-write", key, {"tensor": describe_tensor(spec.data), "replica_id": spec.replica_id})
+            resolver = ShardedSavePlanner()
+            resolver.set_up_planner(tensors, is_coordinator=True)
+            for item in resolver.create_local_plan().items:
+                resolver.resolve_data(item)  # the copies DCP's writer would make, on the fake tensors
+            twins = {key: _real_twin(spec, fill=True) for key, spec in tensors.items()}
+            with _host_only():
+                super().__init__(twins, checkpoint_dir, process_group, use_dist=False)
+
+        def write(self) -> None:
+            with _host_only():
+                super().write()
+
+    return StandInSave
+
+
 def _dcp_load(recorder: Recorder, original: Callable) -> Callable:
     def load(
         state_dict: Dict[str, Any],
@@ -212,6 +238,7 @@ class CheckpointIO:
         patcher = self.patcher
         patcher.set(dcp, "save", _dcp_save(self.recorder, dcp.save))
         patcher.set(dcp, "load", _dcp_load(self.recorder, dcp.load))
+        patcher.set(serialization, "StagedSave", _staged_save(self.recorder))
         patcher.set(torch, "save", _fake_torch_save(torch.save))
         patcher.set(torch, "load", _fake_torch_load(torch.load))
         real_get_rank = dist.get_rank

@@ -56,7 +56,8 @@ def _owner(name: str, world: int) -> int:
     return int(match.group(1)) if match and int(match.group(1)) < world else 0
 
 
-def _hash(checkpoint_dir: str, names: List[str]) -> Tuple[FileTable, Optional[str]]:
+def hash_files(checkpoint_dir: str, names: List[str]) -> Tuple[FileTable, Optional[str]]:
+    """(size and digest of each of ``names``, the first read error or None); local, no collective."""
     table: FileTable = {}
     for name in names:
         path = os.path.join(checkpoint_dir, name)
@@ -68,12 +69,20 @@ def _hash(checkpoint_dir: str, names: List[str]) -> Tuple[FileTable, Optional[st
 
 
 def gather_checksums(
-    checkpoint_dir: str, skip: str, process_group: Optional[dist.ProcessGroup] = None
+    checkpoint_dir: str,
+    skip: str,
+    process_group: Optional[dist.ProcessGroup] = None,
+    done: Optional[FileTable] = None,
 ) -> Tuple[Optional[FileTable], Optional[str]]:
-    """Collective, after every rank has written: (table, first error) on rank 0, (None, None) elsewhere."""
+    """Collective, after every rank has written: (table, first error) on rank 0, (None, None) elsewhere.
+
+    ``done``: entries this rank already hashed (its shard files, by the writer that wrote them).
+    """
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    mine = [n for n in list_files(checkpoint_dir, skip) if _owner(n, world) == rank]
-    local = _hash(checkpoint_dir, mine)
+    done = dict(done or {})
+    mine = [n for n in list_files(checkpoint_dir, skip) if _owner(n, world) == rank and n not in done]
+    table, error = hash_files(checkpoint_dir, mine)
+    local = ({**done, **table}, error)
     gathered: Optional[List] = [None] * world if rank == 0 else None
     dst = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     dist.gather_object(local, gathered, dst=dst, group=process_group)

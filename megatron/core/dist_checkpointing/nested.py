@@ -83,7 +83,8 @@ class Parts:
 
 
 def split(sharded_state_dict: ShardedStateDict) -> Parts:
-    """Factories built; ShardedTensors by key (a repeated key is read once and copied), objects, common."""
+    """Factories built; ShardedTensors by key (a repeated key is read once and copied; further pieces of a
+    key at other offsets, as the distributed optimizer's slices, by ``key@offset``), objects, common."""
     parts = Parts()
     common = _common(sharded_state_dict)
     parts.common = common if isinstance(common, dict) else {}
@@ -100,6 +101,8 @@ def split(sharded_state_dict: ShardedStateDict) -> Parts:
             parts.objects.append(leaf)
         elif isinstance(leaf, ShardedTensor):
             first = parts.tensors.setdefault(leaf.key, leaf)
+            if first is not leaf and first.global_offset != leaf.global_offset:  # another piece of the key
+                first = parts.tensors.setdefault(f"{leaf.key}@{leaf.global_offset}", leaf)
             if first is not leaf:
                 if (first.global_shape, first.global_offset, first.local_shape) != (
                     leaf.global_shape,

@@ -9,7 +9,7 @@ rank needs, then copies straight into it (in place, so into the parameters).
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -44,14 +44,18 @@ def write_item(spec: ShardedTensor) -> WriteItem:
 
 
 class ShardedSavePlanner(DefaultSavePlanner):
-    """Writes the pieces with ``replica_id == 0``; DCP's global step checks they tile each tensor."""
+    """Writes the pieces with ``replica_id == 0``; DCP's global step checks they tile each tensor.
+
+    A rank may write several pieces of one key (the distributed optimizer's slices): the dict's keys
+    then differ, and each piece is found by its checkpoint key and offset.
+    """
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._pieces: Dict[str, ShardedTensor] = {}
+        self._pieces: Dict[Tuple[str, Tuple[int, ...]], ShardedTensor] = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self._pieces = {key: spec for key, spec in state_dict.items() if spec.replica_id == 0}
+        self._pieces = {(spec.key, spec.global_offset): spec for spec in state_dict.values() if spec.replica_id == 0}
         self.state_dict = state_dict
         self.is_coordinator = is_coordinator
 
@@ -61,7 +65,8 @@ class ShardedSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         # Contiguous CPU copy: the writer serializes the storage it is given.
-        return self._pieces[write_item.index.fqn].data.detach().cpu().contiguous()
+        index = write_item.index
+        return self._pieces[(index.fqn, tuple(index.offset))].data.detach().cpu().contiguous()
 
 
 class ShardedLoadPlanner(DefaultLoadPlanner):
@@ -79,19 +84,20 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
         self, state_dict: ShardedStateDict, metadata: Metadata = None, is_coordinator: bool = False
     ) -> None:
         self._pieces = dict(state_dict)
+        self._by_offset = {(spec.key, spec.global_offset): spec for spec in self._pieces.values()}
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         requests: List[ReadItem] = []
-        for key, spec in self._pieces.items():
-            saved = self.metadata.state_dict_metadata[key]
+        for spec in self._pieces.values():
+            saved = self.metadata.state_dict_metadata[spec.key]
             if not isinstance(saved, TensorStorageMetadata):
-                raise ValueError(f"checkpoint entry {key!r} is not a tensor")
-            requests += create_read_items_for_chunk_list(key, saved, [_chunk(spec)])
+                raise ValueError(f"checkpoint entry {spec.key!r} is not a tensor")
+            requests += create_read_items_for_chunk_list(spec.key, saved, [_chunk(spec)])
         self.plan = LoadPlan(requests)
         return self.plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self._pieces[index.fqn].data
+        return self._by_offset[(index.fqn, tuple(index.offset))].data

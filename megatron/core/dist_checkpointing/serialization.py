@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron.core.dist_checkpointing import checksums, nested
 from megatron.core.dist_checkpointing.agreement import agree_on_error
@@ -78,20 +79,44 @@ def save(
     content_metadata: Optional[dict] = None,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
-) -> None:
+) -> Optional[StagedSave]:
     """Write a sharded state dict (each rank its own pieces) into ``checkpoint_dir``; ``metadata.json`` last.
 
     Megatron-core's signature. The dict is flat (key -> ShardedTensor of that key) or nested as in
     Megatron-core (see ``nested.py``). Only the torch_dist strategy exists; the piece checks of
-    ``validate_access_integrity`` are DCP's own and always run.
+    ``validate_access_integrity`` are DCP's own and always run. With ``async_sharded_save`` the
+    tensors are snapshotted and a ``StagedSave`` is returned instead: its ``write()`` (local, for a
+    background writer) and then ``finalize()`` (collective) complete the checkpoint.
 
     Raises:
-        CheckpointingError: another strategy, ``async_sharded_save`` or ``content_metadata`` asked for.
+        CheckpointingError: another strategy or ``content_metadata`` asked for.
     """
     nested.require_no_strategy("save", sharded_strategy=sharded_strategy, common_strategy=common_strategy)
     del validate_access_integrity, preprocess_common_before_consistancy_check  # see the docstring
-    if async_sharded_save or content_metadata is not None:
-        raise CheckpointingError("save: async_sharded_save / content_metadata not supported yet")
+    if content_metadata is not None:
+        raise CheckpointingError("save: content_metadata not supported yet")
+    staged = stage_save(sharded_state_dict, checkpoint_dir, snapshot=async_sharded_save, process_group=process_group)
+    if async_sharded_save:
+        return staged
+    staged.write()
+    staged.finalize()
+    return None
+
+
+def stage_save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    snapshot: bool,
+    process_group: Optional[dist.ProcessGroup] = None,
+    buffers: Optional[Dict[Any, torch.Tensor]] = None,
+) -> StagedSave:
+    """Collective: side files, the directory and DCP's plan of who writes what; nothing of the tensors yet.
+
+    ``snapshot``: the tensors are copied to host memory now (pinned from a GPU), so training may change
+    them while ``StagedSave.write`` runs in the background; the bytes written are the same. ``buffers``
+    keeps the host copies for the next snapshot (same key, offset, shape and dtype: no new allocation);
+    the caller must not snapshot again before this save's ``write`` has finished.
+    """
     parts = nested.split(sharded_state_dict)
     _check_values(parts.tensors)
     rank = dist.get_rank(process_group)
@@ -109,20 +134,98 @@ def save(
     except WRITE_FAILURES as e:
         error = describe_write_failure(e, checkpoint_dir)
     agree_on_error(error, process_group)
-    dcp.save(
-        parts.tensors,
-        storage_writer=FileSystemWriter(checkpoint_dir),
-        planner=ShardedSavePlanner(),
-        process_group=process_group,
-    )
-    dist.barrier(group=process_group)
-    table, error = checksums.gather_checksums(checkpoint_dir, METADATA_FILE, process_group)
-    if rank == 0 and error is None:
+    tensors = {k: _snapshot(v, buffers) for k, v in parts.tensors.items()} if snapshot else parts.tensors
+    return StagedSave(tensors, checkpoint_dir, process_group)
+
+
+def _snapshot(spec: ShardedTensor, buffers: Optional[Dict[Any, torch.Tensor]] = None) -> ShardedTensor:
+    """``spec`` over a host copy of its data (pinned when the data is on a GPU: the copy is asynchronous),
+    in ``buffers``' copy of the same piece when it has one (freshly allocated memory costs a page fault per
+    page on the first write, about as much as the copy itself)."""
+    data, slot = spec.data.detach(), (spec.key, spec.global_offset)
+    copy = None if buffers is None else buffers.get(slot)
+    if copy is None or copy.shape != data.shape or copy.dtype != data.dtype:
+        copy = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)  # [local shape] host
+        if buffers is not None:
+            buffers[slot] = copy
+    copy.copy_(data, non_blocking=data.is_cuda)
+    return ShardedTensor(spec.key, copy, spec.global_shape, spec.global_offset, spec.replica_id, spec.data_shape)
+
+
+class StagedSave:
+    """One planned torch_dist save in three steps: ``plan`` (collective, at construction), ``write``
+    (this rank's shard files, fsynced and hashed; no collective, so a background thread may run it)
+    and ``finalize`` (collective: DCP's ``.metadata``, the checksum table, ``metadata.json`` last).
+
+    A failure in ``write`` is kept and raised on every rank by ``finalize``.
+    """
+
+    def __init__(
+        self,
+        tensors: Dict[str, ShardedTensor],
+        checkpoint_dir: str,
+        process_group: Optional[dist.ProcessGroup],
+        use_dist: bool = True,
+    ) -> None:
+        self.checkpoint_dir, self.process_group = checkpoint_dir, process_group
+        self._planner = ShardedSavePlanner()
+        self._writer = FileSystemWriter(checkpoint_dir)  # sync_files: every shard file is fsynced
+        self._dist = _DistWrapper(process_group, use_dist, 0)  # use_dist=False: DCP's plan of this rank alone
+        self._metadata: Optional[Metadata] = None
+        self._results: Optional[list] = None
+        self._table: checksums.FileTable = {}
+        self._error: Optional[BaseException] = None
+        self._plan = self._dist.reduce_scatter("plan", lambda: self._local_plan(tensors), self._global_plan)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the snapshot's copies are complete before anyone reads them
+
+    def _local_plan(self, tensors: Dict[str, ShardedTensor]) -> Any:
+        coordinator = self._dist.is_coordinator
+        self._planner.set_up_planner(tensors, storage_meta=self._writer.storage_meta(), is_coordinator=coordinator)
+        self._writer.set_up_storage_writer(coordinator, rank=self._dist.rank, use_collectives=True)
+        return self._writer.prepare_local_plan(self._planner.create_local_plan())
+
+    def _global_plan(self, plans: list) -> list:
+        plans, self._metadata = self._planner.create_global_plan(plans)
+        return self._writer.prepare_global_plan(plans)
+
+    def write(self) -> None:
+        """This rank's shard files, fsynced, then their checksums (local: safe off the main thread)."""
         try:
-            write_json_atomic(os.path.join(checkpoint_dir, METADATA_FILE), dict(BACKEND_METADATA, checksums=table))
-        except WRITE_FAILURES as e:
-            error = describe_write_failure(e, checkpoint_dir)
-    agree_on_error(error, process_group)  # rank 0's failure raises everywhere instead of leaving peers in a barrier
+            future = self._writer.write_data(self._planner.finish_plan(self._plan), self._planner)
+            future.wait()
+            self._results = future.value()
+            names = sorted({r.storage_data.relative_path for r in self._results})
+            self._table, error = checksums.hash_files(self.checkpoint_dir, names)
+            if error is not None:
+                raise OSError(error)
+        except BaseException as e:  # noqa: BLE001 - raised on every rank by finalize
+            self._error = e
+
+    def _written(self) -> list:
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+    def finalize(self) -> None:
+        """Collective: rank 0 writes ``.metadata`` after every rank's files, then ``metadata.json``."""
+        if self._results is None and self._error is None:
+            raise CheckpointingError(f"StagedSave.finalize before write: {self.checkpoint_dir}")
+        self._dist.all_reduce("write", self._written, self._finish)
+        table, error = checksums.gather_checksums(
+            self.checkpoint_dir, METADATA_FILE, self.process_group, done=self._table
+        )
+        if self._dist.rank == 0 and error is None:
+            try:
+                metadata = dict(BACKEND_METADATA, checksums=table)
+                write_json_atomic(os.path.join(self.checkpoint_dir, METADATA_FILE), metadata)
+            except WRITE_FAILURES as e:
+                error = describe_write_failure(e, self.checkpoint_dir)
+        agree_on_error(error, self.process_group)  # rank 0's failure raises everywhere
+
+    def _finish(self, results: list) -> Metadata:
+        self._writer.finish(metadata=self._metadata, results=results)
+        return self._metadata
 
 
 def check_sharded_checkpoint(checkpoint_dir: str) -> None:

@@ -74,21 +74,24 @@ def _global_name(name: str, prefixes: Mapping[str, str]) -> str:
 
 
 def _entries(
-    model_chunk: torch.nn.Module, prefix: str, groups: ProcessGroupCollection
+    model_chunk: torch.nn.Module, prefix: str, groups: ProcessGroupCollection, dp_replicas: bool = True
 ) -> List[Tuple[str, torch.Tensor, ShardedTensor]]:
-    """(state_dict name, original tensor, its ShardedTensor) for every parameter and persistent buffer."""
+    """(state_dict name, original tensor, its ShardedTensor) for every parameter and persistent buffer.
+
+    ``dp_replicas=False``: every data-parallel rank is described as DP rank 0 (each writes its own part).
+    """
     model = unwrap_model(model_chunk)
     prefixes, experts = _layer_prefixes(model), _expert_prefixes(model)
-    tp_rank, tp_size, dp_rank = groups.rank_in("tp"), groups.size_of("tp"), groups.rank_in("dp_cp")
+    tp_rank, tp_size = groups.rank_in("tp"), groups.size_of("tp")
+    dp_rank = groups.rank_in("dp_cp") if dp_replicas else 0
+    expt_dp_rank = groups.rank_in("expt_dp") if dp_replicas else 0
     entries = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         if not isinstance(tensor, torch.Tensor) or is_empty_extra_state(name, tensor):
             continue
         if is_expert_param(tensor):
             key = prefix + _global_name(_global_name(name, experts), prefixes)
-            spec = sharded_tensor_for(
-                key, tensor, groups.rank_in("expt_tp"), groups.size_of("expt_tp"), groups.rank_in("expt_dp")
-            )
+            spec = sharded_tensor_for(key, tensor, groups.rank_in("expt_tp"), groups.size_of("expt_tp"), expt_dp_rank)
         elif getattr(tensor, "shared_embedding", False):
             key = name if name.startswith("embedding.") else TIED_EMBEDDING_KEY  # MTP's copy, or the output layer
             spec = sharded_tensor_for(prefix + key, tensor, tp_rank, tp_size, dp_rank)
@@ -170,13 +173,19 @@ def model_sharded_state_dict(
 
 
 def sharded_tensors_by_param_name(
-    model_chunks: Sequence[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection] = None
+    model_chunks: Sequence[torch.nn.Module],
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    dp_replicas: bool = True,
 ) -> Dict[str, ShardedTensor]:
-    """Parameter name (see ``megatron.core.utils.named_model_params``) -> the parameter's ShardedTensor."""
+    """Parameter name (see ``megatron.core.utils.named_model_params``) -> the parameter's ShardedTensor.
+
+    ``dp_replicas=False`` describes every rank as data-parallel rank 0: the replica ids of state that the
+    data-parallel ranks shard among themselves (the distributed optimizer's) instead of replicating.
+    """
     by_id: Dict[int, ShardedTensor] = {}
     for chunk in model_chunks:
         groups = model_process_groups(unwrap_model(chunk), pg_collection)
-        by_id.update({id(tensor): spec for _, tensor, spec in _entries(chunk, "", groups)})
+        by_id.update({id(tensor): spec for _, tensor, spec in _entries(chunk, "", groups, dp_replicas)})
     # An FP8 weight's entry is the high-precision tensor its state_dict handed out (fp8_params).
     return {
         name: by_id[id(param.fp8_meta.checkpoint_values if is_fp8_param(param) else param)]

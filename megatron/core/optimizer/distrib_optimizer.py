@@ -17,6 +17,7 @@ own parameters (a DDP forward pre-hook), so later buckets arrive while earlier l
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -172,6 +173,38 @@ class DistributedOptimizer(MegatronOptimizer):
             per_param[name] = entry
         return template, per_param
 
+    def sharded_state_to_save(
+        self, model_chunks: Sequence[torch.nn.Module], specs: Dict[str, ShardedTensor]
+    ) -> Tuple[Dict[str, ShardedTensor], Dict[str, Any]]:
+        """This rank's own slices of the optimizer state as checkpoint pieces, and the scalars; no collective.
+
+        Every DP rank writes what it holds (1/DP of the state), instead of DP rank 0 gathering it all.
+        A slice is a flat range of its (TP-local) parameter: it is written as the few boxes that tile it
+        (``flat_range_boxes``), views of the state itself (a caller that keeps them past the next step
+        snapshots them). ``specs``: parameter name -> ShardedTensor as DP rank 0 describes it
+        (``sharded_tensors_by_param_name(..., dp_replicas=False)``; DDP refuses several
+        distributed-optimizer instances, so the DP ranks of a buffer are all its data-parallel ranks).
+        Before the first step there is no state and nothing is written.
+        """
+        from megatron.core.dist_checkpointing.state_dict import optimizer_state_key
+
+        self.finish_param_sync()
+        links = {id(link.model): link for link in self.links}
+        out: Dict[str, ShardedTensor] = {}
+        for name, param in named_model_params(model_chunks):
+            link, spec = links.get(id(param)), specs.get(name)
+            if link is None or spec is None:
+                continue
+            for state, value in self._param_state(link).items():
+                key = optimizer_state_key(spec.key, state)
+                flat = value.detach().view(-1)  # [slice numel], flat elements link.flat_range of the parameter
+                for offset, size, first in flat_range_boxes(spec.local_shape, *link.flat_range):
+                    lo = first - link.flat_range[0]
+                    data = flat[lo : lo + math.prod(size)].view(size)  # [box]
+                    at = tuple(o + b for o, b in zip(spec.global_offset, offset))
+                    out[f"{key}@{first}"] = ShardedTensor(key, data, spec.global_shape, at, spec.replica_id)
+        return out, self._scalars()
+
     def _state_keys(self) -> List[str]:
         if self.config.optimizer == "adam":
             return ["exp_avg", "exp_avg_sq"]
@@ -262,6 +295,31 @@ def flat_range_box(shape: Sequence[int], start: int, end: int) -> Tuple[Tuple[in
     for index, extent in zip(offset, shape):
         first = first * extent + index
     return offset, size, first
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+    """Disjoint boxes of a row-major ``shape`` that together hold exactly flat elements ``[start, end)``.
+
+    Each is (offset, size, first flat element), in flat order: a partial first row, the whole rows, a
+    partial last row, each partial row split the same way one dimension down (at most 2 per dimension).
+    """
+    if end <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,) * len(shape), (end - start,) * len(shape), start)]
+    row = math.prod(shape[1:])
+    first_row, last_row = start // row, (end - 1) // row
+    if first_row == last_row:
+        base = first_row * row
+        inner = flat_range_boxes(shape[1:], start - base, end - base)
+        return [((first_row,) + o, (1,) + z, base + f) for o, z, f in inner]
+    full_lo, full_hi = -(-start // row), end // row  # whole rows [full_lo, full_hi)
+    boxes = flat_range_boxes(shape, start, full_lo * row) if start % row else []
+    if full_hi > full_lo:
+        boxes.append(((full_lo,) + (0,) * (len(shape) - 1), (full_hi - full_lo,) + tuple(shape[1:]), full_lo * row))
+    if end % row:
+        boxes += flat_range_boxes(shape, full_hi * row, end)
+    return boxes
 
 
 def _unravel(index: int, shape: Sequence[int]) -> List[int]:

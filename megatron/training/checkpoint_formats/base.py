@@ -48,6 +48,16 @@ class LoadRequest:
     check_args: Optional[Callable[[Any, str], None]]  # (saved args, where): raises if they do not fit this run
 
 
+@dataclass
+class StagedWrite:
+    """An asynchronous save that ``CheckpointFormat.stage`` prepared: ``write`` runs on the background writer
+    (local: no collective; a failure is raised on every rank by the finalization), ``finalize`` on the
+    training thread once every rank's ``write`` has finished (collective: makes the directory complete)."""
+
+    write: Callable[[], None]
+    finalize: Callable[[], None]
+
+
 class CheckpointFormat(abc.ABC):
     """How one ``--ckpt-format`` writes, finds and reads an ``iter_*`` directory.
 
@@ -60,6 +70,7 @@ class CheckpointFormat(abc.ABC):
 
     name: str  # the --ckpt-format value, also written in the checkpoint's common state
     marker: str  # what ``detect`` looks for, for the message naming an incomplete directory
+    supports_async = False  # whether ``stage`` prepares a background save (--async-save)
 
     @abc.abstractmethod
     def detect(self, names: Sequence[str]) -> bool:
@@ -72,6 +83,12 @@ class CheckpointFormat(abc.ABC):
     def save(self, request: SaveRequest) -> None:
         """Write the model (and the optimizer's state unless None), the common state and this rank's RNG
         state (None: not saved) into the existing ``request.iter_dir``; complete when it returns."""
+
+    def stage(self, request: SaveRequest, staging: Dict[Any, Any]) -> StagedWrite:
+        """Collective: what an asynchronous save must do on the training thread (plan, a host snapshot of the
+        tensors, reusing ``staging``'s buffers); the returned ``write`` and ``finalize`` do the rest. Only
+        formats with ``supports_async``; the bytes written are those ``save`` writes."""
+        raise NotImplementedError(f"--ckpt-format {self.name} saves only synchronously")
 
     @abc.abstractmethod
     def load(self, request: LoadRequest) -> Loaded:

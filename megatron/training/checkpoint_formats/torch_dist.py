@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, plain_data
-from megatron.core.dist_checkpointing.serialization import read_json, write_json_atomic
+from megatron.core.dist_checkpointing.serialization import read_json, stage_save, write_json_atomic
 from megatron.core.dist_checkpointing.validation import apply_strictness, parse_strictness
+from megatron.core.dist_checkpointing.write_errors import WRITE_FAILURES, describe_write_failure
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.transformer.fp8_utils import drop_fp8_checkpoint_values, load_fp8_checkpoint_values
 from megatron.core.utils import named_model_params
@@ -29,6 +30,7 @@ from megatron.training.checkpoint_formats.base import (
     Loaded,
     LoadRequest,
     SaveRequest,
+    StagedWrite,
 )
 from megatron.training.checkpoint_formats.common import (
     COMMON_FILE,
@@ -50,21 +52,28 @@ class TorchDistFormat(CheckpointFormat):
         """``metadata.json`` is written last: its presence means the save completed."""
         return dc.METADATA_FILE in names
 
+    supports_async = True
+
     def save(self, request: SaveRequest) -> None:
         """``common.json`` and RNG files first, then the DCP files, checksums and ``metadata.json``."""
-        iter_dir, model_chunks = request.iter_dir, request.model_chunks
-        optimizer, groups = request.optimizer, request.groups
-        common = request.common
-        sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
-        common["optimizer"] = None
-        if optimizer is not None:
-            specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
-            per_param, scalars = dc.split_optimizer_state(optimizer.state_dict_by_param_name(model_chunks), specs)
-            sharded.update(dc.optimizer_sharded_state_dict(per_param, specs))
-            common["optimizer"] = plain_data.encode(scalars, "optimizer")
-        agreed_write(lambda: _write_common_and_rng(iter_dir, common, request.rng_state), iter_dir, writer=True)
-        dc.save(sharded, iter_dir)  # DCP files, checksums, then metadata.json last
-        drop_fp8_checkpoint_values(model_chunks)
+        staged = _plan(request, None)
+        iter_dir, common, rng_state = request.iter_dir, request.common, request.rng_state
+        agreed_write(lambda: _write_common_and_rng(iter_dir, common, rng_state), iter_dir, writer=True)
+        staged.write()
+        staged.finalize()
+
+    def stage(self, request: SaveRequest, staging: Dict[Any, Any]) -> StagedWrite:
+        """Plan and snapshot now; the writer writes ``common.json``, the RNG and DCP files, each rank its own."""
+        staged = _plan(request, staging)
+
+        def write() -> None:
+            try:
+                _write_common_and_rng(request.iter_dir, request.common, request.rng_state)
+            except WRITE_FAILURES as e:
+                raise CheckpointingError(describe_write_failure(e, request.iter_dir)) from e
+            staged.write()
+
+        return StagedWrite(write, staged.finalize)
 
     def load(self, request: LoadRequest) -> Loaded:
         """Checksums, header checks and strictness on every rank before the one collective DCP load."""
@@ -107,6 +116,34 @@ class TorchDistFormat(CheckpointFormat):
     def saved_args(self, iter_dir: str) -> Any:
         """``common.json``'s ``args``."""
         return read_json(os.path.join(iter_dir, COMMON_FILE), "checkpoint common state").get("args")
+
+
+def _plan(request: SaveRequest, staging: Optional[Dict[Any, torch.Tensor]]) -> dc.StagedSave:
+    """The model's and optimizer's pieces, planned (collective); snapshotted into ``staging`` unless None."""
+    model_chunks, optimizer, groups = request.model_chunks, request.optimizer, request.groups
+    sharded = dc.model_sharded_state_dict(model_chunks, pg_collection=groups)
+    request.common["optimizer"] = None
+    if optimizer is not None:
+        pieces, scalars = optimizer_pieces(model_chunks, optimizer, groups)
+        sharded.update(pieces)
+        request.common["optimizer"] = plain_data.encode(scalars, "optimizer")
+    staged = stage_save(sharded, request.iter_dir, snapshot=staging is not None, buffers=staging)
+    drop_fp8_checkpoint_values(model_chunks)
+    return staged
+
+
+def optimizer_pieces(
+    model_chunks: Sequence[torch.nn.Module], optimizer: Any, groups: ProcessGroupCollection
+) -> Tuple[dc.ShardedStateDict, Dict[str, Any]]:
+    """The optimizer state as checkpoint pieces, and its scalars. The distributed optimizer's DP ranks each
+    give their own slices (no gather: every rank writes 1/DP); the others give whole per-parameter tensors."""
+    if hasattr(optimizer, "sharded_state_to_save"):
+        return optimizer.sharded_state_to_save(
+            model_chunks, dc.sharded_tensors_by_param_name(model_chunks, groups, dp_replicas=False)
+        )
+    specs = dc.sharded_tensors_by_param_name(model_chunks, groups)
+    per_param, scalars = dc.split_optimizer_state(optimizer.state_dict_by_param_name(model_chunks), specs)
+    return dc.optimizer_sharded_state_dict(per_param, specs), scalars
 
 
 def _write_common_and_rng(iter_dir: str, common: Dict[str, Any], rng_state: Optional[Dict[str, Any]]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron.training.checkpoint_config import CheckpointConfig as CK
 from megatron.training.checkpoint_formats.base import TORCH, TORCH_DIST
 from megatron.training.flags import reasons
-from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, no_op, not_yet, same
+from megatron.training.flags.record import IMPLEMENTED, SPEED_BITWISE, Flag, ProjectFlag, no_op, not_yet, same
 
 RECORDS = (
     Flag("save", IMPLEMENTED, help="Directory to save checkpoints to.", fills=same(CK)),
@@ -42,8 +42,21 @@ RECORDS = (
     Flag("ckpt_convert_save", no_op(reasons.UNDER_REFUSED)),
     Flag("ckpt_convert_update_legacy_dist_opt_format", no_op(reasons.UNDER_REFUSED)),
     Flag("ckpt_fully_parallel_save", no_op(reasons.CHECKPOINT_IO)),
-    Flag("async_save", no_op(reasons.CHECKPOINT_IO)),
-    Flag("use_persistent_ckpt_worker", no_op(reasons.CHECKPOINT_IO)),
+    Flag(
+        "async_save",
+        IMPLEMENTED,
+        help="Save checkpoints in the background: a step waits only for a host snapshot of the tensors; "
+        "the tracker names the checkpoint once every rank's files are written (torch_dist only).",
+        fills=same(CK),
+        speed_only=SPEED_BITWISE,
+    ),
+    Flag(
+        "use_persistent_ckpt_worker",
+        IMPLEMENTED,
+        help="One background checkpoint writer (a thread) for the whole run instead of one per save.",
+        fills=same(CK),
+        speed_only=SPEED_BITWISE,
+    ),
     Flag("ckpt_fully_parallel_load", no_op(reasons.CHECKPOINT_IO)),
     Flag("ckpt_assume_constant_structure", no_op(reasons.CHECKPOINT_IO)),
     Flag("strict_fsdp_dtensor_load", no_op(reasons.UNDER_REFUSED)),

@@ -6,10 +6,11 @@ from megatron.core.optimizer import OptimizerConfig as OPT
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import as_int, none_if_empty, wandb_save_dir
 from megatron.training.flags.record import IMPLEMENTED, Flag, no_op, same, to
+from megatron.training.straggler import StragglerConfig as ST
 from megatron.training.training_log import LoggingConfig as LOG
 
 RECORDS = (
-    Flag("log_interval", IMPLEMENTED, fills=same(LOG)),
+    Flag("log_interval", IMPLEMENTED, fills=(*same(LOG), to(ST, "report_interval"))),
     Flag("log_params_norm", IMPLEMENTED, fills=same(LOG)),
     Flag("log_throughput", IMPLEMENTED, fills=same(LOG)),
     Flag("log_progress", no_op(reasons.DIAGNOSTICS)),
@@ -34,4 +35,14 @@ RECORDS = (
     Flag("wandb_entity", IMPLEMENTED, fills=same(LOG)),
     Flag("logging_level", no_op(reasons.DIAGNOSTICS)),
     Flag("log_energy", no_op(reasons.DIAGNOSTICS)),
+    Flag(
+        "log_straggler",
+        IMPLEMENTED,
+        help="Every --log-interval iterations, name the ranks whose compute (forward-backward without the "
+        "gradient sync) is slowest and fastest, with their slowdown against the median rank.",
+        fills=same(ST),
+    ),
+    Flag("disable_straggler_on_startup", IMPLEMENTED, fills=same(ST)),
+    Flag("straggler_ctrlr_port", IMPLEMENTED, type=int, fills=same(ST)),
+    Flag("straggler_minmax_count", IMPLEMENTED, type=int, fills=same(ST)),
 )

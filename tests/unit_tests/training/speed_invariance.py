@@ -82,6 +82,13 @@ FACTORS: Tuple[Factor, ...] = (
         ("cp_comm_type",),
         (Level(()), Level(("--cp-comm-type", "a2a"), ("cp",)), Level(("--cp-comm-type", "all_gather"), ("cp",))),
     ),
+    # The suite's runs do not save, so here these only parse and build the run; the proof that they change
+    # nothing is tests/fault/test_async_save_faults.py (the losses and checkpoint tensor bytes of a sync run).
+    Factor(
+        "async_save",
+        ("async_save", "use_persistent_ckpt_worker"),
+        (Level(()), Level(("--async-save", "--use-persistent-ckpt-worker"))),
+    ),
 )
 
 _MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01")
