@@ -23,6 +23,7 @@ def test_killed_rank_restarts_in_job_and_finishes_with_the_straight_losses(tmp_p
         [*FLAGS, "--save", ckpt, "--load", ckpt],
         str(tmp_path),
         script=[os.path.join(HERE, "faulty_gpt.py"), "kill-rank1-once", "5"],
+        launcher="torchrun",
         launcher_args=["--max-restarts", "1"],
     )
     assert_ok(restarted, "run restarted after a killed rank")
@@ -38,6 +39,7 @@ def test_killed_rank_restarts_in_job_and_finishes_with_the_straight_losses(tmp_p
         [*FLAGS, "--save", str(tmp_path / "other"), "--load", str(tmp_path / "other")],
         str(tmp_path),
         script=[os.path.join(HERE, "faulty_gpt.py"), "kill-rank1-once", "5"],
+        launcher="torchrun",
         launcher_args=["--max-restarts", "0"],
     )
     assert no_retry.returncode != 0  # the attempts are bounded: none left, the job fails

@@ -79,7 +79,7 @@ class AsyncCallsQueue:
         if self._pending:
             logger.warning(
                 "starting a checkpoint save while %d earlier one(s) are still being written: waiting for them "
-                "(consider a longer --save-interval)",
+                "(consider saving less often: CheckpointConfig.save_interval)",
                 len(self._pending),
             )
             self.maybe_finalize_async_calls(blocking=True)
