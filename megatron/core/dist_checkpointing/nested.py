@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.dist_checkpointing import plain_data
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
@@ -39,11 +40,7 @@ _SHARDED = (ShardedTensor, ShardedObject)
 
 def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
     """``value`` with ``fn`` applied to every leaf (dicts and lists are walked, not leaves)."""
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map(v, fn) for v in value]
-    return fn(value)
+    return dict_list_map_outplace(fn, value)
 
 
 def _leaves(value: Any) -> List[Any]:

@@ -1,0 +1,253 @@
+"""Issue 38's names for library users, checked against megatron-core's / Megatron-LM's documented behaviour.
+
+Single-process checks first (nested-dict helpers, strategy actions, the canonical LR, Megatron-LM's
+training helpers); then one 2-rank group for what needs process groups (boundaries without explicit
+groups, ``_set_random_seed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import random
+from typing import List, Literal, Optional
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.dist_checkpointing import dict_utils as du
+from megatron.core.dist_checkpointing.strategies.base import StrategyAction
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+from megatron.training import global_vars
+from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError
+from tests.dist_harness import run_distributed
+
+
+# ----------------------------------------------------------------------------------
+# dist_checkpointing.dict_utils
+# ----------------------------------------------------------------------------------
+def _tree():
+    return {"a": torch.arange(3), "b": {"c": 1, "d": [torch.ones(2), "s", []]}, "e": {}}
+
+
+def test_extract_matching_values_keeps_the_nesting():
+    is_tensor = lambda v: isinstance(v, torch.Tensor)  # noqa: E731
+    match, rest = du.extract_matching_values(_tree(), is_tensor)
+    assert set(match) == {"a", "b"} and set(match["b"]) == {"d"} and len(match["b"]["d"]) == 1
+    assert torch.equal(match["b"]["d"][0], torch.ones(2)) and torch.equal(match["a"], torch.arange(3))
+    # Non-matching leaves keep their place; empty containers stay on the non-matching side.
+    assert rest == {"b": {"c": 1, "d": ["s", []]}, "e": {}}
+    match, rest = du.extract_matching_values(_tree(), is_tensor, return_lists_as_dicts=True)
+    assert list(match["b"]["d"]) == [0] and rest["b"]["d"] == {1: "s", 2: []}
+    with pytest.raises(ValueError, match="dict or list"):
+        du.extract_matching_values(3, is_tensor)
+
+
+def test_diff_reports_sides_and_mismatches():
+    left, right = _tree(), _tree()
+    del left["e"]
+    right["b"]["x"] = 2
+    right["a"] = torch.tensor([0, 1, 5])
+    right["b"]["c"] = 7
+    only_left, only_right, mismatch = du.diff(left, right)
+    assert only_left == [] and sorted(only_right) == [("b", "x"), ("e",)]
+    assert sorted(m[0] for m in mismatch) == [("a",), ("b", "c")]
+    assert du.diff([1, 2, 3], [1, 2]) == ([2], [], [])  # list tails are reported by index
+    assert du.diff(_tree(), _tree()) == ([], [], [])
+
+
+def test_nested_iteration_and_maps():
+    tree = {"x": [1, {"y": 2}], "z": 3}
+    assert list(du.nested_values(tree)) == [1, 2, 3]
+    assert [(k, v) for _, k, v in du.nested_items_iter(tree)] == [(0, 1), ("y", 2), ("z", 3)]
+    out = du.dict_list_map_outplace(lambda v: v * 10, tree)
+    assert out == {"x": [10, {"y": 20}], "z": 30} and tree == {"x": [1, {"y": 2}], "z": 3}
+    same = du.dict_list_map_inplace(lambda v: v + 1, tree)
+    assert same is tree and tree == {"x": [2, {"y": 3}], "z": 4}
+    du.dict_map(str, tree)
+    assert tree == {"x": ["2", {"y": "3"}], "z": "4"}
+    du.dict_map_with_key(lambda k, v: f"{k}={v}", tree)
+    assert tree == {"x": ["0=2", {"y": "y=3"}], "z": "z=4"}
+
+
+def test_merge_and_map_reduce():
+    merged = du.merge({"a": {"b": 1}, "l": [{"p": 1}]}, {"a": {"c": 2}, "l": [{"q": 2}], "n": 3})
+    assert merged == {"a": {"b": 1, "c": 2}, "l": [{"p": 1, "q": 2}], "n": 3}
+    with pytest.raises(ValueError, match=r"\('a', 'b'\)"):
+        du.merge({"a": {"b": 1}}, {"a": {"b": 2}})
+    with pytest.raises(ValueError, match="lengths 1 and 2"):
+        du.merge([1], [1, 2])
+    words = ["apple", "avocado", "banana"]
+    assert du.map_reduce(words, key_fn=lambda w: w[0], value_fn=len, reduce_fn=sum) == {"a": 12, "b": 6}
+
+
+def test_strategy_actions():
+    assert {a.value for a in StrategyAction} == {"load_common", "load_sharded", "save_common", "save_sharded"}
+    assert StrategyAction("save_sharded") is StrategyAction.SAVE_SHARDED
+
+
+def test_canonical_lr_is_the_first_default_group():
+    groups = [{"lr": 0.5, "default_config": False}, {"lr": 0.1, "default_config": True}, {"lr": 0.2}]
+    assert get_canonical_lr_for_logging(groups) == 0.1
+    assert get_canonical_lr_for_logging([{"lr": 0.3}]) is None
+
+
+# ----------------------------------------------------------------------------------
+# megatron.training: argument_utils, set_args, build_tokenizer(args)
+# ----------------------------------------------------------------------------------
+class Color(enum.Enum):
+    red = 1
+    blue = 2
+
+
+@dataclasses.dataclass
+class Base:
+    """Base settings."""
+
+    depth: int = 2
+    """How deep."""
+
+
+@dataclasses.dataclass
+class Settings(Base):
+    """Some settings."""
+
+    name: Optional[str] = None
+    """The run's name."""
+    sizes: List[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    use_fast: bool = False
+    keep_cache: bool = True
+    mode: Literal["a", "b"] = "a"
+    color: Color = Color.red
+    hidden: int = dataclasses.field(default=0, init=False)
+    either: int = dataclasses.field(default=1, metadata={"argparse_meta": {"arg_names": ["--either-one"]}})
+
+
+def test_argument_group_factory_builds_flags_from_a_dataclass():
+    parser = argparse.ArgumentParser()
+    group = ArgumentGroupFactory(Settings, exclude=["depth"]).build_group(parser, title="settings")
+    assert group.title == "settings" and group.description == "Some settings."
+    defaults = parser.parse_args([])
+    assert vars(defaults) == {
+        "name": None,
+        "sizes": [1, 2],
+        "use_fast": False,
+        "keep_cache": True,
+        "mode": "a",
+        "color": Color.red,
+        "either": 1,
+    }
+    argv = "--name x --sizes 3 4 5 --use-fast --disable-keep-cache --mode b --color blue --either-one 7".split()
+    args = parser.parse_args(argv)
+    assert (args.name, args.sizes, args.use_fast, args.keep_cache) == ("x", [3, 4, 5], True, False)
+    assert (args.mode, args.color, args.either) == ("b", Color.blue, 7)
+    assert parser.parse_args(["--no-keep-cache"]).keep_cache is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "c"])
+    helps = {a.dest: a.help for a in group._group_actions}
+    assert helps["name"] == "The run's name."
+    assert ArgumentGroupFactory(Settings).field_docstrings["depth"] == "How deep."  # from the base class
+
+
+def test_argument_group_factory_refuses_what_argparse_cannot_say():
+    @dataclasses.dataclass
+    class Bad:
+        both: int | str = 1
+
+    with pytest.raises(TypeInferenceError, match="union"):
+        ArgumentGroupFactory(Bad).build_group(argparse.ArgumentParser())
+
+
+def test_set_args_and_build_tokenizer_from_a_minimal_namespace(monkeypatch):
+    from megatron.training.tokenizer import build_tokenizer
+
+    monkeypatch.setattr(global_vars, "_ARGS", None)
+    args = argparse.Namespace(
+        tokenizer_type="NullTokenizer", vocab_size=1000, make_vocab_size_divisible_by=128, tensor_model_parallel_size=2
+    )
+    global_vars.set_args(args)
+    assert global_vars.get_args() is args
+    tokenizer = build_tokenizer(args)  # only the attributes this type reads
+    # The null tokenizer adds its end-of-document id; 1001 padded up to a multiple of 128 x TP.
+    assert tokenizer.vocab_size == 1001 and args.padded_vocab_size == 1024
+    args.padded_vocab_size = 2048  # a size read from a checkpoint is kept
+    build_tokenizer(args)
+    assert args.padded_vocab_size == 2048
+    with pytest.raises(ValueError, match="not supported"):
+        build_tokenizer(args, use_fast=True)
+
+
+# ----------------------------------------------------------------------------------
+# Boundaries without explicit groups, and _set_random_seed (2 ranks, TP=2 then EP=2)
+# ----------------------------------------------------------------------------------
+def _gpt_config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True, hidden_dropout=0.0)
+    return TransformerConfig(**{**base, **kw})
+
+
+def _check_random_seed(rank):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.training.initialize import _set_random_seed
+
+    _set_random_seed(1234)  # pipeline rank 0: the seed itself for python, numpy and torch
+    assert random.random() == random.Random(1234).random()
+    assert np.random.rand() == np.random.RandomState(1234).rand()
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1234)))
+    with get_cuda_rng_tracker().fork():  # Megatron's TP stream: seed + 2718 + tp rank
+        drawn = torch.rand(3)
+    assert torch.equal(drawn, torch.rand(3, generator=torch.Generator().manual_seed(1234 + 2718 + rank)))
+    with pytest.raises(ValueError, match="positive"):
+        _set_random_seed(0)
+
+
+def _check_embedding(rank, groups):
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    config = _gpt_config(sequence_parallel=True, tensor_model_parallel_size=2)
+    scattered = LanguageModelEmbedding(config, 64, 8, pg_collection=groups)
+    whole = LanguageModelEmbedding(config, 64, 8, scatter_to_sequence_parallel=False)  # the default TP group
+    assert whole.tp_group is groups.tp and LanguageModelEmbedding(config, 64, 8, "rope", 0, True, groups.tp)
+    whole.load_state_dict(scattered.state_dict())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    full, shard = whole(ids, None), scattered(ids, None)  # [s, b, h] and [s/tp, b, h]
+    assert full.shape == (8, 2, 16) and torch.allclose(shard, full.chunk(2)[rank])
+    whole.zero_parameters()  # every table zeroed and marked shared (left out of grad-norm clipping)
+    assert all(not p.any() and p.shared for p in whole.parameters())
+
+
+def _check_moe_layer(groups):
+    from megatron.core.transformer.moe import MoELayer
+
+    config = _gpt_config(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        expert_model_parallel_size=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+    )
+    explicit = MoELayer(config, pg_collection=groups)
+    default = MoELayer(config)  # upstream: groups from initialize_model_parallel
+    default.load_state_dict(explicit.state_dict())
+    x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(default(x)[0], explicit(x)[0]) and default.num_local_experts == 2
+
+
+def _boundaries(rank, world):
+    from megatron.core import parallel_state as ps
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    _check_random_seed(rank)
+    _check_embedding(rank, groups)
+    ps.destroy_model_parallel()
+    groups = ps.initialize_model_parallel(expert_model_parallel_size=2)
+    _check_moe_layer(groups)
+    ps.destroy_model_parallel()
+
+
+def test_boundaries_without_explicit_groups_and_set_random_seed():
+    run_distributed(_boundaries, 2)
