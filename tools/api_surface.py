@@ -83,6 +83,7 @@ MODULES: Tuple[str, ...] = (
     "dist_checkpointing.dict_utils",
     "dist_checkpointing.strategies.base",
     "transformer.moe.moe_layer",
+    "safe_globals",
 )
 
 # Modules too large to cover whole: only these names of theirs are listed (issue 38's list).

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import io
+import logging
+import os
 import random
 from typing import List, Literal, Optional
 
@@ -93,6 +96,18 @@ def test_canonical_lr_is_the_first_default_group():
     groups = [{"lr": 0.5, "default_config": False}, {"lr": 0.1, "default_config": True}, {"lr": 0.2}]
     assert get_canonical_lr_for_logging(groups) == 0.1
     assert get_canonical_lr_for_logging([{"lr": 0.3}]) is None
+
+
+def test_weights_only_load_reads_upstream_safe_globals(tmp_path):
+    import megatron.core  # noqa: F401 - registers the safe globals, as upstream's import does
+
+    path = str(tmp_path / "args.pt")
+    torch.save({"args": argparse.Namespace(lr=0.1, name="x"), "buffer": io.BytesIO(b"abc")}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["args"] == argparse.Namespace(lr=0.1, name="x") and loaded["buffer"].getvalue() == b"abc"
+    torch.save({"other": Color.red}, path)  # anything not registered is still refused
+    with pytest.raises(Exception, match="weights_only|Unsupported global"):
+        torch.load(path, weights_only=True)
 
 
 # ----------------------------------------------------------------------------------
@@ -237,7 +252,38 @@ def _check_moe_layer(groups):
     assert torch.equal(default(x)[0], explicit(x)[0]) and default.num_local_experts == 2
 
 
-def _boundaries(rank, world):
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _check_common_state_and_bytes(rank, tmp):
+    """BytesIO in a ShardedObject round-trips; a rank whose common state differs from rank 0's warns on save."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import nested
+
+    records = _Records()
+    nested.logger.addHandler(records)
+    piece = lambda data: dc.ShardedObject("rng", data, (2,), (rank,))  # noqa: E731
+    state = {"rng": piece(io.BytesIO(f"rank {rank}".encode())), "iteration": 5 + rank, "same": [1, 2]}
+    dc.save(state, os.path.join(tmp, "a"))
+    loaded = dc.load({"rng": piece(None)}, os.path.join(tmp, "a"))
+    assert loaded["rng"].getvalue() == f"rank {rank}".encode() and loaded["iteration"] == 5  # rank 0's is written
+    assert len(records.messages) == rank  # rank 0 compares with nobody
+    assert rank == 0 or "Rank 1 common state dict differs" in records.messages[0]
+    assert rank == 0 or "Mismatched keys: [('iteration',)]" in records.messages[0]
+    without = lambda common: {k: v for k, v in common.items() if k != "iteration"}  # noqa: E731
+    dc.save(state, os.path.join(tmp, "b"), preprocess_common_before_consistancy_check=without)
+    dc.save(state, os.path.join(tmp, "c"), validate_access_integrity=False)
+    assert len(records.messages) == rank  # neither warned again
+    nested.logger.removeHandler(records)
+
+
+def _boundaries(rank, world, tmp):
     from megatron.core import parallel_state as ps
 
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -247,7 +293,8 @@ def _boundaries(rank, world):
     groups = ps.initialize_model_parallel(expert_model_parallel_size=2)
     _check_moe_layer(groups)
     ps.destroy_model_parallel()
+    _check_common_state_and_bytes(rank, tmp)
 
 
-def test_boundaries_without_explicit_groups_and_set_random_seed():
-    run_distributed(_boundaries, 2)
+def test_boundaries_without_explicit_groups_and_set_random_seed_and_common_state(tmp_path):
+    run_distributed(_boundaries, 2, str(tmp_path))

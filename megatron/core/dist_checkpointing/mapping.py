@@ -124,7 +124,7 @@ def replica_number(replica_id: Union[int, Tuple[int, ...]]) -> int:
 
 @dataclass
 class ShardedObject:
-    """A piece of plain data (numbers, strings, lists, dicts, tensors) sharded like a tensor of objects.
+    """A piece of plain data (numbers, strings, lists, dicts, tensors, ``BytesIO``) sharded like a tensor of objects.
 
     Stored as JSON (``dist_checkpointing/plain_data.py``), never pickled: a value that is not plain
     data raises ``TypeError`` on save. ``global_shape`` / ``global_offset`` place the piece in a grid

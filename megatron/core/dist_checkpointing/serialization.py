@@ -83,13 +83,14 @@ def save(
 
     Megatron-core's signature. The dict is flat (key -> ShardedTensor of that key) or nested as in
     Megatron-core (see ``nested.py``). Only the torch_dist strategy exists; the piece checks of
-    ``validate_access_integrity`` are DCP's own and always run.
+    ``validate_access_integrity`` are DCP's own and always run; with it (the default) a rank whose
+    common state differs from rank 0's (after ``preprocess_common_before_consistancy_check``) logs
+    a warning naming the keys, as upstream.
 
     Raises:
         CheckpointingError: another strategy, ``async_sharded_save`` or ``content_metadata`` asked for.
     """
     nested.require_no_strategy("save", sharded_strategy=sharded_strategy, common_strategy=common_strategy)
-    del validate_access_integrity, preprocess_common_before_consistancy_check  # see the docstring
     if async_sharded_save or content_metadata is not None:
         raise CheckpointingError("save: async_sharded_save / content_metadata not supported yet")
     parts = nested.split(sharded_state_dict)
@@ -97,6 +98,8 @@ def save(
     rank = dist.get_rank(process_group)
     files, error = nested.side_files(parts, checkpoint_dir, rank)
     agree_on_error(error, process_group)
+    if validate_access_integrity:  # after the agreement: every rank is here
+        nested.warn_if_common_differs(parts.common, preprocess_common_before_consistancy_check, process_group)
     if rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         # Overwriting: the directory must not look complete while it is rewritten.
