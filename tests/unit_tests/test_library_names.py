@@ -98,6 +98,21 @@ def test_canonical_lr_is_the_first_default_group():
     assert get_canonical_lr_for_logging([{"lr": 0.3}]) is None
 
 
+def test_config_without_width_and_symmetric_all_reduce_choice():
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, num_attention_heads=1)  # upstream's buffer-only configs
+    assert (config.hidden_size, config.kv_channels, config.ffn_hidden_size) == (0, 0, 0)
+    with pytest.raises(ValueError, match="LanguageModelEmbedding: hidden_size=0"):
+        LanguageModelEmbedding(config, 16, 4)  # refused before any group is looked up
+    with pytest.raises(ValueError, match="hidden_size=-1"):
+        TransformerConfig(num_layers=1, num_attention_heads=1, hidden_size=-1)
+    assert TransformerConfig(num_layers=1, num_attention_heads=1, symmetric_ar_type="one_shot").symmetric_ar_type
+    with pytest.raises(ValueError, match="symmetric_ar_type='three_shot'"):
+        TransformerConfig(num_layers=1, num_attention_heads=1, symmetric_ar_type="three_shot")
+
+
 def test_weights_only_load_reads_upstream_safe_globals(tmp_path):
     import megatron.core  # noqa: F401 - registers the safe globals, as upstream's import does
 

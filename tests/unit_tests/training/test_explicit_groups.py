@@ -46,6 +46,7 @@ megatron/core/pipeline_parallel/schedule_utils.py _pipeline_sizes get_virtual_pi
 megatron/core/tensor_parallel/layers.py _init_common get_tensor_model_parallel_group_if_none
 megatron/core/extensions/transformer_engine.py _make_classes.TELinear.__init__ get_tensor_model_parallel_group_if_none
 megatron/core/transformer/transformer_layer.py config_stage get_pipeline_model_parallel_rank
+megatron/core/transformer/pipeline_parallel_layer_layout.py PipelineParallelLayerLayout._stage get_pipeline_model_parallel_rank
 megatron/core/transformer/attention.py SelfAttention.__init__ use_mpu_process_groups
 megatron/core/transformer/mlp.py MLP.__init__ get_tensor_model_parallel_group_if_none
 megatron/core/transformer/transformer_layer.py TransformerLayer.__init__ use_mpu_process_groups

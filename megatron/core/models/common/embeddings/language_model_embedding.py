@@ -50,6 +50,7 @@ class LanguageModelEmbedding(MegatronModule):
         embedding_layernorm: bool = False,
     ) -> None:
         super().__init__(config)
+        config.require_width("LanguageModelEmbedding")
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type={position_embedding_type!r}: must be one of {POSITION_EMBEDDING_TYPES}"
