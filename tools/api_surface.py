@@ -85,6 +85,7 @@ MODULES: Tuple[str, ...] = (
     "transformer.moe.moe_layer",
     "safe_globals",
     "transformer.pipeline_parallel_layer_layout",
+    "optimizer.cpu_offloading",
 )
 
 # Modules too large to cover whole: only these names of theirs are listed (issue 38's list).
