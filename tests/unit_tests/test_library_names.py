@@ -125,6 +125,32 @@ def test_weights_only_load_reads_upstream_safe_globals(tmp_path):
         torch.load(path, weights_only=True)
 
 
+def test_chained_optimizer_over_plain_torch_optimizers():
+    from megatron.core.optimizer import ChainedOptimizer
+
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+    adam, sgd = torch.optim.Adam(params[:2], lr=0.01), torch.optim.SGD(params[2:], lr=0.1, momentum=0.9)
+    chained = ChainedOptimizer([adam, sgd])
+    assert chained.config is None and not chained.is_stub_optimizer
+    chained.param_groups[0]["lr"] = 0.02  # the groups are the optimizers' own
+    assert adam.param_groups[0]["lr"] == 0.02
+    for p in params:
+        p.grad = torch.ones(3)
+    adam.step(), sgd.step()
+    assert set(chained.state) == {(0, params[0]), (0, params[1]), (1, params[2])} and len(chained.state) == 3
+    assert chained.state[(1, params[2])] is sgd.state[params[2]] and chained.state[(1, params[0])] is None
+    saved = chained.state_dict()
+    again = ChainedOptimizer([torch.optim.Adam(params[:2], lr=0.01), torch.optim.SGD(params[2:], lr=0.1)])
+    again.load_state_dict(saved)
+    assert torch.equal(again.state[(0, params[1])]["exp_avg"], adam.state[params[1]]["exp_avg"])
+    chained.zero_grad()
+    assert all(p.grad is None for p in params)
+    with pytest.raises(ValueError, match="needs MegatronOptimizers"):
+        chained.step()
+    stub = ChainedOptimizer([])
+    assert stub.is_stub_optimizer and stub.get_loss_scale().item() == 1.0
+
+
 # ----------------------------------------------------------------------------------
 # megatron.training: argument_utils, set_args, build_tokenizer(args)
 # ----------------------------------------------------------------------------------
