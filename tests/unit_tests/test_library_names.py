@@ -324,6 +324,30 @@ def _check_common_state_and_bytes(rank, tmp):
     nested.logger.removeHandler(records)
 
 
+def _check_distributed_input_at_tp1():
+    """distribute_saved_activations at TP=1: the caller's tensor is its flat copy until backward (as upstream)."""
+    from megatron.core import tensor_parallel
+
+    x, y = torch.ones(4, 4), torch.full((4, 4), 2.0)
+    out = tensor_parallel.checkpoint(torch.add, True, x, y)
+    assert torch.equal(out, torch.full((4, 4), 3.0)) and x.shape == (16,) and torch.equal(x, torch.ones(16))
+    x = torch.ones(4, 4, requires_grad=True)
+    tensor_parallel.checkpoint(torch.add, True, x, y).sum().backward()
+    assert x.shape == (4, 4) and torch.equal(x.grad, torch.ones(4, 4))  # regrown for the recompute
+
+
+def _check_sinkhorn_router(groups):
+    """A Sinkhorn router routes every token to k experts, and its gate gets gradients through the probs."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    config = _gpt_config(num_moe_experts=4, moe_router_topk=2, moe_router_load_balancing_type="sinkhorn")
+    router = TopKRouter(config, groups.tp).train()
+    probs, routing = router(torch.randn(16, 16, generator=torch.Generator().manual_seed(4)))
+    assert probs.shape == (16, 4) and (routing.sum(1) == 2).all() and torch.equal(probs != 0, routing)
+    probs.sum().backward()
+    assert router.weight.grad.abs().sum() > 0
+
+
 def _boundaries(rank, world, tmp):
     from megatron.core import parallel_state as ps
 
@@ -333,9 +357,61 @@ def _boundaries(rank, world, tmp):
     ps.destroy_model_parallel()
     groups = ps.initialize_model_parallel(expert_model_parallel_size=2)
     _check_moe_layer(groups)
+    _check_distributed_input_at_tp1()
+    _check_sinkhorn_router(groups)
     ps.destroy_model_parallel()
     _check_common_state_and_bytes(rank, tmp)
 
 
 def test_boundaries_without_explicit_groups_and_set_random_seed_and_common_state(tmp_path):
     run_distributed(_boundaries, 2, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------
+# moe_router_load_balancing_type='sinkhorn'
+# ----------------------------------------------------------------------------------
+def _numpy_sinkhorn(cost, tol=1e-4):
+    """Sinkhorn-Knopp in numpy (float64): scale exp(cost) to rows of 1/T and columns of 1/E."""
+    k = np.exp(cost.astype(np.float64))
+    r, c = np.ones(k.shape[0]), np.ones(k.shape[1])
+    while True:
+        r = 1.0 / (k.shape[0] * (k @ c))
+        new_c = 1.0 / (k.shape[1] * (r @ k))
+        done = np.abs(new_c - c).mean() <= tol
+        c = new_c
+        if done:
+            return k * np.outer(r, c)
+
+
+def test_sinkhorn_balances_and_routes_like_a_numpy_reference():
+    from megatron.core.transformer.moe.routing import sinkhorn, sinkhorn_route
+
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) * 3
+    balanced = sinkhorn(logits.double(), tol=1e-6)  # columns exact after the last update, rows nearly
+    assert torch.allclose(balanced.sum(0), torch.full((8,), 1 / 8, dtype=torch.float64), rtol=1e-6)
+    assert torch.allclose(balanced.sum(1), torch.full((64,), 1 / 64, dtype=torch.float64), rtol=1e-4)
+    want = _numpy_sinkhorn(logits.numpy())
+    assert np.allclose(sinkhorn(logits).numpy(), want, rtol=1e-4)
+    for topk in (1, 2):
+        probs, routing = sinkhorn_route(logits, topk, training=True)
+        chosen = np.argsort(-want, axis=1)[:, :topk]
+        assert (routing.sum(1) == topk).all() and all(
+            set(np.flatnonzero(routing[t])) == set(chosen[t]) for t in range(64)
+        )
+        act = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, -1)
+        assert torch.allclose(probs, act * routing)
+        _, eval_map = sinkhorn_route(logits, topk, training=False)  # evaluation: the activated logits' top k
+        assert torch.equal(eval_map, torch.zeros_like(eval_map).scatter(1, act.topk(topk, 1).indices, True))
+    # Balancing spreads tokens more evenly than the plain top-1 of these skewed logits.
+    skewed = logits + torch.tensor([4.0] + [0.0] * 7)
+    spread = lambda m: m.sum(0).float().std()  # noqa: E731
+    assert spread(sinkhorn_route(skewed, 1, True)[1]) < spread(sinkhorn_route(skewed, 1, False)[1])
+
+
+def test_sinkhorn_refuses_the_settings_it_ignores():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2)
+    assert TransformerConfig(**base, moe_router_load_balancing_type="sinkhorn").moe_aux_loss_coeff == 0.0
+    with pytest.raises(ValueError, match="moe_aux_loss_coeff=0.01 does not apply"):
+        TransformerConfig(**base, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.01)

@@ -319,6 +319,25 @@ class TransformerConfig(ModelParallelConfig):
         layout.validate_layer_layout(self.num_layers, self.mtp_num_layers)
         self.pipeline_model_parallel_layout = layout
 
+    def _check_sinkhorn(self) -> None:
+        """Sinkhorn routing picks experts itself: the settings of the other routers would be ignored."""
+        if self.moe_router_load_balancing_type != "sinkhorn":
+            return
+        ignored = {
+            "moe_aux_loss_coeff": (self.moe_aux_loss_coeff, 0.0),
+            "moe_router_enable_expert_bias": (self.moe_router_enable_expert_bias, False),
+            "moe_router_num_groups": (self.moe_router_num_groups, None),
+            "moe_router_topk_scaling_factor": (self.moe_router_topk_scaling_factor, None),
+            "moe_router_pre_softmax": (self.moe_router_pre_softmax, False),
+            "moe_router_score_function": (self.moe_router_score_function, "softmax"),
+        }
+        for name, (value, default) in ignored.items():
+            if value != default:
+                raise ValueError(
+                    f"{name}={value!r} does not apply with moe_router_load_balancing_type='sinkhorn' "
+                    f"(Sinkhorn routing has no auxiliary loss and its own scores); leave it at {default!r}"
+                )
+
     def _check_window(self) -> None:
         if self.window_size is None:
             return
@@ -349,7 +368,7 @@ class TransformerConfig(ModelParallelConfig):
             self.expert_tensor_parallel_size,
         )
         choices = {
-            "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+            "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
             "moe_token_dispatcher_type": ("allgather", "alltoall"),
             "moe_router_score_function": ("softmax", "sigmoid"),
             "moe_router_dtype": (None, "fp32", "fp64"),
@@ -357,6 +376,7 @@ class TransformerConfig(ModelParallelConfig):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be one of {allowed}")
+        self._check_sinkhorn()
         if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0):
             raise ValueError(
                 f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}, moe_z_loss_coeff="

@@ -36,7 +36,7 @@ from megatron.training.flags.record import (
 from megatron.training.flags_table import attn_backend, int_tuple, moe_layer_freq, str_to_bool
 from megatron.training.training_log import FlopsConfig as FL
 
-_BALANCE_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+_BALANCE_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 
 RECORDS = (
     Flag(
@@ -509,7 +509,7 @@ RECORDS = (
     Flag("moe_use_upcycling", not_yet(False)),
     Flag(
         "moe_router_load_balancing_type",
-        not_yet(*_BALANCE_TYPES, *([t] for t in _BALANCE_TYPES)),  # sinkhorn and several at once: refused
+        not_yet(*_BALANCE_TYPES, *([t] for t in _BALANCE_TYPES)),  # several at once: refused
         fills=same(TC),
     ),
     Flag("moe_aux_loss_coeff", IMPLEMENTED, fills=same(TC)),
