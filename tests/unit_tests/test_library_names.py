@@ -113,6 +113,30 @@ def test_config_without_width_and_symmetric_all_reduce_choice():
         TransformerConfig(num_layers=1, num_attention_heads=1, symmetric_ar_type="three_shot")
 
 
+def test_hyper_comm_grid_groups_by_coordinates(monkeypatch):
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    grid = HyperCommGrid([2, 3, 2], ["tp", "cp", "dp"], rank_offset=4)
+    coords = {r: ((r - 4) % 2, (r - 4) // 2 % 3, (r - 4) // 6) for r in range(4, 16)}  # tp fastest
+
+    def reference(varying):  # ranks equal on every other dimension, ascending; groups by first rank
+        keep = [i for i in range(3) if i not in varying]
+        groups = {}
+        for r in sorted(coords):
+            groups.setdefault(tuple(coords[r][i] for i in keep), []).append(r)
+        return sorted(groups.values())
+
+    assert grid.get_rank_enum("cp") == reference([1])
+    assert grid.get_rank_enum(["dp", "tp"]) == grid.get_rank_enum(["tp", "dp"]) == reference([0, 2])
+    assert grid.get_rank_enum(["tp", "cp", "dp"]) == [list(range(4, 16))]
+    assert grid._order_dims(["tp", "dp"])[1] == "dp-tp"
+    with pytest.raises(KeyError, match="create_pg first"):
+        grid.get_pg("tp")
+    with pytest.raises(RuntimeError, match="needs 12 ranks"):
+        HyperCommGrid([2, 3, 2], ["tp", "cp", "dp"], rank_offset=5)
+
+
 def test_weights_only_load_reads_upstream_safe_globals(tmp_path):
     import megatron.core  # noqa: F401 - registers the safe globals, as upstream's import does
 
@@ -324,6 +348,18 @@ def _check_common_state_and_bytes(rank, tmp):
     nested.logger.removeHandler(records)
 
 
+def _check_hyper_comm_grid():
+    import torch.distributed as dist
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    grid = HyperCommGrid([2], ["dp"])
+    group = grid.create_pg(["dp"])
+    assert grid.get_pg("dp") is group and dist.get_world_size(group) == 2
+    with pytest.raises(KeyError, match="already created"):
+        grid.create_pg("dp")
+
+
 def _check_distributed_input_at_tp1():
     """distribute_saved_activations at TP=1: the caller's tensor is its flat copy until backward (as upstream)."""
     from megatron.core import tensor_parallel
@@ -357,6 +393,7 @@ def _boundaries(rank, world, tmp):
     ps.destroy_model_parallel()
     groups = ps.initialize_model_parallel(expert_model_parallel_size=2)
     _check_moe_layer(groups)
+    _check_hyper_comm_grid()
     _check_distributed_input_at_tp1()
     _check_sinkhorn_router(groups)
     ps.destroy_model_parallel()
