@@ -138,7 +138,7 @@ def test_hyper_comm_grid_groups_by_coordinates(monkeypatch):
 
 
 def test_weights_only_load_reads_upstream_safe_globals(tmp_path):
-    import megatron.core  # noqa: F401 - registers the safe globals, as upstream's import does
+    import megatron.core.utils  # noqa: F401 - registers the safe globals (upstream: on import megatron.core)
 
     path = str(tmp_path / "args.pt")
     torch.save({"args": argparse.Namespace(lr=0.1, name="x"), "buffer": io.BytesIO(b"abc")}, path)
