@@ -87,6 +87,14 @@ def test_merge_and_map_reduce():
     assert du.map_reduce(words, key_fn=lambda w: w[0], value_fn=len, reduce_fn=sum) == {"a": 12, "b": 6}
 
 
+def test_sharded_tensor_dtype_and_axis_fragmentations():
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    piece = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3, dtype=torch.bfloat16), (0, 1, 4), (1, 0, 2))
+    assert piece.global_shape == (8, 6) and piece.global_offset == (2, 0)
+    assert piece.axis_fragmentations == (4, 2) and piece.dtype == torch.bfloat16
+
+
 def test_strategy_actions():
     assert {a.value for a in StrategyAction} == {"load_common", "load_sharded", "save_common", "save_sharded"}
     assert StrategyAction("save_sharded") is StrategyAction.SAVE_SHARDED
