@@ -79,6 +79,16 @@ MODULES: Tuple[str, ...] = (
     "config",
     "process_groups_config",
     "utils",
+    "optimizer_param_scheduler",
+    "dist_checkpointing.dict_utils",
+    "dist_checkpointing.strategies.base",
+    "transformer.moe.moe_layer",
+    "safe_globals",
+    "transformer.pipeline_parallel_layer_layout",
+    "optimizer.cpu_offloading",
+    "hyper_comm_grid",
+    "inference.contexts.dynamic_context",
+    "transformer.heterogeneous.heterogeneous_config",
 )
 
 # Modules too large to cover whole: only these names of theirs are listed (issue 38's list).
@@ -94,6 +104,10 @@ SELECTED: Dict[str, Tuple[str, ...]] = {
         "unwrap_model",
     ),
     "process_groups_config": ("ProcessGroupCollection",),
+    "optimizer_param_scheduler": ("get_canonical_lr_for_logging",),
+    "dist_checkpointing.strategies.base": ("StrategyAction",),
+    "transformer.moe.moe_layer": ("MoELayer",),
+    "inference.contexts.dynamic_context": ("DynamicInferenceContext",),
 }
 
 # Private names that downstream code uses widely enough to be part of the surface.

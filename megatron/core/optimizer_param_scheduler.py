@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,14 @@ def wsd_anneal_coefficient(style: str, ratio: float) -> float:
     if style == "minus_sqrt":
         return 1.0 - math.sqrt(ratio)
     raise ValueError(f"lr_wsd_decay_style={style!r}: must be one of {WSD_DECAY_STYLES}")
+
+
+def get_canonical_lr_for_logging(param_groups: List[Dict[str, Any]]) -> Optional[float]:
+    """The ``lr`` of the first param group marked ``default_config`` (on the base schedule); None if none is.
+
+    Groups with a decoupled LR or an LR multiplier are not on the base schedule, so they are skipped.
+    """
+    return next((group.get("lr") for group in param_groups if group.get("default_config", False)), None)
 
 
 class OptimizerParamScheduler:

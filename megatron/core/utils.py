@@ -10,6 +10,10 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version as PkgVersion
 
+from megatron.core.safe_globals import register_safe_globals
+
+register_safe_globals()  # upstream registers on ``import megatron.core``; most torch-using core modules import this
+
 WrapperTypes = Union[Type[torch.nn.Module], Tuple[Type[torch.nn.Module], ...]]
 
 

@@ -18,6 +18,12 @@ def set_global_variables(args: argparse.Namespace, tokenizer: Optional[Any]) -> 
     _ARGS, _TOKENIZER = args, tokenizer
 
 
+def set_args(args: argparse.Namespace) -> None:
+    """Megatron's ``set_args``: make ``args`` what ``get_args()`` returns (the tokenizer is left as it is)."""
+    global _ARGS
+    _ARGS = args
+
+
 def get_args() -> argparse.Namespace:
     if _ARGS is None:
         raise RuntimeError("get_args(): arguments are not set; pretrain() sets them after parsing")

@@ -28,7 +28,11 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
-from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, seed_rng_tracker
+from megatron.core.tensor_parallel.random import (
+    CudaRNGStatesTracker,
+    model_parallel_cuda_manual_seed,
+    seed_rng_tracker,
+)
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker
 from megatron.training.flags.derive import global_batch_size
 from megatron.training.host_allocator import retain_freed_host_memory
@@ -307,6 +311,43 @@ def shutdown_distributed() -> None:
     _OWNS_PROCESS_GROUP = False
 
 
+def _rank_seed(seed: int, data_parallel_random_init: bool, groups: parallel_state.ProcessGroupCollection) -> int:
+    """This rank's seed by Megatron's rule (see ``set_random_seed``); a seed that is not positive raises."""
+    if seed is None or seed <= 0:
+        raise ValueError(f"--seed={seed}: must be a positive integer")
+    seed = seed + 100 * groups.rank_in("pp")
+    return seed + 10 * groups.rank_in("dp") if data_parallel_random_init else seed
+
+
+def _set_random_seed(
+    seed_: int,
+    data_parallel_random_init: bool = False,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+) -> None:
+    """Megatron's ``_set_random_seed``: seed python, numpy, torch and ``get_cuda_rng_tracker()`` for this rank.
+
+    For library users and tests written against Megatron-LM: the ranks come from the groups
+    ``initialize_model_parallel`` built (the run itself seeds its own tracker with ``set_random_seed``).
+    The same per-rank rule as ``set_random_seed``; the tracker options go to ``model_parallel_cuda_manual_seed``.
+    """
+    groups = parallel_state.ProcessGroupCollection.use_mpu_process_groups()
+    seed = _rank_seed(seed_, data_parallel_random_init, groups)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(
+        seed,
+        te_rng_tracker,
+        inference_rng_tracker,
+        use_cudagraphable_rng,
+        tp_rank=groups.rank_in("tp"),
+        ep_rank=groups.rank_in("ep"),
+        etp_rank=groups.rank_in("expt_tp"),
+    )
+
+
 def set_random_seed(
     seed: int,
     data_parallel_random_init: bool,
@@ -321,11 +362,7 @@ def set_random_seed(
     (then + 10 x dp rank). Tensor-parallel ranks share the default stream and
     differ only inside the tracked model-parallel stream.
     """
-    if seed is None or seed <= 0:
-        raise ValueError(f"--seed={seed}: must be a positive integer")
-    seed = seed + 100 * groups.rank_in("pp")
-    if data_parallel_random_init:
-        seed += 10 * groups.rank_in("dp")
+    seed = _rank_seed(seed, data_parallel_random_init, groups)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # the CPU generator, and every CUDA device's

@@ -18,7 +18,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel import default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import plan_buckets
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.transformer.layer_layout import pipeline_layer_assignment
+from megatron.core.transformer.layer_layout import config_layer_assignment
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 INDEX_BYTES = 8  # int64 token ids, positions, routing indices
@@ -188,9 +188,7 @@ def _mtp(c: TransformerConfig, pos: RankPosition) -> List[ParamEntry]:
 
 def chunk_layers(c: TransformerConfig, pos: RankPosition, vp_stage: int) -> List[int]:
     """Global 1-based numbers of the layers of chunk ``vp_stage`` on pipeline rank ``pos.pp_rank``."""
-    layout = pipeline_layer_assignment(
-        c.num_layers, pos.pp, pos.vp, c.num_layers_in_first_pipeline_stage, c.num_layers_in_last_pipeline_stage
-    )
+    layout = config_layer_assignment(c, pos.pp, pos.vp)
     return layout[pos.pp_rank][vp_stage]
 
 

@@ -65,6 +65,19 @@ class ShardedTensor:
     def local_shape(self) -> Tuple[int, ...]:
         return tuple(self.data.shape)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The piece's dtype (a field upstream; here read from ``data``)."""
+        return self.data.dtype
+
+    @property
+    def axis_fragmentations(self) -> Tuple[int, ...]:
+        """Pieces per axis, ``global_shape[i] // local_shape[i]`` (a field upstream; here derived).
+
+        Only meaningful for a regular grid of equal pieces, as upstream; an empty axis counts as 1.
+        """
+        return tuple(full // local if local else 1 for full, local in zip(self.global_shape, self.local_shape))
+
     @classmethod
     def from_rank_offsets(
         cls,
@@ -124,7 +137,7 @@ def replica_number(replica_id: Union[int, Tuple[int, ...]]) -> int:
 
 @dataclass
 class ShardedObject:
-    """A piece of plain data (numbers, strings, lists, dicts, tensors) sharded like a tensor of objects.
+    """A piece of plain data (numbers, strings, lists, dicts, tensors, ``BytesIO``) sharded like a tensor of objects.
 
     Stored as JSON (``dist_checkpointing/plain_data.py``), never pickled: a value that is not plain
     data raises ``TypeError`` on save. ``global_shape`` / ``global_offset`` place the piece in a grid

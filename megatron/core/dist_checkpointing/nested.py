@@ -17,13 +17,16 @@ always did: no ``common_state.json`` and no object files when there is nothing o
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import plain_data
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, diff
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
@@ -34,17 +37,14 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 SHARDED_BACKEND = "torch_dist"  # the one strategy: torch.distributed.checkpoint (Megatron-core's name)
+logger = logging.getLogger(__name__)
 COMMON_FILE = "common_state.json"  # not common.json: the training checkpoint writes that one itself
 _SHARDED = (ShardedTensor, ShardedObject)
 
 
 def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
     """``value`` with ``fn`` applied to every leaf (dicts and lists are walked, not leaves)."""
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map(v, fn) for v in value]
-    return fn(value)
+    return dict_list_map_outplace(fn, value)
 
 
 def _leaves(value: Any) -> List[Any]:
@@ -213,3 +213,26 @@ def require_no_strategy(where: str, **strategies: Any) -> None:
         if value is None or (isinstance(value, tuple) and value and value[0] == SHARDED_BACKEND):
             continue
         raise CheckpointingError(f"{where}: {name}={value!r} not supported yet (only {SHARDED_BACKEND})")
+
+
+def warn_if_common_differs(
+    common: Dict[str, Any], preprocess: Optional[Callable[[Dict[str, Any]], Any]], group: Optional[dist.ProcessGroup]
+) -> None:
+    """Megatron-core's save check: each rank compares its common state with rank 0's (which alone is written).
+
+    Rank 0 broadcasts its common state (after ``preprocess``, megatron-core's
+    ``preprocess_common_before_consistancy_check``); every other rank whose own differs logs one
+    warning naming the keys only on rank 0, only on itself, and those whose values differ.
+    """
+    mine = preprocess(common) if preprocess is not None else common
+    rank = dist.get_rank(group)
+    shared = [mine if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if rank == 0:
+        return
+    only_rank0, only_here, mismatch = diff(shared[0], mine)
+    if only_rank0 or only_here or mismatch:
+        logger.warning(
+            f"Rank {rank} common state dict differs from rank 0 common state dict. Keys only on rank 0: "
+            f"{only_rank0}, Keys only on {rank}: {only_here}, Mismatched keys: {[m[0] for m in mismatch]}"
+        )

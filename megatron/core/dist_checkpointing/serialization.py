@@ -84,7 +84,9 @@ def save(
 
     Megatron-core's signature. The dict is flat (key -> ShardedTensor of that key) or nested as in
     Megatron-core (see ``nested.py``). Only the torch_dist strategy exists; the piece checks of
-    ``validate_access_integrity`` are DCP's own and always run. With ``async_sharded_save`` the
+    ``validate_access_integrity`` are DCP's own and always run; with it (the default) a rank whose
+    common state differs from rank 0's (after ``preprocess_common_before_consistancy_check``) logs
+    a warning naming the keys, as upstream. With ``async_sharded_save`` the
     tensors are snapshotted and a ``StagedSave`` is returned instead: its ``write()`` (local, for a
     background writer) and then ``finalize()`` (collective) complete the checkpoint.
 
@@ -92,10 +94,16 @@ def save(
         CheckpointingError: another strategy or ``content_metadata`` asked for.
     """
     nested.require_no_strategy("save", sharded_strategy=sharded_strategy, common_strategy=common_strategy)
-    del validate_access_integrity, preprocess_common_before_consistancy_check  # see the docstring
     if content_metadata is not None:
         raise CheckpointingError("save: content_metadata not supported yet")
-    staged = stage_save(sharded_state_dict, checkpoint_dir, snapshot=async_sharded_save, process_group=process_group)
+    staged = stage_save(
+        sharded_state_dict,
+        checkpoint_dir,
+        snapshot=async_sharded_save,
+        process_group=process_group,
+        validate_access_integrity=validate_access_integrity,
+        preprocess_common=preprocess_common_before_consistancy_check,
+    )
     if async_sharded_save:
         return staged
     staged.write()
@@ -109,19 +117,24 @@ def stage_save(
     snapshot: bool,
     process_group: Optional[dist.ProcessGroup] = None,
     buffers: Optional[Dict[Any, torch.Tensor]] = None,
+    validate_access_integrity: bool = True,
+    preprocess_common: Optional[Callable] = None,
 ) -> StagedSave:
     """Collective: side files, the directory and DCP's plan of who writes what; nothing of the tensors yet.
 
     ``snapshot``: the tensors are copied to host memory now (pinned from a GPU), so training may change
     them while ``StagedSave.write`` runs in the background; the bytes written are the same. ``buffers``
     keeps the host copies for the next snapshot (same key, offset, shape and dtype: no new allocation);
-    the caller must not snapshot again before this save's ``write`` has finished.
+    the caller must not snapshot again before this save's ``write`` has finished. ``validate_access_integrity``:
+    warn when this rank's common state differs from rank 0's (``preprocess_common`` applied first).
     """
     parts = nested.split(sharded_state_dict)
     _check_values(parts.tensors)
     rank = dist.get_rank(process_group)
     files, error = nested.side_files(parts, checkpoint_dir, rank)
     agree_on_error(error, process_group)
+    if validate_access_integrity:  # after the agreement: every rank is here
+        nested.warn_if_common_differs(parts.common, preprocess_common, process_group)
     if rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         # Overwriting: the directory must not look complete while it is rewritten.

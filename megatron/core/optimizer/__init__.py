@@ -95,6 +95,7 @@ def get_param_groups(
                 "lr_mult": group_lr_mult,
                 "is_expert_parallel": False,
                 "is_decoupled_lr": decoupled,
+                "default_config": not decoupled and group_lr_mult == 1.0,  # follows the base LR schedule
                 "max_lr": max_lr,
                 "min_lr": min_lr,
                 "lr": (max_lr or 0.0) * group_lr_mult,

@@ -317,8 +317,8 @@ def _distribute_group(distribute: Union[bool, dist.ProcessGroup, None]) -> Optio
     """The group to spread a saved input over: a given group, or the default TP group for ``True``."""
     if distribute is None or distribute is False:
         return None
-    group = parallel_state.get_tensor_model_parallel_group_if_none(None if distribute is True else distribute)
-    return None if dist.get_world_size(group) == 1 else group
+    # A group of one too (as upstream): the caller's tensor is then its flat copy until backward.
+    return parallel_state.get_tensor_model_parallel_group_if_none(None if distribute is True else distribute)
 
 
 class CheckpointFunction(torch.autograd.Function):

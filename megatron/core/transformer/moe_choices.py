@@ -17,10 +17,11 @@ DROP_POLICIES: Tuple[str, ...] = ("probs", "position")
 DISPATCHER_TYPES: Tuple[str, ...] = ("allgather", "alltoall")
 # moe_router_dtype: the router's computation dtype (None: the model's).
 ROUTER_DTYPES: Tuple[Optional[str], ...] = (None, "fp32", "fp64")
-# moe_router_load_balancing_type -> the name its loss is tracked and logged under (Megatron's); "none": no loss.
+# moe_router_load_balancing_type -> the name its loss is tracked and logged under (Megatron's); "sinkhorn"
+# balances by Sinkhorn-Knopp routing instead of a loss; "none": no loss.
 BALANCE_LOSS_NAMES: Dict[str, str] = {
     "aux_loss": "load_balancing_loss",
     "seq_aux_loss": "seq_load_balancing_loss",
     "global_aux_loss": "global_load_balancing_loss",
 }
-BALANCE_TYPES: Tuple[str, ...] = (*BALANCE_LOSS_NAMES, "none")
+BALANCE_TYPES: Tuple[str, ...] = (*BALANCE_LOSS_NAMES, "sinkhorn", "none")

@@ -15,7 +15,7 @@ from megatron.core.transformer.fp8_utils import (
     block_quantization_context,
     layer_quantization_context,
 )
-from megatron.core.transformer.layer_layout import pipeline_layer_assignment
+from megatron.core.transformer.layer_layout import config_layer_assignment
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, Norm, RMSNorm, build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -54,13 +54,7 @@ def layer_numbers_to_build(
     config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: Optional[int] = None
 ) -> List[int]:
     """Global 1-based numbers of the layers that ``(pp_rank, vp_stage)`` holds."""
-    layout = pipeline_layer_assignment(
-        config.num_layers,
-        pp_size,
-        config.virtual_pipeline_model_parallel_size,
-        config.num_layers_in_first_pipeline_stage,
-        config.num_layers_in_last_pipeline_stage,
-    )
+    layout = config_layer_assignment(config, pp_size)
     return layout[pp_rank][vp_stage or 0]
 
 

@@ -14,8 +14,10 @@ from megatron.core.model_parallel_config import ModelParallelConfig, require_div
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
 from megatron.core.transformer import moe_choices
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+SYMMETRIC_AR_TYPES = (None, "two_shot", "one_shot", "multimem_all_reduce")
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -95,6 +97,12 @@ class TransformerConfig(ModelParallelConfig):
     # Uneven pipeline stages.
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
+    pipeline_model_parallel_layout: Optional[Union[str, list, PipelineParallelLayerLayout]] = None
+    """Custom layers per stage (see ``pipeline_parallel_layer_layout``); converted to the class on creation."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """The embedding counts as one layer when layers are split over pipeline stages."""
+    account_for_loss_in_pipeline_split: bool = False
+    """The loss counts as one layer when layers are split over pipeline stages."""
 
     # Mixture of experts (experts split over EP and expert-TP = TP; see moe/moe_layer.py).
     num_moe_experts: Optional[int] = None
@@ -198,14 +206,19 @@ class TransformerConfig(ModelParallelConfig):
     """'e2m1' (--fp4-format): FP4 GEMMs with fp4_recipe instead of FP8; None: off."""
     fp4_recipe: str = "nvfp4"
     """'nvfp4': 16-element e2m1 blocks, e4m3 block scales times a per-tensor fp32 scale."""
+    symmetric_ar_type: Optional[str] = None
+    """'two_shot', 'one_shot' or 'multimem_all_reduce': NCCL symmetric-memory all-reduce kernels for the
+    tensor-parallel linears on GPUs (a communication kernel: the sums are the same); None: the ordinary one."""
     transformer_impl: str = "transformer_engine"
     """'transformer_engine' (Megatron's default): the layers' linears are Transformer Engine's where it
     imports (``core/extensions/transformer_engine.py``), else the local ones; 'local': always the local ones."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        for name in ("num_layers", "num_attention_heads"):
             require_positive(name, getattr(self, name))
+        if not isinstance(self.hidden_size, int) or isinstance(self.hidden_size, bool) or self.hidden_size < 0:
+            raise ValueError(f"hidden_size={self.hidden_size!r}: must be a positive integer (or 0, see require_width)")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         require_positive("num_query_groups", self.num_query_groups)
@@ -226,6 +239,9 @@ class TransformerConfig(ModelParallelConfig):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
         self._check_recompute()
+        self._check_pipeline_split()
+        if self.symmetric_ar_type not in SYMMETRIC_AR_TYPES:
+            raise ValueError(f"symmetric_ar_type={self.symmetric_ar_type!r}: must be one of {SYMMETRIC_AR_TYPES}")
         self._check_window()
         self._check_moe()
         self._check_latent_attention()
@@ -257,6 +273,68 @@ class TransformerConfig(ModelParallelConfig):
         if self.fp32_residual_connection:
             # The residual stream, and so what pipeline stages exchange, stays in fp32.
             self.pipeline_dtype = torch.float32
+
+    def require_width(self, who: str) -> None:
+        """Raise naming ``who`` when ``hidden_size`` is 0.
+
+        Megatron-core accepts ``hidden_size=0`` (its default) for configs that only carry parallel
+        sizes and precision, e.g. to build gradient buffers over a model of plain layers; a
+        transformer layer or embedding needs a width, so those refuse such a config.
+        """
+        if self.hidden_size == 0:
+            raise ValueError(f"{who}: hidden_size=0 (the default) gives no width; set hidden_size")
+
+    def _check_pipeline_split(self) -> None:
+        """The three ways to shape pipeline stages exclude each other; a layout must hold this model."""
+        uneven = (self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage) != (None, None)
+        slots = self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split
+        if uneven and slots:
+            raise ValueError(
+                "num_layers_in_first/last_pipeline_stage cannot be combined with "
+                "account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split"
+            )
+        layout = self.pipeline_model_parallel_layout
+        if layout is None:
+            return
+        if uneven or slots:
+            raise ValueError(
+                f"pipeline_model_parallel_layout={layout!r} cannot be combined with "
+                "num_layers_in_first/last_pipeline_stage or account_for_{embedding,loss}_in_pipeline_split"
+            )
+        pp = self.pipeline_model_parallel_size
+        if isinstance(layout, str):
+            layout = PipelineParallelLayerLayout.from_str(layout, pp)
+        elif isinstance(layout, list):
+            layout = PipelineParallelLayerLayout(layout, pp)
+        vp = layout.virtual_pipeline_model_parallel_size
+        if self.virtual_pipeline_model_parallel_size is None and vp > 1:
+            self.virtual_pipeline_model_parallel_size = vp  # the layout says how many chunks (Megatron-LM's rule)
+        if (self.virtual_pipeline_model_parallel_size or 1) != vp:
+            raise ValueError(
+                f"pipeline_model_parallel_layout={layout!r} has {vp} chunk(s) per pipeline rank, "
+                f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size}"
+            )
+        layout.validate_layer_layout(self.num_layers, self.mtp_num_layers)
+        self.pipeline_model_parallel_layout = layout
+
+    def _check_sinkhorn(self) -> None:
+        """Sinkhorn routing picks experts itself: the settings of the other routers would be ignored."""
+        if self.moe_router_load_balancing_type != "sinkhorn":
+            return
+        ignored = {
+            "moe_aux_loss_coeff": (self.moe_aux_loss_coeff, 0.0),
+            "moe_router_enable_expert_bias": (self.moe_router_enable_expert_bias, False),
+            "moe_router_num_groups": (self.moe_router_num_groups, None),
+            "moe_router_topk_scaling_factor": (self.moe_router_topk_scaling_factor, None),
+            "moe_router_pre_softmax": (self.moe_router_pre_softmax, False),
+            "moe_router_score_function": (self.moe_router_score_function, "softmax"),
+        }
+        for name, (value, default) in ignored.items():
+            if value != default:
+                raise ValueError(
+                    f"{name}={value!r} does not apply with moe_router_load_balancing_type='sinkhorn' "
+                    f"(Sinkhorn routing has no auxiliary loss and its own scores); leave it at {default!r}"
+                )
 
     def _check_window(self) -> None:
         if self.window_size is None:
@@ -296,6 +374,7 @@ class TransformerConfig(ModelParallelConfig):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be one of {allowed}")
+        self._check_sinkhorn()
         if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0):
             raise ValueError(
                 f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}, moe_z_loss_coeff="

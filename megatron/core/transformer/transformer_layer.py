@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ProcessGroupCollection
-from megatron.core.transformer.layer_layout import pipeline_layer_assignment
+from megatron.core.transformer.layer_layout import config_layer_assignment
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -30,13 +30,7 @@ def config_stage(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Op
     pp_size = config.pipeline_model_parallel_size
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_size > 1 else 0
-    layout = pipeline_layer_assignment(
-        config.num_layers,
-        pp_size,
-        config.virtual_pipeline_model_parallel_size,
-        config.num_layers_in_first_pipeline_stage,
-        config.num_layers_in_last_pipeline_stage,
-    )
+    layout = config_layer_assignment(config, pp_size)
     return layout, pp_rank, vp_stage or 0
 
 
@@ -89,6 +83,7 @@ class TransformerLayer(MegatronModule):
         pp_layer_offset: Optional[int] = None,
     ) -> None:
         super().__init__(config)
+        config.require_width("TransformerLayer")
         if is_mtp_layer:
             raise NotImplementedError("TransformerLayer: is_mtp_layer=True not supported yet")
         if pg_collection is None:

@@ -7,24 +7,31 @@ code imports from Megatron-LM's training package: ``build_tokenizer(args)`` and 
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional
+import inspect
+from typing import Any, List, Optional
 
-from megatron.core.tokenizers import MegatronTokenizer, NullTokenizer
-from megatron.training.tokenizer import build_tokenizer_from_args
+from megatron.core.tokenizers import TOKENIZER_KEYWORDS, MegatronTokenizer, NullTokenizer
+from megatron.core.tokenizers import build_tokenizer as core_build_tokenizer
 from megatron.training.validation import vocab_size_with_padding
 
 __all__ = ["_NullTokenizer", "_vocab_size_with_padding", "build_tokenizer"]
 
 
-def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizer:
-    """The tokenizer named by ``args.tokenizer_type``; sets ``args.padded_vocab_size`` unless already set.
+def build_tokenizer(args: argparse.Namespace, **kwargs: Any) -> MegatronTokenizer:
+    """Megatron-LM's ``build_tokenizer(args)``: the tokenizer ``args.tokenizer_type`` names.
 
-    Megatron-LM keeps a padded size read from a checkpoint's arguments, so this does too.
+    ``args`` needs only the attributes that type reads (a missing one takes the flag's default),
+    plus ``make_vocab_size_divisible_by`` and ``tensor_model_parallel_size`` for the padded size,
+    which is set as ``args.padded_vocab_size`` unless already set (e.g. from a checkpoint's arguments).
+    Upstream hands ``kwargs`` to Hugging Face's ``from_pretrained``; that is not supported yet.
     """
-    padded = getattr(args, "padded_vocab_size", None)
-    tokenizer = build_tokenizer_from_args(args)
-    if padded is not None:
-        args.padded_vocab_size = padded
+    if kwargs:
+        raise ValueError(f"build_tokenizer: extra keyword arguments {sorted(kwargs)} are not supported yet")
+    defaults = inspect.signature(core_build_tokenizer).parameters
+    keywords = {name: getattr(args, name, defaults[name].default) for name in TOKENIZER_KEYWORDS}
+    tokenizer = core_build_tokenizer(args.tokenizer_type, **keywords)
+    if getattr(args, "padded_vocab_size", None) is None:
+        args.padded_vocab_size = _vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer
 
 

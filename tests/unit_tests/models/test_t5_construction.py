@@ -110,6 +110,13 @@ def _single_body(rank, world_size):
     assert default.pg_collection.size_of("tp") == 1 and set(default.state_dict()) == MCORE_KEYS
     assert isinstance(model.decoder.final_layernorm, LayerNorm) and model.output_layer is model.lm_head.output_layer
     assert not hasattr(model, "encoder_relative_pos_emb")
+    # Upstream's "neither on this stage" (None, None): no encoder, no decoder; given states pass through.
+    neither = T5Model(config, config, *specs, 96, 32, add_encoder=None, add_decoder=None, pg_collection=groups)
+    states = torch.randn(4, 2, config.hidden_size)
+    assert neither.encoder is None and neither.decoder is None
+    assert neither(None, None, None, None, None, encoder_hidden_states=states) is states
+    with pytest.raises(ValueError, match="pass encoder_hidden_states"):
+        neither(torch.zeros(2, 4, dtype=torch.long), None, None, None, None)
     with pytest.raises(TypeError, match="not_an_argument"):
         T5Model(config, config, *specs, 96, 32, pg_collection=groups, not_an_argument=1)
     with pytest.raises(NotImplementedError, match="pipeline parallelism.*pre_process=False"):

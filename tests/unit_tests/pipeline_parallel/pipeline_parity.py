@@ -24,10 +24,16 @@ MICRO = 2
 LR = 0.1
 
 
-def build_chunks(kwargs: Dict, groups: ProcessGroupCollection, vp: int) -> List[GPTModel]:
-    """This rank's model chunks (one per virtual stage), pre/post-process on the end stages."""
+def build_chunks(
+    kwargs: Dict, groups: ProcessGroupCollection, vp: int, chunk_extra: Optional[Dict] = None
+) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual stage), pre/post-process on the end stages.
+
+    ``chunk_extra``: config fields for the stage chunks only (not the PP=1 reference), e.g. a layout.
+    """
     pp, rank = groups.size_of("pp"), groups.rank_in("pp")
     extra = {"virtual_pipeline_model_parallel_size": vp} if vp > 1 else {}
+    extra.update(chunk_extra or {})
     return [
         build_gpt(
             kwargs,
@@ -206,10 +212,11 @@ def check_parity(
     iterations: int = 3,
     rtol: float = 1e-5,
     atol: float = 1e-6,
+    chunk_extra: Optional[Dict] = None,
 ) -> None:
     """Train the stage chunks and the PP=1 reference side by side; compare loss, grads, weights."""
     reference = build_gpt(kwargs, single_rank_groups(), seed=7)
-    chunks = build_chunks(kwargs, groups, vp)
+    chunks = build_chunks(kwargs, groups, vp, chunk_extra)
     load_reference(chunks, reference, groups)
     sync_tied_embeddings(chunks, groups)  # no-op here (weights loaded), exercised for the call pattern
     compare(chunks, reference, groups, what + " initial", 0, 0, grads=False)

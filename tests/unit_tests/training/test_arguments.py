@@ -154,7 +154,6 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
     "extra, flag",
     [
         (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
-        (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
         (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone"),
         (
             ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],

@@ -46,11 +46,14 @@ megatron/core/pipeline_parallel/schedule_utils.py _pipeline_sizes get_virtual_pi
 megatron/core/tensor_parallel/layers.py _init_common get_tensor_model_parallel_group_if_none
 megatron/core/extensions/transformer_engine.py _make_classes.TELinear.__init__ get_tensor_model_parallel_group_if_none
 megatron/core/transformer/transformer_layer.py config_stage get_pipeline_model_parallel_rank
+megatron/core/transformer/pipeline_parallel_layer_layout.py PipelineParallelLayerLayout._stage get_pipeline_model_parallel_rank
 megatron/core/transformer/attention.py SelfAttention.__init__ use_mpu_process_groups
 megatron/core/transformer/mlp.py MLP.__init__ get_tensor_model_parallel_group_if_none
 megatron/core/transformer/transformer_layer.py TransformerLayer.__init__ use_mpu_process_groups
 megatron/core/transformer/transformer_block.py TransformerBlock.__init__ use_mpu_process_groups
 megatron/core/tensor_parallel/layers.py VocabParallelEmbedding.__init__ get_tensor_model_parallel_group_if_none
+megatron/core/models/common/embeddings/language_model_embedding.py LanguageModelEmbedding.__init__ get_tensor_model_parallel_group_if_none
+megatron/core/transformer/moe/moe_layer.py MoELayer.__init__ use_mpu_process_groups
 megatron/core/tensor_parallel/layers.py param_is_not_tensor_parallel_duplicate get_tensor_model_parallel_group_if_none
 megatron/core/tensor_parallel/linear_function.py _default_tp_group get_tensor_model_parallel_group_if_none
 megatron/core/tensor_parallel/mappings.py resolve_tp_group get_tensor_model_parallel_group_if_none
@@ -65,7 +68,8 @@ megatron/training/initialize.py initialize_distributed model_parallel_is_initial
 megatron/training/initialize.py initialize_distributed use_mpu_process_groups
 megatron/training/initialize.py initialize_distributed initialize_model_parallel
 megatron/training/initialize.py shutdown_distributed destroy_model_parallel
-"""
+megatron/training/initialize.py _set_random_seed use_mpu_process_groups
+"""  # noqa: E501 (one call site per line)
 FACADE_MODULES = {"megatron/core/parallel_state.py", "megatron/core/process_groups.py"}
 ALLOWED_FACADE_CALLS = {tuple(line.split()) for line in _ALLOWED_TABLE.strip().splitlines()}
 

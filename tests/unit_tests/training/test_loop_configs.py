@@ -75,8 +75,15 @@ def _namespace_uses(path: pathlib.Path):
             yield node.lineno, ast.unparse(node)
 
 
+# The one module of core that may name the class: it puts ``argparse.Namespace`` on torch's weights-only
+# load allow-list (upstream does the same, for checkpoints that pickle the run's arguments); it reads none.
+NAMESPACE_AS_A_CLASS = {"megatron/core/safe_globals.py"}
+
+
 def test_core_reads_no_argparse_namespace():
-    core = sorted((ROOT / "megatron" / "core").rglob("*.py"))
+    core = sorted(
+        p for p in (ROOT / "megatron" / "core").rglob("*.py") if str(p.relative_to(ROOT)) not in NAMESPACE_AS_A_CLASS
+    )
     assert len(core) > 100
     found = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in core for line, text in _namespace_uses(p)]
     assert not found, f"megatron/core takes typed configs, not parsed flags: {found}"

@@ -255,7 +255,7 @@ def test_topk_softmax_variants_sum_and_select():
     "kw, message",
     [
         (dict(moe_router_topk=5), "moe_router_topk=5 must be <= num_moe_experts=4"),
-        (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
+        (dict(moe_router_load_balancing_type="balanced"), "moe_router_load_balancing_type='balanced'"),
         (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type='flex'"),
         (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq=[1, 0, 1]"),
         (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff=-1.0"),

@@ -301,7 +301,10 @@ def test_router_numerics():
         (dict(moe_router_score_function="tanh"), "moe_router_score_function"),
         (dict(moe_router_dtype="fp16"), "moe_router_dtype"),
         (dict(moe_input_jitter_eps=1.5), "moe_input_jitter_eps"),
-        (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
+        (
+            dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk_scaling_factor=2.0),
+            "moe_router_topk_scaling_factor=2.0 does not apply with moe_router_load_balancing_type='sinkhorn'",
+        ),
     ],
 )
 def test_config_refuses(kw, message):

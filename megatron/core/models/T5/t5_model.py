@@ -163,8 +163,8 @@ class T5Model(LanguageModule):
         refuse_unimplemented("T5Model", context_parallel_size=(groups.size_of("cp"), 1))
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type={position_embedding_type!r}: one of {POSITION_EMBEDDING_TYPES}")
-        if not (add_encoder or add_decoder):
-            raise ValueError("T5Model: add_encoder and add_decoder cannot both be False")
+        # add_encoder / add_decoder are read as truth values (upstream passes None for "not on this stage");
+        # with neither, forward needs encoder_hidden_states and returns them (upstream's behaviour).
         self.pg_collection, self.tp_group = groups, groups.tp
         self.encoder_config = encoder_config
         self.transformer_encoder_layer_spec = transformer_encoder_layer_spec

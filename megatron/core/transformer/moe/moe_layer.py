@@ -70,14 +70,14 @@ class MoELayer(MegatronModule):
         self,
         config: TransformerConfig,
         submodules: Optional[MoESubmodules] = None,
-        *,
-        pg_collection: ProcessGroupCollection,
         layer_number: Optional[int] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(config)
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs config.num_moe_experts")
-        groups = pg_collection
+        # Upstream's boundary: our layers pass their groups; a library caller may rely on the defaults.
+        groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         ep_size = groups.size_of("ep")
         if config.num_moe_experts % ep_size:
             raise ValueError(

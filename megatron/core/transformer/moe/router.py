@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.routing import (
     route,
     scores_for_aux_loss,
     sequence_load_balancing_loss,
+    sinkhorn_route,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import apply_keeping_fp32
@@ -117,16 +118,19 @@ class TopKRouter(MegatronModule):
         logits = self.gating(self.jitter(tokens))  # [T, E]
         if c.moe_router_force_load_balancing:
             logits = random_logits_straight_through(logits)
-        probs, routing_map = route(
-            logits,
-            self.topk,
-            c.moe_router_score_function,
-            c.moe_router_pre_softmax,
-            c.moe_router_num_groups,
-            c.moe_router_group_topk,
-            c.moe_router_topk_scaling_factor,
-            self.expert_bias,
-        )
+        if c.moe_router_load_balancing_type == "sinkhorn":
+            probs, routing_map = sinkhorn_route(logits, self.topk, self.training)
+        else:
+            probs, routing_map = route(
+                logits,
+                self.topk,
+                c.moe_router_score_function,
+                c.moe_router_pre_softmax,
+                c.moe_router_num_groups,
+                c.moe_router_group_topk,
+                c.moe_router_topk_scaling_factor,
+                self.expert_bias,
+            )
         if c.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_to_capacity(
                 probs,

@@ -170,3 +170,39 @@ def drop_to_capacity(
         keep = (places < capacity).view(num_tokens, num_experts)  # [T, E]
     new_map = keep if pad else routing_map & keep  # [T, E]
     return probs * new_map, new_map
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost)`` ``[T, E]`` (Megatron-core's ``moe_utils.sinkhorn``).
+
+    Row scales ``r`` and column scales ``c`` are alternated until ``c`` moves by less than ``tol``
+    (mean absolute change) so that ``c_j * exp(cost_ij) * r_i`` has rows summing to ``1/T`` and
+    columns to ``1/E``: every expert receives the same share of the tokens. Returns that matrix.
+    """
+    kernel = torch.exp(cost)  # [T, E]
+    tokens, experts = kernel.shape
+    eps = 1e-8
+    col = torch.ones(experts, device=cost.device, dtype=cost.dtype)
+    while True:
+        row = 1.0 / (tokens * ((kernel * col).sum(dim=1) + eps))  # [T]
+        new_col = 1.0 / (experts * ((row.unsqueeze(1) * kernel).sum(dim=0) + eps))  # [E]
+        change = (new_col - col).abs().mean()
+        col = new_col
+        if not change > tol:  # NaN (an overflowed exp) stops too, as upstream's ``while error > tol``
+            return col * kernel * row.unsqueeze(1)
+
+
+def sinkhorn_route(logits: torch.Tensor, topk: int, training: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``moe_router_load_balancing_type='sinkhorn'``: probs and routing map ``[T, E]`` (Megatron-core's rule).
+
+    Training picks each token's ``topk`` experts on the Sinkhorn-balanced logits (fp32, no gradient);
+    evaluation on the activated logits. The probabilities are the activated logits (sigmoid for
+    ``topk == 1``, else softmax) on the chosen experts, zero elsewhere; no auxiliary loss.
+    """
+    activated = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32)
+    activated = activated.type_as(logits)
+    with torch.no_grad():
+        ranked = sinkhorn(logits.detach().float()) if training else activated
+        chosen = torch.topk(ranked, k=topk, dim=1).indices  # [T, k]
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)  # [T, E]
+    return activated * routing_map, routing_map

@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
@@ -26,6 +27,9 @@ class LanguageModelEmbedding(MegatronModule):
     With sequence parallelism the word embedding is reduce-scattered straight into
     sequence shards (no all-reduce), and the replicated position (and token-type)
     embeddings are sliced to the same shard before they are added.
+
+    Megatron-core's signature: the TP group comes from ``pg_collection`` (our models pass it),
+    ``tp_group``, or, when neither is given, the groups ``initialize_model_parallel`` built.
 
     ``num_tokentypes > 0`` builds BERT's ``tokentype_embeddings`` (replicated over TP);
     ``forward`` then needs ``tokentype_ids [b, s]``. ``embedding_layernorm=True`` (ours, for
@@ -39,11 +43,14 @@ class LanguageModelEmbedding(MegatronModule):
         max_sequence_length: int,
         position_embedding_type: str = "learned_absolute",
         num_tokentypes: int = 0,
+        scatter_to_sequence_parallel: bool = True,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
         *,
-        pg_collection: ProcessGroupCollection,
+        pg_collection: Optional[ProcessGroupCollection] = None,
         embedding_layernorm: bool = False,
     ) -> None:
         super().__init__(config)
+        config.require_width("LanguageModelEmbedding")
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type={position_embedding_type!r}: must be one of {POSITION_EMBEDDING_TYPES}"
@@ -53,8 +60,12 @@ class LanguageModelEmbedding(MegatronModule):
         self.num_tokentypes = num_tokentypes
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.add_position_embedding = position_embedding_type == "learned_absolute"
-        self.tp_group = pg_collection.tp
-        self.sequence_parallel = config.sequence_parallel
+        if pg_collection is not None and tp_group is not None and tp_group is not pg_collection.tp:
+            raise ValueError("LanguageModelEmbedding: tp_group and pg_collection.tp name different groups")
+        # Upstream's boundary: our models pass pg_collection; a library caller may pass tp_group or neither.
+        self.tp_group = get_tensor_model_parallel_group_if_none(pg_collection.tp if pg_collection else tp_group)
+        # scatter_to_sequence_parallel=False keeps the whole sequence on every rank even under SP.
+        self.sequence_parallel = config.sequence_parallel and scatter_to_sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size,
             config.hidden_size,
@@ -78,6 +89,18 @@ class LanguageModelEmbedding(MegatronModule):
         if self.config.perform_initialization:
             self.config.embedding_init_method(table.weight)
         return table
+
+    def zero_parameters(self) -> None:
+        """Megatron-core's ``zero_parameters``: zero every embedding table and mark it ``shared``.
+
+        ``shared`` tables are left out of gradient-norm clipping and of the shared-parameter checks
+        (``param.shared``), as upstream does for a stage whose embedding copy is not the owner.
+        """
+        tables = (self.word_embeddings, self.position_embeddings, self.tokentype_embeddings)
+        with torch.no_grad():
+            for table in (t for t in tables if t is not None):
+                table.weight.zero_()
+                table.weight.shared = True
 
     def forward(
         self,
