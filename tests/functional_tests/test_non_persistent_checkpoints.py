@@ -57,6 +57,13 @@ def test_global_non_persistent_resume_and_cleanup(straight, tmp_path):
     resumed = _resume(tmp_path, saving, 7)
     assert f"non-persistent (global), iteration 6, in {np_dir}" in resumed.output
     assert first + resumed.losses() == straight  # printed values, exactly
+    # With --async-save the global ones are written in the background; the old one still goes once 6 is published.
+    ckpt_async = str(tmp_path / "ckpt_async")
+    background = run_gpt(2, BASE + [ckpt_async if f == ckpt else f for f in saving] + ["--async-save"], str(tmp_path))
+    assert_ok(background, "--async-save run")
+    assert background.output.count("handed to the background writer") == 4  # persistent 4, 8; non-persistent 2, 6
+    assert sorted(os.listdir(os.path.join(ckpt_async, "non_persistent"))) == sorted(os.listdir(np_dir))
+    assert background.losses() == straight
 
 
 def test_local_non_persistent_resume_and_incomplete_fallback(straight, tmp_path):
