@@ -91,12 +91,13 @@ def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
     return sorted((it, path) for it, path in found if _is_complete(path))
 
 
-def remove_older_checkpoints(root: str, iteration: int) -> None:
-    """Remove every ``iter_*`` directory under ``root`` older than ``iteration`` (the global non-persistent
-    checkpoints, once a newer one is published: only the newest is kept). ``metadata.json`` goes first."""
+def remove_other_checkpoints(root: str, iteration: int) -> None:
+    """Remove every ``iter_*`` directory under ``root`` but ``iteration``'s (the global non-persistent checkpoints,
+    once a new one is published: only it is kept, older ones and stale ones an earlier job left alike).
+    ``metadata.json`` goes first."""
     for name in os.listdir(root):
         m = _ITER_DIR.fullmatch(name)
-        if m and int(m.group(1)) < iteration:
+        if m and int(m.group(1)) != iteration:
             path = os.path.join(root, name)
             marker = os.path.join(path, registry.get_format(registry.TORCH_DIST).marker)
             if os.path.exists(marker):  # never complete-looking while half removed
@@ -209,6 +210,8 @@ def save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
         return unwritable
     same = cfg.load is not None and os.path.realpath(cfg.load) == os.path.realpath(cfg.save)
     saved = complete_checkpoints(cfg.save)
+    if cfg.non_persistent_ckpt_type == GLOBAL:  # a stale one there would win a later resume
+        saved = sorted(saved + complete_checkpoints(cfg.non_persistent_global_dir(cfg.save)))
     if not saved or (same and not cfg.finetune):
         return None
     why = (

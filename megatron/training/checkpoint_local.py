@@ -11,7 +11,8 @@ LOCAL/iter_0000006/rank_{rank:05d}.done   written last (JSON: iteration, layout,
 A rank reads only its own file, so a local checkpoint loads only under the layout that wrote it, and
 only when every rank holds a complete one of the same iteration (``agreed_iteration``: one collective).
 ``--non-persistent-local-ckpt-algo fully_parallel`` and ``atomic`` both use this one writer. Each rank
-removes its older local checkpoints once every rank has completed the new one.
+removes its other local checkpoints (older ones, or stale ones an earlier job left) once every rank has
+completed the new one.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def save_local(
     common: Dict[str, Any],
     rng_state: Optional[Dict[str, Any]],
 ) -> None:
-    """Collective: every rank writes its file, then its marker; once all have, each removes its older ones."""
+    """Collective: every rank writes its file, then its marker; once all have, each removes its other ones."""
     rank = dist.get_rank()
     state = {
         "common": common,
@@ -59,7 +60,7 @@ def save_local(
         "rng": rng_state,
     }
     agreed_write(lambda: _write(root, iteration, rank, state), root, writer=True)
-    _remove_older(root, iteration, rank)
+    _remove_others(root, iteration, rank)
 
 
 def _write(root: str, iteration: int, rank: int, state: Dict[str, Any]) -> None:
@@ -82,13 +83,13 @@ def _write(root: str, iteration: int, rank: int, state: Dict[str, Any]) -> None:
     write_json_atomic(marker, entry)
 
 
-def _remove_older(root: str, iteration: int, rank: int) -> None:
-    """This rank's files of older local checkpoints; a directory goes once no rank's file is left in it."""
-    for older, folder in _iteration_dirs(root):
-        if older >= iteration:
+def _remove_others(root: str, iteration: int, rank: int) -> None:
+    """This rank's files of every other local checkpoint; a directory goes once no rank's file is left in it."""
+    for other, folder in _iteration_dirs(root):
+        if other == iteration:
             continue
         for suffix in (".done", ".pt"):  # the marker first: a half-removed checkpoint is never complete
-            path = rank_file(root, older, rank, suffix)
+            path = rank_file(root, other, rank, suffix)
             if os.path.exists(path):
                 os.remove(path)
         try:

@@ -63,7 +63,7 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     no_checkpoint_message,
     read_tracker,
     refuse_untracked,
-    remove_older_checkpoints,
+    remove_other_checkpoints,
     save_dir_problem,
     update_tracker,
 )
@@ -139,7 +139,7 @@ def save_checkpoint(
     queue's background writer writes it; ``metadata.json`` and the tracker follow when the queue
     finalizes it, after every rank's files are durable (``dist_checkpointing/async_save.py``).
     ``non_persistent``: a ``--non-persistent-ckpt-type`` checkpoint instead: global, this same save into
-    ``non_persistent_global_dir(save)`` (its own tracker), whose older checkpoints go once it is published;
+    ``non_persistent_global_dir(save)`` (its own tracker), whose other checkpoints go once it is published;
     local, each rank's own file (``checkpoint_local.py``), synchronously.
     """
     if ckpt_config.save is None:
@@ -148,7 +148,7 @@ def save_checkpoint(
     if non_persistent and ckpt_config.non_persistent_ckpt_type == GLOBAL:
         root = ckpt_config.non_persistent_global_dir(ckpt_config.save)
         ckpt_config = dataclasses.replace(ckpt_config, save=root)
-        published = lambda: agreed_write(lambda: remove_older_checkpoints(root, iteration), root)  # noqa: E731
+        published = lambda: agreed_write(lambda: remove_other_checkpoints(root, iteration), root)  # noqa: E731
     _require_plain("train_state", train_state)
     _require_plain("args_dict", args_dict)
     fmt = get_format(ckpt_config.ckpt_format)

@@ -9,12 +9,15 @@ marker of is not used (resume falls back to the persistent iteration 4, again wi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import pytest
 
+from megatron.training import checkpoint_local
 from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.checkpoint_dirs import remove_other_checkpoints, save_dir_problem
 from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags
 
 FAULTY = os.path.join(os.path.dirname(__file__), "..", "fault", "faulty_gpt.py")
@@ -102,3 +105,29 @@ def test_non_persistent_config_refusals():
         with pytest.raises(ValueError, match=message):
             CheckpointConfig(**kwargs)
     assert CheckpointConfig(save="/s").non_persistent_global_dir("/s") == "/s/non_persistent"
+
+
+def test_stale_non_persistent_checkpoints_are_refused_or_removed(tmp_path):
+    """Checkpoints an earlier job left: a fresh --save refuses a complete global one (a later resume would take
+    it); publishing removes every other global one, newer too; a local marker of another layout does not count."""
+    save = str(tmp_path / "save")
+    for iteration in (3, 10):
+        os.makedirs(os.path.join(save, "non_persistent", f"iter_{iteration:07d}"))
+    open(os.path.join(save, "non_persistent", "iter_0000010", "metadata.json"), "w").close()
+    cfg = CheckpointConfig(save=save, non_persistent_ckpt_type="global", non_persistent_save_interval=2)
+    assert "non_persistent/iter_0000010" in save_dir_problem(cfg)
+    assert save_dir_problem(CheckpointConfig(save=save)) is None
+    remove_other_checkpoints(os.path.join(save, "non_persistent"), 3)
+    assert os.listdir(os.path.join(save, "non_persistent")) == ["iter_0000003"]
+
+    local, layout = str(tmp_path / "local"), {"world_size": 2, "tp": 1, "pp": 1, "dp": 2, "cp": 1}
+    for iteration, saved_layout in ((2, layout), (4, dict(layout, tp=2)), (6, layout)):
+        path = checkpoint_local.rank_file(local, iteration, 0)
+        os.makedirs(os.path.dirname(path))
+        with open(path, "wb") as f:
+            f.write(b"x" * 5)
+        marker = {"iteration": iteration, "layout": saved_layout, "bytes": 5}
+        if iteration != 6:  # 6: the marker was never written
+            with open(checkpoint_local.rank_file(local, iteration, 0, ".done"), "w") as f:
+                json.dump(marker, f)
+    assert checkpoint_local.complete_iterations(local, 0, layout) == {2}
