@@ -164,6 +164,10 @@ def load_local(
             except RuntimeError as e:
                 raise CheckpointingError(f"{path}: model state does not fit: {e}") from e
         if optimizer is not None:
+            if state["optimizer"] is None:
+                raise CheckpointingError(
+                    f"{path} has no optimizer state (saved with --no-save-optim?); load with --no-load-optim"
+                )
             optimizer.load_state_dict(state["optimizer"])
         return state["common"], state["rng"] if load_rng else None
 

@@ -1,10 +1,11 @@
 """Non-persistent checkpoints (``--non-persistent-save-interval``, ``--non-persistent-ckpt-type global|local``).
 
-A 2-rank job saves persistently every 4 iterations and non-persistently every 2, and dies (every rank
-SIGKILLed, ``faulty_gpt.py kill-all-at 6``: no exit save) before step 7. Resume must take iteration 6's
-non-persistent checkpoint and continue with the losses of a straight run that was never interrupted (the
-reference); old non-persistent checkpoints are gone; a local checkpoint one rank lacks the completion
-marker of is not used (resume falls back to the persistent iteration 4, again with the straight losses).
+A 2-rank job (distributed optimizer) saves persistently every 4 iterations and non-persistently every 2,
+and dies (every rank SIGKILLed, ``faulty_gpt.py kill-all-at 6``: no exit save) before step 7. Resume must
+take iteration 6's non-persistent checkpoint and continue with the losses of a straight run that was never
+interrupted (the reference); old non-persistent checkpoints are gone; a local checkpoint one rank lacks the
+completion marker of is not used (resume falls back to the persistent iteration 4, again with the straight
+losses). With ``--async-save`` the global ones are written in the background and cleaned the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny
 
 FAULTY = os.path.join(os.path.dirname(__file__), "..", "fault", "faulty_gpt.py")
 ITERS = 8
-BASE = tiny_gpt_flags(ITERS) + mock_flags()
+BASE = tiny_gpt_flags(ITERS) + mock_flags() + ["--use-distributed-optimizer"]  # local: each rank its shard
 
 
 @pytest.fixture(scope="module")
