@@ -91,6 +91,8 @@ _FEATURE_LIST = (
     _f("overlap_param_gather", "overlap_param_gather", bool, "overlapped parameter all-gather"),
     _f("fp8_param_gather", "fp8_param_gather", bool, "FP8 parameter all-gather"),
     _f("no_dist_opt", "use_distributed_optimizer", lambda v: not v, "no distributed optimizer"),
+    _f("async_save", "async_save", bool, "asynchronous checkpoint saves"),
+    _f("np_local", "non_persistent_ckpt_type", lambda v: v == "local", "local non-persistent checkpoints"),
     _f("ckpt_torch", "ckpt_format", lambda v: v == "torch", "the legacy torch checkpoint format"),
     _f("ep", "expert_model_parallel_size", lambda v: v > 1, "expert parallelism (EP > 1)"),
     _f(
@@ -142,6 +144,13 @@ REFUSED: Tuple[Refused, ...] = (
         "distribute_saved",
         "sequence_parallel",
         "each TP rank's layer input is already its own sequence slice, not a copy to split (Megatron refuses it too)",
+    ),
+    # checkpoints
+    Refused(
+        "async_save",
+        "np_local",
+        "local non-persistent checkpoints are written synchronously (each rank's own state to node-local storage): "
+        "use --non-persistent-ckpt-type global for background writes",
     ),
     # attention and position embeddings
     Refused("mla", "gqa", "MLA builds every head's keys from one latent: num-query-groups must equal the heads"),

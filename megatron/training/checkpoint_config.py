@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core import compatibility
 from megatron.core.dist_checkpointing.validation import parse_strictness
 from megatron.training.checkpoint_formats.base import TORCH_DIST
 from megatron.training.checkpoint_formats.registry import format_names, get_format
 
+GLOBAL, LOCAL, IN_MEMORY = "global", "local", "in_memory"  # --non-persistent-ckpt-type
+NON_PERSISTENT_SUBDIR = "non_persistent"  # the global non-persistent checkpoints' default home under --save/--load
+_LOCAL_ALGOS = ("fully_parallel", "atomic")
 _MEGATRON_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")
 _FLAGS = (
     "no_save_optim",
@@ -46,6 +51,15 @@ class CheckpointConfig:
         async_save: the training thread only snapshots the tensors; a background writer writes them
             and the tracker follows once every rank's files are durable (``--async-save``).
         use_persistent_ckpt_worker: one writer thread for the whole run instead of one per save.
+        non_persistent_save_interval: iterations between non-persistent checkpoints, saved besides the
+            ``save_interval`` ones (an iteration with a persistent save takes no non-persistent one).
+        non_persistent_ckpt_type: ``global`` (the ``ckpt_format`` files under ``non_persistent_global_ckpt_dir``,
+            only the newest kept) or ``local`` (each rank's own state in one file under
+            ``non_persistent_local_ckpt_dir``, node-local storage); ``in_memory`` is refused.
+        non_persistent_global_ckpt_dir: None: ``<save>/non_persistent`` (``<load>/non_persistent`` on load).
+        non_persistent_local_ckpt_dir: where each rank writes (and finds) its local checkpoints.
+        non_persistent_local_ckpt_algo: ``fully_parallel`` or ``atomic``: both name the one local writer here
+            (each rank writes its own file, then its completion marker).
     """
 
     save: Optional[str] = None
@@ -64,6 +78,11 @@ class CheckpointConfig:
     verify_checkpoint: bool = True
     async_save: bool = False
     use_persistent_ckpt_worker: bool = False
+    non_persistent_save_interval: Optional[int] = None
+    non_persistent_ckpt_type: Optional[str] = None
+    non_persistent_global_ckpt_dir: Optional[str] = None
+    non_persistent_local_ckpt_dir: Optional[str] = None
+    non_persistent_local_ckpt_algo: str = "fully_parallel"
 
     def __post_init__(self) -> None:
         parse_strictness(self.dist_ckpt_strictness)
@@ -87,7 +106,36 @@ class CheckpointConfig:
                 f"async_save=True with ckpt_format={self.ckpt_format!r}: --async-save needs a format that saves "
                 f"in the background ({', '.join(n for n in format_names() if get_format(n).supports_async)})"
             )
-        for name, lowest in (("save_interval", 1), ("ckpt_step", 0)):
+        self._check_non_persistent()
+        compatibility.check(self)
+        for name, lowest in (("save_interval", 1), ("ckpt_step", 0), ("non_persistent_save_interval", 1)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):
                 raise ValueError(f"{name}={value!r}: must be an integer >= {lowest} or None")
+
+    def _check_non_persistent(self) -> None:
+        kind = self.non_persistent_ckpt_type
+        if kind == IN_MEMORY:
+            raise ValueError(
+                "non_persistent_ckpt_type='in_memory' (--non-persistent-ckpt-type in_memory): not supported: Megatron "
+                "keeps it in the host memory of the running processes for its in-process restart, and this project's "
+                "in-job restart starts new processes, which would find nothing; use global or local"
+            )
+        if kind not in (None, GLOBAL, LOCAL):
+            raise ValueError(f"non_persistent_ckpt_type={kind!r}: must be None, {GLOBAL!r} or {LOCAL!r}")
+        if self.non_persistent_local_ckpt_algo not in _LOCAL_ALGOS:
+            raise ValueError(
+                f"non_persistent_local_ckpt_algo={self.non_persistent_local_ckpt_algo!r}: must be one of {_LOCAL_ALGOS}"
+            )
+        if kind == LOCAL and not self.non_persistent_local_ckpt_dir:
+            raise ValueError(
+                "non_persistent_ckpt_type='local' needs non_persistent_local_ckpt_dir "
+                "(--non-persistent-local-ckpt-dir): the node-local directory each rank writes its checkpoint to"
+            )
+        if self.non_persistent_save_interval is not None and (kind is None or self.save is None):
+            needs = "save (--save)" if kind else "non_persistent_ckpt_type (--non-persistent-ckpt-type global|local)"
+            raise ValueError(f"non_persistent_save_interval={self.non_persistent_save_interval!r} needs {needs}")
+
+    def non_persistent_global_dir(self, root: str) -> str:
+        """Where the global non-persistent checkpoints of ``root`` (``save`` or ``load``) live."""
+        return self.non_persistent_global_ckpt_dir or os.path.join(root, NON_PERSISTENT_SUBDIR)

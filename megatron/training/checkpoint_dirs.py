@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from typing import List, Optional, Tuple
 
 from megatron.core.dist_checkpointing import CheckpointingError
-from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.checkpoint_config import GLOBAL, CheckpointConfig
 from megatron.training.checkpoint_formats import registry
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,20 @@ def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
     return sorted((it, path) for it, path in found if _is_complete(path))
 
 
+def remove_other_checkpoints(root: str, iteration: int) -> None:
+    """Remove every ``iter_*`` directory under ``root`` but ``iteration``'s (the global non-persistent checkpoints,
+    once a new one is published: only it is kept, older ones and stale ones an earlier job left alike).
+    ``metadata.json`` goes first."""
+    for name in os.listdir(root):
+        m = _ITER_DIR.fullmatch(name)
+        if m and int(m.group(1)) != iteration:
+            path = os.path.join(root, name)
+            marker = os.path.join(path, registry.get_format(registry.TORCH_DIST).marker)
+            if os.path.exists(marker):  # never complete-looking while half removed
+                os.remove(marker)
+            shutil.rmtree(path)
+
+
 def refuse_untracked(root: str) -> None:
     """No tracker but complete checkpoints: a fresh start would overwrite them, so stop and say how to resume."""
     saved = complete_checkpoints(root)
@@ -138,14 +153,37 @@ def iteration_to_load(cfg: CheckpointConfig) -> Optional[Tuple[int, bool]]:
     return found
 
 
-def load_target(cfg: CheckpointConfig) -> Tuple[Optional[Tuple[int, bool, str]], Optional[str]]:
-    """(iteration, release, format) to load or None, and the error that stops the load, as this rank sees them
-    (``checkpointing.load_checkpoint`` asks rank 0 alone and hands its answer to every rank)."""
+Target = Tuple[int, bool, str, str]  # (iteration, release, format, root directory)
+
+
+def load_target(cfg: CheckpointConfig) -> Tuple[Optional[Target], Optional[str]]:
+    """(iteration, release, format, root) to load or None, and the error that stops the load, as this rank sees
+    them (``checkpointing.load_checkpoint`` asks rank 0 alone and hands its answer to every rank).
+
+    With ``non_persistent_ckpt_type`` global (and no ``ckpt_step``) the newest of the persistent tracker's
+    checkpoint and the non-persistent directory's (its own tracker) wins; a tie goes to the persistent one.
+    """
     try:
+        newer = _newer_global_non_persistent(cfg)
+        if newer is not None:
+            iteration, root = newer
+            return (iteration, False, detect_format(checkpoint_dir(root, iteration)), root), None
         found = iteration_to_load(cfg)
-        return (None if found is None else (*found, detect_format(checkpoint_dir(cfg.load, *found)))), None
+        return (None if found is None else (*found, detect_format(checkpoint_dir(cfg.load, *found)), cfg.load)), None
     except CheckpointingError as e:
         return None, str(e)
+
+
+def _newer_global_non_persistent(cfg: CheckpointConfig) -> Optional[Tuple[int, str]]:
+    """(iteration, root) of the global non-persistent checkpoint when it is newer than the persistent one."""
+    if cfg.non_persistent_ckpt_type != GLOBAL or cfg.ckpt_step is not None:
+        return None
+    root = cfg.non_persistent_global_dir(cfg.load)
+    found = read_tracker(root) if os.path.isdir(root) else None
+    persistent = read_tracker(cfg.load) if os.path.isdir(cfg.load) else None
+    if found is None or (persistent is not None and not persistent[1] and persistent[0] >= found[0]):
+        return None
+    return found[0], root
 
 
 def writable_dir_problem(flag: str, path: Optional[str], what: str = "the directory") -> Optional[str]:
@@ -172,6 +210,8 @@ def save_dir_problem(cfg: CheckpointConfig) -> Optional[str]:
         return unwritable
     same = cfg.load is not None and os.path.realpath(cfg.load) == os.path.realpath(cfg.save)
     saved = complete_checkpoints(cfg.save)
+    if cfg.non_persistent_ckpt_type == GLOBAL:  # a stale one there would win a later resume
+        saved = sorted(saved + complete_checkpoints(cfg.non_persistent_global_dir(cfg.save)))
     if not saved or (same and not cfg.finetune):
         return None
     why = (

@@ -50,9 +50,10 @@ from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_
 from megatron.core.utils import unwrap_model
 from megatron.training import run_report
 from megatron.training.checkpoint_args import apply_checkpoint_args, check_checkpoint_args
-from megatron.training.checkpoint_config import CheckpointConfig
+from megatron.training.checkpoint_config import GLOBAL, LOCAL, CheckpointConfig
 from megatron.training.checkpoint_dirs import (  # noqa: F401
     TRACKER_FILE,
+    Target,
     checkpoint_dir,
     complete_checkpoints,
     detect_format,
@@ -62,12 +63,14 @@ from megatron.training.checkpoint_dirs import (  # noqa: F401
     no_checkpoint_message,
     read_tracker,
     refuse_untracked,
+    remove_other_checkpoints,
     save_dir_problem,
     update_tracker,
 )
 from megatron.training.checkpoint_formats.base import TORCH_DIST, LoadRequest, SaveRequest, StagedWrite  # noqa: F401
 from megatron.training.checkpoint_formats.common import COMMON_FILE, agreed_write, layout  # noqa: F401 - COMMON_FILE
 from megatron.training.checkpoint_formats.registry import get_format
+from megatron.training.checkpoint_local import agreed_iteration, load_local, save_local
 from megatron.training.flags.registry import config_from_args
 from megatron.training.rng_state import collect_rng_state, restore_rng_state  # noqa: F401 - re-exported
 
@@ -125,6 +128,7 @@ def save_checkpoint(
     pg_collection: Optional[ProcessGroupCollection] = None,
     rng_tracker: Optional[CudaRNGStatesTracker] = None,
     async_queue: Optional[AsyncCallsQueue] = None,
+    non_persistent: bool = False,
 ) -> str:
     """Write ``SAVE/iter_{iteration:07d}`` on every rank, then point the tracker at it; returns the dir.
 
@@ -134,9 +138,17 @@ def save_checkpoint(
     With ``async_queue`` (``--async-save``) the format only stages the save (plan, host snapshot) and the
     queue's background writer writes it; ``metadata.json`` and the tracker follow when the queue
     finalizes it, after every rank's files are durable (``dist_checkpointing/async_save.py``).
+    ``non_persistent``: a ``--non-persistent-ckpt-type`` checkpoint instead: global, this same save into
+    ``non_persistent_global_dir(save)`` (its own tracker), whose other checkpoints go once it is published;
+    local, each rank's own file (``checkpoint_local.py``), synchronously.
     """
     if ckpt_config.save is None:
         raise ValueError("save_checkpoint needs CheckpointConfig.save (--save)")
+    published: Callable[[], None] = lambda: None  # noqa: E731
+    if non_persistent and ckpt_config.non_persistent_ckpt_type == GLOBAL:
+        root = ckpt_config.non_persistent_global_dir(ckpt_config.save)
+        ckpt_config = dataclasses.replace(ckpt_config, save=root)
+        published = lambda: agreed_write(lambda: remove_other_checkpoints(root, iteration), root)  # noqa: E731
     _require_plain("train_state", train_state)
     _require_plain("args_dict", args_dict)
     fmt = get_format(ckpt_config.ckpt_format)
@@ -162,8 +174,14 @@ def save_checkpoint(
     _require_plain("opt_param_scheduler.state_dict()", common["opt_param_scheduler"])
     save_optim = optimizer is not None and not ckpt_config.no_save_optim
     rng_state = None if ckpt_config.no_save_rng else collect_rng_state(rng_tracker or get_cuda_rng_tracker())
-    request = SaveRequest(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
     started = time.time()
+    if non_persistent and ckpt_config.non_persistent_ckpt_type == LOCAL:
+        root = ckpt_config.non_persistent_local_ckpt_dir
+        save_local(root, iteration, model_chunks, optimizer if save_optim else None, common, rng_state)
+        seconds = time.time() - started
+        run_report.report(run_report.saved_line(iteration, f"{root} (local)", _position(groups), seconds))
+        return root
+    request = SaveRequest(iter_dir, model_chunks, optimizer if save_optim else None, groups, common, rng_state)
     run_report.report(run_report.saving_line(iteration, ckpt_config.save, ckpt_config.ckpt_format))
 
     def write() -> Optional[StagedWrite]:
@@ -179,6 +197,7 @@ def save_checkpoint(
         agreed_write(lambda: update_tracker(ckpt_config.save, iteration), ckpt_config.save)
         seconds = time.time() - started
         run_report.report(run_report.saved_line(iteration, ckpt_config.save, _position(groups), seconds))
+        published()
 
     staged = _naming_failures(write, iter_dir, ckpt_config.save)
     if staged is None:
@@ -237,7 +256,7 @@ def _tracker_note(root: str) -> str:
 
 
 # ---------------------------------------------------------------- load
-def _agreed_target(cfg: CheckpointConfig) -> Optional[Tuple[int, bool, str]]:
+def _agreed_target(cfg: CheckpointConfig) -> Optional[Target]:
     """Global rank 0 reads the tracker and detects the format; every rank gets its answer.
 
     A rank that read the tracker itself could see another iteration (an older copy on a shared
@@ -285,33 +304,40 @@ def load_checkpoint(
         )
     if ckpt_config.load is None:
         return 0, {}
+    groups = dc.model_process_groups(unwrap_model(model_chunks[0]), pg_collection)
     target = _agreed_target(ckpt_config)
-    if target is None:
+    local = _newer_local(ckpt_config, target, groups)
+    if target is None and local is None:
         if run_report.is_reporting_rank():  # every rank got rank 0's answer: said once
             logger.warning("%s; starting from random initialization", no_checkpoint_message(ckpt_config.load))
         return 0, {}
-    iteration, release, fmt = target
-    iter_dir = checkpoint_dir(ckpt_config.load, iteration, release)
-    groups = dc.model_process_groups(unwrap_model(model_chunks[0]), pg_collection)
+    if local is not None:
+        target = (local, False, LOCAL, ckpt_config.non_persistent_local_ckpt_dir)
+    iteration, release, fmt, root = target
+    _report_choice(ckpt_config, target)
     fresh = ckpt_config.finetune or release
     load_optim = optimizer is not None and not ckpt_config.no_load_optim and not fresh
     load_rng = not ckpt_config.no_load_rng and not fresh
     started = time.time()
-    run_report.report(run_report.loading_line(ckpt_config.load, iteration, fmt))
-    reader = get_format(fmt)
-    reader.validate(groups)
+    run_report.report(run_report.loading_line(root, iteration, fmt))
     check_args = None if run_args is None else lambda saved, where: check_checkpoint_args(saved, run_args, where)
-    request = LoadRequest(
-        iter_dir,
-        model_chunks,
-        optimizer if load_optim else None,
-        groups,
-        load_rng,
-        ckpt_config.verify_checkpoint,
-        ckpt_config.dist_ckpt_strictness,
-        check_args,
-    )
-    common, rng = reader.load(request)
+    if fmt == LOCAL:
+        optim, verify = optimizer if load_optim else None, ckpt_config.verify_checkpoint
+        common, rng = load_local(root, iteration, model_chunks, optim, load_rng, verify, check_args)
+    else:
+        reader = get_format(fmt)
+        reader.validate(groups)
+        request = LoadRequest(
+            checkpoint_dir(root, iteration, release),
+            model_chunks,
+            optimizer if load_optim else None,
+            groups,
+            load_rng,
+            ckpt_config.verify_checkpoint,
+            ckpt_config.dist_ckpt_strictness,
+            check_args,
+        )
+        common, rng = reader.load(request)
     if optimizer is not None and not load_optim:  # main weights from the loaded model (Megatron does this too)
         optimizer.reload_model_params()
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
@@ -322,10 +348,33 @@ def load_checkpoint(
     if fresh:
         what += "; starting at iteration 0 (" + ("--finetune" if ckpt_config.finetune else "release checkpoint") + ")"
     elapsed = time.time() - started
-    run_report.report(run_report.loaded_line(ckpt_config.load, iteration, _position(groups), elapsed, what))
+    run_report.report(run_report.loaded_line(root, iteration, _position(groups), elapsed, what))
     if fresh:
         return 0, {}
     return int(common["iteration"]), dict(common.get("train_state") or {})
+
+
+def _newer_local(
+    cfg: CheckpointConfig, target: Optional[Tuple[int, bool, str, str]], groups: ProcessGroupCollection
+) -> Optional[int]:
+    """Collective with local non-persistent checkpoints: the newest iteration every rank holds complete, when it
+    is newer than ``target`` (ties go to ``target``); None otherwise, and without local checkpoints."""
+    if cfg.non_persistent_ckpt_type != LOCAL or cfg.ckpt_step is not None or cfg.finetune:
+        return None
+    found = agreed_iteration(cfg.non_persistent_local_ckpt_dir, layout(groups))
+    if found is None or (target is not None and not target[1] and target[0] >= found):
+        return None
+    return found
+
+
+def _report_choice(cfg: CheckpointConfig, target: Target) -> None:
+    """Which checkpoint resume chose, when non-persistent ones were candidates."""
+    if cfg.non_persistent_ckpt_type is None:
+        return
+    iteration, release, _, root = target
+    kind = "persistent" if root == cfg.load else f"non-persistent ({cfg.non_persistent_ckpt_type})"
+    at = "release" if release else f"iteration {iteration}"
+    run_report.report(f" resuming from the newest complete checkpoint: {kind}, {at}, in {root}")
 
 
 def load_args_from_checkpoint(args: Any) -> Optional[str]:

@@ -260,7 +260,7 @@ def _evaluate_and_log(loop: Loop, prefix: str, iterators: Optional[List], final:
         process(non_loss_data, loop.state.iteration, loop.logger.writers.tensorboard)
 
 
-def _save(loop: Loop) -> None:
+def _save(loop: Loop, non_persistent: bool = False) -> None:
     built = loop.built
     with rng_untouched(loop.rng_tracker):
         save_checkpoint(
@@ -274,6 +274,7 @@ def _save(loop: Loop) -> None:
             pg_collection=loop.groups,
             rng_tracker=loop.rng_tracker,
             async_queue=loop.async_queue,
+            non_persistent=non_persistent,
         )
 
 
@@ -345,10 +346,11 @@ def _log_iteration(
     loop.logger.training_log(stats, loop.timers)
 
 
-def _saves_now(loop: Loop) -> bool:
-    """Whether this iteration is a multiple of --save-interval (with --save)."""
+def _saves_now(loop: Loop, non_persistent: bool = False) -> bool:
+    """Whether this iteration is a multiple of --save-interval (or --non-persistent-save-interval), with --save."""
     ckpt = loop.configs.checkpoint
-    return bool(ckpt.save and ckpt.save_interval and loop.state.iteration % ckpt.save_interval == 0)
+    interval = ckpt.non_persistent_save_interval if non_persistent else ckpt.save_interval
+    return bool(ckpt.save and interval and loop.state.iteration % interval == 0)
 
 
 def _signal_handler(cfg: TrainingConfig) -> Any:
@@ -382,6 +384,8 @@ def train(loop: Loop) -> Optional[str]:
             saved = _saves_now(loop)
             if saved:
                 _save(loop)
+            elif _saves_now(loop, non_persistent=True) and state.iteration < loop.train_iters:  # the end saves anyway
+                _save(loop, non_persistent=True)
             reason = _should_exit(loop, start_time, handler)
             if reason is not None:
                 if loop.configs.checkpoint.save and not saved:

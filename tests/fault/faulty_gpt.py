@@ -12,6 +12,7 @@ Usage: python faulty_gpt.py <fault> <argument> <Megatron flags...>
 - ``kill-before-tracker N``: rank 0 is killed in the N-th save after ``metadata.json``, before the tracker.
 - ``kill-rank1-once N``: on torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), rank 1
   SIGKILLs itself before training step N+1 (a rank failure that an in-job restart survives).
+- ``kill-all-at N``: every rank SIGKILLs itself before training step N+1 (the job dies: no exit save).
 - ``slow-rank R``: rank R sleeps 150 ms in every forward of its model (a straggler).
 - ``file-size-limit BYTES``: no file this process writes may grow past BYTES (``RLIMIT_FSIZE``,
   SIGXFSZ ignored, so writes fail with EFBIG as on a full disk).
@@ -75,6 +76,10 @@ def kill_before_tracker(target: int) -> None:
 def kill_rank1_once(iteration: int) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or int(os.environ.get("RANK", "0")) != 1:
         return
+    kill_all_at(iteration)
+
+
+def kill_all_at(iteration: int) -> None:
     from megatron.training import training
 
     step = training.train_step
@@ -114,6 +119,7 @@ FAULTS = {
     "kill-before-publish": kill_before_publish,
     "kill-before-tracker": kill_before_tracker,
     "kill-rank1-once": kill_rank1_once,
+    "kill-all-at": kill_all_at,
     "slow-rank": slow_rank,
     "file-size-limit": file_size_limit,
 }

@@ -15,11 +15,30 @@ RECORDS = (
     Flag("save_retain_interval", not_yet(None), type=int),
     Flag("load", IMPLEMENTED, help="Directory to load checkpoints from.", fills=same(CK)),
     Flag("load_main_params_from_ckpt", not_yet(False)),
-    Flag("non_persistent_save_interval", not_yet(None), type=int),
-    Flag("non_persistent_ckpt_type", no_op(reasons.UNDER_REFUSED)),
-    Flag("non_persistent_global_ckpt_dir", no_op(reasons.UNDER_REFUSED)),
-    Flag("non_persistent_local_ckpt_dir", no_op(reasons.UNDER_REFUSED)),
-    Flag("non_persistent_local_ckpt_algo", no_op(reasons.UNDER_REFUSED)),
+    Flag(
+        "non_persistent_save_interval",
+        IMPLEMENTED,
+        type=int,
+        help="Iterations between non-persistent checkpoints (besides the --save-interval ones); resume takes the "
+        "newest complete checkpoint, persistent or not.",
+        fills=same(CK),
+    ),
+    Flag(
+        "non_persistent_ckpt_type",
+        IMPLEMENTED,
+        help="global: --ckpt-format files in --non-persistent-global-ckpt-dir, only the newest kept; local: each "
+        "rank's own state in --non-persistent-local-ckpt-dir (in_memory is refused).",
+        fills=same(CK),
+    ),
+    Flag("non_persistent_global_ckpt_dir", IMPLEMENTED, help="Default: <save>/non_persistent.", fills=same(CK)),
+    Flag("non_persistent_local_ckpt_dir", IMPLEMENTED, fills=same(CK)),
+    Flag(
+        "non_persistent_local_ckpt_algo",
+        IMPLEMENTED,
+        help="fully_parallel and atomic both use the one local writer: each rank writes its own file, then its "
+        "completion marker.",
+        fills=same(CK),
+    ),
     Flag("finetune", IMPLEMENTED, fills=same(CK)),
     Flag(
         "pretrained_checkpoint",

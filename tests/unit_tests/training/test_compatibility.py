@@ -65,6 +65,10 @@ EXAMPLES = {
     ("ckpt_torch", "ep"): (MOE + ["--expert-model-parallel-size", "2", "--ckpt-format", "torch"], 2),
     ("ckpt_torch", "etp_differs"): (MOE + ["--expert-tensor-parallel-size", "2", "--ckpt-format", "torch"], 2),
     ("vpp", "pp1"): (["--num-layers-per-virtual-pipeline-stage", "1"], 1),
+    ("async_save", "np_local"): (
+        ["--async-save", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/tmp/local"],
+        1,
+    ),
 }
 
 
