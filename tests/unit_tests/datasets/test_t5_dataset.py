@@ -147,7 +147,7 @@ def test_tokenizer_without_sentinels_is_refused(tmp_path):
 def test_too_few_sentinels_name_the_flag(tmp_path):
     few = write_t5_corpus(str(tmp_path), sentinels=1)
     train = build_t5_datasets(t5_config(few["tokenizer"], few["prefix"], str(tmp_path / "cache")), SIZES)[0]
-    with pytest.raises(ValueError, match=r"masked spans but the tokenizer has only 1 sentinels: raise --vocab-extra"):
+    with pytest.raises(ValueError, match=r"only 1 sentinels \(vocab_extra_ids=1\): raise it"):
         for i in range(len(train)):
             train[i]
 

@@ -149,4 +149,4 @@ def test_flash_backend_names_why_flash_cannot_run(monkeypatch):
     got = _flash_warnings(lambda: [flash._sdpa_kernel(bf16, None, narrow_v).__enter__() for _ in range(2)])
     assert len(got) == 1 and f"value head dim {D - 2} != query/key head dim {D}" in got[0], got
     got = _flash_warnings(lambda: _attention("flash", apply_query_key_layer_scaling=True))
-    assert len(got) == 1 and "--apply-query-key-layer-scaling" in got[0], got
+    assert len(got) == 1 and "apply_query_key_layer_scaling=True" in got[0], got

@@ -33,7 +33,7 @@ def _cfg(**kw):
         (dict(num_layers=0), ["num_layers=0"]),
         (dict(recompute_granularity="full"), ["recompute_method=None"]),
         (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), ["ffn_hidden_size=30"]),
-        (dict(window_size=(4,)), ["window_size=(4,)", "--window-size"]),
+        (dict(window_size=(4,)), ["window_size=(4,)", "(left, right)"]),
         (dict(window_size=(4, -2)), ["window_size=(4, -2)"]),
     ],
 )
