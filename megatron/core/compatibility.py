@@ -150,7 +150,7 @@ REFUSED: Tuple[Refused, ...] = (
         "async_save",
         "np_local",
         "local non-persistent checkpoints are written synchronously (each rank's own state to node-local storage): "
-        "use --non-persistent-ckpt-type global for background writes",
+        "use non_persistent_ckpt_type='global' for background writes",
     ),
     # attention and position embeddings
     Refused("mla", "gqa", "MLA builds every head's keys from one latent: num-query-groups must equal the heads"),
