@@ -10,7 +10,7 @@ usage: bash scripts/run_tests.sh [--full] [PYTEST ARGS...]
 Sets up .venv (scripts/setup_env.sh), lints with ruff, installs the two test oracles outside the repository
 when missing, then runs pytest on what it is given:
   (nothing)              the default tier of tests/: every feature and layout family (about 1,830 tests;
-                         18-20 min on 2 cores, measured 2026-12-02, see README)
+                         16 min on 2 quiet cores, measured 2026-12-02, see README)
   --full                 every test: the default tier plus the tests tests/conftest.py lists as full-only
                          (bash scripts/run_tests.sh --full -m full runs only those, as .ci/run does after
                          the default tier; 51 tests, about 10 min more)
