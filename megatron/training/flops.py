@@ -24,6 +24,7 @@ class FlopsConfig:
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
     moe_shared_expert_intermediate_size: Optional[int] = None  # MoE layers also run this MLP on every token
+    attention_output_gate: bool = False  # the query projection also produces a gate as wide as the queries
     multi_latent_attention: bool = False  # the attention term is then ``mla_attention_flops``
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
@@ -58,6 +59,7 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
 
     * attention projections: Q (h x q), K and V (h x k each), output (q x h):
       2 * (2*h*q + 2*h*k) = 4*h*q*(1 + k/q);
+    * with ``attention_output_gate`` the query projection is twice as wide (queries and gate): + 2*h*q;
     * attention scores Q K^T and the weighted sum of V: 2 * 2*s*q = 4*s*q
       (the full s x s square: the causal mask's skipped half is counted too);
     * MLP: h -> f and f -> h: 4*h*f; with SwiGLU the first projection is
@@ -83,7 +85,8 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     q = cfg.num_attention_heads * d
     k = (cfg.num_query_groups or cfg.num_attention_heads) * d
     gated = 1.5 if cfg.swiglu else 1.0
-    attention = mla_attention_flops(cfg) if cfg.multi_latent_attention else 4 * h * q * (1 + k / q) + 4 * s * q
+    gate = 2 * h * q if cfg.attention_output_gate else 0
+    attention = mla_attention_flops(cfg) if cfg.multi_latent_attention else 4 * h * q * (1 + k / q) + gate + 4 * s * q
     dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
     per_moe_layer = cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0)
     moe_ffn = cfg.num_moe_layers * per_moe_layer

@@ -124,6 +124,8 @@ def _attention(c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: Ra
         total += n.t * groups * d * n.e + 4 * n.s * int(d * lm.rotary_percent) * n.e  # keys, cos/sin x (q, k)
     if c.recompute_granularity != "selective":
         total += _core_attention(c, n, pos)
+    if c.attention_output_gate:  # the gate's columns of the fused projection, its fp32 sigmoid
+        total += n.t * heads * d * (n.e + 4)
     return total + n.t * heads * d * n.e  # context: linear_proj's input
 
 

@@ -143,7 +143,8 @@ def _attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
     if c.multi_latent_attention:
         return _latent_attention(c, p, tp)
     h, d = c.hidden_size, c.kv_channels
-    qkv = d * (c.num_attention_heads + 2 * c.num_query_groups) // tp
+    gated = 2 if c.attention_output_gate else 1  # the gate is as wide as the queries
+    qkv = d * (gated * c.num_attention_heads + 2 * c.num_query_groups) // tp
     entries = _linear(f"{p}.linear_qkv", qkv, h, qkv if c.add_bias_linear or c.add_qkv_bias else None)
     entries += _linear(f"{p}.linear_proj", h, d * c.num_attention_heads // tp, h if c.add_bias_linear else None)
     if c.qk_layernorm:

@@ -414,7 +414,8 @@ class SelfAttention(MegatronModule):
         self.heads_per_rank = config.num_attention_heads // tp
         self.groups_per_rank = config.num_query_groups // tp
         d = config.kv_channels
-        qkv_size = d * (config.num_attention_heads + 2 * config.num_query_groups)
+        gated = 2 if config.attention_output_gate else 1  # each group's queries, then as many gate columns
+        qkv_size = d * (gated * config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = (submodules.linear_qkv or ColumnParallelLinear)(
             config.hidden_size,
             qkv_size,
@@ -447,12 +448,25 @@ class SelfAttention(MegatronModule):
 
     def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, groups/tp * (q_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
+        query, _, key, value = self.split_qkv_gate(mixed)
+        return query, key, value
+
+    def split_qkv_gate(
+        self, mixed: torch.Tensor
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Split the QKV projection into q ``[s, b, heads/tp, d]``, the output gate (``[s, b, heads/tp * d]``,
+        None unless ``attention_output_gate``), k and v ``[s, b, groups/tp, d]``.
+
+        Each query group's columns are its queries, then (gated) as many gate columns, then its key and value.
+        """
         s, b, _ = mixed.shape
         d = self.config.kv_channels
-        q_per_group = self.heads_per_rank // self.groups_per_rank
-        mixed = mixed.view(s, b, self.groups_per_rank, (q_per_group + 2) * d)
-        q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=-1)
-        return q.reshape(s, b, self.heads_per_rank, d), k, v
+        q_cols = self.heads_per_rank // self.groups_per_rank * d
+        g_cols = q_cols if self.config.attention_output_gate else 0
+        mixed = mixed.view(s, b, self.groups_per_rank, q_cols + g_cols + 2 * d)
+        q, gate, k, v = torch.split(mixed, [q_cols, g_cols, d, d], dim=-1)
+        gate = gate.reshape(s, b, self.heads_per_rank * d) if g_cols else None
+        return q.reshape(s, b, self.heads_per_rank, d), gate, k, v
 
     def forward(
         self,
@@ -474,7 +488,7 @@ class SelfAttention(MegatronModule):
         cache, and the queries attend over every cached position up to their own.
         """
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, qkv/tp]
-        query, key, value = self.split_qkv(mixed)
+        query, gate, key, value = self.split_qkv_gate(mixed)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
@@ -486,6 +500,8 @@ class SelfAttention(MegatronModule):
         context = run_core_attention(
             self, query, key, value, attention_mask, attention_bias, packed_seq_params
         )  # [s, b, heads/tp*d]
+        if gate is not None:  # in fp32, back to the activation dtype
+            context = (context * torch.sigmoid(gate.float())).to(context.dtype)
         return self.linear_proj(context)
 
     def _with_kv_cache(

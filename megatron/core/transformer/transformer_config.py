@@ -56,6 +56,7 @@ class TransformerConfig(ModelParallelConfig):
     layernorm_zero_centered_gamma: bool = False
     normalization: str = "LayerNorm"
     qk_layernorm: bool = False
+    attention_output_gate: bool = False  # sigmoid gate from the query projection on the attention output
 
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
@@ -439,6 +440,10 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"rope_type={self.rope_type!r}: must be 'rope' or 'yarn'")
         if not self.multi_latent_attention:
             return
+        if self.attention_output_gate:
+            raise ValueError(
+                "attention_output_gate=True: not supported with multi_latent_attention=True (as in megatron-core)"
+            )
         if self.rope_type is None:
             self.rope_type = "yarn"
         for name in (

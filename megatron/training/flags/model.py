@@ -239,7 +239,13 @@ RECORDS = (
     Flag("qk_clip", not_yet(False)),
     Flag("qk_clip_alpha", no_op(reasons.UNDER_REFUSED)),
     Flag("qk_clip_threshold", no_op(reasons.UNDER_REFUSED), type=float),
-    Flag("attention_output_gate", not_yet(False)),
+    Flag(
+        "attention_output_gate",
+        IMPLEMENTED,
+        help="Gate the attention output with sigmoid(gate), the gate projected beside the queries (Qwen3-Next).",
+        fills=same(TC, FL),
+        architecture=always,
+    ),
     Flag("calculate_per_token_loss", IMPLEMENTED, fills=same(TC)),
     Flag(
         "multi_latent_attention",

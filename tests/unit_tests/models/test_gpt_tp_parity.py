@@ -1,9 +1,10 @@
 """GPTModel under tensor (and sequence) parallelism equals the TP=1 model with the same weights.
 
-For each rank count, one spawned group checks GPT-2-style and Llama-style configs, with and
-without sequence parallelism: the per-token loss, and every parameter's gradient (TP shards
-gathered back to full tensors) against a TP=1 reference built on the same rank from the same
-seed. fp32; tolerance rtol=1e-5, atol=1e-6 (only the order of float additions differs).
+For each rank count, one spawned group checks GPT-2-style and Llama-style configs (the latter
+also with the attention output gate), with and without sequence parallelism: the per-token loss,
+and every parameter's gradient (TP shards gathered back to full tensors) against a TP=1 reference
+built on the same rank from the same seed. fp32; tolerance rtol=1e-5, atol=1e-6 (only the order of
+float additions differs).
 """
 
 import pytest
@@ -30,7 +31,11 @@ def _compare_with_reference(rank, world_size):
     tp_groups = ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     ref_groups = single_rank_groups()
     tokens, labels = batch()
-    for name, style in (("gpt2", gpt2_style), ("llama", llama_style)):
+
+    def gated(**kw):  # Qwen3-Next's gated attention output: the gate columns split with their query group
+        return llama_style(attention_output_gate=True, **kw)
+
+    for name, style in (("gpt2", gpt2_style), ("llama", llama_style), ("llama gated", gated)):
         ref_loss, ref_grads, ref_weights = _loss_and_grads(
             build_gpt(style(), ref_groups), tokens, labels, ref_groups.tp
         )

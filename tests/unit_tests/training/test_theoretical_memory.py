@@ -50,7 +50,7 @@ GRID = [
     MemCase("tp1 dp2 full block", recompute="full", recompute_method="block", recompute_num_layers=1),
     MemCase("tp1 dp2 dist-opt bf16", llama=True, bf16=True, dist_opt=True),
     MemCase("tp1 dp2 dropout", hidden_dropout=0.1),
-    MemCase("tp2", tp=2),
+    MemCase("tp2 gated attention", tp=2, extra=dict(attention_output_gate=True)),
     MemCase("tp2 sp", tp=2, sp=True),
     MemCase("tp2 sp selective", tp=2, sp=True, recompute="selective"),
     MemCase("tp2 sp full uniform", tp=2, sp=True, recompute="full"),
