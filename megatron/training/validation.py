@@ -19,6 +19,7 @@ import torch
 from megatron.core.context_parallel import CP_COMM_TYPES, local_sequence_length
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.checkpoint_formats.base import TORCH_DIST
@@ -155,9 +156,24 @@ def set_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
 
 
 def set_virtual_pipeline(args: argparse.Namespace) -> None:
-    """Virtual stages from --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank."""
+    """Virtual stages from --num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank
+    or the chunks of --pipeline-model-parallel-layout."""
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     args.virtual_pipeline_model_parallel_size = None
+    if args.pipeline_model_parallel_layout is not None:
+        _require(
+            per_stage is None and per_rank is None,
+            "--pipeline-model-parallel-layout sets the virtual chunks itself: leave out "
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank",
+        )
+        layout = args.pipeline_model_parallel_layout
+        try:
+            chunks = PipelineParallelLayerLayout.from_str(layout, args.pipeline_model_parallel_size)
+        except ValueError as err:
+            raise ArgumentsError(flag_message(None, str(err))) from err
+        vp = chunks.virtual_pipeline_model_parallel_size
+        args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+        return
     if per_stage is None and per_rank is None:
         return
     _require(
@@ -177,7 +193,14 @@ def set_virtual_pipeline(args: argparse.Namespace) -> None:
 
 
 def check_pipeline_layers(args: argparse.Namespace) -> None:
-    """Layers split evenly over stages (after any uneven first / last stage) and virtual chunks."""
+    """Layers split evenly over stages (after any uneven first / last stage) and virtual chunks.
+
+    A --pipeline-model-parallel-layout or --account-for-{embedding,loss}-in-pipeline-split split is
+    checked where it is applied, by ``TransformerConfig`` (``check_configs``).
+    """
+    slots = args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split
+    if args.pipeline_model_parallel_layout is not None or slots:
+        return
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     middle_layers, middle_stages = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)

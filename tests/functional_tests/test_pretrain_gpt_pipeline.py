@@ -1,9 +1,9 @@
 """Pipeline layouts through the command line print the PP=1 losses.
 
 With --use-cpu-initialization (each layer seeded by its global number), dropout off and
-the same global batch, PP=2, PP=2 with two virtual chunks (interleaved 1F1B) and TP=2 x PP=2
-print the same ``lm loss`` as one rank, to the printed 7 digits but for last-digit float
-noise (relative 2e-6).
+the same global batch, PP=2, PP=2 with two virtual chunks (interleaved 1F1B), TP=2 x PP=2 and
+a custom --pipeline-model-parallel-layout print the same ``lm loss`` as one rank, to the printed
+7 digits but for last-digit float noise (relative 2e-6).
 """
 
 import math
@@ -36,8 +36,10 @@ def reference(tmp_path_factory):
         (2, ["--pipeline-model-parallel-size", "2"]),
         (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
         (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+        # Megatron's custom layout: 1 + 0 layers on rank 0's two chunks, 2 + 1 on rank 1's (two chunks derived).
+        (2, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt||tL"]),
     ],
-    ids=["pp2", "pp2-vp2", "tp2-pp2"],
+    ids=["pp2", "pp2-vp2", "tp2-pp2", "pp2-custom-layout"],
 )
 def test_pipeline_layout_prints_single_rank_losses(reference, nproc, layout, tmp_path):
     result = run_gpt(nproc, _flags() + layout, str(tmp_path))
@@ -63,8 +65,16 @@ def test_pipeline_layout_prints_single_rank_losses(reference, nproc, layout, tmp
             ],
             "multiple of --pipeline-model-parallel-size",
         ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"],
+            "--account-for-embedding-in-pipeline-split",  # 4 layers + the embedding: 5 slots on 2 stages
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|ttL"],
+            "it holds 3 decoder layers (t), --num-layers 4",
+        ),
     ],
-    ids=["layers-vs-stages", "interleave-microbatches"],
+    ids=["layers-vs-stages", "interleave-microbatches", "embedding-slot", "layout-layers"],
 )
 def test_invalid_pipeline_layouts_fail_at_validation(layout, message, tmp_path):
     flags = _flags()

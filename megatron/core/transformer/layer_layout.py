@@ -39,9 +39,9 @@ def _counts_with_end_slots(num_layers: int, pp_size: int, vp: int, embedding: bo
     slots, stages = num_layers + int(embedding) + int(loss), pp_size * vp
     if slots % stages:
         raise ValueError(
-            f"num_layers={num_layers} plus the embedding ({embedding}) and loss ({loss}) slots = {slots} "
-            f"must be divisible by pipeline_model_parallel_size x virtual chunks = {stages} "
-            "(account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split)"
+            f"num_layers={num_layers} with account_for_embedding_in_pipeline_split={embedding} and "
+            f"account_for_loss_in_pipeline_split={loss} makes {slots} slots: must be divisible by "
+            f"pipeline_model_parallel_size={pp_size} x {vp} virtual chunk(s) = {stages}"
         )
     counts = [[slots // stages] * vp for _ in range(pp_size)]
     counts[0][0] -= int(embedding)

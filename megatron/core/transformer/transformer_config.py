@@ -14,6 +14,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig, require_div
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
 from megatron.core.transformer import moe_choices
+from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -295,6 +296,14 @@ class TransformerConfig(ModelParallelConfig):
                 "account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split"
             )
         layout = self.pipeline_model_parallel_layout
+        if layout is None and slots:  # the embedding / loss slots must split evenly over the stages
+            pipeline_layer_assignment(
+                self.num_layers,
+                self.pipeline_model_parallel_size,
+                self.virtual_pipeline_model_parallel_size,
+                embedding_slot=self.account_for_embedding_in_pipeline_split,
+                loss_slot=self.account_for_loss_in_pipeline_split,
+            )
         if layout is None:
             return
         if uneven or slots:

@@ -148,8 +148,18 @@ RECORDS = (
         help="Weight of the multi-token prediction losses, shared by the modules.",
         fills=same(TC),
     ),
-    Flag("account_for_embedding_in_pipeline_split", not_yet(False), fills=same(TC)),
-    Flag("account_for_loss_in_pipeline_split", not_yet(False), fills=same(TC)),
+    Flag(
+        "account_for_embedding_in_pipeline_split",
+        IMPLEMENTED,
+        help="The input embedding counts as one layer when the layers are split over pipeline stages.",
+        fills=same(TC),
+    ),
+    Flag(
+        "account_for_loss_in_pipeline_split",
+        IMPLEMENTED,
+        help="The output layer and loss count as one layer when the layers are split over pipeline stages.",
+        fills=same(TC),
+    ),
     Flag(
         "hidden_size",
         IMPLEMENTED,

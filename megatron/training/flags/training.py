@@ -198,7 +198,14 @@ RECORDS = (
     Flag(
         "decoder_last_pipeline_num_layers", IMPLEMENTED, type=int, fills=(to(TC, "num_layers_in_last_pipeline_stage"),)
     ),
-    Flag("pipeline_model_parallel_layout", not_yet(None), fills=same(TC)),
+    Flag(
+        "pipeline_model_parallel_layout",
+        IMPLEMENTED,
+        help="Layers of each pipeline stage, e.g. 'Et*3|(tt|)*29,m|L' (E embedding, t decoder, m MTP, L loss; "
+        "| separates stages in running order; the stage count over --pipeline-model-parallel-size sets the "
+        "virtual chunks).",
+        fills=same(TC),
+    ),
     Flag("model_parallel_size", IMPLEMENTED, type=int, replaced_by="--tensor-model-parallel-size"),
     Flag(
         "num_layers_per_virtual_pipeline_stage",
