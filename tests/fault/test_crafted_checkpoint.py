@@ -88,7 +88,7 @@ def test_refused_by_reader_and_api(trained, tmp_path):
     with pytest.raises(CheckpointingError, match=r"\.metadata.*refusing to load posix\.system"):
         dc.read_metadata(iter_dir)
     with pytest.raises(CheckpointingError, match=r"\.metadata"):
-        dc.load({key: ShardedTensor(key, torch.zeros(size), size, (0,) * len(size))}, iter_dir)
+        dc.load({key: ShardedTensor.from_global(key, torch.zeros(size), size, (0,) * len(size))}, iter_dir)
     assert not marker.exists()
 
 

@@ -95,6 +95,39 @@ def test_sharded_tensor_dtype_and_axis_fragmentations():
     assert piece.axis_fragmentations == (4, 2) and piece.dtype == torch.bfloat16
 
 
+def test_sharded_tensor_takes_megatron_cores_positional_fields():
+    """key, data, dtype, local_shape, global_shape, global_offset, axis_fragmentations, replica_id,
+    prepend_axis_num, allow_shape_mismatch, flattened_range: megatron-core's order."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    data = torch.arange(6.0).view(2, 3)
+    piece = ShardedTensor("w", data, torch.float32, (2, 3), (4, 3), (2, 0), (2, 1), 0)
+    same = ShardedTensor.from_rank_offsets("w", data, (0, 1, 2))
+    fields = ("key", "dtype", "local_shape", "global_shape", "global_offset", "axis_fragmentations", "replica_id")
+    assert all(getattr(piece, f) == getattr(same, f) for f in fields) and piece.data is data
+    assert piece.local_shape == (2, 3) and piece.replica_id == 0 and piece.has_regular_grid
+    assert piece.global_slice() == (slice(2, 4), slice(0, 3)) and piece.local_chunk_offset_in_global() == (1, 0)
+    assert piece.max_allowed_chunks() == (2, 3)
+    piece.validate_metadata_integrity()
+    # A prepended axis: the global tensor is [experts, 2, 3]; data is viewed, load returns data's shape.
+    expert = ShardedTensor("e", data, torch.float32, (2, 3), (4, 2, 3), (1, 0, 0), None, (0, 1), 1)
+    assert expert.data.shape == (1, 2, 3) and expert.data_shape == (2, 3) and expert.axis_fragmentations == (4, 1, 1)
+    assert expert.replica_id == 1 and expert.prepend_axis_num == 0
+    refused = [
+        ((torch.bfloat16, (2, 3)), "dtype=torch.bfloat16"),  # not data's dtype
+        ((torch.float32, (3, 2)), "local_shape=\\(3, 2\\)"),  # not data's shape
+    ]
+    for (dtype, local), message in refused:
+        with pytest.raises(ValueError, match=message):
+            ShardedTensor("w", data, dtype, local, (4, 3), (2, 0), None)
+    with pytest.raises(ValueError, match="axis_fragmentations=\\(3, 1\\)"):
+        ShardedTensor("w", data, torch.float32, (2, 3), (4, 3), (2, 0), (3, 1))
+    with pytest.raises(NotImplementedError, match="allow_shape_mismatch"):
+        ShardedTensor("w", data, torch.float32, (2, 3), (4, 3), (2, 0), None, 0, 0, True)
+    with pytest.raises(NotImplementedError, match="flattened_range"):
+        ShardedTensor("w", data, torch.float32, (2, 3), (4, 3), (2, 0), None, flattened_range=slice(0, 2))
+
+
 def test_strategy_actions():
     assert {a.value for a in StrategyAction} == {"load_common", "load_sharded", "save_common", "save_sharded"}
     assert StrategyAction("save_sharded") is StrategyAction.SAVE_SHARDED

@@ -21,32 +21,138 @@ from megatron.core.tensor_parallel.utils import divide
 
 @dataclass
 class ShardedTensor:
-    """A local piece ``data`` of the global tensor ``key``.
+    """A local piece ``data`` of the global tensor ``key``, with megatron-core's fields in its order.
 
     Attributes:
         key: checkpoint key, identical on every rank that holds a piece of the tensor.
-        data: this rank's piece; ``data.shape`` is the local shape. On load it is
-            filled in place, so it may be a view of a parameter.
+        data: this rank's piece. On load it is filled in place, so it may be a view of a parameter.
+        dtype: ``data.dtype`` (checked).
+        local_shape: ``data.shape`` (checked); after construction it has the global tensor's
+            dimensions (see ``prepend_axis_num``).
         global_shape: shape of the whole tensor.
-        global_offset: index of ``data[0, 0, ...]`` in the whole tensor.
-        replica_id: 0 for the copy this rank writes; any other value marks a copy
+        global_offset: index of the piece's first element in the whole tensor.
+        axis_fragmentations: pieces per axis; None derives ``global_shape[i] // local_shape[i]``,
+            a given value must equal that.
+        replica_id: 0 (or all zeros) for the copy this rank writes; any other value marks a copy
             that is only read (another rank writes the same piece).
+        prepend_axis_num: leading axes the global tensor has and ``data`` lacks. Construction
+            views ``data`` with them (size 1), keeps the caller's shape in ``data_shape`` (what
+            ``load`` returns) and sets this to 0.
+        allow_shape_mismatch: must be False (loading a stored tensor of another global shape,
+            e.g. a padded vocabulary, is not supported yet).
+        flattened_range: must be None (a flat slice of the piece is not supported yet).
+        data_shape: shape of the tensor the caller described when ``data`` is a view of it with
+            split axes (strided TP shards, prepended axes); ``load`` returns the tensor in that shape.
+
+    ``ShardedTensor.from_global`` builds one from the data and its place (dtype and local shape
+    read from the data).
     """
 
     key: str
-    data: torch.Tensor
+    data: torch.Tensor = field(repr=False)
+    dtype: torch.dtype
+    local_shape: Tuple[int, ...]
     global_shape: Tuple[int, ...]
     global_offset: Tuple[int, ...]
+    axis_fragmentations: Optional[Tuple[int, ...]]
     replica_id: Union[int, Tuple[int, ...]] = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
     data_shape: Optional[Tuple[int, ...]] = field(default=None, compare=False)
-    """Shape of the tensor the caller described when ``data`` is a view of it with split axes
-    (strided TP shards, prepended axes); ``load`` returns the tensor in that shape."""
 
     def __post_init__(self) -> None:
+        self._check_supported()
         self.replica_id = replica_number(self.replica_id)
         self.global_shape = tuple(int(s) for s in self.global_shape)
         self.global_offset = tuple(int(o) for o in self.global_offset)
-        local = tuple(self.data.shape)
+        self._prepend_axes()
+        self._check_geometry()
+        derived = tuple(full // local if local else 1 for full, local in zip(self.global_shape, self.local_shape))
+        if self.axis_fragmentations is not None and tuple(self.axis_fragmentations) != derived:
+            raise ValueError(
+                f"ShardedTensor {self.key!r}: axis_fragmentations={tuple(self.axis_fragmentations)} does not match "
+                f"global_shape={self.global_shape} over local_shape={self.local_shape} ({derived})"
+            )
+        self.axis_fragmentations = derived
+
+    @classmethod
+    def from_global(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        global_shape: Tuple[int, ...],
+        global_offset: Tuple[int, ...],
+        replica_id: Union[int, Tuple[int, ...]] = 0,
+        *,
+        data_shape: Optional[Tuple[int, ...]] = None,
+    ) -> ShardedTensor:
+        """``data`` placed at ``global_offset`` of a tensor of ``global_shape`` (same number of dimensions)."""
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            global_shape,
+            global_offset,
+            None,
+            replica_id,
+            data_shape=data_shape,
+        )
+
+    def validate_metadata_integrity(self) -> None:
+        """Re-check the fields against ``data`` and each other (construction already did)."""
+        self._check_supported()
+        self._check_geometry()
+
+    @property
+    def has_regular_grid(self) -> bool:
+        """Always True here: every piece has derived ``axis_fragmentations``."""
+        return self.axis_fragmentations is not None
+
+    def global_slice(self) -> Tuple[slice, ...]:
+        """The piece's region of the global tensor, one slice per axis (prepended axes included)."""
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offset, self.local_shape))
+
+    def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
+        """The piece's index in the grid of equal pieces (each offset a multiple of the local size)."""
+        for off, size in zip(self.global_offset, self.local_shape):
+            if size and off % size:
+                raise ValueError(f"ShardedTensor {self.key!r}: offset {off} is not a multiple of the piece size {size}")
+        return tuple(off // size if size else 0 for off, size in zip(self.global_offset, self.local_shape))
+
+    def max_allowed_chunks(self) -> Tuple[int, ...]:
+        """Per axis, ``global_shape // axis_fragmentations`` (upstream's meaning: the size of one grid piece)."""
+        return tuple(full // frag for full, frag in zip(self.global_shape, self.axis_fragmentations))
+
+    def _check_supported(self) -> None:
+        if self.data is None:
+            raise ValueError(f"ShardedTensor {self.key!r}: data=None is not supported (a piece needs its tensor)")
+        if self.allow_shape_mismatch:
+            raise NotImplementedError(f"ShardedTensor {self.key!r}: allow_shape_mismatch=True not supported yet")
+        if self.flattened_range is not None:
+            raise NotImplementedError(
+                f"ShardedTensor {self.key!r}: flattened_range={self.flattened_range} not supported yet"
+            )
+        if self.dtype != self.data.dtype or tuple(self.local_shape) != tuple(self.data.shape):
+            raise ValueError(
+                f"ShardedTensor {self.key!r}: dtype={self.dtype} and local_shape={tuple(self.local_shape)} must be "
+                f"data's ({self.data.dtype}, {tuple(self.data.shape)})"
+            )
+
+    def _prepend_axes(self) -> None:
+        """View ``data`` with the ``prepend_axis_num`` leading axes of size 1 the global tensor has."""
+        if self.prepend_axis_num < 0:
+            raise ValueError(f"ShardedTensor {self.key!r}: prepend_axis_num={self.prepend_axis_num} must be >= 0")
+        if self.prepend_axis_num:
+            if self.data_shape is None:
+                self.data_shape = tuple(self.data.shape)
+            self.data = self.data.view((1,) * self.prepend_axis_num + tuple(self.data.shape))
+            self.prepend_axis_num = 0
+        self.local_shape = tuple(self.data.shape)
+
+    def _check_geometry(self) -> None:
+        local = self.local_shape
         if not (len(local) == len(self.global_shape) == len(self.global_offset)):
             raise ValueError(
                 f"ShardedTensor {self.key!r}: local shape {local}, global shape {self.global_shape} "
@@ -60,23 +166,6 @@ class ShardedTensor:
                 )
         if self.replica_id < 0:
             raise ValueError(f"ShardedTensor {self.key!r}: replica_id={self.replica_id} must be >= 0")
-
-    @property
-    def local_shape(self) -> Tuple[int, ...]:
-        return tuple(self.data.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The piece's dtype (a field upstream; here read from ``data``)."""
-        return self.data.dtype
-
-    @property
-    def axis_fragmentations(self) -> Tuple[int, ...]:
-        """Pieces per axis, ``global_shape[i] // local_shape[i]`` (a field upstream; here derived).
-
-        Only meaningful for a regular grid of equal pieces, as upstream; an empty axis counts as 1.
-        """
-        return tuple(full // local if local else 1 for full, local in zip(self.global_shape, self.local_shape))
 
     @classmethod
     def from_rank_offsets(
@@ -109,7 +198,7 @@ class ShardedTensor:
                 raise ValueError(f"ShardedTensor {key!r}: rank offset {(axis, rank, fragments)} for shape {full}")
             offset[axis] = rank * view.shape[axis]
             full[axis] = fragments * view.shape[axis]
-        return cls(key, view, tuple(full), tuple(offset), replica_id, data_shape=tuple(data.shape))
+        return cls.from_global(key, view, tuple(full), tuple(offset), replica_id, data_shape=tuple(data.shape))
 
     def with_data(self, key: str, data: torch.Tensor) -> ShardedTensor:
         """Same geometry for another tensor of the same numel (optimizer state of a parameter).
@@ -121,8 +210,13 @@ class ShardedTensor:
                 f"{key!r}: tensor with {data.numel()} elements cannot take the geometry of "
                 f"{self.key!r} (local shape {self.local_shape})"
             )
-        return ShardedTensor(
-            key, data.view(self.local_shape), self.global_shape, self.global_offset, self.replica_id, tuple(data.shape)
+        return ShardedTensor.from_global(
+            key,
+            data.view(self.local_shape),
+            self.global_shape,
+            self.global_offset,
+            self.replica_id,
+            data_shape=tuple(data.shape),
         )
 
 
@@ -251,6 +345,8 @@ def sharded_tensor_for(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: in
         view, full, offset = tensor_parallel_geometry(
             tuple(tensor.shape), tensor.partition_dim, getattr(tensor, "partition_stride", 1), tp_rank, tp_size
         )
-        return ShardedTensor(key, tensor.detach().view(view), full, offset, replica_id, tuple(tensor.shape))
+        return ShardedTensor.from_global(
+            key, tensor.detach().view(view), full, offset, replica_id, data_shape=tuple(tensor.shape)
+        )
     shape = tuple(tensor.shape)
-    return ShardedTensor(key, tensor.detach(), shape, (0,) * len(shape), tp_rank + tp_size * replica_id)
+    return ShardedTensor.from_global(key, tensor.detach(), shape, (0,) * len(shape), tp_rank + tp_size * replica_id)

@@ -162,7 +162,9 @@ def _snapshot(spec: ShardedTensor, buffers: Optional[Dict[Any, torch.Tensor]] = 
         if buffers is not None:
             buffers[slot] = copy
     copy.copy_(data, non_blocking=data.is_cuda)
-    return ShardedTensor(spec.key, copy, spec.global_shape, spec.global_offset, spec.replica_id, spec.data_shape)
+    return ShardedTensor.from_global(
+        spec.key, copy, spec.global_shape, spec.global_offset, spec.replica_id, data_shape=spec.data_shape
+    )
 
 
 class StagedSave:
@@ -365,7 +367,7 @@ def load_tensors_metadata(checkpoint_dir: str, sharded_strategy: Optional[Any] =
         if isinstance(md, TensorStorageMetadata):
             shape = tuple(md.size)
             data = torch.empty(shape, dtype=md.properties.dtype, device="meta")
-            out[key] = ShardedTensor(key, data, shape, (0,) * len(shape))
+            out[key] = ShardedTensor.from_global(key, data, shape, (0,) * len(shape))
     return out
 
 
@@ -376,7 +378,9 @@ def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             shape = tuple(md.size)
-            whole[key] = ShardedTensor(key, torch.empty(shape, dtype=md.properties.dtype), shape, (0,) * len(shape))
+            whole[key] = ShardedTensor.from_global(
+                key, torch.empty(shape, dtype=md.properties.dtype), shape, (0,) * len(shape)
+            )
     dcp.load(whole, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(), no_dist=True)
     return {key: spec.data for key, spec in whole.items()}
 

@@ -163,7 +163,7 @@ class DistributedOptimizer(MegatronOptimizer):
             for state, dtype in saved[spec.key].items():
                 key = optimizer_state_key(spec.key, state)
                 entry[state] = torch.empty(size, dtype=dtype, device=link.main.device)
-                template[key] = ShardedTensor(
+                template[key] = ShardedTensor.from_global(
                     key,
                     entry[state],
                     spec.global_shape,
@@ -202,7 +202,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     lo = first - link.flat_range[0]
                     data = flat[lo : lo + math.prod(size)].view(size)  # [box]
                     at = tuple(o + b for o, b in zip(spec.global_offset, offset))
-                    out[f"{key}@{first}"] = ShardedTensor(key, data, spec.global_shape, at, spec.replica_id)
+                    out[f"{key}@{first}"] = ShardedTensor.from_global(key, data, spec.global_shape, at, spec.replica_id)
         return out, self._scalars()
 
     def _state_keys(self) -> List[str]:

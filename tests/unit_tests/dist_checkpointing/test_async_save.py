@@ -32,8 +32,8 @@ def _state(rank: int) -> Dict[str, ShardedTensor]:
     weight = torch.randn(1, 64, generator=gen)
     bias = torch.arange(5, dtype=torch.float32)
     return {
-        "w": ShardedTensor("w", weight, (2, 64), (rank, 0)),
-        "b": ShardedTensor("b", bias, (5,), (0,), replica_id=rank),
+        "w": ShardedTensor.from_global("w", weight, (2, 64), (rank, 0)),
+        "b": ShardedTensor.from_global("b", bias, (5,), (0,), replica_id=rank),
     }
 
 

@@ -53,9 +53,9 @@ def test_replicated_tensors_written_once():
 
 def test_sharded_tensor_rejects_bad_geometry():
     with pytest.raises(ValueError, match="outside the global size"):
-        ShardedTensor("k", torch.zeros(4, 2), (6, 2), (4, 0))
+        ShardedTensor.from_global("k", torch.zeros(4, 2), (6, 2), (4, 0))
     with pytest.raises(ValueError, match="same number of dimensions"):
-        ShardedTensor("k", torch.zeros(4, 2), (4,), (0,))
+        ShardedTensor.from_global("k", torch.zeros(4, 2), (4,), (0,))
 
 
 def test_plain_data_round_trip_and_refusal():
@@ -185,7 +185,7 @@ def _errors_body(rank, world, tmp):
     model = build_stage("gpt2", groups, 3)
     sd = dcp_mc.sharded_state_dict(model, pg_collection=groups)
     if rank == 1:
-        sd["extra.weight"] = ShardedTensor("extra.weight", torch.zeros(2), (2,), (0,))
+        sd["extra.weight"] = ShardedTensor.from_global("extra.weight", torch.zeros(2), (2,), (0,))
     _expect_error("extra.weight" if rank == 1 else "rank 1", dcp_mc.load, sd, path)
     _expect_error("checkpoint directory not found", dcp_mc.load, sd, os.path.join(tmp, "nope"))
     dist.barrier()
@@ -223,7 +223,7 @@ def _one_rank_raises_before_save(rank, world, tmp):
     dist.barrier(group=group)  # every rank is past group creation; from here on rank 2 only fails
     if rank == 2:
         raise RuntimeError("rank 2 fails before the save")
-    state = {"w": ShardedTensor("w", torch.full((2,), float(rank)), (2 * world,), (2 * rank,))}
+    state = {"w": ShardedTensor.from_global("w", torch.full((2,), float(rank)), (2 * world,), (2 * rank,))}
     start = time.monotonic()
     with pytest.raises(CheckpointingError, match=r"rank\(s\) \[2\] did not reach it") as raised:
         dcp_mc.save(state, os.path.join(tmp, "ckpt"), process_group=group)
