@@ -57,6 +57,8 @@ class ModelParallelConfig:
     gradient_accumulation_fusion: bool = False
     # GPU-only performance switches: accepted, no numerical effect.
     async_tensor_model_parallel_allreduce: bool = False
+    # The sequence-parallel all-gather / reduce-scatter of the linears as rings under per-chunk GEMMs
+    # (``tensor_parallel.tp_overlap``); needs sequence parallelism.
     tp_comm_overlap: bool = False
 
     # Pipeline communication.
@@ -88,6 +90,11 @@ class ModelParallelConfig:
         self.sequence_parallel = parallel_state.warn_sequence_parallel_without_tp(
             self.tensor_model_parallel_size, self.sequence_parallel
         )
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError(
+                "tp_comm_overlap=True needs sequence_parallel=True (and tensor_model_parallel_size > 1): it "
+                "overlaps the sequence-parallel all-gather and reduce-scatter with the GEMMs"
+            )
         if self.pipeline_dtype is None:
             self.pipeline_dtype = self.params_dtype
 
