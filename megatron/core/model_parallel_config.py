@@ -66,6 +66,9 @@ class ModelParallelConfig:
     variable_seq_lengths: bool = False
     deallocate_pipeline_outputs: bool = False
     batch_p2p_comm: bool = True
+    # The interleaved schedule leaves each batch of sends and receives in flight and waits for a received
+    # tensor where an op takes it (``pipeline_parallel.executor``); same values.
+    overlap_p2p_comm: bool = False
     finalize_model_grads_func: Optional[object] = None
     grad_scale_func: Optional[object] = None
     no_sync_func: Optional[object] = None
