@@ -187,6 +187,10 @@ def _layer_body(rank, world_size, layouts):
                 results[kind] = _run_layer(layer, x[:s], grad[:s], sp, groups.rank_in("tp"), tp, "-" in kind)
             calls[(where, kind)] = (counter.calls, reads.calls)
             assert not layer.token_dispatcher.__dict__.get("replay"), f"{where} {kind}: sizes kept after backward"
+            if "-" in kind:  # a checkpointed forward without a backward (evaluation) keeps nothing to replay
+                with torch.no_grad():
+                    checkpoint(lambda h: layer(h)[0], False, x[:s].clone().requires_grad_(True))
+                assert not layer.token_dispatcher.replay, f"{where}: sizes kept for a forward without backward"
             out, dx, _ = results[kind]
             torch.testing.assert_close(
                 out, small_ref[0][rows], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {kind} out {m}"

@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.tensor_parallel.random import is_checkpointing
+from megatron.core.tensor_parallel.random import checkpointed_forward_reruns, is_checkpointing
 from megatron.core.transformer.moe.experts import expert_counts, permute_by_expert
 from megatron.core.transformer.moe_choices import DISPATCHER_TYPES
 
@@ -155,7 +155,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if is_checkpointing() and torch.is_grad_enabled() and self.replay:
             return self.replay.popleft()
         splits = self._exchange(counts)
-        if is_checkpointing() and not torch.is_grad_enabled():  # a checkpointed forward: backward reruns it
+        if checkpointed_forward_reruns():  # a checkpointed forward whose backward reruns it
             self.replay.append(splits)
         return splits
 
