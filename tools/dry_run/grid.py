@@ -109,10 +109,12 @@ GRID: List[Case] = [
             "--recompute-granularity",
             "selective",
             "--calculate-per-token-loss",
+            "--tp-comm-overlap",
         ],
         covers=[
             "TP",
             "SP",
+            "TP comm overlap (ring all-gather / reduce-scatter under chunk GEMMs)",
             "PP 1F1B",
             "DP",
             "distributed optimizer",
@@ -144,7 +146,13 @@ GRID: List[Case] = [
             "--recompute-num-layers",
             "1",
         ],
-        covers=["PP interleaved", "DP", "distributed optimizer", "fp16 loss scaling", "recompute full"],
+        covers=[
+            "PP interleaved (p2p overlap: batches in flight, waited where consumed)",
+            "DP",
+            "distributed optimizer",
+            "fp16 loss scaling",
+            "recompute full",
+        ],
     ),
     Case(
         "cp2-tp2-dp2-bf16",
