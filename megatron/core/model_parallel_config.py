@@ -57,6 +57,8 @@ class ModelParallelConfig:
     gradient_accumulation_fusion: bool = False
     # GPU-only performance switches: accepted, no numerical effect.
     async_tensor_model_parallel_allreduce: bool = False
+    # The sequence-parallel all-gather / reduce-scatter of the linears as rings under per-chunk GEMMs
+    # (``tensor_parallel.tp_overlap``); needs sequence parallelism.
     tp_comm_overlap: bool = False
 
     # Pipeline communication.
@@ -64,6 +66,9 @@ class ModelParallelConfig:
     variable_seq_lengths: bool = False
     deallocate_pipeline_outputs: bool = False
     batch_p2p_comm: bool = True
+    # The interleaved schedule leaves each batch of sends and receives in flight and waits for a received
+    # tensor where an op takes it (``pipeline_parallel.executor``); same values.
+    overlap_p2p_comm: bool = False
     finalize_model_grads_func: Optional[object] = None
     grad_scale_func: Optional[object] = None
     no_sync_func: Optional[object] = None
@@ -88,6 +93,11 @@ class ModelParallelConfig:
         self.sequence_parallel = parallel_state.warn_sequence_parallel_without_tp(
             self.tensor_model_parallel_size, self.sequence_parallel
         )
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError(
+                "tp_comm_overlap=True needs sequence_parallel=True (and tensor_model_parallel_size > 1): it "
+                "overlaps the sequence-parallel all-gather and reduce-scatter with the GEMMs"
+            )
         if self.pipeline_dtype is None:
             self.pipeline_dtype = self.params_dtype
 

@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.random import (
     seed_rng_tracker,
 )
 from megatron.core.transformer.moe.moe_utils import AuxLossTracker
+from megatron.training.cuda_env import set_device_max_connections
 from megatron.training.flags.derive import global_batch_size
 from megatron.training.host_allocator import retain_freed_host_memory
 from megatron.training.preflight import check_inputs, check_port_free
@@ -422,6 +423,9 @@ def initialize_run(
         load_args_from_checkpoint(args)  # the model flags come from --load's checkpoint, before validation
     world_size = dist.get_world_size() if dist.is_initialized() else launch_env_for(args, environ).world_size
     validate_args(args, world_size)  # once, before any process group exists
+    connections = set_device_max_connections(args)  # before CUDA starts (initialize_distributed picks the GPU)
+    if connections and (dist.get_rank() if dist.is_initialized() else launch_env_for(args, environ).rank) == 0:
+        print(f" > {connections}", flush=True)
     groups = initialize_distributed(args, environ)
     check_inputs(args)  # files, directories, checkpoint and ports, before anything is built
     print_arguments(args)

@@ -10,9 +10,12 @@ the loss scale, checks each gradient bucket for NaN, reads the fp16 overflow fla
 applies, and copies the timers' gathered times back: 4 to 6 per iteration in this grid (the
 per-token count and its scale stay on the device). A per-parameter ``.item()`` loop (dozens),
 a copy per microbatch (4 here) or one more per-iteration read on the busiest rank exceeds it.
-MoE cases add one host read per MoE layer and microbatch: ``SequentialMLP`` reads the
-per-expert token counts to split the sorted tokens (as Megatron's does); ``GroupedMLP`` (grouped
-GEMM) also uploads them as its groups' ends, one more. The FP8/FP4 cases
+MoE cases add at most one host read per MoE layer and microbatch (``moe_bound``): with the
+``allgather`` dispatcher the experts read the per-expert token counts to split the sorted tokens (as
+Megatron's ``SequentialMLP`` does); with ``alltoall`` the dispatcher's one read of every split size
+(counted and exchanged on the device) serves the experts too, and a recomputed layer reuses it.
+``GroupedMLP`` (grouped GEMM) computes its groups' ends from the counts on the device, uploading
+nothing. The FP8/FP4 cases
 (2 layers) hold the dense bound: a quantizer that uploaded a constant per call (dozens per
 iteration) or read the host would exceed it.
 """
@@ -83,7 +86,7 @@ class Case:
 
 
 def moe_bound(moe_layers: int, microbatches: int) -> int:
-    """The dense bound plus SequentialMLP's read of the token counts per MoE layer and microbatch."""
+    """The dense bound plus one host read (the token counts / split sizes) per MoE layer and microbatch."""
     return DENSE_SYNC_BOUND + moe_layers * microbatches
 
 
@@ -106,10 +109,12 @@ GRID: List[Case] = [
             "--recompute-granularity",
             "selective",
             "--calculate-per-token-loss",
+            "--tp-comm-overlap",
         ],
         covers=[
             "TP",
             "SP",
+            "TP comm overlap (ring all-gather / reduce-scatter under chunk GEMMs)",
             "PP 1F1B",
             "DP",
             "distributed optimizer",
@@ -141,7 +146,13 @@ GRID: List[Case] = [
             "--recompute-num-layers",
             "1",
         ],
-        covers=["PP interleaved", "DP", "distributed optimizer", "fp16 loss scaling", "recompute full"],
+        covers=[
+            "PP interleaved (p2p overlap: batches in flight, waited where consumed)",
+            "DP",
+            "distributed optimizer",
+            "fp16 loss scaling",
+            "recompute full",
+        ],
     ),
     Case(
         "cp2-tp2-dp2-bf16",
@@ -182,15 +193,26 @@ GRID: List[Case] = [
         covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"],
     ),
     Case(
-        "moe-grouped-gemm-dp2-distopt-overlap-bf16",
+        "moe-alltoall-grouped-gemm-ep2-distopt-overlap-recompute-bf16",
         2,
         [
             *"--num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --global-batch-size 8".split(),
+            *"--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split(),
+            *"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split(),
             *"--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather".split(),
         ],
-        # GroupedMLP also uploads the counts it read (its groups' ends): one more per MoE layer and microbatch.
-        max_syncs=moe_bound(moe_layers=2, microbatches=2) + 2 * 2,
-        covers=["MoE grouped GEMM", "DP", "distributed optimizer", "overlap param gather", "bf16"],
+        # The all-to-all dispatcher's one read of its split sizes per MoE layer and microbatch; the full
+        # recompute of each layer in backward reuses it (no second read).
+        max_syncs=moe_bound(moe_layers=2, microbatches=2),
+        covers=[
+            "MoE all-to-all dispatcher",
+            "MoE grouped GEMM",
+            "EP",
+            "recompute full (MoE sizes replayed)",
+            "distributed optimizer",
+            "overlap param gather",
+            "bf16",
+        ],
     ),
     Case(
         "tp2-sp-dp2-fp8-delayed",

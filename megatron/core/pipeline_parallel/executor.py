@@ -4,6 +4,13 @@ point-to-point batches of ``schedule_table.comm_plan`` between them.
 ``schedules.forward_backward_pipelining_without_interleaving`` (1F1B) and
 ``schedules.forward_backward_pipelining_with_interleaving`` (one model chunk per virtual
 stage) are the same executor on different tables.
+
+With ``config.overlap_p2p_comm`` (Megatron: interleaved schedule only) each batch is posted
+before its slot and not waited for: an op waits for its own input when it starts, so in a
+steady (forward, backward) slot the backward's gradient arrives during the forward, and a
+slot's sends travel during the next slot's compute (waited for before the next batch is posted).
+The posting order is the blocking plan's, which ``schedule_table.check_comm_plan`` proves
+deadlock-free.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from megatron.core.pipeline_parallel.microbatch import (
     run_backward,
     run_forward,
 )
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape, wait_all
 from megatron.core.quantization.step import quantized_step
 
 Key = Tuple[str, int, int]
@@ -55,6 +62,18 @@ class _GradSyncGate:
                 stack.close()
 
 
+class _InFlight:
+    """The works of one posted batch, waited for once."""
+
+    def __init__(self, works: List[Any]) -> None:
+        self.works: Optional[List[Any]] = works
+
+    def wait(self) -> None:
+        if self.works is not None:
+            wait_all(self.works)
+            self.works = None
+
+
 class _PipelineRun:
     """State of one call: tensors in flight, saved activations, reporting store."""
 
@@ -81,20 +100,49 @@ class _PipelineRun:
         self.total_tokens = torch.tensor(0, dtype=torch.int)
         self.released = 0  # stage outputs whose storage was freed after sending
         self.cp_group = None  # the context-parallel group when CP > 1 (set by run_schedule)
+        # overlap_p2p_comm (Megatron: the interleaved schedule only): transfers waited for where consumed.
+        self.overlap = bool(getattr(config, "overlap_p2p_comm", False)) and self.vp_size > 1
+        self.pending: Dict[Key, _InFlight] = {}  # received tensor -> its batch, until an op takes it
+        self.sending: Optional[Tuple[_InFlight, List[torch.Tensor]]] = None  # the last batch, its sent outputs
 
     def exchange(self, batch: List[st.Msg]) -> None:
-        """Post one batch of the communication plan and file the received tensors."""
+        """Post one batch of the communication plan and file the received tensors.
+
+        Blocking: wait for the whole batch here. ``overlap``: the previous batch's sends are finished
+        first (its receives were consumed by the slot in between), this batch is posted and left in
+        flight; each received tensor is waited for where an op takes it (``_take``), its sends at the
+        next batch."""
+        self.finish_sends()
         send_msgs = [m for m in batch if m.action == "send"]
         sends = [(self.outbox.pop(m.key), self.comm.global_rank(m.peer)) for m in send_msgs]
         recv_msgs = [m for m in batch if m.action == "recv"]
-        received = self.comm.exchange(sends, [(self.comm.global_rank(m.peer), None) for m in recv_msgs])
+        received, works = self.comm.post(sends, [(self.comm.global_rank(m.peer), None) for m in recv_msgs])
+        in_flight = _InFlight(works)
         for msg, tensor in zip(recv_msgs, received):
             self.inbox[msg.key] = tensor
+            self.pending[msg.key] = in_flight
+        self.sending = (in_flight, [t for m, (t, _) in zip(send_msgs, sends) if m.key[0] == st.FORWARD])
+        if not self.overlap:
+            self.finish_sends()
+
+    def finish_sends(self) -> None:
+        """Wait for the last batch posted; then free the sent outputs' storage (backward only needs
+        their graph nodes) when ``deallocate_pipeline_outputs``."""
+        if self.sending is None:
+            return
+        in_flight, forward_outputs = self.sending
+        self.sending = None
+        in_flight.wait()
         if self.config.deallocate_pipeline_outputs and not self.forward_only:
-            # The sends have completed; backward only needs the outputs' graph nodes.
-            for msg, (tensor, _) in zip(send_msgs, sends):
-                if msg.key[0] == st.FORWARD:
-                    self.released += deallocate_output(tensor)
+            for tensor in forward_outputs:
+                self.released += deallocate_output(tensor)
+
+    def _take(self, key: Key) -> torch.Tensor:
+        """A received tensor, waited for now (under ``overlap`` it may still be in flight)."""
+        in_flight = self.pending.pop(key, None)
+        if in_flight is not None:
+            in_flight.wait()
+        return self.inbox.pop(key)
 
     def _stage(self, op: st.Op) -> Tuple[int, bool, bool]:
         stage = op.chunk * self.pp_size + self.rank
@@ -104,7 +152,7 @@ class _PipelineRun:
         stage, first, last = self._stage(op)
         input_tensor = None
         if not first:
-            input_tensor = self.inbox.pop((st.FORWARD, op.microbatch, stage - 1))  # [s, b, h]
+            input_tensor = self._take((st.FORWARD, op.microbatch, stage - 1))  # [s, b, h]
             input_tensor.requires_grad_(not self.forward_only)
         with torch.set_grad_enabled(not self.forward_only):
             output, tokens = run_forward(
@@ -128,7 +176,7 @@ class _PipelineRun:
     def backward(self, op: st.Op) -> None:
         stage, first, last = self._stage(op)
         input_tensor, output = self.saved.pop((op.microbatch, op.chunk))
-        grad = None if last else self.inbox.pop((st.BACKWARD, op.microbatch, stage + 1))
+        grad = None if last else self._take((st.BACKWARD, op.microbatch, stage + 1))
         input_grad = run_backward(input_tensor, output, grad, self.config)
         if not first:
             self.outbox[(st.BACKWARD, op.microbatch, stage)] = input_grad
@@ -185,6 +233,7 @@ def run_schedule(call: ScheduleArgs) -> List[Any]:
                     gate.before_last_backward(op.chunk, last_backward[op])
                 run.backward(op)
         run.exchange(plan[-1])
+        run.finish_sends()
         if not forward_only:
             finalize_grads(config, chunks, run.total_tokens)
     return run.store if rank == pp_size - 1 else []

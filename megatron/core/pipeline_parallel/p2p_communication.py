@@ -2,7 +2,8 @@
 
 A ``P2PCommunicator`` holds the pipeline group (passed in), its global ranks and the
 activation shape and dtype. ``exchange`` posts any mix of sends and receives as one
-``batch_isend_irecv`` and waits for all of them; a rank and its neighbour post matching
+``batch_isend_irecv`` and waits for all of them (``post`` returns without waiting, for
+``overlap_p2p_comm``); a rank and its neighbour post matching
 batches (see ``schedule_table.comm_plan``), which keeps gloo and NCCL free of deadlock.
 Megatron's helpers (``send_forward``, ``recv_backward``, ``send_forward_recv_backward``
 ...) are thin wrappers over ``exchange``.
@@ -31,6 +32,12 @@ def activation_shape(seq_length: int, micro_batch_size: int, config: Any, groups
     sp = getattr(config, "sequence_parallel", False)
     seq = local_sequence_length(seq_length, groups.size_of("cp"), groups.size_of("tp"), sp)
     return (seq, micro_batch_size, config.hidden_size)
+
+
+def wait_all(works: Sequence[dist.Work]) -> None:
+    """Wait for every posted transfer."""
+    for work in works:
+        work.wait()
 
 
 class P2PCommunicator:
@@ -83,14 +90,24 @@ class P2PCommunicator:
         Returns:
             The received tensors, in the order of ``recvs``.
         """
+        buffers, works = self.post(sends, recvs)
+        wait_all(works)
+        return buffers
+
+    def post(
+        self, sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[int, Optional[Shape]]]
+    ) -> Tuple[List[torch.Tensor], List[dist.Work]]:
+        """``exchange`` without the wait: the receive buffers (filled once ``works`` are waited for) and
+        the works. A sent tensor must stay unchanged until then. Shapes of variable-length transfers
+        are exchanged first, blocking (the buffers need them)."""
         for tensor, _ in sends:
             if tensor.dtype != self.dtype:
                 raise TypeError(f"pipeline send of dtype {tensor.dtype}, expected pipeline_dtype={self.dtype}")
         if self.variable_shapes:
             recvs = self._exchange_shapes(sends, recvs)
         buffers = [self.empty(shape) for _, shape in recvs]
-        self._post([t.detach().contiguous() for t, _ in sends], [p for _, p in sends], buffers, [p for p, _ in recvs])
-        return buffers
+        send_tensors = [t.detach().contiguous() for t, _ in sends]
+        return buffers, self._post(send_tensors, [p for _, p in sends], buffers, [p for p, _ in recvs])
 
     def _exchange_shapes(
         self, sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[int, Optional[Shape]]]
@@ -104,7 +121,7 @@ class P2PCommunicator:
                 )
             outgoing.append(torch.tensor(tensor.shape, dtype=torch.int64, device=self.device))
         incoming = [torch.empty(SHAPE_RANK, dtype=torch.int64, device=self.device) for _ in recvs]
-        self._post(outgoing, [p for _, p in sends], incoming, [p for p, _ in recvs])
+        wait_all(self._post(outgoing, [p for _, p in sends], incoming, [p for p, _ in recvs]))
         return [(peer, tuple(int(v) for v in shape.tolist())) for (peer, _), shape in zip(recvs, incoming)]
 
     def _post(
@@ -113,13 +130,11 @@ class P2PCommunicator:
         send_peers: Sequence[int],
         recv_buffers: Sequence[torch.Tensor],
         recv_peers: Sequence[int],
-    ) -> None:
-        """One ``batch_isend_irecv`` of all sends then all receives; waits for every one."""
+    ) -> List[dist.Work]:
+        """One ``batch_isend_irecv`` of all sends then all receives; returns their works."""
         ops = [dist.P2POp(dist.isend, t, peer, group=self.group) for t, peer in zip(send_tensors, send_peers)]
         ops += [dist.P2POp(dist.irecv, b, peer, group=self.group) for b, peer in zip(recv_buffers, recv_peers)]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        return list(dist.batch_isend_irecv(ops)) if ops else []
 
     # Megatron's named helpers. ``None`` tensors (first / last stage) send nothing.
     def _exchange_optional(

@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.linear_function import (
     COMM_ALL_REDUCE,
     COMM_NONE,
     COMM_SEQUENCE_PARALLEL,
+    linear_reduce_scatter,
     linear_with_grad_accumulation_and_async_allreduce,  # noqa: F401 - Megatron's import path
     parallel_linear,
 )
@@ -111,6 +112,12 @@ def _init_common(
     layer.explicit_expert_comm = is_expert and world > 1
     layer.quantizer = None  # a quantization.recipes.LinearQuantizer under FP8/FP4 (fp8_utils.attach_quantizers)
     return world
+
+
+def _tp_comm_overlap(layer: torch.nn.Module) -> bool:
+    """``tp_comm_overlap``: the sequence-parallel all-gather / reduce-scatter run as rings under chunk
+    GEMMs (``tp_overlap``); FP8/FP4 linears keep their quantized gathers."""
+    return bool(getattr(layer.config, "tp_comm_overlap", False)) and layer.quantizer is None
 
 
 def _fuse_wgrad(layer: torch.nn.Module) -> bool:
@@ -290,7 +297,7 @@ class ColumnParallelLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         # input_: [s/tp, b, h] under SP (gathered inside, only the piece is kept for backward), else [s, b, h]
         output_parallel = parallel_linear(
-            input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self), self.quantizer
+            input_, weight, bias, self.tp_group, self._comm(), _fuse_wgrad(self), self.quantizer, _tp_comm_overlap(self)
         )  # [s, b, o/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -361,6 +368,11 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)  # [s, b, h/tp]
+        if self.sequence_parallel and not self.explicit_expert_comm and _tp_comm_overlap(self):
+            output = linear_reduce_scatter(
+                input_parallel, self.weight, self.tp_group, _fuse_wgrad(self)
+            )  # [s/tp, b, o]
+            return (output, self.bias) if self.skip_bias_add else self._add_bias(output)
         output_parallel = parallel_linear(
             input_parallel, self.weight, None, self.tp_group, COMM_NONE, _fuse_wgrad(self), self.quantizer
         )  # [s, b, o] partial sum
@@ -372,6 +384,9 @@ class RowParallelLinear(torch.nn.Module):
             output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)  # [s, b, o]
         if self.skip_bias_add:
             return output, self.bias
+        return self._add_bias(output)
+
+    def _add_bias(self, output: torch.Tensor) -> Tuple[torch.Tensor, None]:
         return (output if self.bias is None else output + self.bias), None
 
 

@@ -52,6 +52,7 @@ from megatron.core.quantization.fp8_params import fp8_operand, is_fp8_param
 from megatron.core.quantization.quantized_gather import all_gather_quantized, pieces_align, start_all_gather_quantized
 from megatron.core.quantization.tensor import QuantizedTensor
 from megatron.core.tensor_parallel.random import is_checkpointing
+from megatron.core.tensor_parallel.tp_overlap import ring_all_gather_linear, ring_linear_reduce_scatter
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
 
@@ -267,7 +268,7 @@ def _quantized_backward(ctx, grad_output: torch.Tensor):
     grad_weight = _quantized_weight_grad(ctx, g2d, g_q, x_total, weight) if need_weight else None
     grad_bias = g2d.sum(dim=0) if (ctx.has_bias and need_bias) else None  # [o/tp], high precision
     _wait(reduction)
-    return grad_input, grad_weight, grad_bias, None, None, None, None, None
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class _ParallelLinear(torch.autograd.Function):
@@ -282,18 +283,21 @@ class _ParallelLinear(torch.autograd.Function):
         fuse_wgrad_accumulation: bool,
         quantizer=None,
         phase: Optional[str] = None,
+        overlap: bool = False,
     ) -> torch.Tensor:
         # An FP8 weight's gradient always goes to main_grad (it has no high-precision .grad).
         ctx.group, ctx.comm, ctx.fuse = group, comm, fuse_wgrad_accumulation or is_fp8_param(weight)
         ctx.has_bias, ctx.quantizer = bias is not None, quantizer
         if quantizer is not None:
             return _quantized_forward(ctx, input_, weight, bias, group, comm, quantizer, phase)
+        ctx.save_for_backward(input_, weight)  # [s/tp, b, h] under sequence parallelism
+        if comm == COMM_SEQUENCE_PARALLEL and overlap:
+            return ring_all_gather_linear(input_, weight, bias, group)  # [s, b, o/tp], chunk GEMMs under the ring
         if comm == COMM_SEQUENCE_PARALLEL:
             total_input, handle = _start_gather_first_dim(input_, group)  # [s, b, h]
             _wait(handle)
         else:
             total_input = input_  # [s, b, h]
-        ctx.save_for_backward(input_, weight)  # [s/tp, b, h] under sequence parallelism
         return F.linear(total_input, weight, bias)  # [s, b, o/tp]
 
     @staticmethod
@@ -316,7 +320,7 @@ class _ParallelLinear(torch.autograd.Function):
         if ctx.has_bias and need_bias:
             grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0)  # [o/tp]
         _wait(reduction)  # grad_input: [s, b, h], or [s/tp, b, h] under sequence parallelism
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def parallel_linear(
@@ -327,18 +331,52 @@ def parallel_linear(
     comm: str = COMM_NONE,
     fuse_wgrad_accumulation: bool = False,
     quantizer=None,
+    tp_comm_overlap: bool = False,
 ) -> torch.Tensor:
     """``F.linear(input_, weight, bias)`` with the TP communication ``comm`` (module doc).
 
     ``comm`` other than ``"none"`` needs ``group``; on a one-rank group pass ``"none"``.
     ``quantizer``: a ``quantization.recipes.LinearQuantizer`` for FP8/FP4 GEMMs, or None.
+    ``tp_comm_overlap``: under ``"sequence_parallel"`` the input's all-gather runs as a ring whose
+    transfers overlap per-chunk GEMMs (``tp_overlap.ring_all_gather_linear``; quantized GEMMs keep
+    their own gather).
     """
     if comm not in _COMM_MODES:
         raise ValueError(f"comm={comm!r}: must be one of {_COMM_MODES}")
     if comm != COMM_NONE and group is None:
         raise ValueError(f"comm={comm!r} needs a process group")
     phase = None if quantizer is None else _recompute_phase()  # read outside the Function (no grad inside)
-    return _ParallelLinear.apply(input_, weight, bias, group, comm, fuse_wgrad_accumulation, quantizer, phase)
+    return _ParallelLinear.apply(
+        input_, weight, bias, group, comm, fuse_wgrad_accumulation, quantizer, phase, tp_comm_overlap
+    )
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """``tp_overlap.ring_linear_reduce_scatter`` forward; backward: all-gather the output gradient,
+    then the input- and weight-gradient GEMMs (what the blocking reduce-scatter's backward feeds)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, fuse: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.fuse = group, fuse or is_fp8_param(weight)
+        return ring_linear_reduce_scatter(x, weight, group)  # [s/tp, b, o]
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # [s/tp, b, o]
+        x, weight = ctx.saved_tensors
+        grad, handle = _start_gather_first_dim(grad_output, ctx.group)  # [s, b, o]
+        _wait(handle)
+        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # [s, b, h/tp]
+        grad_weight = _weight_grad(grad, x, weight, ctx.fuse) if ctx.needs_input_grad[1] else None
+        return grad_input, grad_weight, None, None
+
+
+def linear_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, fuse_wgrad_accumulation: bool = False
+) -> torch.Tensor:
+    """The row-parallel linear's GEMM and its sequence-parallel reduce-scatter overlapped in a ring:
+    ``[s, b, h/tp] -> [s/tp, b, o]`` (``tp_comm_overlap``; the caller adds the bias after it)."""
+    return _LinearReduceScatter.apply(x, weight, group, fuse_wgrad_accumulation)
 
 
 def _default_tp_group(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -295,22 +295,28 @@ def _restore_rng(states: Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, t
     get_cuda_rng_tracker().set_states(dict(tracked))  # the tracker may update its dict; keep the snapshot
 
 
-_CHECKPOINTING = 0  # how many checkpointed forwards / recomputes are running
+_CHECKPOINTING: List[bool] = []  # per running checkpointed forward / recompute: will backward rerun it
+_GRAD_AT_CALL: List[bool] = []  # per CheckpointFunction.apply running: grad mode of its caller
 
 
 def is_checkpointing() -> bool:
     """Whether a ``checkpoint`` forward or its recompute is running (Megatron's flag)."""
-    return _CHECKPOINTING > 0
+    return bool(_CHECKPOINTING)
+
+
+def checkpointed_forward_reruns() -> bool:
+    """Inside the first (graph-free) forward of a ``checkpoint``: whether its backward will run it again
+    (its output needs a gradient). False outside one, in a recompute, and under ``no_grad`` (evaluation)."""
+    return bool(_CHECKPOINTING) and _CHECKPOINTING[-1] and not torch.is_grad_enabled()
 
 
 @contextlib.contextmanager
-def _checkpointing() -> Iterator[None]:
-    global _CHECKPOINTING
-    _CHECKPOINTING += 1
+def _checkpointing(reruns: bool = False) -> Iterator[None]:
+    _CHECKPOINTING.append(reruns)
     try:
         yield
     finally:
-        _CHECKPOINTING -= 1
+        _CHECKPOINTING.pop()
 
 
 def _distribute_group(distribute: Union[bool, dist.ProcessGroup, None]) -> Optional[dist.ProcessGroup]:
@@ -333,12 +339,22 @@ class CheckpointFunction(torch.autograd.Function):
     as Megatron does: the caller's tensor object itself shrinks, so the full copy is freed.
     """
 
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        """Notes whether gradients are on where it is called (inside ``forward`` they never are)."""
+        _GRAD_AT_CALL.append(torch.is_grad_enabled())
+        try:
+            return super().apply(*args)
+        finally:
+            _GRAD_AT_CALL.pop()
+
     @staticmethod
     def forward(ctx, run_function, distribute_saved_activations, *args):
         ctx.function = run_function
         ctx.group = _distribute_group(distribute_saved_activations)
         ctx.rng_states = _capture_rng()
-        with torch.no_grad(), _checkpointing():
+        reruns = _GRAD_AT_CALL[-1] and any(ctx.needs_input_grad)  # backward will rerun the function
+        with torch.no_grad(), _checkpointing(reruns):
             outputs = run_function(*args)
         if ctx.group is not None and args and torch.is_tensor(args[0]):
             ctx.first_shape = args[0].shape

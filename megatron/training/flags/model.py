@@ -103,7 +103,14 @@ RECORDS = (
     Flag("bf16", IMPLEMENTED, help="Train in bf16.", fills=same(TC, OPT)),
     Flag("deterministic_mode", no_op(reasons.KERNEL)),
     Flag("async_tensor_model_parallel_allreduce", no_op(reasons.OVERLAP), fills=same(TC)),
-    Flag("tp_comm_overlap", no_op(reasons.OVERLAP), fills=same(TC), speed_only=SPEED_BITWISE),
+    Flag(
+        "tp_comm_overlap",
+        IMPLEMENTED,
+        help="Under sequence parallelism, run the linears' all-gather and reduce-scatter as rings of chunks "
+        "whose transfers overlap the per-chunk GEMMs (needs --sequence-parallel).",
+        fills=same(TC),
+        speed_only=SPEED_RTOL,
+    ),
     Flag("tp_comm_bulk_wgrad", no_op(reasons.OVERLAP)),
     Flag("tp_comm_bulk_dgrad", no_op(reasons.OVERLAP)),
     Flag("tp_comm_overlap_ag", no_op(reasons.OVERLAP)),

@@ -7,12 +7,6 @@ CUDA_GRAPHS = "CUDA graph capture; the computed values are the same"
 MEMORY = "where activations or caches live on a GPU; the computed values are the same"
 INFERENCE = "an inference-time option; training is unchanged"
 DEPRECATED = "Megatron ignores it too (Megatron-Core models are the only ones)"
-P2P = (
-    "every pipeline exchange is one batch_isend_irecv whose requests are waited for at once "
-    "(core/pipeline_parallel/p2p_communication.py), with the flag or without it: pipeline communication is "
-    "never overlapped with compute here; the flag only sets TransformerConfig.batch_p2p_comm (its negation), "
-    "which nothing reads"
-)
 UNDER_REFUSED = "only takes effect together with a flag that is not supported yet here (see that flag's help)"
 CHECKPOINT_IO = (
     "how checkpoint or index files are written or read (parallelism, async, caching); the values are the same"

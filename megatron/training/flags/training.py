@@ -222,9 +222,10 @@ RECORDS = (
     ),
     Flag(
         "overlap_p2p_comm",
-        no_op(reasons.P2P),
-        help="Turn off Megatron's overlap of pipeline sends and receives with compute (on by default there).",
-        fills=(to(TC, "batch_p2p_comm", batch_p2p_comm),),
+        IMPLEMENTED,
+        help="Turn off the interleaved schedule's overlap of pipeline sends and receives with compute "
+        "(on by default; each received tensor is waited for where it is used).",
+        fills=(*same(TC), to(TC, "batch_p2p_comm", batch_p2p_comm)),
         speed_only=SPEED_BITWISE,
     ),
     Flag("distributed_backend", IMPLEMENTED, help="torch.distributed backend; default nccl with GPUs, gloo without."),

@@ -1,5 +1,9 @@
 """Tensor-parallel layers against plain F.linear / F.embedding with the same full weights.
 
+With ``tp_comm_overlap`` the sequence-parallel linears run their ring all-gather / reduce-scatter
+(``tp_overlap``) against the same reference, and a recorder of the ring's events checks the order:
+each transfer posted before the GEMM it overlaps and waited for after it.
+
 Each rank loads its shard of a seeded full weight, runs forward and backward, and
 compares output, input gradient and weight/bias gradients with a single-process
 reference computed in the same process from the full weight (shards compared
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel as tp
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import tp_overlap
 from tests.dist_harness import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -50,8 +55,10 @@ def _init_ones(w):
     return torch.nn.init.ones_(w)
 
 
-def _check_column(r, n, sequence_parallel, gather_output, skip_bias_add, tied):
-    cfg = ModelParallelConfig(tensor_model_parallel_size=n, sequence_parallel=sequence_parallel)
+def _check_column(r, n, sequence_parallel, gather_output, skip_bias_add, tied, overlap=False):
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=n, sequence_parallel=sequence_parallel, tp_comm_overlap=overlap
+    )
     layer = tp.ColumnParallelLinear(
         H,
         O,
@@ -75,15 +82,17 @@ def _check_column(r, n, sequence_parallel, gather_output, skip_bias_add, tied):
     else:
         assert out_bias is None
     out.backward(g if gather_output else _piece(g, -1, r, n))
-    what = f"column sp={sequence_parallel} gather={gather_output} skip_bias={skip_bias_add} tied={tied}"
+    what = f"column sp={sequence_parallel} gather={gather_output} skip_bias={skip_bias_add} tied={tied} {overlap=}"
     _close(out, ref_out if gather_output else _piece(ref_out, -1, r, n), what + " out")
     _close(x_in.grad, _piece(ref_dx, 0, r, n) if sequence_parallel else ref_dx, what + " dx")
     _close((w_shard if tied else layer.weight).grad, _piece(ref_dw, 0, r, n), what + " dw")
     _close(layer.bias.grad, _piece(ref_db, 0, r, n), what + " db")
 
 
-def _check_row(r, n, sequence_parallel, input_is_parallel, skip_bias_add):
-    cfg = ModelParallelConfig(tensor_model_parallel_size=n, sequence_parallel=sequence_parallel)
+def _check_row(r, n, sequence_parallel, input_is_parallel, skip_bias_add, overlap=False):
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=n, sequence_parallel=sequence_parallel, tp_comm_overlap=overlap
+    )
     layer = tp.RowParallelLinear(
         O, H, config=cfg, init_method=_init_ones, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add
     )
@@ -97,7 +106,7 @@ def _check_row(r, n, sequence_parallel, input_is_parallel, skip_bias_add):
         assert out_bias is layer.bias
         out = out + out_bias
     out.backward(_piece(g, 0, r, n) if sequence_parallel else g)
-    what = f"row sp={sequence_parallel} parallel_in={input_is_parallel} skip_bias={skip_bias_add}"
+    what = f"row sp={sequence_parallel} parallel_in={input_is_parallel} skip_bias={skip_bias_add} {overlap=}"
     _close(out, _piece(ref_out, 0, r, n) if sequence_parallel else ref_out, what + " out")
     _close(x_in.grad, _piece(ref_dx, -1, r, n) if input_is_parallel else ref_dx, what + " dx")
     _close(layer.weight.grad, _piece(ref_dw, 1, r, n), what + " dw")
@@ -181,6 +190,67 @@ def _check_sharded_initialization(r, n):
     assert tp.param_is_not_tensor_parallel_duplicate(row.bias, r) == (r == 0)
 
 
+class _RingRecorder:
+    """Logs the order of ``tp_overlap``'s events: each ring transfer posted and waited for, each chunk GEMM."""
+
+    def __init__(self):
+        self.events, self.posts, self.gemms = [], 0, 0
+        self.ring_step, self.gemm = tp_overlap._ring_step, tp_overlap._gemm
+
+    def _posted(self, *args, **kwargs):
+        step, self.posts = self.posts, self.posts + 1
+        self.events.append(("post", step))
+        works = self.ring_step(*args, **kwargs)
+        recorder = self
+
+        class _Work:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self):
+                recorder.events.append(("wait", step))
+                return self.work.wait()
+
+        return [_Work(w) for w in works]
+
+    def _gemm(self, *args, **kwargs):
+        self.events.append(("gemm", self.gemms))
+        self.gemms += 1
+        return self.gemm(*args, **kwargs)
+
+    def __enter__(self):
+        tp_overlap._ring_step, tp_overlap._gemm = self._posted, self._gemm
+        return self
+
+    def __exit__(self, *exc):
+        tp_overlap._ring_step, tp_overlap._gemm = self.ring_step, self.gemm
+
+    def at(self, event):
+        """Where ``event`` first happened (an event that never happened is last)."""
+        return self.events.index(event) if event in self.events else len(self.events)
+
+
+def _check_overlap_order(r, n):
+    """Structural: with tp_comm_overlap the transfer of chunk i+1 is posted before the GEMM of chunk i and
+    waited for after it (all-gather); a partial sum's send travels during the next chunk's GEMM
+    (reduce-scatter). A blocking gather before the GEMMs, or a wait before the GEMM, fails."""
+    cfg = ModelParallelConfig(tensor_model_parallel_size=n, sequence_parallel=True, tp_comm_overlap=True)
+    column = tp.ColumnParallelLinear(H, O, config=cfg, init_method=_init_ones)
+    row = tp.RowParallelLinear(O, H, config=cfg, init_method=_init_ones, input_is_parallel=True)
+    with _RingRecorder() as gather:
+        column(_rand(12, S // n, B, H))
+    with _RingRecorder() as scatter:
+        row(_rand(13, S, B, O // n))
+    for log in (gather, scatter):
+        assert log.gemms == n and log.posts == n - 1, log.events
+    for i in range(n - 1):
+        # all-gather step i: the piece for GEMM i+1 is posted before GEMM i and awaited after it
+        assert gather.at(("post", i)) < gather.at(("gemm", i)) < gather.at(("wait", i)), gather.events
+        # reduce-scatter: the partial sum posted after GEMM i travels during GEMM i+1
+        assert scatter.at(("gemm", i)) < scatter.at(("post", i)) < scatter.at(("gemm", i + 1)), scatter.events
+        assert scatter.at(("gemm", i + 1)) < scatter.at(("wait", i)), scatter.events
+
+
 def _body(rank, world_size):
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     tp.model_parallel_cuda_manual_seed(5)  # layers initialize their shards under the tracked TP stream
@@ -202,6 +272,12 @@ def _body(rank, world_size):
         (False, True, True),
     ]:
         _check_row(r, n, sp, parallel_in, skip)
+    # tp_comm_overlap: the ring all-gather / reduce-scatter under chunk GEMMs, against the same reference.
+    _check_column(r, n, True, False, False, False, overlap=True)
+    _check_column(r, n, True, False, True, True, overlap=True)
+    _check_row(r, n, True, True, False, overlap=True)
+    _check_row(r, n, True, True, True, overlap=True)
+    _check_overlap_order(r, n)
     _check_embedding(r, n, reduce_scatter=False)
     _check_embedding(r, n, reduce_scatter=True)
     _check_cpu_initialization(r, n, singles[rank])

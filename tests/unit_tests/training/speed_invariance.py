@@ -68,7 +68,7 @@ FACTORS: Tuple[Factor, ...] = (
     _switch("bias_dropout_fusion", "--no-bias-dropout-fusion", "bias_dropout_fusion"),
     _switch("rope_fusion", "--no-rope-fusion", "apply_rope_fusion"),
     _switch("cross_entropy_fusion", "--cross-entropy-loss-fusion", "cross_entropy_loss_fusion"),
-    _switch("tp_comm_overlap", "--tp-comm-overlap", "tp_comm_overlap"),
+    _switch("tp_comm_overlap", "--tp-comm-overlap", "tp_comm_overlap", ("sp",)),
     _switch("overlap_p2p_comm", "--no-overlap-p2p-communication", "overlap_p2p_comm"),
     _switch("grouped_gemm", "--moe-grouped-gemm", "moe_grouped_gemm", ("moe",)),
     _switch("permute_fusion", "--moe-permute-fusion", "moe_permute_fusion", ("moe",)),
@@ -96,7 +96,8 @@ _MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", 
 
 @dataclass(frozen=True)
 class Layout:
-    """A tiny model on 2 ranks: its extra flags and what it has ('tp': TP > 1 without SP, 'moe', 'cp')."""
+    """A tiny model on 2 ranks: its extra flags and what it has ('tp': TP > 1 without SP, 'sp': TP > 1 with SP,
+    'moe', 'cp')."""
 
     argv: Tuple[str, ...]
     has: Tuple[str, ...] = ()
@@ -104,7 +105,7 @@ class Layout:
 
 LAYOUTS: Dict[str, Layout] = {
     "dense-dp2": Layout(()),
-    "dense-tp2-sp": Layout(("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+    "dense-tp2-sp": Layout(("--tensor-model-parallel-size", "2", "--sequence-parallel"), ("sp",)),
     "dense-tp2": Layout(("--tensor-model-parallel-size", "2"), ("tp",)),  # TP without SP: distributed saves
     "dense-pp2-vpp2": Layout(
         ("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1")

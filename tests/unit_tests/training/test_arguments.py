@@ -192,7 +192,6 @@ def test_supported_alternatives_and_no_op_flags_are_accepted():
             "--no-masked-softmax-fusion",
             "--attention-backend",
             "flash",
-            "--tp-comm-overlap",
             "--use-flash-attn",
         ]
     )

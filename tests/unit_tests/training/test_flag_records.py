@@ -97,7 +97,7 @@ def test_help_is_generated_from_the_records():
             assert "not supported yet" in helps[dest], dest
         if record.help:
             assert helps[dest].startswith(record.help.replace("%", "%%")), dest
-    assert "batch_isend_irecv" in helps["overlap_p2p_comm"]
+    assert "no effect here" in helps["tp_comm_overlap_ag"] and "no effect here" not in helps["overlap_p2p_comm"]
 
 
 def test_refusal_follows_the_record(monkeypatch):

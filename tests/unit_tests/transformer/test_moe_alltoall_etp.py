@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 from megatron.core.parallel_state import ProcessGroupCollection
-from megatron.core.tensor_parallel import all_to_all
+from megatron.core.tensor_parallel import all_to_all, checkpoint
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer
 from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
@@ -133,11 +133,41 @@ class _CountAllToAll:
         dist.all_to_all_single = self.original
 
 
-def _run_layer(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, sp: bool, tp_rank: int, tp: int):
-    """Output, input gradient and parameter gradients of this rank (its sequence shard under SP)."""
+class _CountHostReads:
+    """Counts what would make a GPU wait for the host or the host for the GPU inside the block:
+    ``tolist``, ``item``, ``cpu`` and tensors built from Python data (``torch.tensor``)."""
+
+    NAMES = ("tolist", "item", "cpu")
+
+    def __enter__(self):
+        self.calls, self.saved = [], {name: getattr(torch.Tensor, name) for name in self.NAMES}
+        self.saved_tensor = torch.tensor
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, self._counted(name, original))
+        torch.tensor = self._counted("torch.tensor", self.saved_tensor)
+        return self
+
+    def _counted(self, name, original):
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+        torch.tensor = self.saved_tensor
+
+
+def _run_layer(
+    layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, sp: bool, tp_rank: int, tp: int, recompute: bool = False
+):
+    """Output, input gradient and parameter gradients of this rank (its sequence shard under SP);
+    ``recompute``: the layer under activation checkpointing (rerun in backward)."""
     rows = slice(tp_rank * x.shape[0] // tp, (tp_rank + 1) * x.shape[0] // tp) if sp else slice(None)
     mine = x[rows].clone().requires_grad_(True)  # [s(/tp), b, h]
-    out, _ = layer(mine)
+    out = checkpoint(lambda h: layer(h)[0], False, mine) if recompute else layer(mine)[0]
     out.backward(grad[rows])
     return out.detach(), mine.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
@@ -151,10 +181,16 @@ def _layer_body(rank, world_size, layouts):
         rows = slice(groups.rank_in("tp") * s // tp, (groups.rank_in("tp") + 1) * s // tp) if sp else slice(None)
         results = {}
         small_ref = _run_layer(_layer(single_rank_groups(), "allgather", False), x[:s], grad[:s], False, 0, 1)
-        for kind in ("alltoall", "allgather"):
-            with _CountAllToAll() as counter:
-                results[kind] = _run_layer(_layer(groups, kind, sp), x[:s], grad[:s], sp, groups.rank_in("tp"), tp)
-            calls[(where, kind)] = counter.calls
+        for kind in ("alltoall", "allgather", "alltoall-recompute"):
+            layer = _layer(groups, kind.split("-")[0], sp)
+            with _CountAllToAll() as counter, _CountHostReads() as reads:
+                results[kind] = _run_layer(layer, x[:s], grad[:s], sp, groups.rank_in("tp"), tp, "-" in kind)
+            calls[(where, kind)] = (counter.calls, reads.calls)
+            assert not layer.token_dispatcher.__dict__.get("replay"), f"{where} {kind}: sizes kept after backward"
+            if "-" in kind:  # a checkpointed forward without a backward (evaluation) keeps nothing to replay
+                with torch.no_grad():
+                    checkpoint(lambda h: layer(h)[0], False, x[:s].clone().requires_grad_(True))
+                assert not layer.token_dispatcher.replay, f"{where}: sizes kept for a forward without backward"
             out, dx, _ = results[kind]
             torch.testing.assert_close(
                 out, small_ref[0][rows], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {kind} out {m}"
@@ -163,9 +199,10 @@ def _layer_body(rank, world_size, layouts):
                 dx, small_ref[1][rows], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {kind} dx {m}"
             )
         for name, g in results["alltoall"][2].items():
-            torch.testing.assert_close(
-                g, results["allgather"][2][name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {name} {m}"
-            )
+            for other in ("allgather", "alltoall-recompute"):
+                torch.testing.assert_close(
+                    g, results[other][2][name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {other} {name} {m}"
+                )
     return calls
 
 
@@ -175,10 +212,13 @@ LAYER_LAYOUTS = [(1, 4, 1, False, 6), (2, 2, 2, True, 6), (2, 2, 1, False, 5), (
 
 
 def test_moe_layer_dispatchers_equal_one_rank_and_each_other():
+    """Also: one host read per layer, forward and backward together (alltoall: the split sizes, in one
+    ``tolist``; allgather: the experts' counts), and none more when the layer is recomputed."""
     for calls in run_distributed(_layer_body, 4, LAYER_LAYOUTS):
-        for (where, kind), count in calls.items():
+        for (where, kind), (count, reads) in calls.items():
             # Forward: tokens and probs; backward: their reverse all-to-alls; allgather: none.
-            assert (count >= 4) if kind == "alltoall" else (count == 0), (where, kind, count)
+            assert (count >= 4) if kind.startswith("alltoall") else (count == 0), (where, kind, count)
+            assert reads == ["tolist"], (where, kind, reads)
 
 
 # ----------------------------------------------------------------------------------

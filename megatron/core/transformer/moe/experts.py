@@ -4,7 +4,7 @@ over all of them (``GroupedMLP``, the same parameters)."""
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -50,17 +50,25 @@ class GroupedLinear(torch.autograd.Function):
         return (grad_x, None, *grad_w.unbind(0))
 
 
-def permute_by_expert(probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+def expert_counts(routing_map: torch.Tensor) -> torch.Tensor:
+    """Tokens routed to each expert ``[E]`` (int64), on the map's device: no host read."""
+    return routing_map.bool().sum(dim=0)
+
+
+def permute_by_expert(
+    probs: torch.Tensor, routing_map: torch.Tensor, counts: Optional[List[int]] = None
+) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
     """The routed (token, expert) pairs expert by expert: token ids ``[N]`` (ascending within an
     expert), their probs ``[N]`` and the per-expert counts (``N`` = their sum).
 
     One stable sort of the ``[E, T]`` routing map puts the routed pairs first, expert by expert;
-    one host read of the per-expert counts splits them (a ``nonzero`` per expert would read the
-    host once per expert).
+    ``counts`` (the host's copy, when a caller already has it) split them, else one host read of
+    the per-expert counts does (a ``nonzero`` per expert would read the host once per expert).
     """
     num_tokens = routing_map.shape[0]
     routed = routing_map.t().reshape(-1).bool()  # [E*T], expert-major
-    counts = routed.view(-1, num_tokens).sum(dim=1).tolist()  # [E] the one host read
+    if counts is None:
+        counts = routed.view(-1, num_tokens).sum(dim=1).tolist()  # [E] the one host read
     order = torch.argsort((~routed).to(torch.uint8), stable=True)[: sum(counts)]  # [N]
     return order % num_tokens, probs.t().reshape(-1)[order], counts
 
@@ -128,15 +136,26 @@ class SequentialMLP(MegatronModule):
         bias = copy_to_tensor_model_parallel_region(bias, self.tp_group)  # gradient summed over TP
         return bias if dist.get_rank(self.tp_group) == 0 else bias * 0.0
 
-    def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-        """``tokens`` ``[T, h]``, ``probs`` and ``routing_map`` ``[T, E]`` -> partial output ``[T, h]``."""
-        token_ids, weights, counts = permute_by_expert(probs, routing_map)  # [N], [N], E counts
-        out = self.run_experts(tokens[token_ids], counts)  # [N, h] partial over TP
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        tokens_per_expert: Optional[List[int]] = None,
+    ) -> torch.Tensor:
+        """``tokens`` ``[T, h]``, ``probs`` and ``routing_map`` ``[T, E]`` -> partial output ``[T, h]``.
+
+        ``tokens_per_expert``: the map's per-expert counts where the caller read them already (the
+        all-to-all dispatcher's one size exchange); otherwise one host read here."""
+        sizes = expert_counts(routing_map)  # [E] on the device
+        token_ids, weights, counts = permute_by_expert(probs, routing_map, tokens_per_expert)  # [N], [N], E counts
+        out = self.run_experts(tokens[token_ids], counts, sizes)  # [N, h] partial over TP
         weighted = out * weights.unsqueeze(-1).to(out.dtype)  # [N, h]
         return torch.zeros_like(tokens).index_add(0, token_ids, weighted)  # [T, h]
 
-    def run_experts(self, permuted: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """Tokens ``[N, h]`` sorted by expert (``counts[i]`` for local expert ``i``) -> outputs ``[N, h]``."""
+    def run_experts(self, permuted: torch.Tensor, counts: List[int], sizes: torch.Tensor) -> torch.Tensor:
+        """Tokens ``[N, h]`` sorted by expert (``counts[i]`` for local expert ``i``; ``sizes`` the same
+        counts ``[E]`` on the device) -> outputs ``[N, h]``."""
         outputs = []
         for expert, chunk in zip(self.local_experts, permuted.split(counts)):
             out, bias = expert(chunk)  # [n_e, h] partial over TP, [h] or None
@@ -157,15 +176,15 @@ class GroupedMLP(SequentialMLP):
     # parameter-gather pre-hook must wait for all of them here, not at the experts' (skipped) forwards.
     reads_submodule_parameters = True
 
-    def run_experts(self, permuted: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    def run_experts(self, permuted: torch.Tensor, counts: List[int], sizes: torch.Tensor) -> torch.Tensor:
         """Tokens ``[N, h]`` sorted by expert -> outputs ``[N, h]``, two grouped GEMMs over the groups
         padded to ``group_alignment`` rows (``M`` in all; zero input rows, their outputs dropped)."""
         quantized = any(getattr(e.linear_fc1, "quantizer", None) is not None for e in self.local_experts)
         if quantized or not grouped_mm_supported(permuted) or not all(type(e) is MLP for e in self.local_experts):
-            return super().run_experts(permuted, counts)  # FP8/FP4 experts quantize inside their linears
+            return super().run_experts(permuted, counts, sizes)  # FP8/FP4 experts quantize inside their linears
         fc1 = [e.linear_fc1 for e in self.local_experts]
         fc2 = [e.linear_fc2 for e in self.local_experts]
-        expert_of_row, rows, ends = _padded_groups(counts, group_alignment(permuted.dtype), permuted.device)
+        expert_of_row, rows, ends = _padded_groups(counts, sizes, group_alignment(permuted.dtype))
         x = permuted.new_zeros(expert_of_row.shape[0], permuted.shape[1]).index_copy(0, rows, permuted)  # [M, h]
         hidden = GroupedLinear.apply(x, ends, *[layer.weight for layer in fc1])  # [M, f1/tp]
         if fc1[0].bias is not None:
@@ -185,11 +204,12 @@ class GroupedMLP(SequentialMLP):
 
 
 def _padded_groups(
-    counts: List[int], align: int, device: torch.device
+    counts: List[int], sizes: torch.Tensor, align: int
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each expert's ``counts[e]`` rows padded to a multiple of ``align``: the expert of every padded row
-    ``[M]``, the padded row of every real row ``[N]``, and the groups' ends ``[E]`` (int32)."""
-    sizes = torch.tensor(counts, device=device)  # [E], one host-to-device copy
+    """Each expert's ``counts[e]`` rows (``sizes`` ``[E]``: the same on the device, so nothing is
+    uploaded) padded to a multiple of ``align``: the expert of every padded row ``[M]``, the padded row
+    of every real row ``[N]``, and the groups' ends ``[E]`` (int32)."""
+    device = sizes.device
     padded_sizes = (sizes + align - 1) // align * align  # [E]
     total = sum(-(-c // align) * align for c in counts)  # M, known on the host
     padded_ends = padded_sizes.cumsum(0)  # [E]

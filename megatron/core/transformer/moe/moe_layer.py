@@ -134,7 +134,9 @@ class MoELayer(MegatronModule):
         start, end = own_rows(tokens.shape[0], self.tp_rank, self.tp_size)
         mine = slice(start, end)
         dispatched = self.token_dispatcher.dispatch(tokens[mine], probs[mine], routing_map[mine], tokens.shape[0])
-        expert_output = self.experts(dispatched.tokens, dispatched.probs, dispatched.routing_map)  # [R, h]
+        expert_output = self.experts(
+            dispatched.tokens, dispatched.probs, dispatched.routing_map, dispatched.tokens_per_expert
+        )  # [R, h]
         own = self.token_dispatcher.combine(expert_output, dispatched)  # [T/tp, h], summed
         output = self._own_output(own, full.shape)  # [s(/tp), b, h]
         if self.shared_experts is not None:

@@ -21,8 +21,9 @@ each rank's own tokens and probs.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Deque, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.moe.experts import sort_by_expert
+from megatron.core.tensor_parallel.random import checkpointed_forward_reruns, is_checkpointing
+from megatron.core.transformer.moe.experts import expert_counts, permute_by_expert
 from megatron.core.transformer.moe_choices import DISPATCHER_TYPES
 
 
@@ -47,16 +49,17 @@ class Dispatched:
     num_tokens: int  # n: this rank's own tokens
     token_ids: Optional[torch.Tensor] = None  # alltoall: [N] own token of each permuted row
     splits: dict = field(default_factory=dict)  # collective split sizes (host lists)
+    tokens_per_expert: Optional[List[int]] = None  # alltoall: rows per local expert, read with the splits
 
 
 def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather a count vector ``[k]`` (int64) over ``group`` -> ``[group size, k]``, on the host."""
+    """All-gather a count vector ``[k]`` (int64) over ``group`` -> ``[group size, k]``, on the device."""
     size = dist.get_world_size(group)
     if size == 1:
-        return counts.view(1, -1).cpu()
+        return counts.view(1, -1)
     pieces = [torch.empty_like(counts) for _ in range(size)]
     dist.all_gather(pieces, counts.contiguous(), group=group)
-    return torch.stack(pieces).cpu()  # [size, k]
+    return torch.stack(pieces)  # [size, k]
 
 
 class TokenDispatcher:
@@ -110,24 +113,58 @@ class AllGatherDispatcher(TokenDispatcher):
 
 
 class AllToAllDispatcher(TokenDispatcher):
-    """Tokens travel only to the EP ranks holding their experts (then to the expert-TP peers)."""
+    """Tokens travel only to the EP ranks holding their experts (then to the expert-TP peers).
 
-    def _splits(self, counts: torch.Tensor) -> dict:
-        """Split sizes from this rank's per-expert counts ``[E]`` and those of every ``tp_ep`` rank."""
-        local = slice(self.local_start, self.local_start + self.num_local_experts)
-        every = gather_counts(counts, self.tp_ep_group).view(self.ep_size, self.etp_size, self.num_experts)
-        mine = every[:, :, local]  # [ep, etp, E_local]: tokens each rank sends to my experts
-        return {
-            "ep_in": counts.view(self.ep_size, self.num_local_experts).sum(dim=1).tolist(),  # sent to each EP rank
-            "ep_out": mine[:, self.etp_rank].sum(dim=1).tolist(),  # received from each EP rank
-            "etp": mine.sum(dim=(0, 2)).tolist(),  # what each expert-TP peer received
-            "per_expert": mine.permute(1, 0, 2).reshape(-1, self.num_local_experts),  # [etp*ep, E_local]
+    Host syncs: one per layer and microbatch. The per-expert counts are computed and all-gathered on
+    the device; every split size the collectives and the experts need is then read in one
+    ``.tolist()`` (``_splits``). Under full recompute the rerun takes the sizes its first forward
+    read (``replay``, first in, first out: every schedule runs a layer's backwards in the order of
+    its forwards), so recomputing neither syncs nor exchanges again."""
+
+    def __init__(self, num_experts: int, num_local_experts: int, groups: ProcessGroupCollection) -> None:
+        super().__init__(num_experts, num_local_experts, groups)
+        self.tp_ep_rank = groups.rank_in("tp_ep")
+        self.replay: Deque[Tuple[dict, torch.Tensor]] = deque()  # (host splits, per-block counts) to recompute
+
+    def _exchange(self, counts: torch.Tensor) -> Tuple[dict, torch.Tensor]:
+        """This rank's per-expert counts ``[E]`` -> host split sizes, and the counts of the received
+        blocks ``[etp*ep*E_local]`` on the device (sender block ``(etp rank, ep rank)``, local expert).
+
+        The counts are all-gathered on the device and read once; every split is host arithmetic on
+        that one read (so the sizes always agree with each other)."""
+        every = gather_counts(counts, self.tp_ep_group)  # [ep*etp, E], tp_ep rank = ep rank * etp + etp rank
+        lo, e_local = self.local_start, self.num_local_experts
+        mine = every.view(self.ep_size, self.etp_size, self.num_experts)[:, :, lo : lo + e_local]  # [ep, etp, E_l]
+        per_block = mine.permute(1, 0, 2).reshape(-1)  # [etp*ep*E_local] in received order
+        rows = every.tolist()  # the one host sync of the layer
+        own = rows[self.tp_ep_rank]  # [E]
+        to_me = [
+            [rows[p * self.etp_size + t][lo : lo + e_local] for t in range(self.etp_size)] for p in range(self.ep_size)
+        ]
+        host = {
+            "own": own,  # this rank's routed pairs per expert
+            "ep_in": [sum(own[p * e_local : (p + 1) * e_local]) for p in range(self.ep_size)],  # sent to EP rank p
+            "ep_out": [sum(to_me[p][self.etp_rank]) for p in range(self.ep_size)],  # received from EP rank p
+            "etp": [sum(sum(to_me[p][t]) for p in range(self.ep_size)) for t in range(self.etp_size)],  # per peer
+            "per_expert": [sum(b[i] for blocks in to_me for b in blocks) for i in range(e_local)],  # rows per expert
         }
+        return host, per_block
 
-    def _local_map(self, per_expert: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One-hot routing map and probs ``[R, E_local]`` of the received rows (blocks of local experts)."""
-        expert_of_row = torch.arange(self.num_local_experts).repeat(per_expert.shape[0])  # [etp*ep*E_local]
-        ids = torch.repeat_interleave(expert_of_row, per_expert.reshape(-1)).to(probs.device)  # [R]
+    def _splits(self, counts: torch.Tensor) -> Tuple[dict, torch.Tensor]:
+        """``_exchange``, or under a recompute what the first forward read (no sync, no collective)."""
+        if is_checkpointing() and torch.is_grad_enabled() and self.replay:
+            return self.replay.popleft()
+        splits = self._exchange(counts)
+        if checkpointed_forward_reruns():  # a checkpointed forward whose backward reruns it
+            self.replay.append(splits)
+        return splits
+
+    def _local_map(self, per_block: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One-hot routing map and probs ``[R, E_local]`` of the received rows (blocks of local experts),
+        built on the device from the blocks' counts ``[etp*ep*E_local]``."""
+        blocks = per_block.shape[0] // self.num_local_experts
+        expert_of_block = torch.arange(self.num_local_experts, device=probs.device).repeat(blocks)  # [blocks*E_local]
+        ids = torch.repeat_interleave(expert_of_block, per_block, output_size=probs.shape[0])  # [R]
         one_hot = torch.nn.functional.one_hot(ids, self.num_local_experts).to(torch.bool)  # [R, E_local]
         return probs.unsqueeze(-1) * one_hot.to(probs.dtype), one_hot
 
@@ -135,19 +172,17 @@ class AllToAllDispatcher(TokenDispatcher):
         self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
     ) -> Dispatched:
         n = tokens.shape[0]
-        indices, weights = sort_by_expert(probs, routing_map)  # per expert: own token ids, probs
-        counts = torch.tensor([len(i) for i in indices], dtype=torch.long, device=tokens.device)  # [E]
-        token_ids = torch.cat(indices)  # [N] expert-major
-        splits = self._splits(counts)
+        splits, per_block = self._splits(expert_counts(routing_map))  # [E] counted on the device
+        token_ids, permuted_probs, _ = permute_by_expert(probs, routing_map, splits["own"])  # [N] expert-major
         permuted = tokens[token_ids]  # [N, h]
-        permuted_probs = torch.cat(weights).to(tokens.dtype)  # [N]
+        permuted_probs = permuted_probs.to(tokens.dtype)  # [N]
         received = all_to_all(self.ep_group, permuted, splits["ep_out"], splits["ep_in"])  # [M, h]
         received_probs = all_to_all(self.ep_group, permuted_probs, splits["ep_out"], splits["ep_in"])  # [M]
         if self.etp_size > 1:
             received = gather_from_sequence_parallel_region(received, True, self.etp_group, splits["etp"])
             received_probs = gather_from_sequence_parallel_region(received_probs, True, self.etp_group, splits["etp"])
-        local_probs, local_map = self._local_map(splits["per_expert"], received_probs)  # [R, E_local] each
-        return Dispatched(received, local_probs, local_map, n, token_ids, splits)
+        local_probs, local_map = self._local_map(per_block, received_probs)  # [R, E_local] each
+        return Dispatched(received, local_probs, local_map, n, token_ids, splits, splits["per_expert"])
 
     def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """``[R, h]`` prob-weighted, partial over expert-TP -> this rank's tokens ``[n, h]``."""
