@@ -110,9 +110,10 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/fault/test_in_job_restart.py::test_without_restarts_left_the_killed_rank_fails_the_job": (
         "test_killed_rank_restarts_in_job_and_finishes_with_the_straight_losses (the same kill, one restart)"
     ),
-    # The fake-CUDA dry-run grid: the default tier runs 7 of its 14 cases, one per layout family (the script
-    # runs only those): TP+SP+PP+DP, interleaved PP (fp16), CP, EP/MoE, DP with the legacy checkpoint, the TE
-    # spec and one quantized recipe (NVFP4).
+    # The fake-CUDA dry-run grid: the default tier runs 6 of its 14 cases, one per layout family (the script
+    # runs only those): TP+SP+PP+DP, interleaved PP (fp16), CP, EP/MoE, DP with the legacy checkpoint and the
+    # TE spec. The quantized recipes' GPU rules are test_dry_run_rules.py's (every recipe, fake CUDA, no host
+    # sync) and test_fp8_cuda_layout.py's (every _scaled_mm call).
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-pp4-dp8-distopt-bf16]": (
         "[tp2-sp-pp2-dp2-distopt-bf16] (the same TP, PP, DP and distributed-optimizer layout on 8 ranks)"
     ),
@@ -133,17 +134,26 @@ FULL_ONLY = {  # one key per entry, however long
         " test_moe_grouped_gemm.py (fake_world)"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-dp2-fp8-delayed]": (
-        "[tp2-sp-fp4-nvfp4] (a quantized recipe under TP+SP); delayed scaling's amax state in test_fp8_step.py;"
-        " every recipe's _scaled_mm layouts in test_fp8_cuda_layout"
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); delayed scaling's amax state in test_fp8_step.py; every recipe's _scaled_mm layouts in"
+        " test_fp8_cuda_layout"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp4-nvfp4]": (
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (NVFP4 among every"
+        " recipe on fake CUDA); NVFP4's training and resume in test_pretrain_gpt_fp8; TP+SP in"
+        " [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-tensorwise]": (
-        "[tp2-sp-fp4-nvfp4] (a quantized recipe under TP+SP); every recipe's _scaled_mm layouts in test_fp8_cuda_layout"
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-blockwise]": (
-        "[tp2-sp-fp4-nvfp4] (a quantized recipe under TP+SP); every recipe's _scaled_mm layouts in test_fp8_cuda_layout"
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-mxfp8]": (
-        "[tp2-sp-fp4-nvfp4] (a quantized recipe under TP+SP); every recipe's _scaled_mm layouts in test_fp8_cuda_layout"
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
 }
 
