@@ -103,7 +103,17 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/unit_tests/optimizer/test_distributed_optimizer.py::test_distributed_optimizer_state_is_sharded_and_portable[2]": (  # noqa: E501
         "[4] (the state sharded over 4 ranks and loaded elsewhere)"
     ),
-    # The fake-CUDA dry-run grid: the default tier runs 7 of its 12 cases (the script runs only those).
+    "tests/functional_tests/test_pretrain_gpt_fp8.py::test_nvfp4_resumes_bitwise_from_the_legacy_checkpoint_format": (  # noqa: E501
+        "test_nvfp4_resumes_bitwise_with_the_stochastic_rounding_state (the same halves, torch_dist); the legacy"
+        " format's quantizer state in test_llama3_fp8_flags_train_on_two_ranks_and_resume_bitwise"
+    ),
+    "tests/fault/test_in_job_restart.py::test_without_restarts_left_the_killed_rank_fails_the_job": (
+        "test_killed_rank_restarts_in_job_and_finishes_with_the_straight_losses (the same kill, one restart)"
+    ),
+    # The fake-CUDA dry-run grid: the default tier runs 6 of its 14 cases, one per layout family (the script
+    # runs only those): TP+SP+PP+DP, interleaved PP (fp16), CP, EP/MoE, DP with the legacy checkpoint and the
+    # TE spec. The quantized recipes' GPU rules are test_dry_run_rules.py's (every recipe, fake CUDA, no host
+    # sync) and test_fp8_cuda_layout.py's (every _scaled_mm call).
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-pp4-dp8-distopt-bf16]": (
         "[tp2-sp-pp2-dp2-distopt-bf16] (the same TP, PP, DP and distributed-optimizer layout on 8 ranks)"
     ),
@@ -115,17 +125,35 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_gpu_dry_run.py::test_every_case_runs_as_first_middle_and_last_rank": (
         "test_case_is_gpu_safe (each case it runs, as its first, middle and last rank)"
     ),
-    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[dp2-fp32-legacy-ckpt]": (
-        "[tp2-dp2-gqa-bf16-legacy-ckpt]"
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-dp2-gqa-bf16-legacy-ckpt]": (
+        "[dp2-fp32-legacy-ckpt] (the legacy torch checkpoint), [cp2-tp2-dp2-bf16] (TP+DP, bf16 without the"
+        " distributed optimizer); grouped-query attention against Hugging Face in test_gpt_hf_parity"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[moe-grouped-gemm-dp2-distopt-overlap-bf16]": (  # noqa: E501
+        "[ep2-moe-tp2-dp4-distopt-bf16] (the MoE layer on fake CUDA); GroupedMLP on fake CUDA in"
+        " test_moe_grouped_gemm.py (fake_world)"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-dp2-fp8-delayed]": (
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); delayed scaling's amax state in test_fp8_step.py; every recipe's _scaled_mm layouts in"
+        " test_fp8_cuda_layout"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp4-nvfp4]": (
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (NVFP4 among every"
+        " recipe on fake CUDA); NVFP4's training and resume in test_pretrain_gpt_fp8; TP+SP in"
+        " [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-tensorwise]": (
-        "[tp2-sp-dp2-fp8-delayed], [tp2-sp-fp4-nvfp4]; every recipe's _scaled_mm layouts in test_fp8_cuda_layout"
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-blockwise]": (
-        "[tp2-sp-dp2-fp8-delayed], [tp2-sp-fp4-nvfp4]; every recipe's _scaled_mm layouts in test_fp8_cuda_layout"
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-mxfp8]": (
-        "[tp2-sp-dp2-fp8-delayed], [tp2-sp-fp4-nvfp4]; every recipe's _scaled_mm layouts in test_fp8_cuda_layout"
+        "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
+        " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
 }
 

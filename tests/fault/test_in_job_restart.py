@@ -34,9 +34,11 @@ def test_killed_rank_restarts_in_job_and_finishes_with_the_straight_losses(tmp_p
     assert restarted.losses()[-4:] == straight.losses()[-4:]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
 
+
+def test_without_restarts_left_the_killed_rank_fails_the_job(tmp_path):
     no_retry = run_gpt(
         2,
-        [*FLAGS, "--save", str(tmp_path / "other"), "--load", str(tmp_path / "other")],
+        [*FLAGS, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")],
         str(tmp_path),
         script=[os.path.join(HERE, "faulty_gpt.py"), "kill-rank1-once", "5"],
         launcher="torchrun",

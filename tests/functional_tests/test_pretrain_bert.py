@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron.training.training_log import parse_log_line
+from megatron.training.training_log import parse_evaluation_line, parse_log_line
 from tests.functional_tests.gpt_runs import (
     REPO,
     RUN_TIMEOUT_S,
@@ -93,7 +93,9 @@ def test_megatron_example_script_scaled_down(corpus, tmp_path):
     sizes = dict(GPUS_PER_NODE="2", NUM_LAYERS="2", HIDDEN="32", HEADS="4", SEQ="64", MBS="2", GBS="8", ITERS="3")
     sizes.update(DECAY_ITERS="3", TP="1", PP="2", LOG_INTERVAL="1", SAVE_INTERVAL="3", EVAL_INTERVAL="2")
     env = dict(os.environ, **sizes, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_PORT=str(free_port()))
-    env.update(EXTRA="--num-workers 0", TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+    # The script evaluates 10 iterations at each evaluation (3 here: at 2 and valid+test at the end); one is
+    # enough to run the evaluation path (a later flag wins).
+    env.update(EXTRA="--num-workers 0 --eval-iters 1", TORCHRUN=f"{sys.executable} -m torch.distributed.run")
     script = os.path.join(REPO, "examples", "bert", "train_bert_340m_distributed.sh")
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     cmd = ["bash", script, ckpt, tb, corpus["vocab_file"], corpus["data_prefix"]]
@@ -101,6 +103,8 @@ def test_megatron_example_script_scaled_down(corpus, tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert len([p for p in map(parse_log_line, output.splitlines()) if p is not None]) == 3
+    evaluations = [p for p in map(parse_evaluation_line, output.splitlines()) if p is not None]
+    assert [e for e in evaluations if e.get("iteration") == 2], output[-6000:]  # EVAL_INTERVAL=2
     assert os.path.exists(os.path.join(ckpt, "iter_0000003", "metadata.json"))
 
 

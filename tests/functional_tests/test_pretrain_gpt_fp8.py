@@ -99,8 +99,15 @@ def test_nvfp4_resumes_bitwise_with_the_stochastic_rounding_state(tmp_path):
     assert len(calls) == 8, sorted(tensors)  # qkv, proj, fc1, fc2 in each of 2 layers
     # Two stochastically rounded gradients (dgrad, wgrad) per backward of each linear.
     assert all(v.dtype == torch.int64 and v.tolist() == [2 * microbatches * ITERS // 2] for v in calls.values())
+
+
+def test_nvfp4_resumes_bitwise_from_the_legacy_checkpoint_format(tmp_path):
+    """The same halves with ``--ckpt-format torch``: the legacy format carries the rounding state too."""
+    base = tiny_gpt_flags(ITERS) + mock_flags() + LLAMA + ["--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
+    straight = run_gpt(2, base + TP2_SP, str(tmp_path))
+    assert_ok(straight, "nvfp4: straight run")
     first, second, _ = _halves(base + TP2_SP, str(tmp_path), "nvfp4-legacy", ["--ckpt-format", "torch"])
-    assert first.losses() + second.losses() == straight.losses()
+    _assert_resumed_bitwise(straight, first, second)
 
 
 def test_fp8_param_gather_trains_on_two_dp_ranks_and_resumes_bitwise(tmp_path):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron.training.training_log import parse_log_line
+from megatron.training.training_log import parse_evaluation_line, parse_log_line
 from tests.functional_tests.gpt_runs import (
     REPO,
     RUN_TIMEOUT_S,
@@ -91,7 +91,9 @@ def test_megatron_example_script_scaled_down(bert_corpus, tmp_path):
     sizes.update(MBS="2", GBS="8", ITERS="3", TP="2", LOG_INTERVAL="1", SAVE_INTERVAL="3", EVAL_INTERVAL="2")
     sizes.update(SPLIT="90,5,5")  # 99982,9,9 leaves this small corpus no validation documents
     env = dict(os.environ, **sizes, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_PORT=str(free_port()))
-    env.update(EXTRA="--num-workers 0", TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+    # The script evaluates 10 iterations at each evaluation (3 here: at 2 and valid+test at the end); one is
+    # enough to run the evaluation path (a later flag wins).
+    env.update(EXTRA="--num-workers 0 --eval-iters 1", TORCHRUN=f"{sys.executable} -m torch.distributed.run")
     script = os.path.join(REPO, "examples", "t5", "train_t5_220m_distributed.sh")
     ckpt = str(tmp_path / "ckpt")
     cmd = ["bash", script, ckpt, str(tmp_path / "tb"), bert_corpus["vocab_file"], bert_corpus["data_prefix"]]
@@ -99,4 +101,6 @@ def test_megatron_example_script_scaled_down(bert_corpus, tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert len([p for p in map(parse_log_line, output.splitlines()) if p is not None]) == 3
+    evaluations = [p for p in map(parse_evaluation_line, output.splitlines()) if p is not None]
+    assert [e for e in evaluations if e.get("iteration") == 2], output[-6000:]  # EVAL_INTERVAL=2
     assert os.path.exists(os.path.join(ckpt, "iter_0000003", "metadata.json"))
