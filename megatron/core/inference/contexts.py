@@ -38,6 +38,10 @@ class StaticInferenceContext:
         self.batch_size_offset = 0
         self.key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def is_static_batching(self) -> bool:
+        """Every sequence of the batch at the same positions (``DynamicInferenceContext``: False)."""
+        return True
+
     def is_decode_only(self) -> bool:
         """Whether the cache already holds positions (later calls add one token per sequence)."""
         return self.sequence_len_offset > 0

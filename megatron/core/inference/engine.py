@@ -145,6 +145,10 @@ class InferenceEngine:
         same results. Raises ValueError, before any work, for an empty prompt, a token outside the
         vocabulary, or a prompt longer than ``max_sequence_length - num_tokens_to_generate``."""
         self._validate(prompts, sampling_params)
+        if sampling_params.top_n_logprobs:
+            raise ValueError(
+                f"InferenceEngine.generate: top_n_logprobs={sampling_params.top_n_logprobs} needs the dynamic engine"
+            )
         record = _BatchRecord(prompts, sampling_params)
         if not prompts or (record.done and not sampling_params.return_log_probs):
             return record.results()
