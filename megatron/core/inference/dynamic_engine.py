@@ -74,6 +74,18 @@ class DynamicInferenceEngine(InferenceEngine):
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"DynamicInferenceEngine.add_request: request_id {request_id} is in use")
+        self.check_request(request_id, prompt, sampling_params)
+        request = DynamicInferenceRequest(request_id, [int(t) for t in prompt], sampling_params)
+        seed = sampling_params.seed
+        if seed is None and self.random_seed is not None:
+            seed = self.random_seed * 1_000_003 + request_id
+        request.generator = self._generator(seed)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request
+
+    def check_request(self, request_id: int, prompt: Sequence[int], sampling_params: SamplingParams) -> None:
+        """Raise ValueError for a request ``add_request`` would refuse (reads only the engine's settings)."""
         self._validate([list(prompt)], sampling_params)
         ctx = self.context
         need = ctx.blocks_for(len(prompt) + sampling_params.num_tokens_to_generate)
@@ -87,14 +99,6 @@ class DynamicInferenceEngine(InferenceEngine):
                 f"request {request_id}: a prompt of {len(prompt)} tokens exceeds max_tokens={ctx.max_tokens} "
                 "per step and chunked prefill is off"
             )
-        request = DynamicInferenceRequest(request_id, [int(t) for t in prompt], sampling_params)
-        seed = sampling_params.seed
-        if seed is None and self.random_seed is not None:
-            seed = self.random_seed * 1_000_003 + request_id
-        request.generator = self._generator(seed)
-        self.requests[request_id] = request
-        self.waiting.append(request)
-        return request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.active)
@@ -110,6 +114,11 @@ class DynamicInferenceEngine(InferenceEngine):
             self._release(request)
         request.finish("abort")
         self.requests.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Abort every request (after a failed step: every rank does the same)."""
+        for request in list(self.waiting) + list(self.active):
+            self.abort_request(request.request_id)
 
     def generate(self, prompts: List[List[int]], sampling_params: SamplingParams) -> List[GenerationResult]:
         """Every prompt to completion, all in flight together (``InferenceEngine.generate``'s contract)."""

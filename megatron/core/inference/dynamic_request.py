@@ -75,10 +75,13 @@ class DynamicInferenceRequest:
     def result(self) -> GenerationResult:
         """The static engine's result type (log-probabilities only when asked for)."""
         with_log_probs = self.sampling_params.return_log_probs
+        top_n = self.sampling_params.top_n_logprobs > 0
         return GenerationResult(
             prompt_tokens=list(self.prompt_tokens),
             generated_tokens=list(self.generated_tokens),
             prompt_log_probs=list(self.prompt_log_probs) if with_log_probs else None,
             generated_log_probs=list(self.generated_log_probs) if with_log_probs else None,
             finish_reason=self.finish_reason,
+            prompt_top_n_logprobs=list(self.prompt_top_n_logprobs) if top_n else None,
+            generated_top_n_logprobs=list(self.generated_top_n_logprobs) if top_n else None,
         )

@@ -31,7 +31,10 @@ def dynamic_engine(model, groups, **overrides):
     c = model.config
     kw = dict(max_requests=8, max_tokens=16, block_size_tokens=4)
     kw.update(overrides)
-    context = DynamicInferenceContext(c.params_dtype, c.num_layers, c.kv_channels, c.num_query_groups, 32, 1e-4, **kw)
+    length = kw.pop("max_sequence_length", 32)
+    context = DynamicInferenceContext(
+        c.params_dtype, c.num_layers, c.kv_channels, c.num_query_groups, length, 1e-4, **kw
+    )
     return DynamicInferenceEngine(model, context, pg_collection=groups)
 
 
