@@ -48,7 +48,7 @@ class Submission:
     should_stop: Optional[StopCheck] = None
     request_ids: List[int] = field(default_factory=list)
     cancelled: bool = False
-    _queue: queue.Queue[Tuple[Any, ...]] = field(default_factory=queue.Queue)
+    progress: queue.Queue[Tuple[Any, ...]] = field(default_factory=queue.Queue)  # what the loop publishes
 
     def cancel(self) -> None:
         """The client left (or its stream ended): unfinished prompts are aborted at the next step."""
@@ -57,7 +57,7 @@ class Submission:
     def events(self) -> Iterator[Tuple[int, Any, bool]]:
         remaining = len(self.prompts)
         while remaining:
-            event = self._queue.get()
+            event = self.progress.get()
             if event[0] == "error":
                 raise GenerationFailed(event[1], event[2])
             remaining -= event[2]
@@ -207,7 +207,7 @@ class EngineLoop:
         for request_id, (submission, index, request) in list(self.in_flight.items()):
             request = request or added[request_id]
             self.in_flight[request_id] = (submission, index, request)
-            submission._queue.put((index, request.result(), request.finished))
+            submission.progress.put((index, request.result(), request.finished))
             if request.finished:
                 del self.in_flight[request_id]
                 with self._count:
@@ -215,7 +215,7 @@ class EngineLoop:
 
     def _fail_all(self, status: int, message: str) -> None:
         for submission, _, _ in {id(s): (s, i, r) for s, i, r in self.in_flight.values()}.values():
-            submission._queue.put(("error", status, message))
+            submission.progress.put(("error", status, message))
         with self._count:
             self._accepted -= len(self.in_flight)
         self.in_flight.clear()
