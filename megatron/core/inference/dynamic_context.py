@@ -138,29 +138,33 @@ class DynamicInferenceContext:
 
     def _build_layout(self, device) -> None:
         """Index tensors of the step, shared by every layer (see the module docstring)."""
-        entries, bs = self.step_entries, self.block_size_tokens
-        positions, slots, q_rows, kv_index = [], [], [], []
-        maxq = max(e.length for e in entries)
-        maxk = max(e.start + e.length for e in entries)
-        for b, e in enumerate(entries):
-            seen = e.start + e.length  # L_b: positions cached after this step
-            mine = list(range(e.start, seen))
-            positions += mine
-            slots += [e.block_ids[p // bs] * bs + p % bs for p in mine]
-            q_rows += [(maxq - e.length + j) * len(entries) + b for j in range(e.length)]
-            kv_index.append([0] * (maxk - seen) + [e.block_ids[p // bs] * bs + p % bs for p in range(seen)])
-        B = len(entries)
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)  # [T]
-        self.query_rows = torch.tensor(q_rows, dtype=torch.long, device=device)  # [T] rows of [maxq * B]
-        self.kv_index = torch.tensor(kv_index, dtype=torch.long, device=device).t().contiguous()  # [maxk, B]
-        pad = torch.tensor([maxk - e.start - e.length for e in entries], device=device)  # [B] padding keys
-        keys = torch.arange(maxk, device=device)  # [maxk]
-        rows = torch.arange(maxq, device=device)  # [maxq]
-        padding = keys[None, :] < pad[:, None]  # [B, maxk]
-        future = keys[None, :] > rows[:, None] + (maxk - maxq)  # [maxq, maxk] (right-aligned causal)
+        entries, B = self.step_entries, len(self.step_entries)
+        widest = max(len(e.block_ids) for e in entries)
+        table = torch.tensor([list(e.block_ids) + [0] * (widest - len(e.block_ids)) for e in entries], device=device)
+        starts = torch.tensor([e.start for e in entries], device=device)  # [B]
+        lengths = torch.tensor([e.length for e in entries], device=device)  # [B]
+        seen = starts + lengths  # [B] L_b: positions cached after this step
+        maxq, maxk = int(lengths.max()), int(seen.max())
+        owner = torch.repeat_interleave(torch.arange(B, device=device), lengths)  # [T] request of each token
+        first = torch.cumsum(lengths, 0) - lengths  # [B] row of each request's first token
+        within = torch.arange(owner.numel(), device=device) - first[owner]  # [T] index among its request's tokens
+        self.positions = starts[owner] + within  # [T]
+        self.slots = self._slots(table, owner, self.positions)  # [T]
+        self.query_rows = (maxq - lengths[owner] + within) * B + owner  # [T] rows of [maxq * B]
+        key_positions = torch.arange(maxk, device=device)[None, :] - (maxk - seen)[:, None]  # [B, maxk]
+        padding = key_positions < 0  # [B, maxk]: the left padding of the right-aligned keys
+        rows = torch.arange(B, device=device)[:, None].expand(B, maxk)
+        kv_index = self._slots(table, rows, key_positions.clamp(min=0)).masked_fill(padding, 0)  # [B, maxk]
+        self.kv_index = kv_index.t().contiguous()  # [maxk, B]
+        key_index, query_row = torch.arange(maxk, device=device), torch.arange(maxq, device=device)
+        future = key_index[None, :] > query_row[:, None] + (maxk - maxq)  # [maxq, maxk] (right-aligned causal)
         self.attention_mask = (padding[:, None, None, :] | future[None, None]).contiguous()  # [B, 1, maxq, maxk]
         self.shape = (maxq, B, maxk)
+
+    def _slots(self, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat pool slot of each position (``rows``: which request's ``table`` row), any shape."""
+        bs = self.block_size_tokens
+        return table[rows, positions // bs] * bs + positions % bs
 
     def query_positions(self, length: int, device: torch.device) -> torch.Tensor:
         """Position ``[T]`` of every token of the step, within its own request."""
