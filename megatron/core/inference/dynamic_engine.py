@@ -56,6 +56,11 @@ class DynamicInferenceEngine(InferenceEngine):
         vocab_size: Optional[int] = None,
     ) -> None:
         super().__init__(model, pg_collection, context.max_sequence_length, vocab_size=vocab_size)
+        if not context.materialize_only_last_token_logits:
+            raise ValueError(
+                "DynamicInferenceEngine: the context's materialize_only_last_token_logits=False; the engine reads "
+                "only the rows it asks for (those of requests with log-probs are all there), so it must be True"
+            )
         self.context = context
         self.random_seed = random_seed
         self.enable_chunked_prefill = enable_chunked_prefill
