@@ -7,8 +7,8 @@ static engine's (all 32 in one batch) and a Hugging Face greedy loop (full recom
 log-probabilities, those of the static engine (atol 1e-5), and the top-n alternatives those of a full
 forward. Seeded sampling gives the same tokens whatever the arrival order. Prefix caching: a prompt
 sharing 3 full blocks with a finished one reuses them (counted) and computes 12 fewer prompt positions,
-with unchanged output. TP=2 and PP=2 (one spawned pair of gloo ranks): greedy equals HF, seeded
-sampling equals one rank's dynamic engine.
+with unchanged output. A sliding window equals the static engine's. TP=2 and PP=2 (one spawned pair of
+gloo ranks): greedy equals HF, seeded sampling equals one rank's dynamic engine.
 """
 
 import torch
@@ -18,7 +18,7 @@ from megatron.core.inference.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.dynamic_engine import DynamicInferenceEngine
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
-from tests.model_utils import single_rank_groups
+from tests.model_utils import build_gpt, llama_style, single_rank_groups
 from tests.unit_tests.inference.hf_models import hf_model, our_model, random_prompts
 
 NEW = 8
@@ -139,6 +139,14 @@ def _check_stop_and_abort(model, groups):
     assert engine.context.allocator.usage()[0] == 0
 
 
+def _check_sliding_window(groups):
+    """A sliding window (4 keys) over the right-aligned paged keys equals the static cache's."""
+    model = build_gpt(llama_style(window_size=(3, 0), max_sequence_length=32, init_method_std=0.2), groups).eval()
+    prompts = random_prompts(LENGTHS[:10], seed=8)
+    ours = [r.generated_tokens for r in run_waves(dynamic_engine(model, groups), prompts, GREEDY, (4,))]
+    assert ours == [r.generated_tokens for r in InferenceEngine(model, groups).generate(prompts, GREEDY)]
+
+
 def _one_rank_body(rank, world_size):
     groups = single_rank_groups()
     _check_greedy("gpt2", groups)
@@ -147,6 +155,7 @@ def _one_rank_body(rank, world_size):
     _check_sampling(model, groups)
     _check_prefix_caching(model, groups)
     _check_stop_and_abort(model, groups)
+    _check_sliding_window(groups)
 
 
 def test_dynamic_engine_equals_static_and_hugging_face():
