@@ -2,13 +2,14 @@
 
 ``torchrun --nproc-per-node N tools/run_text_generation_server.py <model flags> --load CKPT``:
 
-Rank 0 answers Megatron's ``PUT /api`` and OpenAI's ``POST /v1/completions`` (``--host``, default
-127.0.0.1; ``--port``, default 5000; ``--port 0`` picks a free one, printed at start). Each request
-is checked on rank 0, then broadcast so that every rank runs the same collective ``engine.generate``;
-a failure on any rank is answered (400/503/500) and every rank goes on serving. SIGTERM (or Ctrl-C)
-on rank 0 stops accepting, finishes the generation in flight, tells the other ranks to stop (within
-1 s of the signal otherwise: stalled clients hold their own thread only), and every rank exits 0;
-the other ranks ignore their own SIGTERM and wait for that stop.
+Rank 0 answers Megatron's ``PUT /api`` and OpenAI's ``POST /v1/completions`` and
+``/v1/chat/completions`` (``--host``, default 127.0.0.1; ``--port``, default 5000; ``--port 0`` picks a
+free one, printed at start). Each request is checked on rank 0 and queued to the engine loop
+(``text_generation/engine_loop.py``), which batches every request in flight (the dynamic engine) and
+broadcasts each step so that every rank runs the same collective ``engine.step``; a failure on any rank
+is answered (400/503/500) and every rank goes on serving. SIGTERM (or Ctrl-C) on rank 0 stops accepting,
+finishes the requests in flight, tells the other ranks to stop, and every rank exits 0; the other ranks
+ignore their own SIGTERM and wait for that stop.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from megatron.training.initialize import shutdown_distributed  # noqa: E402
 from megatron.training.preflight import reported_once  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
 from tools.text_generation.app import BoundedThreadedServer, ServerLimits, create_app  # noqa: E402
-from tools.text_generation.model_loading import ServedModel, build_engine, load_served_model  # noqa: E402
-from tools.text_generation.ranks import Leader, follow  # noqa: E402
+from tools.text_generation.engine_loop import EngineLoop, follow_engine  # noqa: E402
+from tools.text_generation.model_loading import ServedModel, build_dynamic_engine, load_served_model  # noqa: E402
 from tools.text_generation.service import GenerationService  # noqa: E402
 from tools.text_generation.validation import PromptContext  # noqa: E402
 
@@ -71,18 +72,17 @@ def server_limits(args) -> ServerLimits:
     return ServerLimits(args.max_request_bytes, args.max_connections, args.request_read_timeout, args.api_key)
 
 
-def serve(served: ServedModel, run_generation) -> None:
+def serve(served: ServedModel, engine) -> None:
     """Rank 0: the HTTP server until SIGTERM/SIGINT, then the stop command to every rank."""
     args = served.args
-    lock = threading.Lock()
-    leader = Leader(run_generation, lock, heartbeat_seconds(served))
+    loop = EngineLoop(engine, heartbeat_seconds(served), args.max_queued_requests)
     tok = served.tokenizer
     ctx = PromptContext(tok, tok.vocab_size, served.max_sequence_length, eod_or_none(tok))
     ctx.max_prompts, ctx.max_request_tokens = args.max_prompts_per_request, args.max_request_tokens
     name = os.path.basename(os.path.normpath(args.load))
-    service = GenerationService(leader.generate, ctx, check_sampling=sampling_params, model_name=name)
+    service = GenerationService(loop.generate, ctx, check_sampling=sampling_params, model_name=name, submit=loop.submit)
     limits = server_limits(args)
-    server = BoundedThreadedServer(args.host, args.port, create_app(service, lock, limits), limits)
+    server = BoundedThreadedServer(args.host, args.port, create_app(service, None, limits), limits)
     if not is_loopback(args.host) and args.api_key is None:
         print(
             f"WARNING: serving on {args.host}, reachable from other machines, without authentication: anyone who "
@@ -97,13 +97,13 @@ def serve(served: ServedModel, run_generation) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    leader.start()
+    loop.start()
     print(f"text generation server listening on http://{args.host}:{server.port}", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
         server.server_close()
-        leader.stop()
+        loop.stop()
     after = f" {time.monotonic() - signalled[0]:.1f} s after the signal" if signalled else ""
     print(f"text generation server stopped: every rank told to stop{after}", flush=True)
 
@@ -112,18 +112,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Training's memory report (optimizer state, activations of a training step) says nothing about serving.
     with reported_once():  # a mistake in the flags or a --load without checkpoint: one message, no traceback
         served = load_served_model(functools.partial(model_provider, report_memory=False), argv)
-    engine = build_engine(served)
-
-    def run_generation(prompts: List[List[int]], sampling: Dict[str, Any]):
-        return engine.generate(prompts, sampling_params(sampling))
-
+    engine = build_dynamic_engine(served)
     with use_rng_tracker(served.run.rng_tracker), torch.no_grad():
         if dist.get_rank() == 0:
-            serve(served, run_generation)
+            serve(served, engine)
         else:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 sends the stop
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            follow(run_generation)
+            follow_engine(engine)
     shutdown_distributed()
     return 0
 

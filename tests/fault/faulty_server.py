@@ -2,8 +2,8 @@
 
 Usage: python faulty_server.py <server flags...>
 
-On every rank but 0, a generation whose ``seed`` is one of ``FAULT_SEEDS`` raises after the engine
-finished (so every collective of the request completed): rank 0 succeeded, the follower did not, the
+On every rank but 0, an engine step holding a request whose ``seed`` is one of ``FAULT_SEEDS`` raises after
+the step finished (so every collective of the step completed): rank 0 succeeded, the follower did not, the
 failure a follower-only error (a bug, an out-of-memory) leaves. The server must answer it with its
 status and keep serving on every rank.
 """
@@ -12,7 +12,7 @@ import os
 import runpy
 import sys
 
-from megatron.core.inference import engine
+from megatron.core.inference import dynamic_engine
 
 FAULT_SEEDS = {
     1001: lambda: RuntimeError("injected follower failure (not a ValueError)"),
@@ -21,15 +21,17 @@ FAULT_SEEDS = {
 
 
 def inject_follower_failures() -> None:
-    generate = engine.InferenceEngine.generate
+    step = dynamic_engine.DynamicInferenceEngine.step
 
-    def generate_or_fail(self, prompts, params):
-        results = generate(self, prompts, params)
-        if os.environ.get("RANK", "0") != "0" and params.seed in FAULT_SEEDS:
-            raise FAULT_SEEDS[params.seed]()
-        return results
+    def step_or_fail(self):
+        seeds = {r.sampling_params.seed for r in self.active + self.waiting}
+        finished = step(self)
+        for seed in seeds & set(FAULT_SEEDS):
+            if os.environ.get("RANK", "0") != "0":
+                raise FAULT_SEEDS[seed]()
+        return finished
 
-    engine.InferenceEngine.generate = generate_or_fail
+    dynamic_engine.DynamicInferenceEngine.step = step_or_fail
 
 
 if __name__ == "__main__":

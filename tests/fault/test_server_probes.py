@@ -98,7 +98,7 @@ def test_hostile_bodies_are_answered_and_every_rank_keeps_serving(server):
         ({"prompt": ["x"] * 4096, "max_tokens": 2}, 400, "at most 128 prompts, got 4096"),
         ({"prompt": [[1] * 120] * 1024, "max_tokens": 2, "logprobs": 1}, 400, "at most 128 prompts"),
         ({"prompt": [[1] * 20] * 128, "max_tokens": 2}, 400, f"over the limit of {MAX_REQUEST_TOKENS}"),
-        ({"prompt": "x", "stream": True}, 400, "stream=true"),
+        ({"prompt": "x", "stream": True, "echo": True}, 400, "stream=true"),
         ({"prompt": "x", "seed": 2**70}, 400, "seed must be"),
     ]
     for body, status, message in probes:

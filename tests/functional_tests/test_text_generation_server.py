@@ -119,7 +119,7 @@ def test_lm_eval_accuracy_equals_scoring_with_the_engine(server, trained):
     hf_tokenizer = write_hf_tokenizer(trained[0], os.path.join(tmp, "hf_tokenizer"))
     out_dir = os.path.join(tmp, "lm_eval_out")
     model_args = f"base_url={server.url}/v1/completions,tokenizer_backend=huggingface,tokenizer={hf_tokenizer}"
-    model_args += ",max_length=63,num_concurrent=1,max_retries=1,model=tiny"
+    model_args += ",max_length=63,num_concurrent=4,max_retries=1,model=tiny"  # batched by the engine
     cmd = [os.path.join(os.path.dirname(sys.executable), "lm_eval"), "--model", "local-completions"]
     cmd += ["--model_args", model_args, "--tasks", "megatron_tiny_mc", "--include_path", MC_DIR]
     cmd += ["--output_path", out_dir, "--batch_size", "1", "--log_samples"]

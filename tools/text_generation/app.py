@@ -3,13 +3,15 @@
 
 Connections are served by threads (at most ``ServerLimits.max_connections`` at once: more are answered
 503 at once), each with a read timeout, so a client that stalls holds one thread and nothing else.
-Generation itself stays one request at a time (a lock around each): every request becomes
-collectives that all ranks must run in the same order. A body is checked (API key, size) before it
-is read and read completely before the lock is taken. Every answer, errors included, is JSON.
+Handlers take no lock: they queue their prompts to the engine loop (``engine_loop.py``), which batches
+every request in flight and runs the collectives all ranks share, and wait for (or stream) the results.
+A body is checked (API key, size) before it is read. Every answer, errors included, is JSON, except the
+server-sent events of ``stream: true``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import socket
@@ -38,9 +40,9 @@ class ServerLimits:
 def create_app(
     service: GenerationService, lock: Optional[threading.Lock] = None, limits: Optional[ServerLimits] = None
 ) -> Flask:
-    """The app answering both endpoints through ``service``, serialized by ``lock``."""
+    """The app answering every endpoint through ``service``; ``lock`` (None: none) serializes the handlers."""
     app = Flask("megatron_text_generation")
-    lock = lock or threading.Lock()
+    lock = lock or contextlib.nullcontext()
     limits = limits or ServerLimits()
     # Werkzeug stops reading a chunked body at this length: one byte more than allowed tells it was over.
     app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes + 1
@@ -51,6 +53,8 @@ def create_app(
             return refusal
         with lock:
             status, answer = handler(body)
+        if not isinstance(answer, dict):  # server-sent events, produced as the engine steps
+            return Response(answer, status=status, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
         return jsonify(answer), status
 
     @app.errorhandler(HTTPException)

@@ -1,4 +1,4 @@
-"""OpenAI's ``POST /v1/chat/completions`` (non-streaming): messages in, the assistant's reply out.
+"""OpenAI's ``POST /v1/chat/completions``: messages in, the assistant's reply (``n`` of them, streamed or not) out.
 
 The prompt is the conversation formatted exactly as fine-tuning formatted it
 (``megatron.core.datasets.sft_format``): the tokenizer's chat template when it has one, else the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron.core.datasets.sft_format import (
     CHATML_SPECIAL_TOKENS,
@@ -28,9 +28,10 @@ from tools.text_generation.validation import (
     check_encodable,
     check_fields,
     check_lengths,
-    get_bool,
+    check_prompt_count,
     get_float,
     get_int,
+    get_n_and_stream,
     get_stop,
     short,
     stop_token_ids,
@@ -51,9 +52,8 @@ def end_of_turn_ids(tokenizer: Any) -> List[int]:
 def parse_chat_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
     """The chat body (OpenAI's defaults: temperature 1, top_p 1; ``max_tokens`` 16 here as for completions)."""
     body = check_fields(body, CHAT_FIELDS, ["messages"])
-    get_int(body, "n", 1, 1, 1)  # one reply only
-    if get_bool(body, "stream"):
-        raise RequestError("stream=true is not supported yet: the whole reply is answered at once")
+    n, stream = get_n_and_stream(body)
+    check_prompt_count([None] * n, ctx)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError(f"model must be a string, got {short(body['model'])}")
     try:
@@ -64,7 +64,7 @@ def parse_chat_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
         check_encodable(m["content"], f"message {i}")
     ids = generation_prompt_ids(ctx.tokenizer, messages, default_prompt_format(ctx.tokenizer))
     tokens = get_int(body, "max_tokens", 16, 1)
-    check_lengths([ids], tokens, ctx)
+    check_lengths([ids] * n, tokens, ctx)
     top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be above 0 (1 keeps every token)")
@@ -77,12 +77,13 @@ def parse_chat_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
         seed=get_int(body, "seed", None, 0, MAX_SEED),
         stop_token_ids=stop_token_ids(ctx) + end_of_turn_ids(ctx.tokenizer),
     )
-    return GenerationRequest([ids], sampling, get_stop(body) + [END_OF_TURN])
+    return GenerationRequest([ids] * n, sampling, get_stop(body) + [END_OF_TURN], n=n, stream=stream)
 
 
 def chat_answer(decoded: Sequence[DecodedResult], request: GenerationRequest, model_name: str) -> Dict[str, Any]:
-    """OpenAI's ``chat.completion`` object: the assistant's message."""
-    (d,) = decoded
+    """OpenAI's ``chat.completion`` object: the assistant's message, ``n`` choices."""
+    prompt_tokens = len(decoded[0].prompt_tokens)
+    completion_tokens = sum(len(d.generated_tokens) for d in decoded)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -90,14 +91,34 @@ def chat_answer(decoded: Sequence[DecodedResult], request: GenerationRequest, mo
         "model": model_name,
         "choices": [
             {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": d.generated_text},
                 "finish_reason": d.finish_reason,
             }
+            for index, d in enumerate(decoded)
         ],
         "usage": {
-            "prompt_tokens": len(d.prompt_tokens),
-            "completion_tokens": len(d.generated_tokens),
-            "total_tokens": len(d.prompt_tokens) + len(d.generated_tokens),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def chat_chunk(model_name: str) -> Callable[[int, str, Optional[str]], Dict[str, Any]]:
+    """The ``chat.completion.chunk`` builder of one streamed reply (the role goes with each choice's first)."""
+    ident, created, started = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), set()
+
+    def chunk(index: int, delta: str, finish: Optional[str]) -> Dict[str, Any]:
+        content = {"content": delta} if index in started else {"role": "assistant", "content": delta}
+        started.add(index)
+        choice = {"index": index, "delta": content, "finish_reason": finish}
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model_name,
+            "choices": [choice],
+        }
+
+    return chunk

@@ -47,7 +47,35 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="Longest prompt + generation served (default: --max-position-embeddings, else --seq-length).",
     )
+    engine = parser.add_argument_group(title="dynamic batching (the paged KV cache of the engine)")
+    engine.add_argument(
+        "--inference-dynamic-batching-buffer-size-gb",
+        type=float,
+        default=1.0,
+        help="Memory of the KV-cache block pool on each rank (every layer of its stage, keys and values).",
+    )
+    engine.add_argument(
+        "--inference-dynamic-batching-block-size", type=int, default=256, help="Positions per KV-cache block."
+    )
+    engine.add_argument(
+        "--inference-dynamic-batching-max-requests",
+        type=int,
+        default=64,
+        help="Requests generating at once; more wait in the queue.",
+    )
+    engine.add_argument(
+        "--inference-dynamic-batching-max-tokens",
+        type=int,
+        default=16384,
+        help="Tokens one forward step holds (prompt chunks plus one per decoding request).",
+    )
     limits = parser.add_argument_group(title="text generation server limits (per request unless stated)")
+    limits.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="Prompts accepted and not yet finished, over all requests; more are answered 503.",
+    )
     limits.add_argument(
         "--max-prompts-per-request", type=int, default=128, help="Prompts in one request (Megatron's limit: 128)."
     )
@@ -67,8 +95,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-connections",
         type=int,
         default=64,
-        help="Connections served at once (reading, queued for generation or generating; one generation runs at "
-        "a time); more are answered 503 at once.",
+        help="Connections served at once (reading, queued for generation or generating); more are answered "
+        "503 at once.",
     )
     limits.add_argument(
         "--request-read-timeout",
@@ -82,9 +110,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_server_args(args: argparse.Namespace) -> None:
     """Each limit flag must be positive; errors name the flag, the value and the rule."""
-    for flag in ("max_prompts_per_request", "max_request_tokens", "max_request_bytes", "max_connections"):
+    for flag in (
+        "max_prompts_per_request",
+        "max_request_tokens",
+        "max_request_bytes",
+        "max_connections",
+        "max_queued_requests",
+        "inference_dynamic_batching_block_size",
+        "inference_dynamic_batching_max_requests",
+        "inference_dynamic_batching_max_tokens",
+    ):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be at least 1")
+    if not 0 < args.inference_dynamic_batching_buffer_size_gb < float("inf"):
+        raise SystemExit(
+            f"--inference-dynamic-batching-buffer-size-gb={args.inference_dynamic_batching_buffer_size_gb}: "
+            "must be a positive number"
+        )
+    if args.inference_dynamic_batching_max_requests > args.inference_dynamic_batching_max_tokens:
+        raise SystemExit(
+            f"--inference-dynamic-batching-max-requests={args.inference_dynamic_batching_max_requests}: must be at "
+            f"most --inference-dynamic-batching-max-tokens={args.inference_dynamic_batching_max_tokens}"
+        )
     if not 0 < args.request_read_timeout < float("inf"):
         raise SystemExit(f"--request-read-timeout={args.request_read_timeout}: must be a positive number of seconds")
     if args.api_key is not None and not args.api_key.strip():
@@ -148,3 +195,27 @@ def build_engine(served: ServedModel) -> Any:
     return InferenceEngine(
         model, served.groups, max_sequence_length=served.max_sequence_length, vocab_size=served.tokenizer.vocab_size
     )
+
+
+def build_dynamic_engine(served: ServedModel) -> Any:
+    """The continuous-batching engine over the served chunks and a KV-cache pool sized by the flags."""
+    from megatron.core.inference.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.dynamic_engine import DynamicInferenceEngine
+    from megatron.core.utils import unwrap_model
+
+    args = served.args
+    config = unwrap_model(served.chunks[0]).config
+    context = DynamicInferenceContext(
+        config.params_dtype,
+        config.num_layers,
+        config.kv_channels,
+        config.num_query_groups or config.num_attention_heads,
+        served.max_sequence_length,
+        args.inference_dynamic_batching_buffer_size_gb,
+        max_requests=args.inference_dynamic_batching_max_requests,
+        max_tokens=args.inference_dynamic_batching_max_tokens,
+        block_size_tokens=args.inference_dynamic_batching_block_size,
+        pg_collection=served.groups,
+    )
+    model = served.chunks[0] if len(served.chunks) == 1 else served.chunks
+    return DynamicInferenceEngine(model, context, pg_collection=served.groups, vocab_size=served.tokenizer.vocab_size)

@@ -28,6 +28,8 @@ class DecodedResult:
     prompt_log_probs: Optional[List[float]]  # log p(prompt[i] | prompt[:i]) for i >= 1
     generated_log_probs: Optional[List[float]]
     finish_reason: str
+    prompt_top: Optional[List[Dict[int, float]]] = None  # the most likely ids at each prompt log prob
+    generated_top: Optional[List[Dict[int, float]]] = None
 
 
 def token_offsets(tokenizer: Any, tokens: Sequence[int]) -> List[int]:
@@ -63,7 +65,12 @@ def decode_result(result: Any, request: GenerationRequest, tokenizer: Any) -> De
         generated, offsets, finish = generated[:keep], offsets[: len(prompt) + keep], "stop"
         gen_lps = gen_lps[:keep] if gen_lps is not None else None
     prompt_lps = list(result.prompt_log_probs) if result.prompt_log_probs is not None else None
-    return DecodedResult(prompt_text, generated_text, prompt, generated, offsets, prompt_lps, gen_lps, finish)
+    prompt_top = getattr(result, "prompt_top_n_logprobs", None)
+    gen_top = getattr(result, "generated_top_n_logprobs", None)
+    gen_top = None if gen_top is None else list(gen_top)[: len(generated)]
+    decoded = DecodedResult(prompt_text, generated_text, prompt, generated, offsets, prompt_lps, gen_lps, finish)
+    decoded.prompt_top, decoded.generated_top = prompt_top, gen_top
+    return decoded
 
 
 def api_answer(decoded: Sequence[DecodedResult], request: GenerationRequest, tokenizer: Any) -> Dict[str, Any]:
@@ -81,21 +88,39 @@ def api_answer(decoded: Sequence[DecodedResult], request: GenerationRequest, tok
 def choice_logprobs(d: DecodedResult, echo: bool, tokenizer: Any) -> Dict[str, List[Any]]:
     """OpenAI's ``logprobs`` object of one choice (the prompt's tokens first when echoed; its first is null).
 
-    ``top_logprobs`` holds the chosen token only: the engine does not return the alternatives.
+    ``top_logprobs``: the engine's most likely tokens at each position (their strings; ids that decode to the
+    same string keep the higher log prob), or the chosen token alone when the engine gave none.
     """
     tokens = (d.prompt_tokens if echo else []) + d.generated_tokens
     lps: List[Optional[float]] = list(d.generated_log_probs or [])
+    tops: List[Optional[Dict[int, float]]] = list(d.generated_top or [None] * len(lps))
     if echo:
         prompt_lps = d.prompt_log_probs or [None] * (len(d.prompt_tokens) - 1)
         lps = [None, *prompt_lps, *lps]
+        tops = [None, *(d.prompt_top or [None] * len(prompt_lps)), *tops]
     strings = [tokenizer.detokenize([t]) for t in tokens]
     offsets = d.offsets if echo else [o - len(d.prompt_text) for o in d.offsets[len(d.prompt_tokens) :]]
     return {
         "tokens": strings,
         "token_logprobs": lps,
-        "top_logprobs": [None if lp is None else {s: lp} for s, lp in zip(strings, lps)],
+        "top_logprobs": [top_strings(tokenizer, s, lp, top) for s, lp, top in zip(strings, lps, tops)],
         "text_offset": offsets,
     }
+
+
+def top_strings(
+    tokenizer: Any, chosen: str, lp: Optional[float], top: Optional[Dict[int, float]]
+) -> Optional[Dict[str, float]]:
+    """One position's ``top_logprobs`` entry: ``{token string: log prob}``."""
+    if lp is None:
+        return None
+    if top is None:
+        return {chosen: lp}
+    out: Dict[str, float] = {}
+    for token, value in top.items():
+        text = tokenizer.detokenize([int(token)])
+        out[text] = max(value, out.get(text, value))
+    return out
 
 
 def completions_answer(
@@ -126,3 +151,14 @@ def completions_answer(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def completion_chunk(model_name: str):
+    """The streamed ``text_completion`` event builder of one request: ``(index, new text, finish) -> event``."""
+    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(index: int, delta: str, finish: Optional[str]) -> Dict[str, Any]:
+        choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+        return {"id": ident, "object": "text_completion", "created": created, "model": model_name, "choices": [choice]}
+
+    return chunk

@@ -6,12 +6,14 @@ a fake), so this module needs neither torch.distributed nor a model.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from tools.text_generation.chat import chat_answer, parse_chat_completions
+from tools.text_generation.chat import chat_answer, chat_chunk, parse_chat_completions
 from tools.text_generation.errors import BAD_INPUT, describe, status_of
-from tools.text_generation.responses import api_answer, completions_answer, decode_result
+from tools.text_generation.responses import api_answer, completion_chunk, completions_answer, decode_result
+from tools.text_generation.streaming import sse_stream, stop_check
 from tools.text_generation.validation import (
+    GenerationRequest,
     PromptContext,
     RequestError,
     parse_api,
@@ -43,6 +45,8 @@ class GenerationService:
         check_sampling: raises ``ValueError`` for sampling settings the engine refuses
             (``SamplingParams(**kwargs)``), called before ``generate`` so no rank starts on them.
         model_name: the ``model`` field of OpenAI answers.
+        submit: ``(prompts, sampling kwargs, stop check) -> Submission`` (``engine_loop.EngineLoop.submit``):
+            the progress of each prompt, for ``stream: true``; None refuses streaming (400).
     """
 
     def __init__(
@@ -51,11 +55,13 @@ class GenerationService:
         ctx: PromptContext,
         check_sampling: Callable[[Dict[str, Any]], Any],
         model_name: str = "megatron",
+        submit: Optional[Callable[..., Any]] = None,
     ):
         self.generate = generate
         self.ctx = ctx
         self.check_sampling = check_sampling
         self.model_name = model_name
+        self.submit = submit
 
     def api(self, body: Any) -> Answer:
         """``PUT /api``."""
@@ -67,20 +73,26 @@ class GenerationService:
             body,
             parse_completions,
             lambda decoded, req: completions_answer(decoded, req, self.ctx.tokenizer, self.model_name),
+            completion_chunk,
         )
 
     def chat_completions(self, body: Any) -> Answer:
         """``POST /v1/chat/completions``."""
         return self._answer(
-            body, parse_chat_completions, lambda decoded, req: chat_answer(decoded, req, self.model_name)
+            body, parse_chat_completions, lambda decoded, req: chat_answer(decoded, req, self.model_name), chat_chunk
         )
 
-    def _answer(self, body: Any, parse: Callable, build: Callable) -> Answer:
+    def _answer(self, body: Any, parse: Callable, build: Callable, chunk: Optional[Callable] = None) -> Answer:
+        """(status, JSON answer), or (200, an iterator of server-sent events) for ``stream: true``."""
         try:
             request = parse(body, self.ctx)
             self.check_sampling(request.sampling)
+            if request.stream and self.submit is None:
+                raise RequestError("stream=true needs the dynamic engine; this server answers whole replies only")
         except (RequestError, ValueError) as err:
             return BAD_INPUT, error_body(str(err))
+        if request.stream:
+            return self._stream(request, chunk(self.model_name))
         try:
             results = self.generate(request.prompts, request.sampling)
             decoded = [decode_result(r, request, self.ctx.tokenizer) for r in results]
@@ -88,3 +100,12 @@ class GenerationService:
         except Exception as err:  # noqa: BLE001 - answered, never the end of the server
             status = status_of(err)
             return status, error_body(describe(err), status)
+
+    def _stream(self, request: GenerationRequest, chunk: Callable) -> Answer:
+        tokenizer = self.ctx.tokenizer
+        try:
+            submission = self.submit(request.prompts, request.sampling, stop_check(request, tokenizer))
+        except Exception as err:  # noqa: BLE001 - a refusal (400) or a full queue (503), answered as JSON
+            status = status_of(err)
+            return status, error_body(describe(err), status)
+        return 200, sse_stream(submission, request, tokenizer, chunk, submission.cancel)

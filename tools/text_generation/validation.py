@@ -19,6 +19,7 @@ MAX_OPENAI_LOGPROBS = 5
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 128  # prompts per request (Megatron's text_generation_server refuses more)
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
+MAX_N = 128  # OpenAI's bound on choices per prompt
 
 
 class RequestError(ValueError):
@@ -36,6 +37,8 @@ class GenerationRequest:
         keep_stop: keep the stop string in the text (Megatron's ``/api`` keeps the end-of-line).
         echo: the answer's text starts with the prompt.
         logprobs: OpenAI's ``logprobs`` (None: no log probs); for ``/api`` 0 or None.
+        n: choices per prompt (``prompts`` holds each prompt ``n`` times in a row).
+        stream: answer with server-sent events as tokens arrive.
     """
 
     prompts: List[List[int]]
@@ -44,6 +47,8 @@ class GenerationRequest:
     keep_stop: bool = False
     echo: bool = False
     logprobs: Optional[int] = None
+    n: int = 1
+    stream: bool = False
 
 
 def check_fields(body: Any, allowed: Sequence[str], required: Sequence[str]) -> Mapping[str, Any]:
@@ -250,19 +255,20 @@ def parse_api(body: Any, ctx: PromptContext) -> GenerationRequest:
 def parse_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
     """OpenAI's ``POST /v1/completions`` body (its defaults: 16 tokens, temperature 1, top_p 1)."""
     body = check_fields(body, COMPLETIONS_FIELDS, ["prompt"])
-    get_int(body, "n", 1, 1, 1)  # one completion per prompt only
-    if get_bool(body, "stream"):
-        raise RequestError("stream=true is not supported: the whole completion is answered at once")
+    n, stream = get_n_and_stream(body)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError(f"model must be a string, got {short(body['model'])}")
     prompts = completion_prompts(body["prompt"])
-    check_prompt_count(prompts, ctx)
+    check_prompt_count(prompts * n, ctx)
     tokens = get_int(body, "max_tokens", 16, 0)
     logprobs = get_int(body, "logprobs", None, 0, MAX_OPENAI_LOGPROBS)
+    echo = get_bool(body, "echo")
+    if stream and (logprobs is not None or echo):
+        raise RequestError("stream=true streams the text only: leave out logprobs and echo")
     top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be above 0 (1 keeps every token)")
-    ids = encode_prompts(prompts, ctx.tokenizer, ctx.vocab_size)
+    ids = [p for p in encode_prompts(prompts, ctx.tokenizer, ctx.vocab_size) for _ in range(n)]
     check_lengths(ids, tokens, ctx)
     seed = get_int(body, "seed", None, 0, MAX_SEED)
     sampling = dict(
@@ -273,8 +279,14 @@ def parse_completions(body: Any, ctx: PromptContext) -> GenerationRequest:
         return_log_probs=logprobs is not None,
         seed=seed,
         stop_token_ids=stop_token_ids(ctx),
+        top_n_logprobs=logprobs or 0,
     )
-    return GenerationRequest(ids, sampling, get_stop(body), echo=get_bool(body, "echo"), logprobs=logprobs)
+    return GenerationRequest(ids, sampling, get_stop(body), echo=echo, logprobs=logprobs, n=n, stream=stream)
+
+
+def get_n_and_stream(body: Mapping[str, Any]) -> tuple:
+    """OpenAI's ``n`` (choices per prompt, 1 .. MAX_N) and ``stream``."""
+    return get_int(body, "n", 1, 1, MAX_N), get_bool(body, "stream")
 
 
 def completion_prompts(value: Any) -> List[Any]:

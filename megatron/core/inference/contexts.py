@@ -37,6 +37,12 @@ class StaticInferenceContext:
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
         self.key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # Encoder-decoder models: each cross-attention layer's keys and values of the encoder output.
+        self.cross_key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def is_static_batching(self) -> bool:
+        """Every sequence of the batch at the same positions (``DynamicInferenceContext``: False)."""
+        return True
 
     def is_decode_only(self) -> bool:
         """Whether the cache already holds positions (later calls add one token per sequence)."""
@@ -50,6 +56,7 @@ class StaticInferenceContext:
         """Forget every cached position (the buffers are kept for the next batch)."""
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
+        self.cross_key_value_memory_dict.clear()
 
     def append_key_value(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor

@@ -16,7 +16,7 @@ with their log-probabilities, over the ``pp`` group, so every rank embeds / reco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,13 +33,17 @@ from megatron.core.utils import unwrap_model
 class GenerationResult:
     """One prompt's outcome. ``generated_tokens`` excludes the prompt and includes the stop token if one
     was emitted. With ``return_log_probs``: ``prompt_log_probs[i - 1]`` = log p(prompt[i] | prompt[:i])
-    for i >= 1, and one log-probability per generated token. ``finish_reason``: "stop" or "length"."""
+    for i >= 1, and one log-probability per generated token. ``finish_reason``: "stop" or "length" ("abort":
+    stopped by the caller, dynamic engine). ``*_top_n_logprobs`` (dynamic engine, ``top_n_logprobs`` > 0): the
+    most likely ids and their log-probabilities at each position that has a log-probability."""
 
     prompt_tokens: List[int]
     generated_tokens: List[int]
     prompt_log_probs: Optional[List[float]]
     generated_log_probs: Optional[List[float]]
     finish_reason: str
+    prompt_top_n_logprobs: Optional[List[Dict[int, float]]] = None
+    generated_top_n_logprobs: Optional[List[Dict[int, float]]] = None
 
 
 class _BatchRecord:
@@ -145,6 +149,10 @@ class InferenceEngine:
         same results. Raises ValueError, before any work, for an empty prompt, a token outside the
         vocabulary, or a prompt longer than ``max_sequence_length - num_tokens_to_generate``."""
         self._validate(prompts, sampling_params)
+        if sampling_params.top_n_logprobs:
+            raise ValueError(
+                f"InferenceEngine.generate: top_n_logprobs={sampling_params.top_n_logprobs} needs the dynamic engine"
+            )
         record = _BatchRecord(prompts, sampling_params)
         if not prompts or (record.done and not sampling_params.return_log_probs):
             return record.results()

@@ -16,7 +16,9 @@ class SamplingParams:
     ``torch.Generator`` seeded with ``seed`` (same seed, same prompts: same tokens). A sequence
     stops after emitting one of ``stop_token_ids`` or ``num_tokens_to_generate`` tokens.
     ``return_log_probs``: log-probabilities (log-softmax of the full-vocabulary fp32 logits, before
-    temperature) of the prompt tokens after the first and of every generated token.
+    temperature) of the prompt tokens after the first and of every generated token; with
+    ``top_n_logprobs`` > 0 also the ``top_n_logprobs`` most likely ids at each of those positions
+    (the dynamic engine only).
     """
 
     temperature: float = 1.0
@@ -26,6 +28,7 @@ class SamplingParams:
     return_log_probs: bool = False
     seed: Optional[int] = None
     stop_token_ids: Tuple[int, ...] = ()
+    top_n_logprobs: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -38,6 +41,7 @@ class SamplingParams:
             ("top_k", self.top_k, self.top_k >= 0, "must be >= 0 (0 = off)"),
             ("top_p", self.top_p, 0.0 <= self.top_p <= 1.0, "must be in [0, 1] (0.0 = off)"),
             ("num_tokens_to_generate", self.num_tokens_to_generate, self.num_tokens_to_generate >= 0, "must be >= 0"),
+            ("top_n_logprobs", self.top_n_logprobs, self.top_n_logprobs >= 0, "must be >= 0 (0 = off)"),
         )
         for name, value, ok, rule in checks:
             if not ok:
@@ -46,6 +50,9 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.top_k={self.top_k} and top_p={self.top_p}: use one of them (the other must be off)"
             )
+
+        if self.top_n_logprobs > 0 and not self.return_log_probs:
+            raise ValueError(f"SamplingParams.top_n_logprobs={self.top_n_logprobs}: needs return_log_probs=True")
 
     @property
     def greedy(self) -> bool:

@@ -495,6 +495,8 @@ class SelfAttention(MegatronModule):
             interleaved = self.config.rotary_interleaved
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+        if inference_context is not None and not inference_context.is_static_batching():
+            return self.linear_proj(self._paged(inference_context, query, key, value, attention_mask, attention_bias))
         if inference_context is not None:
             key, value, attention_mask = self._with_kv_cache(inference_context, key, value, attention_mask)
         context = run_core_attention(
@@ -503,6 +505,26 @@ class SelfAttention(MegatronModule):
         if gate is not None:  # in fp32, back to the activation dtype
             context = (context * torch.sigmoid(gate.float())).to(context.dtype)
         return self.linear_proj(context)
+
+    def _paged(
+        self,
+        inference_context: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Attention of a dynamic-batching step (``DynamicInferenceContext``): the flat ``[T, 1, ., d]`` tokens of
+        several requests, each over its own cached positions -> ``[T, 1, heads/tp*d]``."""
+        self._refuse_in_inference()
+        if mask is not None or bias is not None:
+            raise NotImplementedError(
+                "SelfAttention: a dynamic inference step takes no attention_mask or attention_bias"
+            )
+        query, key, value, blocked = inference_context.paged_attention_inputs(self.layer_number, query, key, value)
+        context = run_core_attention(self, query, key, value, blocked, None)  # [maxq, B, heads/tp*d]
+        return inference_context.unpad_attention_output(context)
 
     def _with_kv_cache(
         self, inference_context: Any, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor]

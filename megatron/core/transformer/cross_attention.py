@@ -12,7 +12,7 @@ projections all-gather their input along the sequence, so each rank sees the who
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -66,6 +66,7 @@ class CrossAttention(MegatronModule):
             tp_group=pg_collection.tp,
         )
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.layer_number = layer_number
 
     def _column(self, output_size: int, groups: ProcessGroupCollection) -> ColumnParallelLinear:
         return ColumnParallelLinear(
@@ -95,10 +96,23 @@ class CrossAttention(MegatronModule):
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         key_value_states: Optional[torch.Tensor] = None,
+        inference_context: Optional[Any] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``[sq(/tp with SP), b, h]`` attending over ``key_value_states`` -> (``[sq(/tp), b, h]``, bias or None)."""
+        """``[sq(/tp with SP), b, h]`` attending over ``key_value_states`` -> (``[sq(/tp), b, h]``, bias or None).
+
+        ``inference_context`` (generation): the encoder's keys and values are projected on this layer's first
+        call and kept in the context (``cross_key_value_memory_dict``); later calls project only the query.
+        """
         if key_value_states is None:
             raise ValueError("CrossAttention.forward needs key_value_states (the encoder output)")
-        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        cache = None if inference_context is None else inference_context.cross_key_value_memory_dict
+        if cache is not None and self.layer_number in cache:
+            query, _ = self.linear_q(hidden_states)  # [sq, b, heads/tp * d]
+            query = query.view(*query.shape[:2], self.heads_per_rank, self.config.kv_channels)
+            key, value = cache[self.layer_number]  # [sk, b, heads/tp, d]
+        else:
+            query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+            if cache is not None:
+                cache[self.layer_number] = (key, value)
         context = run_core_attention(self, query, key, value, attention_mask, None)  # [sq, b, heads/tp*d]
         return self.linear_proj(context)

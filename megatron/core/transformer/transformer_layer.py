@@ -156,10 +156,9 @@ class TransformerLayer(MegatronModule):
 
         ``context`` (the encoder output ``[sk(/tp), b, h]``) and ``context_mask`` (True = blocked) feed
         the cross-attention of layers that have one; ``attention_bias`` is added to the self-attention
-        scores (T5's relative position bias); ``inference_context`` holds the self-attention's KV cache.
+        scores (T5's relative position bias); ``inference_context`` holds the self-attention's KV cache (and the
+        cross-attention's encoder keys and values).
         """
-        if inference_context is not None and self.cross_attention is not None:
-            raise NotImplementedError("TransformerLayer: inference_context with cross-attention (no KV cache for it)")
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         normed = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(
@@ -174,7 +173,7 @@ class TransformerLayer(MegatronModule):
         if self.post_self_attn_layernorm is not None:
             hidden_states = self.post_self_attn_layernorm(hidden_states)
         if self.cross_attention is not None:
-            hidden_states = self._cross_attention(hidden_states, context, context_mask)
+            hidden_states = self._cross_attention(hidden_states, context, context_mask, inference_context)
         normed = self.pre_mlp_layernorm(hidden_states)
         mlp_out, mlp_bias = self.mlp(normed)
         hidden_states = self._bias_dropout_add(mlp_out, mlp_bias, normed if post_ln_residual else hidden_states)
@@ -183,13 +182,19 @@ class TransformerLayer(MegatronModule):
         return hidden_states, context
 
     def _cross_attention(
-        self, hidden_states: torch.Tensor, context: Optional[torch.Tensor], context_mask: Optional[torch.Tensor]
+        self,
+        hidden_states: torch.Tensor,
+        context: Optional[torch.Tensor],
+        context_mask: Optional[torch.Tensor],
+        inference_context: Optional[Any] = None,
     ) -> torch.Tensor:
-        """``x + cross_attn(norm(x), context)``: ``[s(/tp), b, h]`` -> same shape."""
+        """``x + cross_attn(norm(x), context)``: ``[s(/tp), b, h]`` -> same shape (``inference_context``: the
+        encoder's keys and values cached)."""
         normed = (
             hidden_states if self.pre_cross_attn_layernorm is None else self.pre_cross_attn_layernorm(hidden_states)
         )
-        out, bias = self.cross_attention(normed, context_mask, key_value_states=context)
+        extra = {} if inference_context is None else {"inference_context": inference_context}
+        out, bias = self.cross_attention(normed, context_mask, key_value_states=context, **extra)
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
         return self._bias_dropout_add(out, bias, residual)
 

@@ -37,8 +37,8 @@ def test_chat_prompt_is_the_training_format_and_reply_stops_at_end_of_turn():
     [
         ({"messages": []}, "messages: 'messages' must be a non-empty list"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "message 0 must be"),
-        ({"messages": MESSAGES, "stream": True}, "stream=true is not supported yet"),
-        ({"messages": MESSAGES, "n": 2}, "n must be between 1 and 1"),
+        ({"messages": MESSAGES, "stream": True, "max_tokens": 4}, "stream=true needs the dynamic engine"),
+        ({"messages": MESSAGES, "n": 129}, "n must be between 1 and 128"),
         ({"prompt": "x"}, "unknown field"),
     ],
 )

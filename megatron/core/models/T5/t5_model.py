@@ -265,14 +265,20 @@ class T5Model(LanguageModule):
     ) -> torch.Tensor:
         """Megatron-core's arguments: token ids ``[b, s_enc]`` / ``[b, s_dec]``, the three boolean masks
         (see the module docstring), labels ``[b, s_dec]``; ``encoder_hidden_states``
-        ``[s_enc(/tp), b, h]`` skips the encoder. ``inference_context``, ``packed_seq_params`` and
-        ``inference_params`` must be None."""
+        ``[s_enc(/tp), b, h]`` skips the encoder. ``inference_context`` (a ``StaticInferenceContext``, for
+        generation): the decoder tokens are the positions from its ``sequence_len_offset`` on, their
+        self-attention keys and values are cached, and each cross-attention layer keeps the encoder's keys and
+        values from its first call (pass the same ``encoder_hidden_states`` every step); ``decoder_attn_mask``
+        must then be None (causal over the cache). ``packed_seq_params`` and ``inference_params`` must be None."""
         refuse_unimplemented(
             "T5Model.forward",
-            inference_context=(inference_context, None),
             packed_seq_params=(packed_seq_params, None),
             inference_params=(inference_params, None),
         )
+        if inference_context is not None and (decoder_attn_mask is not None or self.rotary_pos_emb is not None):
+            raise NotImplementedError(
+                "T5Model.forward: inference_context with a decoder_attn_mask or rotary positions is not supported"
+            )
         for name, mask in (
             ("encoder_attn_mask", encoder_attn_mask),
             ("decoder_attn_mask", decoder_attn_mask),
@@ -283,7 +289,9 @@ class T5Model(LanguageModule):
             encoder_hidden_states = self._encode(encoder_input_ids, encoder_attn_mask)  # [s_enc(/tp), b, h]
         if not self.add_decoder or output_encoder_hidden_only:
             return encoder_hidden_states
-        hidden = self._decode(decoder_input_ids, decoder_attn_mask, encoder_hidden_states, encoder_decoder_attn_mask)
+        hidden = self._decode(
+            decoder_input_ids, decoder_attn_mask, encoder_hidden_states, encoder_decoder_attn_mask, inference_context
+        )
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits = self.lm_head(hidden, word_embeddings_weight=weight)  # [s_dec, b, vocab/tp]
         if lm_labels is not None:
@@ -309,13 +317,20 @@ class T5Model(LanguageModule):
         mask: Optional[torch.Tensor],
         context: torch.Tensor,
         context_mask: Optional[torch.Tensor],
+        inference_context: Optional[Any] = None,
     ) -> torch.Tensor:
-        """Decoder token ids ``[b, s_dec]`` over the encoder output -> ``[s_dec(/tp with SP), b, h]``."""
+        """Decoder token ids ``[b, s_dec]`` over the encoder output -> ``[s_dec(/tp with SP), b, h]``; with an
+        ``inference_context`` the tokens are the positions ``offset .. offset + s_dec - 1``."""
         length = input_ids.shape[1]
+        offset = 0 if inference_context is None else inference_context.sequence_len_offset
         if mask is not None:  # the decoder is causal whatever mask comes in
             mask = mask | build_attention_mask(length, length, device=mask.device)  # [b, 1, s_dec, s_dec]
-        hidden = self.embedding(input_ids, t5_position_ids(input_ids))  # [s_dec(/tp), b, h]
-        bias = self._relative_bias(getattr(self, "decoder_relative_pos_emb", None), length)
+        positions = t5_position_ids(input_ids) + offset  # [b, s_dec]
+        hidden = self.embedding(input_ids, positions)  # [s_dec(/tp), b, h]
+        bias = self._relative_bias(getattr(self, "decoder_relative_pos_emb", None), offset + length)
+        if bias is not None:
+            bias = bias[:, :, offset:]  # [1, heads/tp, s_dec, offset + s_dec]: this call's queries, every key
+        extra = {} if inference_context is None else {"inference_context": inference_context}
         return self.decoder(
             hidden,
             mask,
@@ -323,4 +338,5 @@ class T5Model(LanguageModule):
             context=context,
             context_mask=context_mask,
             attention_bias=bias,
+            **extra,
         )

@@ -258,7 +258,8 @@ class GPTModel(LanguageModule):
         if self.mtp is not None and labels is not None:
             hidden = self._with_mtp_losses(hidden, input_ids, position_ids, attention_mask, rotary, labels, loss_mask)
         if inference_context is not None and inference_context.materialize_only_last_token_logits:
-            hidden = hidden[-1:]  # [1, b, h]
+            static = inference_context.is_static_batching()
+            hidden = hidden[-1:] if static else inference_context.select_logit_rows(hidden)  # [1, b, h] | [R, 1, h]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/tp]
         if labels is None:
@@ -350,7 +351,8 @@ class GPTModel(LanguageModule):
         """
         if self.rotary_pos_emb is None:
             return None
-        if packed_seq_params is not None:
+        dynamic = inference_context is not None and not inference_context.is_static_batching()
+        if packed_seq_params is not None or dynamic:  # a flat row of sequences, each from its own positions
             angles = self.rotary_pos_emb(int(position_ids.max()) + 1)  # [longest, 1, 1, dim]
             return angles.index_select(0, position_ids[0].to(angles.device))  # [t(/cp), 1, 1, dim]
         if inference_context is not None:
