@@ -183,6 +183,14 @@ class TransformerConfig(ModelParallelConfig):
     beta_slow: float = 1.0
     """YaRN: frequencies turning less than this often are divided by rotary_scaling_factor."""
 
+    # DeepSeek Sparse Attention (DeepSeek-V3.2; see experimental_attention_variant/dsa.py).
+    experimental_attention_variant: Optional[str] = None
+    """'dsa': multi-latent attention where a lightning indexer picks dsa_indexer_topk keys per query."""
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_head_dim: Optional[int] = None
+    """The indexer's per-head channels; its first qk_pos_emb_head_dim are rotated (half-split RoPE)."""
+    dsa_indexer_topk: Optional[int] = None
+
     # FP8 GEMMs in the transformer layers' linears (see megatron/core/quantization/recipes.py).
     fp8: Optional[str] = None
     """'e4m3' (every operand e4m3) or 'hybrid' (e5m2 output gradients) (--fp8-format); None: off."""
@@ -245,6 +253,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_window()
         self._check_moe()
         self._check_latent_attention()
+        self._check_sparse_attention()
         self._check_multi_token_prediction()
         self._check_fp8()
         if self.transformer_impl not in TRANSFORMER_IMPLS:
@@ -455,6 +464,31 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: must be even (RoPE rotates pairs)")
         if self.rotary_scaling_factor < 1.0:
             raise ValueError(f"rotary_scaling_factor={self.rotary_scaling_factor}: must be >= 1")
+
+    def _check_sparse_attention(self) -> None:
+        variant = self.experimental_attention_variant
+        if variant is None:
+            return
+        if variant != "dsa":
+            raise ValueError(f"experimental_attention_variant={variant!r}: only 'dsa' is supported")
+        if not self.multi_latent_attention or self.q_lora_rank is None:
+            raise ValueError(
+                "experimental_attention_variant='dsa' needs multi_latent_attention=True and q_lora_rank set "
+                f"(the indexer's queries come from the query latent); got {self.multi_latent_attention}, "
+                f"{self.q_lora_rank}"
+            )
+        for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+            require_positive(name, getattr(self, name))
+        if self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim:
+            raise ValueError(
+                f"dsa_indexer_head_dim={self.dsa_indexer_head_dim}: must be >= qk_pos_emb_head_dim="
+                f"{self.qk_pos_emb_head_dim} (the indexer rotates that many channels)"
+            )
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                f"experimental_attention_variant='dsa' with context_parallel_size={self.context_parallel_size}: "
+                "not supported (the indexer scores every earlier key of a query, which CP splits over ranks)"
+            )
 
     def _check_moe_layer_freq(self) -> None:
         freq = self.moe_layer_freq
