@@ -14,8 +14,8 @@ import transformers  # a test dependency: missing it must fail, not skip
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt.hf_state_dict import from_hf_llama, to_hf_llama
 from tests.dist_harness import run_distributed
-from tests.model_utils import VOCAB, batch, build_gpt, deepseek_style
-from tests.unit_tests.models.test_deepseek_hf_parity import MAX_ABS, _randomize
+from tests.model_utils import batch, build_gpt, deepseek_style
+from tests.unit_tests.models.test_deepseek_hf_parity import MAX_ABS, _randomize, hf_deepseek_fields
 
 DSA = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=8, dsa_indexer_head_dim=12, dsa_indexer_topk=4)
 
@@ -23,42 +23,10 @@ DSA = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=8, dsa_inde
 def hf_deepseek_v32(config, index_topk=None):
     """``DeepseekV32ForCausalLM`` with ``config``'s shape (fp32, eval, eager attention)."""
     hf_config = transformers.DeepseekV32Config(
-        vocab_size=VOCAB,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size,
-        moe_intermediate_size=config.moe_ffn_hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_attention_heads,
-        n_shared_experts=config.moe_shared_expert_intermediate_size // config.moe_ffn_hidden_size,
-        n_routed_experts=config.num_moe_experts,
-        routed_scaling_factor=config.moe_router_topk_scaling_factor,
-        kv_lora_rank=config.kv_lora_rank,
-        q_lora_rank=config.q_lora_rank,
-        qk_rope_head_dim=config.qk_pos_emb_head_dim,
-        qk_nope_head_dim=config.qk_head_dim,
-        v_head_dim=config.v_head_dim,
-        n_group=config.moe_router_num_groups,
-        topk_group=config.moe_router_group_topk,
-        num_experts_per_tok=config.moe_router_topk,
-        first_k_dense_replace=config.moe_layer_freq.index(1),
-        norm_topk_prob=True,
-        max_position_embeddings=1024,
-        rms_norm_eps=config.layernorm_epsilon,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=config.rotary_scaling_factor,
-            original_max_position_embeddings=config.original_max_position_embeddings,
-            beta_fast=config.beta_fast,
-            beta_slow=config.beta_slow,
-            mscale=config.mscale,
-            mscale_all_dim=config.mscale_all_dim,
-        ),
+        **hf_deepseek_fields(config),
         index_topk=index_topk or config.dsa_indexer_topk,
         index_head_dim=config.dsa_indexer_head_dim,
         index_n_heads=config.dsa_indexer_n_heads,
-        tie_word_embeddings=False,
     )
     hf_config._attn_implementation = "eager"
     return transformers.DeepseekV32ForCausalLM(hf_config).eval()
