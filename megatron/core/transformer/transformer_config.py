@@ -61,6 +61,9 @@ class TransformerConfig(ModelParallelConfig):
     add_qkv_bias: bool = False
     gated_linear_unit: bool = False
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    activation_func_clamp_value: Optional[float] = None
+    """Gated MLPs: clamp the gate to <= c and the linear half to [-c, c] before act(gate) * up
+    (DeepSeek-V4's swiglu_limit); None: no clamp."""
     rotary_interleaved: bool = False
     window_size: Optional[tuple] = None
 
@@ -251,6 +254,7 @@ class TransformerConfig(ModelParallelConfig):
         if self.symmetric_ar_type not in SYMMETRIC_AR_TYPES:
             raise ValueError(f"symmetric_ar_type={self.symmetric_ar_type!r}: must be one of {SYMMETRIC_AR_TYPES}")
         self._check_window()
+        self._check_activation_clamp()
         self._check_moe()
         self._check_latent_attention()
         self._check_sparse_attention()
@@ -344,6 +348,17 @@ class TransformerConfig(ModelParallelConfig):
                     f"{name}={value!r} does not apply with moe_router_load_balancing_type='sinkhorn' "
                     f"(Sinkhorn routing has no auxiliary loss and its own scores); leave it at {default!r}"
                 )
+
+    def _check_activation_clamp(self) -> None:
+        clamp = self.activation_func_clamp_value
+        if clamp is None:
+            return
+        if not (isinstance(clamp, (int, float)) and math.isfinite(clamp) and clamp > 0):
+            raise ValueError(f"activation_func_clamp_value={clamp!r}: must be a positive finite number")
+        if not self.gated_linear_unit:
+            raise ValueError(
+                f"activation_func_clamp_value={clamp}: needs gated_linear_unit=True (it clamps the gate and up halves)"
+            )
 
     def _check_window(self) -> None:
         if self.window_size is None:
