@@ -483,6 +483,9 @@ class TransformerConfig(ModelParallelConfig):
     def _check_sparse_attention(self) -> None:
         variant = self.experimental_attention_variant
         if variant is None:
+            for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa'")
             return
         if variant != "dsa":
             raise ValueError(f"experimental_attention_variant={variant!r}: only 'dsa' is supported")

@@ -259,10 +259,12 @@ RECORDS = (
         IMPLEMENTED,
         help="'dsa': DeepSeek-V3.2's sparse attention (MLA over the keys a lightning indexer picks); "
         "'gated_delta_net' is not supported yet.",
-        fills=same(TC),
+        fills=same(TC, FL),
     ),
-    Flag("dsa_indexer_n_heads", IMPLEMENTED, type=int, help="DSA: the indexer's heads.", fills=same(TC)),
-    Flag("dsa_indexer_head_dim", IMPLEMENTED, type=int, help="DSA: the indexer's channels per head.", fills=same(TC)),
+    Flag("dsa_indexer_n_heads", IMPLEMENTED, type=int, help="DSA: the indexer's heads.", fills=same(TC, FL)),
+    Flag(
+        "dsa_indexer_head_dim", IMPLEMENTED, type=int, help="DSA: the indexer's channels per head.", fills=same(TC, FL)
+    ),
     Flag("dsa_indexer_topk", IMPLEMENTED, type=int, help="DSA: keys each query attends to.", fills=same(TC)),
     Flag("dsa_indexer_loss_coeff", not_yet(None, 0.0), type=float),
     Flag("dsa_indexer_use_sparse_loss", not_yet(False)),
