@@ -129,6 +129,8 @@ class TransformerConfig(ModelParallelConfig):
     """Aux-loss-free balancing: a per-expert bias (sigmoid routing only) picks the experts, updated each step."""
     moe_router_bias_update_rate: float = 1e-3
     """How far each step moves the expert bias (sign of mean count minus the expert's count)."""
+    moe_hash_router_vocab_size: Optional[int] = None
+    """Token ids covered by a HashRouter's frozen token -> experts table (DeepSeek-V4 hash_moe); None: none."""
     moe_router_dtype: Optional[str] = None
     """'fp32' or 'fp64': router logits and routing computed in that dtype; None: the model's."""
     moe_router_force_load_balancing: bool = False
@@ -416,6 +418,8 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe_layer_freq()
 
     def _check_router(self) -> None:
+        if self.moe_hash_router_vocab_size is not None:
+            require_positive("moe_hash_router_vocab_size", self.moe_hash_router_vocab_size)
         eps = self.moe_input_jitter_eps
         if eps is not None and not 0 < eps < 1:
             raise ValueError(f"moe_input_jitter_eps={eps}: must be in (0, 1)")
