@@ -6,10 +6,12 @@
 # TOKENIZER_DIR is a Hugging Face tokenizer directory (HuggingFaceTokenizer); DATA_PREFIX MOCK trains on mock data
 # (NullTokenizer, VOCAB_SIZE tokens). Once per node with torchrun, or from a Slurm job (srun, one task per GPU).
 # Multi-token prediction: MTP_LAYERS modules (DeepSeek trains with 1, the default; 0 turns it off) on the last
-# pipeline stage. Sizes come from the environment, so the same script runs at toy scale on CPU:
+# pipeline stage. DSA_TOPK=K: DeepSeek-V3.2's sparse attention (a lightning indexer of DSA_HEADS heads of DSA_HEAD_DIM
+# channels, V3.2's 64 and 128 by default, keeps K keys per query; V3.2 uses 2048). Sizes come from the environment,
+# so the same script runs at toy scale on CPU:
 #   GPUS_PER_NODE=2 NUM_LAYERS=2 DENSE_LAYERS=1 HIDDEN=32 FFN=64 HEADS=4 EXPERTS=4 MOE_FFN=32 ROUTER_GROUPS=2 \
 #     GROUP_TOPK=1 TOPK=2 Q_LORA=16 KV_LORA=16 QK_HEAD=8 QK_POS=8 V_HEAD=8 SEQ=32 MBS=2 GBS=8 ITERS=5 TP=1 PP=1 EP=2 \
-#     MTP_LAYERS=1 PRECISION= VOCAB_SIZE=600 EXTRA="--distributed-backend gloo" \
+#     MTP_LAYERS=1 WARMUP_ITERS=1 PRECISION= VOCAB_SIZE=600 EXTRA="--distributed-backend gloo" \
 #     bash examples/deepseek_v3/train_deepseek_v3_distributed.sh ckpt tb - MOCK
 set -euo pipefail
 # sbatch runs a copy of this file from Slurm's spool directory; the repository is then where sbatch was called.
@@ -49,6 +51,10 @@ MOE_ARGS=(
   --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
   --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-permute-fusion
 )
+if [ -n "${DSA_TOPK:-}" ]; then
+  MLA_ARGS+=(--experimental-attention-variant dsa --dsa-indexer-n-heads "${DSA_HEADS:-64}"
+    --dsa-indexer-head-dim "${DSA_HEAD_DIM:-128}" --dsa-indexer-topk "$DSA_TOPK")
+fi
 if [ "${MTP_LAYERS:-1}" -gt 0 ]; then
   MOE_ARGS+=(--mtp-num-layers "$MTP_LAYERS" --mtp-loss-scaling-factor 0.1)
 fi

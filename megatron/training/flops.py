@@ -32,6 +32,9 @@ class FlopsConfig:
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
     mtp_num_layers: int = 0  # each: eh_proj (2h -> h), one layer like the last, its own logits
+    experimental_attention_variant: Optional[str] = None  # 'dsa': every MLA layer adds ``dsa_indexer_flops``
+    dsa_indexer_n_heads: int = 0
+    dsa_indexer_head_dim: int = 0
 
 
 def mla_attention_flops(cfg: FlopsConfig) -> float:
@@ -47,6 +50,16 @@ def mla_attention_flops(cfg: FlopsConfig) -> float:
     query = h * n * dq if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + n * dq)
     key_value = h * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) + cfg.kv_lora_rank * n * (cfg.qk_head_dim + dv)
     return 2 * (query + key_value + n * dv * h) + 2 * s * n * (dq + dv)
+
+
+def dsa_indexer_flops(cfg: FlopsConfig) -> float:
+    """Forward FLOPs per token of one DSA lightning indexer (0 without DSA): its query ``q_lora_rank -> hi*di``,
+    key ``h -> di`` and head weights ``h -> hi``, the s scores per head (``di``) and their weighted sum over heads.
+    The attention itself is still counted whole (this implementation masks the s x s scores)."""
+    if cfg.experimental_attention_variant != "dsa":
+        return 0.0
+    h, s, heads, d = cfg.hidden_size, cfg.seq_length, cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim
+    return 2 * ((cfg.q_lora_rank or 0) * heads * d + h * d + h * heads) + 2 * s * heads * (d + 1)
 
 
 def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
@@ -76,7 +89,8 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
 
         3 * T * [ L * (4hq(1 + k/q) + 4sq + 4hf * g) + 2hV ],   g = 3/2 with SwiGLU else 1,
 
-    which is Megatron's ``12 * T * L * h^2 * (...)`` expression written out. Not counted:
+    which is Megatron's ``12 * T * L * h^2 * (...)`` expression written out. DSA's indexer
+    (``dsa_indexer_flops``, in each layer and MTP layer) has no backward: it adds its forward once. Not counted:
     norms, softmax, activations, embeddings lookup, loss, optimizer, and the extra
     forward of activation recomputation (model FLOPs, not hardware FLOPs).
     """
@@ -95,4 +109,5 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     forward_per_token = (
         cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size + mtp
     )
-    return 3.0 * batch_size * s * forward_per_token
+    indexer = (cfg.num_layers + cfg.mtp_num_layers) * dsa_indexer_flops(cfg)
+    return batch_size * s * (3.0 * forward_per_token + indexer)

@@ -135,7 +135,20 @@ def _latent_attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]
     entries += _linear(f"{p}.linear_kv_down_proj", c.kv_lora_rank + c.qk_pos_emb_head_dim, h, None)
     entries += _norm(c, f"{p}.kv_layernorm", c.kv_lora_rank) if c.qk_layernorm else []
     entries += _linear(f"{p}.linear_kv_up_proj", n * (c.qk_head_dim + c.v_head_dim) // tp, c.kv_lora_rank, None)
-    return entries + _linear(f"{p}.linear_proj", h, n * c.v_head_dim // tp, h if c.add_bias_linear else None)
+    entries += _linear(f"{p}.linear_proj", h, n * c.v_head_dim // tp, h if c.add_bias_linear else None)
+    return entries + (
+        _sparse_attention_indexer(c, f"{p}.core_attention.indexer") if c.experimental_attention_variant else []
+    )
+
+
+def _sparse_attention_indexer(c: TransformerConfig, p: str) -> List[ParamEntry]:
+    """DSA's ``DSAIndexer`` (replicated over TP): query, key, key LayerNorm (weight and bias), head weights."""
+    heads, d = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
+    entries = _linear(f"{p}.linear_wq_b", heads * d, c.q_lora_rank, None) + _linear(
+        f"{p}.linear_wk", d, c.hidden_size, None
+    )
+    entries += [ParamEntry(f"{p}.k_norm.weight", d), ParamEntry(f"{p}.k_norm.bias", d)]
+    return entries + _linear(f"{p}.linear_weights_proj", heads, c.hidden_size, None)
 
 
 def _attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:

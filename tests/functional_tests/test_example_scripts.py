@@ -31,9 +31,11 @@ class Case:
 
 
 GPT_FAMILY_ARGS = ["{tmp}/ckpt", "{tmp}/tb", "-", "MOCK"]
-# MLA latents, a dense first layer, sigmoid routing over 2 groups, expert parallelism and one MTP layer.
+# MLA latents with V3.2's sparse attention (4 keys per query), a dense first layer, sigmoid routing over 2 groups,
+# expert parallelism and one MTP layer.
 DEEPSEEK_TOY = dict(DENSE_LAYERS="1", MOE_FFN="32", ROUTER_GROUPS="2", GROUP_TOPK="1", TOPK="2", TP="1", EP="2")
 DEEPSEEK_TOY.update(Q_LORA="16", KV_LORA="16", QK_HEAD="8", QK_POS="8", V_HEAD="8", MTP_LAYERS="1")
+DEEPSEEK_TOY.update(DSA_TOPK="4", DSA_HEADS="4", DSA_HEAD_DIM="8")
 QUICKSTART_ENV = dict(QUICKSTART_DIR="{tmp}/q", CORPUS_MB="0.3", TRAIN_ITERS=str(ITERS))
 CASES = {
     GPT3: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),

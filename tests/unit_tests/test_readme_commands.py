@@ -31,6 +31,7 @@ COVERED: Dict[str, Optional[str]] = {
     "examples/gpt3/train_gpt3_175b_distributed.sh": "tests/functional_tests/example_runs.py",
     "examples/slurm/pretrain_gpt.sbatch": "tests/functional_tests/test_slurm_cluster.py",
     "examples/run_simple_mcore_train_loop.py": "tests/functional_tests/test_mcore_simple_loop.py",
+    "examples/deepseek_v3/train_deepseek_v3_distributed.sh": "tests/functional_tests/test_example_scripts.py",
     "scripts/run_tests.sh": ".ci/run",
     "tools/text_generation_cli.py": "tests/unit_tests/text_generation/test_ranks.py",
     "tools/checkpoint/convert.py": "tests/fault/test_crafted_checkpoint.py",

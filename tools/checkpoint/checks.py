@@ -30,7 +30,7 @@ import torch
 from megatron.training.flags.registry import bounded_flags
 from tools.checkpoint.errors import ConversionError
 
-# Size fields of the supported config classes (GPT2Config, LlamaConfig and its relatives, DeepseekV3Config,
+# Size fields of the supported config classes (GPT2Config, LlamaConfig and its relatives, DeepseekV3Config/V32,
 # BertConfig, T5Config): integers >= 1 where present; None only for the optional ones.
 HF_SIZE_FIELDS = (
     "vocab_size",
@@ -67,6 +67,9 @@ HF_OPTIONAL_SIZE_FIELDS = (
     "q_lora_rank",
     "sliding_window",
     "decoder_sparse_step",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
 )
 HF_POSITIVE_FLOATS = ("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta")
 # Model flags every family needs as integers >= 1 (the rest are checked by their records' bounds if present).

@@ -4,7 +4,7 @@
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|mistral|mixtral|deepseek_v3|bert|t5 [--vocab-size V]
+        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|mistral|mixtral|deepseek_v3|deepseek_v32|bert|t5 [--vocab-size V]
 
 Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM (``llama``), Qwen2ForCausalLM
 (``qwen2``: ``--add-qkv-bias``), Qwen3ForCausalLM (``qwen3``: ``--qk-layernorm``), Qwen3MoeForCausalLM
@@ -12,7 +12,8 @@ Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM (``llama``
 --moe-ffn-hidden-size ...``, ``--moe-router-pre-softmax`` when ``norm_topk_prob`` is false,
 ``--moe-layer-freq`` for ``mlp_only_layers``), MistralForCausalLM (``mistral``: a ``sliding_window`` W
 shorter than the positions is ``--window-size W-1,0``), MixtralForCausalLM (``mixtral``: that and MoE
-MLPs in every layer, experts of ``intermediate_size``) and DeepseekV3ForCausalLM (``deepseek_v3``).
+MLPs in every layer, experts of ``intermediate_size``), DeepseekV3ForCausalLM (``deepseek_v3``) and
+DeepseekV32ForCausalLM (``deepseek_v32``: that and ``--experimental-attention-variant dsa``).
 
 hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
 ``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it

@@ -6,6 +6,7 @@ dense ones, route with sigmoid scores, an ``e_score_correction_bias`` (our exper
 ranked by the sum of their two best scores (so ``--moe-router-topk`` = 2 x ``--moe-router-group-topk``),
 renormalised top-k weights times ``routed_scaling_factor``, plus shared experts. What Megatron has
 no flag for (YaRN's ``original_max_position_embeddings`` and betas) must hold Megatron's defaults.
+``DeepseekV32ForCausalLM`` adds DeepSeek Sparse Attention's lightning indexer (``DSA_FIELDS``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ MLA_DIMS = (  # (our flag destination, HF field)
     ("qk_head_dim", "qk_nope_head_dim"),
     ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
     ("v_head_dim", "v_head_dim"),
+)
+
+DSA_FIELDS = (  # (our flag destination, HF field) of DeepSeek-V3.2's indexer
+    ("dsa_indexer_n_heads", "index_n_heads"),
+    ("dsa_indexer_head_dim", "index_head_dim"),
+    ("dsa_indexer_topk", "index_topk"),
 )
 
 
@@ -62,6 +69,22 @@ def mla_args_from_hf(hf: Dict[str, Any], where: str) -> Args:
     return args
 
 
+def dsa_args_from_hf(hf: Dict[str, Any]) -> Args:
+    """DeepSeek Sparse Attention flags (by destination) of a DeepSeek-V3.2 config."""
+    return dict({dest: hf[field] for dest, field in DSA_FIELDS}, experimental_attention_variant="dsa")
+
+
+def _first_dense(hf: Dict[str, Any], num_layers: int, where: str) -> int:
+    """The leading dense layers: ``first_k_dense_replace``, or V3.2's ``mlp_layer_types`` (dense first)."""
+    dense = hf.get("first_k_dense_replace") or 0
+    types = hf.get("mlp_layer_types")
+    if types is not None:
+        dense = types.count("dense")
+        if list(types) != ["dense"] * dense + ["sparse"] * (num_layers - dense):
+            raise ConversionError(f"{where}: field 'mlp_layer_types' is {types!r}; supported: dense layers first")
+    return dense
+
+
 def moe_args_from_hf(hf: Dict[str, Any], num_layers: int, where: str) -> Args:
     """MoE flags (by destination) of a DeepSeek-V3 config."""
     require_field(hf, "norm_topk_prob", (True,), where)  # our sigmoid routing renormalises the top k
@@ -73,7 +96,7 @@ def moe_args_from_hf(hf: Dict[str, Any], num_layers: int, where: str) -> Args:
         )
     if topk < 2:
         raise ConversionError(f"{where}: field 'num_experts_per_tok' is {topk}; supported: >= 2 (renormalised)")
-    dense = hf.get("first_k_dense_replace") or 0
+    dense = _first_dense(hf, num_layers, where)
     shared = (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"]
     return dict(
         num_experts=hf["n_routed_experts"],
@@ -99,6 +122,10 @@ def mla_flags(args: Args) -> List[Any]:
         if args.get(dest) is not None:
             flags += ["--" + dest.replace("_", "-"), args[dest]]
     flags += ["--rope-type", args.get("rope_type") or "yarn"]
+    if args.get("experimental_attention_variant") == "dsa":
+        flags += ["--experimental-attention-variant", "dsa"]
+        for dest, _ in DSA_FIELDS:
+            flags += ["--" + dest.replace("_", "-"), args[dest]]
     if (args.get("rope_type") or "yarn") == "yarn":
         for dest in ("rotary_scaling_factor", "mscale", "mscale_all_dim"):
             flags += ["--" + dest.replace("_", "-"), args[dest]]
@@ -120,8 +147,9 @@ def router_flags(args: Args) -> List[Any]:
     return flags
 
 
-def hf_config_fields(args: Args, pattern: List[int], where: str) -> Dict[str, Any]:
-    """The ``DeepseekV3Config`` fields beyond Llama's for ``args`` (``pattern``: 0/1 per layer, 1 = MoE)."""
+def hf_config_fields(args: Args, pattern: List[int], where: str, dsa: bool = False) -> Dict[str, Any]:
+    """The ``DeepseekV3Config`` fields beyond Llama's for ``args`` (``pattern``: 0/1 per layer, 1 = MoE);
+    ``dsa``: ``DeepseekV32Config``'s (the indexer's, and no ``rope_interleave``: always interleaved)."""
     dense = pattern.index(1) if 1 in pattern else len(pattern)
     if pattern != [0] * dense + [1] * (len(pattern) - dense):
         raise ConversionError(f"{where}: flag moe_layer_freq is {pattern}; DeepSeek-V3 needs dense layers first")
@@ -136,8 +164,13 @@ def hf_config_fields(args: Args, pattern: List[int], where: str) -> Dict[str, An
     if (args.get("rope_type") or "yarn") == "yarn":
         rope.update(rope_type="yarn", factor=args["rotary_scaling_factor"], **dict(YARN_FIXED))
         rope.update(mscale=args["mscale"], mscale_all_dim=args["mscale_all_dim"])
+    if dsa:
+        extra = {field: args[dest] for dest, field in DSA_FIELDS}
+    else:
+        extra = dict(rope_interleave=True)
     return dict(
         {field: args.get(dest) for dest, field in MLA_DIMS},
+        **extra,
         n_routed_experts=args["num_experts"],
         num_experts_per_tok=args["moe_router_topk"],
         moe_intermediate_size=moe_ffn,
@@ -147,7 +180,6 @@ def hf_config_fields(args: Args, pattern: List[int], where: str) -> Dict[str, An
         topk_group=args.get("moe_router_group_topk") or 1,
         first_k_dense_replace=dense,
         norm_topk_prob=True,
-        rope_interleave=True,
         rope_parameters=rope,
     )
 
@@ -158,6 +190,8 @@ def mla_model_kwargs(args: Args) -> Dict[str, Any]:
         return {}
     kwargs = {dest: args[dest] for dest, _ in MLA_DIMS if args.get(dest) is not None}
     kwargs.update(multi_latent_attention=True, rope_type=args.get("rope_type"))
+    if args.get("experimental_attention_variant") == "dsa":
+        kwargs.update({dest: args[dest] for dest, _ in DSA_FIELDS}, experimental_attention_variant="dsa")
     for dest in ("rotary_scaling_factor", "mscale", "mscale_all_dim"):
         if args.get(dest) is not None:
             kwargs[dest] = args[dest]

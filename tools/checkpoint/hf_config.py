@@ -125,6 +125,8 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         args.update(deepseek.moe_args_from_hf(hf, args["num_layers"], where))
     elif family.moe:
         args.update(llama_family.moe_args_from_hf(hf, args["num_layers"], family.mixtral))
+    if family.dsa:
+        args.update(deepseek.dsa_args_from_hf(hf))
     return args
 
 

@@ -6,7 +6,8 @@ RMSNorm on queries and keys (``--qk-layernorm``), Qwen3-MoE that and MoE MLPs (s
 routing; ``norm_topk_prob`` renormalises the top k, which is our top-k-then-softmax, else
 ``--moe-router-pre-softmax``), Mistral a sliding window (``--window-size``), Mixtral that and
 MoE MLPs in every layer (experts of ``intermediate_size``, the top k always renormalised),
-DeepSeek-V3 multi-latent attention and a sigmoid router with shared experts (``deepseek.py``).
+DeepSeek-V3 multi-latent attention and a sigmoid router with shared experts (``deepseek.py``),
+DeepSeek-V3.2 that and the sparse attention's lightning indexer.
 The weight names are one mapping for all of them (``megatron.core.models.gpt.hf_state_dict``);
 this module holds only what differs.
 """
@@ -35,6 +36,8 @@ class DecoderFamily:
     """Mixtral's MoE config: ``num_local_experts``, every layer MoE, experts of ``intermediate_size``."""
     mla: bool = False
     """DeepSeek-V3: multi-latent attention (its latent norms are ``qk_layernorm``), DeepSeek's router."""
+    dsa: bool = False
+    """DeepSeek-V3.2: MLA with the lightning indexer (``--experimental-attention-variant dsa``)."""
     config_extras: Tuple[Tuple[str, Any], ...] = field(default=())
     """Fields the config class has and our model fixes (biases off)."""
 
@@ -55,6 +58,15 @@ DECODER_FAMILIES: Dict[str, DecoderFamily] = {
         qk_layernorm=True,
         moe=True,
         mla=True,
+        config_extras=NO_ATTENTION_BIAS,
+    ),
+    "deepseek_v32": DecoderFamily(
+        "DeepseekV32ForCausalLM",
+        "DeepseekV32Config",
+        qk_layernorm=True,
+        moe=True,
+        mla=True,
+        dsa=True,
         config_extras=NO_ATTENTION_BIAS,
     ),
 }
@@ -168,6 +180,7 @@ def expected_args(kind: str) -> Args:
         add_qkv_bias=family.add_qkv_bias,
         qk_layernorm=family.qk_layernorm,
         multi_latent_attention=family.mla,
+        experimental_attention_variant="dsa" if family.dsa else None,
     )
     if family.mla:
         expected.update(_DEEPSEEK_ROUTER)
@@ -185,7 +198,7 @@ def config_fields(args: Args, kind: str, where: str) -> Dict[str, Any]:
     family = DECODER_FAMILIES[kind]
     fields = dict(family.config_extras, **window_to_hf(args, kind, where))
     if family.mla:
-        fields.update(deepseek.hf_config_fields(args, moe_pattern(args), where))
+        fields.update(deepseek.hf_config_fields(args, moe_pattern(args), where, family.dsa))
     elif family.mixtral:
         fields.update(_mixtral_config_fields(args, where))
     elif family.moe:

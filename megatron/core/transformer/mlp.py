@@ -43,6 +43,19 @@ class MLPSubmodules:
             )
 
 
+def apply_activation(config: TransformerConfig, intermediate: torch.Tensor) -> torch.Tensor:
+    """fc1's output ``[..., f]`` (gated: ``[..., 2f]``, gate then up) -> ``[..., f]``: ``act(x)``, or
+    ``act(gate) * up``; with ``config.activation_func_clamp_value`` c (DeepSeek-V4's ``swiglu_limit``)
+    the gate is clamped to ``<= c`` and the up half to ``[-c, c]`` first."""
+    if not config.gated_linear_unit:
+        return config.activation_func(intermediate)
+    gate, up = torch.chunk(intermediate, 2, dim=-1)  # [..., f] each
+    limit = config.activation_func_clamp_value
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return config.activation_func(gate) * up
+
+
 class MLP(MegatronModule):
     """``act(x W1 + b1) W2 + b2``, or with ``gated_linear_unit`` ``(act(x Wg) * x Wu) W2`` (SwiGLU).
 
@@ -100,9 +113,4 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s, b, h]`` -> (``[s, b, h]``, bias of the last projection or None)."""
         intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, ffn/tp] (x2 when gated), bias included
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)  # [s, b, ffn/tp] each
-            intermediate = self.config.activation_func(gate) * up
-        else:
-            intermediate = self.config.activation_func(intermediate)
-        return self.linear_fc2(intermediate)
+        return self.linear_fc2(apply_activation(self.config, intermediate))  # [s, b, ffn/tp] into fc2

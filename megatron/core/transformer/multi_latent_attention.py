@@ -23,6 +23,7 @@ sequence all-gather) sum them. Under sequence parallelism the down projections r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
@@ -42,6 +43,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb, deinterleave, yarn_concentration, yarn_mscale
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -71,6 +73,19 @@ class ReplicatedLinear(MegatronModule):
         return parallel_linear(x, self.weight, None, None, COMM_NONE, False, self.quantizer), None  # [s, b, out]
 
 
+@dataclass
+class MLASelfAttentionSubmodules:
+    """The replaceable part of ``MLASelfAttention`` (Megatron-core's field name): its core attention.
+
+    A ``DotProductAttention`` by default; DeepSeek-V3.2's ``DSAttention``
+    (``experimental_attention_variant/dsa.py``) adds a lightning indexer, and ``MLASelfAttention``
+    then hands it the hidden states and query latent to build its sparse mask from. The projections
+    are always the ones described in the module docstring.
+    """
+
+    core_attention: Any = DotProductAttention
+
+
 class MLASelfAttention(MegatronModule):
     """Multi-latent self-attention split over TP ranks by head (see the module docstring).
 
@@ -87,6 +102,7 @@ class MLASelfAttention(MegatronModule):
         config: TransformerConfig,
         layer_number: int = 1,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        submodules: Optional[MLASelfAttentionSubmodules] = None,
         *,
         pg_collection: ProcessGroupCollection,
     ) -> None:
@@ -104,13 +120,15 @@ class MLASelfAttention(MegatronModule):
             yarn_concentration(config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) if yarn else 1.0
         )
         temperature = yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim)
-        self.core_attention = DotProductAttention(
+        self.core_attention = build_module(
+            (submodules or MLASelfAttentionSubmodules()).core_attention,
             config,
             layer_number,
             attn_mask_type,
             cp_group=groups.cp if groups.size_of("cp") > 1 else None,
             softmax_scale=temperature * temperature / math.sqrt(self.q_head_dim),
         )
+        self.sparse = hasattr(self.core_attention, "sparse_attention_mask")  # DSAttention
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.layer_number = layer_number
 
@@ -142,8 +160,10 @@ class MLASelfAttention(MegatronModule):
             tp_group=groups.tp,
         )
 
-    def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[s(/tp), b, h]`` -> queries ``[s, b, n/tp, dn + dr]`` (not yet rotated)."""
+    def _query(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``[s(/tp), b, h]`` -> (queries ``[s, b, n/tp, dn + dr]`` not yet rotated, the normalised
+        query latent ``[s(/tp), b, q_lora_rank]`` or None without query compression)."""
+        latent = None
         if self.config.q_lora_rank is None:
             q, _ = self.linear_q_proj(hidden_states)  # [s, b, n/tp * (dn + dr)]
         else:
@@ -151,7 +171,7 @@ class MLASelfAttention(MegatronModule):
             if self.q_layernorm is not None:
                 latent = self.q_layernorm(latent)
             q, _ = self.linear_q_up_proj(latent)  # [s, b, n/tp * (dn + dr)]
-        return q.view(*q.shape[:2], self.heads_per_rank, self.q_head_dim)
+        return q.view(*q.shape[:2], self.heads_per_rank, self.q_head_dim), latent
 
     def _key_value(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s(/tp), b, h]`` -> (keys without position ``[s, b, n/tp, dn]``, values ``[s, b, n/tp, dv]``,
@@ -188,11 +208,27 @@ class MLASelfAttention(MegatronModule):
         if inference_context is not None or attention_bias is not None:
             raise NotImplementedError("MLASelfAttention: inference_context and attention_bias are not supported yet")
         c = self.config
-        q = self._query(hidden_states)  # [s, b, n/tp, dn + dr]
+        q, latent = self._query(hidden_states)  # [s, b, n/tp, dn + dr]
         q_nope, q_pos = torch.split(q, [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
         k_nope, value, k_pos = self._key_value(hidden_states)
         query = torch.cat([q_nope, self._rotate(q_pos, rotary_pos_emb)], dim=-1)  # [s, b, n/tp, dn + dr]
         k_pos = self._rotate(k_pos, rotary_pos_emb).expand(-1, -1, self.heads_per_rank, -1)  # [s, b, n/tp, dr]
         key = torch.cat([k_nope, k_pos], dim=-1)  # [s, b, n/tp, dn + dr]
+        if self.sparse:
+            attention_mask = self._sparse_mask(hidden_states, latent, rotary_pos_emb, attention_mask)
         context = run_core_attention(self, query, key, value, attention_mask, None)  # [s, b, n/tp * dv]
         return self.linear_proj(context)
+
+    def _sparse_mask(
+        self,
+        hidden_states: torch.Tensor,
+        latent: torch.Tensor,
+        rotary_pos_emb: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """DSAttention's ``[b, 1, s, s]`` mask from the whole sequence's hidden states and query latent
+        (all-gathered under sequence parallelism, without gradient: the selection has none)."""
+        inputs = (hidden_states.detach(), latent.detach())
+        if self.config.sequence_parallel and self.tp_size > 1:
+            inputs = tuple(gather_from_sequence_parallel_region(t, False, self.tp_group) for t in inputs)
+        return self.core_attention.sparse_attention_mask(*inputs, rotary_pos_emb, attention_mask, self.rotary_mscale)

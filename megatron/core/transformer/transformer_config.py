@@ -63,6 +63,9 @@ class TransformerConfig(ModelParallelConfig):
     add_qkv_bias: bool = False
     gated_linear_unit: bool = False
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    activation_func_clamp_value: Optional[float] = None
+    """Gated MLPs: clamp the gate to <= c and the linear half to [-c, c] before act(gate) * up
+    (DeepSeek-V4's swiglu_limit); None: no clamp."""
     rotary_interleaved: bool = False
     window_size: Optional[tuple] = None
 
@@ -128,6 +131,8 @@ class TransformerConfig(ModelParallelConfig):
     """Aux-loss-free balancing: a per-expert bias (sigmoid routing only) picks the experts, updated each step."""
     moe_router_bias_update_rate: float = 1e-3
     """How far each step moves the expert bias (sign of mean count minus the expert's count)."""
+    moe_hash_router_vocab_size: Optional[int] = None
+    """Token ids covered by a HashRouter's frozen token -> experts table (DeepSeek-V4 hash_moe); None: none."""
     moe_router_dtype: Optional[str] = None
     """'fp32' or 'fp64': router logits and routing computed in that dtype; None: the model's."""
     moe_router_force_load_balancing: bool = False
@@ -184,6 +189,14 @@ class TransformerConfig(ModelParallelConfig):
     """YaRN: frequencies turning more than this often over the original context keep their value."""
     beta_slow: float = 1.0
     """YaRN: frequencies turning less than this often are divided by rotary_scaling_factor."""
+
+    # DeepSeek Sparse Attention (DeepSeek-V3.2; see experimental_attention_variant/dsa.py).
+    experimental_attention_variant: Optional[str] = None
+    """'dsa': multi-latent attention where a lightning indexer picks dsa_indexer_topk keys per query."""
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_head_dim: Optional[int] = None
+    """The indexer's per-head channels; its first qk_pos_emb_head_dim are rotated (half-split RoPE)."""
+    dsa_indexer_topk: Optional[int] = None
 
     # FP8 GEMMs in the transformer layers' linears (see megatron/core/quantization/recipes.py).
     fp8: Optional[str] = None
@@ -245,8 +258,10 @@ class TransformerConfig(ModelParallelConfig):
         if self.symmetric_ar_type not in SYMMETRIC_AR_TYPES:
             raise ValueError(f"symmetric_ar_type={self.symmetric_ar_type!r}: must be one of {SYMMETRIC_AR_TYPES}")
         self._check_window()
+        self._check_activation_clamp()
         self._check_moe()
         self._check_latent_attention()
+        self._check_sparse_attention()
         self._check_multi_token_prediction()
         self._check_fp8()
         if self.transformer_impl not in TRANSFORMER_IMPLS:
@@ -346,6 +361,17 @@ class TransformerConfig(ModelParallelConfig):
                     f"(Sinkhorn routing has no auxiliary loss and its own scores); leave it at {default!r}"
                 )
 
+    def _check_activation_clamp(self) -> None:
+        clamp = self.activation_func_clamp_value
+        if clamp is None:
+            return
+        if not (isinstance(clamp, (int, float)) and math.isfinite(clamp) and clamp > 0):
+            raise ValueError(f"activation_func_clamp_value={clamp!r}: must be a positive finite number")
+        if not self.gated_linear_unit:
+            raise ValueError(
+                f"activation_func_clamp_value={clamp}: needs gated_linear_unit=True (it clamps the gate and up halves)"
+            )
+
     def _check_window(self) -> None:
         if self.window_size is None:
             return
@@ -402,6 +428,8 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe_layer_freq()
 
     def _check_router(self) -> None:
+        if self.moe_hash_router_vocab_size is not None:
+            require_positive("moe_hash_router_vocab_size", self.moe_hash_router_vocab_size)
         eps = self.moe_input_jitter_eps
         if eps is not None and not 0 < eps < 1:
             raise ValueError(f"moe_input_jitter_eps={eps}: must be in (0, 1)")
@@ -469,6 +497,34 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: must be even (RoPE rotates pairs)")
         if self.rotary_scaling_factor < 1.0:
             raise ValueError(f"rotary_scaling_factor={self.rotary_scaling_factor}: must be >= 1")
+
+    def _check_sparse_attention(self) -> None:
+        variant = self.experimental_attention_variant
+        if variant is None:
+            for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa'")
+            return
+        if variant != "dsa":
+            raise ValueError(f"experimental_attention_variant={variant!r}: only 'dsa' is supported")
+        if not self.multi_latent_attention or self.q_lora_rank is None:
+            raise ValueError(
+                "experimental_attention_variant='dsa' needs multi_latent_attention=True and q_lora_rank set "
+                f"(the indexer's queries come from the query latent); got {self.multi_latent_attention}, "
+                f"{self.q_lora_rank}"
+            )
+        for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+            require_positive(name, getattr(self, name))
+        if self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim:
+            raise ValueError(
+                f"dsa_indexer_head_dim={self.dsa_indexer_head_dim}: must be >= qk_pos_emb_head_dim="
+                f"{self.qk_pos_emb_head_dim} (the indexer rotates that many channels)"
+            )
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                f"experimental_attention_variant='dsa' with context_parallel_size={self.context_parallel_size}: "
+                "not supported (the indexer scores every earlier key of a query, which CP splits over ranks)"
+            )
 
     def _check_moe_layer_freq(self) -> None:
         freq = self.moe_layer_freq

@@ -23,6 +23,12 @@ MAX_ABS = 1e-4
 
 def hf_deepseek(config, **rope_overrides):
     """``DeepseekV3ForCausalLM`` with ``config``'s shape (fp32, eval)."""
+    hf_config = transformers.DeepseekV3Config(**hf_deepseek_fields(config, **rope_overrides), rope_interleave=True)
+    return transformers.DeepseekV3ForCausalLM(hf_config).eval()
+
+
+def hf_deepseek_fields(config, **rope_overrides):
+    """The DeepSeek-V3 config fields (shared by V3.2) of ``config``'s shape."""
     rope = dict(
         rope_type="yarn",
         rope_theta=10000.0,
@@ -34,7 +40,7 @@ def hf_deepseek(config, **rope_overrides):
         mscale_all_dim=config.mscale_all_dim,
     )
     rope.update(rope_overrides)
-    hf_config = transformers.DeepseekV3Config(
+    return dict(
         vocab_size=VOCAB,
         hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size,
@@ -58,10 +64,8 @@ def hf_deepseek(config, **rope_overrides):
         max_position_embeddings=1024,
         rms_norm_eps=config.layernorm_epsilon,
         rope_parameters=rope,
-        rope_interleave=True,
         tie_word_embeddings=False,
     )
-    return transformers.DeepseekV3ForCausalLM(hf_config).eval()
 
 
 def _randomize(model: torch.nn.Module) -> None:

@@ -7,12 +7,14 @@ the same seed: the per-token loss (under CP at this rank's global positions) and
 the summed loss plus the MTP loss (TP shards gathered; sequence-parallel replicas, i.e. norms, the
 replicated MLA down projections and the shared-expert gate, summed over TP; under CP averaged over
 CP with the loss scaled by the CP size, as training does, so the MTP loss's shift across the CP
-chunk boundaries and its token count over all CP ranks are both checked). The same pair then
+chunk boundaries and its token count over all CP ranks are both checked), and DeepSeek-V3.2's sparse
+attention under TP and TP+SP (its indexer replicated and without gradient). The same pair then
 trains PP=2 through the schedule (``pipeline_parity.check_parity``: loss, every gradient, the
 weights after two SGD steps, an evaluation loss), the last stage holding the MTP module and its
 copy of the embedding: once DeepSeek-style (with a tracked balance loss: the MTP layer keeps its
 global number on the last stage), once GPT-2-style (tied output layer, learned positions, both
-copied); the last stage's MTP checkpoint keys are the one-rank model's. fp32; rtol=1e-5,
+copied), once with DSA; the last stage's MTP checkpoint keys are the one-rank model's. EP=2 runs
+with DSA as well. fp32; rtol=1e-5,
 atol=1e-6 (only the order of float additions differs).
 """
 
@@ -31,6 +33,7 @@ from tests.unit_tests.transformer.test_moe_expert_parallel import E, _compare, _
 RTOL, ATOL = 1e-5, 1e-6
 STYLE = dict(moe_shared_expert_gate=True, moe_router_dtype="fp32")
 MTP = dict(mtp_num_layers=1)
+DSA = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=8, dsa_indexer_head_dim=12, dsa_indexer_topk=4)
 
 
 def _loss_and_grads(model, tokens, labels, groups):
@@ -44,6 +47,8 @@ def _loss_and_grads(model, tokens, labels, groups):
     grads = {}
     for name, p in model.named_parameters():
         grad = p.grad
+        if grad is None:  # DSA's indexer: the top-k selection has no gradient
+            continue
         if cp > 1:
             grad = grad.clone()
             dist.all_reduce(grad, group=groups.cp)
@@ -67,6 +72,7 @@ def _compare_layouts(rank, world_size):
     for sp in (False, True):
         model = build_gpt(deepseek_style(sequence_parallel=sp, **STYLE, **MTP), tp)
         _check(f"tp={world_size} sp={sp} mtp", *_loss_and_grads(model, tokens, labels, tp), ref_loss, ref_grads)
+    _check_sparse_attention(tokens, labels, one, tp)
     cp = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
     local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cp.cp)
     model = build_gpt(deepseek_style(**STYLE, **MTP), cp)
@@ -76,9 +82,23 @@ def _compare_layouts(rank, world_size):
     pp = build_process_groups(ParallelLayout(world_size=world_size, pipeline_model_parallel_size=world_size))
     balanced = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)  # tracked per global layer
     deepseek = deepseek_style(num_layers=4, moe_layer_freq=[0, 1, 1, 1], **STYLE, **MTP, **balanced)
-    for name, kw in (("deepseek", deepseek), ("gpt2 tied", gpt2_style(**MTP))):
+    dsa = deepseek_style(num_layers=2, moe_layer_freq=[0, 1], **STYLE, **DSA)
+    for name, kw in (("deepseek", deepseek), ("gpt2 tied", gpt2_style(**MTP)), ("deepseek dsa", dsa)):
         check_parity(kw, pp, 1, 2, f"{name} pp={world_size} mtp", iterations=2)
     _check_mtp_checkpoint_keys(deepseek, one, pp)
+
+
+def _check_sparse_attention(tokens, labels, one, tp):
+    """DeepSeek Sparse Attention (4 of up to 16 keys) under TP and TP+SP equals one rank; the indexer,
+    replicated, gets no gradient anywhere, and dense MLA gives another loss (so the selection acts)."""
+    ref_loss, ref_grads = _loss_and_grads(build_gpt(deepseek_style(**STYLE, **MTP, **DSA), one), tokens, labels, one)
+    assert not any(".indexer." in name for name in ref_grads), sorted(ref_grads)
+    dense_loss, _ = _loss_and_grads(build_gpt(deepseek_style(**STYLE, **MTP), one), tokens, labels, one)
+    assert (dense_loss - ref_loss).abs().max() > 1e-3, "the indexer's selection does not change the loss"
+    for sp in (False, True):
+        model = build_gpt(deepseek_style(sequence_parallel=sp, **STYLE, **MTP, **DSA), tp)
+        where = f"dsa tp={tp.size_of('tp')} sp={sp} mtp"
+        _check(where, *_loss_and_grads(model, tokens, labels, tp), ref_loss, ref_grads)
 
 
 def _check_mtp_checkpoint_keys(kw, one, pp):
@@ -96,10 +116,11 @@ def test_deepseek_style_tp_sp_cp_pp_equal_one_rank():
 
 
 def _expert_parallel(rank, world_size):
-    """EP=2 (each rank half the routed experts, shared experts and MLA replicated, DDP over both ranks)
-    against one rank on the whole batch: the mean loss and every gradient after finalize_model_grads."""
+    """EP=2 (each rank half the routed experts, shared experts and MLA with DSA's indexer replicated, DDP
+    over both ranks) against one rank on the whole batch: the mean loss and every gradient after
+    finalize_model_grads."""
     kw = deepseek_style(
-        num_moe_experts=E, moe_router_topk=2, moe_router_num_groups=2, moe_router_group_topk=1, **STYLE, **MTP
+        num_moe_experts=E, moe_router_topk=2, moe_router_num_groups=2, moe_router_group_topk=1, **STYLE, **MTP, **DSA
     )
     global_batch = 2 * world_size
     return _compare(

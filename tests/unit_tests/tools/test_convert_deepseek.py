@@ -1,11 +1,13 @@
-"""DeepSeek-V3 through tools/checkpoint/convert.py: HF -> ours (TP=2) -> 2 training steps -> HF.
+"""DeepSeek-V3 and V3.2 through tools/checkpoint/convert.py: HF -> ours (TP=2) -> 2 training steps -> HF.
 
 A tiny random ``DeepseekV3ForCausalLM`` (MLA with query compression and YaRN, one dense layer then
 MoE with sigmoid group-limited routing, a random ``e_score_correction_bias``, shared experts) is
 converted in, trained two iterations by ``pretrain_gpt.py`` with the flags the converter printed
 (TP=2 with sequence parallelism), exported, and loaded back with ``from_pretrained``: no missing or
 unexpected keys, and logits equal to our model loaded from the trained checkpoint (max abs 1e-4,
-fp32). HF -> ours -> HF without training gives back every tensor bit for bit.
+fp32). HF -> ours -> HF without training gives back every tensor bit for bit. DeepSeek-V3.2 is the same
+model with the sparse attention's lightning indexer (4 of up to 32 keys per query), trained under TP=2
+with sequence parallelism as well.
 """
 
 import pytest
@@ -21,8 +23,11 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_posit
 YARN.update(beta_fast=32, beta_slow=1, mscale=0.9, mscale_all_dim=0.7)
 
 
-def _save(path, **overrides):
-    """A tiny random DeepSeek-V3 saved under ``path``, with weights large enough to matter."""
+V32 = dict(index_n_heads=4, index_head_dim=12, index_topk=4)
+
+
+def _save(path, v32=False, **overrides):
+    """A tiny random DeepSeek-V3 (``v32``: V3.2) saved under ``path``, with weights large enough to matter."""
     torch.manual_seed(0)
     fields = dict(
         vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
@@ -32,7 +37,10 @@ def _save(path, **overrides):
         max_position_embeddings=32, rms_norm_eps=1e-6, rope_parameters=YARN, tie_word_embeddings=False,
     )  # fmt: skip
     fields.update(overrides)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
+    if v32:
+        model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**fields, **V32))
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -51,22 +59,27 @@ EXPECTED_FLAGS += ["--moe-router-score-function", "--moe-router-enable-expert-bi
 EXPECTED_FLAGS += ["--moe-shared-expert-intermediate-size", "--moe-router-topk-scaling-factor", "--moe-layer-freq"]
 
 
-def test_convert_train_export(tmp_path):
+V32_FLAGS = ["--experimental-attention-variant", "--dsa-indexer-n-heads", "--dsa-indexer-head-dim"]
+V32_FLAGS += ["--dsa-indexer-topk"]
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v32"])
+def test_convert_train_export(tmp_path, kind):
     hf_in, first, trained, hf_out = (str(tmp_path / n) for n in ("hf_in", "first", "trained", "hf_out"))
-    _save(hf_in)
+    _save(hf_in, v32=kind == "deepseek_v32")
     flags = convert.hf_to_megatron(hf_in, first, tp=2)
-    for flag in EXPECTED_FLAGS:
+    for flag in EXPECTED_FLAGS + (V32_FLAGS if kind == "deepseek_v32" else []):
         assert flag in flags, f"the converter did not print {flag}: {flags}"
     run = tiny_gpt_flags(2) + flags + TRAIN_FLAGS + ["--load", first, "--finetune", "--save", trained]
-    assert_ok(run_gpt(2, run + ["--sequence-parallel"], cwd=str(tmp_path)), "pretrain_gpt.py (deepseek_v3, TP=2)")
-    assert convert.megatron_to_hf(trained, hf_out, "deepseek_v3", vocab_size=HF_VOCAB) == HF_VOCAB
+    assert_ok(run_gpt(2, run + ["--sequence-parallel"], cwd=str(tmp_path)), f"pretrain_gpt.py ({kind}, TP=2)")
+    assert convert.megatron_to_hf(trained, hf_out, kind, vocab_size=HF_VOCAB) == HF_VOCAB
     before, after = convert.read_hf_weights(hf_in), convert.read_hf_weights(hf_out)
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before), "training changed nothing"
     diff, clean, cls = run_distributed(_exported_body, 1, trained, hf_out)[0]
-    assert clean and cls == "DeepseekV3ForCausalLM"
-    print(f"deepseek_v3 TP=2: max |logits diff| {diff:.3g}")
-    assert diff <= MAX_ABS, f"deepseek_v3 TP=2: max |logits diff| {diff:.3g}"
+    assert clean and cls == convert.read_hf_config(hf_in)["architectures"][0]
+    print(f"{kind} TP=2: max |logits diff| {diff:.3g}")
+    assert diff <= MAX_ABS, f"{kind} TP=2: max |logits diff| {diff:.3g}"
 
 
 def test_round_trip_is_exact_and_refusals(tmp_path):
@@ -76,6 +89,14 @@ def test_round_trip_is_exact_and_refusals(tmp_path):
     convert.megatron_to_hf(ckpt, hf_out, "deepseek_v3")
     a, b = convert.read_hf_weights(hf_in), convert.read_hf_weights(hf_out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    v32_in, v32_ckpt, v32_out = (str(tmp_path / n) for n in ("v32_in", "v32_ckpt", "v32_out"))
+    _save(v32_in, v32=True)
+    convert.hf_to_megatron(v32_in, v32_ckpt)
+    convert.megatron_to_hf(v32_ckpt, v32_out, "deepseek_v32")
+    a, b = convert.read_hf_weights(v32_in), convert.read_hf_weights(v32_out)
+    assert any(".indexer." in k for k in a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(convert.ConversionError, match="experimental_attention_variant"):
+        convert.megatron_to_hf(v32_ckpt, str(tmp_path / "o0"), "deepseek_v3")
     with pytest.raises(convert.ConversionError, match="multi_latent_attention"):
         convert.megatron_to_hf(ckpt, str(tmp_path / "o1"), "qwen3_moe")
     _, args = hf_config.megatron_args_from_hf(convert.read_hf_config(hf_in), "in", 1, 128)

@@ -29,7 +29,8 @@ ACTIVATION_TOLERANCE = 0.10
 STATE = ("params", "grads", "main_params", "optimizer_states", "num_parameters")
 
 # DeepSeek-V3's pieces: multi-latent attention, shared experts with a gate, one multi-token prediction module
-# (under PP on the last stage, with its embedding copy alone in a bucket under the distributed optimizer).
+# (under PP on the last stage, with its embedding copy alone in a bucket under the distributed optimizer); V3.2's
+# sparse attention indexer (replicated over TP).
 DEEPSEEK = dict(
     multi_latent_attention=True,
     num_query_groups=None,
@@ -64,6 +65,14 @@ GRID = [
     MemCase("pp2 1f1b", pp=2, num_microbatches=4),
     MemCase("pp2 interleaved vp2", pp=2, vp=2, num_layers=4, num_microbatches=4),
     MemCase("tp1 dp2 mla shared mtp", llama=True, moe=True, extra=DEEPSEEK),
+    MemCase(
+        "tp2 sp mla dsa",
+        llama=True,
+        tp=2,
+        sp=True,
+        extra=dict(DEEPSEEK, mtp_num_layers=None, experimental_attention_variant="dsa", dsa_indexer_n_heads=4)
+        | dict(dsa_indexer_head_dim=8, dsa_indexer_topk=4),
+    ),
     MemCase(
         "pp2 mla shared mtp dist-opt", llama=True, moe=True, pp=2, dist_opt=True, num_microbatches=2, extra=DEEPSEEK
     ),

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 from megatron.core.extensions import transformer_engine as te_ext
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.dsa import get_dsa_module_spec
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -165,13 +166,16 @@ def _layer_specs(
     """The local spec of every layer (each its own objects, so one can be changed alone)."""
 
     def layer(n: int) -> ModuleSpec:
-        return get_gpt_layer_local_spec(
+        spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts if config.is_moe_layer(n) else None,
             qk_layernorm=config.qk_layernorm,
             multi_latent_attention=config.multi_latent_attention,
             normalization=normalization,
             qk_l2_norm=qk_l2_norm,
         )
+        if config.experimental_attention_variant == "dsa":  # DeepSeek-V3.2: MLA with the lightning indexer
+            spec.submodules.self_attention = get_dsa_module_spec(spec.submodules.self_attention)
+        return spec
 
     return TransformerBlockSubmodules(layer_specs=[layer(n) for n in range(1, config.num_layers + 1)])
 

@@ -93,12 +93,17 @@ _MLA_NAMES = (
     ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
     ("kv_layernorm", "kv_a_layernorm"),
     ("linear_kv_up_proj", "kv_b_proj"),
+    # DeepSeek-V3.2's lightning indexer (experimental_attention_variant/dsa.py)
+    ("core_attention.indexer.linear_wq_b", "indexer.wq_b"),
+    ("core_attention.indexer.linear_wk", "indexer.wk"),
+    ("core_attention.indexer.k_norm", "indexer.k_norm"),
+    ("core_attention.indexer.linear_weights_proj", "indexer.weights_proj"),
 )
 
 
 def _mla_names(i: int) -> Dict[str, str]:
     ours, hf = f"decoder.layers.{i}.self_attention.", f"model.layers.{i}.self_attn."
-    return {f"{ours}{o}.weight": f"{hf}{h}.weight" for o, h in _MLA_NAMES}
+    return {f"{ours}{o}.{kind}": f"{hf}{h}.{kind}" for o, h in _MLA_NAMES for kind in ("weight", "bias")}
 
 
 def _llama_layer_to_hf(sd: StateDict, config: TransformerConfig, i: int) -> StateDict:

@@ -1,6 +1,7 @@
-"""Mixture of experts: top-k router, sequential experts, the MoE layer and its auxiliary losses."""
+"""Mixture of experts: top-k and hash routers, sequential experts, the MoE layer and its auxiliary losses."""
 
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+from megatron.core.transformer.moe.hash_router import HashRouter
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import (
     AuxLossTracker,
@@ -14,6 +15,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 __all__ = [
     "AuxLossTracker",
     "GroupedMLP",
+    "HashRouter",
     "MoEAuxLossAutoScaler",
     "MoELayer",
     "MoESubmodules",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.mlp import MLP, apply_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -197,10 +197,7 @@ class GroupedMLP(SequentialMLP):
 
     def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
         """``MLP``'s activation on fc1's output ``[N, f1/tp]`` (gated: ``act(gate) * up``)."""
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(hidden, 2, dim=-1)  # [N, f/tp] each
-            return self.config.activation_func(gate) * up
-        return self.config.activation_func(hidden)
+        return apply_activation(self.config, hidden)
 
 
 def _padded_groups(

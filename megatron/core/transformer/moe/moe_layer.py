@@ -52,6 +52,7 @@ class MoESubmodules:
 
     ``router`` is built as ``router(config, tp_group, dp_group=...)`` and called as
     ``router(tokens [T, h], batch_size=, capacity_groups=)`` -> (probs ``[T, E]``, routing map ``[T, E]``),
+    plus ``token_ids=[T]`` when the layer is given them (``HashRouter``: DeepSeek-V4's hash routing),
     with ``set_layer_number``; a new routing rule is a ``TopKRouter`` subclass (or spec) here.
     ``config.moe_grouped_gemm`` picks the experts' kernel (``GroupedMLP``), not the result.
     ``shared_experts`` is built when ``config.moe_shared_expert_intermediate_size`` is set."""
@@ -123,13 +124,19 @@ class MoELayer(MegatronModule):
         placed = F.pad(own, (0, 0, start, s * b - end))  # [T, h], zero off the own rows
         return reduce_from_tensor_model_parallel_region(placed, self.tp_group).view(s, b, h)
 
-    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        """``[s(/tp with SP), b, h]`` -> (same shape, None): no bias left to add."""
+    def forward(
+        self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, None]:
+        """``[s(/tp with SP), b, h]`` -> (same shape, None): no bias left to add.
+
+        ``token_ids`` ``[b, s]`` (the TP group's whole sequence, as the model's ``input_ids``): the ids of
+        the tokens, for a router that routes by them (``HashRouter``); any other router refuses them."""
         full = self._gather_tokens(hidden_states)  # [s, b, h]
         tokens = full.reshape(-1, full.shape[-1])  # [T, h]
         # Capacity is per rank's own tokens, as in Megatron: under SP each TP rank's sequence shard.
         shards = self.tp_size if self.sequence_parallel else 1
-        probs, routing_map = self.router(tokens, batch_size=full.shape[1], capacity_groups=shards)  # [T, E] each
+        by_id = {} if token_ids is None else {"token_ids": token_ids.t().reshape(-1)}  # [T], [s, b] order
+        probs, routing_map = self.router(tokens, batch_size=full.shape[1], capacity_groups=shards, **by_id)  # [T, E]
         probs = probs.to(tokens.dtype)  # routed in moe_router_dtype, mixed in the model's
         start, end = own_rows(tokens.shape[0], self.tp_rank, self.tp_size)
         mine = slice(start, end)

@@ -131,21 +131,29 @@ class TopKRouter(MegatronModule):
                 c.moe_router_topk_scaling_factor,
                 self.expert_bias,
             )
-        if c.moe_expert_capacity_factor is not None:
-            probs, routing_map = drop_to_capacity(
-                probs,
-                routing_map,
-                self.topk,
-                c.moe_expert_capacity_factor,
-                c.moe_token_drop_policy,
-                c.moe_pad_expert_input_to_capacity,
-                capacity_groups,
-            )
+        probs, routing_map = self.cut_to_capacity(probs, routing_map, capacity_groups)
         if self.training and torch.is_grad_enabled():
             probs = self._attach_aux_losses(logits, probs, batch_size)
         if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
             self.local_tokens_per_expert += routing_map.sum(dim=0)  # not in eval or a no-grad pass
         return probs, routing_map
+
+    def cut_to_capacity(
+        self, probs: torch.Tensor, routing_map: torch.Tensor, capacity_groups: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Routed probs and map ``[T, E]`` cut to ``moe_expert_capacity_factor`` (unchanged when unset)."""
+        c = self.config
+        if c.moe_expert_capacity_factor is None:
+            return probs, routing_map
+        return drop_to_capacity(
+            probs,
+            routing_map,
+            self.topk,
+            c.moe_expert_capacity_factor,
+            c.moe_token_drop_policy,
+            c.moe_pad_expert_input_to_capacity,
+            capacity_groups,
+        )
 
     def _balance_loss(self, logits: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The ``moe_router_load_balancing_type`` loss (its coefficient included)."""

@@ -1,0 +1,1 @@
+"""Attention variants beyond standard and multi-latent attention (Megatron-core's package name)."""

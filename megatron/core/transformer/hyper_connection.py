@@ -1,0 +1,115 @@
+"""Manifold-constrained hyper-connections (mHC, DeepSeek-V4): ``n`` residual streams instead of one.
+
+The residual stream of a layer becomes ``n = num_streams`` streams (transformers' ``hc_mult``), kept packed as
+``[s, b, n * h]``. Around each sub-block (attention or MLP) a ``HyperConnectionModule`` computes,
+per token, from the RMS-normalised (unweighted) flattened streams ``x`` ``[n * h]`` and one
+projection ``W`` ``[(2 + n) n, n h]`` with a bias ``c`` and three scales ``a``:
+
+* ``pre = sigmoid(a0 (x W_pre) + c_pre) + eps`` ``[n]``: the sub-block's input is ``sum_i pre_i stream_i``;
+* ``post = 2 sigmoid(a1 (x W_post) + c_post)`` ``[n]``: the sub-block's output goes to stream ``i`` times ``post_i``;
+* ``comb = softmax(a2 (x W_comb) + c_comb) + eps`` ``[n, n]`` (rows), then Sinkhorn-normalised (columns,
+  then ``sinkhorn_iterations - 1`` rounds of rows and columns) to a nearly doubly stochastic matrix;
+  the new streams are ``comb^T streams + post * output``.
+
+``HyperHead`` collapses the streams once at the end (``sum_i pre_i stream_i`` with its own projection).
+The computation is in fp32, as ``transformers``' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``.
+Parameters are replicated on every TP rank (they act per token on whole hidden vectors).
+
+Only the modules exist so far (so no config field or flag names them): the transformer layer, block
+and embedding do not use them yet.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dimension (no gain)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sinkhorn(matrix: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
+    """``[..., n, n]`` positive -> columns normalised, then ``iterations - 1`` rounds of rows and columns."""
+    matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iterations - 1):
+        matrix = matrix / (matrix.sum(dim=-1, keepdim=True) + eps)
+        matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
+    return matrix
+
+
+class HyperConnectionModule(MegatronModule):
+    """The mixing weights around one sub-block (see the module docstring).
+
+    Parameters: ``mapping_proj`` ``[(2 + n) n, n h]`` (rows: pre, post, comb), ``mapping_bias``
+    ``[(2 + n) n]``, ``mapping_scale`` ``[3]`` (pre, post, comb). ``eps`` is transformers' ``hc_eps``; the
+    RMS norm uses ``config.layernorm_epsilon``.
+    """
+
+    def __init__(
+        self, config: TransformerConfig, num_streams: int, sinkhorn_iterations: int = 20, eps: float = 1e-6
+    ) -> None:
+        super().__init__(config)
+        n, h = num_streams, config.hidden_size
+        self.n, self.hidden_size, self.sinkhorn_iterations, self.eps = n, h, sinkhorn_iterations, eps
+        self.mapping_proj = torch.nn.Parameter(torch.empty((2 + n) * n, n * h))
+        self.mapping_bias = torch.nn.Parameter(torch.zeros((2 + n) * n))
+        self.mapping_scale = torch.nn.Parameter(torch.ones(3))
+        if config.perform_initialization:
+            config.init_method(self.mapping_proj)
+
+    def forward(self, streams: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed streams ``[s, b, n * h]`` -> (the sub-block's input ``[s, b, h]``, ``post`` ``[s, b, n]``,
+        ``comb`` ``[s, b, n, n]``), the last two fp32."""
+        n, eps = self.n, self.eps
+        mixes = F.linear(unweighted_rms_norm(streams.float(), self.config.layernorm_epsilon), self.mapping_proj.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)  # [s, b, n], [s, b, n], [s, b, n*n]
+        pre_b, post_b, comb_b = self.mapping_bias.float().split([n, n, n * n])
+        a_pre, a_post, a_comb = self.mapping_scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * a_pre + pre_b) + eps  # [s, b, n]
+        post = 2 * torch.sigmoid(post_w * a_post + post_b)  # [s, b, n]
+        comb = torch.softmax((comb_w * a_comb + comb_b).unflatten(-1, (n, n)), dim=-1) + eps
+        comb = sinkhorn(comb, self.sinkhorn_iterations, eps)  # [s, b, n, n]
+        unpacked = streams.unflatten(-1, (n, self.hidden_size))  # [s, b, n, h]
+        collapsed = (pre.unsqueeze(-1) * unpacked).sum(dim=-2).to(streams.dtype)  # [s, b, h]
+        return collapsed, post, comb
+
+    def merge(
+        self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """New packed streams ``comb^T streams + post * output``: ``[s, b, n * h]`` and ``output`` ``[s, b, h]``."""
+        unpacked = streams.unflatten(-1, (self.n, self.hidden_size))  # [s, b, n, h]
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), unpacked)  # [s, b, n, h]
+        return (post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + mixed).flatten(-2)  # [s, b, n*h]
+
+
+class HyperHead(MegatronModule):
+    """The final collapse of the packed streams ``[s, b, n * h]`` to ``[s, b, h]`` (before the final norm).
+
+    Parameters: ``mapping_proj`` ``[n, n h]``, ``mapping_bias`` ``[n]``, ``mapping_scale`` ``[1]``.
+    """
+
+    def __init__(self, config: TransformerConfig, num_streams: int, eps: float = 1e-6) -> None:
+        super().__init__(config)
+        n, h = num_streams, config.hidden_size
+        self.n, self.hidden_size, self.eps = n, h, eps
+        self.mapping_proj = torch.nn.Parameter(torch.empty(n, n * h))
+        self.mapping_bias = torch.nn.Parameter(torch.zeros(n))
+        self.mapping_scale = torch.nn.Parameter(torch.ones(1))
+        if config.perform_initialization:
+            config.init_method(self.mapping_proj)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """``[s, b, n * h]`` -> ``[s, b, h]``."""
+        flat = unweighted_rms_norm(streams.float(), self.config.layernorm_epsilon)
+        mixes = F.linear(flat, self.mapping_proj.float())  # [s, b, n]
+        pre = torch.sigmoid(mixes * self.mapping_scale.float() + self.mapping_bias.float()) + self.eps
+        unpacked = streams.unflatten(-1, (self.n, self.hidden_size))  # [s, b, n, h]
+        return (pre.unsqueeze(-1) * unpacked).sum(dim=-2).to(streams.dtype)
