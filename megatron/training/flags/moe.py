@@ -11,7 +11,6 @@ from megatron.training.flags.record import (
     SPEED_BITWISE,
     SPEED_RTOL,
     Flag,
-    ProjectFlag,
     always,
     no_op,
     not_yet,
@@ -59,17 +58,6 @@ RECORDS = (
     Flag("moe_router_pre_softmax", IMPLEMENTED, fills=same(TC), architecture=with_moe),
     Flag("moe_router_topk_scaling_factor", IMPLEMENTED, type=float, fills=same(TC), architecture=with_moe),
     Flag("moe_router_score_function", IMPLEMENTED, fills=same(TC), architecture=with_moe),
-    Flag(
-        "moe_hash_router_vocab_size",
-        not_yet(None),
-        type=int,
-        help="DeepSeek-V4 hash routing: token ids covered by the HashRouter's frozen token -> experts table. "
-        "Refused for now: the GPT model does not yet hand token ids to its MoE layers.",
-        fills=same(TC),
-        project=ProjectFlag(
-            group="moe", option_strings=("--moe-hash-router-vocab-size",), default=None, action="store"
-        ),
-    ),
     Flag("moe_router_dtype", IMPLEMENTED, fills=same(TC)),
     Flag("moe_router_enable_expert_bias", IMPLEMENTED, fills=same(TC), architecture=with_moe),
     Flag("moe_router_bias_update_rate", IMPLEMENTED, type=float, fills=same(TC)),

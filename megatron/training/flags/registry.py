@@ -110,6 +110,10 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         ),
         "beta_fast": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 32.0),
         "beta_slow": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 1.0),
+        "moe_hash_router_vocab_size": NotAFlag(
+            "DeepSeek-V4's HashRouter table size, for library callers: the GPT model does not hand token ids "
+            "to its MoE layers yet, so no flag sets it"
+        ),
     },
     DistributedDataParallelConfig: {
         "use_custom_fsdp": NotAFlag("Megatron's FSDP is --use-megatron-fsdp, refused as not supported yet"),
