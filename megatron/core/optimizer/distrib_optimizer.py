@@ -69,12 +69,29 @@ class DistributedOptimizer(MegatronOptimizer):
         flat_range = buffer.local_range(param)
         if flat_range is None:
             return []  # none of this parameter lies in this rank's shard
-        piece = param.detach().view(-1)[flat_range[0] : flat_range[1]]
+        sources = self._shard_sources(buffer, param, flat_range)
+        piece = sources.get("data_source", param.detach().view(-1)[flat_range[0] : flat_range[1]])
         if param.dtype == torch.float32:
-            return [MainLink(main=torch.nn.Parameter(piece), model=param, flat_range=flat_range)]
-        link = MainLink(main=None, model=param, flat_range=flat_range, is_copy=True)
+            return [MainLink(main=torch.nn.Parameter(piece), model=param, flat_range=flat_range, **sources)]
+        link = MainLink(main=None, model=param, flat_range=flat_range, is_copy=True, **sources)
         link.main = torch.nn.Parameter(link.model_values().clone())  # an FP8 weight: dequantized
         return [link]
+
+    @staticmethod
+    def _shard_sources(buffer, param: torch.nn.Parameter, flat_range: Tuple[int, int]) -> Dict[str, torch.Tensor]:
+        """Megatron-FSDP: the views of the buffer's persistent shards a link reads instead of the model."""
+        sources = {}
+        if buffer.grad_shard is not None:
+            sources["grad_source"] = buffer.shard_piece(buffer.grad_shard, param, flat_range)
+        if buffer.param_shard is not None:
+            sources["data_source"] = buffer.shard_piece(buffer.param_shard, param, flat_range)
+        return sources
+
+    def prepare_grads(self) -> bool:
+        # Megatron-FSDP's sharded gradients: keep the reduced slices, free the full buffers.
+        for buffer in self.buffers:
+            buffer.release_grads()
+        return super().prepare_grads()
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         # A bucket no forward used may still be gathering into the buffer the update writes.
