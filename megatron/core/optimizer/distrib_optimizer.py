@@ -124,13 +124,25 @@ class DistributedOptimizer(MegatronOptimizer):
         self.start_param_sync()
         self.finish_param_sync()
 
+    def _refresh_param_shards(self) -> None:
+        """optim_grads_params: a checkpoint load wrote the parameters whole; their shards (the fp32
+        main weights themselves, for fp32 parameters) take the loaded values before the state does."""
+        for buffer in self.buffers:
+            buffer.refresh_param_shards()
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._refresh_param_shards()
         super().load_state_dict(state_dict)
         self._recast_fp8_weights()
 
     def load_state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module], state: Dict[str, Any]) -> None:
+        self._refresh_param_shards()
         super().load_state_dict_by_param_name(model_chunks, state)
         self._recast_fp8_weights()
+
+    def reload_model_params(self, state_dict: Optional[Dict[str, Any]] = None) -> None:
+        self._refresh_param_shards()
+        super().reload_model_params(state_dict)
 
     def start_param_sync(self) -> None:
         """All-gather every bucket's updated parameters from the DP shards (asynchronously).
