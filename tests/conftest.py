@@ -127,6 +127,9 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_gpu_dry_run.py::test_every_case_runs_as_first_middle_and_last_rank": (
         "test_case_is_gpu_safe (each case it runs, as its first, middle and last rank)"
     ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[dp2-fsdp-optim-grads-params-bf16]": (
+        "[moe-grouped-gemm-dp2-distopt-overlap-bf16] (the distributed optimizer's buffers); Megatron-FSDP's CPU runs"
+    ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[dp2-fp32-legacy-ckpt]": (
         "[tp2-dp2-gqa-bf16-legacy-ckpt]"
     ),
