@@ -39,6 +39,18 @@ FULL_ONLY = {  # one key per entry, however long
         "qwen3_moe's round trip (the same QK-layernorm attention)"
     ),
     "tests/unit_tests/tools/test_checkpoint_convert_t5.py::test_convert_train_export[tp1]": "[tp2]",
+    "tests/functional_tests/test_pretrain_gpt_fsdp.py::test_sharding_strategies_equal_the_distributed_optimizer[dp4]": (  # noqa: E501
+        "[tp2dp2]; every strategy bitwise at DP=2 in test_megatron_fsdp.py"
+    ),
+    "tests/functional_tests/test_pretrain_gpt_fsdp.py::test_sharding_strategies_equal_the_distributed_optimizer[ep2]": (  # noqa: E501
+        "[tp2dp2] (the per-layer units hold the expert buckets too)"
+    ),
+    "tests/functional_tests/test_pretrain_gpt_fsdp.py::test_checkpoints_move_between_fsdp_and_the_distributed_optimizer[fsdp-dp4-to-distopt-dp2]": (  # noqa: E501
+        "[fsdp-dp2-to-fsdp-dp2] (the same load path; any DP size reads the by-name state)"
+    ),
+    "tests/functional_tests/test_pretrain_gpt_fsdp.py::test_checkpoints_move_between_fsdp_and_the_distributed_optimizer[distopt-dp2-to-fsdp-dp4]": (  # noqa: E501
+        "[fsdp-dp2-to-fsdp-dp2] (the same load path; any DP size reads the by-name state)"
+    ),
     "tests/unit_tests/distributed/test_data_parallel.py::test_dp_training_equals_single_rank[4-1]": "[4-2]",
     "tests/unit_tests/transformer/test_moe_expert_parallel.py::test_ep2_training_with_clipping_equals_single_rank[4-1]": (  # noqa: E501
         "[4-2]"
@@ -133,9 +145,10 @@ FULL_ONLY = {  # one key per entry, however long
         "[dp2-fp32-legacy-ckpt] (the legacy torch checkpoint), [cp2-tp2-dp2-bf16] (TP+DP, bf16 without the"
         " distributed optimizer); grouped-query attention against Hugging Face in test_gpt_hf_parity"
     ),
-    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[moe-grouped-gemm-dp2-distopt-overlap-bf16]": (  # noqa: E501
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[moe-alltoall-grouped-gemm-ep2-distopt-overlap-recompute-bf16]": (  # noqa: E501
         "[ep2-moe-tp2-dp4-distopt-bf16] (the MoE layer on fake CUDA); GroupedMLP on fake CUDA in"
-        " test_moe_grouped_gemm.py (fake_world)"
+        " test_moe_grouped_gemm.py (fake_world); the all-to-all dispatcher's one host read per layer in"
+        " test_moe_alltoall_etp.py"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-dp2-fp8-delayed]": (
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
@@ -146,6 +159,10 @@ FULL_ONLY = {  # one key per entry, however long
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (NVFP4 among every"
         " recipe on fake CUDA); NVFP4's training and resume in test_pretrain_gpt_fp8; TP+SP in"
         " [tp2-sp-pp2-dp2-distopt-bf16]"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[dp2-fsdp-optim-grads-params-bf16]": (
+        "[tp2-sp-pp2-dp2-distopt-bf16] (the distributed optimizer's buffers on fake CUDA); Megatron-FSDP's CPU runs"
+        " in test_megatron_fsdp.py"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-tensorwise]": (
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"

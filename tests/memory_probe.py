@@ -54,7 +54,8 @@ class SavedTensorMeter:
         saved = _Saved(tensor)
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self.excluded or storage.nbytes() == 0:
+        # A parameter itself is skipped too: sharded (FSDP) ones are re-gathered into fresh storage.
+        if ptr in self.excluded or storage.nbytes() == 0 or isinstance(tensor, torch.nn.Parameter):
             return saved
         if ptr not in self.refs:
             self.refs[ptr], self.sizes[ptr] = 0, storage.nbytes()
@@ -82,7 +83,7 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     """Sum of the distinct storages behind ``tensors``."""
     seen: Dict[int, int] = {}
     for t in tensors:
-        if t is not None and t.numel() > 0:
+        if t is not None and t.numel() > 0 and t.untyped_storage().nbytes() > 0:  # freed (FSDP): none
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -110,6 +111,7 @@ class MemCase:
     num_microbatches: int = 1
     seq: int = 16
     hidden_dropout: float = 0.0
+    sharding: str = "no_shard"  # Megatron-FSDP's data_parallel_sharding_strategy (others need dist_opt)
     extra: Dict = field(default_factory=dict)
 
     def model_kwargs(self) -> Dict:
@@ -145,7 +147,12 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
         )
         for c in range(vp)
     ]
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=case.dist_opt)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=case.dist_opt,
+        use_megatron_fsdp=case.sharding != "no_shard",
+        data_parallel_sharding_strategy=case.sharding,
+    )
     wrapped = [
         DistributedDataParallel(chunks[0].config, ddp_config, c, disable_bucketing=i > 0, pg_collection=groups)
         for i, c in enumerate(chunks)
@@ -200,8 +207,8 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
         )
     optimizer.step()
     measured = {
-        "params": storage_bytes(p.data for p in params),
-        "grads": storage_bytes(b.grad_data for w in wrapped for b in w.all_buffers),
+        "params": storage_bytes([p.data for p in params] + [b.param_shard for w in wrapped for b in w.all_buffers]),
+        "grads": storage_bytes(t for w in wrapped for b in w.all_buffers for t in (b.grad_data, b.grad_shard)),
         "main_params": storage_bytes(link.main for link in optimizer.links if link.is_copy),
         "optimizer_states": storage_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0),
         "activations": meter.peak,

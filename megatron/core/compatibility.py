@@ -91,6 +91,21 @@ _FEATURE_LIST = (
     _f("overlap_param_gather", "overlap_param_gather", bool, "overlapped parameter all-gather"),
     _f("fp8_param_gather", "fp8_param_gather", bool, "FP8 parameter all-gather"),
     _f("no_dist_opt", "use_distributed_optimizer", lambda v: not v, "no distributed optimizer"),
+    _f("dist_opt", "use_distributed_optimizer", bool, "the distributed optimizer"),
+    _f(
+        "fsdp_sharded",
+        "data_parallel_sharding_strategy",
+        lambda v: v != "no_shard",
+        "a Megatron-FSDP sharding strategy (optim, optim_grads, optim_grads_params)",
+    ),
+    _f(
+        "fsdp_no_shard",
+        "use_megatron_fsdp data_parallel_sharding_strategy",
+        lambda f, v: f and v == "no_shard",
+        "Megatron-FSDP without sharding (no_shard)",
+    ),
+    _f("fsdp_params", "data_parallel_sharding_strategy", lambda v: v == "optim_grads_params", "sharded parameters"),
+    _f("no_megatron_fsdp", "use_megatron_fsdp", lambda v: not v, "no Megatron-FSDP"),
     _f("async_save", "async_save", bool, "asynchronous checkpoint saves"),
     _f("np_local", "non_persistent_ckpt_type", lambda v: v == "local", "local non-persistent checkpoints"),
     _f("ckpt_torch", "ckpt_format", lambda v: v == "torch", "the legacy torch checkpoint format"),
@@ -135,6 +150,18 @@ REFUSED: Tuple[Refused, ...] = (
         "the distributed optimizer keeps the fp32 main weights the FP8 weights are cast from",
     ),
     Refused("overlap_param_gather", "no_dist_opt", "only the distributed optimizer all-gathers parameters"),
+    # Megatron-FSDP
+    Refused(
+        "fsdp_sharded", "no_megatron_fsdp", "sharding strategies are Megatron-FSDP's: needs use_megatron_fsdp=True"
+    ),
+    Refused("fsdp_sharded", "no_dist_opt", "the strategies shard the distributed optimizer's buffers"),
+    Refused("fsdp_no_shard", "dist_opt", "no_shard shards nothing: the distributed optimizer is strategy 'optim'"),
+    Refused(
+        "fsdp_params",
+        "overlap_param_gather",
+        "sharded parameters are gathered layer by layer in forward and backward, not after the optimizer step",
+    ),
+    Refused("fsdp_params", "fp8_param_gather", "not supported yet: FP8 weights stored sharded"),
     # recomputation
     Refused("full_recompute", "no_recompute_method", "full recomputation needs recompute_method='uniform' or 'block'"),
     Refused("recompute_method", "not_full_recompute", "a recomputation method applies to full recomputation only"),

@@ -4,13 +4,16 @@ The parameters a rank holds are listed from the config by the same rules ``GPTMo
 (``chunk_parameters``, checked name by name against built models in the tests); the data-parallel
 wrapper's own ``plan_buckets`` lays them out in gradient buffers (padding under the distributed
 optimizer included); the optimizer's fp32 main copies and Adam moments cover all of them, or this
-DP rank's shard of every bucket.
+DP rank's shard of every bucket. Megatron-FSDP's strategies keep only that shard of the gradient
+buffer (``optim_grads``) and of the parameters too (``optim_grads_params``, whose buckets start at
+every transformer layer, ``unit_starts``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -247,6 +250,16 @@ def cross_stage_names(c: TransformerConfig, lm: LanguageModelShape, pos: RankPos
 
 
 # --------------------------------------------------------------------------- state
+# A transformer layer (Megatron-FSDP's unit): "decoder.layers.3." or an MTP layer's "...transformer_layer.".
+_UNIT = re.compile(r"^(.*?\.layers\.\d+\.transformer_layer\.|.*?decoder\.layers\.\d+\.)")
+
+
+def unit_starts(entries: Sequence[ParamEntry]) -> FrozenSet[int]:
+    """Indices (layout order) where the transformer layer changes: ``optim_grads_params`` opens a bucket there."""
+    units = [(m.group(1) if (m := _UNIT.match(e.name)) else None) for e in entries]
+    return frozenset(i for i in range(1, len(units)) if units[i] != units[i - 1])
+
+
 def _buffer_state(
     entries: Sequence[ParamEntry],
     bucket_size: Optional[int],
@@ -254,9 +267,11 @@ def _buffer_state(
     dp_rank: int,
     distributed: bool,
     own_bucket: frozenset,
+    starts: FrozenSet[int] = frozenset(),
 ) -> Tuple[int, int]:
     """(buffer elements, elements of this DP rank's optimizer state) for one gradient buffer."""
-    ranges, plans = plan_buckets([e.numel for e in entries], bucket_size, dp if distributed else 1, own_bucket)
+    numels = [e.numel for e in entries]
+    ranges, plans = plan_buckets(numels, bucket_size, dp if distributed else 1, own_bucket, starts)
     numel = plans[-1].end if plans else 0
     if not distributed:
         return numel, sum(e.numel for e in entries)
@@ -303,9 +318,11 @@ def state_bytes(
             own = frozenset(names.index(name) for name in alone if name in names)
             dp = pos.expt_dp if expert else pos.dp * pos.cp
             rank = pos.dp_rank % dp
-            numel, owned = _buffer_state(group, bucket_size, dp, rank, distributed, own)
-            out.params += (numel if distributed else sum(e.numel for e in group)) * p_size
-            out.grads += numel * g_size
+            starts = unit_starts(group) if ddp.shard_params else frozenset()
+            numel, owned = _buffer_state(group, bucket_size, dp, rank, distributed, own, starts)
+            held_params = numel // dp if ddp.shard_params else numel if distributed else sum(e.numel for e in group)
+            out.params += held_params * p_size
+            out.grads += (numel // dp if ddp.shard_grads else numel) * g_size
             out.main_params += owned * FP32 if p_size != FP32 else 0
             out.optimizer_states += owned * FP32 * _optimizer_states_per_param(opt)
     return out

@@ -215,6 +215,18 @@ GRID: List[Case] = [
         ],
     ),
     Case(
+        "dp2-fsdp-optim-grads-params-bf16",
+        2,
+        [
+            *"--global-batch-size 8 --bf16 --use-distributed-optimizer --overlap-grad-reduce".split(),
+            *"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split(),
+        ],
+        # A bucket per layer and two for the root (final norm; embeddings) instead of one: the loop's NaN check
+        # of each bucket before its reduction (check_for_nan_in_grad) reads the host 5 more times.
+        max_syncs=DENSE_SYNC_BOUND + 5,
+        covers=["DP", "Megatron-FSDP (sharded parameters and gradients)", "distributed optimizer", "bf16"],
+    ),
+    Case(
         "tp2-sp-dp2-fp8-delayed",
         4,
         [

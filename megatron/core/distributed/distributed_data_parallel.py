@@ -25,6 +25,12 @@ and parameters live in a flat buffer that the optimizer all-gathers after its st
 waits for the buckets of the parameters it reads: its own, all below it for a module that reads its
 submodules' weights itself (``reads_submodule_parameters``), and any passed to it as arguments
 (``finish_param_sync`` waits for all).
+Megatron-FSDP (``ddp_config.use_megatron_fsdp``): ``optim`` is the distributed optimizer;
+``optim_grads`` keeps only each buffer's reduced slice once the optimizer takes the gradients
+(``ParamAndGradBuffer.release_grads``; ``zero_grad_buffer`` gives the full buffer back for the next
+backward); ``optim_grads_params`` stores the parameters sharded and gathers them layer by layer
+(``fsdp_units.ShardedParamUnits``); ``finish_param_sync`` then gathers them all for readers outside
+forward (norms, checkpoints).
 Averaging: gradients are scaled by 1/dp, except with ``calculate_per_token_loss`` (the
 loss is a sum; ``finalize_model_grads`` divides by the global token count).
 """
@@ -39,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp_units import ROOT, ShardedParamUnits, fsdp_unit_modules, unit_of_params, unit_starts
 from megatron.core.distributed.param_and_grad_buffer import Bucket, BucketGroup, ParamAndGradBuffer
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.quantization.fp8_params import is_fp8_param
@@ -106,7 +113,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.post_scale = (
             1.0 / self.dp_size if ddp_config.average_in_collective and not config.calculate_per_token_loss else 1.0
         )
-        buffers = self._build_buffers(bucket_size)
+        units = fsdp_unit_modules(module) if ddp_config.shard_params else []
+        buffers = self._build_buffers(bucket_size, unit_of_params(units))
         self.buffers = [b for b in buffers if not b.is_expert]
         self.expert_parallel_buffers = [b for b in buffers if b.is_expert]
         self.bucket_groups = [BucketGroup([bucket]) for b in self.buffers for bucket in b.buckets]
@@ -124,7 +132,9 @@ class DistributedDataParallel(torch.nn.Module):
             p.register_post_accumulate_grad_hook(self._accumulate_hook) for b in self.all_buffers for p in b.params
         ]
         self._param_gather_hooks: List[Any] = []
-        if ddp_config.use_distributed_optimizer:
+        # optim_grads_params: the units' own hooks gather the parameters (not the optimizer's step).
+        self.fsdp_units = ShardedParamUnits(units, self.all_buffers) if ddp_config.shard_params else None
+        if ddp_config.use_distributed_optimizer and self.fsdp_units is None:
             self.enable_forward_pre_hook()
 
     @property
@@ -132,8 +142,11 @@ class DistributedDataParallel(torch.nn.Module):
         """Dense buffers, then expert-parallel ones: the order every rank reduces them in."""
         return self.buffers + self.expert_parallel_buffers
 
-    def _build_buffers(self, bucket_size: Optional[int]) -> List[ParamAndGradBuffer]:
-        """One buffer per (param dtype, grad dtype, expert or not); dense buffers first."""
+    def _build_buffers(self, bucket_size: Optional[int], unit_of: Dict[int, int]) -> List[ParamAndGradBuffer]:
+        """One buffer per (param dtype, grad dtype, expert or not); dense buffers first.
+
+        ``unit_of`` (parameter id -> Megatron-FSDP unit, ``optim_grads_params``): no bucket spans two units.
+        """
         params = [p for p in self.module.parameters() if p.requires_grad]
         shared = self._shared_embedding_ids()
         by_kind: Dict[tuple, List[torch.nn.Parameter]] = {}
@@ -154,6 +167,9 @@ class DistributedDataParallel(torch.nn.Module):
                     with_param_data=self.ddp_config.use_distributed_optimizer,
                     own_bucket=own,
                     is_expert=expert,
+                    starts=unit_starts(group, unit_of) if unit_of else frozenset(),
+                    shard_grads=self.ddp_config.shard_grads,
+                    shard_params=self.ddp_config.shard_params,
                 )
             )
         return buffers
@@ -220,6 +236,8 @@ class DistributedDataParallel(torch.nn.Module):
             bucket = buffer.bucket_of[id(param)]
             bucket.pending.discard(id(param))
             self._dispatch_ready(buffer)
+        if self.fsdp_units is not None:
+            self.fsdp_units.grad_ready(param)
 
     def _dispatch_ready(self, buffer: ParamAndGradBuffer) -> None:
         """Start, in index order, every bucket whose gradients are all accumulated."""
@@ -280,6 +298,8 @@ class DistributedDataParallel(torch.nn.Module):
             if self.post_scale != 1.0:
                 buffer.scale_gradients(self.post_scale)
             buffer.reset()
+        if self.fsdp_units is not None:
+            self.fsdp_units.free_all()  # backward is over: only the shards stay
 
     # --- public API -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -299,7 +319,7 @@ class DistributedDataParallel(torch.nn.Module):
             # (it sets the flag when it wrote into main_grad); also clears one left set by a backward that raised.
             param.grad_added_to_main_grad = False
         for buffer in self.all_buffers:
-            buffer.grad_data.zero_()
+            buffer.zero_grads()
             buffer.reset()
         self._zeroed = {id(p) for buffer in self.all_buffers for p in buffer.params}
 
@@ -311,10 +331,13 @@ class DistributedDataParallel(torch.nn.Module):
     def broadcast_params(self) -> None:
         """Make every DP rank's parameters equal to DP rank 0's (experts: expert-DP rank 0's)."""
         groups = self.pg_collection
+        self.finish_param_sync()
         for param in self.module.parameters():
             name = "expt_dp" if is_expert_param(param) else "dp_cp"
             data = param.data.view(torch.uint8) if is_fp8_param(param) else param.data  # FP8 bytes
             dist.broadcast(data, src=groups.ranks[name][0], group=getattr(groups, name))
+        for buffer in self.all_buffers:
+            buffer.refresh_param_shards()  # optim_grads_params: the shards of the broadcast values
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """All-gather the distributed optimizer's updated parameters (asynchronously, last bucket first).
@@ -344,12 +367,18 @@ class DistributedDataParallel(torch.nn.Module):
 
     def finish_param_sync(self) -> None:
         """Wait for every pending parameter all-gather (distributed optimizer with
-        ``overlap_param_gather``); call before reading the parameters outside forward."""
+        ``overlap_param_gather``; ``optim_grads_params``: gather every parameter); call before reading
+        the parameters outside forward."""
+        if self.fsdp_units is not None:
+            self.fsdp_units.gather_all()
         for buffer in self.all_buffers:
             for bucket in buffer.buckets:
                 bucket.finish_param_gather()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fsdp_units is not None:  # optim_grads_params: the root's parameters, then the first layer's
+            self.fsdp_units.gather(ROOT, wait=True)
+            self.fsdp_units.gather(0, wait=False)
         return self.module(*args, **kwargs)  # each module's pre-hook waits for its parameters
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:

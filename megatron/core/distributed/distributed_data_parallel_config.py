@@ -7,6 +7,8 @@ from typing import Optional
 
 from megatron.core import compatibility
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
 
 @dataclass
 class DistributedDataParallelConfig:
@@ -25,8 +27,16 @@ class DistributedDataParallelConfig:
     switches (``gradient_reduce_div_fusion``, ``nccl_ub``, ``suggested_communication_unit_size``,
     ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``, ``fsdp_double_buffer``,
     ``disable_symmetric_registration``, ``fsdp_manual_registration``) have no effect here; the
-    features not built yet (FSDP, the mxfp8 buffer reuse, fp32-accumulating reduce-scatter, delayed weight
-    gradients, more than one optimizer instance) raise ``ValueError`` when switched on.
+    features not built yet (the mxfp8 buffer reuse, fp32-accumulating reduce-scatter, delayed weight
+    gradients, more than one optimizer instance, an outer sharding strategy) raise ``ValueError`` when
+    switched on.
+
+    Megatron-FSDP (``use_megatron_fsdp``) picks what is sharded over data parallelism with
+    ``data_parallel_sharding_strategy``: ``no_shard`` (plain DDP), ``optim`` (the distributed
+    optimizer), ``optim_grads`` (also: only the local gradient shard is kept after the reduction) and
+    ``optim_grads_params`` (also: parameters are stored sharded and all-gathered per transformer layer
+    around its forward and backward, the next layer's gather issued before this layer's compute ends).
+    The three sharded strategies run on the distributed optimizer's buffers and need it.
     """
 
     grad_reduce_in_fp32: bool = False
@@ -60,7 +70,13 @@ class DistributedDataParallelConfig:
     def __post_init__(self) -> None:
         if self.bucket_size is not None and (isinstance(self.bucket_size, bool) or self.bucket_size < 1):
             raise ValueError(f"bucket_size={self.bucket_size!r}: must be a positive number of elements or None")
-        compatibility.check(self)  # overlapped / FP8 parameter gathers need the distributed optimizer
+        if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(
+                f"data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r}: "
+                f"must be one of {SHARDING_STRATEGIES}"
+            )
+        # Overlapped / FP8 parameter gathers need the distributed optimizer; Megatron-FSDP's pairings.
+        compatibility.check(self)
         if self.num_distributed_optimizer_instances != 1:
             raise ValueError(
                 f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
@@ -71,7 +87,6 @@ class DistributedDataParallelConfig:
             for name in (
                 "reuse_grad_buf_for_mxfp8_param_ag",
                 "reduce_scatter_with_fp32_accumulation",
-                "use_megatron_fsdp",
                 "use_custom_fsdp",
                 "delay_wgrad_compute",
             )
@@ -79,6 +94,17 @@ class DistributedDataParallelConfig:
         ]
         if switched_on:
             raise ValueError(f"{', '.join(f'{name}=True' for name in switched_on)}: not supported yet")
-        for name in ("data_parallel_sharding_strategy", "outer_dp_sharding_strategy"):
-            if getattr(self, name) != "no_shard":
-                raise ValueError(f"{name}={getattr(self, name)!r}: not supported yet (only 'no_shard')")
+        if self.outer_dp_sharding_strategy != "no_shard":
+            raise ValueError(
+                f"outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r}: not supported yet (only 'no_shard')"
+            )
+
+    @property
+    def shard_grads(self) -> bool:
+        """Only the local gradient shard outlives the reduction (``optim_grads`` and ``optim_grads_params``)."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shard_params(self) -> bool:
+        """Parameters are stored sharded and gathered per layer (``optim_grads_params``)."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"

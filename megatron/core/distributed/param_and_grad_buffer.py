@@ -8,6 +8,13 @@ Parameters are laid out in reverse registration order, because backward produces
 last layers' gradients first: the first bucket fills first and its reduction can start
 while backward continues. With the distributed optimizer every bucket is padded to a
 multiple of the data-parallel size and DP rank r owns the r-th equal slice of each bucket.
+
+Megatron-FSDP's sharded strategies keep persistent shards beside the buffers: with ``shard_grads``
+``grad_shard`` (``[numel / dp]``, bucket b's slice at ``b.offset / dp``) receives the reduced slices
+and the full gradient buffer's storage is freed until the next step zeroes it; with
+``shard_params`` ``param_shard`` is the parameters' only persistent copy and each bucket's full
+parameters live in a storage of their own, gathered (``Bucket.unshard``) and freed (``reshard``)
+around their use.
 """
 
 from __future__ import annotations
@@ -33,7 +40,11 @@ class BucketPlan:
 
 
 def plan_buckets(
-    numels: Sequence[int], bucket_size: Optional[int], pad_to: int, own_bucket: Set[int] = frozenset()
+    numels: Sequence[int],
+    bucket_size: Optional[int],
+    pad_to: int,
+    own_bucket: Set[int] = frozenset(),
+    starts: Set[int] = frozenset(),
 ) -> Tuple[List[Tuple[int, int]], List[BucketPlan]]:
     """Place parameters (in the given order) into buckets.
 
@@ -43,6 +54,7 @@ def plan_buckets(
         pad_to: each bucket's size is rounded up to a multiple of this.
         own_bucket: indices that must sit alone in a bucket (the tied embedding under the
             distributed optimizer, so that its shard ranges match on first and last stage).
+        starts: indices that open a new bucket (the first parameter of each Megatron-FSDP unit).
 
     Returns:
         ``[(start, end)]`` per parameter and the bucket plans.
@@ -62,7 +74,7 @@ def plan_buckets(
         current = []
 
     for i, numel in enumerate(numels):
-        if i in own_bucket:
+        if i in own_bucket or i in starts:
             close()
         ranges[i] = (offset, offset + numel)
         offset += numel
@@ -87,6 +99,27 @@ class Bucket:
     dispatched: bool = False
     # The distributed optimizer's pending all-gather of ``param_data`` (``reset`` leaves it alone).
     param_gather_handle: Optional[dist.Work] = None
+    grad_shard: Optional[torch.Tensor] = None  # [numel / dp] persistent reduced slice (shard_grads)
+    param_shard: Optional[torch.Tensor] = None  # [numel / dp] persistent parameter slice (shard_params)
+    gathered: bool = True  # param_data holds the full parameters (always, unless shard_params)
+
+    def unshard(self, group: dist.ProcessGroup) -> bool:
+        """Allocate ``param_data`` and start all-gathering it from the shards (shard_params);
+        False when it is already gathered or gathering."""
+        if self.gathered:
+            return False
+        _alloc(self.param_data)
+        self.param_gather_handle = all_gather_into_tensor(self.param_data, self.param_shard, group=group, async_op=True)
+        self.gathered = True
+        return True
+
+    def reshard(self) -> None:
+        """Free the full parameters (shard_params); the shard stays."""
+        if self.param_shard is None or not self.gathered:
+            return
+        self.finish_param_gather()
+        self.param_data.untyped_storage().resize_(0)
+        self.gathered = False
 
     def finish_param_gather(self) -> None:
         """Wait for this bucket's parameter all-gather, if one is running."""
@@ -98,6 +131,13 @@ class Bucket:
         """DP rank ``dp_rank``'s equal slice of ``tensor`` (grad_data or param_data)."""
         size = tensor.numel() // dp_size
         return tensor[dp_rank * size : (dp_rank + 1) * size]
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    """Give a tensor whose storage was freed (``resize_(0)``) its storage back, contents undefined."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().nbytes() < nbytes:
+        tensor.untyped_storage().resize_(nbytes)
 
 
 @dataclass
@@ -122,7 +162,8 @@ class ParamAndGradBuffer:
     With ``with_param_data`` the parameters' storage is moved into a flat buffer too, so the
     distributed optimizer can all-gather updated parameters bucket by bucket. ``dp_group`` is
     the group its gradients are reduced (and sharded) over: ``dp_cp``, or ``expt_dp`` for an
-    expert buffer (``is_expert``).
+    expert buffer (``is_expert``). ``starts``, ``shard_grads``, ``shard_params``: Megatron-FSDP
+    (module docstring); both shardings need ``with_param_data``.
     """
 
     def __init__(
@@ -134,6 +175,9 @@ class ParamAndGradBuffer:
         with_param_data: bool,
         own_bucket: Set[int] = frozenset(),
         is_expert: bool = False,
+        starts: Set[int] = frozenset(),
+        shard_grads: bool = False,
+        shard_params: bool = False,
     ) -> None:
         self.params = params
         self.is_expert = is_expert
@@ -142,32 +186,81 @@ class ParamAndGradBuffer:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
+        self.shard_grads, self.shard_params = shard_grads, shard_params
         pad_to = self.dp_size if with_param_data else 1
-        ranges, plans = plan_buckets([p.numel() for p in params], bucket_size, pad_to, own_bucket)
+        ranges, plans = plan_buckets([p.numel() for p in params], bucket_size, pad_to, own_bucket, starts)
         numel = plans[-1].end if plans else 0
         device = params[0].device
         self.grad_data = torch.zeros(numel, dtype=grad_dtype, device=device)
-        self.param_data = torch.zeros(numel, dtype=self.param_dtype, device=device) if with_param_data else None
+        flat_params = with_param_data and not shard_params
+        self.param_data = torch.zeros(numel, dtype=self.param_dtype, device=device) if flat_params else None
+        self.grad_shard = torch.zeros(numel // self.dp_size, dtype=grad_dtype, device=device) if shard_grads else None
+        self.param_shard = (
+            torch.zeros(numel // self.dp_size, dtype=self.param_dtype, device=device) if shard_params else None
+        )
+        self.buckets = [self._make_bucket(i, plan, params, with_param_data) for i, plan in enumerate(plans)]
         self.param_range: Dict[int, Tuple[int, int]] = {}
         for param, (start, end) in zip(params, ranges):
             self.param_range[id(param)] = (start, end)
-            if self.param_data is not None:
-                view = self.param_data[start:end].view(param.shape)
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+        for bucket in self.buckets:
+            for param in bucket.params if bucket.param_data is not None else ():
+                start, end = self.param_range[id(param)]
+                view = bucket.param_data[start - bucket.offset : end - bucket.offset].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
-            param.main_grad = self.grad_data[start:end].view(param.shape)
-        self.buckets = [
-            Bucket(
-                index=i,
-                params=[params[j] for j in plan.param_indices],
-                grad_data=self.grad_data[plan.start : plan.end],
-                param_data=None if self.param_data is None else self.param_data[plan.start : plan.end],
-                offset=plan.start,
-            )
-            for i, plan in enumerate(plans)
-        ]
+        self.refresh_param_shards()
         self.bucket_of: Dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
         self.reset()
+
+    def _make_bucket(self, index: int, plan: BucketPlan, params: List[torch.nn.Parameter], with_param: bool) -> Bucket:
+        """Bucket ``index`` over ``[plan.start, plan.end)``: views of the flat buffers and shards, or, with
+        shard_params, a parameter storage of its own (gathered: it holds the initial parameters)."""
+        size = (plan.end - plan.start) // self.dp_size
+        lo = plan.start // self.dp_size
+        if self.param_shard is not None:
+            param_data = torch.zeros(plan.end - plan.start, dtype=self.param_dtype, device=self.grad_data.device)
+        else:
+            param_data = None if not with_param else self.param_data[plan.start : plan.end]
+        return Bucket(
+            index=index,
+            params=[params[j] for j in plan.param_indices],
+            grad_data=self.grad_data[plan.start : plan.end],
+            param_data=param_data,
+            offset=plan.start,
+            grad_shard=None if self.grad_shard is None else self.grad_shard[lo : lo + size],
+            param_shard=None if self.param_shard is None else self.param_shard[lo : lo + size],
+        )
+
+    def refresh_param_shards(self) -> None:
+        """Copy this rank's slice of every gathered bucket's parameters into its shard (shard_params:
+        after the parameters were written whole, at construction or by a broadcast)."""
+        for bucket in self.buckets:
+            if bucket.param_shard is not None and bucket.gathered:
+                bucket.finish_param_gather()
+                bucket.param_shard.copy_(bucket.shard(bucket.param_data, self.dp_rank, self.dp_size))
+
+    def release_grads(self) -> None:
+        """shard_grads: keep this rank's reduced slice of each bucket in ``grad_shard`` and free the full
+        gradient buffer (after ``finish_grad_sync`` and the reductions that follow it)."""
+        if self.grad_shard is None or self.grad_data.untyped_storage().nbytes() == 0:
+            return
+        for bucket in self.buckets:
+            bucket.grad_shard.copy_(bucket.shard(bucket.grad_data, self.dp_rank, self.dp_size))
+        self.grad_data.untyped_storage().resize_(0)
+
+    def zero_grads(self) -> None:
+        """Zero the gradient buffer, first giving it its storage back if ``release_grads`` freed it."""
+        _alloc(self.grad_data)
+        self.grad_data.zero_()
+
+    def shard_piece(self, shard: torch.Tensor, param: torch.nn.Parameter, flat_range: Tuple[int, int]) -> torch.Tensor:
+        """The elements ``flat_range`` of ``param`` (inside this rank's slice) as a view of ``shard``
+        (``grad_shard`` or ``param_shard``)."""
+        bucket = self.bucket_of[id(param)]
+        shard_start = bucket.offset + self.dp_rank * (bucket.grad_data.numel() // self.dp_size)
+        lo = self.param_range[id(param)][0] + flat_range[0] - shard_start + bucket.offset // self.dp_size
+        return shard[lo : lo + flat_range[1] - flat_range[0]]
 
     def reset(self) -> None:
         """Forget readiness and handles: a new iteration starts."""
@@ -192,7 +285,7 @@ class ParamAndGradBuffer:
         in which the next forward needs them (the same on every rank). Distributed optimizer only.
         """
         if self.param_data is None or self.dp_size == 1:
-            return
+            return  # shard_params: gathered layer by layer in forward instead
         for bucket in reversed(self.buckets):
             data = bucket.param_data
             if data.dtype in _FP8_DTYPES:  # FP8 weights (fp8_param_gather): their bytes, 1 per element

@@ -69,12 +69,29 @@ class DistributedOptimizer(MegatronOptimizer):
         flat_range = buffer.local_range(param)
         if flat_range is None:
             return []  # none of this parameter lies in this rank's shard
-        piece = param.detach().view(-1)[flat_range[0] : flat_range[1]]
+        sources = self._shard_sources(buffer, param, flat_range)
+        piece = sources.get("data_source", param.detach().view(-1)[flat_range[0] : flat_range[1]])
         if param.dtype == torch.float32:
-            return [MainLink(main=torch.nn.Parameter(piece), model=param, flat_range=flat_range)]
-        link = MainLink(main=None, model=param, flat_range=flat_range, is_copy=True)
+            return [MainLink(main=torch.nn.Parameter(piece), model=param, flat_range=flat_range, **sources)]
+        link = MainLink(main=None, model=param, flat_range=flat_range, is_copy=True, **sources)
         link.main = torch.nn.Parameter(link.model_values().clone())  # an FP8 weight: dequantized
         return [link]
+
+    @staticmethod
+    def _shard_sources(buffer, param: torch.nn.Parameter, flat_range: Tuple[int, int]) -> Dict[str, torch.Tensor]:
+        """Megatron-FSDP: the views of the buffer's persistent shards a link reads instead of the model."""
+        sources = {}
+        if buffer.grad_shard is not None:
+            sources["grad_source"] = buffer.shard_piece(buffer.grad_shard, param, flat_range)
+        if buffer.param_shard is not None:
+            sources["data_source"] = buffer.shard_piece(buffer.param_shard, param, flat_range)
+        return sources
+
+    def prepare_grads(self) -> bool:
+        # Megatron-FSDP's sharded gradients: keep the reduced slices, free the full buffers.
+        for buffer in self.buffers:
+            buffer.release_grads()
+        return super().prepare_grads()
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         # A bucket no forward used may still be gathering into the buffer the update writes.
@@ -107,13 +124,25 @@ class DistributedOptimizer(MegatronOptimizer):
         self.start_param_sync()
         self.finish_param_sync()
 
+    def _refresh_param_shards(self) -> None:
+        """optim_grads_params: a checkpoint load wrote the parameters whole; their shards (the fp32
+        main weights themselves, for fp32 parameters) take the loaded values before the state does."""
+        for buffer in self.buffers:
+            buffer.refresh_param_shards()
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._refresh_param_shards()
         super().load_state_dict(state_dict)
         self._recast_fp8_weights()
 
     def load_state_dict_by_param_name(self, model_chunks: Sequence[torch.nn.Module], state: Dict[str, Any]) -> None:
+        self._refresh_param_shards()
         super().load_state_dict_by_param_name(model_chunks, state)
         self._recast_fp8_weights()
+
+    def reload_model_params(self, state_dict: Optional[Dict[str, Any]] = None) -> None:
+        self._refresh_param_shards()
+        super().reload_model_params(state_dict)
 
     def start_param_sync(self) -> None:
         """All-gather every bucket's updated parameters from the DP shards (asynchronously).

@@ -72,16 +72,22 @@ class MainLink:
 
     ``flat_range`` is ``(start, end)`` into ``model.view(-1)`` when the main tensor covers
     only a slice (distributed optimizer), else None. ``is_copy`` says the main tensor has
-    its own storage and must be written back into the model after each step.
+    its own storage and must be written back into the model after each step. ``grad_source`` and
+    ``data_source`` (Megatron-FSDP's sharded gradients and parameters) hold the covered elements'
+    gradient and model values instead of ``model.main_grad`` and ``model``.
     """
 
     main: torch.Tensor
     model: torch.nn.Parameter
     flat_range: Optional[Tuple[int, int]] = None
     is_copy: bool = False
+    grad_source: Optional[torch.Tensor] = None
+    data_source: Optional[torch.Tensor] = None
 
     def model_grad(self) -> Optional[torch.Tensor]:
         """The model's gradient for the covered elements (``main_grad`` preferred)."""
+        if self.grad_source is not None:
+            return self.grad_source
         grad = getattr(self.model, "main_grad", None)
         if grad is None:
             grad = self.model.grad
@@ -90,6 +96,8 @@ class MainLink:
         return grad.view(-1)[self.flat_range[0] : self.flat_range[1]]
 
     def model_data(self) -> torch.Tensor:
+        if self.data_source is not None:
+            return self.data_source
         data = self.model.data
         return data if self.flat_range is None else data.view(-1)[self.flat_range[0] : self.flat_range[1]]
 

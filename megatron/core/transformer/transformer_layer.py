@@ -70,6 +70,8 @@ class TransformerLayer(MegatronModule):
     prediction yet).
     """
 
+    is_fsdp_unit = True  # Megatron-FSDP gathers and frees sharded parameters layer by layer
+
     def __init__(
         self,
         config: TransformerConfig,

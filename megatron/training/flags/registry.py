@@ -116,13 +116,12 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         ),
     },
     DistributedDataParallelConfig: {
-        "use_custom_fsdp": NotAFlag("Megatron's FSDP is --use-megatron-fsdp, refused as not supported yet"),
+        "use_custom_fsdp": NotAFlag("Megatron's older name of use_megatron_fsdp (--use-megatron-fsdp)"),
         **{
             name: _CORE_API_ONLY
             for name in (
                 "reduce_scatter_with_fp32_accumulation",
                 "reuse_grad_buf_for_mxfp8_param_ag",
-                "use_megatron_fsdp",
                 "gradient_reduce_div_fusion",
                 "suggested_communication_unit_size",
                 "preserve_fp32_weights",

@@ -255,7 +255,7 @@ RECORDS = (
     Flag("use_sharp", no_op(reasons.COMMUNICATORS)),
     Flag("sharp_enabled_group", no_op(reasons.COMMUNICATORS)),
     Flag("create_all_gather_group", no_op(reasons.COMMUNICATORS)),
-    Flag("use_megatron_fsdp", not_yet(False)),
+    Flag("use_megatron_fsdp", IMPLEMENTED, fills=same(DDP)),
     Flag("data_parallel_sharding_strategy", IMPLEMENTED, fills=same(DDP)),
     Flag("outer_dp_sharding_strategy", no_op(reasons.UNDER_REFUSED)),
     Flag("gradient_reduce_div_fusion", no_op(reasons.KERNEL)),

@@ -42,7 +42,7 @@ def test_ddp_config_fields_and_defaults_are_upstream():
     assert [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)] == UPSTREAM_FIELDS
     with pytest.raises(TypeError):
         DistributedDataParallelConfig(bucket_sise=10)
-    for name in ("use_megatron_fsdp", "delay_wgrad_compute", "reduce_scatter_with_fp32_accumulation"):
+    for name in ("delay_wgrad_compute", "reduce_scatter_with_fp32_accumulation"):
         with pytest.raises(ValueError, match=name):
             DistributedDataParallelConfig(**{name: True})
     DistributedDataParallelConfig(nccl_ub=True, gradient_reduce_div_fusion=False)  # no effect here

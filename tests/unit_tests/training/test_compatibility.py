@@ -24,6 +24,8 @@ MLA += ["--qk-pos-emb-head-dim", "8", "--v-head-dim", "6", "--position-embedding
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 DIST = ["--use-distributed-optimizer"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+FP8_GATHER = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
 
 # (first, second) -> (extra flags, world size): a command line that turns on exactly that refused pair.
 EXAMPLES = {
@@ -42,6 +44,11 @@ EXAMPLES = {
         2,
     ),  # fmt: skip
     ("overlap_param_gather", "no_dist_opt"): (["--overlap-param-gather"], 2),
+    ("fsdp_sharded", "no_megatron_fsdp"): (["--data-parallel-sharding-strategy", "optim"] + DIST, 2),
+    ("fsdp_sharded", "no_dist_opt"): (FSDP + ["optim_grads"], 2),
+    ("fsdp_no_shard", "dist_opt"): (FSDP + ["no_shard"] + DIST, 2),
+    ("fsdp_params", "overlap_param_gather"): (FSDP + ["optim_grads_params", "--overlap-param-gather"] + DIST, 2),
+    ("fsdp_params", "fp8_param_gather"): (FSDP + ["optim_grads_params"] + FP8_GATHER + DIST, 2),
     ("full_recompute", "no_recompute_method"): (["--recompute-granularity", "full"], 1),
     ("recompute_method", "not_full_recompute"): (["--recompute-method", "block"], 1),
     ("distribute_saved", "not_full_recompute"): (

@@ -2,7 +2,8 @@
 
 One spawned pair of gloo ranks runs a training step of each small config of the grid (TP 1/2,
 SP on/off, recompute none/selective/full, PP 2 with 1F1B and interleaved, MoE, distributed
-optimizer, bf16, multi-latent attention with shared experts and multi-token prediction) and
+optimizer, Megatron-FSDP's optim_grads and optim_grads_params, bf16, multi-latent attention with shared
+experts and multi-token prediction) and
 measures (``tests/memory_probe.py``): the parameter, gradient-buffer and optimizer bytes as
 distinct storages, and the peak of the bytes autograd keeps for backward over
 the whole schedule. State must match exactly, activations within 10%, and the parameter list
@@ -52,6 +53,10 @@ GRID = [
     MemCase("tp1 dp2 dist-opt bf16", llama=True, bf16=True, dist_opt=True),
     MemCase("tp1 dp2 dropout", hidden_dropout=0.1),
     MemCase("tp2 gated attention", tp=2, extra=dict(attention_output_gate=True)),
+    MemCase(
+        "tp1 dp2 fsdp optim_grads_params bf16", bf16=True, dist_opt=True, sharding="optim_grads_params", num_layers=3
+    ),
+    MemCase("tp1 dp2 moe fsdp optim_grads", moe=True, dist_opt=True, sharding="optim_grads"),
     MemCase("tp2 sp", tp=2, sp=True),
     MemCase("tp2 sp selective", tp=2, sp=True, recompute="selective"),
     MemCase("tp2 sp full uniform", tp=2, sp=True, recompute="full"),
