@@ -46,6 +46,8 @@ def model_provider(
     rank first (Megatron's report, before building)
     unless ``report_memory`` is False (the server).
     """
+    if args.is_hybrid_model:
+        raise ValueError("--is-hybrid-model: hybrid Mamba models are trained with pretrain_mamba.py")
     if (
         report_memory
         and pre_process

@@ -51,14 +51,10 @@ def _from_ratios(num_layers: int, attention_ratio: float, mlp_ratio: float) -> L
 
 def _check_pattern(num_layers: int, pattern: str) -> List[str]:
     if len(pattern) != num_layers:
-        raise ValueError(
-            f"--hybrid-override-pattern {pattern!r} has {len(pattern)} layers; --num-layers is {num_layers}"
-        )
+        raise ValueError(f"hybrid_override_pattern={pattern!r} has {len(pattern)} layers; num_layers={num_layers}")
     unknown = sorted(set(pattern) - set(Symbols.VALID))
     if unknown:
-        raise ValueError(
-            f"--hybrid-override-pattern {pattern!r}: {unknown} not among the layer symbols {Symbols.VALID}"
-        )
+        raise ValueError(f"hybrid_override_pattern={pattern!r}: {unknown} not among the layer symbols {Symbols.VALID}")
     return list(pattern)
 
 
@@ -86,7 +82,7 @@ def allocate_layers(
     ratios_given = target_attention_ratio > 0.0 or target_mlp_ratio > 0.0
     if ratios_given and any(pattern.count(s) != types.count(s) for s in Symbols.VALID):
         raise ValueError(
-            f"--hybrid-override-pattern {override_pattern!r} must hold as many layers of each type as the "
+            f"hybrid_override_pattern={override_pattern!r} must hold as many layers of each type as the "
             f"ratios give ({''.join(types)!r})"
         )
     return pattern
