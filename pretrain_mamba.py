@@ -15,6 +15,7 @@ import torch
 from megatron.core.models.mamba import MambaModel
 from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.spec_utils import import_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.providers import language_model_kwargs
 from megatron.training.theoretical_memory import report_theoretical_memory
@@ -43,11 +44,16 @@ def model_provider(
             f"--context-parallel-size {config.context_parallel_size}: not supported yet for hybrid Mamba "
             "models (the Mamba mixers' scan is not split over the sequence here)"
         )
+    stack_spec = mamba_stack_spec
+    if args.spec:
+        if len(args.spec) != 2:
+            raise ValueError(f"--spec {' '.join(args.spec)}: give a module path and a name")
+        stack_spec = import_module(tuple(args.spec))
     if report_memory and pre_process and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         report_theoretical_memory(args, device_type="cuda" if torch.cuda.is_available() else "cpu")
     return MambaModel(
         config=config,
-        mamba_stack_spec=mamba_stack_spec,
+        mamba_stack_spec=stack_spec,
         hybrid_attention_ratio=args.hybrid_attention_ratio,
         hybrid_mlp_ratio=args.hybrid_mlp_ratio,
         hybrid_override_pattern=args.hybrid_override_pattern,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,21 @@ def gather_rows(shards: List[torch.Tensor], sections: List[int]) -> torch.Tensor
     local = [s // tp for s in sections]
     parts = [torch.split(shard, local, dim=0) for shard in shards]
     return torch.cat([torch.cat([p[i] for p in parts], dim=0) for i in range(len(sections))], dim=0)
+
+
+def _rank_major(init_method: Callable[[torch.Tensor], torch.Tensor], sections: List[int], tp: int) -> Callable:
+    """``init_method`` for a full ``[z, x, B, C, dt]`` weight, its rows reordered so that the contiguous
+    TP split of a column-parallel layer hands each rank its ``shard_rows`` (a TP-size-invariant model
+    under CPU initialization). Without it each rank draws its own shard, which needs no reordering."""
+
+    def init_(weight: torch.Tensor) -> torch.Tensor:
+        init_method(weight)
+        if weight.shape[0] != sum(sections) or tp == 1:
+            return weight
+        with torch.no_grad():
+            return weight.copy_(torch.cat([shard_rows(weight, sections, r, tp) for r in range(tp)]))
+
+    return init_
 
 
 class RMSNormGated(torch.nn.Module):
@@ -153,7 +168,8 @@ class MambaMixer(MegatronModule):
         self.d_inner_local, self.d_conv, self.D_has_hdim = dims.d_inner // tp, d_conv, D_has_hdim
         self.in_proj = build_module(
             submodules.in_proj, d_model, sum(dims.in_proj_sections()), config=config,
-            init_method=config.init_method, bias=False, gather_output=False, tp_group=groups.tp,
+            init_method=_rank_major(config.init_method, dims.in_proj_sections(), tp), bias=False,
+            gather_output=False, tp_group=groups.tp,
         )  # fmt: skip
         self.out_proj = build_module(
             submodules.out_proj, dims.d_inner, d_model, config=config,
@@ -161,13 +177,24 @@ class MambaMixer(MegatronModule):
             skip_bias_add=True, tp_group=groups.tp,
         )  # fmt: skip
         conv_dim = sum(dims.conv_sections(tp))
+        # Built on the meta device: its own initialization would draw a TP-size-dependent amount of random numbers.
         self.conv1d = torch.nn.Conv1d(
-            conv_dim, conv_dim, d_conv, groups=conv_dim, padding=d_conv - 1, bias=conv_bias, dtype=config.params_dtype
-        )
+            conv_dim, conv_dim, d_conv, groups=conv_dim, padding=d_conv - 1, bias=conv_bias,
+            dtype=config.params_dtype, device="meta",
+        ).to_empty(device="cpu")  # fmt: skip
         self._init_ssm_parameters(conv_init, A_init_range, (dt_min, dt_max, dt_init_floor), groups.rank_in("tp"))
         self.norm = RMSNormGated(self.d_inner_local, self.d_inner_local // self.ngroups_local, config.params_dtype)
         for param in (*self.conv1d.parameters(), self.dt_bias, self.A_log, self.D, self.norm.weight):
             set_tensor_model_parallel_attributes(param, True, 0, 1)
+
+    def rank_major_sections(self) -> Dict[str, List[int]]:
+        """Parameters whose TP shards hold a piece of each of several sections (global sizes), by name:
+        ``shard_rows`` / ``gather_rows`` split and join them (checkpoint converters, tests)."""
+        conv = self.dims.conv_sections()
+        names = {"in_proj.weight": self.dims.in_proj_sections(), "conv1d.weight": conv}
+        if self.conv1d.bias is not None:
+            names["conv1d.bias"] = conv
+        return names
 
     def _init_ssm_parameters(
         self, conv_init: Optional[float], a_range: Tuple[float, float], dt_range: Tuple[float, float, float], rank: int

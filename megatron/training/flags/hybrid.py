@@ -34,6 +34,13 @@ RECORDS = (
         architecture=always,
     ),
     Flag(
+        "spec",
+        IMPLEMENTED,
+        type=str,
+        help="MODULE NAME of the layer spec to build (pretrain_mamba.py: a stack spec such as "
+        "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec); pretrain_gpt.py refuses it.",
+    ),
+    Flag(
         "mamba_state_dim",
         IMPLEMENTED,
         help="State size per Mamba head.",

@@ -1,28 +1,11 @@
-"""Mamba-2 layers and hybrid stacks: the chunked scan against a sequential recurrence, the layer
-allocation rules, and logits against ``transformers``' Mamba2 and Nemotron-H (tiny random models)."""
+"""Mamba-2 building blocks without processes: the chunked scan against a sequential recurrence, and the
+hybrid layer allocation rules. (Models: ``test_mamba_models.py``.)"""
 
 import pytest
 import torch
-import transformers  # a test dependency: missing it must fail, not skip
 
-from megatron.core.activations import squared_relu
-from megatron.core.models.mamba import MambaModel
-from megatron.core.models.mamba.hf_state_dict import (
-    from_hf_mamba2,
-    from_hf_nemotron_h,
-    to_hf_mamba2,
-    to_hf_nemotron_h,
-)
-from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, allocate_layers
 from megatron.core.ssm.ssd import ssd_chunked_scan
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.dist_harness import run_distributed
-from tests.model_utils import single_rank_groups
-
-MAX_ABS = 1e-4
-VOCAB, HIDDEN, SEQ, CHUNK = 64, 32, 40, 8  # SEQ spans five scan chunks of CHUNK (and three of HF's 16)
 
 
 def _recurrence(x, dt, A, B, C, state):
@@ -75,89 +58,3 @@ def test_hybrid_allocation_follows_ratios_and_pattern():
     for bad, message in (("M*M", "has 3 layers"), ("M*MX", "not among"), ("M**-", "as many layers")):
         with pytest.raises(ValueError, match=message):
             allocate_layers(4, 0.25, 0.25, bad)
-
-
-def _config(num_layers, **extra):
-    return TransformerConfig(
-        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=48, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, normalization="RMSNorm",
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="local",
-        use_cpu_initialization=True, **extra,
-    )  # fmt: skip
-
-
-def _spec_with_chunk(chunk):
-    """``mamba_stack_spec`` with the mixers' scan chunk set to ``chunk``."""
-    import copy
-
-    spec = copy.deepcopy(mamba_stack_spec)
-    spec.submodules.mamba_layer.submodules.mixer = ModuleSpec(
-        module=spec.submodules.mamba_layer.submodules.mixer.module,
-        params={"chunk_size": chunk},
-        submodules=spec.submodules.mamba_layer.submodules.mixer.submodules,
-    )
-    return spec
-
-
-def _perturb(model):
-    """Random values everywhere (HF initializes D and the norms to ones, which would hide a mix-up)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(0.1 * torch.randn_like(param)) if "A_log" not in name else param.uniform_(0, 2)
-
-
-def _compare(ours, hf, ids):
-    with torch.no_grad():
-        return float((ours(ids, None, None) - hf(ids, use_cache=False).logits).abs().max())
-
-
-def _mamba2(groups, ids):
-    config = _config(3)
-    hf = transformers.Mamba2ForCausalLM(
-        transformers.Mamba2Config(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=3, state_size=8, head_dim=8, n_groups=2,
-            num_heads=8, chunk_size=16, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
-        )
-    ).eval()  # fmt: skip
-    _perturb(hf)
-    ours = MambaModel(config, _spec_with_chunk(CHUNK), VOCAB, SEQ, pg_collection=groups).eval()
-    ours.load_state_dict(from_hf_mamba2(hf.state_dict(), 3))
-    imported = _compare(ours, hf, ids)
-    _perturb(ours)
-    hf.load_state_dict(to_hf_mamba2(ours.state_dict(), 3))
-    return imported, _compare(ours, hf, ids)
-
-
-def _nemotron_h(groups, ids, pattern="M*M-M"):
-    config = _config(len(pattern), kv_channels=8, activation_func=squared_relu)
-    hf_config = transformers.NemotronHConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, hybrid_override_pattern=pattern, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
-        intermediate_size=48, chunk_size=16, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
-        time_step_min=1e-9,  # HF clamps dt below at time_step_min; Megatron's scan does not clamp
-    )  # fmt: skip
-    hf_config._attn_implementation = "eager"
-    hf = transformers.NemotronHForCausalLM(hf_config).eval()
-    _perturb(hf)
-    ours = MambaModel(
-        config, _spec_with_chunk(CHUNK), VOCAB, SEQ, hybrid_override_pattern=pattern, pg_collection=groups
-    ).eval()
-    types = ours.decoder.layer_type_list
-    ours.load_state_dict(from_hf_nemotron_h(hf.state_dict(), config, types))
-    imported = _compare(ours, hf, ids)
-    _perturb(ours)
-    hf.load_state_dict(to_hf_nemotron_h(ours.state_dict(), config, types))
-    return imported, _compare(ours, hf, ids)
-
-
-def _parity_body(rank, world_size):
-    torch.manual_seed(0)
-    groups = single_rank_groups()
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    return {"mamba2": _mamba2(groups, ids), "nemotron_h": _nemotron_h(groups, ids)}
-
-
-def test_logits_match_transformers_mamba2_and_nemotron_h():
-    for family, (imported, exported) in run_distributed(_parity_body, 1)[0].items():
-        assert imported < MAX_ABS, (family, "HF weights imported", imported)
-        assert exported < MAX_ABS, (family, "our weights exported", exported)
