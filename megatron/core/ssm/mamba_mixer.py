@@ -227,8 +227,9 @@ class MambaMixer(MegatronModule):
         *,
         packed_seq_params: Optional[object] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``[s(/tp), b, h]`` -> (``[s(/tp), b, h]``, None). ``inference_context``: a static context with
-        ``ssm_states`` (``megatron.core.ssm.mamba_state_cache``) to fill (prefill) or advance (decode)."""
+        """``[s(/tp), b, h]`` -> (``[s(/tp), b, h]``, None). ``inference_context``: a static context whose
+        ``ssm_cache_for(self)`` (``megatron.core.inference.contexts.MambaStates``) the call continues and updates:
+        several positions run the chunked scan from the cached state, one position a single recurrence step."""
         if packed_seq_params is not None:
             raise NotImplementedError("MambaMixer: packed_seq_params (packed sequences) not supported yet")
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, P/tp]

@@ -73,3 +73,32 @@ def nemotron_h_parity(groups, ids, pattern="M*M-M"):
     perturb(ours)
     hf.load_state_dict(to_hf_nemotron_h(ours.state_dict(), config, types))
     return imported, max_logit_difference(ours, hf, ids)
+
+
+def greedy_tokens(hf_model, groups, prompts, new_tokens):
+    """Greedy continuations of ``prompts`` by our ``InferenceEngine`` over ``hf_model``'s weights (imported
+    into a model split over ``groups``)."""
+    from megatron.core.inference.engine import InferenceEngine
+    from megatron.core.inference.sampling_params import SamplingParams
+    from tests.unit_tests.ssm.mamba_utils import PATTERN, build_mamba, shard_state_dict
+
+    ours = build_mamba(groups, PATTERN).eval()
+    types = ours.decoder.layer_type_list
+    full = from_hf_nemotron_h(hf_model.state_dict(), mamba_config(len(PATTERN)), types)
+    ours.load_state_dict(shard_state_dict(ours, full, groups.tp))
+    engine = InferenceEngine(ours, groups)
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, num_tokens_to_generate=new_tokens))
+    return [r.generated_tokens for r in results]
+
+
+def hf_greedy_full_forward(hf_model, prompts, new_tokens):
+    """Greedy continuations by ``transformers``' full forward (no cache), one prompt at a time: the reference
+    for generation. (HF's cached ``generate`` of Nemotron-H departs from its own full forward on some prompts.)"""
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                ids.append(int(hf_model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        out.append(ids[len(prompt) :])
+    return out

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron.core.activations import squared_relu
 from megatron.core.models.mamba import MambaModel
 from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
-from megatron.core.ssm.mamba_mixer import MambaMixer, gather_rows
+from megatron.core.ssm.mamba_mixer import MambaMixer, gather_rows, shard_rows
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.model_utils import gather_tp
@@ -73,3 +73,22 @@ def _global_name(model, name):
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(model.decoder.layers[int(parts[2])].checkpoint_layer_index)
     return ".".join(parts)
+
+
+def shard_state_dict(model, full, tp_group):
+    """This TP rank's piece of every tensor of the full state dict ``full`` (``model``'s names, one stage)."""
+    rank, size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    sections = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MambaMixer):
+            sections.update({f"{prefix}.{n}": s for n, s in module.rank_major_sections().items()})
+    out = {}
+    for name, param in model.state_dict(keep_vars=True).items():
+        tensor = full[name]
+        if name in sections:
+            out[name] = shard_rows(tensor, sections[name], rank, size)
+        elif getattr(param, "tensor_model_parallel", False) and size > 1:
+            out[name] = tensor.chunk(size, dim=param.partition_dim)[rank]
+        else:
+            out[name] = tensor
+    return out

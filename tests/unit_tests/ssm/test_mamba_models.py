@@ -3,6 +3,10 @@
 Rank 0: logits against ``transformers``' Mamba2 and Nemotron-H (``M*M-M``) on 40 tokens (five of our
 8-token scan chunks), both ways (HF's weights imported, ours exported), within 1e-4 (fp32).
 
+Greedy generation (``InferenceEngine`` with per-layer convolution/SSM states and the KV cache) of a
+``M*M-`` Nemotron-H on one rank and under TP=2 equals greedy decoding by ``transformers``' full forward
+(``generate``'s cached path departs from that full forward on one of these prompts, by a logit gap of 0.1).
+
 Both ranks: a ``M*M-`` model under tensor parallelism (with and without sequence parallelism) and pipeline
 parallelism equals the one-rank model with the same weights: the per-token loss and every gradient (TP
 shards joined back, the mixers' ``[z, x, B, C, dt]`` layout too); rtol=1e-5, atol=1e-6 (only the order of
@@ -16,11 +20,20 @@ from megatron.core.distributed.finalize_model_grads import allreduce_sequence_pa
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, single_rank_groups
-from tests.unit_tests.ssm.hf_mamba import mamba2_parity, nemotron_h_parity
-from tests.unit_tests.ssm.mamba_utils import SEQ, VOCAB, build_mamba, full_tensors
+from tests.unit_tests.inference.hf_models import random_prompts
+from tests.unit_tests.ssm.hf_mamba import (
+    greedy_tokens,
+    hf_greedy_full_forward,
+    hf_nemotron_h,
+    mamba2_parity,
+    nemotron_h_parity,
+    perturb,
+)
+from tests.unit_tests.ssm.mamba_utils import PATTERN, SEQ, VOCAB, build_mamba, full_tensors
 
 RTOL, ATOL = 1e-5, 1e-6
 HF_MAX_ABS = 1e-4
+NEW_TOKENS = 8
 
 
 def _loss_and_grads(model, tokens, labels, tp_group):
@@ -79,10 +92,21 @@ def _body(rank, world_size):
     held = [None, None]
     dist.all_gather_object(held, sorted(got[1]))
     assert set(held[0]) | set(held[1]) == set(ref[1])  # the two stages hold every parameter
-    return hf
+    torch.manual_seed(5)  # the same HF weights on both ranks
+    model = hf_nemotron_h(PATTERN)
+    perturb(model)
+    prompts = random_prompts([3, 9, 6], vocab=VOCAB)
+    generated = {"tp2": greedy_tokens(model, tp, prompts, NEW_TOKENS)}
+    if rank == 0:
+        generated["tp1"] = greedy_tokens(model, ref_groups, prompts, NEW_TOKENS)
+        generated["hf"] = hf_greedy_full_forward(model, prompts, NEW_TOKENS)
+    return hf, generated
 
 
-def test_hybrid_mamba_matches_transformers_and_tp_sp_pp_equal_single_rank():
-    for family, (imported, exported) in run_distributed(_body, 2)[0].items():
+def test_hybrid_mamba_matches_transformers_generates_and_tp_sp_pp_equal_single_rank():
+    parity, generated = run_distributed(_body, 2)[0]
+    for family, (imported, exported) in parity.items():
         assert imported < HF_MAX_ABS, (family, "HF weights imported", imported)
         assert exported < HF_MAX_ABS, (family, "our weights exported", exported)
+    assert generated["tp1"] == generated["hf"], generated
+    assert generated["tp2"] == generated["hf"], generated
