@@ -160,6 +160,10 @@ class MambaMixer(MegatronModule):
             dt_scale=(dt_scale, 1.0),
         )
         groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+        if groups.size_of("cp") > 1:  # the scan would restart on every rank's chunk of the sequence
+            raise NotImplementedError(
+                f"MambaMixer: context parallelism (context_parallel_size={groups.size_of('cp')}) not supported yet"
+            )
         self.pg_collection, self.layer_number, self.chunk_size = groups, layer_number, chunk_size
         self.dims = dims = mamba_dims(config, expand)
         self.tp = tp = groups.size_of("tp")
