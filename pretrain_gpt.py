@@ -46,6 +46,12 @@ def model_provider(
     rank first (Megatron's report, before building)
     unless ``report_memory`` is False (the server).
     """
+    if args.is_hybrid_model:
+        raise ValueError("--is-hybrid-model: hybrid Mamba models are trained with pretrain_mamba.py")
+    if args.spec:
+        raise ValueError(
+            f"--spec {' '.join(args.spec)}: not supported yet by pretrain_gpt.py (the layers follow the flags)"
+        )
     if (
         report_memory
         and pre_process

@@ -35,6 +35,7 @@ from megatron.training.validation import (  # noqa: F401 - re-exported for calle
 
 ENTRY_POINT_TOKENIZERS = {
     "gpt": "GPT2BPETokenizer",
+    "mamba": "GPT2BPETokenizer",
     "bert": "BertWordPieceLowerCase",
     "t5": "BertWordPieceLowerCase",
 }

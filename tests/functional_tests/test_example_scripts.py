@@ -50,6 +50,17 @@ CASES = {
     "examples/pretrain_gpt_multinode.sh": Case([], dict(DATA="MOCK", CKPT="{tmp}/ckpt", PRECISION="")),
     # Outside a Slurm job the sbatch script trains with torchrun and has nothing to requeue.
     SBATCH_GPT: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
+    # Megatron's hybrid Mamba flags (ratios 0.08 / 0.5, GQA, TP=2 with SP, distributed optimizer): layers "M-".
+    "examples/mamba/train.sh": Case(
+        ["MOCK", "-"],
+        dict(
+            HIDDEN="64",
+            CHECKPOINT_DIR="{tmp}/ckpt",
+            TENSORBOARD_DIR="{tmp}/tb",
+            DATACACHE_DIR="{tmp}/cache",
+            MAMBA_EXTRA="--mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2",
+        ),
+    ),
     "examples/bert/quickstart.sh": Case([], QUICKSTART_ENV),
     "examples/t5/quickstart.sh": Case([], QUICKSTART_ENV),
     # HF model made locally -> convert -> SFT (TP=2 + SP, packed) -> export (logits checked) -> chat endpoint.

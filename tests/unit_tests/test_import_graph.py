@@ -45,7 +45,8 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
         ),
     ),
     # megatron.core.fp8_utils: Megatron-core's import path of transformer/fp8_utils.py, a re-export.
-    ("transformer", ("megatron.core.transformer", "megatron.core.fp8_utils")),
+    # megatron.core.ssm: the Mamba layers, built from the transformer's specs, norms and layers.
+    ("transformer", ("megatron.core.transformer", "megatron.core.fp8_utils", "megatron.core.ssm")),
     ("foundations", ("megatron.core",)),  # parallel state, tensor parallelism, quantization, checkpoint I/O, utils
 )
 

@@ -29,6 +29,7 @@ COVERED: Dict[str, Optional[str]] = {
     "examples/bert/quickstart.sh": "tests/functional_tests/test_example_scripts.py",
     "examples/t5/quickstart.sh": "tests/functional_tests/test_example_scripts.py",
     "examples/gpt3/train_gpt3_175b_distributed.sh": "tests/functional_tests/example_runs.py",
+    "examples/mamba/train.sh": "tests/functional_tests/test_example_scripts.py",
     "examples/slurm/pretrain_gpt.sbatch": "tests/functional_tests/test_slurm_cluster.py",
     "examples/run_simple_mcore_train_loop.py": "tests/functional_tests/test_mcore_simple_loop.py",
     "examples/deepseek_v3/train_deepseek_v3_distributed.sh": "tests/functional_tests/test_example_scripts.py",

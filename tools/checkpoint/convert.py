@@ -4,7 +4,8 @@
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|mistral|mixtral|deepseek_v3|deepseek_v32|bert|t5 [--vocab-size V]
+        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|mistral|mixtral|deepseek_v3|deepseek_v32|bert|t5|mamba2 \
+        |nemotron_h [--vocab-size V]
 
 Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM (``llama``), Qwen2ForCausalLM
 (``qwen2``: ``--add-qkv-bias``), Qwen3ForCausalLM (``qwen3``: ``--qk-layernorm``), Qwen3MoeForCausalLM
@@ -31,6 +32,9 @@ an untied LM head; v1.0 is refused): the model is ``pretrain_t5.py --t5-v11``'s,
 are ``pretrain_t5.py``'s (give the sequence lengths and ``--vocab-extra-ids`` of the run). ``--model-type
 t5`` exports T5ForConditionalGeneration with ``tie_word_embeddings=False`` and its own
 ``lm_head.weight`` (see ``tools/checkpoint/t5.py``); T5 has no pipeline parallelism.
+
+Hybrid Mamba (``architectures`` Mamba2ForCausalLM or NemotronHForCausalLM, ``--model-type mamba2|nemotron_h``):
+the model is ``pretrain_mamba.py``'s and the printed flags are its (see ``tools/checkpoint/mamba.py``).
 
 Vocabulary: our model pads the vocabulary to a multiple of
 ``--make-vocab-size-divisible-by x TP``. Converting in pads the embedding (and untied
@@ -114,6 +118,16 @@ from tools.checkpoint.hf_config import (
     megatron_flags,
 )
 from tools.checkpoint.llama_family import DECODER_FAMILIES
+from tools.checkpoint.mamba import (
+    FINAL_NORM_KEY,
+    MAMBA_KINDS,
+    build_mamba,
+    in_memory_names,
+    mamba_flags,
+    mamba_from_hf,
+    mamba_hf_config,
+    mamba_to_hf,
+)
 from tools.checkpoint.t5 import (
     CROSS_ATTENTION_KEY,
     build_t5,
@@ -198,7 +212,10 @@ def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str
     """Build the HF model of ``kind``, load ``sd`` strictly (buffers aside) and ``save_pretrained``."""
     import transformers
 
-    config = t5_hf_config(args, vocab_size) if kind == "t5" else hf_config_from_args(args, kind, vocab_size, where)
+    if kind in MAMBA_KINDS:
+        config = mamba_hf_config(args, kind, vocab_size)
+    else:
+        config = t5_hf_config(args, vocab_size) if kind == "t5" else hf_config_from_args(args, kind, vocab_size, where)
     cls = getattr(transformers, config.architectures[0])
     model = cls(config)
     if kind == "t5":
@@ -225,6 +242,8 @@ def build_model(args: Args, groups: ProcessGroupCollection, kind: str = "gpt2") 
         return build_bert(args, groups)
     if kind == "t5":
         return build_t5(args, groups)
+    if kind in MAMBA_KINDS:
+        return build_mamba(args, groups)
     return GPTModel(
         pg_collection=groups, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **gpt_model_kwargs(args)
     )
@@ -310,11 +329,14 @@ def load_megatron(
 
 
 _FAMILY_KEYS = {"bert": ("a BERT", LM_HEAD_KEY), "t5": ("a T5", CROSS_ATTENTION_KEY)}
+_FAMILY_KEYS.update({kind: ("a hybrid Mamba", FINAL_NORM_KEY) for kind in MAMBA_KINDS})
 
 
 def _check_family(saved: Any, kind: str, iter_dir: str) -> None:
     """Refuse ``--model-type kind`` for a checkpoint of another family (BERT, T5 or GPT), naming both."""
     for family, (name, key) in _FAMILY_KEYS.items():
+        if family in MAMBA_KINDS and kind in MAMBA_KINDS:
+            family = kind  # either Mamba family reads a MambaModel checkpoint
         if (key in saved) != (kind == family):
             found = name if key in saved else "not " + name
             raise ConversionError(f"{iter_dir} is {found} checkpoint ({key!r}); --model-type is {kind}")
@@ -325,6 +347,7 @@ _FROM_HF = {
     "gpt2": lambda hf_sd, model: from_hf_gpt2(hf_sd, model.config),
     "bert": bert_from_hf,
     "t5": t5_from_hf,
+    **{kind: mamba_from_hf for kind in MAMBA_KINDS},
     **{kind: lambda hf_sd, model: from_hf_llama(hf_sd, model.config) for kind in DECODER_FAMILIES},
 }
 
@@ -344,7 +367,7 @@ def hf_to_megatron(
         raise ConversionError(
             f"--target-pipeline-model-parallel-size {pp} does not divide the {args['num_layers']} layers of {where}"
         )
-    hf_sd = read_hf_weights(hf_dir)
+    hf_sd = in_memory_names(read_hf_weights(hf_dir), kind)
     check_hf_tensors(hf_sd, hf_dir, allow_nonfinite)
     with single_process_group() as groups:
         model = build_model(args, groups, kind)
@@ -352,6 +375,8 @@ def hf_to_megatron(
         save_release(model, args, groups, save, hf_config["vocab_size"])
     if kind == "t5":
         return t5_flags(args)
+    if kind in MAMBA_KINDS:
+        return mamba_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
     flags = megatron_flags(args) + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
     return flags + (tokenizer_flags(hf_dir) if kind == "bert" else [])
 
@@ -403,6 +428,8 @@ def _to_hf_names(sd: StateDict, args: Args, kind: str) -> StateDict:
     """Hugging Face names of our full state dict (vocabulary already stripped)."""
     if kind == "t5":
         return t5_to_hf(sd, args)
+    if kind in MAMBA_KINDS:
+        return mamba_to_hf(sd, args, kind)
     config = gpt_model_kwargs(args)
     model_config = _ConfigView(
         num_layers=config["num_layers"],
@@ -432,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
     p.add_argument(
         "--hf-dir",
-        help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, Qwen2/Qwen3/Qwen3-MoE, BERT, T5 v1.1)",
+        help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, Qwen2/Qwen3/Qwen3-MoE, BERT, T5 v1.1, "
+        "Mamba2, Nemotron-H)",
     )
     p.add_argument("--save", help="hf-to-megatron: checkpoint root to write (release/ and the tracker)")
     p.add_argument(
@@ -455,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
-    families = ["gpt2", *DECODER_FAMILIES, "bert", "t5"]
+    families = ["gpt2", *DECODER_FAMILIES, "bert", "t5", *MAMBA_KINDS]
     p.add_argument("--model-type", choices=families, help="megatron-to-hf: the HF family to write")
     p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
     p.add_argument(
@@ -470,6 +498,8 @@ def _script_of(flags: Sequence[str]) -> str:
     """The training script the printed flags are for."""
     if "--t5-v11" in flags:
         return "pretrain_t5.py"
+    if "--hybrid-override-pattern" in flags:
+        return "pretrain_mamba.py"
     return "pretrain_bert.py" if "--bert-post-layernorm" in flags else "pretrain_gpt.py"
 
 

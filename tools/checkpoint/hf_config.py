@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron.core.activations import activation, activation_name
 from megatron.core.tokenizers.gpt2_bpe import EOD_TOKEN
 from megatron.training.validation import vocab_size_with_padding
-from tools.checkpoint import deepseek, llama_family
+from tools.checkpoint import deepseek, llama_family, mamba
 from tools.checkpoint.checks import check_hf_config, check_model_args, head_size
 from tools.checkpoint.errors import Args, ConversionError, require_field
 from tools.checkpoint.llama_family import DECODER_FAMILIES
@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "BertForPreTraining": "bert",
     "BertForMaskedLM": "bert",
     "T5ForConditionalGeneration": "t5",
+    **mamba.ARCHITECTURES,
 }
 BERT_CLASSES = {True: "BertForPreTraining", False: "BertForMaskedLM"}  # by binary head (pooler + NSP)
 _GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --openai-gelu
@@ -157,6 +158,7 @@ def _bert_args(hf: Dict[str, Any], where: str) -> Args:
 
 _ARGS_OF = {"gpt2": _gpt2_args, "bert": _bert_args, "t5": t5_args}  # T5 v1.1: tools/checkpoint/t5.py
 _ARGS_OF.update({kind: functools.partial(_llama_args, kind=kind) for kind in DECODER_FAMILIES})
+_ARGS_OF.update({kind: functools.partial(mamba.mamba_args, kind=kind) for kind in mamba.MAMBA_KINDS})
 
 
 def megatron_args_from_hf(hf: Dict[str, Any], where: str, tp: int, divisible_by: int) -> Tuple[str, Args]:

@@ -5,13 +5,27 @@ A context is passed as ``inference_context`` down ``GPTModel`` -> ``TransformerB
 ``sequence_len_offset .. sequence_len_offset + s - 1`` of every sequence in the batch: attention
 writes this call's keys and values (after RoPE) there and attends over positions ``0 ..
 sequence_len_offset + s - 1``. The caller advances ``sequence_len_offset`` after the call.
+
+A Mamba layer (``megatron/core/ssm``) keeps no keys and values but two states per sequence, which
+``ssm_cache_for`` hands it: the last ``d_conv - 1`` inputs of its convolution and the scan's state. The
+layer continues from them and replaces them, so each call must cover the next positions of every sequence.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+
+@dataclass
+class MambaStates:
+    """One Mamba layer's states: ``conv_state`` ``[b, conv channels/tp, d_conv - 1]`` and ``ssm_state``
+    ``[b, heads/tp, head dim, state dim]`` (fp32); None before the layer's first call."""
+
+    conv_state: Optional[torch.Tensor] = None
+    ssm_state: Optional[torch.Tensor] = None
 
 
 class StaticInferenceContext:
@@ -39,6 +53,7 @@ class StaticInferenceContext:
         self.key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         # Encoder-decoder models: each cross-attention layer's keys and values of the encoder output.
         self.cross_key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ssm_states: Dict[int, MambaStates] = {}  # by global 1-based layer number
 
     def is_static_batching(self) -> bool:
         """Every sequence of the batch at the same positions (``DynamicInferenceContext``: False)."""
@@ -57,6 +72,13 @@ class StaticInferenceContext:
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
         self.cross_key_value_memory_dict.clear()
+        self.ssm_states.clear()
+
+    def ssm_cache_for(self, layer: Any) -> MambaStates:
+        """The states of Mamba layer ``layer`` (by its ``layer_number``), empty on its first call."""
+        if self.sequence_len_offset == 0:
+            self.ssm_states.pop(layer.layer_number, None)  # a new batch: start from nothing
+        return self.ssm_states.setdefault(layer.layer_number, MambaStates())
 
     def append_key_value(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor

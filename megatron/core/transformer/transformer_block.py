@@ -70,6 +70,8 @@ def get_num_layers_to_build(
 class TransformerBlock(MegatronModule):
     """Runs this stage's layers. On non-first stages the input comes from ``set_input_tensor``."""
 
+    final_norm_name = "final_layernorm"  # Megatron-core's MambaStack calls it final_norm
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -97,7 +99,8 @@ class TransformerBlock(MegatronModule):
             layer.quantization_context = layer_quantization_context(self.quantization_context, config, number)
         if isinstance(spec, TransformerBlockSubmodules):
             spec.check_layer_norm(config)
-        self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
+        final_norm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
+        setattr(self, self.final_norm_name, final_norm)
         self.input_tensor: Optional[torch.Tensor] = None
 
     def _build_layer(
@@ -233,6 +236,7 @@ class TransformerBlock(MegatronModule):
                         packed_seq_params=packed_seq_params,
                     )
                 start = end
-        if self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states)
+        final_norm = getattr(self, self.final_norm_name)
+        if final_norm is not None:
+            hidden_states = final_norm(hidden_states)
         return hidden_states

@@ -185,6 +185,18 @@ class TransformerConfig(ModelParallelConfig):
     """YaRN: softmax scale multiplied by (0.1*mscale_all_dim*ln(s)+1)^2."""
     original_max_position_embeddings: int = 4096
     """YaRN: the context length the model was trained with before extension."""
+
+    # Mamba-2 mixers of hybrid models (megatron/core/ssm).
+    mamba_state_dim: int = 128
+    """State size n of each head (--mamba-state-dim)."""
+    mamba_head_dim: int = 64
+    """Channels p per head (--mamba-head-dim)."""
+    mamba_num_groups: int = 8
+    """Groups sharing B and C (--mamba-num-groups)."""
+    mamba_num_heads: Optional[int] = None
+    """Heads (--mamba-num-heads); None: 2 * hidden_size / mamba_head_dim."""
+    use_mamba_mem_eff_path: bool = True
+    """Megatron's fused CUDA scan kernel; the plain PyTorch scan here computes the same either way."""
     beta_fast: float = 32.0
     """YaRN: frequencies turning more than this often over the original context keep their value."""
     beta_slow: float = 1.0
@@ -264,6 +276,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_sparse_attention()
         self._check_multi_token_prediction()
         self._check_fp8()
+        self._check_mamba()
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(
                 f"transformer_impl={self.transformer_impl!r}: must be one of {TRANSFORMER_IMPLS} "
@@ -573,6 +586,13 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"fp8_margin={self.fp8_margin}: must be >= 0")
         if self.first_last_layers_bf16:
             self._check_bf16_layers()
+
+    def _check_mamba(self) -> None:
+        """The Mamba sizes are positive (how they split is checked where a mixer is built)."""
+        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+            require_positive(name, getattr(self, name))
+        if self.mamba_num_heads is not None:
+            require_positive("mamba_num_heads", self.mamba_num_heads)
 
     def _check_fp4(self) -> None:
         """FP4 settings: e2m1 with a known recipe (FP8 or fp32 beside it: the matrix's rows)."""

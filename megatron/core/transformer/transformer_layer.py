@@ -106,13 +106,16 @@ class TransformerLayer(MegatronModule):
     ) -> None:
         self.layer_number = layer_number
         self.pg_collection = pg_collection
-        h = config.hidden_size
-        self.input_layernorm = build_module(submodules.input_layernorm, config, h, config.layernorm_epsilon)
-        self.self_attention = build_module(
-            submodules.self_attention, config, layer_number=layer_number, pg_collection=pg_collection
-        )
-        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, h, config.layernorm_epsilon)
-        self.mlp = build_module(submodules.mlp, config, pg_collection=pg_collection)
+        # A hybrid stack's attention-only and MLP-only layers (megatron/core/ssm) leave the other half None.
+        attention, mlp = submodules.self_attention is not None, submodules.mlp is not None
+        self.input_layernorm = self._optional_norm(submodules.input_layernorm) if attention else None
+        self.self_attention = None
+        if attention:
+            self.self_attention = build_module(
+                submodules.self_attention, config, layer_number=layer_number, pg_collection=pg_collection
+            )
+        self.pre_mlp_layernorm = self._optional_norm(submodules.pre_mlp_layernorm) if mlp else None
+        self.mlp = build_module(submodules.mlp, config, pg_collection=pg_collection) if mlp else None
         self.post_self_attn_layernorm = self._optional_norm(submodules.post_self_attn_layernorm)
         self.post_mlp_layernorm = self._optional_norm(submodules.post_mlp_layernorm)
         self.pre_cross_attn_layernorm = self._optional_norm(submodules.pre_cross_attn_layernorm)
@@ -161,27 +164,37 @@ class TransformerLayer(MegatronModule):
         scores (T5's relative position bias); ``inference_context`` holds the self-attention's KV cache (and the
         cross-attention's encoder keys and values).
         """
-        post_ln_residual = self.config.apply_residual_connection_post_layernorm
-        normed = self.input_layernorm(hidden_states)
-        attn_out, attn_bias = self.self_attention(
-            normed,
-            attention_mask,
-            rotary_pos_emb=rotary_pos_emb,
-            **_given(
+        if self.self_attention is not None:
+            given = _given(
                 attention_bias=attention_bias, inference_context=inference_context, packed_seq_params=packed_seq_params
-            ),
-        )
-        hidden_states = self._bias_dropout_add(attn_out, attn_bias, normed if post_ln_residual else hidden_states)
-        if self.post_self_attn_layernorm is not None:
-            hidden_states = self.post_self_attn_layernorm(hidden_states)
+            )
+            hidden_states = self._attention(hidden_states, attention_mask, rotary_pos_emb, given)
         if self.cross_attention is not None:
             hidden_states = self._cross_attention(hidden_states, context, context_mask, inference_context)
-        normed = self.pre_mlp_layernorm(hidden_states)
-        mlp_out, mlp_bias = self.mlp(normed)
-        hidden_states = self._bias_dropout_add(mlp_out, mlp_bias, normed if post_ln_residual else hidden_states)
-        if self.post_mlp_layernorm is not None:
-            hidden_states = self.post_mlp_layernorm(hidden_states)
+        if self.mlp is not None:
+            normed = self.pre_mlp_layernorm(hidden_states)
+            mlp_out, mlp_bias = self.mlp(normed)
+            post_ln_residual = self.config.apply_residual_connection_post_layernorm
+            hidden_states = self._bias_dropout_add(mlp_out, mlp_bias, normed if post_ln_residual else hidden_states)
+            if self.post_mlp_layernorm is not None:
+                hidden_states = self.post_mlp_layernorm(hidden_states)
         return hidden_states, context
+
+    def _attention(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        rotary_pos_emb: Optional[torch.Tensor],
+        given: dict,
+    ) -> torch.Tensor:
+        """``x + attn(norm(x))`` (or the post-LN variants): ``[s(/tp), b, h]`` -> same shape."""
+        normed = self.input_layernorm(hidden_states)
+        attn_out, attn_bias = self.self_attention(normed, attention_mask, rotary_pos_emb=rotary_pos_emb, **given)
+        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        hidden_states = self._bias_dropout_add(attn_out, attn_bias, residual)
+        if self.post_self_attn_layernorm is not None:
+            hidden_states = self.post_self_attn_layernorm(hidden_states)
+        return hidden_states
 
     def _cross_attention(
         self,

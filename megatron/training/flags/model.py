@@ -368,12 +368,6 @@ RECORDS = (
     Flag("symmetric_ar_type", no_op(reasons.COMMUNICATORS), fills=same(TC)),
     Flag("inference_fuse_tp_communication", no_op(reasons.OVERLAP)),
     Flag("mrope_section", not_yet(None), type=int),
-    Flag("is_hybrid_model", not_yet(False)),
-    Flag("mamba_state_dim", no_op(reasons.UNDER_REFUSED)),
-    Flag("mamba_head_dim", no_op(reasons.UNDER_REFUSED)),
-    Flag("mamba_num_groups", no_op(reasons.UNDER_REFUSED)),
-    Flag("mamba_num_heads", no_op(reasons.UNDER_REFUSED), type=int),
-    Flag("use_mamba_mem_eff_path", no_op(reasons.UNDER_REFUSED)),
     Flag("mlp_chunks_for_prefill", no_op(reasons.INFERENCE)),
     Flag(
         "transformer_impl",

@@ -29,7 +29,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
-from megatron.training.flags import checkpointing, data, logging, model, moe, training
+from megatron.training.flags import checkpointing, data, hybrid, logging, model, moe, training
 from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet, SavedArgs
 from megatron.training.flags_table import FlagSpec, megatron_flag_specs
 from megatron.training.theoretical_memory_params import LanguageModelShape
@@ -37,7 +37,13 @@ from megatron.training.training_config import TrainingConfig
 from megatron.training.training_log import FlopsConfig, LoggingConfig
 
 _ALL: Tuple[Flag, ...] = (
-    model.RECORDS + moe.RECORDS + training.RECORDS + checkpointing.RECORDS + data.RECORDS + logging.RECORDS
+    model.RECORDS
+    + hybrid.RECORDS
+    + moe.RECORDS
+    + training.RECORDS
+    + checkpointing.RECORDS
+    + data.RECORDS
+    + logging.RECORDS
 )
 
 

@@ -27,7 +27,7 @@ from megatron.core.transformer.multi_token_prediction import (
     mtp_loss_terms,
     roll_left,
 )
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import refuse_unimplemented
@@ -65,6 +65,12 @@ def _latent_attention_rotary(
             interpolation,
         )
     return RotaryEmbedding(config.qk_pos_emb_head_dim, rotary_percent, False, interpolation, rotary_base)
+
+
+def _is_block_spec(spec: object) -> bool:
+    """Whether ``spec`` builds a whole block (a ``TransformerBlock`` subclass) rather than its layers."""
+    module = spec.module if isinstance(spec, ModuleSpec) else None
+    return isinstance(module, type) and issubclass(module, TransformerBlock)
 
 
 class GPTModel(LanguageModule):
@@ -159,14 +165,18 @@ class GPTModel(LanguageModule):
         block_spec = transformer_layer_spec or get_gpt_decoder_block_spec(
             config, use_transformer_engine=config.transformer_impl == "transformer_engine"
         )
-        self.decoder = TransformerBlock(
-            config,
-            block_spec,
-            pre_process=pre_process,
-            post_process=post_process,
-            pg_collection=groups,
-            vp_stage=vp_stage,
-        )
+        if _is_block_spec(block_spec):  # e.g. MambaModel's hybrid stack
+            if config.mtp_num_layers:
+                raise NotImplementedError(f"mtp_num_layers={config.mtp_num_layers} with a {block_spec.module.__name__}")
+            self.decoder = build_module(
+                block_spec, config, pre_process=pre_process, post_process=post_process, pg_collection=groups,
+                vp_stage=vp_stage,
+            )  # fmt: skip
+        else:
+            self.decoder = TransformerBlock(
+                config, block_spec, pre_process=pre_process, post_process=post_process, pg_collection=groups,
+                vp_stage=vp_stage,
+            )  # fmt: skip
         if post_process:
             tied = share_embeddings_and_output_weights and (pre_process or self.mtp_process)
             with initialization_rng(config.initialization_seed, "output_layer"):

@@ -1,0 +1,81 @@
+"""Records of the hybrid Mamba model flags (``pretrain_mamba.py``; ``megatron/core/ssm``)."""
+
+from __future__ import annotations
+
+from megatron.core.transformer.transformer_config import TransformerConfig as TC
+from megatron.training.flags.record import IMPLEMENTED, Flag, always, between, positive, same
+
+RECORDS = (
+    Flag(
+        "is_hybrid_model",
+        IMPLEMENTED,
+        help="A hybrid Mamba model (pretrain_mamba.py sets it; pretrain_gpt.py refuses it).",
+        architecture=always,
+    ),
+    Flag(
+        "hybrid_attention_ratio",
+        IMPLEMENTED,
+        help="Share of attention layers, spread evenly between Mamba layers (without a pattern).",
+        bounds=between(0.0, 1.0),
+        architecture=always,
+    ),
+    Flag(
+        "hybrid_mlp_ratio",
+        IMPLEMENTED,
+        help="Share of MLP layers, spread over the remaining Mamba slots (without a pattern).",
+        bounds=between(0.0, 1.0),
+        architecture=always,
+    ),
+    Flag(
+        "hybrid_override_pattern",
+        IMPLEMENTED,
+        type=str,
+        help="One symbol per layer: M Mamba, * attention, - MLP, E MoE (e.g. M-M*-M-).",
+        architecture=always,
+    ),
+    Flag(
+        "spec",
+        IMPLEMENTED,
+        type=str,
+        help="MODULE NAME of the layer spec to build (pretrain_mamba.py: a stack spec such as "
+        "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec); pretrain_gpt.py refuses it.",
+    ),
+    Flag(
+        "mamba_state_dim",
+        IMPLEMENTED,
+        help="State size per Mamba head.",
+        fills=same(TC),
+        bounds=positive(),
+        architecture=always,
+    ),
+    Flag(
+        "mamba_head_dim",
+        IMPLEMENTED,
+        help="Channels per Mamba head.",
+        fills=same(TC),
+        bounds=positive(),
+        architecture=always,
+    ),
+    Flag(
+        "mamba_num_groups",
+        IMPLEMENTED,
+        help="Groups of Mamba heads sharing B and C.",
+        fills=same(TC),
+        bounds=positive(),
+        architecture=always,
+    ),
+    Flag(
+        "mamba_num_heads",
+        IMPLEMENTED,
+        type=int,
+        help="Mamba heads (default: 2 * hidden size / head dim).",
+        fills=same(TC),
+        architecture=always,
+    ),
+    Flag(
+        "use_mamba_mem_eff_path",
+        IMPLEMENTED,
+        help="Off: Megatron's unfused CUDA scan; here the PyTorch scan computes the same values either way.",
+        fills=same(TC),
+    ),
+)
