@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron.core.transformer.transformer_config import TransformerConfig as TC
-from megatron.training.flags.record import IMPLEMENTED, Flag, always, between, positive, same
+from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, always, between, positive, same
 
 RECORDS = (
     Flag(
@@ -18,6 +18,9 @@ RECORDS = (
         help="Share of attention layers, spread evenly between Mamba layers (without a pattern).",
         bounds=between(0.0, 1.0),
         architecture=always,
+        project=ProjectFlag(
+            group="network size", option_strings=("--hybrid-attention-ratio",), default=0.0, action="store"
+        ),
     ),
     Flag(
         "hybrid_mlp_ratio",
@@ -25,6 +28,7 @@ RECORDS = (
         help="Share of MLP layers, spread over the remaining Mamba slots (without a pattern).",
         bounds=between(0.0, 1.0),
         architecture=always,
+        project=ProjectFlag(group="network size", option_strings=("--hybrid-mlp-ratio",), default=0.0, action="store"),
     ),
     Flag(
         "hybrid_override_pattern",
@@ -32,6 +36,9 @@ RECORDS = (
         type=str,
         help="One symbol per layer: M Mamba, * attention, - MLP, E MoE (e.g. M-M*-M-).",
         architecture=always,
+        project=ProjectFlag(
+            group="network size", option_strings=("--hybrid-override-pattern",), default=None, action="store"
+        ),
     ),
     Flag(
         "spec",
@@ -39,6 +46,7 @@ RECORDS = (
         type=str,
         help="MODULE NAME of the layer spec to build (pretrain_mamba.py: a stack spec such as "
         "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec); pretrain_gpt.py refuses it.",
+        project=ProjectFlag(group="network size", option_strings=("--spec",), default=None, action="store", nargs="*"),
     ),
     Flag(
         "mamba_state_dim",

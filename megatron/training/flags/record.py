@@ -233,3 +233,4 @@ class ProjectFlag:
     option_strings: Tuple[str, ...]
     default: Any
     action: str  # store | storetrue | storefalse
+    nargs: Optional[str] = None  # argparse's nargs ("*", "+") where the flag takes several values

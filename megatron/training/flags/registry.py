@@ -312,7 +312,7 @@ def project_specs() -> List[FlagSpec]:
             dest=r.dest,
             default=r.project.default,
             choices=None,
-            nargs=None,
+            nargs=r.project.nargs,
             action=r.project.action,
         )
         for r in _ALL
