@@ -18,6 +18,7 @@ from megatron.training.flags.derive import (
     zero_if_none,
 )
 from megatron.training.flags.record import (
+    CHECKED,
     IMPLEMENTED,
     SPEED_BITWISE,
     SPEED_RTOL,
@@ -36,6 +37,7 @@ from megatron.training.flags.record import (
     tuple_from_plain,
     validated,
     with_learned_positions,
+    with_mamba_layers,
     with_rope,
 )
 from megatron.training.flags_table import attn_backend, int_tuple, str_to_bool
@@ -50,6 +52,8 @@ RECORDS = (
         help="Ranks that split each layer's matrices (TP).",
         fills=same(TC),
         bounds=at_least(1),
+        architecture=with_mamba_layers,  # a hybrid Mamba checkpoint loads at its own TP size only
+        from_checkpoint=CHECKED,
     ),
     Flag("pipeline_model_parallel_comm_backend", no_op(reasons.COMMUNICATORS)),
     Flag(

@@ -179,6 +179,13 @@ def with_learned_positions(saved: SavedArgs) -> bool:
     return saved.get("position_embedding_type") == "learned_absolute"
 
 
+def with_mamba_layers(saved: SavedArgs) -> bool:
+    """The flag matters for a hybrid Mamba model: its mixers' fused input projection and convolution are
+    stored per tensor-parallel rank (``[z, x, B, C, dt]`` of each rank's heads), so they reshard only at the
+    same TP size."""
+    return bool(saved.get("is_hybrid_model"))
+
+
 def with_moe(saved: SavedArgs) -> bool:
     """The flag matters for a mixture-of-experts model only."""
     return saved.get("num_experts") is not None

@@ -236,6 +236,16 @@ def test_architecture_check_names_each_flag_values_and_checkpoint():
     check_checkpoint_args({"num_layers": 2}, dict(ARCH, hidden_size=64), "/ck")
 
 
+def test_a_hybrid_mamba_checkpoint_loads_at_its_own_tensor_parallel_size_only():
+    # A Mamba mixer's in_proj / conv1d rows are laid out per TP rank: another TP size would load wrong weights.
+    saved = dict(ARCH, tensor_model_parallel_size=2)
+    check_checkpoint_args(saved, dict(ARCH, tensor_model_parallel_size=1), "/ck")  # a GPT reshards freely
+    hybrid = dict(saved, is_hybrid_model=True)
+    with pytest.raises(CheckpointingError, match="--tensor-model-parallel-size: checkpoint 2, this run 1"):
+        check_checkpoint_args(hybrid, dict(hybrid, tensor_model_parallel_size=1), "/ck")
+    check_checkpoint_args(hybrid, dict(hybrid), "/ck")
+
+
 def test_every_architecture_flag_is_a_real_destination():
     from megatron.training.arguments import flag_specs
 
