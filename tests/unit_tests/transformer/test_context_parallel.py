@@ -1,9 +1,11 @@
-"""Context-parallel pieces: the load-balanced sequence slicing and attention over all-gathered keys/values.
+"""Context-parallel pieces: the load-balanced sequence slicing and attention under every CP scheme.
 
-Attention: each CP rank runs ``DotProductAttention`` on its two chunks of q, k, v; the output and
-the gradients of its q, k and v must equal the matching rows of full (CP=1) attention on the whole
-sequence, for a plain causal mask, sliding windows (global positions) and an explicit document
-mask, on the SDPA and unfused paths. fp32; rtol=1e-5, atol=1e-6.
+Attention: each CP rank runs ``DotProductAttention`` on its two chunks of q, k, v under each
+``cp_comm_type`` (``all_gather``, ``p2p`` ring, ``a2a`` Ulysses); the output and the gradients of
+its q, k and v must equal the matching rows of full (CP=1) attention on the whole sequence, for
+grouped-query heads with a plain causal mask, sliding windows (global positions), an explicit
+document mask (not ``a2a``), and values narrower than keys (multi-latent attention), on the SDPA
+and unfused paths. fp32; rtol=1e-5, atol=1e-6.
 """
 
 import pytest
@@ -37,8 +39,9 @@ def test_sequence_not_divisible_by_two_cp_is_refused():
         cp_chunk_positions(12, 4, 0)
 
 
-def _attention(cp_group, window, backend):
+def _attention(cp_group, window, backend, scheme=None):
     config = TransformerConfig(
+        cp_comm_type=scheme,
         num_layers=1,
         hidden_size=32,
         num_attention_heads=4,
@@ -47,7 +50,7 @@ def _attention(cp_group, window, backend):
         window_size=window,
         attention_backend=backend,
     )
-    return DotProductAttention(config, 1, cp_group=cp_group)
+    return DotProductAttention(config, 1, cp_group=cp_group, softmax_scale=0.3)
 
 
 def _document_mask(b, s):
@@ -58,39 +61,53 @@ def _document_mask(b, s):
     return (blocked | torch.ones(s, s, dtype=torch.bool).triu(1))[:, None]
 
 
-def _compare_attention(rank, world_size):
+CASES = (  # (window, backend, explicit mask, value head dim)
+    (None, "auto", False, 8),
+    ((3, 0), "auto", False, 8),
+    ((2, 1), "unfused", False, 8),
+    (None, "unfused", True, 8),
+    ((4, 0), "auto", True, 8),
+    (None, "auto", False, 6),
+    ((5, 0), "auto", False, 6),
+)
+
+
+def _compare_attention(rank, world_size, schemes):
     groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
     s, b, d = 4 * world_size * 2, 2, 8
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (4, 2, 2))  # [s, b, heads|groups, d]
-    upstream = torch.randn(s, b, 4 * d, generator=g)
     mask = _document_mask(b, s)
     positions = cp_chunk_positions(s, world_size, groups.rank_in("cp"))  # [s/cp]
-    for window, backend, use_mask in (
-        (None, "auto", False),
-        ((3, 0), "auto", False),
-        ((2, 1), "unfused", False),
-        (None, "unfused", True),
-        ((4, 0), "auto", True),
-    ):
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = _attention(None, window, backend)(*full, mask if use_mask else None)  # [s, b, 4d]
-        ref.backward(upstream)
-        local = [t[positions].clone().requires_grad_() for t in (q, k, v)]  # [s/cp, b, ., d]
-        sliced = get_batch_on_this_cp_rank({"attention_mask": mask}, groups.cp)["attention_mask"]
-        out = _attention(groups.cp, window, backend)(*local, sliced if use_mask else None)  # [s/cp, b, 4d]
-        out.backward(upstream[positions])
-        what = f"cp={world_size} window={window} {backend} mask={use_mask}"
-        torch.testing.assert_close(out, ref[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} out: {m}")
-        for name, mine, whole in zip("qkv", local, full):
-            torch.testing.assert_close(
-                mine.grad, whole.grad[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {name}: {m}"
-            )
+    for scheme in schemes:
+        for window, backend, use_mask, dv in CASES:
+            if use_mask and scheme == "a2a":
+                continue
+            g = torch.Generator().manual_seed(0)
+            q, k = (torch.randn(s, b, n, d, generator=g) for n in (4, 2))  # [s, b, heads|groups, d]
+            v = torch.randn(s, b, 2, dv, generator=g)
+            upstream = torch.randn(s, b, 4 * dv, generator=g)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = _attention(None, window, backend)(*full, mask if use_mask else None)  # [s, b, 4dv]
+            ref.backward(upstream)
+            local = [t[positions].clone().requires_grad_() for t in (q, k, v)]  # [s/cp, b, ., d]
+            sliced = get_batch_on_this_cp_rank({"attention_mask": mask}, groups.cp)["attention_mask"]
+            out = _attention(groups.cp, window, backend, scheme)(*local, sliced if use_mask else None)
+            out.backward(upstream[positions])
+            what = f"{scheme} cp={world_size} window={window} {backend} mask={use_mask} dv={dv}"
+            torch.testing.assert_close(out, ref[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} out: {m}")
+            for name, mine, whole in zip("qkv", local, full):
+                torch.testing.assert_close(
+                    mine.grad, whole.grad[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {name}: {m}"
+                )
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_attention_with_gathered_kv_equals_full_attention(world_size):
-    run_distributed(_compare_attention, world_size)
+def test_every_cp_scheme_equals_full_attention():
+    run_distributed(_compare_attention, 2, ("all_gather", "p2p", "a2a"))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("world_size, schemes", [(3, ("all_gather", "p2p")), (4, ("p2p", "a2a"))])
+def test_every_cp_scheme_equals_full_attention_on_more_ranks(world_size, schemes):
+    run_distributed(_compare_attention, world_size, schemes)
 
 
 def _slice_batch(rank, world_size):
