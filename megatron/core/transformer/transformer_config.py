@@ -363,8 +363,9 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"cp_comm_type={one!r}: must be one of {CP_COMM_TYPES}")
             if one == "a2a+p2p" and self.context_parallel_size > 1:
                 raise ValueError(
-                    "cp_comm_type='a2a+p2p': needs hierarchical_context_parallel_sizes (a2a groups inside p2p "
-                    "rings), which is not supported yet; use 'p2p' or 'a2a'"
+                    "cp_comm_type='a2a+p2p': needs hierarchical_context_parallel_sizes "
+                    "(--hierarchical-context-parallel-sizes: a2a groups inside p2p rings), which is not supported yet; "
+                    "use 'p2p' or 'a2a'"
                 )
         self.cp_comm_type = values[0] if len(values) == 1 else values
 
