@@ -6,6 +6,10 @@ its q, k and v must equal the matching rows of full (CP=1) attention on the whol
 grouped-query heads with a plain causal mask, sliding windows (global positions), an explicit
 document mask (not ``a2a``), and values narrower than keys (multi-latent attention), on the SDPA
 and unfused paths. fp32; rtol=1e-5, atol=1e-6.
+
+No square tensor: under ``p2p`` and ``a2a`` no op creates, and autograd saves, a tensor of
+``s * s / 4`` elements or more (``tests.tensor_meter``, query tiles of 256 scores), while the
+``all_gather`` scheme's ``[s/cp, s]`` mask is caught by the same check.
 """
 
 import pytest
@@ -13,9 +17,11 @@ import torch
 
 from megatron.core.context_parallel import cp_chunk_positions, gathered_order, get_batch_on_this_cp_rank
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
+from megatron.core.transformer import tiled_attention
 from megatron.core.transformer.attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.dist_harness import run_distributed
+from tests.tensor_meter import TensorMeter
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -100,8 +106,32 @@ def _compare_attention(rank, world_size, schemes):
                 )
 
 
-def test_every_cp_scheme_equals_full_attention():
-    run_distributed(_compare_attention, 2, ("all_gather", "p2p", "a2a"))
+def _largest_tensors(rank, world_size):
+    """(largest created, largest saved) elements of one causal attention fwd+bwd at s = 128, per scheme."""
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    tiled_attention.TILE_ELEMENTS = 256
+    s, found = 128, {}
+    for scheme in ("all_gather", "p2p", "a2a"):
+        q, k, v = (torch.randn(s // world_size, 1, n, 8, requires_grad=True) for n in (2, 1, 1))  # [s/cp, b, ., d]
+        with TensorMeter() as meter:
+            _attention(groups.cp, None, "auto", scheme)(q, k, v, None).sum().backward()
+        found[scheme] = (meter.largest_created, meter.largest_saved)
+    return s, found
+
+
+def _cp_checks(rank, world_size, schemes):
+    _compare_attention(rank, world_size, schemes)
+    return _largest_tensors(rank, world_size)
+
+
+def test_every_cp_scheme_equals_full_attention_without_square_tensors():
+    for s, found in run_distributed(_cp_checks, 2, ("all_gather", "p2p", "a2a")):
+        limit = s * s // 4
+        for scheme in ("p2p", "a2a"):
+            (created, created_shape), (saved, saved_shape) = found[scheme]
+            assert created < limit, f"{scheme}: created a tensor {created_shape}"
+            assert saved < limit, f"{scheme}: saved a tensor {saved_shape}"
+        assert found["all_gather"][0][0] >= limit, "the check misses the all_gather scheme's [s/cp, s] mask"
 
 
 @pytest.mark.full
