@@ -256,16 +256,16 @@ class DotProductAttention(MegatronModule):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor], causal: bool
     ) -> torch.Tensor:
         """``p2p``/``a2a`` context parallelism (``cp_attention``) on ``[s/cp, b, ., d]`` -> ``[s/cp, b, heads*dv]``."""
-        if self.training and self.config.attention_dropout > 0:
-            raise NotImplementedError(
-                f"cp_comm_type={self.cp_comm_type!r} with attention_dropout={self.config.attention_dropout}: "
-                "not supported yet (use attention_dropout=0 or cp_comm_type='all_gather')"
-            )
         s, b, heads, _ = query.shape
         q = query.permute(1, 2, 0, 3)  # [b, heads, s/cp, d]
         k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, groups, s/cp, d]
         vis = Visibility(causal, self.config.window_size)
-        ctx = context_parallel_attention(q, k, v, self.cp_comm_type, self.cp_group, vis, self.softmax_scale, mask)
+        p = self.config.attention_dropout if self.training else 0.0
+        with _dropout_rng(p > 0, self.config.sequence_parallel):
+            dropout = (p, int(torch.randint(2**62, (1,)).item())) if p > 0 else None  # the forked RNG's draw
+        ctx = context_parallel_attention(
+            q, k, v, self.cp_comm_type, self.cp_group, vis, self.softmax_scale, mask, dropout
+        )
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * ctx.shape[-1])  # [s/cp, b, heads*dv]
 
     def _gather_over_cp(

@@ -48,6 +48,7 @@ class Ring:
     group: Optional[dist.ProcessGroup]
     vis: Visibility
     scale: float
+    dropout: Optional[Tuple[float, int]] = None  # (p, seed): tiled_attention's attention dropout
 
     def __post_init__(self) -> None:
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -84,7 +85,9 @@ class Ring:
             kb, vb = _unpack(kv, k.shape, v.shape)
             for rows, keys, pos, vis in self.blocks(src, c):
                 block_mask = _cut(mask, rows, pos[1], c)
-                part = block_forward(q[:, :, rows], kb[:, :, keys], vb[:, :, keys], pos, vis, self.scale, block_mask)
+                part = block_forward(
+                    q[:, :, rows], kb[:, :, keys], vb[:, :, keys], pos, vis, self.scale, block_mask, self.dropout
+                )
                 merge_into(out[:, :, rows], lse[:, :, rows], *part)
             if pending is not None:
                 kv = _wait(pending)
@@ -106,7 +109,7 @@ class Ring:
                 grads = (dout[:, :, rows], delta[:, :, rows])
                 gq, gk, gv = block_backward(
                     grads, q[:, :, rows], kb[:, :, keys], vb[:, :, keys], lse[:, :, rows], pos, vis, self.scale,
-                    _cut(mask, rows, pos[1], c),
+                    _cut(mask, rows, pos[1], c), self.dropout,
                 )  # fmt: skip
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
@@ -191,11 +194,14 @@ def _groups_for(k: torch.Tensor, heads: int, cp: int) -> torch.Tensor:
     return k.repeat_interleave(wanted // g, dim=1) if wanted > g else k
 
 
-def ulysses_attention(q, k, v, group: dist.ProcessGroup, vis: Visibility, scale: float) -> torch.Tensor:
-    """All-to-all CP attention: ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, .]`` -> ``[b, h, s/cp, dv]``."""
-    cp, heads = dist.get_world_size(group), q.shape[1]
+def ulysses_attention(q, k, v, ring: Ring) -> torch.Tensor:
+    """All-to-all CP attention over ``ring.group``: ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, .]`` ->
+    ``[b, h, s/cp, dv]``; the whole-sequence attention of this rank's heads runs on a one-rank ring."""
+    group, cp, heads = ring.group, ring.size, q.shape[1]
     k, v = (_seq_to_heads(_groups_for(t, heads, cp), group) for t in (k, v))  # [b, g'/cp, s, .]
-    ctx = ring_attention(_seq_to_heads(q, group), k, v, Ring(None, vis, scale))  # [b, h/cp, s, dv]
+    dropout = None if ring.dropout is None else (ring.dropout[0], hash((ring.dropout[1], ring.rank)))  # per head group
+    local = Ring(None, ring.vis, ring.scale, dropout)
+    ctx = ring_attention(_seq_to_heads(q, group), k, v, local)  # [b, h/cp, s, dv]
     return _heads_to_seq(ctx, group)
 
 
@@ -208,16 +214,18 @@ def context_parallel_attention(
     vis: Visibility,
     scale: float,
     mask: Optional[torch.Tensor] = None,
+    dropout: Optional[Tuple[float, int]] = None,
 ) -> torch.Tensor:
     """This rank's attention output ``[b, h, s/cp, dv]`` under ``scheme`` (``p2p`` or ``a2a``).
 
     ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, d|dv]`` hold chunks r and 2cp-1-r; ``mask``
-    (``p2p`` only) ``[b|1, 1, s/cp, s]``, True = blocked, in global key order.
+    (``p2p`` only) ``[b|1, 1, s/cp, s]``, True = blocked, in global key order; ``dropout`` ``(p, seed)``.
     """
+    ring = Ring(group, vis, scale, dropout)
     if scheme == "p2p":
-        return ring_attention(q, k, v, Ring(group, vis, scale), mask)
+        return ring_attention(q, k, v, ring, mask)
     if scheme == "a2a":
         if mask is not None:
             raise NotImplementedError("cp_comm_type='a2a' with an explicit attention mask: use 'p2p' or 'all_gather'")
-        return ulysses_attention(q, k, v, group, vis, scale)
+        return ulysses_attention(q, k, v, ring)
     raise ValueError(f"cp_comm_type={scheme!r}: this function computes {RING_SCHEMES}")

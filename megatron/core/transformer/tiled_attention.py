@@ -14,6 +14,10 @@ so a diagonal block costs half. Grouped-query keys and values stay at their grou
 heads of a group are folded into the tile). Masks within a tile come from global positions
 (``masks.build_attention_mask``); an explicit ``mask`` (True = blocked) aligned to the block may add
 padding or documents. Values may have another head dim than queries (multi-latent attention).
+
+Attention dropout (``dropout = (p, seed)``) drops probabilities after the softmax, as SDPA does; each
+tile's keep-mask is drawn from a generator seeded by ``(seed, first query, first key)`` so that
+backward draws it again instead of storing it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from megatron.core.transformer.masks import build_attention_mask
 
 TILE_ELEMENTS = 1 << 22  # scores per tile and head: rows x visible keys
 SKIP, FULL, PARTIAL = "skip", "full", "partial"
+Dropout = Optional[Tuple[float, int]]  # (probability, seed) or None
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,18 @@ def _tile_scores(q, k, q_rows, k_rows, pos, vis, mask, scale) -> torch.Tensor:
     return scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
 
 
+def _kept(dropout: Dropout, where: Tuple[int, int], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tile's keep-mask scaled by 1/(1-p), like ``like`` ``[b, g, h/g, tq, tk]``; None without dropout.
+    ``where``: global positions of the tile's first query and first key (with the seed: the draw)."""
+    if dropout is None:
+        return None
+    p, seed = dropout
+    gen = torch.Generator(device=like.device)
+    gen.manual_seed(hash((seed, *where)) & (2**63 - 1))
+    keep = torch.rand(like.shape, generator=gen, device=like.device) >= p
+    return keep.to(like.dtype) / (1.0 - p)
+
+
 def _tiles(nq: int, nk: int, q0: int, k0: int, vis: Optional[Visibility]):
     """``(t0, t1, lo, hi)``: query rows and the key rows they may see, tile by tile (empty ones dropped)."""
     rows = _tile_rows(nq, nk)
@@ -106,10 +123,12 @@ def block_forward(
     vis: Optional[Visibility],
     scale: float,
     mask: Optional[torch.Tensor] = None,
+    dropout: Dropout = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``q`` ``[b, h, nq, d]``, ``k`` ``[b, g, nk, d]``, ``v`` ``[b, g, nk, dv]``
     with first positions ``pos = (q0, k0)`` -> fp32 output ``[b, h, nq, dv]`` and ``lse`` ``[b, h, nq]``
-    (-inf, output 0, where a query sees no key). ``vis`` None: nothing blocked (a FULL block)."""
+    (-inf, output 0, where a query sees no key). ``vis`` None: nothing blocked (a FULL block).
+    ``dropout``: ``(p, seed)`` drops probabilities (after the softmax; ``lse`` is the undropped one)."""
     b, h, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     out = q.new_zeros(b, h, nq, dv, dtype=torch.float32)
@@ -118,6 +137,8 @@ def block_forward(
         scores = _tile_scores(q, k, (t0, t1), (lo, hi), pos, vis, mask, scale)  # [b, g, h/g, tq, tk]
         tile_lse = torch.logsumexp(scores, dim=-1)  # [b, g, h/g, tq]
         probs = torch.exp(scores - _finite(tile_lse).unsqueeze(-1))
+        kept = _kept(dropout, (pos[0] + t0, pos[1] + lo), probs)
+        probs = probs if kept is None else probs * kept
         ctx = torch.matmul(probs.to(v.dtype), v[:, :, lo:hi].unsqueeze(2))  # [b, g, h/g, tq, dv]
         out[:, :, t0:t1] = ctx.reshape(b, h, t1 - t0, dv).float()
         lse[:, :, t0:t1] = tile_lse.reshape(b, h, t1 - t0)
@@ -134,10 +155,11 @@ def block_backward(
     vis: Optional[Visibility],
     scale: float,
     mask: Optional[torch.Tensor] = None,
+    dropout: Dropout = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (fp32) of one block's ``q``, ``k``, ``v`` given ``grads = (dout, delta)``: the gradient of
     the *final* output ``[b, h, nq, dv]`` and ``delta = rowsum(dout * out)`` ``[b, h, nq]``, with the final
-    ``lse`` ``[b, h, nq]``. Shapes and ``pos``/``vis``/``mask`` as ``block_forward``."""
+    ``lse`` ``[b, h, nq]``. Shapes and ``pos``/``vis``/``mask``/``dropout`` as ``block_forward``."""
     dout, delta = grads
     b, h, nq, d = q.shape
     g, nk = k.shape[1], k.shape[2]
@@ -149,8 +171,11 @@ def block_backward(
         rows = (b, g, h // g, t1 - t0)
         probs = torch.exp(scores - _finite(lse[:, :, t0:t1]).reshape(rows).unsqueeze(-1))  # final softmax
         dout_t = dout[:, :, t0:t1].float().reshape(*rows, -1)  # [b, g, h/g, tq, dv]
-        dv[:, :, lo:hi] += torch.matmul(probs.transpose(-1, -2), dout_t).sum(2)  # [b, g, tk, dv]
+        kept = _kept(dropout, (pos[0] + t0, pos[1] + lo), probs)
+        dropped = probs if kept is None else probs * kept
+        dv[:, :, lo:hi] += torch.matmul(dropped.transpose(-1, -2), dout_t).sum(2)  # [b, g, tk, dv]
         dprobs = torch.matmul(dout_t, v[:, :, lo:hi].float().unsqueeze(2).transpose(-1, -2))  # [.., tq, tk]
+        dprobs = dprobs if kept is None else dprobs * kept
         dscores = probs * (dprobs - delta[:, :, t0:t1].reshape(rows).unsqueeze(-1)) * scale
         dq[:, :, t0:t1] = torch.matmul(dscores, k[:, :, lo:hi].float().unsqueeze(2)).reshape(b, h, t1 - t0, d)
         qt = q[:, :, t0:t1].float().reshape(*rows, d)

@@ -7,6 +7,9 @@ grouped-query heads with a plain causal mask, sliding windows (global positions)
 document mask (not ``a2a``), and values narrower than keys (multi-latent attention), on the SDPA
 and unfused paths. fp32; rtol=1e-5, atol=1e-6.
 
+Attention dropout under ``p2p`` and ``a2a``: the gradient agrees with central differences of the
+output with the same dropout seed (backward redraws forward's masks).
+
 No square tensor: under ``p2p`` and ``a2a`` no op creates, and autograd saves, a tensor of
 ``s * s / 4`` elements or more (``tests.tensor_meter``, query tiles of 256 scores), while the
 ``all_gather`` scheme's ``[s/cp, s]`` mask is caught by the same check.
@@ -19,6 +22,8 @@ from megatron.core.context_parallel import cp_chunk_positions, gathered_order, g
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from megatron.core.transformer import tiled_attention
 from megatron.core.transformer.attention import DotProductAttention
+from megatron.core.transformer.cp_attention import context_parallel_attention
+from megatron.core.transformer.tiled_attention import Visibility
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.dist_harness import run_distributed
 from tests.tensor_meter import TensorMeter
@@ -119,8 +124,37 @@ def _largest_tensors(rank, world_size):
     return s, found
 
 
+def _dropout_gradients(rank, world_size):
+    """With attention dropout, backward redraws forward's keep-masks: the gradient's directional derivative
+    matches central differences of the output (a different mask would miss by about the dropped share)."""
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, n, 16, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))  # [b, ., s/cp, d]
+    direction = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v)]
+    weights = torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64)
+    for scheme in ("p2p", "a2a"):
+
+        def loss(*qkv, dropout=(0.3, 1234)):
+            out = context_parallel_attention(*qkv, scheme, groups.cp, Visibility(True, None), 0.35, dropout=dropout)
+            total = (out * weights).sum()
+            torch.distributed.all_reduce(total, group=groups.cp)
+            return total
+
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        loss(*inputs).backward()
+        analytic = sum((t.grad * u).sum() for t, u in zip(inputs, direction))
+        torch.distributed.all_reduce(analytic, group=groups.cp)
+        eps = 1e-3
+        plus = loss(*(t + eps * u for t, u in zip((q, k, v), direction)))
+        minus = loss(*(t - eps * u for t, u in zip((q, k, v), direction)))
+        numeric = (plus - minus) / (2 * eps)
+        assert abs(float(loss(q, k, v)) - float(loss(q, k, v, dropout=None))) > 1e-3, f"{scheme}: nothing dropped"
+        assert abs(float(analytic) - float(numeric)) < 1e-3 * max(1.0, abs(float(numeric))), (scheme, analytic, numeric)
+
+
 def _cp_checks(rank, world_size, schemes):
     _compare_attention(rank, world_size, schemes)
+    _dropout_gradients(rank, world_size)
     return _largest_tensors(rank, world_size)
 
 
