@@ -7,6 +7,8 @@ grouped-query heads with a plain causal mask, sliding windows (global positions)
 document mask (not ``a2a``), and values narrower than keys (multi-latent attention), on the SDPA
 and unfused paths. fp32; rtol=1e-5, atol=1e-6.
 
+The ring posts the transfer of step t + 1 before computing step t (a recording of its calls).
+
 Attention dropout under ``p2p`` and ``a2a``: the gradient agrees with central differences of the
 output with the same dropout seed (backward redraws forward's masks).
 
@@ -20,7 +22,7 @@ import torch
 
 from megatron.core.context_parallel import cp_chunk_positions, gathered_order, get_batch_on_this_cp_rank
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
-from megatron.core.transformer import tiled_attention
+from megatron.core.transformer import cp_attention, tiled_attention
 from megatron.core.transformer.attention import DotProductAttention
 from megatron.core.transformer.cp_attention import context_parallel_attention
 from megatron.core.transformer.tiled_attention import Visibility
@@ -152,7 +154,23 @@ def _dropout_gradients(rank, world_size):
         assert abs(float(analytic) - float(numeric)) < 1e-3 * max(1.0, abs(float(numeric))), (scheme, analytic, numeric)
 
 
+def _ring_posts_before_computing(rank, world_size):
+    """The ring's forward posts the transfer of the next key/value block before computing the current one."""
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    events, block, post = [], cp_attention.block_forward, torch.distributed.batch_isend_irecv
+    cp_attention.block_forward = lambda *a, **k: (events.append("compute"), block(*a, **k))[1]
+    torch.distributed.batch_isend_irecv = lambda ops: (events.append("post"), post(ops))[1]
+    try:
+        q, k, v = (torch.randn(1, n, 8, 4) for n in (2, 1, 1))  # [b, ., s/cp, d]
+        cp_attention.context_parallel_attention(q, k, v, "p2p", groups.cp, Visibility(True, None), 0.5)
+    finally:
+        cp_attention.block_forward, torch.distributed.batch_isend_irecv = block, post
+    steps = "".join("p" if e == "post" else "c" for e in events).split("p")  # computes after each post
+    assert events[0] == "post" and len(steps) == world_size and all(steps[1:]), events
+
+
 def _cp_checks(rank, world_size, schemes):
+    _ring_posts_before_computing(rank, world_size)
     _compare_attention(rank, world_size, schemes)
     _dropout_gradients(rank, world_size)
     return _largest_tensors(rank, world_size)
