@@ -13,7 +13,12 @@ largest tensor any op creates and the largest autograd saves. Printed beside the
   ``2 * s * b * g * d * 4 B``: quadratic in s. Measured only up to ``--all-gather-max-seq`` (it needs
   ~13 GB per rank at s = 32k, cp = 2); above that the formula alone is printed.
 
-Usage (pasteable; ~10 min on 2 busy cores): ``python benchmarks/bench_long_context.py --seq 32768 --cp 2 4``
+Usage: ``python benchmarks/bench_long_context.py --seq 8192 --cp 2 4`` (~20 min on 2 busy CPU cores; the
+time grows as s^2: ``--seq 32768`` is a few hours there). ``a2a`` needs ``--heads`` divisible by each cp.
+
+Measured (2026-12-02, 2 CPU cores shared with other jobs; heads 2, groups 1, head dim 16, tile 32768, s = 16384):
+p2p peak 10.9 MiB/rank at cp=2, 6.6 at cp=4 (formula 13.8, 7.6); a2a 16.0 MiB at cp=2; the largest tensor
+created or saved was q-sized ``[1, 2, s/cp, 16]`` (p2p) or a 512 Ki-element score tile (a2a), against s*s = 268 M.
 """
 
 from __future__ import annotations
