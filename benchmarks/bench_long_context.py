@@ -19,6 +19,8 @@ time grows as s^2: ``--seq 32768`` is a few hours there). ``a2a`` needs ``--head
 Measured (2026-12-02, 2 CPU cores shared with other jobs; heads 2, groups 1, head dim 16, tile 32768, s = 16384):
 p2p peak 10.9 MiB/rank at cp=2, 6.6 at cp=4 (formula 13.8, 7.6); a2a 16.0 MiB at cp=2; the largest tensor
 created or saved was q-sized ``[1, 2, s/cp, 16]`` (p2p) or a 512 Ki-element score tile (a2a), against s*s = 268 M.
+At s = 8192 (4 heads, 2 groups) see the README table; at s = 32768, 4 heads, 2 groups, cp=4: p2p 23.8 MiB/rank
+(formula 27.5), largest tensor ``[1, 4, 8192, 16]``, 378 s.
 """
 
 from __future__ import annotations
