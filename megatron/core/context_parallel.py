@@ -11,9 +11,8 @@ amount of attention work (an early chunk with few keys, a late one with many).
 * attention (``transformer/attention.py``) builds its mask from the *global* positions of this
   rank's queries with ``transformer.masks.build_attention_mask`` (causal, optionally a sliding window).
 
-This is the "all_gather" scheme of Megatron's ``--cp-comm-type``. The ring (``p2p``), all-to-all
-(``a2a``) and hierarchical (``a2a+p2p``) schemes overlap communication differently on GPUs but
-compute exactly the same attention, so the training code accepts them and runs this one.
+This is the "all_gather" scheme of Megatron's ``--cp-comm-type``; ``transformer/cp_attention.py``
+computes the ring (``p2p``) and all-to-all (``a2a``) schemes, which never hold whole-sequence keys.
 """
 
 from __future__ import annotations

@@ -414,7 +414,8 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
 def check_context_parallel(args: argparse.Namespace) -> None:
     """--cp-comm-type: one value, or one per layer.
 
-    Every --cp-comm-type computes the same exact attention; we run the all-gather scheme for any of them.
+    p2p (ring), a2a (Ulysses) and all_gather each run as such (``transformer/cp_attention.py``); the config
+    (``TransformerConfig.cp_comm_type``) refuses a2a+p2p, which needs hierarchical CP groups.
     """
     comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
     for value in comm_types:

@@ -1,32 +1,60 @@
-"""pretrain_gpt.py with --context-parallel-size 2 prints the CP=1 losses; its checkpoint resumes under CP=1.
+"""pretrain_gpt.py with --context-parallel-size 2 prints the CP=1 losses under every --cp-comm-type, running
+the chosen scheme; its checkpoint resumes under CP=1.
 
 Mock data, CPU initialization, dropout off, ``--eod-mask-loss`` (so the two CP ranks count
 different numbers of tokens). CP=2 on 2 ranks trains the first 3 iterations and saves; CP=1 on
 one rank loads that checkpoint and trains 3 more. Every printed ``lm loss`` (and the validation
 loss) equals the straight CP=1 run's to the printed 7 digits but for last-digit float noise
-(relative 2e-6).
+(relative 2e-6). The first half runs Megatron's default scheme (``p2p``); ``a2a`` and ``all_gather``
+runs train the first iteration too. Each rank counts its collectives (``count_collectives.py``):
+the ring posts point-to-point batches and nothing else, Ulysses all-to-alls only, all_gather
+all-gathers only.
 """
 
 import math
+import os
 
-from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags
+from tests.functional_tests import count_collectives
+from tests.functional_tests.gpt_runs import REPO, assert_ok, mock_flags, run_gpt, tiny_gpt_flags
 
 ITERS = 6
 REL_TOL = 2e-6
+COUNTING = [count_collectives.__file__, os.path.join(REPO, "pretrain_gpt.py")]
+USES = {  # the collectives each scheme's attention calls (no other part of this run calls them)
+    "p2p": {"p2p"},
+    "a2a": {"all-to-all"},
+    "all_gather": {"all-gather"},
+}
+
+
+def _check_collectives(result, scheme):
+    counts = count_collectives.parse(result.output)
+    assert sorted(counts) == [0, 1], result.output[-2000:]
+    for rank, calls in counts.items():
+        used = {name for name, n in calls.items() if n}
+        assert used == USES[scheme], f"{scheme} rank {rank}: called {calls}"
 
 
 def test_cp2_prints_the_cp1_losses_and_resumes_under_cp1(tmp_path):
     base = tiny_gpt_flags(ITERS) + mock_flags() + ["--eod-mask-loss", "--eval-interval", "3"]
     ckpt = str(tmp_path / "ckpt")
     single = run_gpt(1, base, str(tmp_path))
+    cp2 = base + ["--context-parallel-size", "2"]
     first = run_gpt(
-        2,
-        base + ["--context-parallel-size", "2", "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"],
-        str(tmp_path),
+        2, cp2 + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"], str(tmp_path), script=COUNTING
     )
+    others = {
+        s: run_gpt(2, cp2 + ["--exit-interval", "1", "--cp-comm-type", s], str(tmp_path), script=COUNTING)
+        for s in ("a2a", "all_gather")
+    }
     resumed = run_gpt(1, base + ["--load", ckpt], str(tmp_path))
-    for name, result in (("CP=1", single), ("CP=2 first half", first), ("CP=1 resumed", resumed)):
+    for name, result in (("CP=1", single), ("CP=2 first half", first), ("CP=1 resumed", resumed), *others.items()):
         assert_ok(result, name)
+    for scheme, result in (("p2p", first), *others.items()):
+        _check_collectives(result, scheme)
+        assert result.losses(), f"{scheme}: no loss printed"
+        for i, (x, y) in enumerate(zip(result.losses(), single.losses())):
+            assert math.isclose(x, y, rel_tol=REL_TOL), f"{scheme} iteration {i + 1}: CP=2 {x} vs CP=1 {y}"
     assert [line["iteration"] for line in resumed.lines] == [4, 5, 6]
     expected = single.losses()
     got = first.losses() + resumed.losses()

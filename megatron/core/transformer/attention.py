@@ -17,13 +17,15 @@ from megatron.core.extensions.transformer_engine import is_te_linear
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
+from megatron.core.transformer.cp_attention import RING_SCHEMES, context_parallel_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.masks import build_attention_mask
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, Norm, RMSNorm, build_norm
 from megatron.core.transformer.packed_attention import packed_segments
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.tiled_attention import Visibility
+from megatron.core.transformer.transformer_config import CP_COMM_TYPES, TransformerConfig
 
 _SDPA_BACKENDS = ("auto", "flash", "fused")
 FLASH_HEAD_DIM_MAX = 256  # PyTorch's flash kernel pads smaller head dims to a multiple of 8
@@ -48,6 +50,12 @@ def flash_blockers(
         # PyTorch's flash kernel takes one head size for q, k and v (MLA: values narrower than queries/keys).
         reasons.append(f"value head dim {value.shape[-1]} != query/key head dim {query.shape[-1]}")
     return reasons
+
+
+def _warn_once(message: str) -> None:
+    if message not in _flash_warnings:
+        _flash_warnings.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def warn_flash_unavailable(reasons: List[str]) -> None:
@@ -93,10 +101,12 @@ class DotProductAttention(MegatronModule):
     ``1/sqrt(kv_channels)``).
 
     With a context-parallel group of size > 1 the inputs are this rank's ``[s/cp, b, ., d]``
-    (chunks r and 2cp-1-r, see ``megatron.core.context_parallel``): keys and values are
-    all-gathered over CP into sequence order, and the causal mask and sliding window use the
-    queries' global positions. A given ``attention_mask`` is then ``[b, 1, s/cp, s]`` (this
-    rank's query rows, every key), as ``get_batch_on_this_cp_rank`` slices it.
+    (chunks r and 2cp-1-r, see ``megatron.core.context_parallel``), and ``cp_comm_type`` (else
+    ``config.cp_comm_type``, this layer's entry of a list; None: ``p2p`` as Megatron) picks the scheme:
+    ``p2p`` (ring) and ``a2a`` (Ulysses) in ``cp_attention``, without whole-sequence keys or masks;
+    ``all_gather``: keys and values all-gathered over CP into sequence order, and the causal mask and
+    sliding window built from the queries' global positions. A given ``attention_mask`` is then
+    ``[b, 1, s/cp, s]`` (this rank's query rows, every key), as ``get_batch_on_this_cp_rank`` slices it.
 
     ``packed_seq_params`` (``megatron.core.packed_seq_params``): the ``[t, 1, ., d]`` inputs are packed
     sequences, each attending causally to itself only, computed segment by segment without a
@@ -110,10 +120,12 @@ class DotProductAttention(MegatronModule):
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         cp_group: Optional[torch.distributed.ProcessGroup] = None,
         softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
     ) -> None:
         super().__init__(config)
         self.cp_group = cp_group
         self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
+        self.cp_comm_type = layer_cp_comm_type(config, layer_number, cp_comm_type)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -137,6 +149,8 @@ class DotProductAttention(MegatronModule):
         causal = attention_mask is None and self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if attention_bias is not None and self.cp_size > 1:
             raise NotImplementedError("DotProductAttention: attention_bias with context parallelism")
+        if self.cp_size > 1 and self.cp_comm_type in RING_SCHEMES:
+            return self._cp_scheme(query, key, value, attention_mask, causal)
         if self.cp_size > 1:
             key, value, attention_mask = self._gather_over_cp(key, value, attention_mask, causal)
             causal = False
@@ -180,6 +194,8 @@ class DotProductAttention(MegatronModule):
         cu = params.layout_cu_seqlens().to(query.device)
         positions = torch.arange(t, device=query.device)  # [t] packed-row position of each query
         if self.cp_size > 1:
+            if self.cp_comm_type != "all_gather":
+                _warn_once(f"cp_comm_type={self.cp_comm_type!r}: packed sequences run the all_gather scheme")
             key = gather_kv_over_cp(key, self.cp_group, cu)  # [t, 1, g, d] the whole packed row
             value = gather_kv_over_cp(value, self.cp_group, cu)
             positions = packed_cp_indices(cu, self.cp_size, torch.distributed.get_rank(self.cp_group))  # [t/cp]
@@ -235,6 +251,22 @@ class DotProductAttention(MegatronModule):
             warn_flash_unavailable(reasons)
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+    def _cp_scheme(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor], causal: bool
+    ) -> torch.Tensor:
+        """``p2p``/``a2a`` context parallelism (``cp_attention``) on ``[s/cp, b, ., d]`` -> ``[s/cp, b, heads*dv]``."""
+        s, b, heads, _ = query.shape
+        q = query.permute(1, 2, 0, 3)  # [b, heads, s/cp, d]
+        k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, groups, s/cp, d]
+        vis = Visibility(causal, self.config.window_size)
+        p = self.config.attention_dropout if self.training else 0.0
+        with _dropout_rng(p > 0, self.config.sequence_parallel):
+            dropout = (p, int(torch.randint(2**62, (1,)).item())) if p > 0 else None  # the forked RNG's draw
+        ctx = context_parallel_attention(
+            q, k, v, self.cp_comm_type, self.cp_group, vis, self.softmax_scale, mask, dropout
+        )
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * ctx.shape[-1])  # [s/cp, b, heads*dv]
 
     def _gather_over_cp(
         self, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor], causal: bool
@@ -304,6 +336,15 @@ class DotProductAttention(MegatronModule):
         return torch.matmul(probs, v)  # [b, heads, s, d]
 
 
+def layer_cp_comm_type(config: TransformerConfig, layer_number: int, given: Optional[str] = None) -> str:
+    """The context-parallel scheme of layer ``layer_number`` (1-based): ``given``, else ``config.cp_comm_type``
+    (one value, or one per layer); None means ``p2p``, Megatron's default; ``allgather`` is ``all_gather``."""
+    value = given if given is not None else getattr(config, "cp_comm_type", None)
+    if isinstance(value, (list, tuple)):
+        value = value[max(1, layer_number) - 1]
+    return "all_gather" if value == "allgather" else (value or "p2p")
+
+
 def run_core_attention(
     attention: MegatronModule,
     query: torch.Tensor,
@@ -362,11 +403,6 @@ class SelfAttentionSubmodules:
         return norms[0] is not None
 
 
-# Megatron-core's values of cp_comm_type: GPU overlap strategies of one computation, which here is
-# always the exact all-gather scheme (see context_parallel.py).
-CP_COMM_TYPES = (None, "p2p", "a2a", "allgather", "a2a+p2p")
-
-
 class SelfAttention(MegatronModule):
     """Multi-head / grouped-query self-attention split over tensor-parallel ranks by query group.
 
@@ -375,7 +411,8 @@ class SelfAttention(MegatronModule):
     whole groups, and no communication is needed until the output projection.
 
     Megatron-core's signature: ``submodules`` (``SelfAttentionSubmodules``, checked), ``cp_comm_type``
-    (any value computes the same), and ``pg_collection`` (None: ``parallel_state``'s groups, for library
+    (this layer's context-parallel scheme; None: ``config.cp_comm_type``),
+    and ``pg_collection`` (None: ``parallel_state``'s groups, for library
     callers; the models always pass theirs). ``qk_layernorm`` (from our layer spec) builds query/key
     norms (True) or none (False); None follows the submodules, else ``config.qk_layernorm``. The spec
     may not drop norms the config asks for.
@@ -395,6 +432,7 @@ class SelfAttention(MegatronModule):
         super().__init__(config)
         if cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type={cp_comm_type!r}: must be one of {CP_COMM_TYPES}")
+        self.cp_comm_type = cp_comm_type
         spec_norms = (submodules or SelfAttentionSubmodules()).check(config)
         if qk_layernorm is None and submodules is not None:
             qk_layernorm = spec_norms or None
@@ -426,7 +464,11 @@ class SelfAttention(MegatronModule):
             tp_group=groups.tp,
         )
         self.core_attention = DotProductAttention(
-            config, layer_number, attn_mask_type, cp_group=groups.cp if groups.size_of("cp") > 1 else None
+            config,
+            layer_number,
+            attn_mask_type,
+            cp_group=groups.cp if groups.size_of("cp") > 1 else None,
+            cp_comm_type=self.cp_comm_type,
         )
         self.linear_proj = (submodules.linear_proj or RowParallelLinear)(
             d * config.num_attention_heads,

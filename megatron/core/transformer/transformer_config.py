@@ -10,12 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import compatibility
+from megatron.core.context_parallel import CP_COMM_TYPES as CP_SCHEMES
 from megatron.core.model_parallel_config import ModelParallelConfig, require_divisible, require_positive
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
 from megatron.core.transformer import moe_choices
 from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+CP_COMM_TYPES = (None, "allgather") + CP_SCHEMES  # config.cp_comm_type values (Megatron-core's spellings)
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 SYMMETRIC_AR_TYPES = (None, "two_shot", "one_shot", "multimem_all_reduce")
@@ -68,6 +71,9 @@ class TransformerConfig(ModelParallelConfig):
     (DeepSeek-V4's swiglu_limit); None: no clamp."""
     rotary_interleaved: bool = False
     window_size: Optional[tuple] = None
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    """Context-parallel scheme, one value or one per layer: 'p2p' (ring; None means it), 'a2a' (Ulysses),
+    'all_gather' ('allgather'); 'a2a+p2p' needs hierarchical CP groups, not supported yet."""
 
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
@@ -271,6 +277,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"symmetric_ar_type={self.symmetric_ar_type!r}: must be one of {SYMMETRIC_AR_TYPES}")
         self._check_window()
         self._check_activation_clamp()
+        self._check_cp_comm_type()
         self._check_moe()
         self._check_latent_attention()
         self._check_sparse_attention()
@@ -394,6 +401,22 @@ class TransformerConfig(ModelParallelConfig):
                 f"window_size={self.window_size!r}: need (left, right) integers, each >= 0 or -1 for unlimited"
             )
         self.window_size = window
+
+    def _check_cp_comm_type(self) -> None:
+        value = self.cp_comm_type
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(values) not in (1, self.num_layers):
+            raise ValueError(f"cp_comm_type={value!r}: give one value or one per layer (num_layers={self.num_layers})")
+        for one in values:
+            if one not in CP_COMM_TYPES:
+                raise ValueError(f"cp_comm_type={one!r}: must be one of {CP_COMM_TYPES}")
+            if one == "a2a+p2p" and self.context_parallel_size > 1:
+                raise ValueError(
+                    "cp_comm_type='a2a+p2p': needs hierarchical_context_parallel_sizes "
+                    "(--hierarchical-context-parallel-sizes), the a2a groups inside the p2p rings, which are not "
+                    "supported yet; use 'p2p' or 'a2a'"
+                )
+        self.cp_comm_type = values[0] if len(values) == 1 else values
 
     def _check_moe(self) -> None:
         if self.num_moe_experts is None:

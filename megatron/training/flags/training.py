@@ -266,7 +266,14 @@ RECORDS = (
     Flag("num_distributed_optimizer_instances", not_yet(1), fills=same(DDP)),
     Flag("use_torch_fsdp2", not_yet(False)),
     Flag("torch_fsdp2_reshard_after_forward", no_op(reasons.UNDER_REFUSED)),
-    Flag("cp_comm_type", IMPLEMENTED, speed_only=SPEED_BITWISE),
+    Flag(
+        "cp_comm_type",
+        IMPLEMENTED,
+        help="Context-parallel scheme (one, or one per layer): p2p (ring), a2a (Ulysses), all_gather; "
+        "a2a+p2p needs --hierarchical-context-parallel-sizes (not supported yet).",
+        fills=same(TC),
+        speed_only=SPEED_RTOL,
+    ),
     Flag("nccl_communicator_config_path", no_op(reasons.COMMUNICATORS)),
     Flag("use_tp_pp_dp_mapping", IMPLEMENTED),
     Flag(

@@ -377,6 +377,11 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, r"--cp-comm-type ring: must be one of p2p"),
         (["--cp-comm-type", "p2p", "a2a", "p2p"], 1, r"--cp-comm-type gives 3 values.*--num-layers 4"),
         (
+            ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
+            2,
+            r"--cp-comm-type 'a2a\+p2p': needs .*\(--hierarchical-context-parallel-sizes\).*not supported yet",
+        ),
+        (
             ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
             2,
             r"world size 2 .*--tensor-model-parallel-size \(2\) x --expert-model-parallel-size \(2\)",
@@ -482,9 +487,10 @@ def test_context_parallel_size_is_accepted_and_reaches_the_config():
     config = A.core_transformer_config_from_args(args)
     assert config.context_parallel_size == 2 and config.sequence_parallel
     per_layer = _validated(
-        ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "a2a+p2p", "p2p"], world_size=2
+        ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "all_gather", "p2p"], world_size=2
     )
-    assert per_layer.cp_comm_type == ["p2p", "a2a", "a2a+p2p", "p2p"]
+    assert per_layer.cp_comm_type == ["p2p", "a2a", "all_gather", "p2p"]
+    assert A.core_transformer_config_from_args(per_layer).cp_comm_type == ["p2p", "a2a", "all_gather", "p2p"]
 
 
 def test_expert_model_parallel_size_is_accepted_and_reaches_the_config():

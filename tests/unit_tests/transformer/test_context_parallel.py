@@ -1,9 +1,20 @@
-"""Context-parallel pieces: the load-balanced sequence slicing and attention over all-gathered keys/values.
+"""Context-parallel pieces: the load-balanced sequence slicing and attention under every CP scheme.
 
-Attention: each CP rank runs ``DotProductAttention`` on its two chunks of q, k, v; the output and
-the gradients of its q, k and v must equal the matching rows of full (CP=1) attention on the whole
-sequence, for a plain causal mask, sliding windows (global positions) and an explicit document
-mask, on the SDPA and unfused paths. fp32; rtol=1e-5, atol=1e-6.
+Attention: each CP rank runs ``DotProductAttention`` on its two chunks of q, k, v under each
+``cp_comm_type`` (``all_gather``, ``p2p`` ring, ``a2a`` Ulysses); the output and the gradients of
+its q, k and v must equal the matching rows of full (CP=1) attention on the whole sequence, for
+grouped-query heads with a plain causal mask, sliding windows (global positions), an explicit
+document mask (not ``a2a``), and values narrower than keys (multi-latent attention), on the SDPA
+and unfused paths. fp32; rtol=1e-5, atol=1e-6.
+
+The ring posts the transfer of step t + 1 before computing step t (a recording of its calls).
+
+Attention dropout under ``p2p`` and ``a2a``: the gradient agrees with central differences of the
+output with the same dropout seed (backward redraws forward's masks).
+
+No square tensor: under ``p2p`` and ``a2a`` no op creates, and autograd saves, a tensor of
+``s * s / 4`` elements or more (``tests.tensor_meter``, query tiles of 256 scores), while the
+``all_gather`` scheme's ``[s/cp, s]`` mask is caught by the same check.
 """
 
 import pytest
@@ -11,9 +22,13 @@ import torch
 
 from megatron.core.context_parallel import cp_chunk_positions, gathered_order, get_batch_on_this_cp_rank
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
+from megatron.core.transformer import cp_attention, tiled_attention
 from megatron.core.transformer.attention import DotProductAttention
+from megatron.core.transformer.cp_attention import context_parallel_attention
+from megatron.core.transformer.tiled_attention import Visibility
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.dist_harness import run_distributed
+from tests.tensor_meter import TensorMeter
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -37,8 +52,9 @@ def test_sequence_not_divisible_by_two_cp_is_refused():
         cp_chunk_positions(12, 4, 0)
 
 
-def _attention(cp_group, window, backend):
+def _attention(cp_group, window, backend, scheme=None):
     config = TransformerConfig(
+        cp_comm_type=scheme,
         num_layers=1,
         hidden_size=32,
         num_attention_heads=4,
@@ -47,7 +63,7 @@ def _attention(cp_group, window, backend):
         window_size=window,
         attention_backend=backend,
     )
-    return DotProductAttention(config, 1, cp_group=cp_group)
+    return DotProductAttention(config, 1, cp_group=cp_group, softmax_scale=0.3)
 
 
 def _document_mask(b, s):
@@ -58,39 +74,122 @@ def _document_mask(b, s):
     return (blocked | torch.ones(s, s, dtype=torch.bool).triu(1))[:, None]
 
 
-def _compare_attention(rank, world_size):
+CASES = (  # (window, backend, explicit mask, value head dim)
+    (None, "auto", False, 8),
+    ((3, 0), "auto", False, 8),
+    ((2, 1), "unfused", False, 8),
+    (None, "unfused", True, 8),
+    ((4, 0), "auto", True, 8),
+    (None, "auto", False, 6),
+    ((5, 0), "auto", False, 6),
+)
+
+
+def _compare_attention(rank, world_size, schemes):
     groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
     s, b, d = 4 * world_size * 2, 2, 8
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (4, 2, 2))  # [s, b, heads|groups, d]
-    upstream = torch.randn(s, b, 4 * d, generator=g)
     mask = _document_mask(b, s)
     positions = cp_chunk_positions(s, world_size, groups.rank_in("cp"))  # [s/cp]
-    for window, backend, use_mask in (
-        (None, "auto", False),
-        ((3, 0), "auto", False),
-        ((2, 1), "unfused", False),
-        (None, "unfused", True),
-        ((4, 0), "auto", True),
-    ):
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = _attention(None, window, backend)(*full, mask if use_mask else None)  # [s, b, 4d]
-        ref.backward(upstream)
-        local = [t[positions].clone().requires_grad_() for t in (q, k, v)]  # [s/cp, b, ., d]
-        sliced = get_batch_on_this_cp_rank({"attention_mask": mask}, groups.cp)["attention_mask"]
-        out = _attention(groups.cp, window, backend)(*local, sliced if use_mask else None)  # [s/cp, b, 4d]
-        out.backward(upstream[positions])
-        what = f"cp={world_size} window={window} {backend} mask={use_mask}"
-        torch.testing.assert_close(out, ref[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} out: {m}")
-        for name, mine, whole in zip("qkv", local, full):
-            torch.testing.assert_close(
-                mine.grad, whole.grad[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {name}: {m}"
-            )
+    for scheme in schemes:
+        for window, backend, use_mask, dv in CASES:
+            if use_mask and scheme == "a2a":
+                continue
+            g = torch.Generator().manual_seed(0)
+            q, k = (torch.randn(s, b, n, d, generator=g) for n in (4, 2))  # [s, b, heads|groups, d]
+            v = torch.randn(s, b, 2, dv, generator=g)
+            upstream = torch.randn(s, b, 4 * dv, generator=g)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = _attention(None, window, backend)(*full, mask if use_mask else None)  # [s, b, 4dv]
+            ref.backward(upstream)
+            local = [t[positions].clone().requires_grad_() for t in (q, k, v)]  # [s/cp, b, ., d]
+            sliced = get_batch_on_this_cp_rank({"attention_mask": mask}, groups.cp)["attention_mask"]
+            out = _attention(groups.cp, window, backend, scheme)(*local, sliced if use_mask else None)
+            out.backward(upstream[positions])
+            what = f"{scheme} cp={world_size} window={window} {backend} mask={use_mask} dv={dv}"
+            torch.testing.assert_close(out, ref[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} out: {m}")
+            for name, mine, whole in zip("qkv", local, full):
+                torch.testing.assert_close(
+                    mine.grad, whole.grad[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {name}: {m}"
+                )
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_attention_with_gathered_kv_equals_full_attention(world_size):
-    run_distributed(_compare_attention, world_size)
+def _largest_tensors(rank, world_size):
+    """(largest created, largest saved) elements of one causal attention fwd+bwd at s = 128, per scheme."""
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    tiled_attention.TILE_ELEMENTS = 256
+    s, found = 128, {}
+    for scheme in ("all_gather", "p2p", "a2a"):
+        q, k, v = (torch.randn(s // world_size, 1, n, 8, requires_grad=True) for n in (2, 1, 1))  # [s/cp, b, ., d]
+        with TensorMeter() as meter:
+            _attention(groups.cp, None, "auto", scheme)(q, k, v, None).sum().backward()
+        found[scheme] = (meter.largest_created, meter.largest_saved)
+    return s, found
+
+
+def _dropout_gradients(rank, world_size):
+    """With attention dropout, backward redraws forward's keep-masks: the gradient's directional derivative
+    matches central differences of the output (a different mask would miss by about the dropped share)."""
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, n, 16, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))  # [b, ., s/cp, d]
+    direction = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v)]
+    weights = torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64)
+    for scheme in ("p2p", "a2a"):
+
+        def loss(*qkv, dropout=(0.3, 1234)):
+            out = context_parallel_attention(*qkv, scheme, groups.cp, Visibility(True, None), 0.35, dropout=dropout)
+            total = (out * weights).sum()
+            torch.distributed.all_reduce(total, group=groups.cp)
+            return total
+
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        loss(*inputs).backward()
+        analytic = sum((t.grad * u).sum() for t, u in zip(inputs, direction))
+        torch.distributed.all_reduce(analytic, group=groups.cp)
+        eps = 1e-3
+        plus = loss(*(t + eps * u for t, u in zip((q, k, v), direction)))
+        minus = loss(*(t - eps * u for t, u in zip((q, k, v), direction)))
+        numeric = (plus - minus) / (2 * eps)
+        assert abs(float(loss(q, k, v)) - float(loss(q, k, v, dropout=None))) > 1e-3, f"{scheme}: nothing dropped"
+        assert abs(float(analytic) - float(numeric)) < 1e-3 * max(1.0, abs(float(numeric))), (scheme, analytic, numeric)
+
+
+def _ring_posts_before_computing(rank, world_size):
+    """The ring's forward posts the transfer of the next key/value block before computing the current one."""
+    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    events, block, post = [], cp_attention.block_forward, torch.distributed.batch_isend_irecv
+    cp_attention.block_forward = lambda *a, **k: (events.append("compute"), block(*a, **k))[1]
+    torch.distributed.batch_isend_irecv = lambda ops: (events.append("post"), post(ops))[1]
+    try:
+        q, k, v = (torch.randn(1, n, 8, 4) for n in (2, 1, 1))  # [b, ., s/cp, d]
+        cp_attention.context_parallel_attention(q, k, v, "p2p", groups.cp, Visibility(True, None), 0.5)
+    finally:
+        cp_attention.block_forward, torch.distributed.batch_isend_irecv = block, post
+    steps = "".join("p" if e == "post" else "c" for e in events).split("p")  # computes after each post
+    assert events[0] == "post" and len(steps) == world_size and all(steps[1:]), events
+
+
+def _cp_checks(rank, world_size, schemes):
+    _ring_posts_before_computing(rank, world_size)
+    _compare_attention(rank, world_size, schemes)
+    _dropout_gradients(rank, world_size)
+    return _largest_tensors(rank, world_size)
+
+
+def test_every_cp_scheme_equals_full_attention_without_square_tensors():
+    for s, found in run_distributed(_cp_checks, 2, ("all_gather", "p2p", "a2a")):
+        limit = s * s // 4
+        for scheme in ("p2p", "a2a"):
+            (created, created_shape), (saved, saved_shape) = found[scheme]
+            assert created < limit, f"{scheme}: created a tensor {created_shape}"
+            assert saved < limit, f"{scheme}: saved a tensor {saved_shape}"
+        assert found["all_gather"][0][0] >= limit, "the check misses the all_gather scheme's [s/cp, s] mask"
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("world_size, schemes", [(3, ("all_gather", "p2p")), (4, ("p2p", "a2a"))])
+def test_every_cp_scheme_equals_full_attention_on_more_ranks(world_size, schemes):
+    run_distributed(_compare_attention, world_size, schemes)
 
 
 def _slice_batch(rank, world_size):
