@@ -412,9 +412,8 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"cp_comm_type={one!r}: must be one of {CP_COMM_TYPES}")
             if one == "a2a+p2p" and self.context_parallel_size > 1:
                 raise ValueError(
-                    "cp_comm_type='a2a+p2p': needs hierarchical_context_parallel_sizes "
-                    "(--hierarchical-context-parallel-sizes), the a2a groups inside the p2p rings, which are not "
-                    "supported yet; use 'p2p' or 'a2a'"
+                    "cp_comm_type='a2a+p2p': needs hierarchical_context_parallel_sizes, the a2a groups inside "
+                    "the p2p rings, which are not supported yet; use 'p2p' or 'a2a'"
                 )
         self.cp_comm_type = values[0] if len(values) == 1 else values
 

@@ -379,7 +379,7 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (
             ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
             2,
-            r"--cp-comm-type 'a2a\+p2p': needs .*\(--hierarchical-context-parallel-sizes\).*not supported yet",
+            r"--cp-comm-type 'a2a\+p2p': needs hierarchical_context_parallel_sizes.*not supported yet",
         ),
         (
             ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
