@@ -99,16 +99,8 @@ class Toy(torch.nn.Module):
 
 
 def _muon(groups, module, **kw):
-    config = OptimizerConfig(
-        optimizer="muon",
-        lr=LR,
-        weight_decay=WD,
-        clip_grad=0.0,
-        muon_momentum=MU,
-        muon_split_qkv=False,
-        muon_fp32_matmul_prec="high",
-        **kw,
-    )
+    fields = dict(lr=LR, weight_decay=WD, clip_grad=0.0, muon_momentum=MU, muon_split_qkv=False)
+    config = OptimizerConfig(optimizer="muon", **{**fields, "muon_fp32_matmul_prec": "high", **kw})
     return get_megatron_optimizer(config, [module], pg_collection=groups)
 
 
@@ -166,16 +158,7 @@ def _muon_tp_body(rank, world_size):
         assert torch.equal(a, b)
     # bf16 Newton–Schulz (Megatron's default 'medium' precision) stays near the fp32 reference.
     module = Toy(r, tp)
-    config = OptimizerConfig(
-        optimizer="muon",
-        lr=LR,
-        weight_decay=WD,
-        clip_grad=0.0,
-        muon_momentum=MU,
-        muon_split_qkv=False,
-        muon_tp_mode="duplicated",
-    )
-    opt = get_megatron_optimizer(config, [module], pg_collection=groups)
+    opt = _muon(groups, module, muon_tp_mode="duplicated", muon_fp32_matmul_prec="medium")
     module.set_grads(0, r, tp)
     opt.step()
     expected = reference(1, False, "spectral")
