@@ -12,7 +12,7 @@ import torch
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from megatron.core.optimizer.muon import split_muon_groups
+from megatron.core.optimizer.muon import qkv_splits, split_muon_groups
 from megatron.core.optimizer.optimizer import (
     ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
@@ -159,7 +159,11 @@ def get_megatron_optimizer(
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if config.optimizer == "muon":  # Muon for 2-D linear weights; embeddings and the output layer take AdamW
         excluded = set().union(*(_embedding_or_output_params(chunk) for chunk in model_chunks))
-        param_groups = split_muon_groups(param_groups, excluded)
+        splits = {}
+        if config.muon_split_qkv:
+            for chunk in model_chunks:
+                splits.update(qkv_splits(unwrap_model(chunk)))
+        param_groups = split_muon_groups(param_groups, excluded, splits)
     tp_rank = groups.rank_in("tp")
     scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:

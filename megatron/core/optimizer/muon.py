@@ -15,7 +15,7 @@ orthogonalises the whole matrix on every rank and keeps this rank's slice.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -117,10 +117,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.lerp_(param.grad, 1.0 - group["momentum"])
         update = param.grad.lerp(buf, group["momentum"]) if self.nesterov else buf
-        param.add_(self.orthogonalize(param, update), alpha=-group["lr"])
+        split = group.get("muon_qkv_split")
+        if split is None:
+            orth = self.orthogonalize(param, update)
+        else:  # fused QKV [groups/tp * (q + k + v), in]: Q, K and V orthogonalised one by one
+            per_group = update.view(-1, sum(split), update.size(1))  # [groups/tp, q + k + v, in]
+            parts = per_group.split(list(split), dim=1)
+            orth_parts = [self.orthogonalize(param, part.reshape(-1, update.size(1))) for part in parts]
+            orth = torch.cat([o.view(per_group.size(0), -1, update.size(1)) for o in orth_parts], dim=1)
+        param.add_(orth.view_as(param), alpha=-group["lr"])
 
     def orthogonalize(self, param: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        """Scaled Newton–Schulz of ``update`` (``param``'s local shard) under the TP mode."""
+        """Scaled Newton–Schulz of ``update`` (a matrix of ``param``'s local shard) under the TP mode."""
         dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
         world = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         if self.tp_mode == "blockwise" or dim < 0 or world == 1:
@@ -167,13 +175,39 @@ def make_muon(config: Any, groups: List[Dict[str, Any]], tp_group: Optional[dist
     )
 
 
-def split_muon_groups(param_groups: List[Dict[str, Any]], excluded: set) -> List[Dict[str, Any]]:
-    """Each group split into its Muon part (2-D weights whose id is not in ``excluded``) and the rest."""
+def split_muon_groups(
+    param_groups: List[Dict[str, Any]], excluded: set, qkv_splits: Dict[int, Tuple[int, ...]]
+) -> List[Dict[str, Any]]:
+    """Each group split into Muon parts (2-D weights whose id is not in ``excluded``; the fused QKV weights of
+    ``qkv_splits``, id -> rows of q, k, v per query group, in groups of their own) and the rest (AdamW)."""
     out = []
     for group in param_groups:
         muon = [p for p in group["params"] if p.dim() == 2 and id(p) not in excluded]
         rest = [p for p in group["params"] if not (p.dim() == 2 and id(p) not in excluded)]
-        for params, use_muon in ((muon, True), (rest, False)):
-            if params:
-                out.append({**group, "params": params, "use_muon": use_muon})
+        by_split: Dict[Optional[Tuple[int, ...]], List[torch.Tensor]] = {}
+        for param in muon:
+            by_split.setdefault(qkv_splits.get(id(param)), []).append(param)
+        for split, params in by_split.items():
+            out.append({**group, "params": params, "use_muon": True, "muon_qkv_split": split})
+        if rest:
+            out.append({**group, "params": rest, "use_muon": False, "muon_qkv_split": None})
+    return out
+
+
+def qkv_splits(model: torch.nn.Module) -> Dict[int, Tuple[int, int, int]]:
+    """id(fused QKV weight) -> rows of (q, k, v) per query group, from the attention's ``TransformerConfig``."""
+    out = {}
+    for module in model.modules():
+        weight = getattr(getattr(module, "linear_qkv", None), "weight", None)
+        config = getattr(module, "config", None)
+        if weight is None or config is None:
+            continue
+        if getattr(config, "attention_output_gate", False):
+            raise ValueError(
+                "muon_split_qkv=True with attention_output_gate=True: splitting the gated QKV weight is not "
+                "supported yet (muon_split_qkv=False orthogonalises it as one matrix)"
+            )
+        head_dim = config.kv_channels
+        heads_per_group = config.num_attention_heads // (config.num_query_groups or config.num_attention_heads)
+        out[id(weight)] = (heads_per_group * head_dim, head_dim, head_dim)
     return out

@@ -131,7 +131,7 @@ def make_torch_optimizer(
     return torch.optim.SGD(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
 
 
-GROUP_KIND_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "use_muon")
+GROUP_KIND_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "use_muon", "muon_qkv_split")
 
 
 def restore_group_settings(groups: List[Dict[str, Any]], saved: Sequence[Dict[str, Any]]) -> None:

@@ -41,8 +41,7 @@ class OptimizerConfig:
     decoupled weight decay, weight decay on QK layernorms, overlapping the gather with the step,
     the config logger) raise ``ValueError`` when set off their default (``_refuse_unbuilt``); the
     offloading sub-settings only matter once it is on; the ``muon_*`` fields once ``optimizer="muon"``
-    (``_check_muon``: not with the distributed optimizer, ``muon_split_qkv`` not built, ``muon_tp_mode``
-    blockwise or duplicated); ``fp8_recipe``,
+    (``_check_muon``: not with the distributed optimizer; ``muon_tp_mode`` blockwise or duplicated); ``fp8_recipe``,
     ``store_param_remainders`` and ``barrier_with_L1_time`` (a timing barrier) have no effect.
     """
 
@@ -135,11 +134,6 @@ class OptimizerConfig:
             raise ValueError(
                 "optimizer='muon' with use_distributed_optimizer=True: "
                 "not supported yet (Muon runs on the non-distributed optimizer)"
-            )
-        if self.muon_split_qkv:
-            raise ValueError(
-                "muon_split_qkv=True with optimizer='muon': orthogonalising Q, K and V separately is not "
-                "supported yet (muon_split_qkv=False orthogonalises the fused QKV weight as one matrix)"
             )
 
     def __post_init__(self) -> None:

@@ -2,12 +2,13 @@
 
 The reference runs on the full (unsharded) matrices in one process: the EMA momentum, the quintic
 Newton–Schulz iteration in plain torch, the shape scale and decoupled weight decay; torch's AdamW for
-the output layer, the biases and the norm weights. Under TP=2 ``duplicated`` equals the full-matrix
-reference (its slice), ``blockwise`` equals the reference run on each shard; a state-dict round trip
-after step 1 makes step 2 bitwise equal.
+the output layer and the biases. Under TP=2 ``duplicated`` equals the full-matrix reference (its slice),
+``blockwise`` equals the reference run on each shard; ``muon_split_qkv`` orthogonalises a fused QKV
+weight's Q, K and V rows separately; a state-dict round trip after step 1 makes step 2 bitwise equal.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,12 +28,25 @@ COEFFS = [
     (2.8769, -3.1427, 1.2046),
     (2.8366, -3.0525, 1.2012),
 ]
-# name -> (full shape, TP partition dim or None for replicated)
-SHAPES = {"col": ((12, 8), 0), "row": ((6, 12), 1), "rep": ((5, 7), None), "bias": ((6,), None)}
+# name -> (full shape, TP partition dim or None for replicated); "qkv" is a fused QKV weight of 2 query groups
+# of 2 heads of size 2 ([2 * (4 + 2 + 2), 8]), "out" the output layer (AdamW's, like the bias).
+SHAPES = {
+    "col": ((12, 8), 0),
+    "row": ((6, 12), 1),
+    "rep": ((5, 7), None),
+    "bias": ((6,), None),
+    "qkv": ((16, 8), 0),
+    "out": ((10, 8), None),
+}
+QKV_ROWS = (4, 2, 2)  # q, k, v rows per query group
 
 
 def _full(seed, shape):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _seed(name, step=None):
+    return list(SHAPES).index(name) + (0 if step is None else 100 * (step + 1))
 
 
 def ref_orth(g, scale_mode="spectral"):
@@ -48,10 +62,18 @@ def ref_orth(g, scale_mode="spectral"):
     return x * scale
 
 
-def reference(steps, nesterov, scale_mode, blockwise_tp=1):
+def ref_update(name, upd, scale_mode, split_qkv):
+    """Orthogonalised ``upd``; the fused QKV weight's Q, K and V rows (of every group) each on their own."""
+    if name != "qkv" or not split_qkv:
+        return ref_orth(upd, scale_mode)
+    groups = upd.view(-1, sum(QKV_ROWS), upd.shape[1])  # [groups, q + k + v, in]
+    parts = [ref_orth(p.reshape(-1, upd.shape[1]), scale_mode) for p in groups.split(QKV_ROWS, dim=1)]
+    return torch.cat([p.view(groups.shape[0], -1, upd.shape[1]) for p in parts], dim=1).view_as(upd)
+
+
+def reference(steps, nesterov, scale_mode, blockwise_tp=1, split_qkv=False):
     """Full parameters after ``steps`` steps (grads seeded per step); ``blockwise_tp`` orthogonalises shards."""
-    params = {n: _full(i, s) for i, (n, (s, _)) in enumerate(SHAPES.items())}
-    params["out"] = _full(9, (10, 8))
+    params = {n: _full(_seed(n), s) for n, (s, _) in SHAPES.items()}
     adam_names = ("bias", "out")
     for n in adam_names:
         params[n].requires_grad_()
@@ -61,40 +83,48 @@ def reference(steps, nesterov, scale_mode, blockwise_tp=1):
     )
     bufs = {n: torch.zeros_like(p) for n, p in params.items() if n not in adam_names}
     for step in range(steps):
-        for i, p in enumerate(params.values()):
-            p.grad = _full(100 * (step + 1) + i, p.shape)
+        for n, p in params.items():
+            p.grad = _full(_seed(n, step), p.shape)
         with torch.no_grad():
             for n, buf in bufs.items():
                 p, dim = params[n], SHAPES[n][1]
                 buf.mul_(MU).add_(p.grad, alpha=1 - MU)
                 upd = p.grad + MU * (buf - p.grad) if nesterov else buf
-                if dim is None or blockwise_tp == 1:
-                    orth = ref_orth(upd, scale_mode)
-                else:
-                    orth = torch.cat([ref_orth(u, scale_mode) for u in upd.chunk(blockwise_tp, dim)], dim)
+                shards = upd.chunk(blockwise_tp, dim) if dim is not None else [upd]
+                orth = torch.cat([ref_update(n, u, scale_mode, split_qkv) for u in shards], dim or 0)
                 p.mul_(1 - LR * WD).sub_(LR * orth)
         adam.step()
     return {n: p.detach() for n, p in params.items()}
 
 
+def _key(name):
+    return {"attn.linear_qkv.weight": "qkv", "output_layer.weight": "out"}.get(name, name)
+
+
 class Toy(torch.nn.Module):
-    """The SHAPES parameters sharded over TP, a norm weight and an output layer (AdamW's)."""
+    """The SHAPES parameters sharded over TP: an attention-like module with a fused QKV weight and the
+    ``TransformerConfig`` fields that describe it, and an output layer."""
 
     def __init__(self, tp_rank, tp):
         super().__init__()
-        for i, (name, (shape, dim)) in enumerate(SHAPES.items()):
-            full = _full(i, shape)
+        self.attn = torch.nn.Module()
+        self.attn.config = SimpleNamespace(
+            num_attention_heads=4, num_query_groups=2, kv_channels=2, attention_output_gate=False
+        )
+        self.attn.linear_qkv = torch.nn.Module()
+        self.output_layer = torch.nn.Module()
+        owners = {"qkv": (self.attn.linear_qkv, "weight"), "out": (self.output_layer, "weight")}
+        for name, (shape, dim) in SHAPES.items():
+            full = _full(_seed(name), shape)
             param = torch.nn.Parameter(full if dim is None else full.chunk(tp, dim)[tp_rank].clone())
             set_tensor_model_parallel_attributes(param, dim is not None, 0 if dim is None else dim, 1)
-            self.register_parameter(name, param)
-        self.output_layer = torch.nn.Linear(8, 10, bias=False)
-        self.output_layer.weight.data.copy_(_full(9, (10, 8)))
+            owner, attr = owners.get(name, (self, name))
+            owner.register_parameter(attr, param)
 
     def set_grads(self, step, tp_rank, tp):
-        for i, (name, param) in enumerate(self.named_parameters()):
-            name = "out" if name.startswith("output_layer") else name
-            dim = SHAPES.get(name, (None, None))[1]
-            full = _full(100 * (step + 1) + i, SHAPES[name][0] if name in SHAPES else (10, 8))
+        for name, param in self.named_parameters():
+            shape, dim = SHAPES[_key(name)]
+            full = _full(_seed(_key(name), step), shape)
             param.grad = full if dim is None else full.chunk(tp, dim)[tp_rank].clone()
 
 
@@ -106,8 +136,8 @@ def _muon(groups, module, **kw):
 
 def _check(module, expected, tp_rank, tp, **tol):
     for name, param in module.named_parameters():
-        name = "out" if name.startswith("output_layer") else name
-        dim = SHAPES.get(name, (None, None))[1]
+        name = _key(name)
+        dim = SHAPES[name][1]
         want = expected[name] if dim is None else expected[name].chunk(tp, dim)[tp_rank]
         torch.testing.assert_close(param.detach(), want, **tol, msg=f"{name} differs")
 
@@ -132,6 +162,11 @@ def _muon_tp_body(rank, world_size):
             reference(2, True, "unit_rms_norm"),
         ),
         (dict(muon_tp_mode="blockwise"), reference(2, False, "spectral", blockwise_tp=tp)),
+        (dict(muon_tp_mode="duplicated", muon_split_qkv=True), reference(2, False, "spectral", split_qkv=True)),
+        (
+            dict(muon_tp_mode="blockwise", muon_split_qkv=True),
+            reference(2, False, "spectral", blockwise_tp=tp, split_qkv=True),
+        ),
     ]
     for kw, expected in cases:
         module = Toy(r, tp)
@@ -176,7 +211,6 @@ def test_muon_step_equals_reference_tp1_and_tp2():
     "kw, words",
     [
         (dict(use_distributed_optimizer=True), ["muon", "use_distributed_optimizer"]),
-        (dict(muon_split_qkv=True), ["muon_split_qkv=True", "muon_split_qkv=False"]),
         (dict(muon_tp_mode="distributed", muon_split_qkv=False), ["muon_tp_mode", "distributed"]),
         (dict(muon_num_ns_steps=3, muon_split_qkv=False), ["muon_num_ns_steps=3"]),
     ],

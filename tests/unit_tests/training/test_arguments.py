@@ -185,8 +185,9 @@ def test_muon_flags_fill_the_optimizer_config():
         True,
     )
     assert (config.muon_num_ns_steps, config.muon_extra_scale_factor, config.muon_momentum) == (10, 0.2, 0.9)
-    with pytest.raises(A.ArgumentsError, match="--muon-no-split-qkv"):
-        _validated(["--optimizer", "muon"])
+    assert config_from_args(OptimizerConfig, _validated(["--optimizer", "muon"])).muon_split_qkv
+    with pytest.raises(A.ArgumentsError, match="--optimizer 'muon' with --use-distributed-optimizer"):
+        _validated(["--optimizer", "muon", "--use-distributed-optimizer"])
 
 
 def test_fp8_flags_fill_the_config_and_need_bf16():
