@@ -180,6 +180,8 @@ def get_megatron_optimizer(
     expert_groups = [groups.tp_ep_pp]
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(
-            config, param_groups, tp_rank, [groups.mp], scaler, expert_groups, tp_group=groups.tp
+            config, param_groups, tp_rank, [groups.mp], scaler, expert_groups, tp_groups=(groups.tp, groups.expt_tp)
         )
-    return FP32Optimizer(config, param_groups, tp_rank, [groups.mp], None, expert_groups, tp_group=groups.tp)
+    return FP32Optimizer(
+        config, param_groups, tp_rank, [groups.mp], None, expert_groups, tp_groups=(groups.tp, groups.expt_tp)
+    )

@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel.layers import is_expert_param
+
 # Quintic Newton–Schulz coefficients (a, b, c) per step, as emerging-optimizers' "quintic" set.
 QUINTIC_COEFFICIENTS = (
     (4.0848, -6.8946, 2.9270),
@@ -66,8 +68,9 @@ def muon_scale(rows: int, cols: int, mode: str) -> float:
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on the groups with ``use_muon``, AdamW (torch's update) on the others.
 
-    ``tp_group`` is the tensor-parallel group ``duplicated`` gathers over; a parameter's
-    ``partition_dim`` attribute (with ``tensor_model_parallel``) says which dimension is sharded.
+    ``tp_groups`` are the (dense, expert) tensor-parallel groups ``duplicated`` gathers over (expert
+    weights, ``allreduce=False``, over the second); a parameter's ``partition_dim`` attribute (with
+    ``tensor_model_parallel``) says which dimension is sharded.
     """
 
     def __init__(
@@ -83,7 +86,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         extra_scale_factor: float,
         bf16_newton_schulz: bool,
         tp_mode: str,
-        tp_group: Optional[dist.ProcessGroup],
+        tp_groups: Optional[Tuple[dist.ProcessGroup, ...]],
         betas: tuple,
         eps: float,
     ) -> None:
@@ -95,7 +98,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.extra_scale_factor = extra_scale_factor
         self.bf16_newton_schulz = bf16_newton_schulz
         self.tp_mode = tp_mode
-        self.tp_group = tp_group
+        self.tp_groups = tp_groups
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch's contract
@@ -130,16 +133,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def orthogonalize(self, param: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """Scaled Newton–Schulz of ``update`` (a matrix of ``param``'s local shard) under the TP mode."""
         dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
-        world = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+        group = None if self.tp_groups is None else self.tp_groups[is_expert_param(param)]
+        world = 1 if group is None else dist.get_world_size(group)
         if self.tp_mode == "blockwise" or dim < 0 or world == 1:
             orth = newton_schulz(update, self.num_ns_steps, self.bf16_newton_schulz)
             return orth * muon_scale(update.size(0), update.size(1), self.scale_mode) * self.extra_scale_factor
         shards = [torch.empty_like(update) for _ in range(world)]
-        dist.all_gather(shards, update.contiguous(), group=self.tp_group)
+        dist.all_gather(shards, update.contiguous(), group=group)
         full = torch.cat(shards, dim=dim)  # the whole matrix
         orth = newton_schulz(full, self.num_ns_steps, self.bf16_newton_schulz)
         scale = muon_scale(full.size(0), full.size(1), self.scale_mode) * self.extra_scale_factor
-        return orth.chunk(world, dim=dim)[dist.get_rank(self.tp_group)] * scale
+        return orth.chunk(world, dim=dim)[dist.get_rank(group)] * scale
 
     def _adamw_update(self, param: torch.Tensor, group: Dict[str, Any]) -> None:
         state = self.state[param]
@@ -156,7 +160,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1.0 - beta1**step))
 
 
-def make_muon(config: Any, groups: List[Dict[str, Any]], tp_group: Optional[dist.ProcessGroup]) -> MuonWithAdamW:
+def make_muon(
+    config: Any, groups: List[Dict[str, Any]], tp_groups: Optional[Tuple[dist.ProcessGroup, ...]]
+) -> MuonWithAdamW:
     """``MuonWithAdamW`` from an ``OptimizerConfig``'s ``muon_*`` and Adam fields."""
     return MuonWithAdamW(
         groups,
@@ -169,7 +175,7 @@ def make_muon(config: Any, groups: List[Dict[str, Any]], tp_group: Optional[dist
         extra_scale_factor=config.muon_extra_scale_factor,
         bf16_newton_schulz=config.muon_fp32_matmul_prec in ("low", "medium"),
         tp_mode=config.muon_tp_mode,
-        tp_group=tp_group,
+        tp_groups=tp_groups,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
     )

@@ -109,11 +109,11 @@ def _fused_adam_available(groups: List[Dict[str, Any]]) -> bool:
 
 
 def make_torch_optimizer(
-    config: OptimizerConfig, groups: List[Dict[str, Any]], tp_group: Optional[dist.ProcessGroup] = None
+    config: OptimizerConfig, groups: List[Dict[str, Any]], tp_groups: Optional[Tuple[dist.ProcessGroup, ...]] = None
 ) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay), SGD with momentum, or Muon (``tp_group``: its TP gathers) over ``groups``."""
+    """AdamW (decoupled weight decay), SGD with momentum, or Muon (``tp_groups``: its TP gathers) over ``groups``."""
     if config.optimizer == "muon":
-        return make_muon(config, groups, tp_group)
+        return make_muon(config, groups, tp_groups)
     if config.optimizer == "adam":
         # Megatron always steps a fused Adam (TE / apex). Torch's fused AdamW makes one pass per
         # tensor: 6-8x faster than its reference loop on GPT-2 small's 124M fp32 parameters on a
@@ -160,7 +160,7 @@ class MegatronOptimizer:
         grad_scaler: loss scaler, or None (fp32 and bf16).
         expert_stat_groups: the groups for expert parameters (``allreduce = False``), which differ
             across expert-parallel ranks; None: experts are summed over ``stat_groups`` too.
-        tp_group: the tensor-parallel group (Muon gathers a sharded update over it).
+        tp_groups: the (dense, expert) tensor-parallel groups Muon gathers a sharded update over.
     """
 
     def __init__(
@@ -171,7 +171,7 @@ class MegatronOptimizer:
         stat_groups: Sequence[dist.ProcessGroup],
         grad_scaler: Optional[MegatronGradScaler] = None,
         expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None,
-        tp_group: Optional[dist.ProcessGroup] = None,
+        tp_groups: Optional[Tuple[dist.ProcessGroup, ...]] = None,
     ) -> None:
         self.config = config
         self.tp_rank = tp_rank
@@ -186,7 +186,7 @@ class MegatronOptimizer:
             main_groups.append(
                 {**{k: v for k, v in group.items() if k != "params"}, "params": [link.main for link in links]}
             )
-        self.optimizer = make_torch_optimizer(config, main_groups, tp_group)
+        self.optimizer = make_torch_optimizer(config, main_groups, tp_groups)
         self._link_of_main = {id(link.main): link for link in self.links}
         if self.grad_scaler is not None:
             self.grad_scaler.to(self.device)  # scale and unscale without host copies
@@ -445,7 +445,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         if param.dtype == torch.float32:
             return [MainLink(main=param, model=param)]
         main = torch.nn.Parameter(param.detach().clone().float())
-        copy_tensor_model_parallel_attributes(main, param)  # Muon's TP gather reads partition_dim
+        copy_tensor_model_parallel_attributes(main, param)  # Muon's TP gather reads partition_dim ...
+        main.allreduce = getattr(param, "allreduce", True)  # ... and expertness (its TP group)
         return [MainLink(main=main, model=param, is_copy=True)]
 
 

@@ -200,6 +200,26 @@ def _muon_tp_body(rank, world_size):
     _check(module, expected, r, tp, rtol=0, atol=0.15 * LR)  # bf16: ~3% of an update of ~3 * LR
     with pytest.raises(AssertionError):  # bf16 is really used: not within fp32's tolerance
         _check(module, expected, r, tp, **tol)
+    _expert_weight_gathers_over_expert_tp(rank)
+
+
+def _expert_weight_gathers_over_expert_tp(rank):
+    """TP=2, EP=2, expert TP=1: each rank's expert weight (its own matrix) is orthogonalised whole, not
+    gathered with the other rank's expert over the dense TP group."""
+    ps.destroy_model_parallel()
+    groups = ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    )
+    module = torch.nn.Module()
+    module.expert = torch.nn.Parameter(_full(50 + rank, (12, 8)))
+    set_tensor_model_parallel_attributes(module.expert, True, 0, 1)
+    module.expert.allreduce = False
+    opt = _muon(groups, module, muon_tp_mode="duplicated")
+    grad = _full(60 + rank, (12, 8))
+    module.expert.grad = grad.clone()
+    opt.step()
+    expected = _full(50 + rank, (12, 8)) * (1 - LR * WD) - LR * ref_orth((1 - MU) * grad)
+    torch.testing.assert_close(module.expert.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_muon_step_equals_reference_tp1_and_tp2():
