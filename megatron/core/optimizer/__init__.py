@@ -12,6 +12,7 @@ import torch
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.muon import qkv_splits, split_muon_groups
 from megatron.core.optimizer.optimizer import (
     ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
@@ -141,6 +142,8 @@ def get_megatron_optimizer(
     (``NotImplementedError``); the keyword-only ``no_weight_decay_cond`` / ``scale_lr_cond`` /
     ``lr_mult`` are Megatron's earlier way to vary weight decay and learning rate per parameter.
 
+    ``optimizer="muon"`` splits each group into its 2-D weights (Muon; not the word embedding or the
+    output layer) and the rest (AdamW), one torch optimizer (``muon.MuonWithAdamW``) for both.
     fp32 -> ``FP32Optimizer``; bf16/fp16 -> ``Float16OptimizerWithFloat16Params`` (fp16 with a
     loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision).
     Gradient statistics are summed over the model-parallel group (plus DP for the distributed
@@ -154,6 +157,13 @@ def get_megatron_optimizer(
         )
     groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    if config.optimizer == "muon":  # Muon for 2-D linear weights; embeddings and the output layer take AdamW
+        excluded = set().union(*(_embedding_or_output_params(chunk) for chunk in model_chunks))
+        splits = {}
+        if config.muon_split_qkv:
+            for chunk in model_chunks:
+                splits.update(qkv_splits(unwrap_model(chunk)))
+        param_groups = split_muon_groups(param_groups, excluded, splits)
     tp_rank = groups.rank_in("tp")
     scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
@@ -169,5 +179,9 @@ def get_megatron_optimizer(
         )
     expert_groups = [groups.tp_ep_pp]
     if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(config, param_groups, tp_rank, [groups.mp], scaler, expert_groups)
-    return FP32Optimizer(config, param_groups, tp_rank, [groups.mp], None, expert_groups)
+        return Float16OptimizerWithFloat16Params(
+            config, param_groups, tp_rank, [groups.mp], scaler, expert_groups, tp_groups=(groups.tp, groups.expt_tp)
+        )
+    return FP32Optimizer(
+        config, param_groups, tp_rank, [groups.mp], None, expert_groups, tp_groups=(groups.tp, groups.expt_tp)
+    )

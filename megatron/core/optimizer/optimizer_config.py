@@ -13,8 +13,9 @@ import torch
 
 from megatron.core import compatibility
 from megatron.core.model_parallel_config import require_one_precision
+from megatron.core.optimizer.muon import MATMUL_PRECISIONS, QUINTIC_COEFFICIENTS, SCALE_MODES, TP_MODES
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "muon")
 
 
 def _require_range(name: str, value: float, low: float, high: float, high_open: bool = False) -> None:
@@ -36,10 +37,11 @@ class OptimizerConfig:
     clipping (the norm is still computed and returned).
 
     Every field of megatron-core 0.16 exists with its default, in its order. Those of features not
-    built here (precision-aware optimizer and its dtypes, Muon, CPU offloading, Adam without
+    built here (precision-aware optimizer and its dtypes, CPU offloading, Adam without
     decoupled weight decay, weight decay on QK layernorms, overlapping the gather with the step,
     the config logger) raise ``ValueError`` when set off their default (``_refuse_unbuilt``); the
-    Muon and offloading sub-settings only matter once those are on; ``fp8_recipe``,
+    offloading sub-settings only matter once it is on; the ``muon_*`` fields once ``optimizer="muon"``
+    (``_check_muon``: not with the distributed optimizer; ``muon_tp_mode`` blockwise or duplicated); ``fp8_recipe``,
     ``store_param_remainders`` and ``barrier_with_L1_time`` (a timing barrier) have no effect.
     """
 
@@ -118,6 +120,22 @@ class OptimizerConfig:
         if off:
             raise ValueError(f"{', '.join(off)}: not supported yet (only the default)")
 
+    def _check_muon(self) -> None:
+        """The ``muon_*`` fields and what Muon does not combine with yet (``optimizer="muon"`` only)."""
+        _require_range("muon_momentum", self.muon_momentum, 0.0, 1.0, high_open=True)
+        choices = {"muon_scale_mode": SCALE_MODES, "muon_fp32_matmul_prec": MATMUL_PRECISIONS, "muon_tp_mode": TP_MODES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be one of {allowed} with optimizer='muon'")
+        steps = len(QUINTIC_COEFFICIENTS)
+        if self.muon_num_ns_steps < 1 or self.muon_num_ns_steps % steps:
+            raise ValueError(f"muon_num_ns_steps={self.muon_num_ns_steps}: must be a positive multiple of {steps}")
+        if self.use_distributed_optimizer:
+            raise ValueError(
+                "optimizer='muon' with use_distributed_optimizer=True: "
+                "not supported yet (Muon runs on the non-distributed optimizer)"
+            )
+
     def __post_init__(self) -> None:
         self._refuse_unbuilt()
         if self.optimizer not in OPTIMIZERS:
@@ -134,6 +152,8 @@ class OptimizerConfig:
         _require_range("adam_beta1", self.adam_beta1, 0.0, 1.0, high_open=True)
         _require_range("adam_beta2", self.adam_beta2, 0.0, 1.0, high_open=True)
         _require_range("sgd_momentum", self.sgd_momentum, 0.0, 1.0)
+        if self.optimizer == "muon":
+            self._check_muon()
         if self.adam_eps <= 0:
             raise ValueError(f"adam_eps={self.adam_eps!r}: must be > 0")
         if self.loss_scale is not None and self.loss_scale <= 0:

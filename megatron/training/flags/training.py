@@ -123,7 +123,7 @@ RECORDS = (
         fills=same(TC),
     ),
     Flag("use_flash_attn", no_op(reasons.KERNEL)),
-    Flag("optimizer", not_yet("adam", "sgd"), fills=same(OPT)),
+    Flag("optimizer", not_yet("adam", "sgd", "muon"), fills=same(OPT)),
     Flag("optimizer_cpu_offload", not_yet(False)),
     Flag("optimizer_offload_fraction", no_op(reasons.UNDER_REFUSED)),
     Flag("use_torch_optimizer_for_cpu_offload", no_op(reasons.UNDER_REFUSED)),

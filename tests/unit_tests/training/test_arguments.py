@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import arguments as A
 from megatron.training.flags import derive
-from megatron.training.flags.registry import no_op_flags, not_supported_yet
+from megatron.training.flags.registry import config_from_args, no_op_flags, not_supported_yet
 from megatron.training.flags_table import FLAGS_TSV
 from tests.dist_harness import run_distributed
 
@@ -159,7 +160,7 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
             ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
             "--hierarchical-context-parallel-sizes",
         ),
-        (["--optimizer", "muon"], "--optimizer"),
+        (["--optimizer", "dist_muon"], "--optimizer"),
         (["--multi-latent-attention", "--cache-mla-latents"], "--cache-mla-latents"),
         (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe"),
         (["--position-embedding-type", "mrope"], "--position-embedding-type"),
@@ -171,6 +172,22 @@ def test_unsupported_flag_is_refused_not_ignored(extra, flag):
         _validated(extra, world_size=2)
     assert f"not supported yet: {flag}=" in str(err.value)
     assert isinstance(err.value, SystemExit) and err.value.code  # a non-zero exit for the launcher
+
+
+def test_muon_flags_fill_the_optimizer_config():
+    extra = ["--optimizer", "muon", "--muon-no-split-qkv", "--muon-tp-mode", "duplicated", "--muon-use-nesterov"]
+    args = _validated(extra + ["--muon-num-ns-steps", "10", "--muon-extra-scale-factor", "0.2"])
+    config = config_from_args(OptimizerConfig, args)
+    assert (config.optimizer, config.muon_split_qkv, config.muon_tp_mode, config.muon_use_nesterov) == (
+        "muon",
+        False,
+        "duplicated",
+        True,
+    )
+    assert (config.muon_num_ns_steps, config.muon_extra_scale_factor, config.muon_momentum) == (10, 0.2, 0.9)
+    assert config_from_args(OptimizerConfig, _validated(["--optimizer", "muon"])).muon_split_qkv
+    with pytest.raises(A.ArgumentsError, match="--optimizer 'muon' with --use-distributed-optimizer"):
+        _validated(["--optimizer", "muon", "--use-distributed-optimizer"])
 
 
 def test_fp8_flags_fill_the_config_and_need_bf16():
