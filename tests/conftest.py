@@ -20,6 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # node id, test function (all its parameters) or whole file -> the default-tier test that covers its family
 FULL_ONLY = {  # one key per entry, however long
+    "tests/functional_tests/test_text_generation_server.py::test_lm_eval_chat_completions_concurrent_equal_sequential": (  # noqa: E501
+        "test_lm_eval_accuracy_equals_scoring_with_the_engine (lm-eval with num_concurrent=4 against the same"
+        " server); streamed and concurrent chat answers in test_dynamic_server.py"
+    ),
     "tests/functional_tests/test_pretrain_mamba.py": (
         "tests/unit_tests/ssm/test_mamba_models.py (loss and gradients under TP+SP and PP) and "
         "test_example_scripts.py[examples/mamba/train.sh] (pretrain_mamba.py, TP=2+SP, distributed optimizer)"

@@ -142,6 +142,38 @@ def test_lm_eval_accuracy_equals_scoring_with_the_engine(server, trained):
     assert accuracy == pytest.approx(expected)
 
 
+def _lm_eval_chat(server, tmp: str, concurrent: int):
+    """lm-eval's ``local-chat-completions`` on ``megatron_tiny_gen``: (exact-match score, each doc's response)."""
+    out_dir = os.path.join(tmp, f"lm_eval_chat_{concurrent}")
+    model_args = f"base_url={server.url}/v1/chat/completions,model=tiny,num_concurrent={concurrent},max_retries=1"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "lm_eval"), "--model", "local-chat-completions"]
+    cmd += ["--model_args", model_args, "--tasks", "megatron_tiny_gen", "--include_path", MC_DIR]
+    cmd += ["--apply_chat_template", "--output_path", out_dir, "--log_samples"]
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["HF_DATASETS_CACHE"] = os.path.join(tmp, "hf_datasets")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (results_file,) = glob.glob(os.path.join(out_dir, "**", "results_*.json"), recursive=True)
+    with open(results_file) as f:
+        score = json.load(f)["results"]["megatron_tiny_gen"]["exact_match,none"]
+    (samples_file,) = glob.glob(os.path.join(out_dir, "**", "samples_megatron_tiny_gen_*.jsonl"), recursive=True)
+    with open(samples_file) as f:
+        samples = sorted((json.loads(line) for line in f if line.strip()), key=lambda s: s["doc_id"])
+    return score, [sample["resps"] for sample in samples]
+
+
+def test_lm_eval_chat_completions_concurrent_equal_sequential(server, trained):
+    """The chat endpoint under lm-eval: four concurrent requests batched by the engine answer each document
+    exactly as one request at a time does (greedy), so the scores are equal."""
+    pytest.importorskip("lm_eval")
+    tmp = trained[2]
+    concurrent_score, concurrent = _lm_eval_chat(server, tmp, 4)
+    sequential_score, sequential = _lm_eval_chat(server, tmp, 1)
+    assert len(concurrent) == 10 and concurrent == sequential
+    assert all(r[0][0] for r in concurrent), concurrent  # every document got text (this tiny model: newlines)
+    assert concurrent_score == sequential_score
+
+
 def write_hf_tokenizer(flags, directory: str) -> str:
     """The test's GPT-2 BPE files as a directory ``transformers.AutoTokenizer`` loads (lm-eval tokenizes with it)."""
     os.makedirs(directory, exist_ok=True)
