@@ -17,6 +17,9 @@ from tests.tiers import full_only_reason, stale_entries, tier_problems
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The fused regions (megatron/core/fusions) run eagerly in tests, the same math without minutes of
+# Inductor compiles per spawned rank; tests/unit_tests/fusions compiles them on purpose.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # node id, test function (all its parameters) or whole file -> the default-tier test that covers its family
 FULL_ONLY = {  # one key per entry, however long

@@ -479,8 +479,9 @@ class SelfAttention(MegatronModule):
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             interleaved = self.config.rotary_interleaved
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+            fused = self.config.apply_rope_fusion
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved, fused=fused)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved, fused=fused)
         if inference_context is not None:
             key, value, attention_mask = self._with_kv_cache(inference_context, key, value, attention_mask)
         context = run_core_attention(

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.extensions.transformer_engine import is_te_linear
+from megatron.core.fusions.fused_activations import fused_activation, fused_swiglu
 from megatron.core.parallel_state import ProcessGroupCollection, get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
@@ -100,9 +102,18 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s, b, h]`` -> (``[s, b, h]``, bias of the last projection or None)."""
         intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, ffn/tp] (x2 when gated), bias included
-        if self.config.gated_linear_unit:
+        return self.linear_fc2(self._activation(intermediate))
+
+    def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
+        """``[s, b, ffn/tp]`` (``[s, b, 2 ffn/tp]`` gated) -> ``[s, b, ffn/tp]``; fused with
+        ``config.bias_activation_fusion`` (``--no-bias-swiglu-fusion`` / ``--no-bias-gelu-fusion`` turn it off)."""
+        config = self.config
+        if config.bias_activation_fusion:
+            if config.gated_linear_unit and config.activation_func is F.silu:
+                return fused_swiglu(intermediate)
+            if not config.gated_linear_unit:
+                return fused_activation(intermediate, config.activation_func)
+        if config.gated_linear_unit:
             gate, up = torch.chunk(intermediate, 2, dim=-1)  # [s, b, ffn/tp] each
-            intermediate = self.config.activation_func(gate) * up
-        else:
-            intermediate = self.config.activation_func(intermediate)
-        return self.linear_fc2(intermediate)
+            return config.activation_func(gate) * up
+        return config.activation_func(intermediate)
