@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.core.fusions.jit import set_jit_fuser_enabled
 from megatron.core import parallel_state
+from megatron.core.fusions.jit import set_jit_fuser_enabled
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
 from megatron.core.tensor_parallel.random import (
     CudaRNGStatesTracker,
