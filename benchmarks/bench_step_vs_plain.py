@@ -4,10 +4,16 @@ Plain: a nanoGPT-style model written here (``nn.Embedding`` tokens + positions, 
 one fused qkv ``nn.Linear``, ``F.scaled_dot_product_attention(is_causal=True)``, GeLU MLP, final
 LayerNorm, output tied to the token embedding, ``F.cross_entropy``), N(0, 0.02) init with the
 output projections scaled by 1/sqrt(2 * layers) as ours, ``torch.nn.utils.clip_grad_norm_(1.0)`` and
-``torch.optim.AdamW`` with torch's default implementation choice (weight decay 0.01, as ours).
+fused ``torch.optim.AdamW`` (weight decay 0.01, as ours); ``plain-compiled`` is the same loop with the model
+under ``torch.compile`` (forward and backward compiled, the first steps compile).
 
-Ours: ``GPTModel`` with ``gradient_accumulation_fusion`` (on by default in ``pretrain_gpt.py``, as in
-Megatron) wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32 gradient
+Columns (``--columns``): ``ours``, ``ours-unfused`` (every ``--no-*-fusion`` flag), ``plain``,
+``plain-compiled`` and ``gemm-floor``: the step's GEMMs alone (``gemm_shapes``: the linears' forward, input- and
+weight-gradient GEMMs, the output layer's, and attention's batched products at the causal half), contiguous, in
+the step's dtype; the ratios ours / each column are printed.
+
+Ours: ``GPTModel`` with ``gradient_accumulation_fusion`` and the fusions (on by default in ``pretrain_gpt.py``,
+as in Megatron) wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32 gradient
 buffer) and ``get_megatron_optimizer`` (AdamW, clip_grad 1.0), the step the training loop runs: zero
 the buffer, forward, mean loss, backward, ``finish_grad_sync``, ``optimizer.step()``.
 
@@ -26,9 +32,9 @@ training job does, RUNS processes per side, alternating ours, plain, ours, ...; 
 its warm-up steps. The medians and the ratio ours / plain are printed.
 
 Usage: python benchmarks/bench_step_vs_plain.py [--config tiny|gpt2-small] [--dtype fp32|bf16|both]
-       [--iters N] [--warmup N] [--isolated RUNS [--plain-allocator]]
+       [--iters N] [--warmup N] [--columns ours,plain,...] [--isolated RUNS [--plain-allocator]]
 
-Measured 2026-12-01 on the 2-core machine (lscpu "AMD EPYC", 2 threads), quiet (load 0.5-1.7),
+Measured 2026-12-01 on the 2-core machine (before the fusions and the compiled / GEMM-floor columns) (lscpu "AMD EPYC", 2 threads), quiet (load 0.5-1.7),
 gpt2-small, after 1 warm-up step:
     before this session's changes (reference AdamW loop for fp32, fc1 bias as a separate pass, no
     gradient_accumulation_fusion in this benchmark), one process, median of 5:
@@ -165,11 +171,17 @@ def ours_step_fn(
     # pretrain_gpt.py's default (Megatron's): weight gradients accumulate straight into main_grad.
     fusions = dict.fromkeys(FUSIONS, fused)
     model = build_gpt(gpt2_style(**kwargs, **kw, **fusions, gradient_accumulation_fusion=True), groups)
+    return training_step(model, groups, kw, tokens, labels)
+
+
+def training_step(model, groups, precision: Dict, tokens: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
+    """The training loop's step for ``model``: our DDP (fp32 grad buffer) and optimizer (AdamW, clip 1.0);
+    ``precision``: the bf16 config fields, or empty for fp32."""
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, pg_collection=groups
     )
     opt = get_megatron_optimizer(
-        OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP, **kw), [ddp], pg_collection=groups
+        OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP, **precision), [ddp], pg_collection=groups
     )
 
     def step() -> None:
