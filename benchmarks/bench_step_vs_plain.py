@@ -34,7 +34,8 @@ its warm-up steps. The medians and the ratio ours / plain are printed.
 Usage: python benchmarks/bench_step_vs_plain.py [--config tiny|gpt2-small] [--dtype fp32|bf16|both]
        [--iters N] [--warmup N] [--columns ours,plain,...] [--isolated RUNS [--plain-allocator]]
 
-Measured 2026-12-01 on the 2-core machine (before the fusions and the compiled / GEMM-floor columns) (lscpu "AMD EPYC", 2 threads), quiet (load 0.5-1.7),
+Measured 2026-12-01, before the fusions and the compiled / GEMM-floor columns, on the 2-core machine
+(lscpu "AMD EPYC", 2 threads), quiet (load 0.5-1.7),
 gpt2-small, after 1 warm-up step:
     before this session's changes (reference AdamW loop for fp32, fc1 bias as a separate pass, no
     gradient_accumulation_fusion in this benchmark), one process, median of 5:
