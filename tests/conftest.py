@@ -23,6 +23,10 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # node id, test function (all its parameters) or whole file -> the default-tier test that covers its family
 FULL_ONLY = {  # one key per entry, however long
+    "tests/unit_tests/fusions/test_fused_ops.py::test_compiled_fused_ops_match_their_references": (
+        "test_fused_ops_match_their_references (the same regions, eager) and "
+        "test_fused_regions_compile_once_per_shape (a region compiled, its graphs counted)"
+    ),
     "tests/fault/test_async_save_faults.py::test_kill_during_async_save_keeps_the_last_complete_checkpoint[kill-before-publish]": (  # noqa: E501
         "[kill-writer]: the tracker is written only in the finalization"
     ),

@@ -7,7 +7,7 @@ compiled with ``fullgraph=True`` (a graph break raises instead of silently split
 each region once per shape). The first call of each new signature (shapes, dtypes, which optional
 arguments are None) is timed and its compile time is logged and kept in ``compile_log()``. With the
 fuser off, or with torch's own ``TORCHDYNAMO_DISABLE=1`` (the default test tier sets it), ``fn``
-runs eagerly: the same math, op by op.
+runs eagerly: the same math, op by op; so it does on fake tensors (the GPU dry run).
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ def compile_log() -> List[Tuple[str, float]]:
     return list(_COMPILE_LOG)
 
 
+def _any_fake(args: tuple) -> bool:
+    """Fake tensors (the GPU dry run's ``cuda`` tensors on a CPU-only torch) have no kernels to compile: the
+    region runs op by op on them, the same ops the compiled kernel would fuse."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(isinstance(a, torch.Tensor) and is_fake(a) for a in args)
+
+
 def _signature(args: tuple) -> tuple:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
@@ -59,7 +67,7 @@ class _Fused:
         self._seen: Set[tuple] = set()
 
     def __call__(self, *args):
-        if not jit_fuser_enabled():
+        if not jit_fuser_enabled() or _any_fake(args):
             return self.fn(*args)
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)

@@ -158,7 +158,6 @@ def test_fused_regions_compile_once_per_shape(compiling):
     jit.set_jit_fuser_enabled(True)
 
 
-@pytest.mark.full
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_fused_ops_match_their_references(compiling, dtype):
     """Every region compiled (fullgraph: a graph break raises), against the eager references; each compiles
