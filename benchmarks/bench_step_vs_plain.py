@@ -4,10 +4,16 @@ Plain: a nanoGPT-style model written here (``nn.Embedding`` tokens + positions, 
 one fused qkv ``nn.Linear``, ``F.scaled_dot_product_attention(is_causal=True)``, GeLU MLP, final
 LayerNorm, output tied to the token embedding, ``F.cross_entropy``), N(0, 0.02) init with the
 output projections scaled by 1/sqrt(2 * layers) as ours, ``torch.nn.utils.clip_grad_norm_(1.0)`` and
-``torch.optim.AdamW`` with torch's default implementation choice (weight decay 0.01, as ours).
+fused ``torch.optim.AdamW`` (weight decay 0.01, as ours); ``plain-compiled`` is the same loop with the model
+under ``torch.compile`` (forward and backward compiled, the first steps compile).
 
-Ours: ``GPTModel`` with ``gradient_accumulation_fusion`` (on by default in ``pretrain_gpt.py``, as in
-Megatron) wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32 gradient
+Columns (``--columns``): ``ours``, ``ours-unfused`` (every ``--no-*-fusion`` flag), ``plain``,
+``plain-compiled`` and ``gemm-floor``: the step's GEMMs alone (``gemm_shapes``: the linears' forward, input- and
+weight-gradient GEMMs, the output layer's, and attention's batched products at the causal half), contiguous, in
+the step's dtype; the ratios ours / each column are printed.
+
+Ours: ``GPTModel`` with ``gradient_accumulation_fusion`` and the fusions (on by default in ``pretrain_gpt.py``,
+as in Megatron) wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32 gradient
 buffer) and ``get_megatron_optimizer`` (AdamW, clip_grad 1.0), the step the training loop runs: zero
 the buffer, forward, mean loss, backward, ``finish_grad_sync``, ``optimizer.step()``.
 
@@ -26,9 +32,10 @@ training job does, RUNS processes per side, alternating ours, plain, ours, ...; 
 its warm-up steps. The medians and the ratio ours / plain are printed.
 
 Usage: python benchmarks/bench_step_vs_plain.py [--config tiny|gpt2-small] [--dtype fp32|bf16|both]
-       [--iters N] [--warmup N] [--isolated RUNS [--plain-allocator]]
+       [--iters N] [--warmup N] [--columns ours,plain,...] [--isolated RUNS [--plain-allocator]]
 
-Measured 2026-12-01 on the 2-core machine (lscpu "AMD EPYC", 2 threads), quiet (load 0.5-1.7),
+Measured 2026-12-01, before the fusions and the compiled / GEMM-floor columns, on the 2-core machine
+(lscpu "AMD EPYC", 2 threads), quiet (load 0.5-1.7),
 gpt2-small, after 1 warm-up step:
     before this session's changes (reference AdamW loop for fp32, fc1 bias as a separate pass, no
     gradient_accumulation_fusion in this benchmark), one process, median of 5:
@@ -62,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -81,6 +88,9 @@ from tests.model_utils import batch, build_gpt, gpt2_style  # noqa: E402
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, max_sequence_length=64)
 CONFIGS = {"tiny": (TINY, 2, 64), "gpt2-small": (GPT2_SMALL, 4, 512)}  # model kwargs, micro batch, seq
 LR, WEIGHT_DECAY, CLIP, STD = 1e-4, 0.01, 1.0, 0.02
+# pretrain_gpt.py's defaults (Megatron's): each --no-*-fusion flag turns one off
+FUSIONS = ("bias_dropout_fusion", "bias_activation_fusion", "apply_rope_fusion", "persist_layer_norm")
+COLUMNS = ("ours", "ours-unfused", "plain", "plain-compiled", "gemm-floor")
 
 
 class PlainBlock(nn.Module):
@@ -129,11 +139,15 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def plain_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
-    """One plain step: forward (autocast for bf16), backward, clip, AdamW."""
+def plain_step_fn(
+    kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.Tensor, compiled: bool = False
+) -> Callable[[], None]:
+    """One plain step: forward (autocast for bf16), backward, clip, fused AdamW; ``compiled``: the
+    model under ``torch.compile`` (forward and backward compiled; the first steps compile)."""
     torch.manual_seed(1234)
-    model = PlainGPT(**kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    plain = PlainGPT(**kwargs)
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    model = torch.compile(plain) if compiled else plain
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -141,24 +155,34 @@ def plain_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.
         with ctx:
             loss = model(tokens, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
         opt.step()
 
     return step
 
 
-def ours_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
-    """One step of ours: DDP (1 gloo rank, fp32 grad buffer) + our optimizer, as the training loop runs it."""
+def ours_step_fn(
+    kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.Tensor, fused: bool = True
+) -> Callable[[], None]:
+    """One step of ours: DDP (1 gloo rank, fp32 grad buffer) + our optimizer, as the training loop runs it;
+    ``fused``: pretrain_gpt.py's default fusions (Megatron's), else the unfused references."""
     retain_freed_host_memory()  # as initialize_run does on CPU; process-wide, so in one process plain gets it too
     groups = ps.build_process_groups(ps.ParallelLayout(world_size=1))
     kw = {"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}
     # pretrain_gpt.py's default (Megatron's): weight gradients accumulate straight into main_grad.
-    model = build_gpt(gpt2_style(**kwargs, **kw, gradient_accumulation_fusion=True), groups)
+    fusions = dict.fromkeys(FUSIONS, fused)
+    model = build_gpt(gpt2_style(**kwargs, **kw, **fusions, gradient_accumulation_fusion=True), groups)
+    return training_step(model, groups, kw, tokens, labels)
+
+
+def training_step(model, groups, precision: Dict, tokens: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
+    """The training loop's step for ``model``: our DDP (fp32 grad buffer) and optimizer (AdamW, clip 1.0);
+    ``precision``: the bf16 config fields, or empty for fp32."""
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, pg_collection=groups
     )
     opt = get_megatron_optimizer(
-        OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP, **kw), [ddp], pg_collection=groups
+        OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP, **precision), [ddp], pg_collection=groups
     )
 
     def step() -> None:
@@ -167,6 +191,42 @@ def ours_step_fn(kwargs: Dict, bf16: bool, tokens: torch.Tensor, labels: torch.T
         ddp(tokens, None, None, labels=labels).mean().backward()
         ddp.finish_grad_sync()
         opt.step()
+
+    return step
+
+
+def gemm_shapes(kwargs: Dict, b: int, s: int) -> List[Tuple[int, int, int, int]]:
+    """(batch, m, k, n) of the matrix products of one training step of the GPT-2-shaped model.
+
+    Per layer the four linears (qkv h->3h, proj h->h, fc1 h->4h, fc2 4h->h) and the output layer
+    (h->V), each three GEMMs over t = b*s tokens: forward ``X W^T``, input gradient ``dY W``, weight
+    gradient ``dY^T X``; and attention's six batched products per layer (``Q K^T``, ``P V`` forward,
+    four in backward) over b*heads of ``[s, d] x [d, s]`` shapes.
+    """
+    h, layers, vocab, heads = (kwargs[k] for k in ("hidden_size", "num_layers", "vocab_size", "num_attention_heads"))
+    t, d = b * s, h // heads
+    shapes = []
+    for i, o in [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)] * layers + [(h, vocab)]:
+        shapes += [(1, t, i, o), (1, t, o, i), (1, o, t, i)]
+    shapes += [(b * heads, s, d, s), (b * heads, s, s, d)] * 3 * layers
+    return shapes
+
+
+def gemm_floor_fn(kwargs: Dict, bf16: bool, b: int, s: int) -> Callable[[], None]:
+    """The step's GEMMs alone (``gemm_shapes``), contiguous operands in the step's dtype: a lower bound for
+    any implementation of the step. Attention's products run over half the (batch x head) pairs: the
+    work a causal kernel does, which skips the masked half."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    operands = [
+        (torch.randn(max(bt // 2, 1), m, k, dtype=dtype), torch.randn(max(bt // 2, 1), k, n, dtype=dtype))
+        if bt > 1
+        else (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype))
+        for bt, m, k, n in gemm_shapes(kwargs, b, s)
+    ]
+
+    def step() -> None:
+        for a, w in operands:
+            torch.matmul(a, w)
 
     return step
 
@@ -185,22 +245,28 @@ def _timed_steps(steps: Dict[str, Callable[[], None]], rounds: int) -> Dict[str,
 def _step_fns(config: str, bf16: bool, names: List[str]) -> Dict[str, Callable[[], None]]:
     kwargs, b, s = CONFIGS[config]
     tokens, labels = batch(b=b, s=s, vocab=kwargs["vocab_size"])
-    makers = {"ours": ours_step_fn, "plain": plain_step_fn}
+    makers = {
+        "ours": ours_step_fn,
+        "ours-unfused": lambda *a: ours_step_fn(*a, fused=False),
+        "plain": plain_step_fn,
+        "plain-compiled": lambda *a: plain_step_fn(*a, compiled=True),
+        "gemm-floor": lambda kw, bf, *_: gemm_floor_fn(kw, bf, b, s),
+    }
     return {name: makers[name](kwargs, bf16, tokens, labels) for name in names}
 
 
-def compare(config: str, bf16: bool, iters: int, warmup: int) -> Dict[str, float]:
-    """Median step seconds of ours and plain in one process, stepping alternately; warm-up steps dropped."""
-    times = _timed_steps(_step_fns(config, bf16, ["ours", "plain"]), warmup + iters)
+def compare(config: str, bf16: bool, iters: int, warmup: int, columns: List[str] = ("ours", "plain")) -> Dict:
+    """Median step seconds of each column in one process, stepping alternately; warm-up steps dropped."""
+    times = _timed_steps(_step_fns(config, bf16, list(columns)), warmup + iters)
     return {name: statistics.median(t[warmup:]) for name, t in times.items()}
 
 
 def compare_isolated(
-    config: str, dtype: str, iters: int, warmup: int, runs: int, plain_allocator: bool
+    config: str, dtype: str, iters: int, warmup: int, runs: int, plain_allocator: bool, columns: List[str]
 ) -> Dict[str, float]:
     """Median step seconds of ours and plain, each in its own process (as a training job runs),
     ``runs`` processes each, alternating ours, plain, ours, ...; each run's warm-up steps dropped."""
-    times: Dict[str, List[float]] = {"ours": [], "plain": []}
+    times: Dict[str, List[float]] = {name: [] for name in columns}
     for _ in range(runs):
         for name in times:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--config", config]
@@ -213,7 +279,7 @@ def compare_isolated(
 
 def _worker(name: str, config: str, bf16: bool, iters: int, warmup: int, plain_allocator: bool) -> None:
     """One implementation alone in this process: print its step seconds after warm-up as JSON."""
-    if name == "plain" and plain_allocator:
+    if name.startswith("plain") and plain_allocator:
         retain_freed_host_memory()
     print(json.dumps(_timed_steps(_step_fns(config, bf16, [name]), warmup + iters)[name][warmup:]))
 
@@ -236,9 +302,18 @@ def main() -> None:
         action="store_true",
         help="with --isolated: the plain loop's process gets our host allocator setting too (one process: always)",
     )
-    parser.add_argument("--worker", choices=("ours", "plain"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--columns",
+        default="ours,plain,plain-compiled,gemm-floor",
+        help=f"comma-separated, of {','.join(COLUMNS)} (ours-unfused: ours with every --no-*-fusion flag)",
+    )
+    parser.add_argument("--worker", choices=COLUMNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
+    columns = args.columns.split(",")
+    unknown = sorted(set(columns) - set(COLUMNS))
+    if unknown:
+        parser.error(f"--columns {args.columns}: unknown {unknown}; choose from {','.join(COLUMNS)}")
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         if args.worker:
@@ -253,13 +328,14 @@ def main() -> None:
         )
         for dtype in dtypes:
             if args.isolated:
-                t = compare_isolated(args.config, dtype, args.iters, args.warmup, args.isolated, args.plain_allocator)
+                t = compare_isolated(
+                    args.config, dtype, args.iters, args.warmup, args.isolated, args.plain_allocator, columns
+                )
             else:
-                t = compare(args.config, dtype == "bf16", args.iters, args.warmup)
-            print(
-                f"{dtype}: ours {t['ours'] * 1e3:9.1f} ms  plain {t['plain'] * 1e3:9.1f} ms  "
-                f"ratio {t['ours'] / t['plain']:.3f}"
-            )
+                t = compare(args.config, dtype == "bf16", args.iters, args.warmup, columns)
+            cells = [f"{name} {t[name] * 1e3:9.1f} ms" for name in columns]
+            ratios = [f"ours/{name} {t['ours'] / t[name]:.3f}" for name in columns if name != "ours" and "ours" in t]
+            print(f"{dtype}: " + "  ".join(cells) + ("  |  " + "  ".join(ratios) if ratios else ""), flush=True)
         dist.destroy_process_group()
 
 

@@ -17,6 +17,9 @@ from tests.tiers import full_only_reason, stale_entries, tier_problems
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The fused regions (megatron/core/fusions) run eagerly in tests, the same math without minutes of
+# Inductor compiles per spawned rank; tests/unit_tests/fusions compiles them on purpose.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # node id, test function (all its parameters) or whole file -> the default-tier test that covers its family
 FULL_ONLY = {  # one key per entry, however long
@@ -27,6 +30,10 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_pretrain_mamba.py": (
         "tests/unit_tests/ssm/test_mamba_models.py (loss and gradients under TP+SP and PP) and "
         "test_example_scripts.py[examples/mamba/train.sh] (pretrain_mamba.py, TP=2+SP, distributed optimizer)"
+    ),
+    "tests/unit_tests/fusions/test_fused_ops.py::test_compiled_fused_ops_match_their_references": (
+        "test_fused_ops_match_their_references (the same regions, eager) and "
+        "test_fused_regions_compile_once_per_shape (a region compiled, its graphs counted)"
     ),
     "tests/fault/test_async_save_faults.py::test_kill_during_async_save_keeps_the_last_complete_checkpoint[kill-before-publish]": (  # noqa: E501
         "[kill-writer]: the tracker is written only in the finalization"

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.fusions.jit import set_jit_fuser_enabled
 from megatron.core.num_microbatches_calculator import NumMicroBatchesCalculator, init_num_microbatches_calculator
 from megatron.core.tensor_parallel.random import (
     CudaRNGStatesTracker,
@@ -430,6 +431,7 @@ def initialize_run(
     check_inputs(args)  # files, directories, checkpoint and ports, before anything is built
     print_arguments(args)
     print_enabled_summary(args)
+    set_jit_fuser_enabled(not args.disable_jit_fuser)  # the fused regions: compiled, or eager
     if not torch.cuda.is_available():  # CPU training: its tensors live in the host heap
         report = retain_freed_host_memory(environ)
         if dist.get_rank() == 0:

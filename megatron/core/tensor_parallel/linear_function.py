@@ -17,7 +17,8 @@ gradient. Backward overlaps communication with computation:
 4. weight-gradient GEMM ``dW = dY^T X`` (and the bias gradient) while it runs; wait.
 
 With ``fuse_wgrad_accumulation`` (``gradient_accumulation_fusion``) and a weight that has
-``main_grad`` (the data-parallel buffer's view), ``dW`` is added straight into ``main_grad``
+``main_grad`` (the data-parallel buffer's view), ``dW`` is accumulated straight into ``main_grad``
+by the GEMM itself, in ``main_grad``'s precision (fp32 for bf16/fp16 models; ``_wgrad_gemm_accumulate_``)
 and ``weight.grad_added_to_main_grad`` is set; the gradient returned to autograd is a dummy
 (uninitialised; zeros for a weight marked ``zero_out_wgrad``, whose other users' gradients are
 summed with it) so that AccumulateGrad still runs and DDP's hook fires, which then skips adding it.
@@ -101,10 +102,37 @@ def _weight_grad(
     main_grad = getattr(weight, "main_grad", None) if fuse else None
     if main_grad is None:
         return grad_2d.t().matmul(input_2d)  # [o, h]
-    if main_grad.dtype == grad_2d.dtype:
-        main_grad.addmm_(grad_2d.t(), input_2d)  # one GEMM accumulating into the buffer
-        return _wgrad_dummy(weight)
-    return _accumulate_weight_grad(grad_2d.t().matmul(input_2d), weight, fuse)  # e.g. bf16 GEMM, fp32 buffer
+    _wgrad_gemm_accumulate_(main_grad, grad_2d, input_2d)
+    return _wgrad_dummy(weight)
+
+
+def _wgrad_gemm_accumulate_(main_grad: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
+    """``main_grad [o, h] += dY^T X`` as one GEMM accumulating in ``main_grad``'s dtype (fp32 for a
+    bf16/fp16 model): no low-precision ``dW`` is rounded and added in a second pass. CUDA with Apex's
+    ``fused_weight_gradient_mlp_cuda``: its low-precision-in, fp32-accumulate kernel; elsewhere the
+    operands are upcast into an fp32 ``addmm_`` (on the CPU this is also the faster form: 0.36-0.52 s
+    against 1.9-2.3 s for the bf16 GEMM and add at GPT-2's fc1 shape, 2 cores)."""
+    if grad_2d.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)
+        return
+    fused = _apex_wgrad_kernel(main_grad, grad_2d)
+    if fused is not None:
+        fused(input_2d.contiguous(), grad_2d.contiguous(), main_grad)
+        return
+    main_grad.addmm_(grad_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+
+
+def _apex_wgrad_kernel(main_grad: torch.Tensor, grad_2d: torch.Tensor):
+    """Apex's fp32-accumulating weight-gradient GEMM for CUDA bf16/fp16 into fp32, when importable."""
+    if not main_grad.is_cuda or main_grad.dtype != torch.float32:
+        return None
+    try:
+        import fused_weight_gradient_mlp_cuda  # Apex, built with --cuda_ext
+    except ImportError:
+        return None
+    if grad_2d.dtype == torch.bfloat16 or grad_2d.dtype == torch.float16:
+        return fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
+    return None
 
 
 def _wgrad_dtype(weight: torch.Tensor, fuse: bool) -> torch.dtype:

@@ -535,8 +535,9 @@ class SelfAttention(MegatronModule):
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             interleaved = self.config.rotary_interleaved
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+            fused = self.config.apply_rope_fusion
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved, fused=fused)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved, fused=fused)
         if inference_context is not None and not inference_context.is_static_batching():
             return self.linear_proj(self._paged(inference_context, query, key, value, attention_mask, attention_bias))
         if inference_context is not None:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.extensions.transformer_engine import is_te_linear
+from megatron.core.fusions.fused_activations import fused_activation, fused_swiglu
 from megatron.core.parallel_state import ProcessGroupCollection, get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
@@ -113,4 +115,16 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s, b, h]`` -> (``[s, b, h]``, bias of the last projection or None)."""
         intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, ffn/tp] (x2 when gated), bias included
-        return self.linear_fc2(apply_activation(self.config, intermediate))  # [s, b, ffn/tp] into fc2
+        return self.linear_fc2(self._activation(intermediate))  # [s, b, ffn/tp] into fc2
+
+    def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
+        """``[s, b, ffn/tp]`` (``[s, b, 2 ffn/tp]`` gated) -> ``[s, b, ffn/tp]``; fused with
+        ``config.bias_activation_fusion`` (``--no-bias-swiglu-fusion`` / ``--no-bias-gelu-fusion`` turn it off),
+        else (and with a clamp) ``apply_activation``."""
+        config = self.config
+        if config.bias_activation_fusion and config.activation_func_clamp_value is None:
+            if config.gated_linear_unit and config.activation_func is F.silu:
+                return fused_swiglu(intermediate)
+            if not config.gated_linear_unit:
+                return fused_activation(intermediate, config.activation_func)
+        return apply_activation(config, intermediate)

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.fusions.fused_norm import fused_rms_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -19,6 +20,7 @@ class _Norm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, with_bias: bool) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = config.persist_layer_norm  # --no-persist-layer-norm: the unfused reference (RMSNorm)
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         init = torch.zeros if self.zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
@@ -51,12 +53,18 @@ class LayerNorm(_Norm):
 
 
 class RMSNorm(_Norm):
-    """y = x / sqrt(mean(x^2) + eps) * gamma over the last dimension, computed in fp32."""
+    """y = x / sqrt(mean(x^2) + eps) * gamma over the last dimension, computed in fp32.
+
+    With ``config.persist_layer_norm`` (on unless ``--no-persist-layer-norm``) the fused form
+    (``fusions.fused_norm``: saves the input in its dtype and per-row ``rstd``); else this reference.
+    """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(config, hidden_size, eps, with_bias=False)
 
     def _normalize(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fused:
+            return fused_rms_norm(x, gamma, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * gamma

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from megatron.core.fusions.jit import jit_fuser
+
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if interleaved:
@@ -20,12 +22,23 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(
-    t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, mscale: float = 1.0
+    t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, mscale: float = 1.0, fused: bool = False
 ) -> torch.Tensor:
     """Rotate the leading ``freqs.shape[-1]`` channels of ``t`` ``[s, b, n, d]`` by ``freqs`` ``[s, 1, 1, r]``.
 
-    ``mscale`` multiplies cos and sin (YaRN's concentration; 1 otherwise).
+    ``mscale`` multiplies cos and sin (YaRN's concentration; 1 otherwise). ``fused``
+    (``config.apply_rope_fusion``): the same function as one compiled region (``jit_fuser``: one pass
+    forward and one backward instead of about eight).
     """
+    if fused:
+        return _apply_rotary_pos_emb_fused(t, freqs, interleaved, mscale)
+    return apply_rotary_pos_emb_unfused(t, freqs, interleaved, mscale)
+
+
+def apply_rotary_pos_emb_unfused(
+    t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float
+) -> torch.Tensor:
+    """The reference of ``apply_rotary_pos_emb``."""
     rot_dim = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     cos, sin = freqs.cos(), freqs.sin()
@@ -34,6 +47,9 @@ def apply_rotary_pos_emb(
     cos, sin = cos.to(t.dtype), sin.to(t.dtype)
     t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
     return torch.cat((t_rot, t_pass), dim=-1)
+
+
+_apply_rotary_pos_emb_fused = jit_fuser(apply_rotary_pos_emb_unfused)
 
 
 def deinterleave(t: torch.Tensor) -> torch.Tensor:

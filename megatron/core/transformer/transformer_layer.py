@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_dropout import fused_bias_dropout_add
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.transformer.layer_layout import config_layer_assignment
 from megatron.core.transformer.module import MegatronModule
@@ -140,6 +141,9 @@ class TransformerLayer(MegatronModule):
     def _bias_dropout_add(
         self, out: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor
     ) -> torch.Tensor:
+        """``residual + dropout(out + bias)``, fused with ``config.bias_dropout_fusion``."""
+        if self.config.bias_dropout_fusion:
+            return fused_bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
         if bias is not None:
             out = out + bias
         return residual + F.dropout(out, p=self.hidden_dropout, training=self.training)

@@ -107,15 +107,16 @@ RECORDS = (
     Flag("tp_comm_overlap_cfg", no_op(reasons.OVERLAP)),
     Flag("checkpoint_activations", IMPLEMENTED, replaced_by="--recompute-activations or --recompute-granularity"),
     Flag("masked_softmax_fusion", no_op(reasons.KERNEL), fills=same(TC), speed_only=SPEED_BITWISE),
+    # The fused forms (megatron/core/fusions) are compiled regions: other rounding than the references.
     Flag(
         "bias_gelu_fusion",
-        no_op(reasons.KERNEL),
+        IMPLEMENTED,
         fills=(to(TC, "bias_activation_fusion", bias_activation_fusion),),
-        speed_only=SPEED_BITWISE,
+        speed_only=SPEED_RTOL,
     ),
-    Flag("bias_swiglu_fusion", no_op(reasons.KERNEL)),
-    Flag("bias_dropout_fusion", no_op(reasons.KERNEL), fills=same(TC), speed_only=SPEED_BITWISE),
-    Flag("apply_rope_fusion", no_op(reasons.KERNEL), fills=same(TC), speed_only=SPEED_BITWISE),
+    Flag("bias_swiglu_fusion", IMPLEMENTED, speed_only=SPEED_RTOL),  # fills bias_activation_fusion (above)
+    Flag("bias_dropout_fusion", IMPLEMENTED, fills=same(TC), speed_only=SPEED_RTOL),
+    Flag("apply_rope_fusion", IMPLEMENTED, fills=same(TC), speed_only=SPEED_RTOL),
     Flag(
         "rope_type",
         IMPLEMENTED,
@@ -132,7 +133,14 @@ RECORDS = (
     Flag("pin_cpu_grads", no_op(reasons.UNDER_REFUSED)),
     Flag("pin_cpu_params", no_op(reasons.UNDER_REFUSED)),
     Flag("dataloader_type", not_yet(None, "single", "cyclic"), fills=same(TRAIN)),
-    Flag("no_persist_layer_norm", no_op(reasons.KERNEL), fills=(to(TC, "persist_layer_norm", persist_layer_norm),)),
+    Flag(
+        "no_persist_layer_norm",
+        IMPLEMENTED,
+        help="Use the unfused RMSNorm reference instead of the fused one (megatron/core/fusions/fused_norm.py); "
+        "LayerNorm is torch's fused kernel either way.",
+        fills=(to(TC, "persist_layer_norm", persist_layer_norm),),
+        speed_only=SPEED_RTOL,
+    ),
     Flag(
         "gradient_accumulation_fusion",
         IMPLEMENTED,
@@ -142,7 +150,11 @@ RECORDS = (
     Flag("deprecated_use_mcore_models", no_op(reasons.DEPRECATED)),
     Flag("use_legacy_models", not_yet(False)),
     Flag("high_priority_stream_groups", no_op(reasons.OVERLAP)),
-    Flag("disable_jit_fuser", no_op(reasons.KERNEL)),
+    Flag(
+        "disable_jit_fuser",
+        IMPLEMENTED,
+        help="Run the fused regions (megatron/core/fusions) eagerly instead of compiling them with torch.compile.",
+    ),
     Flag("lr_decay_style", IMPLEMENTED, help="Learning-rate decay after warmup.", fills=same(SCHED)),
     Flag("lr_wsd_decay_style", IMPLEMENTED, fills=same(SCHED)),
     Flag(

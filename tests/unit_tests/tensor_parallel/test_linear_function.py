@@ -204,7 +204,8 @@ def test_gradient_accumulation_fusion_matches_unfused_ddp(tp_size):
 
 
 def _mixed_dtype_body(rank, world_size):
-    """bf16 weight, fp32 main_grad: the fused path adds the bf16 GEMM to the buffer, as DDP's hook does."""
+    """bf16 weight, fp32 main_grad: the fused path accumulates the product in fp32 inside the GEMM, so it
+    is at least as close to the exact sum as DDP's hook adding the bf16-rounded GEMM, and within bf16 of it."""
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     tp.model_parallel_cuda_manual_seed(5)
     grads = []
@@ -219,10 +220,15 @@ def _mixed_dtype_body(rank, world_size):
         if not fused:
             layer.weight.main_grad.add_(layer.weight.grad)
         grads.append(layer.weight.main_grad)
-    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    pieces = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(pieces, x.detach())  # the sequence-parallel input, [S, B, H]
+    exact = 1 + torch.cat(pieces).reshape(-1, H).double().sum(0).expand(grads[0].shape)  # dY = 1: column sums
+    err_hook, err_fused = ((g.double() - exact).abs().max() for g in grads)
+    assert err_fused <= err_hook and err_fused < 1e-4, (err_fused, err_hook)
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=2e-2)
 
 
-def test_fused_weight_grad_into_fp32_main_grad_equals_hook_accumulation():
+def test_fused_weight_grad_into_fp32_main_grad_is_the_fp32_accumulation():
     run_distributed(_mixed_dtype_body, 2)
 
 

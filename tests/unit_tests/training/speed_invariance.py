@@ -65,6 +65,8 @@ FACTORS: Tuple[Factor, ...] = (
     ),
     _switch("masked_softmax_fusion", "--no-masked-softmax-fusion", "masked_softmax_fusion"),
     _switch("bias_gelu_fusion", "--no-bias-gelu-fusion", "bias_gelu_fusion"),
+    _switch("bias_swiglu_fusion", "--no-bias-swiglu-fusion", "bias_swiglu_fusion", ("swiglu",)),
+    _switch("persist_layer_norm", "--no-persist-layer-norm", "no_persist_layer_norm", ("rmsnorm",)),
     _switch("bias_dropout_fusion", "--no-bias-dropout-fusion", "bias_dropout_fusion"),
     _switch("rope_fusion", "--no-rope-fusion", "apply_rope_fusion"),
     _switch("cross_entropy_fusion", "--cross-entropy-loss-fusion", "cross_entropy_loss_fusion"),
@@ -97,7 +99,7 @@ _MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", 
 @dataclass(frozen=True)
 class Layout:
     """A tiny model on 2 ranks: its extra flags and what it has ('tp': TP > 1 without SP, 'sp': TP > 1 with SP,
-    'moe', 'cp')."""
+    'moe', 'cp', 'swiglu', 'rmsnorm')."""
 
     argv: Tuple[str, ...]
     has: Tuple[str, ...] = ()
@@ -105,7 +107,12 @@ class Layout:
 
 LAYOUTS: Dict[str, Layout] = {
     "dense-dp2": Layout(()),
-    "dense-tp2-sp": Layout(("--tensor-model-parallel-size", "2", "--sequence-parallel"), ("sp",)),
+    # Llama-style (SwiGLU, RMSNorm, RoPE): the fused forms of those run under TP + SP and recomputation.
+    "dense-tp2-sp": Layout(
+        ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--swiglu", "--normalization", "RMSNorm")
+        + ("--position-embedding-type", "rope"),
+        ("sp", "swiglu", "rmsnorm"),
+    ),
     "dense-tp2": Layout(("--tensor-model-parallel-size", "2"), ("tp",)),  # TP without SP: distributed saves
     "dense-pp2-vpp2": Layout(
         ("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1")
