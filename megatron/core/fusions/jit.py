@@ -65,9 +65,10 @@ class _Fused:
         self.fn, self.name = fn, fn.__name__
         self._compiled = None
         self._seen: Set[tuple] = set()
+        self._unavailable = False  # compiling failed here (e.g. no C++ compiler for Inductor): run eagerly
 
     def __call__(self, *args):
-        if not jit_fuser_enabled() or _any_fake(args):
+        if not jit_fuser_enabled() or _any_fake(args) or self._unavailable:
             return self.fn(*args)
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
@@ -75,7 +76,12 @@ class _Fused:
         if key in self._seen:
             return self._compiled(*args)
         start = time.perf_counter()
-        out = self._compiled(*args)
+        try:
+            out = self._compiled(*args)
+        except Exception as err:  # the compiler, not the math: the eager region computes the same
+            self._unavailable = True
+            logger.warning("jit_fuser: %s runs unfused (compiling failed: %s: %s)", self.name, type(err).__name__, err)
+            return self.fn(*args)
         seconds = time.perf_counter() - start
         self._seen.add(key)
         _COMPILE_LOG.append((f"{self.name}{key}", seconds))

@@ -158,6 +158,30 @@ def test_fused_regions_compile_once_per_shape(compiling):
     jit.set_jit_fuser_enabled(True)
 
 
+def test_a_region_that_cannot_compile_runs_unfused_with_a_warning(monkeypatch, caplog):
+    """No C++ compiler for Inductor (or any compile failure): the region warns once and runs eagerly."""
+    calls = []
+
+    def compile_that_fails(fn, **kwargs):
+        def run(*args):
+            calls.append(args)
+            raise RuntimeError("no working C++ compiler found")
+
+        return run
+
+    monkeypatch.setattr(jit, "jit_fuser_enabled", lambda: True)
+    monkeypatch.setattr(torch, "compile", compile_that_fails)
+
+    def _double(x):
+        return x * 2
+
+    region, x = jit.jit_fuser(_double), torch.arange(3.0)
+    with caplog.at_level("WARNING", logger=jit.__name__):
+        assert torch.equal(region(x), x * 2) and torch.equal(region(x), x * 2)
+    assert len(calls) == 1  # tried once, then eager
+    assert "_double runs unfused (compiling failed: RuntimeError: no working C++ compiler found)" in caplog.text
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_fused_ops_match_their_references(compiling, dtype):
     """Every region compiled (fullgraph: a graph break raises), against the eager references; each compiles
