@@ -23,6 +23,10 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # node id, test function (all its parameters) or whole file -> the default-tier test that covers its family
 FULL_ONLY = {  # one key per entry, however long
+    "tests/functional_tests/test_benchmark_commands.py::test_step_benchmark_reports_ours_beside_plain_pytorch": (
+        "test_long_context_benchmark_reports_every_scheme (a README benchmark command runs to its report); the fused"
+        " and unfused paths it times in tests/unit_tests/fusions/test_fused_ops.py"
+    ),
     "tests/functional_tests/test_text_generation_server.py::test_lm_eval_chat_completions_concurrent_equal_sequential": (  # noqa: E501
         "test_lm_eval_accuracy_equals_scoring_with_the_engine (lm-eval with num_concurrent=4 against the same"
         " server); streamed and concurrent chat answers in test_dynamic_server.py"

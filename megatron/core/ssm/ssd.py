@@ -13,6 +13,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.masks import build_attention_mask
+
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
     """``t`` in the scan's accumulation dtype: fp32, or fp64 when given fp64 (for tests)."""
@@ -28,8 +30,8 @@ def _decay_matrix(cum: torch.Tensor) -> torch.Tensor:
     """``exp(cum_t - cum_s)`` for ``s <= t`` else 0: ``[b, c, h, Q]`` -> ``[b, c, h, Q(t), Q(s)]``."""
     q = cum.shape[-1]
     diff = cum[..., :, None] - cum[..., None, :]  # [b, c, h, Q, Q]
-    causal = torch.ones(q, q, dtype=torch.bool, device=cum.device).tril()
-    return torch.exp(diff.masked_fill(~causal, float("-inf")))
+    blocked = build_attention_mask(q, q, device=cum.device)  # [Q, Q] True where s > t; None when Q == 1
+    return torch.exp(diff if blocked is None else diff.masked_fill(blocked, float("-inf")))
 
 
 def ssd_chunked_scan(
