@@ -15,6 +15,7 @@ import errno
 import os
 import socket
 import sys
+import time
 import traceback
 from typing import Iterator, List, Mapping, Optional, Sequence
 
@@ -57,6 +58,9 @@ def launch_rank(environ: Optional[Mapping[str, str]] = None) -> int:
     return 0
 
 
+SILENT_RANK_GRACE_S = 3.0  # how long a rank that does not print a start-up error waits before exiting
+
+
 @contextlib.contextmanager
 def reported_once() -> Iterator[None]:
     """Let an ``ArgumentsError`` print on one rank; the others exit with status 1 and say nothing. Any other
@@ -70,6 +74,9 @@ def reported_once() -> Iterator[None]:
         reporter = getattr(err, "reporter", None) or 0
         if launch_rank() != reporter:
             err.code = 1  # SystemExit prints a non-int code; an int exits silently
+            # A launcher (torchrun, Slurm) stops every rank once one exits: give the reporter, which hits the
+            # same check, time to print before this rank's exit ends the job.
+            time.sleep(SILENT_RANK_GRACE_S)
         raise
 
 

@@ -70,6 +70,8 @@ def test_output_directory_must_be_creatable(tmp_path):
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_a_user_error_prints_on_the_reporting_rank_only(monkeypatch, rank, printed):
     monkeypatch.setenv("RANK", rank)
+    slept = []  # a silent rank waits before exiting, so the launcher does not stop the reporter mid-print
+    monkeypatch.setattr(preflight.time, "sleep", slept.append)
     with pytest.raises(ArgumentsError) as caught:
         with preflight.reported_once():
             raise ArgumentsError("--num-attention-heads 3 must be divisible by --tensor-model-parallel-size 2")
@@ -77,6 +79,7 @@ def test_a_user_error_prints_on_the_reporting_rank_only(monkeypatch, rank, print
     assert caught.value.code == (
         "--num-attention-heads 3 must be divisible by --tensor-model-parallel-size 2" if printed else 1
     )
+    assert slept == ([] if printed else [preflight.SILENT_RANK_GRACE_S])
     with pytest.raises(preflight.InputError) as caught:
         with preflight.reported_once():
             raise preflight.InputError("rank 1: --data-path x: x.bin not found", reporter=1)
