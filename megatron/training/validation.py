@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.core.context_parallel import CP_COMM_TYPES, local_sequence_length
+from megatron.core.context_parallel import local_sequence_length
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -411,21 +411,6 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
     )
 
 
-def check_context_parallel(args: argparse.Namespace) -> None:
-    """--cp-comm-type: one value, or one per layer.
-
-    p2p (ring), a2a (Ulysses) and all_gather each run as such (``transformer/cp_attention.py``); the config
-    (``TransformerConfig.cp_comm_type``) refuses a2a+p2p, which needs hierarchical CP groups.
-    """
-    comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
-    for value in comm_types:
-        _require(value in CP_COMM_TYPES, f"--cp-comm-type {value}: must be one of {', '.join(CP_COMM_TYPES)}")
-    _require(
-        len(comm_types) in (1, args.num_layers),
-        f"--cp-comm-type gives {len(comm_types)} values: give one, or one per layer (--num-layers {args.num_layers})",
-    )
-
-
 # ----------------------------------------------------------------------------------
 # The configs' own rules, with flag names.
 # ----------------------------------------------------------------------------------
@@ -562,7 +547,6 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     check_pipeline_layers,
     check_batch_sizes,
     set_model_shape,
-    check_context_parallel,
     set_moe,
     check_expert_parallel,
     set_precision,
