@@ -44,32 +44,36 @@ class SavedTensorMeter:
     """Live and peak bytes of distinct non-parameter storages saved for backward."""
 
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self.excluded = {p.untyped_storage().data_ptr() for p in parameters}
-        self.refs: Dict[int, int] = {}  # storage pointer -> saved tensors holding it
+        # Storages are told apart by identity, not address: Megatron-FSDP frees a gathered parameter buffer
+        # (``resize_(0)``) and gathers it again elsewhere, and freed addresses are reused by activations.
+        self.param_storages = [p.untyped_storage() for p in parameters]  # kept alive: their ids stay unique
+        self.excluded = {id(s) for s in self.param_storages}
+        self.refs: Dict[int, int] = {}  # id of a storage -> saved tensors holding it
         self.sizes: Dict[int, int] = {}
+        self.storages: Dict[int, torch.UntypedStorage] = {}  # kept alive while tracked: ids stay unique
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved.tensor)
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)
         storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
+        key = id(storage)  # one Python object per storage while it lives (views share it)
         # A parameter itself is skipped too: sharded (FSDP) ones are re-gathered into fresh storage.
-        if ptr in self.excluded or storage.nbytes() == 0 or isinstance(tensor, torch.nn.Parameter):
+        if key in self.excluded or storage.nbytes() == 0 or isinstance(tensor, torch.nn.Parameter):
             return saved
-        if ptr not in self.refs:
-            self.refs[ptr], self.sizes[ptr] = 0, storage.nbytes()
+        if key not in self.refs:
+            self.refs[key], self.sizes[key], self.storages[key] = 0, storage.nbytes(), storage
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
-        self.refs[ptr] += 1
-        weakref.finalize(saved, self._release, ptr)
+        self.refs[key] += 1
+        weakref.finalize(saved, self._release, key)
         return saved
 
-    def _release(self, ptr: int) -> None:
-        self.refs[ptr] -= 1
-        if self.refs[ptr] == 0:
-            del self.refs[ptr]
-            self.live -= self.sizes.pop(ptr)
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key], self.storages[key]
+            self.live -= self.sizes.pop(key)
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
