@@ -85,7 +85,8 @@ def _routers(model_chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
 
 
 def finish_router_step(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroupCollection) -> None:
-    """Update every router's expert bias from the step's token counts summed over DP x CP; reset
+    """Update every router's expert bias from the step's token counts summed over TP x DP x CP (each rank
+    counts the tokens it routed: under SP its sequence shard, as Megatron); reset
     the ``global_aux_loss`` counts. Every rank of a stage holds the same routers in the same order."""
     routers = _routers(model_chunks)
     for router in routers:
@@ -94,9 +95,9 @@ def finish_router_step(model_chunks: Sequence[torch.nn.Module], groups: ProcessG
     if not biased:
         return
     counts = torch.stack([r.local_tokens_per_expert for r in biased])  # [routers, E]
-    if groups.size_of("dp_cp") > 1:
-        counts = counts.to(comm_device(groups.dp_cp))
-        dist.all_reduce(counts, group=groups.dp_cp)
+    if groups.size_of("tp_dp_cp") > 1:
+        counts = counts.to(comm_device(groups.tp_dp_cp))
+        dist.all_reduce(counts, group=groups.tp_dp_cp)
     for router, total in zip(biased, counts):
         router.update_expert_bias(total)
 

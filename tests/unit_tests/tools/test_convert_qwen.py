@@ -95,6 +95,8 @@ def test_convert_train_export(tmp_path, kind, tp):
     for flag in FAMILY_FLAGS[kind]:
         assert flag in flags, f"{kind}: the converter did not print {flag}: {flags}"
     run = tiny_gpt_flags(2) + flags + TRAIN_FLAGS + ["--load", first, "--finetune", "--save", trained]
+    if tp > 1 and "--num-experts" in FAMILY_FLAGS[kind]:
+        run += ["--sequence-parallel"]  # MoE with TP trains only with SP (Megatron's rule)
     assert_ok(run_gpt(tp, run, cwd=str(tmp_path)), f"pretrain_gpt.py ({kind}, TP={tp})")
     assert convert.megatron_to_hf(trained, hf_out, kind, vocab_size=HF_VOCAB) == HF_VOCAB
     before, after = convert.read_hf_weights(hf_in), convert.read_hf_weights(hf_out)

@@ -11,20 +11,24 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
+from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe import MoEAuxLossAutoScaler, MoELayer, aux_loss_pairs, get_aux_loss_tracker
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter, topk_softmax
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.dist_harness import run_distributed
-from tests.model_utils import batch, build_gpt, gather_tp, gpt2_style, llama_style, single_rank_groups
+from tests.model_utils import batch, build_gpt, gather_tp, gpt2_style, llama_style, single_rank_groups, tp_group_of
 from tests.unit_tests.pipeline_parallel.pipeline_parity import check_parity
+from tests.unit_tests.transformer.test_moe_expert_parallel import global_name
 
 RTOL, ATOL = 1e-5, 1e-6
 E, K, H, FFN = 4, 2, 32, 48
@@ -168,7 +172,7 @@ def _layer_body(rank, world_size):
 class RoundRobinRouter(TopKRouter):
     """A routing rule plugged through the spec: token t goes to expert t mod E alone, with weight 1."""
 
-    def forward(self, tokens, batch_size=1, capacity_groups=1):
+    def forward(self, tokens, batch_size=1):
         experts = torch.arange(tokens.shape[0]) % self.config.num_moe_experts  # [T]
         routing_map = F.one_hot(experts, self.config.num_moe_experts).bool()  # [T, E]
         return routing_map.to(tokens.dtype), routing_map
@@ -295,31 +299,112 @@ def _loss_and_grads(model, tokens, labels, tp_group):
     return loss.detach(), grads
 
 
+# TP=2 + SP on 2 ranks (DP=1, so the balance loss too equals one rank's): (EP, expert-TP, dispatcher).
+TP_SP_LAYOUTS = [(1, 2, "allgather"), (1, 2, "alltoall"), (2, 1, "alltoall"), (2, 1, "allgather"), (1, 1, "alltoall")]
+
+
+class _MoEForwardGathers:
+    """Inside every MoE layer's forward: the router's input shapes, and the floating-point all-gathers and
+    reduce-scatters (``tensor_parallel.mappings``) issued over the ranks of ``ranks``."""
+
+    def __init__(self, model, ranks):
+        self.model, self.ranks, self.router_inputs, self.gathers, self.inside = model, ranks, [], [], False
+
+    def _wrap(self, name, original):
+        def recorded(out, x, group=None, **kw):
+            if self.inside and x.is_floating_point() and dist.get_process_group_ranks(group) == self.ranks:
+                self.gathers.append((name, tuple(x.shape)))
+            return original(out, x, group=group, **kw)
+
+        return recorded
+
+    def __enter__(self):
+        self.saved = (mappings.all_gather_into_tensor, mappings.reduce_scatter_tensor)
+        mappings.all_gather_into_tensor = self._wrap("all_gather", self.saved[0])
+        mappings.reduce_scatter_tensor = self._wrap("reduce_scatter", self.saved[1])
+        self.hooks = []
+        for module in self.model.modules():
+            if isinstance(module, MoELayer):
+                self.hooks.append(module.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)))
+                self.hooks.append(module.register_forward_hook(lambda *_: setattr(self, "inside", False)))
+                self.hooks.append(
+                    module.router.register_forward_pre_hook(lambda m, args: self.router_inputs.append(args[0].shape))
+                )
+        return self
+
+    def __exit__(self, *exc):
+        mappings.all_gather_into_tensor, mappings.reduce_scatter_tensor = self.saved
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _tp_sp_case(kw, ep, etp, ref, tokens, labels):
+    """One TP=2 + SP layout against one rank; the router sees this rank's ``s/tp * b`` tokens and, with
+    expert-TP 1 and all-to-all, the layer all-gathers nothing over the TP ranks (no full sequence)."""
+    groups = build_process_groups(
+        ParallelLayout(world_size=2, tensor_model_parallel_size=2, expert_model_parallel_size=ep,
+                       expert_tensor_parallel_size=etp)
+    )  # fmt: skip
+    model = build_gpt(dict(kw, sequence_parallel=True), groups)
+    with _MoEForwardGathers(model, groups.ranks["tp"]) as seen:
+        loss, grads = _one_step_ddp(model, groups, tokens, labels)
+    moe_layers = sum(isinstance(m, MoELayer) for m in model.modules())
+    b, s = tokens.shape
+    assert seen.router_inputs == [torch.Size([s // 2 * b, model.config.hidden_size])] * moe_layers, seen.router_inputs
+    if etp == 1 and kw.get("moe_token_dispatcher_type") == "alltoall":
+        assert seen.gathers == [], seen.gathers
+    ref_loss, ref_grads = ref
+    where = f"tp=2 sp ep={ep} etp={etp} {kw.get('moe_token_dispatcher_type')}"
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
+    dense = {n for n in ref_grads if "local_experts" not in n}
+    assert dense <= set(grads) <= set(ref_grads) and any("local_experts" in n for n in grads), where  # EP: half
+    worst = 0.0
+    for pname, grad in grads.items():
+        ref_grad = ref_grads[pname]
+        worst = max(worst, (grad - ref_grad).abs().max().item())
+        torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {pname}: {m}")
+    return worst
+
+
+def _one_step_ddp(model, groups, tokens, labels):
+    """Loss and full gradients by global expert name after DDP's reduction (DP=1; expert-DP may be 2)."""
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=groups)
+    loss = ddp(tokens, None, None, labels=labels)  # [b, s]
+    loss.mean().backward()
+    finalize_model_grads([ddp], None, groups)
+    grads = {
+        global_name(n, groups): gather_tp(p.main_grad, p, tp_group_of(p, groups)) for n, p in model.named_parameters()
+    }
+    return loss.detach(), grads
+
+
 def _tp_body(rank, world_size):
-    tp_groups = ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    """TP=2 + SP equals one rank (aux and z losses on); TP=2 without SP is refused in training and
+    equals one rank in evaluation (every TP rank routes all tokens, as Megatron)."""
     ref_groups = single_rank_groups()
     MoEAuxLossAutoScaler.set_loss_scale(1.0)
     tokens, labels = batch()
     styles = {"llama": llama_style(moe_layer_freq=[1, 0], **MOE), "gpt2_bias": gpt2_style(ffn_hidden_size=64, **MOE)}
     worst = 0.0
     for name, kw in styles.items():
-        ref_loss, ref_grads = _loss_and_grads(build_gpt(kw, ref_groups), tokens, labels, ref_groups.tp)
-        for sp in (False, True):
-            loss, grads = _loss_and_grads(
-                build_gpt(dict(kw, sequence_parallel=sp), tp_groups), tokens, labels, tp_groups.tp
-            )
-            where = f"{name} tp={world_size} sp={sp}"
-            assert set(grads) == set(ref_grads) and any(".mlp.router." in n for n in grads), where
-            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
-            for pname, ref in ref_grads.items():
-                worst = max(worst, (grads[pname] - ref).abs().max().item())
-                torch.testing.assert_close(
-                    grads[pname], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {pname}: {m}"
-                )
+        ref = _loss_and_grads(build_gpt(kw, ref_groups), tokens, labels, ref_groups.tp)
+        layouts = TP_SP_LAYOUTS if name == "llama" else TP_SP_LAYOUTS[:1]
+        for ep, etp, dispatcher in layouts:
+            case = dict(kw, moe_token_dispatcher_type=dispatcher)
+            worst = max(worst, _tp_sp_case(case, ep, etp, ref, tokens, labels))
+        tp_groups = build_process_groups(ParallelLayout(world_size=2, tensor_model_parallel_size=2))
+        no_sp = build_gpt(kw, tp_groups)
+        with pytest.raises(ValueError, match="tensor_model_parallel_size=2 needs sequence_parallel=True"):
+            no_sp(tokens, None, None, labels=labels)
+        no_sp.eval()
+        with torch.no_grad():
+            ref_eval = build_gpt(kw, ref_groups).eval()(tokens, None, None, labels=labels)
+            torch.testing.assert_close(no_sp(tokens, None, None, labels=labels), ref_eval, rtol=RTOL, atol=ATOL)
     return worst
 
 
-def test_gpt_moe_tp2_with_and_without_sp_equals_single_rank():
+def test_gpt_moe_tp2_sp_ep_etp_layouts_equal_single_rank():
+    """Also: the router's input is this rank's ``[s/tp * b, h]`` (no gather of the sequence first)."""
     assert run_distributed(_tp_body, 2)[0] < 1e-5
 
 

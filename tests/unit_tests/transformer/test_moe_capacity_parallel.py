@@ -1,14 +1,14 @@
-"""Capacity dropping and grouped GEMM under EP=2 and TP=2 (with and without SP) equal one rank.
+"""Capacity dropping and grouped GEMM under EP=2 and TP=2 with SP equal one rank.
 
 Capacity is Megatron's: computed and applied on the tokens each rank routes on its own. So the
 one-rank reference (a TP=1, EP=1 ``SequentialMLP`` layer, dropless or not as the case) runs on each
 rank's own tokens separately: under EP=2 each rank's batch half (EP ranks are data-parallel
-ranks); under TP=2 + SP each rank's sequence shard; under TP=2 without SP the whole input (every
-TP rank routes it). Outputs and input gradients equal the reference's on the same piece; weight
-gradients equal the reference's summed over the pieces (EP: the router's summed over ranks,
-each expert's on its owner; TP: shards gathered). The balance and z losses are on except under SP,
-where ours see the TP group's tokens and a per-shard reference would not. A distributed checkpoint
-saved by the grouped EP=2 layer loads into the sequential one-rank layer and back.
+ranks); under TP=2 + SP each rank's sequence shard (TP without SP is refused in training).
+Outputs and input gradients equal the reference's on the same piece; weight gradients equal the
+reference's summed over the pieces (EP: the router's summed over ranks, each expert's on its
+owner; TP: shards gathered). The balance and z losses are on except under SP, where each rank's
+are its share of the sequence's (test_moe.py checks them against one rank). A distributed
+checkpoint saved by the grouped EP=2 layer loads into the sequential one-rank layer and back.
 fp32; rtol 1e-5 / atol 1e-6.
 """
 
@@ -33,7 +33,7 @@ LAYOUTS = [  # (name, tp, ep, sp, layer kwargs)
     ("ep2 probs", 1, 2, False, CAP),
     ("ep2 grouped", 1, 2, False, dict(moe_grouped_gemm=True)),
     ("ep2 grouped position pad", 1, 2, False, dict(PAD, moe_grouped_gemm=True, moe_token_drop_policy="position")),
-    ("tp2 grouped probs", 2, 1, False, dict(CAP, moe_grouped_gemm=True)),
+    ("tp2 sp grouped probs", 2, 1, True, dict(CAP, moe_grouped_gemm=True)),
     ("tp2 sp position", 2, 1, True, dict(CAP, moe_token_drop_policy="position")),
     ("tp2 sp grouped probs pad", 2, 1, True, dict(PAD, moe_grouped_gemm=True)),
 ]
@@ -52,7 +52,7 @@ def _pieces(x, tp, ep, sp):
         return [x[:, r : r + 1] for r in range(ep)]  # batch halves
     if sp:
         return list(x.chunk(tp, dim=0))  # sequence shards
-    return [x]  # every TP rank routes all tokens
+    return [x]
 
 
 def _reference(ref, xs, dys):

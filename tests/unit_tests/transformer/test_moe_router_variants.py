@@ -98,9 +98,9 @@ def _config(**kw):
     return TransformerConfig(**{**base, **kw})
 
 
-def _router(groups, dp_group=None, **kw):
+def _router(groups, tp_dp_cp_group=None, **kw):
     torch.manual_seed(0)
-    router = TopKRouter(_config(**kw), groups.tp, dp_group=dp_group)
+    router = TopKRouter(_config(**kw), groups.tp, tp_dp_cp_group=tp_dp_cp_group)
     router.set_layer_number(1)
     router.aux_loss_tracker = moe_utils.AuxLossTracker()
     return router
@@ -166,7 +166,7 @@ def _loss_body(rank, world_size):
     for score in ("softmax", "sigmoid"):
         for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
             kw = dict(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=0.1, moe_router_score_function=score)
-            router = _router(groups, dp_group=groups.dp_cp, **kw).train()
+            router = _router(groups, tp_dp_cp_group=groups.tp_dp_cp, **kw).train()
             name = moe_utils.BALANCE_LOSS_NAMES[kind]
             counts = torch.zeros(E, dtype=torch.float64)
             refs = []
@@ -205,7 +205,7 @@ def _bias_body(rank, world_size):
     of both data-parallel ranks, identically on each; it is a checkpointed buffer."""
     groups = ps.initialize_model_parallel(1, 1)
     kw = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)
-    router = _router(groups, dp_group=groups.dp_cp, **kw).train()
+    router = _router(groups, tp_dp_cp_group=groups.tp_dp_cp, **kw).train()
     tokens = [torch.randn(24, H, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
     router(tokens[rank])[0].sum().backward()
     finish_router_step([router], groups)

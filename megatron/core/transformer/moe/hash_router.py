@@ -54,9 +54,13 @@ class HashRouter(TopKRouter):
     ``tid2eid[token_ids]``; a router for ``MoESubmodules.router`` in hash-routed layers."""
 
     def __init__(
-        self, config: TransformerConfig, tp_group: dist.ProcessGroup, dp_group: Optional[dist.ProcessGroup] = None
+        self,
+        config: TransformerConfig,
+        tp_group: dist.ProcessGroup,
+        tp_cp_group: Optional[dist.ProcessGroup] = None,
+        tp_dp_cp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        super().__init__(config, tp_group, dp_group)
+        super().__init__(config, tp_group, tp_cp_group, tp_dp_cp_group)
         vocab = config.moe_hash_router_vocab_size
         if vocab is None:
             raise ValueError("HashRouter needs moe_hash_router_vocab_size (the token ids its table covers)")
@@ -68,7 +72,6 @@ class HashRouter(TopKRouter):
         self,
         tokens: torch.Tensor,
         batch_size: int = 1,
-        capacity_groups: int = 1,
         token_ids: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``tokens`` ``[T, h]`` and their ids ``token_ids`` ``[T]`` -> (probs ``[T, E]``, routing map ``[T, E]``)."""
@@ -82,5 +85,5 @@ class HashRouter(TopKRouter):
         logits = self.gating(self.jitter(tokens))  # [T, E]
         chosen = self.tid2eid[token_ids.long()]  # [T, k]
         probs, routing_map = hash_route(logits, chosen, c.moe_router_score_function, c.moe_router_topk_scaling_factor)
-        probs, routing_map = self.cut_to_capacity(probs, routing_map, capacity_groups)
+        probs, routing_map = self.cut_to_capacity(probs, routing_map)
         return probs, routing_map

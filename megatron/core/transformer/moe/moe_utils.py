@@ -156,11 +156,10 @@ def aux_loss_pairs(
     microbatch; ``count`` is layers x microbatches. Summing the pairs over data-parallel ranks
     before dividing (the training loop's ``reduce_losses`` does, in the same all-reduce as the
     main losses) gives Megatron's logged value: the mean over MoE layers, microbatches and
-    DP ranks. Tensor-parallel ranks route the same tokens, so they hold equal values.
-    Expert-parallel ranks are data-parallel ranks that route their own tokens (before the EP
-    all-gather), so the mean is the same with or without expert parallelism. Context-parallel
-    ranks also route only their own tokens: each aux loss is that of ``s/cp`` tokens, averaged
-    over CP like a DP replica's, so it differs from a CP=1 run of the same batch.
+    DP ranks. Each rank routes its own tokens (its sequence shard under SP, its chunk under CP) and
+    tracks its share of each aux loss (the shares of a TP x CP group add up to the loss of the whole
+    sequences, see ``TopKRouter``), so the aux values are first summed over TP x CP: every rank
+    then holds the value a TP=1, CP=1 run of the same batch logs.
     """
     aux_names, mtp_names = tracked_aux_loss_names(config), tracked_mtp_loss_names(config)
     names = aux_names + mtp_names
@@ -170,6 +169,10 @@ def aux_loss_pairs(
     zero = torch.zeros((), dtype=torch.float32, device=device)
     totals = torch.stack([tracker.values[n].to(device).sum() if n in tracker.values else zero for n in names])
     tracker.clear()
+    if aux_names and groups.size_of("tp_cp") > 1:  # the shares of one replica's tokens
+        aux = totals[: len(aux_names)].contiguous()
+        dist.all_reduce(aux, group=groups.tp_cp)
+        totals = torch.cat([aux, totals[len(aux_names) :]])
     if groups.size_of("pp") > 1:
         dist.all_reduce(totals, group=groups.pp)
     counts = torch.full_like(totals, float(num_microbatches))  # mtp_k: one value per microbatch

@@ -101,19 +101,19 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
 
 
 def sequence_load_balancing_loss(
-    scores: torch.Tensor, routing_map: torch.Tensor, batch_size: int, topk: int, coeff: float
+    scores: torch.Tensor, per_seq_counts: torch.Tensor, batch_size: int, topk: int, coeff: float, seq_length: int
 ) -> torch.Tensor:
     """DeepSeek's sequence-wise balance loss: the Switch loss of each sequence alone, averaged over sequences.
 
-    ``scores`` and ``routing_map`` are ``[s*b, E]`` in the MoE layer's ``[s, b]`` token order.
-    Per sequence: ``coeff * E / (k * s^2) * sum_e (sum_t p[t, e]) * count[e]``.
+    ``scores`` ``[s'*b, E]`` in the MoE layer's ``[s, b]`` token order: ``s'`` positions of each of the
+    ``b`` sequences (a rank's shard); ``per_seq_counts`` ``[b, E]``: each sequence's top-k counts over
+    all its ``seq_length`` positions. Per sequence: ``coeff * E / (k * s^2) * sum_e (sum_t p[t, e]) *
+    count[e]``, the sum over ``t`` taken over the shard: the shards' losses add up to the sequence's.
     """
     tokens, experts = scores.shape
-    seq = tokens // batch_size
-    per_seq_scores = scores.view(seq, batch_size, experts).sum(dim=0)  # [b, E]
-    per_seq_counts = routing_map.view(seq, batch_size, experts).sum(dim=0).to(scores.dtype)  # [b, E]
-    total = (per_seq_scores * per_seq_counts).sum()
-    return total * (coeff * experts / (topk * seq * seq)) / batch_size
+    per_seq_scores = scores.view(tokens // batch_size, batch_size, experts).sum(dim=0)  # [b, E]
+    total = (per_seq_scores * per_seq_counts.to(scores.dtype)).sum()
+    return total * (coeff * experts / (topk * seq_length * seq_length)) / batch_size
 
 
 def random_logits_straight_through(logits: torch.Tensor) -> torch.Tensor:

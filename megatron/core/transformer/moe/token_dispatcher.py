@@ -1,11 +1,12 @@
 """Token dispatchers: move each rank's routed tokens to the ranks holding their experts, and back.
 
-A dispatcher works on the expert grid (``ETP x EP x expert-DP``). Every rank enters with its own
-tokens ``[n, h]`` (no two ranks of a ``tp_ep`` group hold the same token), their routing probs and
-map ``[n, E]``. ``dispatch`` returns what this rank's experts run on: tokens ``[R, h]`` with probs and
-map ``[R, E_local]`` (the expert MLPs take that triple); ``combine`` turns the experts' output
-``[R, h]`` (prob-weighted, a partial sum over expert-TP) into the summed output of this rank's own
-tokens ``[n, h]``. Both chosen by ``config.moe_token_dispatcher_type``:
+A dispatcher works on the expert grid (``ETP x EP x expert-DP``). Every rank enters with the tokens
+it routed ``[n, h]`` (the same ``n`` on every rank: its sequence shard under SP), their routing probs
+and map ``[n, E]``; the dispatcher treats the ranks' tokens as distinct. ``dispatch`` returns what
+this rank's experts run on: tokens ``[R, h]`` with probs and map ``[R, E_local]`` (the expert MLPs
+take that triple); ``combine`` turns the experts' output ``[R, h]`` (prob-weighted, a partial sum
+over expert-TP) into the summed output of this rank's own tokens ``[n, h]``.
+Both chosen by ``config.moe_token_dispatcher_type``:
 
 * ``AllGatherDispatcher`` (``allgather``): all-gather tokens, probs and map over ``tp_ep``; every
   rank runs its local experts on all of them; reduce-scatter the outputs back over ``tp_ep``.
@@ -71,20 +72,9 @@ class TokenDispatcher:
         self.ep_group, self.etp_group, self.tp_ep_group = groups.ep, groups.expt_tp, groups.tp_ep
         self.ep_size, self.etp_size = groups.size_of("ep"), groups.size_of("expt_tp")
         self.etp_rank = groups.rank_in("expt_tp")
-        dense = groups.layout.dense_grid()
-        self.tp_size = groups.size_of("tp")
-        self.peer_tp_ranks = [dense.coordinate(r, "tp") for r in groups.ranks["tp_ep"]]  # TP rank of each tp_ep peer
 
-    def peer_rows(self, total_rows: int) -> Optional[List[int]]:
-        """Rows each ``tp_ep`` peer dispatches when every TP group routes ``total_rows`` (None: all equal)."""
-        sizes = [end - start for start, end in (own_rows(total_rows, r, self.tp_size) for r in self.peer_tp_ranks)]
-        return None if len(set(sizes)) == 1 else sizes
-
-    def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
-    ) -> Dispatched:
-        """``tokens`` ``[n, h]``, ``probs`` / ``routing_map`` ``[n, E]``: this rank's own rows of the
-        ``total_rows`` its TP group routed."""
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Dispatched:
+        """``tokens`` ``[n, h]``, ``probs`` / ``routing_map`` ``[n, E]``: the tokens this rank routed."""
         raise NotImplementedError
 
     def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
@@ -94,22 +84,19 @@ class TokenDispatcher:
 class AllGatherDispatcher(TokenDispatcher):
     """Every rank of ``tp_ep`` sees every token of the group; outputs are reduce-scattered back."""
 
-    def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
-    ) -> Dispatched:
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Dispatched:
         n = tokens.shape[0]
         group = self.tp_ep_group
-        sizes = self.peer_rows(total_rows)  # arithmetic: no exchange, no host sync
-        tokens = gather_from_sequence_parallel_region(tokens, True, group, sizes)  # [sum n, h]
-        probs = gather_from_sequence_parallel_region(probs, True, group, sizes)  # [sum n, E]
+        tokens = gather_from_sequence_parallel_region(tokens, True, group)  # [tp_ep * n, h]
+        probs = gather_from_sequence_parallel_region(probs, True, group)  # [tp_ep * n, E]
         with torch.no_grad():
-            routing_map = gather_from_sequence_parallel_region(routing_map.to(torch.uint8), True, group, sizes)
+            routing_map = gather_from_sequence_parallel_region(routing_map.to(torch.uint8), True, group)
         local = slice(self.local_start, self.local_start + self.num_local_experts)
-        return Dispatched(tokens, probs[:, local], routing_map[:, local].bool(), n, splits={"tp_ep": sizes})
+        return Dispatched(tokens, probs[:, local], routing_map[:, local].bool(), n)
 
     def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        """``[sum n, h]`` partial over ``tp_ep`` -> this rank's ``[n, h]``, summed."""
-        return reduce_scatter_to_sequence_parallel_region(expert_output, self.tp_ep_group, dispatched.splits["tp_ep"])
+        """``[tp_ep * n, h]`` partial over ``tp_ep`` -> this rank's ``[n, h]``, summed."""
+        return reduce_scatter_to_sequence_parallel_region(expert_output, self.tp_ep_group)
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -168,9 +155,7 @@ class AllToAllDispatcher(TokenDispatcher):
         one_hot = torch.nn.functional.one_hot(ids, self.num_local_experts).to(torch.bool)  # [R, E_local]
         return probs.unsqueeze(-1) * one_hot.to(probs.dtype), one_hot
 
-    def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, total_rows: int
-    ) -> Dispatched:
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Dispatched:
         n = tokens.shape[0]
         splits, per_block = self._splits(expert_counts(routing_map))  # [E] counted on the device
         token_ids, permuted_probs, _ = permute_by_expert(probs, routing_map, splits["own"])  # [N] expert-major
@@ -204,16 +189,10 @@ def build_dispatcher(kind: str, num_experts: int, num_local_experts: int, groups
     return classes[kind](num_experts, num_local_experts, groups)
 
 
-def own_rows(num_tokens: int, rank: int, size: int) -> Tuple[int, int]:
-    """Rows ``[start, end)`` of ``num_tokens`` this TP rank dispatches (its sequence shard under SP)."""
-    return num_tokens * rank // size, num_tokens * (rank + 1) // size
-
-
 __all__: List[str] = [
     "AllGatherDispatcher",
     "AllToAllDispatcher",
     "Dispatched",
     "TokenDispatcher",
     "build_dispatcher",
-    "own_rows",
 ]
