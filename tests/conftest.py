@@ -164,7 +164,7 @@ FULL_ONLY = {  # one key per entry, however long
         "[dp2-fp32-legacy-ckpt] (the legacy torch checkpoint), [cp2-tp2-dp2-bf16] (TP+DP, bf16 without the"
         " distributed optimizer); grouped-query attention against Hugging Face in test_gpt_hf_parity"
     ),
-    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[moe-alltoall-grouped-gemm-ep2-distopt-overlap-recompute-bf16]": (  # noqa: E501
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[moe-alltoall-grouped-gemm-tp2-sp-ep2-distopt-overlap-recompute-bf16]": (  # noqa: E501
         "[ep2-moe-tp2-dp4-distopt-bf16] (the MoE layer on fake CUDA); GroupedMLP on fake CUDA in"
         " test_moe_grouped_gemm.py (fake_world); the all-to-all dispatcher's one host read per layer in"
         " test_moe_alltoall_etp.py"

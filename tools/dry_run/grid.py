@@ -193,11 +193,12 @@ GRID: List[Case] = [
         covers=["EP", "MoE", "TP", "SP", "DP", "distributed optimizer", "bf16"],
     ),
     Case(
-        "moe-alltoall-grouped-gemm-ep2-distopt-overlap-recompute-bf16",
-        2,
+        "moe-alltoall-grouped-gemm-tp2-sp-ep2-distopt-overlap-recompute-bf16",
+        4,
         [
             *"--num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --global-batch-size 8".split(),
-            *"--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split(),
+            *"--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1".split(),
+            *"--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01".split(),
             *"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split(),
             *"--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather".split(),
         ],
@@ -207,6 +208,9 @@ GRID: List[Case] = [
         covers=[
             "MoE all-to-all dispatcher",
             "MoE grouped GEMM",
+            "MoE routing of the SP shard",
+            "TP",
+            "SP",
             "EP",
             "recompute full (MoE sizes replayed)",
             "distributed optimizer",

@@ -1,6 +1,6 @@
 """A DeepSeek-V3-style GPTModel (MLA + YaRN, shared experts with a gate, sigmoid group-limited
-routing with expert bias, one multi-token prediction module) under TP=2, TP=2 with sequence
-parallelism, CP=2, PP=2 and EP=2 equals one rank.
+routing with expert bias, one multi-token prediction module) under TP=2 with sequence
+parallelism (MoE with TP trains only with it), CP=2, PP=2 and EP=2 equals one rank.
 
 One spawned pair of ranks checks TP, SP and CP against a one-rank reference built on each rank from
 the same seed: the per-token loss (under CP at this rank's global positions) and every gradient of
@@ -8,7 +8,7 @@ the summed loss plus the MTP loss (TP shards gathered; sequence-parallel replica
 replicated MLA down projections and the shared-expert gate, summed over TP; under CP averaged over
 CP with the loss scaled by the CP size, as training does, so the MTP loss's shift across the CP
 chunk boundaries and its token count over all CP ranks are both checked), and DeepSeek-V3.2's sparse
-attention under TP and TP+SP (its indexer replicated and without gradient). The same pair then
+attention under TP+SP (its indexer replicated and without gradient). The same pair then
 trains PP=2 through the schedule (``pipeline_parity.check_parity``: loss, every gradient, the
 weights after two SGD steps, an evaluation loss), the last stage holding the MTP module and its
 copy of the embedding: once DeepSeek-style (with a tracked balance loss: the MTP layer keeps its
@@ -69,9 +69,8 @@ def _compare_layouts(rank, world_size):
     one = single_rank_groups()
     tp = build_process_groups(ParallelLayout(world_size=world_size, tensor_model_parallel_size=world_size))
     ref_loss, ref_grads = _loss_and_grads(build_gpt(deepseek_style(**STYLE, **MTP), one), tokens, labels, one)
-    for sp in (False, True):
-        model = build_gpt(deepseek_style(sequence_parallel=sp, **STYLE, **MTP), tp)
-        _check(f"tp={world_size} sp={sp} mtp", *_loss_and_grads(model, tokens, labels, tp), ref_loss, ref_grads)
+    model = build_gpt(deepseek_style(sequence_parallel=True, **STYLE, **MTP), tp)
+    _check(f"tp={world_size} sp mtp", *_loss_and_grads(model, tokens, labels, tp), ref_loss, ref_grads)
     _check_sparse_attention(tokens, labels, one, tp)
     cp = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
     local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cp.cp)
@@ -89,16 +88,14 @@ def _compare_layouts(rank, world_size):
 
 
 def _check_sparse_attention(tokens, labels, one, tp):
-    """DeepSeek Sparse Attention (4 of up to 16 keys) under TP and TP+SP equals one rank; the indexer,
+    """DeepSeek Sparse Attention (4 of up to 16 keys) under TP+SP equals one rank; the indexer,
     replicated, gets no gradient anywhere, and dense MLA gives another loss (so the selection acts)."""
     ref_loss, ref_grads = _loss_and_grads(build_gpt(deepseek_style(**STYLE, **MTP, **DSA), one), tokens, labels, one)
     assert not any(".indexer." in name for name in ref_grads), sorted(ref_grads)
     dense_loss, _ = _loss_and_grads(build_gpt(deepseek_style(**STYLE, **MTP), one), tokens, labels, one)
     assert (dense_loss - ref_loss).abs().max() > 1e-3, "the indexer's selection does not change the loss"
-    for sp in (False, True):
-        model = build_gpt(deepseek_style(sequence_parallel=sp, **STYLE, **MTP, **DSA), tp)
-        where = f"dsa tp={tp.size_of('tp')} sp={sp} mtp"
-        _check(where, *_loss_and_grads(model, tokens, labels, tp), ref_loss, ref_grads)
+    model = build_gpt(deepseek_style(sequence_parallel=True, **STYLE, **MTP, **DSA), tp)
+    _check(f"dsa tp={tp.size_of('tp')} sp mtp", *_loss_and_grads(model, tokens, labels, tp), ref_loss, ref_grads)
 
 
 def _check_mtp_checkpoint_keys(kw, one, pp):
