@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
+from megatron.core.context_parallel import cp_chunk_positions, get_batch_on_this_cp_rank
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -338,6 +339,41 @@ class _MoEForwardGathers:
             hook.remove()
 
 
+def _logged(config, groups):
+    """This step's logged aux losses (sums over MoE layers and TP x CP shares), clearing the tracker."""
+    return {k: v[0] for k, v in aux_loss_pairs(config, groups, num_microbatches=1).items()}
+
+
+def _check_against(where, loss, grads, logged, ref):
+    """Loss, every gradient (by global name; EP: this rank's experts) and logged aux losses against one rank."""
+    ref_loss, ref_grads, ref_logged = ref
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
+    assert set(logged) == set(ref_logged) == {"load_balancing_loss", "z_loss"}, (where, logged)
+    for name, value in logged.items():
+        torch.testing.assert_close(value, ref_logged[name], rtol=RTOL, atol=0, msg=lambda m: f"{where} {name}: {m}")
+    dense = {n for n in ref_grads if "local_experts" not in n}
+    assert dense <= set(grads) <= set(ref_grads) and any("local_experts" in n for n in grads), where  # EP: half
+    worst = 0.0
+    for pname, grad in grads.items():
+        ref_grad = ref_grads[pname]
+        worst = max(worst, (grad - ref_grad).abs().max().item())
+        torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {pname}: {m}")
+    return worst
+
+
+def _cp_case(kw, ref, tokens, labels):
+    """CP=2: each rank routes its chunk; the balance loss's counts summed over CP and its gradient scaled
+    by the CP size (Megatron's forward_step) give one rank's loss and gradients (DDP averages over CP)."""
+    groups = build_process_groups(ParallelLayout(world_size=2, context_parallel_size=2))
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, groups.cp)
+    MoEAuxLossAutoScaler.set_loss_scale(2.0)  # the CP size over one microbatch
+    model = build_gpt(kw, groups)
+    loss, grads = _one_step_ddp(model, groups, local["tokens"], local["labels"])
+    MoEAuxLossAutoScaler.set_loss_scale(1.0)
+    positions = cp_chunk_positions(tokens.shape[1], 2, groups.rank_in("cp"))
+    return _check_against("cp=2", loss, grads, _logged(model.config, groups), (ref[0][:, positions], *ref[1:]))
+
+
 def _tp_sp_case(kw, ep, etp, ref, tokens, labels):
     """One TP=2 + SP layout against one rank; the router sees this rank's ``s/tp * b`` tokens and, with
     expert-TP 1 and all-to-all, the layer all-gathers nothing over the TP ranks (no full sequence)."""
@@ -353,17 +389,8 @@ def _tp_sp_case(kw, ep, etp, ref, tokens, labels):
     assert seen.router_inputs == [torch.Size([s // 2 * b, model.config.hidden_size])] * moe_layers, seen.router_inputs
     if etp == 1 and kw.get("moe_token_dispatcher_type") == "alltoall":
         assert seen.gathers == [], seen.gathers
-    ref_loss, ref_grads = ref
     where = f"tp=2 sp ep={ep} etp={etp} {kw.get('moe_token_dispatcher_type')}"
-    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} loss: {m}")
-    dense = {n for n in ref_grads if "local_experts" not in n}
-    assert dense <= set(grads) <= set(ref_grads) and any("local_experts" in n for n in grads), where  # EP: half
-    worst = 0.0
-    for pname, grad in grads.items():
-        ref_grad = ref_grads[pname]
-        worst = max(worst, (grad - ref_grad).abs().max().item())
-        torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {pname}: {m}")
-    return worst
+    return _check_against(where, loss, grads, _logged(model.config, groups), ref)
 
 
 def _one_step_ddp(model, groups, tokens, labels):
@@ -379,19 +406,24 @@ def _one_step_ddp(model, groups, tokens, labels):
 
 
 def _tp_body(rank, world_size):
-    """TP=2 + SP equals one rank (aux and z losses on); TP=2 without SP is refused in training and
-    equals one rank in evaluation (every TP rank routes all tokens, as Megatron)."""
+    """TP=2 + SP and CP=2 equal one rank (aux and z losses on: loss, every gradient, the logged aux losses);
+    TP=2 without SP is refused in training and equals one rank in evaluation (every TP rank routes all
+    tokens, as Megatron)."""
     ref_groups = single_rank_groups()
     MoEAuxLossAutoScaler.set_loss_scale(1.0)
+    get_aux_loss_tracker().clear()
     tokens, labels = batch()
     styles = {"llama": llama_style(moe_layer_freq=[1, 0], **MOE), "gpt2_bias": gpt2_style(ffn_hidden_size=64, **MOE)}
     worst = 0.0
     for name, kw in styles.items():
-        ref = _loss_and_grads(build_gpt(kw, ref_groups), tokens, labels, ref_groups.tp)
+        ref_model = build_gpt(kw, ref_groups)
+        ref = (*_loss_and_grads(ref_model, tokens, labels, ref_groups.tp), _logged(ref_model.config, ref_groups))
         layouts = TP_SP_LAYOUTS if name == "llama" else TP_SP_LAYOUTS[:1]
         for ep, etp, dispatcher in layouts:
             case = dict(kw, moe_token_dispatcher_type=dispatcher)
             worst = max(worst, _tp_sp_case(case, ep, etp, ref, tokens, labels))
+        if name == "llama":
+            worst = max(worst, _cp_case(kw, ref, tokens, labels))
         tp_groups = build_process_groups(ParallelLayout(world_size=2, tensor_model_parallel_size=2))
         no_sp = build_gpt(kw, tp_groups)
         with pytest.raises(ValueError, match="tensor_model_parallel_size=2 needs sequence_parallel=True"):
