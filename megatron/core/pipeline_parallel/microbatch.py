@@ -162,9 +162,7 @@ def parameter_device(model: torch.nn.Module) -> torch.device:
 def set_aux_loss_scale(
     config: Any, num_microbatches: int, tracker: AuxLossTracker, device: Optional[torch.device] = None
 ) -> None:
-    """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, times the CP size over the
-    number of microbatches (not per token; as Megatron's ``forward_step``): each CP rank's aux loss is its
-    share of the replica's, and the data-parallel wrapper averages gradients over DP x CP.
+    """Scale the MoE aux losses' gradients like the main loss: fp16 loss scale, 1/microbatches (not per token).
 
     The scale is set on ``tracker``, the aux-loss state the model's routers are bound to.
 
@@ -175,7 +173,7 @@ def set_aux_loss_scale(
     if config.grad_scale_func is not None:
         scale = config.grad_scale_func(scale)
     if not getattr(config, "calculate_per_token_loss", False):
-        scale = scale * getattr(config, "context_parallel_size", 1) / num_microbatches
+        scale = scale / num_microbatches
     tracker.set_loss_scale(scale)
 
 

@@ -26,7 +26,8 @@ def _build(tp: int, ep: int, seed: int, distributed: bool, etp=None):
         expert_tensor_parallel_size=etp,
     )
     groups = build_process_groups(layout)
-    model = build_gpt(dict(tiny_kwargs("moe"), **BF16), groups, seed=seed)
+    sp = dict(sequence_parallel=True) if tp > 1 else {}  # MoE with TP trains only with SP
+    model = build_gpt(dict(tiny_kwargs("moe"), **BF16, **sp), groups, seed=seed)
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model, pg_collection=groups
     )

@@ -363,13 +363,11 @@ def _check_against(where, loss, grads, logged, ref):
 
 def _cp_case(kw, ref, tokens, labels):
     """CP=2: each rank routes its chunk; the balance loss's counts summed over CP and its gradient scaled
-    by the CP size (Megatron's forward_step) give one rank's loss and gradients (DDP averages over CP)."""
+    by the CP size (as Megatron's forward_step) give one rank's loss and gradients (DDP averages over CP)."""
     groups = build_process_groups(ParallelLayout(world_size=2, context_parallel_size=2))
     local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, groups.cp)
-    MoEAuxLossAutoScaler.set_loss_scale(2.0)  # the CP size over one microbatch
     model = build_gpt(kw, groups)
     loss, grads = _one_step_ddp(model, groups, local["tokens"], local["labels"])
-    MoEAuxLossAutoScaler.set_loss_scale(1.0)
     positions = cp_chunk_positions(tokens.shape[1], 2, groups.rank_in("cp"))
     return _check_against("cp=2", loss, grads, _logged(model.config, groups), (ref[0][:, positions], *ref[1:]))
 

@@ -53,8 +53,8 @@ class TopKRouter(MegatronModule):
     ``tp_cp_group`` (the ranks sharing one data-parallel replica's tokens), divided by the
     replica's token count, so the losses of the ranks add up to the loss of the whole sequence;
     the z-loss is each rank's token mean divided by the ``tp_cp_group`` size. Every rank
-    back-propagates its own share. Random draws (input jitter, forced balancing) use the default
-    generator.
+    back-propagates its own share, times the CP size (``_cp_weight``). Random draws (input jitter,
+    forced balancing) use the default generator.
 
     With ``moe_router_enable_expert_bias`` the router holds ``expert_bias`` ``[E]`` (fp32, a
     checkpointed buffer) and counts the tokens it sends each expert while gradients are on
@@ -194,6 +194,13 @@ class TopKRouter(MegatronModule):
         mean_counts = self.global_tokens_per_expert / self.global_microbatches  # [E]
         return switch_load_balancing_loss(scores, mean_counts, self.topk, coeff, scores.shape[0] * shards)
 
+    def _cp_weight(self) -> float:
+        """The CP size (1 for per-token losses), as Megatron's ``forward_step`` scales the aux losses: the
+        data-parallel wrapper averages gradients over DP x CP, and each CP rank's loss is only its share."""
+        if self.config.calculate_per_token_loss:
+            return 1.0
+        return float(dist.get_world_size(self.tp_cp_group) // dist.get_world_size(self.tp_group))
+
     def _attach_aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, batch_size: int) -> torch.Tensor:
         """Attach this rank's share of each aux loss to ``probs``; track the coefficient-free share."""
         c = self.config
@@ -205,7 +212,7 @@ class TopKRouter(MegatronModule):
             share = c.moe_z_loss_coeff / dist.get_world_size(self.tp_cp_group)  # the shards' means add up
             losses.append((Z_LOSS, router_z_loss(logits, share), c.moe_z_loss_coeff))
         for name, loss, coeff in losses:
-            probs = MoEAuxLossAutoScaler.apply(probs, loss, 1.0, self.aux_loss_tracker)
+            probs = MoEAuxLossAutoScaler.apply(probs, loss, self._cp_weight(), self.aux_loss_tracker)
             if self.layer_number is not None:
                 self.aux_loss_tracker.add(name, loss / coeff, self.layer_number, c.num_layers + (c.mtp_num_layers or 0))
         return probs
