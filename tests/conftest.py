@@ -31,6 +31,10 @@ FULL_ONLY = {  # one key per entry, however long
         "test_lm_eval_accuracy_equals_scoring_with_the_engine (lm-eval with num_concurrent=4 against the same"
         " server); streamed and concurrent chat answers in test_dynamic_server.py"
     ),
+    "tests/functional_tests/test_pretrain_gpt_hybrid.py": (
+        "tests/unit_tests/distributed/test_hybrid_sharding.py (two instances at DP=4 against the distributed"
+        " optimizer, under it and optim_grads_params, the reduction order and the checkpoint replica ids)"
+    ),
     "tests/functional_tests/test_pretrain_mamba.py": (
         "tests/unit_tests/ssm/test_mamba_models.py (loss and gradients under TP+SP and PP) and "
         "test_example_scripts.py[examples/mamba/train.sh] (pretrain_mamba.py, TP=2+SP, distributed optimizer)"
