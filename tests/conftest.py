@@ -187,6 +187,10 @@ FULL_ONLY = {  # one key per entry, however long
         "[tp2-sp-pp2-dp2-distopt-bf16] (the distributed optimizer's buffers on fake CUDA); Megatron-FSDP's CPU runs"
         " in test_megatron_fsdp.py"
     ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[dp4-fsdp-optim-grads-2-instances-bf16]": (  # noqa: E501
+        "[tp2-sp-pp2-dp2-distopt-bf16] (the distributed optimizer's buffers on fake CUDA); hybrid sharding's CPU runs"
+        " in test_hybrid_sharding.py"
+    ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-tensorwise]": (
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
         " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
