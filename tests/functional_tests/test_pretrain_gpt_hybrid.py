@@ -8,9 +8,12 @@ grad norms agree to rounding: rtol 1e-5 on the printed values (TensorBoard's flo
 Clipping is off: ``optim_grads_params``' norm groups by per-layer shards (rounding only, as without
 instances).
 
+The same with expert parallelism (EP=2: expert buffers split expert-DP 2 into instances of one rank).
+
 Checkpoints (torch_dist, optimizer state included): saved after 2 of 4 iterations with two instances
 and loaded by the plain distributed optimizer at DP=2, and the reverse; the resumed losses are the
-uninterrupted run's under the loading layout, to the printed digits (as any change of DP size).
+uninterrupted run's under the loading layout, to the printed digits (as any change of DP size); saved
+and loaded with two instances, TensorBoard's float32 losses equal the uninterrupted run's bitwise.
 
 All full tier (``FULL_ONLY``): ``tests/unit_tests/distributed/test_hybrid_sharding.py`` is the default-tier sibling
 (the same reduction at DP=4 in one spawn, the state split, the reduction order, the replica ids a
@@ -37,12 +40,22 @@ def _close(got: List[float], ref: List[float], what: str) -> None:
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0, msg=lambda m: f"{what}: {m}")
 
 
-def test_two_instances_equal_the_distributed_optimizer(tmp_path):
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
+# name -> (layout flags, the runs compared with the reference)
+CASES = {
+    "dp4": ([], {"hybrid": HYBRID, "fsdp-hybrid": HYBRID + FSDP_PARAMS}),
+    "ep2": (MOE, {"hybrid": HYBRID}),  # experts: expert-DP 2 split into 2 instances of 1 rank
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_instances_equal_the_distributed_optimizer(case, tmp_path):
+    layout, compared = CASES[case]
     runs = {}
-    for name, extra in (("reference", []), ("hybrid", HYBRID), ("fsdp-hybrid", HYBRID + FSDP_PARAMS)):
+    for name, extra in [("reference", [])] + list(compared.items()):
         tb = str(tmp_path / name / "tb")
         (tmp_path / name).mkdir()
-        flags = tiny_gpt_flags(ITERS) + mock_flags() + BASE + extra + ["--tensorboard-dir", tb]
+        flags = tiny_gpt_flags(ITERS) + mock_flags() + BASE + layout + extra + ["--tensorboard-dir", tb]
         result = run_gpt(4, flags, str(tmp_path))
         assert_ok(result, name)
         assert len(result.lines) == ITERS, result.output[-3000:]
@@ -57,6 +70,7 @@ def test_two_instances_equal_the_distributed_optimizer(tmp_path):
 
 # name -> ((ranks, flags) saving after 2 iterations, (ranks, flags) loading and running 2 more)
 RESUMES = {
+    "hybrid-dp4-to-hybrid-dp4": ((4, HYBRID), (4, HYBRID)),
     "hybrid-dp4-to-distopt-dp2": ((4, HYBRID), (2, [])),
     "distopt-dp2-to-hybrid-dp4": ((2, []), (4, HYBRID)),
 }
@@ -66,13 +80,15 @@ RESUMES = {
 def test_checkpoints_move_between_instance_counts(case, tmp_path):
     (save_ranks, save_flags), (load_ranks, load_flags) = RESUMES[case]
     base = tiny_gpt_flags(ITERS) + mock_flags() + BASE
-    ckpt = str(tmp_path / "ckpt")
-    straight = run_gpt(load_ranks, base + load_flags, str(tmp_path))
+    ckpt, tb, tb_straight = str(tmp_path / "ckpt"), str(tmp_path / "tb"), str(tmp_path / "tb_straight")
+    straight = run_gpt(load_ranks, base + load_flags + ["--tensorboard-dir", tb_straight], str(tmp_path))
     assert_ok(straight, f"{case}: uninterrupted")
-    save = ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"]
+    save = ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--tensorboard-dir", tb]
     first = run_gpt(save_ranks, base + save_flags + save, str(tmp_path))
     assert_ok(first, f"{case}: first half")
-    second = run_gpt(load_ranks, base + load_flags + ["--load", ckpt], str(tmp_path))
+    second = run_gpt(load_ranks, base + load_flags + ["--load", ckpt, "--tensorboard-dir", tb], str(tmp_path))
     assert_ok(second, f"{case}: resumed")
     assert [line["iteration"] for line in second.lines] == [3, 4]
     assert first.losses() + second.losses() == straight.losses(), case
+    if save_ranks == load_ranks and save_flags == load_flags:
+        assert _tb_losses(tb) == _tb_losses(tb_straight), case  # float32 scalars, exactly
