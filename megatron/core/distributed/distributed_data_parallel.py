@@ -439,7 +439,8 @@ def _inter_instance_group(
     """The group joining this rank's distributed-optimizer instance to the others (None with one instance).
 
     Raises:
-        ValueError: the groups were built for another number of instances.
+        ValueError: the groups were built for another number of instances, or join ranks that are not this
+            rank's dense and expert data-parallel peers.
     """
     instances = ddp_config.num_distributed_optimizer_instances
     if instances == 1:
@@ -450,6 +451,9 @@ def _inter_instance_group(
             f"DistributedDataParallelConfig.num_distributed_optimizer_instances={instances}, but the process "
             f"groups were built for {built} instance(s) (ParallelLayout.num_distributed_optimizer_instances)"
         )
+    across, dense, expert = (set(groups.ranks[name]) for name in ("inter_dist_opt", "dp_cp", "expt_dp"))
+    if not across <= dense & expert:
+        raise ValueError(f"inter_dist_opt ranks {sorted(across)} are not data-parallel peers of this rank")
     return groups.inter_dist_opt
 
 
