@@ -10,10 +10,11 @@ instances).
 
 The same with expert parallelism (EP=2: expert buffers split expert-DP 2 into instances of one rank).
 
-Checkpoints (torch_dist, optimizer state included): saved after 2 of 4 iterations with two instances
-and loaded by the plain distributed optimizer at DP=2, and the reverse; the resumed losses are the
-uninterrupted run's under the loading layout, to the printed digits (as any change of DP size); saved
-and loaded with two instances, TensorBoard's float32 losses equal the uninterrupted run's bitwise.
+Checkpoints (torch_dist, and the legacy torch format one way; optimizer state included): saved after 2
+of 4 iterations with two instances and loaded by the plain distributed optimizer at DP=2, and the
+reverse; the resumed losses are the uninterrupted run's under the loading layout, to the printed
+digits (as any change of DP size); saved and loaded with two instances, TensorBoard's float32 losses
+equal the uninterrupted run's bitwise.
 
 All full tier (``FULL_ONLY``): ``tests/unit_tests/distributed/test_hybrid_sharding.py`` is the default-tier sibling
 (the same reduction at DP=4 in one spawn, the state split, the reduction order, the replica ids a
@@ -34,6 +35,7 @@ ITERS, RTOL = 4, 1e-5
 BASE = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--clip-grad", "0.0"]
 HYBRID = ["--num-distributed-optimizer-instances", "2"]
 FSDP_PARAMS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+LEGACY = ["--ckpt-format", "torch"]
 
 
 def _close(got: List[float], ref: List[float], what: str) -> None:
@@ -73,6 +75,8 @@ RESUMES = {
     "hybrid-dp4-to-hybrid-dp4": ((4, HYBRID), (4, HYBRID)),
     "hybrid-dp4-to-distopt-dp2": ((4, HYBRID), (2, [])),
     "distopt-dp2-to-hybrid-dp4": ((2, []), (4, HYBRID)),
+    # The legacy per-rank files: DP rank 0 writes the state gathered within its instance.
+    "legacy-hybrid-dp4-to-distopt-dp2": ((4, HYBRID + LEGACY), (2, LEGACY)),
 }
 
 
