@@ -12,7 +12,10 @@ of parameters and printed beside the formula (bytes per parameter):
     optim_grads             2 + (2 + 4 + 8) / d
     optim_grads_params      (2 + 2 + 4 + 8) / d    = 16 / d
 
-Usage: python benchmarks/bench_fsdp_memory.py [--dp 2 4]
+Hybrid sharding (``--num-distributed-optimizer-instances N``, rows ``N=2``) shards within an instance of
+d / N ranks: the same formulas with d replaced by d / N (for every d divisible by N with d / N > 1).
+
+Usage: python benchmarks/bench_fsdp_memory.py [--dp 2 4] [--instances 2]
 
 Measured on the shared 2-core CPU machine (2026-12-02), 4 layers, hidden 256, vocabulary 1024
 (3.43M parameters), measured / formula:
@@ -20,6 +23,7 @@ Measured on the shared 2-core CPU machine (2026-12-02), 4 layers, hidden 256, vo
          optim_grads_params 8.000 / 8.000
     d=4: no_shard 16.000 / 16.000, optim 7.000 / 7.000, optim_grads 5.500 / 5.500,
          optim_grads_params 4.000 / 4.000 (every row +0.00%)
+    d=4, N=2: optim 10.000 / 10.000, optim_grads 9.000 / 9.000, optim_grads_params 8.000 / 8.000 (+0.00%)
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ def _storage_bytes(tensors: Iterable) -> int:
     return sum(seen.values())
 
 
-def _measure(rank: int, world_size: int, strategy: str) -> Dict[str, float]:
-    groups = ps.initialize_model_parallel()
+def _measure(rank: int, world_size: int, strategy: str, instances: int = 1) -> Dict[str, float]:
+    groups = ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
     bf16 = {"params_dtype": torch.bfloat16, "bf16": True}
     model = build_gpt(gpt2_style(**MODEL, **bf16), groups)
     n_params = sum(p.numel() for p in model.parameters())
@@ -74,6 +78,7 @@ def _measure(rank: int, world_size: int, strategy: str) -> Dict[str, float]:
         use_distributed_optimizer=distributed,
         use_megatron_fsdp=distributed,
         data_parallel_sharding_strategy=strategy,
+        num_distributed_optimizer_instances=instances,
     )
     ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=groups)
     opt_config = OptimizerConfig(lr=1e-4, use_distributed_optimizer=distributed, **bf16)
@@ -96,16 +101,22 @@ def _measure(rank: int, world_size: int, strategy: str) -> Dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--instances", type=int, nargs="*", default=[2], help="hybrid rows: N instances")
     args = parser.parse_args()
     print("bytes/param per rank after a step (bf16 params and grads, fp32 main weights, Adam): measured vs formula")
-    print(f"{'d':>2} {'strategy':>19} {'params':>7} {'grads':>6} {'main':>6} {'adam':>6} {'total':>7} {'formula':>8}")
+    print(
+        f"{'d':>2} {'N':>2} {'strategy':>19} {'params':>7} {'grads':>6} {'main':>6} {'adam':>6} {'total':>7} "
+        f"{'formula':>8}"
+    )
     for d in args.dp:
-        for strategy in STRATEGIES:
-            m = run_distributed(_measure, d, strategy, timeout=600)[0]
-            total, want = sum(m.values()), formula(strategy, d)
+        rows = [(1, s) for s in STRATEGIES]
+        rows += [(n, s) for n in args.instances if d % n == 0 and d // n > 1 for s in STRATEGIES[1:]]
+        for instances, strategy in rows:
+            m = run_distributed(_measure, d, strategy, instances, timeout=600)[0]
+            total, want = sum(m.values()), formula(strategy, d // instances)
             print(
-                f"{d:>2} {strategy:>19} {m['params']:7.3f} {m['grads']:6.3f} {m['main']:6.3f} {m['adam']:6.3f} "
-                f"{total:7.3f} {want:8.3f}  ({100 * (total / want - 1):+.2f}%)",
+                f"{d:>2} {instances:>2} {strategy:>19} {m['params']:7.3f} {m['grads']:6.3f} {m['main']:6.3f} "
+                f"{m['adam']:6.3f} {total:7.3f} {want:8.3f}  ({100 * (total / want - 1):+.2f}%)",
                 flush=True,
             )
 

@@ -31,6 +31,10 @@ FULL_ONLY = {  # one key per entry, however long
         "test_lm_eval_accuracy_equals_scoring_with_the_engine (lm-eval with num_concurrent=4 against the same"
         " server); streamed and concurrent chat answers in test_dynamic_server.py"
     ),
+    "tests/functional_tests/test_pretrain_gpt_hybrid.py": (
+        "tests/unit_tests/distributed/test_hybrid_sharding.py (two instances at DP=4 against the distributed"
+        " optimizer, under it and optim_grads_params, the reduction order and the checkpoint replica ids)"
+    ),
     "tests/functional_tests/test_pretrain_mamba.py": (
         "tests/unit_tests/ssm/test_mamba_models.py (loss and gradients under TP+SP and PP) and "
         "test_example_scripts.py[examples/mamba/train.sh] (pretrain_mamba.py, TP=2+SP, distributed optimizer)"
@@ -182,6 +186,10 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[dp2-fsdp-optim-grads-params-bf16]": (
         "[tp2-sp-pp2-dp2-distopt-bf16] (the distributed optimizer's buffers on fake CUDA); Megatron-FSDP's CPU runs"
         " in test_megatron_fsdp.py"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[dp4-fsdp-optim-grads-2-instances-bf16]": (  # noqa: E501
+        "[tp2-sp-pp2-dp2-distopt-bf16] (the distributed optimizer's buffers on fake CUDA); hybrid sharding's CPU runs"
+        " in test_hybrid_sharding.py"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-tensorwise]": (
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"

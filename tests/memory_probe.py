@@ -116,6 +116,7 @@ class MemCase:
     seq: int = 16
     hidden_dropout: float = 0.0
     sharding: str = "no_shard"  # Megatron-FSDP's data_parallel_sharding_strategy (others need dist_opt)
+    instances: int = 1  # num_distributed_optimizer_instances (needs dist_opt)
     extra: Dict = field(default_factory=dict)
 
     def model_kwargs(self) -> Dict:
@@ -156,6 +157,7 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
         use_distributed_optimizer=case.dist_opt,
         use_megatron_fsdp=case.sharding != "no_shard",
         data_parallel_sharding_strategy=case.sharding,
+        num_distributed_optimizer_instances=case.instances,
     )
     wrapped = [
         DistributedDataParallel(chunks[0].config, ddp_config, c, disable_bucketing=i > 0, pg_collection=groups)
@@ -189,6 +191,7 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.vp,
         expert_model_parallel_size=case.ep,
+        num_distributed_optimizer_instances=case.instances,
     )
     groups = ps.build_process_groups(layout)
     torch.manual_seed(1234)

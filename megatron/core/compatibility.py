@@ -106,6 +106,12 @@ _FEATURE_LIST = (
     ),
     _f("fsdp_params", "data_parallel_sharding_strategy", lambda v: v == "optim_grads_params", "sharded parameters"),
     _f("no_megatron_fsdp", "use_megatron_fsdp", lambda v: not v, "no Megatron-FSDP"),
+    _f(
+        "dist_opt_instances",
+        "num_distributed_optimizer_instances",
+        lambda v: v > 1,
+        "several distributed-optimizer instances (hybrid sharding)",
+    ),
     _f("async_save", "async_save", bool, "asynchronous checkpoint saves"),
     _f("np_local", "non_persistent_ckpt_type", lambda v: v == "local", "local non-persistent checkpoints"),
     _f("ckpt_torch", "ckpt_format", lambda v: v == "torch", "the legacy torch checkpoint format"),
@@ -162,6 +168,12 @@ REFUSED: Tuple[Refused, ...] = (
         "sharded parameters are gathered layer by layer in forward and backward, not after the optimizer step",
     ),
     Refused("fsdp_params", "fp8_param_gather", "not supported yet: FP8 weights stored sharded"),
+    Refused(
+        "dist_opt_instances",
+        "no_dist_opt",
+        "the instances are the distributed optimizer's (or a Megatron-FSDP sharding strategy's): "
+        "gradients are reduce-scattered within one and all-reduced across them",
+    ),
     # recomputation
     Refused("full_recompute", "no_recompute_method", "full recomputation needs recompute_method='uniform' or 'block'"),
     Refused("recompute_method", "not_full_recompute", "a recomputation method applies to full recomputation only"),

@@ -102,7 +102,8 @@ class ParallelLayout:
         ):
             if size % instances:
                 raise AssertionError(
-                    f"{name} ({size}) is not divisible by num_distributed_optimizer_instances ({instances})"
+                    f"{name} ({size}) is not divisible by num_distributed_optimizer_instances={instances} "
+                    "(each instance shards over an equal part of the data-parallel ranks)"
                 )
         # Refuse an order that leaves out a dimension of size > 1 in either grid.
         self.dense_grid(), self.expert_grid()

@@ -296,6 +296,7 @@ def initialize_distributed(
         order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         create_gloo_process_groups=getattr(args, "enable_gloo_process_groups", True),
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
     )
 
 

@@ -298,7 +298,8 @@ def state_bytes(
     opt: OptimizerConfig,
     pos: RankPosition,
 ) -> StateBytes:
-    """Parameter, gradient-buffer and optimizer bytes on one rank (every chunk, DDP-wrapped)."""
+    """Parameter, gradient-buffer and optimizer bytes on one rank (every chunk, DDP-wrapped); with
+    several distributed-optimizer instances the shards are 1/(dp / N)."""
     p_size = dtype_bytes(c.params_dtype)
     g_size = FP32 if ddp.grad_reduce_in_fp32 else p_size
     distributed = ddp.use_distributed_optimizer
@@ -316,7 +317,8 @@ def state_bytes(
                 continue
             names = [e.name for e in group]
             own = frozenset(names.index(name) for name in alone if name in names)
-            dp = pos.expt_dp if expert else pos.dp * pos.cp
+            # Sharded within one distributed-optimizer instance (dp / N consecutive DP ranks).
+            dp = (pos.expt_dp if expert else pos.dp * pos.cp) // ddp.num_distributed_optimizer_instances
             rank = pos.dp_rank % dp
             starts = unit_starts(group) if ddp.shard_params else frozenset()
             numel, owned = _buffer_state(group, bucket_size, dp, rank, distributed, own, starts)

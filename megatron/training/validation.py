@@ -19,6 +19,7 @@ import torch
 from megatron.core.context_parallel import local_sequence_length
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.process_groups import ParallelLayout
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
@@ -392,6 +393,23 @@ def check_data(args: argparse.Namespace) -> None:
     )
 
 
+def check_optimizer_instances(args: argparse.Namespace) -> None:
+    """--num-distributed-optimizer-instances divides the data-parallel sizes (dense x CP, and expert):
+    the layout's own rule (``ParallelLayout``), said with flags, before any group is built."""
+    try:
+        ParallelLayout(
+            world_size=args.world_size,
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        )
+    except (ValueError, AssertionError) as err:
+        raise ArgumentsError(flag_message(None, str(err))) from err
+
+
 def check_expert_parallel(args: argparse.Namespace) -> None:
     """--expert-model-parallel-size / --expert-tensor-parallel-size: the expert grid ETP x EP x expert-DP x PP
     covers the world (Megatron's rule: world divisible by ETP x EP x PP); expert-TP defaults to TP."""
@@ -549,6 +567,7 @@ STEPS: List[Callable[[argparse.Namespace], None]] = [
     set_model_shape,
     set_moe,
     check_expert_parallel,
+    check_optimizer_instances,
     set_precision,
     set_recompute,
     check_compatibility,

@@ -231,6 +231,16 @@ GRID: List[Case] = [
         covers=["DP", "Megatron-FSDP (sharded parameters and gradients)", "distributed optimizer", "bf16"],
     ),
     Case(
+        "dp4-fsdp-optim-grads-2-instances-bf16",
+        4,
+        [
+            *"--global-batch-size 8 --bf16 --use-distributed-optimizer --overlap-grad-reduce".split(),
+            *"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads".split(),
+            *"--num-distributed-optimizer-instances 2".split(),
+        ],
+        covers=["DP", "hybrid sharding (2 distributed-optimizer instances)", "Megatron-FSDP (sharded gradients)"],
+    ),
+    Case(
         "tp2-sp-dp2-fp8-delayed",
         4,
         [

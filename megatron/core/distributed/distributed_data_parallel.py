@@ -31,6 +31,13 @@ Megatron-FSDP (``ddp_config.use_megatron_fsdp``): ``optim`` is the distributed o
 backward); ``optim_grads_params`` stores the parameters sharded and gathers them layer by layer
 (``fsdp_units.ShardedParamUnits``); ``finish_param_sync`` then gathers them all for readers outside
 forward (norms, checkpoints).
+Hybrid sharding (``ddp_config.num_distributed_optimizer_instances`` = N > 1): the buffers are
+sharded over one instance's part of the data-parallel ranks (``intra_dp_cp`` / ``intra_expt_dp``, dp / N
+ranks), so the reduce-scatter sums within the instance; once a bucket's reduce-scatter is done,
+``finish_grad_sync`` all-reduces its reduced slice over ``inter_dist_opt`` (the ranks holding the same
+slice in the other instances), before the optimizer reads it. ``comm_events`` (a list, when set)
+records ``(what, buffer, bucket)`` for ``"reduce_scatter"``, ``"reduce_scatter_done"``,
+``"all_reduce_instances"`` and ``"all_reduce_instances_done"`` in order (structural tests).
 Averaging: gradients are scaled by 1/dp, except with ``calculate_per_token_loss`` (the
 loss is a sum; ``finalize_model_grads`` divides by the global token count).
 """
@@ -100,6 +107,8 @@ class DistributedDataParallel(torch.nn.Module):
         )
         self.dp_group = self.pg_collection.dp_cp
         self.dp_size = dist.get_world_size(self.dp_group)
+        self.inter_instance_group = _inter_instance_group(self.pg_collection, ddp_config)
+        self.comm_events: Optional[List[tuple]] = None
         if ddp_config.fp8_param_gather:
             check_fp8_param_gather(config, ddp_config)
             convert_weights_to_fp8(module)
@@ -163,7 +172,7 @@ class DistributedDataParallel(torch.nn.Module):
                     group,
                     grad_dtype,
                     bucket_size,
-                    self.pg_collection.expt_dp if expert else self.dp_group,
+                    self._shard_group(expert),
                     with_param_data=self.ddp_config.use_distributed_optimizer,
                     own_bucket=own,
                     is_expert=expert,
@@ -173,6 +182,13 @@ class DistributedDataParallel(torch.nn.Module):
                 )
             )
         return buffers
+
+    def _shard_group(self, expert: bool) -> dist.ProcessGroup:
+        """The group a buffer is reduced (and sharded) over: all its data-parallel ranks, or this rank's
+        distributed-optimizer instance's part of them."""
+        if self.inter_instance_group is None:
+            return self.pg_collection.expt_dp if expert else self.dp_group
+        return self.pg_collection.intra_expt_dp if expert else self.pg_collection.intra_dp_cp
 
     def _param_gather_waits(self) -> List[Any]:
         """A forward pre-hook per module: wait for the all-gathers of the parameters its forward reads.
@@ -269,6 +285,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.ddp_config.use_distributed_optimizer:
             shard = bucket.shard(bucket.grad_data, buffer.dp_rank, buffer.dp_size)
             bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=buffer.dp_group, async_op=async_op)
+            self._record("reduce_scatter", buffer, bucket)
         else:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=buffer.dp_group, async_op=async_op)
 
@@ -288,6 +305,7 @@ class DistributedDataParallel(torch.nn.Module):
         if force_all_reduce and self.ddp_config.use_distributed_optimizer:
             raise NotImplementedError("finish_grad_sync(force_all_reduce=True) with the distributed optimizer")
         for buffer in self.all_buffers:
+            across = []  # the reduced slices' all-reduces over the instances, running
             for bucket in buffer.buckets:
                 if not bucket.dispatched:
                     # Without overlap, or a bucket with a parameter that got no gradient.
@@ -295,11 +313,28 @@ class DistributedDataParallel(torch.nn.Module):
                 if bucket.handle is not None:
                     bucket.handle.wait()
                     bucket.handle = None
+                    self._record("reduce_scatter_done", buffer, bucket)
+                if self.inter_instance_group is not None:
+                    across.append((bucket, self._all_reduce_across_instances(buffer, bucket)))
+            for bucket, handle in across:
+                handle.wait()
+                self._record("all_reduce_instances_done", buffer, bucket)
             if self.post_scale != 1.0:
                 buffer.scale_gradients(self.post_scale)
             buffer.reset()
         if self.fsdp_units is not None:
             self.fsdp_units.free_all()  # backward is over: only the shards stay
+
+    def _all_reduce_across_instances(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> dist.Work:
+        """Start summing this rank's reduced slice of ``bucket`` with the same slice of the other
+        distributed-optimizer instances (after the slice's reduce-scatter within the instance is done)."""
+        shard = bucket.shard(bucket.grad_data, buffer.dp_rank, buffer.dp_size)  # [bucket numel / (dp / N)]
+        self._record("all_reduce_instances", buffer, bucket)
+        return dist.all_reduce(shard, group=self.inter_instance_group, async_op=True)
+
+    def _record(self, what: str, buffer: ParamAndGradBuffer, bucket: Bucket) -> None:
+        if self.comm_events is not None:
+            self.comm_events.append((what, self.all_buffers.index(buffer), bucket.index))
 
     # --- public API -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -396,6 +431,30 @@ class DistributedDataParallel(torch.nn.Module):
     def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self.finish_param_sync()
         return self.module.sharded_state_dict(*args, **kwargs)
+
+
+def _inter_instance_group(
+    groups: ProcessGroupCollection, ddp_config: DistributedDataParallelConfig
+) -> Optional[dist.ProcessGroup]:
+    """The group joining this rank's distributed-optimizer instance to the others (None with one instance).
+
+    Raises:
+        ValueError: the groups were built for another number of instances, or join ranks that are not this
+            rank's dense and expert data-parallel peers.
+    """
+    instances = ddp_config.num_distributed_optimizer_instances
+    if instances == 1:
+        return None
+    built = groups.layout.num_distributed_optimizer_instances
+    if built != instances or groups.inter_dist_opt is None:
+        raise ValueError(
+            f"DistributedDataParallelConfig.num_distributed_optimizer_instances={instances}, but the process "
+            f"groups were built for {built} instance(s) (ParallelLayout.num_distributed_optimizer_instances)"
+        )
+    across, dense, expert = (set(groups.ranks[name]) for name in ("inter_dist_opt", "dp_cp", "expt_dp"))
+    if not across <= dense & expert:
+        raise ValueError(f"inter_dist_opt ranks {sorted(across)} are not data-parallel peers of this rank")
+    return groups.inter_dist_opt
 
 
 def _wait_param_gathers(

@@ -28,8 +28,14 @@ class DistributedDataParallelConfig:
     ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``, ``fsdp_double_buffer``,
     ``disable_symmetric_registration``, ``fsdp_manual_registration``) have no effect here; the
     features not built yet (the mxfp8 buffer reuse, fp32-accumulating reduce-scatter, delayed weight
-    gradients, more than one optimizer instance, an outer sharding strategy) raise ``ValueError`` when
-    switched on.
+    gradients, an outer sharding strategy) raise ``ValueError`` when switched on.
+
+    ``num_distributed_optimizer_instances`` = N > 1 (hybrid sharding) splits the data-parallel ranks into
+    N instances of dp / N consecutive ranks: the distributed optimizer (and Megatron-FSDP's strategies)
+    shard within an instance (``ProcessGroupCollection.intra_dp_cp``), gradients are reduce-scattered
+    within it and the reduced slices all-reduced across instances (``inter_dist_opt``) before the
+    step; parameters are all-gathered within an instance. It needs the distributed optimizer; the
+    process groups must be built for the same N (``ParallelLayout``, which checks dp % N).
 
     Megatron-FSDP (``use_megatron_fsdp``) picks what is sharded over data parallelism with
     ``data_parallel_sharding_strategy``: ``no_shard`` (plain DDP), ``optim`` (the distributed
@@ -75,13 +81,11 @@ class DistributedDataParallelConfig:
                 f"data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r}: "
                 f"must be one of {SHARDING_STRATEGIES}"
             )
-        # Overlapped / FP8 parameter gathers need the distributed optimizer; Megatron-FSDP's pairings.
+        instances = self.num_distributed_optimizer_instances
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+            raise ValueError(f"num_distributed_optimizer_instances={instances!r}: must be a positive integer")
+        # Overlapped / FP8 parameter gathers and instances need the distributed optimizer; Megatron-FSDP's pairings.
         compatibility.check(self)
-        if self.num_distributed_optimizer_instances != 1:
-            raise ValueError(
-                f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
-                "not supported yet (only 1)"
-            )
         switched_on = [
             name
             for name in (

@@ -121,6 +121,14 @@ def _grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
     )
 
 
+def _optimizer_instances(model_chunks: Sequence[torch.nn.Module]) -> int:
+    """The distributed-optimizer instances the chunks' DDP wrappers reduce over (1 without a wrapper)."""
+    counts = {getattr(getattr(c, "ddp_config", None), "num_distributed_optimizer_instances", 1) for c in model_chunks}
+    if len(counts) > 1:
+        raise ValueError(f"model chunks disagree on num_distributed_optimizer_instances: {sorted(counts)}")
+    return counts.pop() if counts else 1
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: Sequence[torch.nn.Module],
@@ -148,7 +156,10 @@ def get_megatron_optimizer(
     loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision).
     Gradient statistics are summed over the model-parallel group (plus DP for the distributed
     optimizer, whose ranks hold different slices); those of expert parameters over
-    ``tp_ep_pp`` (plus ``expt_dp``), since each expert-parallel rank holds other experts.
+    ``tp_ep_pp`` (plus ``expt_dp``), since each expert-parallel rank holds other experts. With several
+    distributed-optimizer instances (the chunks' ``ddp_config.num_distributed_optimizer_instances``)
+    the optimizer shards, and sums statistics, over its instance's part of DP (``intra_dp_cp`` /
+    ``intra_expt_dp``): every instance holds the whole all-reduced gradient.
     """
     if config_overrides or dump_param_to_param_group_map is not None:
         raise NotImplementedError(
@@ -167,15 +178,19 @@ def get_megatron_optimizer(
     tp_rank = groups.rank_in("tp")
     scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
+        # Several instances: each holds the whole reduced gradient, so statistics are summed within one.
+        hybrid = _optimizer_instances(model_chunks) > 1
+        dp_cp, expt_dp = (groups.intra_dp_cp, groups.intra_expt_dp) if hybrid else (groups.dp_cp, groups.expt_dp)
         return DistributedOptimizer(
             config,
             param_groups,
             tp_rank,
-            [groups.dp_cp, groups.mp],
+            [dp_cp, groups.mp],
             scaler,
             model_chunks=model_chunks,
-            dp_group=groups.dp_cp,
-            expert_stat_groups=[groups.expt_dp, groups.tp_ep_pp],
+            dp_group=dp_cp,
+            expert_stat_groups=[expt_dp, groups.tp_ep_pp],
+            instance_id=groups.rank_in("inter_dist_opt") if hybrid else 0,
         )
     expert_groups = [groups.tp_ep_pp]
     if config.fp16 or config.bf16:

@@ -36,7 +36,12 @@ _GATHER_ELEMENTS = 1 << 24
 
 
 class DistributedOptimizer(MegatronOptimizer):
-    """Each DP rank updates its shard of every bucket; parameters are then all-gathered."""
+    """Each DP rank updates its shard of every bucket; parameters are then all-gathered.
+
+    ``dp_group``: the ranks the state is sharded over (one instance's with several distributed-optimizer
+    instances); ``instance_id``: this rank's instance (0 with one), whose copies of the state only
+    instance 0 writes to a checkpoint.
+    """
 
     def __init__(
         self,
@@ -48,9 +53,11 @@ class DistributedOptimizer(MegatronOptimizer):
         model_chunks: Sequence[torch.nn.Module],
         dp_group: dist.ProcessGroup,
         expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None,
+        instance_id: int = 0,
     ) -> None:
         self.model_chunks = list(model_chunks)
         self.dp_group = dp_group
+        self.instance_id = instance_id
         self.buffers = []
         for chunk in self.model_chunks:
             if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
@@ -211,8 +218,8 @@ class DistributedOptimizer(MegatronOptimizer):
         A slice is a flat range of its (TP-local) parameter: it is written as the few boxes that tile it
         (``flat_range_boxes``), views of the state itself (a caller that keeps them past the next step
         snapshots them). ``specs``: parameter name -> ShardedTensor as DP rank 0 describes it
-        (``sharded_tensors_by_param_name(..., dp_replicas=False)``; DDP refuses several
-        distributed-optimizer instances, so the DP ranks of a buffer are all its data-parallel ranks).
+        (``sharded_tensors_by_param_name(..., dp_replicas=False)``); with several distributed-optimizer
+        instances the other instances' identical slices are replicas (``instance_id`` as replica id).
         Before the first step there is no state and nothing is written.
         """
         from megatron.core.dist_checkpointing.state_dict import optimizer_state_key
@@ -231,7 +238,8 @@ class DistributedOptimizer(MegatronOptimizer):
                     lo = first - link.flat_range[0]
                     data = flat[lo : lo + math.prod(size)].view(size)  # [box]
                     at = tuple(o + b for o, b in zip(spec.global_offset, offset))
-                    out[f"{key}@{first}"] = ShardedTensor.from_global(key, data, spec.global_shape, at, spec.replica_id)
+                    replica = spec.replica_id if spec.replica_id or not self.instance_id else self.instance_id
+                    out[f"{key}@{first}"] = ShardedTensor.from_global(key, data, spec.global_shape, at, replica)
         return out, self._scalars()
 
     def _state_keys(self) -> List[str]:

@@ -275,7 +275,7 @@ RECORDS = (
     Flag("suggested_communication_unit_size", no_op(reasons.UNDER_REFUSED), type=int),
     Flag("keep_fp8_transpose_cache", no_op(reasons.KERNEL)),
     Flag("enable_full_sharding_in_hsdp", no_op(reasons.UNDER_REFUSED)),
-    Flag("num_distributed_optimizer_instances", not_yet(1), fills=same(DDP)),
+    Flag("num_distributed_optimizer_instances", IMPLEMENTED, fills=same(DDP)),
     Flag("use_torch_fsdp2", not_yet(False)),
     Flag("torch_fsdp2_reshard_after_forward", no_op(reasons.UNDER_REFUSED)),
     Flag(

@@ -49,6 +49,7 @@ EXAMPLES = {
     ("fsdp_no_shard", "dist_opt"): (FSDP + ["no_shard"] + DIST, 2),
     ("fsdp_params", "overlap_param_gather"): (FSDP + ["optim_grads_params", "--overlap-param-gather"] + DIST, 2),
     ("fsdp_params", "fp8_param_gather"): (FSDP + ["optim_grads_params"] + FP8_GATHER + DIST, 2),
+    ("dist_opt_instances", "no_dist_opt"): (["--num-distributed-optimizer-instances", "2"], 4),
     ("full_recompute", "no_recompute_method"): (["--recompute-granularity", "full"], 1),
     ("recompute_method", "not_full_recompute"): (["--recompute-method", "block"], 1),
     ("distribute_saved", "not_full_recompute"): (
