@@ -87,8 +87,9 @@ def shard_state_dict(model, full, tp_group):
         tensor = full[name]
         if name in sections:
             out[name] = shard_rows(tensor, sections[name], rank, size)
-        elif getattr(param, "tensor_model_parallel", False) and size > 1:
-            out[name] = tensor.chunk(size, dim=param.partition_dim)[rank]
+        elif getattr(param, "tensor_model_parallel", False) and size > 1:  # stride: SwiGLU's [gate; up] per rank
+            dim, pieces = param.partition_dim, tensor.chunk(param.partition_stride, dim=param.partition_dim)
+            out[name] = torch.cat([piece.chunk(size, dim=dim)[rank] for piece in pieces], dim=dim)
         else:
             out[name] = tensor
     return out
