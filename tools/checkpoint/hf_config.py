@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron.core.activations import activation, activation_name
 from megatron.core.tokenizers.gpt2_bpe import EOD_TOKEN
 from megatron.training.validation import vocab_size_with_padding
-from tools.checkpoint import deepseek, llama_family, mamba
+from tools.checkpoint import deepseek, llama_family, mamba, qwen3_next
 from tools.checkpoint.checks import check_hf_config, check_model_args, head_size
 from tools.checkpoint.errors import Args, ConversionError, require_field
 from tools.checkpoint.llama_family import DECODER_FAMILIES
@@ -128,6 +128,8 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         args.update(llama_family.moe_args_from_hf(hf, args["num_layers"], family.mixtral))
     if family.dsa:
         args.update(deepseek.dsa_args_from_hf(hf))
+    if family.gdn:
+        args.update(qwen3_next.args_from_hf(hf, where))
     return args
 
 
@@ -252,6 +254,8 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
     )
     if kind in DECODER_FAMILIES:
         shared.update(llama_family.expected_args(kind))
+        if DECODER_FAMILIES[kind].gdn:  # Qwen3-Next rotates partial_rotary_factor of each head
+            del shared["rotary_percent"]
         if DECODER_FAMILIES[kind].moe and not args.get("num_experts"):
             raise ConversionError(f"{where}: flag num_experts is not set; --model-type {kind} needs MoE layers")
     else:
@@ -391,6 +395,7 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         window_size=None if args.get("window_size") is None else tuple(args["window_size"]),
         **_moe_kwargs(args),
         **deepseek.mla_model_kwargs(args),
+        **qwen3_next.model_kwargs(args),
         layernorm_epsilon=args["layernorm_epsilon"],
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -20,10 +20,10 @@ from typing import Tuple
 import torch
 
 from megatron.core.models.gpt.hf_state_dict import (
+    _QK_NORMS,
     StateDict,
     _dense_mlp_from_hf,
     _dense_mlp_to_hf,
-    _llama_layer_from_hf,
     _llama_layer_to_hf,
     _llama_outer_from_hf,
     _llama_outer_to_hf,
@@ -64,14 +64,21 @@ def _gated_attention_to_hf(sd: StateDict, config: TransformerConfig, i: int) -> 
 
 
 def _gated_attention_from_hf(hf: StateDict, config: TransformerConfig, i: int) -> StateDict:
-    """Inverse of ``_gated_attention_to_hf``."""
-    h = f"model.layers.{i}.self_attn."
+    """Inverse of ``_gated_attention_to_hf`` (reads each HF tensor by its name: the converter tracks reads)."""
+    ours, h = f"decoder.layers.{i}.", f"model.layers.{i}."
     groups, d, hidden = config.num_query_groups, config.kv_channels, config.hidden_size
     per_group = config.num_attention_heads // groups
-    q_and_gate = _query_gate_from_hf(hf[h + "q_proj.weight"], config).reshape(groups, 2 * per_group, d, hidden)
-    out = _llama_layer_from_hf({**hf, h + "q_proj.weight": q_and_gate[:, :per_group].reshape(-1, hidden)}, config, i)
-    k, v = (hf[h + f"{n}_proj.weight"].reshape(groups, 1, d, hidden) for n in "kv")
-    out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat([q_and_gate, k, v], 1).reshape(-1, hidden)
+    q_and_gate = _query_gate_from_hf(hf[h + "self_attn.q_proj.weight"], config).reshape(groups, -1, d, hidden)
+    k, v = (hf[h + f"self_attn.{n}_proj.weight"].reshape(groups, 1, d, hidden) for n in "kv")
+    assert q_and_gate.shape[1] == 2 * per_group
+    out = {
+        ours + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
+        ours + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
+        ours + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
+        ours + "self_attention.linear_qkv.weight": torch.cat([q_and_gate, k, v], 1).reshape(-1, hidden),
+    }
+    for our_norm, hf_norm in _QK_NORMS:
+        out[ours + f"self_attention.{our_norm}.weight"] = hf[h + f"self_attn.{hf_norm}.weight"]
     return out
 
 
@@ -143,7 +150,7 @@ def _mlp_from_hf(hf: StateDict, config: TransformerConfig, i: int) -> StateDict:
     if not config.is_moe_layer(i + 1):
         return _dense_mlp_from_hf(hf, i)
     h = f"model.layers.{i}.mlp."
-    layer = {k: v for k, v in hf.items() if k.startswith(h)}
+    layer = {k: hf[k] for k in hf if k.startswith(h)}  # indexed: the converter tracks reads
     out = _moe_mlp_from_hf(_rename(layer, ".mlp.shared_expert.", ".mlp.shared_experts."), i, config.num_moe_experts)
     if h + "shared_expert_gate.weight" in hf:
         out[f"decoder.layers.{i}.mlp.shared_experts.gate_weight"] = hf[h + "shared_expert_gate.weight"]
