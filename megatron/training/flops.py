@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Union
+
+from megatron.core.transformer.transformer_config import linear_attention_layer
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,13 @@ class FlopsConfig:
     experimental_attention_variant: Optional[str] = None  # 'dsa': every MLA layer adds ``dsa_indexer_flops``
     dsa_indexer_n_heads: int = 0
     dsa_indexer_head_dim: int = 0
+    # experimental_attention_variant 'gated_delta_net': these layers are Gated DeltaNet (``gdn_layer_flops``)
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
 
 
 def mla_attention_flops(cfg: FlopsConfig) -> float:
@@ -60,6 +69,24 @@ def dsa_indexer_flops(cfg: FlopsConfig) -> float:
         return 0.0
     h, s, heads, d = cfg.hidden_size, cfg.seq_length, cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim
     return 2 * ((cfg.q_lora_rank or 0) * heads * d + h * d + h * heads) + 2 * s * heads * (d + 1)
+
+
+def gdn_layer_flops(cfg: FlopsConfig) -> float:
+    """Forward FLOPs per token of one Gated DeltaNet layer, counted as Megatron counts them: ``in_proj``
+    (``h -> 2 qk + 2 v + 2 Hv``: q, k, v, z, beta, alpha), the depthwise convolution over q, k, v (``K`` taps),
+    the delta rule (``4 Hv dv^2``: K K^T, V K^T, the state update and the read-out) and ``out_proj`` (``v -> h``),
+    with qk = key heads x key head dim, v = value heads x value head dim."""
+    h, heads, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    qk, v = cfg.linear_num_key_heads * cfg.linear_key_head_dim, heads * dv
+    conv = cfg.linear_conv_kernel_dim * (2 * qk + v)
+    return 2 * (h * (2 * qk + 2 * v + 2 * heads) + conv + 4 * heads * dv * dv + h * v)
+
+
+def _linear_attention_layers(cfg: FlopsConfig) -> int:
+    """How many decoder layers are Gated DeltaNet layers (0 without that variant)."""
+    if cfg.experimental_attention_variant != "gated_delta_net":
+        return 0
+    return sum(linear_attention_layer(cfg.linear_attention_freq, n) for n in range(1, cfg.num_layers + 1))
 
 
 def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
@@ -92,7 +119,8 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     which is Megatron's ``12 * T * L * h^2 * (...)`` expression written out. DSA's indexer
     (``dsa_indexer_flops``, in each layer and MTP layer) has no backward: it adds its forward once. Not counted:
     norms, softmax, activations, embeddings lookup, loss, optimizer, and the extra
-    forward of activation recomputation (model FLOPs, not hardware FLOPs).
+    forward of activation recomputation (model FLOPs, not hardware FLOPs). Gated DeltaNet layers
+    (``experimental_attention_variant='gated_delta_net'``) count ``gdn_layer_flops`` instead of attention.
     """
     h, s = cfg.hidden_size, cfg.seq_length
     d = cfg.kv_channels or h // cfg.num_attention_heads
@@ -106,8 +134,13 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     moe_ffn = cfg.num_moe_layers * per_moe_layer
     last_ffn = per_moe_layer if cfg.num_moe_layers else cfg.ffn_hidden_size  # an MTP layer repeats the last kind
     mtp = cfg.mtp_num_layers * (4 * h * h + attention + 4 * h * last_ffn * gated + 2 * h * cfg.padded_vocab_size)
+    linear = _linear_attention_layers(cfg)  # their attention term is the Gated DeltaNet's
     forward_per_token = (
-        cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size + mtp
+        (cfg.num_layers - linear) * attention
+        + linear * gdn_layer_flops(cfg)
+        + 4 * h * (dense_ffn + moe_ffn) * gated
+        + 2 * h * cfg.padded_vocab_size
+        + mtp
     )
     indexer = (cfg.num_layers + cfg.mtp_num_layers) * dsa_indexer_flops(cfg)
     return batch_size * s * (3.0 * forward_per_token + indexer)

@@ -41,6 +41,14 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
+def linear_attention_layer(freq: Union[int, List[int]], layer_number: int) -> bool:
+    """Whether global 1-based ``layer_number`` is a linear-attention (Gated DeltaNet) layer by ``freq``
+    (Megatron's ``linear_attention_freq``: every ``freq``-th layer is full attention, or one 0/1 entry per layer)."""
+    if isinstance(freq, int):
+        return layer_number % freq != 0
+    return bool(freq[layer_number - 1])
+
+
 @dataclass
 class TransformerConfig(ModelParallelConfig):
     """Transformer hyper-parameters with Megatron Core's field names."""
@@ -597,9 +605,7 @@ class TransformerConfig(ModelParallelConfig):
         """Whether the global 1-based ``layer_number`` is a Gated DeltaNet layer (``linear_attention_freq``)."""
         if self.experimental_attention_variant != "gated_delta_net":
             return False
-        if isinstance(self.linear_attention_freq, int):
-            return layer_number % self.linear_attention_freq != 0
-        return bool(self.linear_attention_freq[layer_number - 1])
+        return linear_attention_layer(self.linear_attention_freq, layer_number)
 
     def _check_moe_layer_freq(self) -> None:
         freq = self.moe_layer_freq

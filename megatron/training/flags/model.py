@@ -45,7 +45,7 @@ from megatron.training.theoretical_memory_params import LanguageModelShape as LM
 from megatron.training.training_config import TrainingConfig as TRAIN
 from megatron.training.training_log import FlopsConfig as FL
 
-_GDN = dict(type=int, fills=same(TC), bounds=positive(), architecture=always)  # the Gated DeltaNet sizes
+_GDN = dict(type=int, fills=same(TC, FL), bounds=positive(), architecture=always)  # the Gated DeltaNet sizes
 
 RECORDS = (
     Flag(
@@ -308,7 +308,7 @@ RECORDS = (
         type=linear_attention_freq,
         help="GDN layers: N makes every N-th layer full attention and the others Gated DeltaNet; a list "
         "(e.g. ([1]*3+[0])*12) gives 1 (GDN) or 0 (attention) per layer.",
-        fills=same(TC),
+        fills=same(TC, FL),
         architecture=always,
         project=ProjectFlag(
             group="transformer configuration",
