@@ -5,6 +5,7 @@ from __future__ import annotations
 from megatron.core.transformer.transformer_config import TransformerConfig as TC
 from megatron.training.flags.derive import hybrid_layer_pattern
 from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, always, between, positive, same, to
+from megatron.training.theoretical_memory_params import LanguageModelShape as LMS
 from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
@@ -12,7 +13,10 @@ RECORDS = (
         "is_hybrid_model",
         IMPLEMENTED,
         help="A hybrid Mamba model (pretrain_mamba.py sets it; pretrain_gpt.py refuses it).",
-        fills=(to(FL, "hybrid_layer_pattern", hybrid_layer_pattern),),
+        fills=(
+            to(FL, "hybrid_layer_pattern", hybrid_layer_pattern),
+            to(LMS, "hybrid_layer_pattern", hybrid_layer_pattern),
+        ),
         architecture=always,
     ),
     Flag(
