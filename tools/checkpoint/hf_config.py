@@ -393,7 +393,7 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         add_qkv_bias=bool(args.get("add_qkv_bias")),
         qk_layernorm=bool(args.get("qk_layernorm")),
         window_size=None if args.get("window_size") is None else tuple(args["window_size"]),
-        **_moe_kwargs(args),
+        **deepseek.moe_model_kwargs(args),
         **deepseek.mla_model_kwargs(args),
         **qwen3_next.model_kwargs(args),
         layernorm_epsilon=args["layernorm_epsilon"],
@@ -406,24 +406,4 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
         vocab_size=args["padded_vocab_size"],
         max_sequence_length=args["max_position_embeddings"],
-    )
-
-
-def _moe_kwargs(args: Args) -> Dict[str, Any]:
-    """The MoE fields of ``TransformerConfig`` that change what the weights compute (none without experts)."""
-    if not args.get("num_experts"):
-        return {}
-    return dict(
-        num_moe_experts=args["num_experts"],
-        moe_router_topk=args["moe_router_topk"],
-        moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"),
-        moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
-        moe_router_topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
-        moe_layer_freq=args.get("moe_layer_freq", 1),
-        moe_router_score_function=args.get("moe_router_score_function") or "softmax",
-        moe_router_num_groups=args.get("moe_router_num_groups"),
-        moe_router_group_topk=args.get("moe_router_group_topk"),
-        moe_router_enable_expert_bias=bool(args.get("moe_router_enable_expert_bias")),
-        moe_shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size"),
-        moe_shared_expert_gate=bool(args.get("moe_shared_expert_gate")),
     )
