@@ -173,6 +173,20 @@ def _attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
     return entries
 
 
+def _gated_delta_net(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
+    """``GatedDeltaNet``: input and output projections, convolution, per-head norm, ``dt_bias``, ``A_log``."""
+    qk, v, heads = (
+        c.linear_num_key_heads * c.linear_key_head_dim,
+        c.linear_num_value_heads * c.linear_value_head_dim,
+        c.linear_num_value_heads,
+    )
+    entries = [ParamEntry(f"{p}.dt_bias", heads // tp), ParamEntry(f"{p}.A_log", heads // tp)]  # its own: first
+    entries += _linear(f"{p}.in_proj", (2 * qk + 2 * v + 2 * heads) // tp, c.hidden_size, None)
+    entries += _linear(f"{p}.out_proj", c.hidden_size, v // tp, None)
+    entries += [ParamEntry(f"{p}.conv1d.weight", (2 * qk + v) // tp * c.linear_conv_kernel_dim)]
+    return entries + _norm(c, f"{p}.out_norm", c.linear_value_head_dim)
+
+
 def _moe_mlp(c: TransformerConfig, p: str, pos: RankPosition) -> List[ParamEntry]:
     """``MoELayer``: router, this rank's experts, then the shared experts (gate, fc1, fc2)."""
     entries = [ParamEntry(f"{p}.router.weight", c.num_moe_experts * c.hidden_size)]
@@ -185,10 +199,12 @@ def _moe_mlp(c: TransformerConfig, p: str, pos: RankPosition) -> List[ParamEntry
     return entries
 
 
-def _layer(c: TransformerConfig, p: str, moe: bool, pos: RankPosition) -> List[ParamEntry]:
-    """``TransformerLayer`` under prefix ``p`` (local spec; ``moe``: its MLP is a ``MoELayer``)."""
+def _layer(c: TransformerConfig, p: str, moe: bool, pos: RankPosition, gdn: bool = False) -> List[ParamEntry]:
+    """``TransformerLayer`` under prefix ``p`` (local spec; ``moe``: its MLP is a ``MoELayer``; ``gdn``: a
+    ``GatedDeltaNet`` in place of self-attention)."""
     h = c.hidden_size
-    entries = _norm(c, f"{p}.input_layernorm", h) + _attention(c, f"{p}.self_attention", pos.tp)
+    mixer = _gated_delta_net if gdn else _attention
+    entries = _norm(c, f"{p}.input_layernorm", h) + mixer(c, f"{p}.self_attention", pos.tp)
     entries += _norm(c, f"{p}.pre_mlp_layernorm", h)
     if moe:
         return entries + _moe_mlp(c, f"{p}.mlp", pos)
@@ -261,9 +277,10 @@ def chunk_parameters(c: TransformerConfig, lm: LanguageModelShape, pos: RankPosi
     pattern = lm.hybrid_layer_pattern
     for local, number in enumerate(chunk_layers(c, pos, vp_stage)):
         p = f"decoder.layers.{local}"
-        entries += (
-            _hybrid_layer(c, p, pattern[number - 1], pos) if pattern else _layer(c, p, is_moe_layer(c, number), pos)
-        )
+        if pattern:
+            entries += _hybrid_layer(c, p, pattern[number - 1], pos)
+        else:
+            entries += _layer(c, p, is_moe_layer(c, number), pos, c.is_linear_attention_layer(number))
     if post:
         entries += _norm(c, "decoder.final_norm" if pattern else "decoder.final_layernorm", h)
         if not (lm.share_embeddings_and_output_weights and (pre or mtp)):

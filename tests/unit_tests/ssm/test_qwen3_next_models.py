@@ -9,13 +9,15 @@ cache for attention) on one rank and under TP=2 equals ``transformers``' ``gener
 
 Both ranks: the model under TP=2, with and without sequence parallelism, equals the one-rank model with the
 same weights in the per-token loss and every gradient (TP shards joined back, GDN's
-``[q, k, v, z, beta, alpha]`` layout too); rtol=1e-5, atol=1e-6.
+``[q, k, v, z, beta, alpha]`` layout too); rtol=1e-5, atol=1e-6. The memory report's parameter list of the TP=2
+model names its parameters and sizes.
 """
 
 import torch
 
 from megatron.core.models.gpt.hf_qwen3_next import to_hf_qwen3_next
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
+from megatron.training.theoretical_memory_params import LanguageModelShape, RankPosition, chunk_parameters
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, batch, single_rank_groups
 from tests.unit_tests.inference.hf_models import random_prompts
@@ -82,6 +84,9 @@ def _body(rank, world_size):
     for sp in (False, True):  # CPU initialization: the same weights at any TP size
         model = build_qwen3_next(tp, sequence_parallel=sp).train()
         _assert_close(f"tp={world_size} sp={sp}", _loss_and_grads(model, tokens, labels, tp.tp), ref)
+    lm = LanguageModelShape(VOCAB, SEQ, "rope", share_embeddings_and_output_weights=False)
+    derived = [(e.name, e.numel) for e in chunk_parameters(model.config, lm, RankPosition(tp=world_size))]
+    assert derived == [(n, p.numel()) for n, p in model.named_parameters()]  # the memory report's parameter list
     hf = hf_qwen3_next(seed=3)
     prompts = random_prompts([3, 20, 9], vocab=VOCAB)  # 20: the prefill spans two GDN chunks
     generated = {"tp2": _generate(tp, hf, prompts)}
