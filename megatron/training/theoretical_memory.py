@@ -61,7 +61,7 @@ class MemoryEstimate:
 
     state: StateBytes
     chunks: List[ChunkActivations]
-    activation_peak: int  # 0 when not estimated (hybrid Mamba models: ``activations_estimated`` False)
+    activation_peak: int  # 0 when not estimated (Mamba or Gated DeltaNet layers: ``activations_estimated`` False)
     num_parameters: int
     activations_estimated: bool = True
 
@@ -81,11 +81,12 @@ def estimate_memory(
     num_microbatches: int,
     device_type: str = "cuda",
 ) -> MemoryEstimate:
-    """Everything about one rank (``pos.pp_rank``, ``pos.dp_rank``) in one value. A hybrid Mamba model's state is
-    exact; its activations are not estimated yet (``activations_estimated`` False)."""
+    """Everything about one rank (``pos.pp_rank``, ``pos.dp_rank``) in one value. The state of a hybrid Mamba model
+    or of one with Gated DeltaNet layers is exact; their activations are not estimated yet (``activations_estimated``
+    False)."""
     count = sum(e.numel for v in range(pos.vp or 1) for e in chunk_parameters(c, lm, pos, v))
     state = state_bytes(c, lm, ddp, opt, pos)
-    if lm.hybrid_layer_pattern is not None:
+    if lm.hybrid_layer_pattern is not None or c.experimental_attention_variant == "gated_delta_net":
         return MemoryEstimate(state, [], 0, count, activations_estimated=False)
     chunks = [chunk_activations(c, lm, pos, micro_batch_size, seq_length, v, device_type) for v in range(pos.vp or 1)]
     return MemoryEstimate(state, chunks, peak_in_flight(chunks, pos, num_microbatches), count)
@@ -152,7 +153,7 @@ def report_theoretical_memory(
 
         m = num_microbatches or _microbatches(training_config_from_args(args), _from_args(args)[2])
         _print_details(e, stage, m)
-    activation = f"{e.activation_peak / MB:.2f} MB" if e.activations_estimated else "not estimated (hybrid Mamba)"
+    activation = f"{e.activation_peak / MB:.2f} MB" if e.activations_estimated else "not estimated (Mamba / GDN layers)"
     print(
         f"Theoretical memory footprints: weight and optimizer={e.state.total / MB:.2f} MB, "
         f"activation={activation}, total={e.total / MB:.2f} MB",

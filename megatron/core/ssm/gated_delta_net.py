@@ -139,7 +139,10 @@ class GatedDeltaNet(MegatronModule):
                 self.conv1d.bias.zero_()
         heads = slice(rank * d.num_value_heads // tp, (rank + 1) * d.num_value_heads // tp)
         self.dt_bias = torch.nn.Parameter(torch.ones(d.num_value_heads // tp, dtype=dtype))
-        self.A_log = torch.nn.Parameter(torch.log(torch.empty(d.num_value_heads).uniform_(*a_range))[heads].to(dtype))
+        # Cloned: a parameter that viewed the slice would keep every head's storage alive on every rank.
+        self.A_log = torch.nn.Parameter(
+            torch.log(torch.empty(d.num_value_heads).uniform_(*a_range))[heads].to(dtype).clone()
+        )
 
     def rank_major_sections(self) -> Dict[str, List[int]]:
         """Parameters whose TP shards hold a piece of each of several sections (global sizes), by name."""

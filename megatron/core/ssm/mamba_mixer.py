@@ -216,8 +216,9 @@ class MambaMixer(MegatronModule):
         dt_min, dt_max, floor = dt_range
         dt = torch.exp(torch.rand(d.nheads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
         heads = slice(rank * self.nheads_local, (rank + 1) * self.nheads_local)
-        self.dt_bias = torch.nn.Parameter(_softplus_inverse(dt)[heads].to(dtype))
-        self.A_log = torch.nn.Parameter(torch.log(torch.empty(d.nheads).uniform_(*a_range))[heads])  # fp32
+        # Cloned: a parameter that viewed the slice would keep every head's storage alive on every rank.
+        self.dt_bias = torch.nn.Parameter(_softplus_inverse(dt)[heads].to(dtype).clone())
+        self.A_log = torch.nn.Parameter(torch.log(torch.empty(d.nheads).uniform_(*a_range))[heads].clone())  # fp32
         self.D = torch.nn.Parameter(torch.ones(self.d_inner_local if self.D_has_hdim else self.nheads_local))  # fp32
 
     def forward(
