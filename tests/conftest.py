@@ -122,6 +122,10 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_pretrain_t5.py::test_layouts_print_the_one_rank_loss[dp2]": (
         "[tp2_sp]; DP is the GPT layouts' and the data-parallel tests'"
     ),
+    "tests/unit_tests/tools/test_convert_qwen3_next.py::test_qwen3_next_convert_train_export": (
+        "test_qwen3_next_round_trip_is_exact_and_flags_validate (HF -> ours -> HF bit for bit, the printed flags "
+        "validated) and tests/unit_tests/ssm/test_qwen3_next_models.py (logits against transformers)"
+    ),
     "tests/unit_tests/tools/test_convert_qwen.py::test_convert_train_export[mistral-1]": (
         "test_round_trip_is_exact (Mistral's names, sliding window); [qwen3_moe-2] the train and export path"
     ),
@@ -198,6 +202,10 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-blockwise]": (
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
         " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[hybrid-mamba-tp2-sp-pp2-distopt-bf16]": (
+        "[tp2-sp-pp2-dp2-distopt-bf16] (TP+SP, PP and the distributed optimizer on fake CUDA); hybrid Mamba"
+        " under TP+SP and PP on CPU ranks in tests/unit_tests/ssm/test_mamba_models.py"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-sp-fp8-mxfp8]": (
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"

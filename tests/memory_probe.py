@@ -24,8 +24,11 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.mamba import MambaModel
+from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.theoretical_memory import LanguageModelShape, MemoryEstimate, RankPosition, estimate_memory
 from megatron.training.utils import masked_token_loss
 from tests.model_utils import build_gpt, gpt2_style, llama_style
@@ -117,6 +120,7 @@ class MemCase:
     hidden_dropout: float = 0.0
     sharding: str = "no_shard"  # Megatron-FSDP's data_parallel_sharding_strategy (others need dist_opt)
     instances: int = 1  # num_distributed_optimizer_instances (needs dist_opt)
+    hybrid: Optional[str] = None  # a MambaModel of this layer pattern (``M * - E``), num_layers symbols
     extra: Dict = field(default_factory=dict)
 
     def model_kwargs(self) -> Dict:
@@ -132,8 +136,22 @@ class MemCase:
             kw.update(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
         if self.bf16:
             kw.update(params_dtype=torch.bfloat16, bf16=True)
+        if self.hybrid:  # 8 Mamba heads of 8 channels in 2 groups (hidden 32)
+            kw.update(num_layers=len(self.hybrid), mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2)
         kw.update(self.extra)
         return (llama_style if self.llama else gpt2_style)(**kw)
+
+
+def _build_hybrid(kw: Dict, groups: ps.ProcessGroupCollection, pattern: str, **ends) -> MambaModel:
+    """``build_gpt``'s model as a hybrid ``MambaModel`` of ``pattern`` (the same config fields)."""
+    torch.manual_seed(1234)
+    fields = {k: v for k, v in kw.items() if k in TransformerConfig.__dataclass_fields__}
+    sizes = dict(tensor_model_parallel_size=groups.size_of("tp"), pipeline_model_parallel_size=groups.size_of("pp"))
+    return MambaModel(
+        TransformerConfig(**fields, **sizes), mamba_stack_spec, kw["vocab_size"], kw["max_sequence_length"],
+        hybrid_override_pattern=pattern, position_embedding_type=kw["position_embedding_type"],
+        share_embeddings_and_output_weights=kw["share_embeddings_and_output_weights"], pg_collection=groups, **ends,
+    )  # fmt: skip
 
 
 def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
@@ -141,17 +159,13 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
     vp = case.vp or 1
     extra = {"virtual_pipeline_model_parallel_size": case.vp} if case.vp else {}
     pp_rank = groups.rank_in("pp")
-    chunks = [
-        build_gpt(
-            kw,
-            groups,
-            pre_process=pp_rank == 0 and c == 0,
-            post_process=pp_rank == case.pp - 1 and c == vp - 1,
-            vp_stage=c,
-            **extra,
-        )
-        for c in range(vp)
-    ]
+    chunks = []
+    for c in range(vp):
+        ends = dict(pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == case.pp - 1 and c == vp - 1)
+        if case.hybrid:
+            chunks.append(_build_hybrid(kw, groups, case.hybrid, **ends))
+        else:
+            chunks.append(build_gpt(kw, groups, vp_stage=c, **ends, **extra))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=case.dist_opt,
@@ -170,7 +184,11 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
     config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups)
     config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     lm = LanguageModelShape(
-        chunks[0].vocab_size, case.seq, kw["position_embedding_type"], kw["share_embeddings_and_output_weights"]
+        chunks[0].vocab_size,
+        case.seq,
+        kw["position_embedding_type"],
+        kw["share_embeddings_and_output_weights"],
+        hybrid_layer_pattern=case.hybrid,
     )
     return chunks, wrapped, optimizer, ddp_config, opt_config, lm
 
@@ -234,7 +252,7 @@ def _as_dict(est: MemoryEstimate) -> Dict[str, int]:
         "grads": s.grads,
         "main_params": s.main_params,
         "optimizer_states": s.optimizer_states,
-        "activations": est.activation_peak,
+        "activations": est.activation_peak if est.activations_estimated else None,
         "num_parameters": est.num_parameters,
     }
 

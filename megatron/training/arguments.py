@@ -77,6 +77,9 @@ def parse_args(
             setattr(args, dest, value)
     if args.tokenizer_type is None:
         args.tokenizer_type = ENTRY_POINT_TOKENIZERS[entry_point]
+    # pretrain_mamba.py builds a hybrid model whether or not --is-hybrid-model is given: its checkpoints,
+    # FLOPs and memory report must say so.
+    args.is_hybrid_model = args.is_hybrid_model or entry_point == "mamba"
     # Megatron keeps the launcher's view of the job on args as well.
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))

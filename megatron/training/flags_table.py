@@ -68,15 +68,24 @@ def int_tuple(text: str) -> Tuple[int, ...]:
 
 def moe_layer_freq(text: str) -> Any:
     """'2' -> 2 (every 2nd layer is MoE); '[1,0,1]' or '([1]*3+[0])*2' -> a 0/1 list (Megatron's forms)."""
+    return _layer_freq(text, "--moe-layer-freq")
+
+
+def linear_attention_freq(text: str) -> Any:
+    """'4' -> 4 (every 4th layer is full attention, the rest GDN); or a 0/1 list as ``moe_layer_freq``."""
+    return _layer_freq(text, "--linear-attention-freq")
+
+
+def _layer_freq(text: str, flag: str) -> Any:
     text = text.strip()
     if text.lstrip("-").isdigit():
         return int(text)
     try:
         pattern = _list_expression(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError) as err:
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: {err}") from None
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: {err}") from None
     if not isinstance(pattern, list) or any(p not in (0, 1) for p in pattern):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: expected an integer or a list of 0/1")
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected an integer or a list of 0/1")
     return pattern
 
 

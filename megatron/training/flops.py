@@ -1,10 +1,12 @@
-"""Model FLOPs of a GPT training iteration: ``FlopsConfig`` (the shape that determines them) and
+"""Model FLOPs of a GPT (or hybrid Mamba) training iteration: ``FlopsConfig`` (the shape that determines them) and
 ``num_floating_point_operations`` (re-exported by ``training_log``, where the logger uses them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Union
+
+from megatron.core.transformer.transformer_config import linear_attention_layer
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,20 @@ class FlopsConfig:
     experimental_attention_variant: Optional[str] = None  # 'dsa': every MLA layer adds ``dsa_indexer_flops``
     dsa_indexer_n_heads: int = 0
     dsa_indexer_head_dim: int = 0
+    # experimental_attention_variant 'gated_delta_net': these layers are Gated DeltaNet (``gdn_layer_flops``)
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    # A hybrid Mamba model (``pretrain_mamba.py``): one symbol per layer (``M`` Mamba, ``*`` attention,
+    # ``-`` MLP, ``E`` MoE; ``allocate_layers``); None for a GPT. Its FLOPs are ``hybrid_flops``.
+    hybrid_layer_pattern: Optional[str] = None
+    mamba_state_dim: int = 0
+    mamba_head_dim: int = 0
+    mamba_num_groups: int = 0
+    mamba_num_heads: Optional[int] = None  # None: 2 * hidden_size / mamba_head_dim
 
 
 def mla_attention_flops(cfg: FlopsConfig) -> float:
@@ -60,6 +76,65 @@ def dsa_indexer_flops(cfg: FlopsConfig) -> float:
         return 0.0
     h, s, heads, d = cfg.hidden_size, cfg.seq_length, cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim
     return 2 * ((cfg.q_lora_rank or 0) * heads * d + h * d + h * heads) + 2 * s * heads * (d + 1)
+
+
+def gdn_layer_flops(cfg: FlopsConfig) -> float:
+    """Forward FLOPs per token of one Gated DeltaNet layer, counted as Megatron counts them: ``in_proj``
+    (``h -> 2 qk + 2 v + 2 Hv``: q, k, v, z, beta, alpha), the depthwise convolution over q, k, v (``K`` taps),
+    the delta rule (``4 Hv dv^2``: K K^T, V K^T, the state update and the read-out) and ``out_proj`` (``v -> h``),
+    with qk = key heads x key head dim, v = value heads x value head dim."""
+    h, heads, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    qk, v = cfg.linear_num_key_heads * cfg.linear_key_head_dim, heads * dv
+    conv = cfg.linear_conv_kernel_dim * (2 * qk + v)
+    return 2 * (h * (2 * qk + 2 * v + 2 * heads) + conv + 4 * heads * dv * dv + h * v)
+
+
+def _linear_attention_layers(cfg: FlopsConfig) -> int:
+    """How many decoder layers are Gated DeltaNet layers (0 without that variant)."""
+    if cfg.experimental_attention_variant != "gated_delta_net":
+        return 0
+    return sum(linear_attention_layer(cfg.linear_attention_freq, n) for n in range(1, cfg.num_layers + 1))
+
+
+def mamba_layer_flops(cfg: FlopsConfig) -> float:
+    """Forward FLOPs per token of one Mamba-2 mixer, counted as Megatron counts them.
+
+    With d = heads * head_dim inner channels, G groups, N state size: ``in_proj`` (``h -> 2d + 2GN + heads``:
+    z, x, B, C, dt), Megatron's estimate of the selective scan (``7 d N``) and ``out_proj`` (``d -> h``). The
+    convolution, gates and norm are not counted. Megatron takes d = 2h whatever ``mamba_num_heads`` is; here d is
+    the mixer's own width (the same unless ``mamba_num_heads * mamba_head_dim != 2h``).
+    """
+    h = cfg.hidden_size
+    heads = cfg.mamba_num_heads or 2 * h // cfg.mamba_head_dim
+    d = heads * cfg.mamba_head_dim
+    n = cfg.mamba_state_dim
+    return 2 * h * (2 * d + 2 * cfg.mamba_num_groups * n + heads) + 7 * d * n + 2 * d * h
+
+
+def hybrid_flops(cfg: FlopsConfig, batch_size: int) -> float:
+    """Model FLOPs of one training iteration of a hybrid Mamba model, by Megatron's rules for hybrids.
+
+    Per token and forward pass, summed over the pattern's layers: Mamba ``mamba_layer_flops``; attention
+    ``4hq + 4hk`` projections (``+ 2hq`` with the output gate) and ``2sq`` for the scores and weighted values
+    (the causal half of the square, as Megatron's hybrid count takes it; the GPT count takes the whole square);
+    MLP ``4hf`` (x 3/2 with SwiGLU); MoE its routed and shared experts as in the GPT count; logits ``2hV`` per
+    output (the model's and each MTP module's). Backward costs twice the forward: 3x in all.
+    """
+    h, s, pattern = cfg.hidden_size, cfg.seq_length, cfg.hybrid_layer_pattern or ""
+    d = cfg.kv_channels or h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * d
+    k = (cfg.num_query_groups or cfg.num_attention_heads) * d
+    gated = 1.5 if cfg.swiglu else 1.0
+    attention = 4 * h * q + 4 * h * k + (2 * h * q if cfg.attention_output_gate else 0) + 2 * s * q
+    moe_ffn = cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0)
+    per_layer = {
+        "M": mamba_layer_flops(cfg),
+        "*": attention,
+        "-": 4 * h * cfg.ffn_hidden_size * gated,
+        "E": 4 * h * moe_ffn * gated,
+    }
+    logits = 2 * h * cfg.padded_vocab_size * (1 + cfg.mtp_num_layers)
+    return 3.0 * batch_size * s * (sum(per_layer[symbol] for symbol in pattern) + logits)
 
 
 def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
@@ -92,8 +167,12 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     which is Megatron's ``12 * T * L * h^2 * (...)`` expression written out. DSA's indexer
     (``dsa_indexer_flops``, in each layer and MTP layer) has no backward: it adds its forward once. Not counted:
     norms, softmax, activations, embeddings lookup, loss, optimizer, and the extra
-    forward of activation recomputation (model FLOPs, not hardware FLOPs).
+    forward of activation recomputation (model FLOPs, not hardware FLOPs). Gated DeltaNet layers
+    (``experimental_attention_variant='gated_delta_net'``) count ``gdn_layer_flops`` instead of attention;
+    a hybrid Mamba model (``hybrid_layer_pattern``) is counted by ``hybrid_flops``.
     """
+    if cfg.hybrid_layer_pattern is not None:
+        return hybrid_flops(cfg, batch_size)
     h, s = cfg.hidden_size, cfg.seq_length
     d = cfg.kv_channels or h // cfg.num_attention_heads
     q = cfg.num_attention_heads * d
@@ -106,8 +185,13 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     moe_ffn = cfg.num_moe_layers * per_moe_layer
     last_ffn = per_moe_layer if cfg.num_moe_layers else cfg.ffn_hidden_size  # an MTP layer repeats the last kind
     mtp = cfg.mtp_num_layers * (4 * h * h + attention + 4 * h * last_ffn * gated + 2 * h * cfg.padded_vocab_size)
+    linear = _linear_attention_layers(cfg)  # their attention term is the Gated DeltaNet's
     forward_per_token = (
-        cfg.num_layers * attention + 4 * h * (dense_ffn + moe_ffn) * gated + 2 * h * cfg.padded_vocab_size + mtp
+        (cfg.num_layers - linear) * attention
+        + linear * gdn_layer_flops(cfg)
+        + 4 * h * (dense_ffn + moe_ffn) * gated
+        + 2 * h * cfg.padded_vocab_size
+        + mtp
     )
     indexer = (cfg.num_layers + cfg.mtp_num_layers) * dsa_indexer_flops(cfg)
     return batch_size * s * (3.0 * forward_per_token + indexer)

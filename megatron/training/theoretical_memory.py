@@ -61,8 +61,9 @@ class MemoryEstimate:
 
     state: StateBytes
     chunks: List[ChunkActivations]
-    activation_peak: int
+    activation_peak: int  # 0 when not estimated (Mamba or Gated DeltaNet layers: ``activations_estimated`` False)
     num_parameters: int
+    activations_estimated: bool = True
 
     @property
     def total(self) -> int:
@@ -80,11 +81,15 @@ def estimate_memory(
     num_microbatches: int,
     device_type: str = "cuda",
 ) -> MemoryEstimate:
-    """Everything about one rank (``pos.pp_rank``, ``pos.dp_rank``) in one value."""
-    chunks = [chunk_activations(c, lm, pos, micro_batch_size, seq_length, v, device_type) for v in range(pos.vp or 1)]
-    peak = peak_in_flight(chunks, pos, num_microbatches)
+    """Everything about one rank (``pos.pp_rank``, ``pos.dp_rank``) in one value. The state of a hybrid Mamba model
+    or of one with Gated DeltaNet layers is exact; their activations are not estimated yet (``activations_estimated``
+    False)."""
     count = sum(e.numel for v in range(pos.vp or 1) for e in chunk_parameters(c, lm, pos, v))
-    return MemoryEstimate(state_bytes(c, lm, ddp, opt, pos), chunks, peak, count)
+    state = state_bytes(c, lm, ddp, opt, pos)
+    if lm.hybrid_layer_pattern is not None or c.experimental_attention_variant == "gated_delta_net":
+        return MemoryEstimate(state, [], 0, count, activations_estimated=False)
+    chunks = [chunk_activations(c, lm, pos, micro_batch_size, seq_length, v, device_type) for v in range(pos.vp or 1)]
+    return MemoryEstimate(state, chunks, peak_in_flight(chunks, pos, num_microbatches), count)
 
 
 def _from_args(args: argparse.Namespace) -> Tuple[TransformerConfig, LanguageModelShape, RankPosition]:
@@ -148,9 +153,10 @@ def report_theoretical_memory(
 
         m = num_microbatches or _microbatches(training_config_from_args(args), _from_args(args)[2])
         _print_details(e, stage, m)
+    activation = f"{e.activation_peak / MB:.2f} MB" if e.activations_estimated else "not estimated (Mamba / GDN layers)"
     print(
         f"Theoretical memory footprints: weight and optimizer={e.state.total / MB:.2f} MB, "
-        f"activation={e.activation_peak / MB:.2f} MB, total={e.total / MB:.2f} MB",
+        f"activation={activation}, total={e.total / MB:.2f} MB",
         flush=True,
     )
     return e
@@ -168,6 +174,8 @@ def _print_details(e: MemoryEstimate, stage: int, num_microbatches: int) -> None
         f"{s.grads / MB:.2f}, fp32 main parameters {s.main_params / MB:.2f}, optimizer states "
         f"{s.optimizer_states / MB:.2f}"
     )
+    if not e.activations_estimated:
+        return
     kinds: Dict[str, int] = {}
     for chunk in e.chunks:
         for kind, nbytes in chunk.saved.parts.items():

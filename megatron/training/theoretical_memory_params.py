@@ -21,10 +21,13 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel import default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import plan_buckets
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols
+from megatron.core.ssm.mamba_mixer import mamba_dims
 from megatron.core.transformer.layer_layout import config_layer_assignment
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 INDEX_BYTES = 8  # int64 token ids, positions, routing indices
+MAMBA_CONV_WIDTH = 4  # the mixer's d_conv (megatron-core's default; not a flag)
 FP32 = 4
 
 
@@ -37,6 +40,7 @@ class LanguageModelShape:
     position_embedding_type: str = "learned_absolute"
     share_embeddings_and_output_weights: bool = True
     rotary_percent: float = 1.0
+    hybrid_layer_pattern: Optional[str] = None  # a hybrid ``MambaModel``: one symbol per layer (``M * - E``)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class ParamEntry:
     name: str
     numel: int
     is_expert: bool = False
+    fp32: bool = False  # kept in fp32 whatever the parameters' dtype (a Mamba mixer's A_log and D)
 
 
 @dataclass
@@ -168,6 +173,20 @@ def _attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
     return entries
 
 
+def _gated_delta_net(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
+    """``GatedDeltaNet``: input and output projections, convolution, per-head norm, ``dt_bias``, ``A_log``."""
+    qk, v, heads = (
+        c.linear_num_key_heads * c.linear_key_head_dim,
+        c.linear_num_value_heads * c.linear_value_head_dim,
+        c.linear_num_value_heads,
+    )
+    entries = [ParamEntry(f"{p}.dt_bias", heads // tp), ParamEntry(f"{p}.A_log", heads // tp)]  # its own: first
+    entries += _linear(f"{p}.in_proj", (2 * qk + 2 * v + 2 * heads) // tp, c.hidden_size, None)
+    entries += _linear(f"{p}.out_proj", c.hidden_size, v // tp, None)
+    entries += [ParamEntry(f"{p}.conv1d.weight", (2 * qk + v) // tp * c.linear_conv_kernel_dim)]
+    return entries + _norm(c, f"{p}.out_norm", c.linear_value_head_dim)
+
+
 def _moe_mlp(c: TransformerConfig, p: str, pos: RankPosition) -> List[ParamEntry]:
     """``MoELayer``: router, this rank's experts, then the shared experts (gate, fc1, fc2)."""
     entries = [ParamEntry(f"{p}.router.weight", c.num_moe_experts * c.hidden_size)]
@@ -180,12 +199,41 @@ def _moe_mlp(c: TransformerConfig, p: str, pos: RankPosition) -> List[ParamEntry
     return entries
 
 
-def _layer(c: TransformerConfig, p: str, moe: bool, pos: RankPosition) -> List[ParamEntry]:
-    """``TransformerLayer`` under prefix ``p`` (local spec; ``moe``: its MLP is a ``MoELayer``)."""
+def _layer(c: TransformerConfig, p: str, moe: bool, pos: RankPosition, gdn: bool = False) -> List[ParamEntry]:
+    """``TransformerLayer`` under prefix ``p`` (local spec; ``moe``: its MLP is a ``MoELayer``; ``gdn``: a
+    ``GatedDeltaNet`` in place of self-attention)."""
     h = c.hidden_size
-    entries = _norm(c, f"{p}.input_layernorm", h) + _attention(c, f"{p}.self_attention", pos.tp)
+    mixer = _gated_delta_net if gdn else _attention
+    entries = _norm(c, f"{p}.input_layernorm", h) + mixer(c, f"{p}.self_attention", pos.tp)
     entries += _norm(c, f"{p}.pre_mlp_layernorm", h)
     if moe:
+        return entries + _moe_mlp(c, f"{p}.mlp", pos)
+    return entries + _mlp(c, f"{p}.mlp", c.ffn_hidden_size, pos.tp, expert=False)
+
+
+def _mamba_layer(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
+    """``MambaLayer``: its norm, then the mixer's own ``dt_bias``, ``A_log``, ``D`` (per local head; the last two
+    fp32), ``in_proj`` (``[z, x, B, C, dt]`` rows), ``out_proj``, the depthwise ``conv1d`` over ``[x, B, C]`` and the
+    gated norm's weight."""
+    d = mamba_dims(c)
+    heads, conv = d.nheads // tp, sum(d.conv_sections(tp))
+    entries = _norm(c, f"{p}.norm", c.hidden_size)
+    entries += [ParamEntry(f"{p}.mixer.dt_bias", heads), ParamEntry(f"{p}.mixer.A_log", heads, fp32=True)]
+    entries.append(ParamEntry(f"{p}.mixer.D", heads, fp32=True))
+    entries += _linear(f"{p}.mixer.in_proj", sum(d.in_proj_sections(tp)), c.hidden_size, None)
+    entries += _linear(f"{p}.mixer.out_proj", c.hidden_size, d.d_inner // tp, None)
+    entries += _linear(f"{p}.mixer.conv1d", conv, MAMBA_CONV_WIDTH, conv)
+    return entries + [ParamEntry(f"{p}.mixer.norm.weight", d.d_inner // tp)]
+
+
+def _hybrid_layer(c: TransformerConfig, p: str, symbol: str, pos: RankPosition) -> List[ParamEntry]:
+    """One layer of a hybrid stack: Mamba, attention alone, MLP alone or MoE alone (``mamba_stack_spec``)."""
+    if symbol == Symbols.MAMBA:
+        return _mamba_layer(c, p, pos.tp)
+    if symbol == Symbols.ATTENTION:
+        return _norm(c, f"{p}.input_layernorm", c.hidden_size) + _attention(c, f"{p}.self_attention", pos.tp)
+    entries = _norm(c, f"{p}.pre_mlp_layernorm", c.hidden_size)
+    if symbol == Symbols.MOE:
         return entries + _moe_mlp(c, f"{p}.mlp", pos)
     return entries + _mlp(c, f"{p}.mlp", c.ffn_hidden_size, pos.tp, expert=False)
 
@@ -216,8 +264,9 @@ def chunk_ends(pos: RankPosition, vp_stage: int) -> Tuple[bool, bool]:
 
 
 def chunk_parameters(c: TransformerConfig, lm: LanguageModelShape, pos: RankPosition, vp_stage: int = 0):
-    """The parameters of one model chunk (``GPTModel``) on this rank, in registration order. With
-    multi-token prediction the last chunk holds the MTP block and an embedding of its own."""
+    """The parameters of one model chunk (``GPTModel``, or ``MambaModel`` with ``lm.hybrid_layer_pattern``) on this
+    rank, in registration order. With multi-token prediction the last chunk holds the MTP block and an embedding
+    of its own."""
     pre, post = chunk_ends(pos, vp_stage)
     mtp = bool(c.mtp_num_layers) and post
     h, entries = c.hidden_size, []
@@ -225,10 +274,15 @@ def chunk_parameters(c: TransformerConfig, lm: LanguageModelShape, pos: RankPosi
         entries.append(ParamEntry("embedding.word_embeddings.weight", lm.vocab_size // pos.tp * h))
         if lm.position_embedding_type == "learned_absolute":
             entries.append(ParamEntry("embedding.position_embeddings.weight", lm.max_sequence_length * h))
+    pattern = lm.hybrid_layer_pattern
     for local, number in enumerate(chunk_layers(c, pos, vp_stage)):
-        entries += _layer(c, f"decoder.layers.{local}", is_moe_layer(c, number), pos)
+        p = f"decoder.layers.{local}"
+        if pattern:
+            entries += _hybrid_layer(c, p, pattern[number - 1], pos)
+        else:
+            entries += _layer(c, p, is_moe_layer(c, number), pos, c.is_linear_attention_layer(number))
     if post:
-        entries += _norm(c, "decoder.final_layernorm", h)
+        entries += _norm(c, "decoder.final_norm" if pattern else "decoder.final_layernorm", h)
         if not (lm.share_embeddings_and_output_weights and (pre or mtp)):
             entries.append(ParamEntry("output_layer.weight", lm.vocab_size // pos.tp * h))
         entries += _mtp(c, pos) if mtp else []
@@ -311,10 +365,12 @@ def state_bytes(
         bucketed = vp_stage == 0 and pos.pp_rank == 0
         bucket_size = default_bucket_size(ddp, pos.dp * pos.cp) if bucketed else None
         alone = cross_stage_names(c, lm, pos, vp_stage) if distributed and pos.pp > 1 else []
-        for expert in (False, True):
-            group = [e for e in reversed(entries) if e.is_expert == expert]
+        # One buffer per (expert or not, parameter dtype): fp32-only parameters have their own in half precision.
+        for expert, own_fp32 in ((False, False), (False, True), (True, False), (True, True)):
+            group = [e for e in reversed(entries) if e.is_expert == expert and (e.fp32 and p_size != FP32) == own_fp32]
             if not group:
                 continue
+            held_size = FP32 if own_fp32 else p_size
             names = [e.name for e in group]
             own = frozenset(names.index(name) for name in alone if name in names)
             # Sharded within one distributed-optimizer instance (dp / N consecutive DP ranks).
@@ -323,8 +379,8 @@ def state_bytes(
             starts = unit_starts(group) if ddp.shard_params else frozenset()
             numel, owned = _buffer_state(group, bucket_size, dp, rank, distributed, own, starts)
             held_params = numel // dp if ddp.shard_params else numel if distributed else sum(e.numel for e in group)
-            out.params += held_params * p_size
-            out.grads += (numel // dp if ddp.shard_grads else numel) * g_size
-            out.main_params += owned * FP32 if p_size != FP32 else 0
+            out.params += held_params * held_size
+            out.grads += (numel // dp if ddp.shard_grads else numel) * (FP32 if own_fp32 else g_size)
+            out.main_params += owned * FP32 if held_size != FP32 else 0
             out.optimizer_states += owned * FP32 * _optimizer_states_per_param(opt)
     return out

@@ -1,14 +1,14 @@
 """The fake-CUDA dry-run grid, through the CI half of ``scripts/gpu_smoke.sh`` (run once).
 
-Every case of ``tools/dry_run/grid.py`` (TP/SP, PP 1F1B and interleaved, DP with
-the distributed optimizer and both overlaps, CP, EP/MoE, bf16, fp16, per-token loss,
-recompute full/selective, grouped-query attention, torch_dist and legacy checkpoints, a
-64-rank layout, each FP8 recipe and NVFP4, every ``torch._scaled_mm`` call meeting CUDA's layout
-checks on fake CUDA tensors) trains, saves, resumes and trains again as its first, a middle and its
-last rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs
-per steady-state iteration (6 for dense models, see grid.py), and every bf16/fp16 attention call
-outside context parallelism is flash-eligible. The default tier plays its cases as their first and
-last rank; the full tier adds each middle rank (``DRY_RUN_RANKS`` tells the script which).
+Every case of ``tools/dry_run/grid.py`` (TP/SP, PP 1F1B and interleaved, DP with the distributed optimizer and
+both overlaps, CP, EP/MoE, bf16, fp16, per-token loss, recompute full/selective, grouped-query attention,
+torch_dist and legacy checkpoints, a 64-rank layout, each FP8 recipe and NVFP4, a hybrid Mamba model through
+pretrain_mamba.py, every ``torch._scaled_mm`` call meeting CUDA's layout checks on fake CUDA tensors) trains,
+saves, resumes and trains again as its first, a middle and its last rank: no device mismatch, no CPU tensor in
+an NCCL call, at most the case's bound of host syncs per steady-state iteration (6 for dense models, see
+grid.py), and every bf16/fp16 attention call outside context parallelism is flash-eligible. The default tier
+plays its cases as their first and last rank; the full tier adds each middle rank (``DRY_RUN_RANKS`` tells the
+script which).
 """
 
 import json

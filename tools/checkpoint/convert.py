@@ -4,8 +4,8 @@
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|mistral|mixtral|deepseek_v3|deepseek_v32|bert|t5|mamba2 \
-        |nemotron_h [--vocab-size V]
+        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|qwen3_next|mistral|mixtral|deepseek_v3|deepseek_v32|bert|t5 \
+        |mamba2|nemotron_h [--vocab-size V]
 
 Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM (``llama``), Qwen2ForCausalLM
 (``qwen2``: ``--add-qkv-bias``), Qwen3ForCausalLM (``qwen3``: ``--qk-layernorm``), Qwen3MoeForCausalLM
@@ -14,7 +14,8 @@ Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM (``llama``
 ``--moe-layer-freq`` for ``mlp_only_layers``), MistralForCausalLM (``mistral``: a ``sliding_window`` W
 shorter than the positions is ``--window-size W-1,0``), MixtralForCausalLM (``mixtral``: that and MoE
 MLPs in every layer, experts of ``intermediate_size``), DeepseekV3ForCausalLM (``deepseek_v3``) and
-DeepseekV32ForCausalLM (``deepseek_v32``: that and ``--experimental-attention-variant dsa``).
+DeepseekV32ForCausalLM (``deepseek_v32``: that and ``--experimental-attention-variant dsa``) and
+Qwen3NextForCausalLM (``qwen3_next``: Qwen3-MoE with Gated DeltaNet layers, ``tools/checkpoint/qwen3_next.py``).
 
 hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
 ``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it
@@ -72,6 +73,7 @@ from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.serialization import read_json, saved_tensor, write_json_atomic
 from megatron.core.models.bert import BertModel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.hf_qwen3_next import from_hf_qwen3_next, to_hf_qwen3_next
 from megatron.core.models.gpt.hf_state_dict import (
     StateDict,
     from_hf_gpt2,
@@ -82,6 +84,7 @@ from megatron.core.models.gpt.hf_state_dict import (
 )
 from megatron.core.models.T5 import T5Model
 from megatron.core.parallel_state import ParallelLayout, ProcessGroupCollection, build_process_groups
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION,
     COMMON_FILE,
@@ -349,6 +352,7 @@ _FROM_HF = {
     "t5": t5_from_hf,
     **{kind: mamba_from_hf for kind in MAMBA_KINDS},
     **{kind: lambda hf_sd, model: from_hf_llama(hf_sd, model.config) for kind in DECODER_FAMILIES},
+    "qwen3_next": lambda hf_sd, model: from_hf_qwen3_next(hf_sd, model.config),
 }
 
 
@@ -363,6 +367,11 @@ def hf_to_megatron(
     kind, args = megatron_args_from_hf(hf_config, where, tp, divisible_by)
     if kind == "t5" and pp > 1:
         raise ConversionError(f"--target-pipeline-model-parallel-size {pp}: T5 has no pipeline parallelism")
+    if kind == "qwen3_next" and tp > 1:  # the checkpoint is written in the one-rank layout of these rows
+        raise ConversionError(
+            f"--target-tensor-parallel-size {tp}: Qwen3-Next's Gated DeltaNet rows are stored per TP rank; "
+            "convert with 1 (such a checkpoint trains at TP=1 only, not resharded yet)"
+        )
     if args["num_layers"] % pp:
         raise ConversionError(
             f"--target-pipeline-model-parallel-size {pp} does not divide the {args['num_layers']} layers of {where}"
@@ -431,6 +440,10 @@ def _to_hf_names(sd: StateDict, args: Args, kind: str) -> StateDict:
     if kind in MAMBA_KINDS:
         return mamba_to_hf(sd, args, kind)
     config = gpt_model_kwargs(args)
+    if kind == "qwen3_next":  # the layer pattern and norm convention: the whole config
+        own = ("position_embedding_type", "rotary_base", "rotary_percent", "share_embeddings_and_output_weights")
+        fields = {k: v for k, v in config.items() if k not in own + ("vocab_size", "max_sequence_length")}
+        return to_hf_qwen3_next(sd, TransformerConfig(**fields))
     model_config = _ConfigView(
         num_layers=config["num_layers"],
         num_attention_heads=config["num_attention_heads"],

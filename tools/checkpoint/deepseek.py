@@ -113,6 +113,26 @@ def moe_args_from_hf(hf: Dict[str, Any], num_layers: int, where: str) -> Args:
     )
 
 
+def moe_model_kwargs(args: Args) -> Dict[str, Any]:
+    """The MoE fields of ``TransformerConfig`` that change what the weights compute (none without experts)."""
+    if not args.get("num_experts"):
+        return {}
+    return dict(
+        num_moe_experts=args["num_experts"],
+        moe_router_topk=args["moe_router_topk"],
+        moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"),
+        moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
+        moe_router_topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
+        moe_layer_freq=args.get("moe_layer_freq", 1),
+        moe_router_score_function=args.get("moe_router_score_function") or "softmax",
+        moe_router_num_groups=args.get("moe_router_num_groups"),
+        moe_router_group_topk=args.get("moe_router_group_topk"),
+        moe_router_enable_expert_bias=bool(args.get("moe_router_enable_expert_bias")),
+        moe_shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(args.get("moe_shared_expert_gate")),
+    )
+
+
 def mla_flags(args: Args) -> List[Any]:
     """``pretrain_gpt.py`` flags of the multi-latent attention ``args`` describe (none without it)."""
     if not args.get("multi_latent_attention"):

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron.core.activations import activation, activation_name
 from megatron.core.tokenizers.gpt2_bpe import EOD_TOKEN
 from megatron.training.validation import vocab_size_with_padding
-from tools.checkpoint import deepseek, llama_family, mamba
+from tools.checkpoint import deepseek, llama_family, mamba, qwen3_next
 from tools.checkpoint.checks import check_hf_config, check_model_args, head_size
 from tools.checkpoint.errors import Args, ConversionError, require_field
 from tools.checkpoint.llama_family import DECODER_FAMILIES
@@ -128,6 +128,8 @@ def _llama_args(hf: Dict[str, Any], where: str, kind: str = "llama") -> Args:
         args.update(llama_family.moe_args_from_hf(hf, args["num_layers"], family.mixtral))
     if family.dsa:
         args.update(deepseek.dsa_args_from_hf(hf))
+    if family.gdn:
+        args.update(qwen3_next.args_from_hf(hf, where))
     return args
 
 
@@ -252,6 +254,8 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
     )
     if kind in DECODER_FAMILIES:
         shared.update(llama_family.expected_args(kind))
+        if DECODER_FAMILIES[kind].gdn:  # Qwen3-Next rotates partial_rotary_factor of each head
+            del shared["rotary_percent"]
         if DECODER_FAMILIES[kind].moe and not args.get("num_experts"):
             raise ConversionError(f"{where}: flag num_experts is not set; --model-type {kind} needs MoE layers")
     else:
@@ -389,8 +393,9 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         add_qkv_bias=bool(args.get("add_qkv_bias")),
         qk_layernorm=bool(args.get("qk_layernorm")),
         window_size=None if args.get("window_size") is None else tuple(args["window_size"]),
-        **_moe_kwargs(args),
+        **deepseek.moe_model_kwargs(args),
         **deepseek.mla_model_kwargs(args),
+        **qwen3_next.model_kwargs(args),
         layernorm_epsilon=args["layernorm_epsilon"],
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -401,24 +406,4 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
         vocab_size=args["padded_vocab_size"],
         max_sequence_length=args["max_position_embeddings"],
-    )
-
-
-def _moe_kwargs(args: Args) -> Dict[str, Any]:
-    """The MoE fields of ``TransformerConfig`` that change what the weights compute (none without experts)."""
-    if not args.get("num_experts"):
-        return {}
-    return dict(
-        num_moe_experts=args["num_experts"],
-        moe_router_topk=args["moe_router_topk"],
-        moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"),
-        moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
-        moe_router_topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
-        moe_layer_freq=args.get("moe_layer_freq", 1),
-        moe_router_score_function=args.get("moe_router_score_function") or "softmax",
-        moe_router_num_groups=args.get("moe_router_num_groups"),
-        moe_router_group_topk=args.get("moe_router_group_topk"),
-        moe_router_enable_expert_bias=bool(args.get("moe_router_enable_expert_bias")),
-        moe_shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size"),
-        moe_shared_expert_gate=bool(args.get("moe_shared_expert_gate")),
     )

@@ -7,7 +7,8 @@ routing; ``norm_topk_prob`` renormalises the top k, which is our top-k-then-soft
 ``--moe-router-pre-softmax``), Mistral a sliding window (``--window-size``), Mixtral that and
 MoE MLPs in every layer (experts of ``intermediate_size``, the top k always renormalised),
 DeepSeek-V3 multi-latent attention and a sigmoid router with shared experts (``deepseek.py``),
-DeepSeek-V3.2 that and the sparse attention's lightning indexer.
+DeepSeek-V3.2 that and the sparse attention's lightning indexer, Qwen3-Next Qwen3-MoE with Gated DeltaNet
+layers (``qwen3_next.py``).
 The weight names are one mapping for all of them (``megatron.core.models.gpt.hf_state_dict``);
 this module holds only what differs.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from tools.checkpoint import deepseek
+from tools.checkpoint import deepseek, qwen3_next
 from tools.checkpoint.errors import Args, ConversionError
 
 
@@ -38,6 +39,8 @@ class DecoderFamily:
     """DeepSeek-V3: multi-latent attention (its latent norms are ``qk_layernorm``), DeepSeek's router."""
     dsa: bool = False
     """DeepSeek-V3.2: MLA with the lightning indexer (``--experimental-attention-variant dsa``)."""
+    gdn: bool = False
+    """Qwen3-Next: Gated DeltaNet layers, gated attention, 1+w norms, a gated shared expert (``qwen3_next.py``)."""
     config_extras: Tuple[Tuple[str, Any], ...] = field(default=())
     """Fields the config class has and our model fixes (biases off)."""
 
@@ -50,6 +53,14 @@ DECODER_FAMILIES: Dict[str, DecoderFamily] = {
     "mistral": DecoderFamily("MistralForCausalLM", "MistralConfig", sliding_window=True),
     "qwen3_moe": DecoderFamily(
         "Qwen3MoeForCausalLM", "Qwen3MoeConfig", qk_layernorm=True, moe=True, config_extras=NO_ATTENTION_BIAS
+    ),
+    "qwen3_next": DecoderFamily(
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        qk_layernorm=True,
+        moe=True,
+        gdn=True,
+        config_extras=NO_ATTENTION_BIAS,
     ),
     "mixtral": DecoderFamily("MixtralForCausalLM", "MixtralConfig", sliding_window=True, moe=True, mixtral=True),
     "deepseek_v3": DecoderFamily(
@@ -151,7 +162,7 @@ def family_flags(args: Args) -> List[Any]:
         if args.get("moe_layer_freq", 1) != 1:
             flags += ["--moe-layer-freq", "[" + ",".join(map(str, moe_pattern(args))) + "]"]
         flags += deepseek.router_flags(args)
-    return flags + deepseek.mla_flags(args)
+    return flags + deepseek.mla_flags(args) + qwen3_next.flags(args)
 
 
 # What a Hugging Face MoE block cannot express (the router of transformers' Qwen3-MoE is a plain softmax;
@@ -188,6 +199,13 @@ def expected_args(kind: str) -> Args:
         expected.update(_HF_ROUTER)
         if family.mixtral:  # Mixtral always renormalises the top k
             expected["moe_router_pre_softmax"] = False
+        if family.gdn:  # Qwen3-Next: a gated shared expert, gated attention, 1+w norms, GDN layers
+            del expected["moe_shared_expert_intermediate_size"]
+            expected.update(
+                experimental_attention_variant="gated_delta_net",
+                attention_output_gate=True,
+                layernorm_zero_centered_gamma=True,
+            )
     else:
         expected["num_experts"] = None
     return expected
@@ -211,6 +229,8 @@ def config_fields(args: Args, kind: str, where: str) -> Dict[str, Any]:
             decoder_sparse_step=1,
             mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
         )
+    if family.gdn:
+        fields.update(qwen3_next.hf_config_fields(args, where))
     return fields
 
 

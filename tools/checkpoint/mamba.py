@@ -1,11 +1,13 @@
 """Hybrid Mamba models in the converter: our ``MambaModel`` (``pretrain_mamba.py``) <-> Hugging Face's
 ``Mamba2ForCausalLM`` (``mamba2``: Mamba layers only) and ``NemotronHForCausalLM`` (``nemotron_h``: Mamba,
-attention and non-gated squared-ReLU MLP layers by its ``hybrid_override_pattern``).
+attention, non-gated squared-ReLU MLP and MoE layers by its ``hybrid_override_pattern``).
 
 The weights map name for name (``megatron/core/models/mamba/hf_state_dict.py``). Megatron's scan does not
 clamp the step size ``dt``; Nemotron-H's ``time_step_min`` clamp and Mamba2's ``time_step_limit`` are written
 as (practically) no clamp on export, and an imported config whose limit is not ``(0, inf)`` is converted with a note on
-stderr (Megatron never clamped). Nemotron-H MoE (``E``) layers are refused.
+stderr (Megatron never clamped). Nemotron-H's MoE layers (``E``) route as DeepSeek-V3 does (sigmoid scores, expert
+bias, group-limited top k, renormalised and scaled) with a non-gated shared expert; its latent MoE projection
+(``moe_latent_size``) is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, allocate_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tools.checkpoint.deepseek import moe_args_from_hf, moe_model_kwargs, router_flags
 from tools.checkpoint.errors import Args, ConversionError
 
 ARCHITECTURES = {"Mamba2ForCausalLM": "mamba2", "NemotronHForCausalLM": "nemotron_h"}
@@ -46,9 +49,18 @@ def _pattern(hf: Dict[str, Any], kind: str, where: str) -> str:
     pattern = "".join(_HF_SYMBOLS.get(t, "?") for t in types) if types else hf.get("hybrid_override_pattern", "")
     if not pattern or "?" in pattern:
         raise ConversionError(f"{where}: field 'layers_block_type' is {types!r}; expected mamba/attention/mlp layers")
-    if Symbols.MOE in pattern:
-        raise ConversionError(f"{where}: Nemotron-H MoE ('E') layers are not supported yet ({pattern!r})")
     return pattern
+
+
+def _moe_args(hf: Dict[str, Any], pattern: str, where: str) -> Args:
+    """The MoE flags (by destination) of a Nemotron-H config with MoE layers (none without)."""
+    if Symbols.MOE not in pattern:
+        return {}
+    if hf.get("moe_latent_size") is not None:
+        raise ConversionError(f"{where}: field 'moe_latent_size' is {hf['moe_latent_size']}; supported: null")
+    args = moe_args_from_hf(hf, len(pattern), where)  # DeepSeek-V3's router fields
+    del args["moe_layer_freq"]  # the pattern places the MoE layers
+    return dict(args, moe_shared_expert_intermediate_size=hf["moe_shared_expert_intermediate_size"])
 
 
 def mamba_args(hf: Dict[str, Any], where: str, kind: str) -> Args:
@@ -79,6 +91,7 @@ def mamba_args(hf: Dict[str, Any], where: str, kind: str) -> Args:
         max_position_embeddings=max_pos, rotary_base=10000,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         mamba_state_dim=state, mamba_head_dim=mamba_head_dim, mamba_num_groups=groups, mamba_num_heads=mamba_heads,
+        **_moe_args(hf, pattern, where),
     )  # fmt: skip
 
 
@@ -117,6 +130,9 @@ def mamba_flags(args: Args) -> List[str]:
     flags += ["--untie-embeddings-and-output-weights"] if args["untie_embeddings_and_output_weights"] else []
     flags += ["--make-vocab-size-divisible-by", args["make_vocab_size_divisible_by"]]
     flags += ["--tensor-model-parallel-size", args["tensor_model_parallel_size"]]
+    if args.get("num_experts"):
+        flags += ["--num-experts", args["num_experts"], "--moe-router-topk", args["moe_router_topk"]]
+        flags += ["--moe-ffn-hidden-size", args["moe_ffn_hidden_size"], *router_flags(args)]
     return [str(f) for f in flags]
 
 
@@ -132,6 +148,7 @@ def _config(args: Args) -> TransformerConfig:
         attention_dropout=0.0, mamba_state_dim=args["mamba_state_dim"], mamba_head_dim=args["mamba_head_dim"],
         mamba_num_groups=args["mamba_num_groups"], mamba_num_heads=args.get("mamba_num_heads"),
         use_cpu_initialization=True, perform_initialization=False, transformer_impl="local", **extra,
+        **moe_model_kwargs(args),
     )  # fmt: skip
 
 
@@ -192,5 +209,24 @@ def mamba_hf_config(args: Args, kind: str, vocab_size: int) -> Any:
         head_dim=args["kv_channels"], mamba_num_heads=heads, mamba_head_dim=args["mamba_head_dim"],
         ssm_state_size=args["mamba_state_dim"], intermediate_size=args["ffn_hidden_size"],
         max_position_embeddings=args["max_position_embeddings"], mlp_hidden_act="relu2", time_step_min=NO_CLAMP,
-        architectures=["NemotronHForCausalLM"],
+        architectures=["NemotronHForCausalLM"], **_hf_moe_fields(args),
+    )  # fmt: skip
+
+
+def _hf_moe_fields(args: Args) -> Dict[str, Any]:
+    """Nemotron-H's MoE fields for ``args`` (none without experts)."""
+    if not args.get("num_experts"):
+        return {}
+    if args.get("moe_router_score_function") != "sigmoid" or not args.get("moe_router_enable_expert_bias"):
+        raise ConversionError(
+            f"flags moe_router_score_function={args.get('moe_router_score_function')!r}, moe_router_enable_expert_bias="
+            f"{args.get('moe_router_enable_expert_bias')}: Nemotron-H's router needs 'sigmoid' with the expert bias"
+        )
+    return dict(
+        n_routed_experts=args["num_experts"], num_experts_per_tok=args["moe_router_topk"],
+        moe_intermediate_size=args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"],
+        moe_shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size") or 0,
+        routed_scaling_factor=args.get("moe_router_topk_scaling_factor") or 1.0,
+        n_group=args.get("moe_router_num_groups") or 1, topk_group=args.get("moe_router_group_topk") or 1,
+        norm_topk_prob=True,
     )  # fmt: skip

@@ -83,6 +83,7 @@ class Case:
     max_syncs: int = DENSE_SYNC_BOUND
     covers: List[str] = field(default_factory=list)
     python_path: List[str] = field(default_factory=list)  # e.g. the fake Transformer Engine's folder
+    entry_point: str = "gpt"  # "mamba": pretrain_mamba.py (a hybrid model)
 
 
 def moe_bound(moe_layers: int, microbatches: int) -> int:
@@ -297,6 +298,26 @@ GRID: List[Case] = [
 ]
 
 
+# A hybrid Mamba model through pretrain_mamba.py (Mamba, attention, MLP and MoE layers; its mixers' scans and
+# convolutions under CUDA's rules), with TP+SP, PP and the distributed optimizer.
+GRID.append(
+    Case(
+        "hybrid-mamba-tp2-sp-pp2-distopt-bf16",
+        4,
+        [
+            *"--hybrid-override-pattern M*-E --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2".split(),
+            *"--num-experts 4 --moe-router-topk 2 --position-embedding-type none --normalization RMSNorm".split(),
+            *"--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2".split(),
+            *"--global-batch-size 8 --bf16 --use-distributed-optimizer --overlap-grad-reduce".split(),
+        ],
+        # The last stage reads the host 7 times outside MoE (the loop's NaN check once per gradient bucket: three
+        # buckets there) and once per microbatch for its MoE layer's token counts (allgather dispatcher).
+        max_syncs=moe_bound(moe_layers=1, microbatches=4) + 1,
+        covers=["hybrid Mamba (pretrain_mamba.py)", "MoE in a hybrid stack", "TP", "SP", "PP", "bf16"],
+        entry_point="mamba",
+    )
+)
+
 # The repository's fake Transformer Engine (plain torch behind TE's API), for a source checkout's grid:
 # --transformer-impl transformer_engine then builds the adapter's TE linears through pretrain_gpt.py's specs.
 FAKE_TE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fakes")
@@ -367,6 +388,7 @@ def grid_jobs(cases: Sequence[Case], ranks: str, workdir: str, iters: int = 3, r
             resume_iters=resume_iters,
             max_syncs=case.max_syncs,
             python_path=case.python_path,
+            entry_point=case.entry_point,
         )
         for case in cases
         for rank in pick_ranks(ranks, case.world_size)

@@ -51,12 +51,13 @@ _MISMATCH_ERRORS = tuple(c for c in (getattr(fake_tensor, "FakeTensorDeviceMisma
 
 @dataclass
 class Phase:
-    """One ``pretrain`` call: ``argv`` are pretrain_gpt.py flags, played as ``rank`` of ``world_size``."""
+    """One ``pretrain`` call: ``argv`` are ``pretrain_{entry_point}.py`` flags, played as ``rank`` of ``world_size``."""
 
     name: str
     argv: List[str]
     rank: int
     world_size: int
+    entry_point: str = "gpt"  # a key of ENTRY_POINTS
 
 
 @dataclass
@@ -200,6 +201,14 @@ def classify(error: BaseException) -> Dict[str, str]:
     }
 
 
+def _entry_points() -> Dict[str, Any]:
+    """The entry-point modules a phase can run, by ``Phase.entry_point``."""
+    import pretrain_gpt
+    import pretrain_mamba
+
+    return {"gpt": pretrain_gpt, "mamba": pretrain_mamba}
+
+
 def preload() -> None:
     """Import what every phase needs once, before forking (each child then starts at once)."""
     if REPO_ROOT not in sys.path:
@@ -207,22 +216,24 @@ def preload() -> None:
     import torch.distributed.checkpoint  # noqa: F401
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
-    import pretrain_gpt  # noqa: F401
     from megatron.training import checkpointing, training  # noqa: F401
 
+    _entry_points()
 
-def _pretrain(argv: List[str]) -> None:
+
+def _pretrain(argv: List[str], entry_point: str) -> None:
     preload()
-    import pretrain_gpt
     from megatron.core.transformer.enums import ModelType
     from megatron.training.training import pretrain
 
+    module = _entry_points()[entry_point]
     pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
+        module.train_valid_test_datasets_provider,
+        module.model_provider,
         ModelType.encoder_or_decoder,
-        pretrain_gpt.forward_step,
+        module.forward_step,
         argv=argv,
+        entry_point=entry_point,
     )
 
 
@@ -242,7 +253,7 @@ def run_phase(phase: Phase) -> PhaseResult:
         _fake_tensors_count_as_foreach_capable(patcher)
         install_module_moves(patcher)
         with torch.autograd.set_multithreading_enabled(False), DryRunMode(recorder):
-            _pretrain(list(phase.argv) + ["--fake-process-group"])
+            _pretrain(list(phase.argv) + ["--fake-process-group"], phase.entry_point)
         recorder.segment = "finished"
     except (Exception, SystemExit) as error:  # noqa: BLE001 - every failure is reported with its source line
         result.error = classify(error)

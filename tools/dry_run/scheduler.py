@@ -65,6 +65,7 @@ class Job:
     checkpoint: bool = True
     max_syncs: Optional[int] = None
     python_path: List[str] = field(default_factory=list)  # put first on sys.path in each phase (a fake package)
+    entry_point: str = "gpt"  # pretrain_gpt.py or pretrain_mamba.py
 
     def phases(self) -> List[Phase]:
         """``train`` stops after ``iters`` (``--exit-interval``) and saves; ``resume`` loads and finishes.
@@ -79,10 +80,11 @@ class Job:
         ckpt = os.path.join(self.workdir, "checkpoint")
         train = base + ["--train-iters", str(total)]
         if not self.checkpoint:
-            return [Phase("train", train, self.rank, self.world_size)]
+            return [Phase("train", train, self.rank, self.world_size, self.entry_point)]
+        save = ["--exit-interval", str(self.iters), "--save", ckpt]
         return [
-            Phase("train", train + ["--exit-interval", str(self.iters), "--save", ckpt], self.rank, self.world_size),
-            Phase("resume", train + ["--load", ckpt], self.rank, self.world_size),
+            Phase("train", train + save, self.rank, self.world_size, self.entry_point),
+            Phase("resume", train + ["--load", ckpt], self.rank, self.world_size, self.entry_point),
         ]
 
 

@@ -206,11 +206,7 @@ class MambaMixer(MegatronModule):
         """Megatron-core's initial values, drawn for all heads/channels and sliced to this rank's (so they
         do not depend on the TP size)."""
         d, tp, dtype = self.dims, self.tp, self.config.params_dtype
-        conv_full = torch.empty(sum(d.conv_sections()), 1, self.d_conv)
-        if conv_init is not None:
-            torch.nn.init.uniform_(conv_full, -conv_init, conv_init)
-        else:
-            torch.nn.init.kaiming_uniform_(conv_full, a=math.sqrt(5))
+        conv_full = full_conv_weight(sum(d.conv_sections()), self.d_conv, conv_init)
         bound = 1 / math.sqrt(self.d_conv)  # nn.Conv1d's bias bound (fan_in = d_conv)
         conv_bias_full = torch.empty(sum(d.conv_sections())).uniform_(-bound, bound)
         with torch.no_grad():
@@ -220,8 +216,9 @@ class MambaMixer(MegatronModule):
         dt_min, dt_max, floor = dt_range
         dt = torch.exp(torch.rand(d.nheads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
         heads = slice(rank * self.nheads_local, (rank + 1) * self.nheads_local)
-        self.dt_bias = torch.nn.Parameter(_softplus_inverse(dt)[heads].to(dtype))
-        self.A_log = torch.nn.Parameter(torch.log(torch.empty(d.nheads).uniform_(*a_range))[heads])  # fp32
+        # Cloned: a parameter that viewed the slice would keep every head's storage alive on every rank.
+        self.dt_bias = torch.nn.Parameter(_softplus_inverse(dt)[heads].to(dtype).clone())
+        self.A_log = torch.nn.Parameter(torch.log(torch.empty(d.nheads).uniform_(*a_range))[heads].clone())  # fp32
         self.D = torch.nn.Parameter(torch.ones(self.d_inner_local if self.D_has_hdim else self.nheads_local))  # fp32
 
     def forward(
@@ -247,7 +244,7 @@ class MambaMixer(MegatronModule):
         z, xbc, dt = torch.split(
             zxbcdt, [self.d_inner_local, sum(self.dims.conv_sections(self.tp)), self.nheads_local], -1
         )
-        xbc = F.silu(self._conv(xbc, cache))  # [b, s, conv_dim/tp]
+        xbc = F.silu(causal_conv(xbc, self.conv1d, cache))  # [b, s, conv_dim/tp]
         x, B, C = torch.split(xbc, self.dims.conv_sections(self.tp), dim=-1)
         x = x.unflatten(-1, (self.nheads_local, -1))  # [b, s, h/tp, p]
         B, C = B.unflatten(-1, (self.ngroups_local, -1)), C.unflatten(-1, (self.ngroups_local, -1))  # [b, s, g/tp, n]
@@ -264,23 +261,28 @@ class MambaMixer(MegatronModule):
         y = y + x.float() * D  # [b, s, h/tp, p]
         return self.norm(y.flatten(-2).to(z.dtype), z)  # [b, s, d_inner/tp]
 
-    def _conv(self, xbc: torch.Tensor, cache: Optional[object]) -> torch.Tensor:
-        """Causal depthwise convolution ``[b, s, c]`` -> ``[b, s, c]``; with a cache, continues from its last
-        ``d_conv - 1`` inputs and stores the new ones."""
-        s = xbc.shape[1]
-        inputs = xbc.transpose(1, 2)  # [b, c, s]
-        if cache is not None:
-            past = (
-                cache.conv_state
-                if cache.conv_state is not None
-                else inputs.new_zeros(*inputs.shape[:2], self.d_conv - 1)
-            )
-            inputs = torch.cat([past, inputs], dim=-1)  # [b, c, d_conv - 1 + s]
-            cache.conv_state = inputs[..., -(self.d_conv - 1) :].detach().clone()
-            out = F.conv1d(inputs, self.conv1d.weight, self.conv1d.bias, groups=inputs.shape[1])  # [b, c, s]
-        else:
-            out = self.conv1d(inputs)[..., :s]  # [b, c, s]
-        return out.transpose(1, 2)
+
+def full_conv_weight(channels: int, d_conv: int, conv_init: Optional[float]) -> torch.Tensor:
+    """A depthwise convolution's initial weight ``[channels, 1, d_conv]`` for all channels (TP-size-invariant):
+    uniform in ``+-conv_init``, else ``nn.Conv1d``'s default."""
+    weight = torch.empty(channels, 1, d_conv)
+    if conv_init is not None:
+        return torch.nn.init.uniform_(weight, -conv_init, conv_init)
+    return torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def causal_conv(x: torch.Tensor, conv1d: torch.nn.Conv1d, cache: Optional[object]) -> torch.Tensor:
+    """Causal depthwise convolution ``[b, s, c]`` -> ``[b, s, c]`` (``conv1d`` padded by ``d_conv - 1``); with a
+    cache (``conv_state``), continues from its last ``d_conv - 1`` inputs and stores the new ones."""
+    s, d_conv = x.shape[1], conv1d.kernel_size[0]
+    inputs = x.transpose(1, 2)  # [b, c, s]
+    if cache is None:
+        return conv1d(inputs)[..., :s].transpose(1, 2)
+    past = cache.conv_state if cache.conv_state is not None else inputs.new_zeros(*inputs.shape[:2], d_conv - 1)
+    inputs = torch.cat([past, inputs], dim=-1)  # [b, c, d_conv - 1 + s]
+    cache.conv_state = inputs[..., -(d_conv - 1) :].detach().clone()
+    out = F.conv1d(inputs, conv1d.weight, conv1d.bias, groups=inputs.shape[1])  # [b, c, s]
+    return out.transpose(1, 2)
 
 
 def _check_split(dims: MambaDims, tp: int) -> None:

@@ -485,6 +485,9 @@ class SelfAttention(MegatronModule):
         with_qk_norm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
         self.q_layernorm = build_norm(config, d) if with_qk_norm else None
         self.k_layernorm = build_norm(config, d) if with_qk_norm else None
+        for norm in (self.q_layernorm, self.k_layernorm) if with_qk_norm and tp > 1 else ():
+            for param in norm.parameters():  # per-head weights: each rank's gradient covers its heads only,
+                param.sequence_parallel = True  # summed over TP by finalize_model_grads (as Megatron does)
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.layer_number = layer_number  # global: names this layer's KV cache
 

@@ -41,6 +41,14 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
+def linear_attention_layer(freq: Union[int, List[int]], layer_number: int) -> bool:
+    """Whether global 1-based ``layer_number`` is a linear-attention (Gated DeltaNet) layer by ``freq``
+    (Megatron's ``linear_attention_freq``: every ``freq``-th layer is full attention, or one 0/1 entry per layer)."""
+    if isinstance(freq, int):
+        return layer_number % freq != 0
+    return bool(freq[layer_number - 1])
+
+
 @dataclass
 class TransformerConfig(ModelParallelConfig):
     """Transformer hyper-parameters with Megatron Core's field names."""
@@ -215,6 +223,16 @@ class TransformerConfig(ModelParallelConfig):
     dsa_indexer_head_dim: Optional[int] = None
     """The indexer's per-head channels; its first qk_pos_emb_head_dim are rotated (half-split RoPE)."""
     dsa_indexer_topk: Optional[int] = None
+
+    # Gated DeltaNet layers (experimental_attention_variant='gated_delta_net'; megatron/core/ssm/gated_delta_net.py).
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    """Which layers are Gated DeltaNet: an int N makes every N-th layer full attention and the rest GDN;
+    a list gives one entry per layer, 1 = GDN, 0 = full attention (Megatron-core's meaning)."""
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
 
     # FP8 GEMMs in the transformer layers' linears (see megatron/core/quantization/recipes.py).
     fp8: Optional[str] = None
@@ -540,8 +558,10 @@ class TransformerConfig(ModelParallelConfig):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa'")
             return
+        if variant == "gated_delta_net":
+            return self._check_gated_delta_net()
         if variant != "dsa":
-            raise ValueError(f"experimental_attention_variant={variant!r}: only 'dsa' is supported")
+            raise ValueError(f"experimental_attention_variant={variant!r}: must be 'dsa' or 'gated_delta_net'")
         if not self.multi_latent_attention or self.q_lora_rank is None:
             raise ValueError(
                 "experimental_attention_variant='dsa' needs multi_latent_attention=True and q_lora_rank set "
@@ -560,6 +580,32 @@ class TransformerConfig(ModelParallelConfig):
                 f"experimental_attention_variant='dsa' with context_parallel_size={self.context_parallel_size}: "
                 "not supported (the indexer scores every earlier key of a query, which CP splits over ranks)"
             )
+
+    def _check_gated_delta_net(self) -> None:
+        """GDN sizes positive, value heads a multiple of key heads, both split over TP; the layer pattern set."""
+        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim"):
+            require_positive(name, getattr(self, name))
+        keys, values, tp = self.linear_num_key_heads, self.linear_num_value_heads, self.tensor_model_parallel_size
+        require_divisible("linear_num_value_heads", values, "linear_num_key_heads", keys)
+        require_divisible("linear_num_key_heads", keys, "tensor_model_parallel_size", tp)
+        freq = self.linear_attention_freq
+        if freq is None:
+            raise ValueError("experimental_attention_variant='gated_delta_net' needs linear_attention_freq set")
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            return require_positive("linear_attention_freq", freq)
+        if len(freq) != self.num_layers or any(p not in (0, 1) for p in freq):
+            raise ValueError(f"linear_attention_freq={freq!r}: must be an int or {self.num_layers} entries of 0/1")
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                f"experimental_attention_variant='gated_delta_net' with context_parallel_size="
+                f"{self.context_parallel_size}: not supported (the recurrence would restart on every rank's chunk)"
+            )
+
+    def is_linear_attention_layer(self, layer_number: int) -> bool:
+        """Whether the global 1-based ``layer_number`` is a Gated DeltaNet layer (``linear_attention_freq``)."""
+        if self.experimental_attention_variant != "gated_delta_net":
+            return False
+        return linear_attention_layer(self.linear_attention_freq, layer_number)
 
     def _check_moe_layer_freq(self) -> None:
         freq = self.moe_layer_freq

@@ -16,6 +16,7 @@ import torch
 from megatron.core.activations import activation, activation_name
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
+from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
 
 Args = argparse.Namespace
 
@@ -49,6 +50,17 @@ def none_if_empty(dest: str) -> Callable[[Args], Any]:
 
 
 # ------------------------------------------------------------------ model
+def hybrid_layer_pattern(args: Args) -> Optional[str]:
+    """Reads --is-hybrid-model, --num-layers, --hybrid-attention-ratio, --hybrid-mlp-ratio and
+    --hybrid-override-pattern: a hybrid model's symbol per layer (the allocation ``MambaModel`` makes), else None."""
+    if not args.is_hybrid_model:
+        return None
+    types = allocate_layers(
+        args.num_layers, args.hybrid_attention_ratio, args.hybrid_mlp_ratio, args.hybrid_override_pattern
+    )
+    return "".join(types)
+
+
 def activation_from_args(args: Args) -> Callable[[torch.Tensor], torch.Tensor]:
     """--swiglu (SiLU, gated), --squared-relu, --openai-gelu, else exact GeLU (the core's registry); one at most."""
     return activation(activation_name(args.swiglu, args.squared_relu, args.openai_gelu))

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from megatron.core.transformer.transformer_config import TransformerConfig as TC
-from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, always, between, positive, same
+from megatron.training.flags.derive import hybrid_layer_pattern
+from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, always, between, positive, same, to
+from megatron.training.theoretical_memory_params import LanguageModelShape as LMS
+from megatron.training.training_log import FlopsConfig as FL
 
 RECORDS = (
     Flag(
         "is_hybrid_model",
         IMPLEMENTED,
         help="A hybrid Mamba model (pretrain_mamba.py sets it; pretrain_gpt.py refuses it).",
+        fills=(
+            to(FL, "hybrid_layer_pattern", hybrid_layer_pattern),
+            to(LMS, "hybrid_layer_pattern", hybrid_layer_pattern),
+        ),
         architecture=always,
     ),
     Flag(
@@ -52,7 +59,7 @@ RECORDS = (
         "mamba_state_dim",
         IMPLEMENTED,
         help="State size per Mamba head.",
-        fills=same(TC),
+        fills=same(TC, FL),
         bounds=positive(),
         architecture=always,
     ),
@@ -60,7 +67,7 @@ RECORDS = (
         "mamba_head_dim",
         IMPLEMENTED,
         help="Channels per Mamba head.",
-        fills=same(TC),
+        fills=same(TC, FL),
         bounds=positive(),
         architecture=always,
     ),
@@ -68,7 +75,7 @@ RECORDS = (
         "mamba_num_groups",
         IMPLEMENTED,
         help="Groups of Mamba heads sharing B and C.",
-        fills=same(TC),
+        fills=same(TC, FL),
         bounds=positive(),
         architecture=always,
     ),
@@ -77,7 +84,7 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="Mamba heads (default: 2 * hidden size / head dim).",
-        fills=same(TC),
+        fills=same(TC, FL),
         architecture=always,
     ),
     Flag(

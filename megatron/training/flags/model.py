@@ -40,10 +40,12 @@ from megatron.training.flags.record import (
     with_mamba_layers,
     with_rope,
 )
-from megatron.training.flags_table import attn_backend, int_tuple, str_to_bool
+from megatron.training.flags_table import attn_backend, int_tuple, linear_attention_freq, str_to_bool
 from megatron.training.theoretical_memory_params import LanguageModelShape as LMS
 from megatron.training.training_config import TrainingConfig as TRAIN
 from megatron.training.training_log import FlopsConfig as FL
+
+_GDN = dict(type=int, fills=same(TC, FL), bounds=positive(), architecture=always)  # the Gated DeltaNet sizes
 
 RECORDS = (
     Flag(
@@ -285,7 +287,7 @@ RECORDS = (
         "experimental_attention_variant",
         IMPLEMENTED,
         help="'dsa': DeepSeek-V3.2's sparse attention (MLA over the keys a lightning indexer picks); "
-        "'gated_delta_net' is not supported yet.",
+        "'gated_delta_net': Gated DeltaNet layers (Qwen3-Next) where --linear-attention-freq says.",
         fills=same(TC, FL),
     ),
     Flag("dsa_indexer_n_heads", IMPLEMENTED, type=int, help="DSA: the indexer's heads.", fills=same(TC, FL)),
@@ -295,11 +297,26 @@ RECORDS = (
     Flag("dsa_indexer_topk", IMPLEMENTED, type=int, help="DSA: keys each query attends to.", fills=same(TC)),
     Flag("dsa_indexer_loss_coeff", not_yet(None, 0.0), type=float),
     Flag("dsa_indexer_use_sparse_loss", not_yet(False)),
-    Flag("linear_conv_kernel_dim", no_op(reasons.UNDER_REFUSED)),
-    Flag("linear_key_head_dim", no_op(reasons.UNDER_REFUSED)),
-    Flag("linear_value_head_dim", no_op(reasons.UNDER_REFUSED)),
-    Flag("linear_num_key_heads", no_op(reasons.UNDER_REFUSED)),
-    Flag("linear_num_value_heads", no_op(reasons.UNDER_REFUSED)),
+    Flag("linear_conv_kernel_dim", IMPLEMENTED, help="GDN: width of the short causal convolution.", **_GDN),
+    Flag("linear_key_head_dim", IMPLEMENTED, help="GDN: channels per query/key head.", **_GDN),
+    Flag("linear_value_head_dim", IMPLEMENTED, help="GDN: channels per value head.", **_GDN),
+    Flag("linear_num_key_heads", IMPLEMENTED, help="GDN: query/key heads.", **_GDN),
+    Flag("linear_num_value_heads", IMPLEMENTED, help="GDN: value heads (a multiple of the key heads).", **_GDN),
+    Flag(
+        "linear_attention_freq",
+        IMPLEMENTED,
+        type=linear_attention_freq,
+        help="GDN layers: N makes every N-th layer full attention and the others Gated DeltaNet; a list "
+        "(e.g. ([1]*3+[0])*12) gives 1 (GDN) or 0 (attention) per layer.",
+        fills=same(TC, FL),
+        architecture=always,
+        project=ProjectFlag(
+            group="transformer configuration",
+            option_strings=("--linear-attention-freq",),
+            default=None,
+            action="store",
+        ),
+    ),
     Flag(
         "init_method_std",
         IMPLEMENTED,

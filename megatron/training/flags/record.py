@@ -180,10 +180,10 @@ def with_learned_positions(saved: SavedArgs) -> bool:
 
 
 def with_mamba_layers(saved: SavedArgs) -> bool:
-    """The flag matters for a hybrid Mamba model: its mixers' fused input projection and convolution are
-    stored per tensor-parallel rank (``[z, x, B, C, dt]`` of each rank's heads), so they reshard only at the
-    same TP size."""
-    return bool(saved.get("is_hybrid_model"))
+    """The flag matters for a hybrid Mamba model or one with Gated DeltaNet layers: their fused input
+    projection and convolution are stored per tensor-parallel rank (``[z, x, B, C, dt]`` / ``[q, k, v, z, beta,
+    alpha]`` of each rank's heads), so they reshard only at the same TP size."""
+    return bool(saved.get("is_hybrid_model")) or saved.get("experimental_attention_variant") == "gated_delta_net"
 
 
 def with_moe(saved: SavedArgs) -> bool:

@@ -24,12 +24,25 @@ def hf_mamba2(num_layers):
     return transformers.Mamba2ForCausalLM(config).eval()
 
 
+# Nemotron-H MoE layers (a sigmoid router over 2 groups of experts with the expert-bias buffer, a shared
+# expert): HF's fields, and the same router and experts in our config's fields.
+HF_MOE = dict(
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=16,
+    n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+)  # fmt: skip
+OUR_MOE = dict(
+    num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=16,
+    moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5,
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0,
+)  # fmt: skip
+
+
 def hf_nemotron_h(pattern):
     config = transformers.NemotronHConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, hybrid_override_pattern=pattern, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
         intermediate_size=48, time_step_min=1e-9,  # HF clamps dt below at time_step_min; Megatron does not
-        **HF_MAMBA,
+        **HF_MAMBA, **(HF_MOE if "E" in pattern else {}),
     )  # fmt: skip
     config._attn_implementation = "eager"
     return transformers.NemotronHForCausalLM(config).eval()
@@ -40,6 +53,9 @@ def perturb(model):
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.uniform_(0, 2) if "A_log" in name else param.add_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # the MoE routers' expert bias (zeros)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                buffer.add_(0.1 * torch.randn_like(buffer))
 
 
 def max_logit_difference(ours, hf, ids):
@@ -60,8 +76,8 @@ def mamba2_parity(groups, ids, num_layers=3):
 
 
 def nemotron_h_parity(groups, ids, pattern="M*M-M"):
-    """(imported, exported) logit differences against ``NemotronHForCausalLM``."""
-    config = mamba_config(len(pattern))
+    """(imported, exported) logit differences against ``NemotronHForCausalLM`` (MoE layers: ``E``)."""
+    config = mamba_config(len(pattern), **(OUR_MOE if "E" in pattern else {}))
     hf = hf_nemotron_h(pattern)
     perturb(hf)
     ours = MambaModel(

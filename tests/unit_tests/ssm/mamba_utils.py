@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron.core.activations import squared_relu
 from megatron.core.models.mamba import MambaModel
 from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
-from megatron.core.ssm.mamba_mixer import MambaMixer, gather_rows, shard_rows
+from megatron.core.ssm.mamba_mixer import gather_rows, shard_rows
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.model_utils import gather_tp
@@ -53,7 +53,7 @@ def full_tensors(model, tp_group, grads: bool):
     """Every parameter (or its gradient) by name, TP shards joined (the mixers' per-section layout too)."""
     sections = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, MambaMixer):
+        if hasattr(module, "rank_major_sections"):  # MambaMixer, GatedDeltaNet
             sections.update({f"{prefix}.{n}": s for n, s in module.rank_major_sections().items()})
     out = {}
     for name, param in model.named_parameters():
@@ -80,15 +80,16 @@ def shard_state_dict(model, full, tp_group):
     rank, size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     sections = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, MambaMixer):
+        if hasattr(module, "rank_major_sections"):  # MambaMixer, GatedDeltaNet
             sections.update({f"{prefix}.{n}": s for n, s in module.rank_major_sections().items()})
     out = {}
     for name, param in model.state_dict(keep_vars=True).items():
         tensor = full[name]
         if name in sections:
             out[name] = shard_rows(tensor, sections[name], rank, size)
-        elif getattr(param, "tensor_model_parallel", False) and size > 1:
-            out[name] = tensor.chunk(size, dim=param.partition_dim)[rank]
+        elif getattr(param, "tensor_model_parallel", False) and size > 1:  # stride: SwiGLU's [gate; up] per rank
+            dim, pieces = param.partition_dim, tensor.chunk(param.partition_stride, dim=param.partition_dim)
+            out[name] = torch.cat([piece.chunk(size, dim=dim)[rank] for piece in pieces], dim=dim)
         else:
             out[name] = tensor
     return out

@@ -1,7 +1,8 @@
 """Hybrid Mamba models in one spawned group of two ranks.
 
-Rank 0: logits against ``transformers``' Mamba2 and Nemotron-H (``M*M-M``) on 40 tokens (five of our
-8-token scan chunks), both ways (HF's weights imported, ours exported), within 1e-4 (fp32).
+Rank 0: logits against ``transformers``' Mamba2 and Nemotron-H (``M*M-M``, and ``M*E-E`` with its MoE layers:
+sigmoid group routing with the expert bias, shared expert) on 40 tokens (five of our 8-token scan chunks), both
+ways (HF's weights imported, ours exported), within 1e-4 (fp32).
 
 Greedy generation (``InferenceEngine`` with per-layer convolution/SSM states and the KV cache) of a
 ``M*M-`` Nemotron-H on one rank and under TP=2 equals greedy decoding by ``transformers``' full forward
@@ -79,6 +80,7 @@ def _body(rank, world_size):
     hf = {}
     if rank == 0:
         hf = {"mamba2": mamba2_parity(ref_groups, tokens), "nemotron_h": nemotron_h_parity(ref_groups, tokens)}
+        hf["nemotron_h moe"] = nemotron_h_parity(ref_groups, tokens, pattern="M*E-E")
     ref = _loss_and_grads(build_mamba(ref_groups), tokens, labels, ref_groups.tp)
     tp = build_process_groups(ParallelLayout(world_size=world_size, tensor_model_parallel_size=world_size))
     for sp in (False, True):

@@ -1,4 +1,4 @@
-"""Mamba2 and Nemotron-H through tools/checkpoint/convert.py: HF -> ours -> HF.
+"""Mamba2 and Nemotron-H (with a MoE layer) through tools/checkpoint/convert.py: HF -> ours -> HF.
 
 Tiny random ``transformers`` models (nothing downloaded) are converted in and out; the exported model
 holds exactly the original tensors and gives the original logits, and the printed flags are
@@ -30,8 +30,8 @@ def _round_trip(hf, kind, tmp_path):
 
 def test_mamba2_and_nemotron_h_round_trip(tmp_path):
     assert convert._script_of(_round_trip(hf_mamba2(2), "mamba2", tmp_path / "m")) == "pretrain_mamba.py"
-    flags = _round_trip(hf_nemotron_h("M*M-"), "nemotron_h", tmp_path / "n")
-    assert flags[flags.index("--hybrid-override-pattern") + 1] == "M*M-"
+    flags = _round_trip(hf_nemotron_h("M*E-"), "nemotron_h", tmp_path / "n")  # with a MoE layer
+    assert flags[flags.index("--hybrid-override-pattern") + 1] == "M*E-"
     run = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--seq-length", "16"]
     run += ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3"]
     validate_args(parse_args(flags + run, entry_point="mamba"), world_size=1)

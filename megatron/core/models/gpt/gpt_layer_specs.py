@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Optional, Tuple
 
 from megatron.core.extensions import transformer_engine as te_ext
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import get_dsa_module_spec
@@ -146,7 +147,9 @@ def get_gpt_decoder_block_spec(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """One layer spec per layer of the model: MoE where ``config.moe_layer_freq`` says so, dense elsewhere.
+    """One layer spec per layer of the model: MoE where ``config.moe_layer_freq`` says so, dense elsewhere;
+    with ``experimental_attention_variant='gated_delta_net'``, a ``GatedDeltaNet`` in place of self-attention
+    where ``config.linear_attention_freq`` says so.
 
     Megatron-core's arguments. ``use_transformer_engine``: Transformer Engine's linears where it
     imports (in self-attention and dense MLPs), else the local layers. Megatron returns only the
@@ -175,6 +178,8 @@ def _layer_specs(
         )
         if config.experimental_attention_variant == "dsa":  # DeepSeek-V3.2: MLA with the lightning indexer
             spec.submodules.self_attention = get_dsa_module_spec(spec.submodules.self_attention)
+        if config.is_linear_attention_layer(n):  # Qwen3-Next: Gated DeltaNet where linear_attention_freq says
+            spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules())
         return spec
 
     return TransformerBlockSubmodules(layer_specs=[layer(n) for n in range(1, config.num_layers + 1)])

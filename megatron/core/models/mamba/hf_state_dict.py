@@ -4,7 +4,9 @@
 Both HF families keep Megatron-core's mixer layout (``in_proj`` rows ``[z, x, B, C, dt]``, a depthwise
 ``conv1d`` over ``[x, B, C]``, per-head ``dt_bias``/``A_log``/``D``, a grouped gated norm), so a Mamba
 layer maps name for name. Nemotron-H's attention layers keep three projections (ours: one fused QKV
-laid out per query group) and its MLP layers a non-gated ``up_proj``/``down_proj`` pair.
+laid out per query group) and its MLP layers a non-gated ``up_proj``/``down_proj`` pair. Its MoE layers
+(``mixer.gate`` router with the expert-bias buffer, experts stacked as ``[E, ffn, h]`` / ``[E, h, ffn]``, a
+non-gated shared expert) map to our ``MoELayer`` (router, one ``MLP`` per expert, shared experts).
 """
 
 from __future__ import annotations
@@ -73,8 +75,35 @@ def _hybrid_layer_names(symbol: str, ours: str, hf: str) -> Dict[str, str]:
         names[f"{ours}mlp.linear_fc1.weight"] = f"{hf}mixer.up_proj.weight"
         names[f"{ours}mlp.linear_fc2.weight"] = f"{hf}mixer.down_proj.weight"
     elif symbol == Symbols.MOE:
-        raise NotImplementedError("Nemotron-H MoE ('E') layers: weight mapping not supported yet")
+        names[f"{ours}mlp.router.weight"] = f"{hf}mixer.gate.weight"
+        names[f"{ours}mlp.router.expert_bias"] = f"{hf}mixer.gate.e_score_correction_bias"
+        names[f"{ours}mlp.shared_experts.linear_fc1.weight"] = f"{hf}mixer.shared_experts.up_proj.weight"
+        names[f"{ours}mlp.shared_experts.linear_fc2.weight"] = f"{hf}mixer.shared_experts.down_proj.weight"
     return names
+
+
+_EXPERT_LINEARS = (("linear_fc1", "up_proj"), ("linear_fc2", "down_proj"))  # ours, Nemotron-H's
+
+
+def _experts_to_hf(sd: StateDict, ours: str, hf: str, num_experts: int) -> StateDict:
+    """Our experts' ``MLP`` weights -> Nemotron-H's stacked ``mixer.experts.{up,down}_proj`` ``[E, out, in]``."""
+    local = f"{ours}mlp.experts.local_experts."
+    return {
+        f"{hf}mixer.experts.{theirs}": torch.stack([sd[f"{local}{j}.{name}.weight"] for j in range(num_experts)])
+        for name, theirs in _EXPERT_LINEARS
+    }
+
+
+def _experts_from_hf(hf: StateDict, ours: str, prefix: str, num_experts: int) -> StateDict:
+    """Nemotron-H's experts, stacked (in memory) or one tensor per expert (``mixer.experts.{j}.up_proj.weight``, as
+    checkpoints store them) -> our experts' ``MLP`` weights."""
+    out = {}
+    for name, theirs in _EXPERT_LINEARS:
+        stacked = hf.get(f"{prefix}mixer.experts.{theirs}")
+        for j in range(num_experts):
+            weight = stacked[j] if stacked is not None else hf[f"{prefix}mixer.experts.{j}.{theirs}.weight"]
+            out[f"{ours}mlp.experts.local_experts.{j}.{name}.weight"] = weight.contiguous()
+    return out
 
 
 def to_hf_nemotron_h(sd: StateDict, config: TransformerConfig, layer_types: List[str]) -> StateDict:
@@ -93,6 +122,8 @@ def to_hf_nemotron_h(sd: StateDict, config: TransformerConfig, layer_types: List
         if symbol == Symbols.ATTENTION:
             q, k, v = split_qkv(sd[f"{ours}self_attention.linear_qkv.weight"], config)
             out.update({f"{hf}mixer.q_proj.weight": q, f"{hf}mixer.k_proj.weight": k, f"{hf}mixer.v_proj.weight": v})
+        elif symbol == Symbols.MOE:
+            out.update(_experts_to_hf(sd, ours, hf, config.num_moe_experts))
     return out
 
 
@@ -112,4 +143,6 @@ def from_hf_nemotron_h(hf: StateDict, config: TransformerConfig, layer_types: Li
         if symbol == Symbols.ATTENTION:
             q, k, v = (hf[f"{prefix}mixer.{n}_proj.weight"] for n in "qkv")
             out[f"{ours}self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, config)
+        elif symbol == Symbols.MOE:
+            out.update(_experts_from_hf(hf, ours, prefix, config.num_moe_experts))
     return out
