@@ -18,7 +18,7 @@ from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt
 
 MAX_ABS = 1e-4
-VOCAB, S = 64, 40
+VOCAB, S = 128, 40  # VOCAB: model_utils.batch's default (the EP check draws its tokens there)
 TYPES = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
 V4_MODEL = dict(
     num_layers=3, hidden_size=32, num_attention_heads=4, kv_channels=16, ffn_hidden_size=16,
