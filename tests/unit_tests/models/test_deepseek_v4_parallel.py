@@ -7,12 +7,11 @@ compressed attention is replicated over TP: its gradients are complete on each r
 the indexer gets none. One spawned pair of ranks.
 """
 
-import torch
 
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, single_rank_groups
-from tests.unit_tests.models.test_deepseek_v4_parity import S, V4_MODEL, VOCAB
+from tests.unit_tests.models.test_deepseek_v4_parity import V4_MODEL, VOCAB, S
 from tests.unit_tests.models.test_mla_parallel_parity import _loss_and_grads
 from tests.unit_tests.transformer.test_moe_expert_parallel import _groups, _one_step
 
