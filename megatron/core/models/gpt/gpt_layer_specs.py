@@ -187,8 +187,9 @@ def _deepseek_v4_parts(spec: ModuleSpec, config: TransformerConfig, n: int) -> M
     """Layer ``n``'s spec with DeepSeek-V4's parts the config asks for: compressed attention, the
     hyper-connection layer, a hash router in the first ``moe_num_hash_layers`` layers."""
     if config.compressed_attention_layer_types is not None:
+        layer_type = config.compressed_attention_layer_types[n - 1]
         spec.submodules.self_attention = ModuleSpec(
-            module=CompressedAttention, params={"attn_mask_type": AttnMaskType.causal}
+            module=CompressedAttention, params={"attn_mask_type": AttnMaskType.causal, "layer_type": layer_type}
         )
     if config.hyper_connection_streams > 1:
         spec.module = HyperConnectionTransformerLayer

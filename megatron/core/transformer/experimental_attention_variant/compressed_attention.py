@@ -85,7 +85,7 @@ class KVCompressor(MegatronModule):
         self.linear_kv = ReplicatedLinear(config, config.hidden_size, width)
         self.linear_gate = ReplicatedLinear(config, config.hidden_size, width)
         self.position_bias = torch.nn.Parameter(torch.zeros(rate, width, dtype=config.params_dtype))
-        self.kv_layernorm = build_norm(config, dim)
+        self.kv_layernorm = attention_norm(config, dim)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """``x`` ``[s, b, h]``, angles ``[s, 1, 1, r]`` of the compressed base -> entries ``[s // rate, b, dim]``."""
@@ -103,6 +103,14 @@ class KVCompressor(MegatronModule):
         pooled = self.kv_layernorm((kv * weights).sum(dim=1))  # [T, b, d]
         starts = freqs[: count * m : m]  # [T, 1, 1, r]: the windows' first positions
         return rotate_tail(pooled.unsqueeze(2), starts).squeeze(2)  # [T, b, d]
+
+
+def attention_norm(config: TransformerConfig, dim: int) -> torch.nn.Module:
+    """The RMSNorm of a latent, key or pooled entry, unfused: the compiled kernel of ``persist_layer_norm``
+    would recompile for each of the attention's widths and entry counts (over dynamo's limit)."""
+    norm = build_norm(config, dim)
+    norm.fused = False
+    return norm
 
 
 def visible_entries(s: int, rate: int, device: torch.device) -> torch.Tensor:
@@ -155,6 +163,7 @@ class CompressedAttention(MegatronModule):
         config: TransformerConfig,
         layer_number: int = 1,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        layer_type: Optional[str] = None,
         *,
         pg_collection: ProcessGroupCollection,
     ) -> None:
@@ -162,7 +171,10 @@ class CompressedAttention(MegatronModule):
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"CompressedAttention: attn_mask_type={attn_mask_type.name} (causal only)")
         self.layer_number = layer_number
-        self.layer_type = config.compressed_attention_layer_types[layer_number - 1]
+        # The spec names the type (an MTP layer reuses the last layer's); else the config's entry of this layer.
+        self.layer_type = layer_type or config.compressed_attention_layer_types[layer_number - 1]
+        if self.layer_type not in (SLIDING, CSA, HCA):
+            raise ValueError(f"CompressedAttention: layer_type={self.layer_type!r}: must be one of {SLIDING, CSA, HCA}")
         self.tp_group, self.tp_size = pg_collection.tp, pg_collection.size_of("tp")
         self._build(config)
         for param in self.parameters():  # the whole attention runs on the whole sequence on every TP rank
@@ -172,10 +184,10 @@ class CompressedAttention(MegatronModule):
         n, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
         g, rank = config.attention_output_groups, config.attention_output_lora_rank
         self.linear_q_down_proj = ReplicatedLinear(config, h, config.q_lora_rank)
-        self.q_layernorm = build_norm(config, config.q_lora_rank)
+        self.q_layernorm = attention_norm(config, config.q_lora_rank)
         self.linear_q_up_proj = ReplicatedLinear(config, config.q_lora_rank, n * d)
         self.linear_kv_proj = ReplicatedLinear(config, h, d)
-        self.kv_layernorm = build_norm(config, d)
+        self.kv_layernorm = attention_norm(config, d)
         self.attention_sinks = torch.nn.Parameter(torch.zeros(n, dtype=config.params_dtype))
         self.linear_o_group_proj = ReplicatedLinear(config, n * d // g, g * rank)
         self.linear_proj = ReplicatedLinear(config, g * rank, h)
