@@ -5,7 +5,9 @@ two learned ones (sigmoid scores, expert bias), shared experts, clamped SwiGLU; 
 window (6), CSA's top-3 of up to 10 entries and HCA's 5 entries all shape the logits. Our weights
 exported load strictly (nothing missing or left over) and the logits agree within 1e-4; the import
 is the exact inverse. The hash table, the Sinkhorn normalisation and the hyper head each move the
-logits far more than that when changed, so the test fails without them.
+logits far more than that when changed, so the test fails without them. In the same spawn each attention
+type alone equals ``DeepseekV4Attention`` at 1e-5 and depends on each of its parts
+(``tests/unit_tests/transformer/compressed_attention_checks.py``).
 """
 
 import torch
@@ -16,6 +18,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt.hf_deepseek_v4 import from_hf_deepseek_v4, to_hf_deepseek_v4
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt
+from tests.unit_tests.transformer.compressed_attention_checks import attention_results, check_attention_results
 
 MAX_ABS = 1e-4
 VOCAB, S = 128, 40  # VOCAB: model_utils.batch's default (the EP check draws its tokens there)
@@ -91,6 +94,7 @@ def _parity_body(rank, world_size):
         results["diff"] = (ours(tokens) - reference).abs().max().item()
         results["scale"] = reference.abs().max().item()
         results["changed"] = _changes(ours, tokens, reference)
+    results["attention"] = attention_results()  # each layer type alone against DeepseekV4Attention
     return results
 
 
@@ -119,6 +123,7 @@ def _changes(ours, tokens, reference):
 def test_logits_match_transformers_deepseek_v4():
     results = run_distributed(_parity_body, 1)[0]
     print(results)
+    check_attention_results(results["attention"])
     assert results["keys"] == ([], []), results["keys"]
     assert results["round_trip"] is True, results["round_trip"]
     assert results["scale"] > 0.5, results

@@ -1,4 +1,5 @@
-"""DeepSeek-V4's attention (``CompressedAttention``) against transformers' ``DeepseekV4Attention`` (fp32).
+"""DeepSeek-V4's attention (``CompressedAttention``) against transformers' ``DeepseekV4Attention`` (fp32);
+run inside the model parity test's spawn (``tests/unit_tests/models/test_deepseek_v4_parity.py``).
 
 Tiny sizes, 40 tokens: the window (6) is shorter than the sequence, CSA (rate 4: 10 entries) keeps
 3 per query, HCA (rate 8: 5 entries) sees all it may. For each layer type the output equals
@@ -15,7 +16,6 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.hf_deepseek_v4 import attention_to_hf
 from megatron.core.transformer.experimental_attention_variant.compressed_attention import CompressedAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.dist_harness import run_distributed
 from tests.model_utils import single_rank_groups
 
 H, N, D, ROPE, S, B, WINDOW = 32, 4, 16, 8, 40, 2, 6
@@ -71,7 +71,8 @@ def _ours(config, layer_number, seed=0):
     return module
 
 
-def _body(rank, world_size):
+def attention_results():
+    """Per layer type: (max |ours - transformers|, max |transformers|) and how far each change moves it."""
     config = TransformerConfig(**V4)
     freqs = RotaryEmbedding(D, ROPE / D, rotary_interleaved=True, rotary_base=10000.0)(S)  # [s, 1, 1, r]
     torch.manual_seed(1)
@@ -121,9 +122,7 @@ def _changes(ours, x, freqs, expected):
     return moved
 
 
-def test_compressed_attention_matches_transformers():
-    results = run_distributed(_body, 1)[0]
-    print(results)
+def check_attention_results(results):
     for layer_type in TYPES:
         diff, scale = results[layer_type]
         assert scale > 0.1, (layer_type, scale)
