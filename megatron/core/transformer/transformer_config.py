@@ -564,7 +564,10 @@ class TransformerConfig(ModelParallelConfig):
         if variant is None:
             for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa'")
+                    raise ValueError(
+                        f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa' or a "
+                        "'compressed_sparse_attention' layer in compressed_attention_layer_types"
+                    )
             return
         if variant != "dsa":
             raise ValueError(f"experimental_attention_variant={variant!r}: only 'dsa' is supported")
