@@ -36,6 +36,11 @@ GPT_FAMILY_ARGS = ["{tmp}/ckpt", "{tmp}/tb", "-", "MOCK"]
 DEEPSEEK_TOY = dict(DENSE_LAYERS="1", MOE_FFN="32", ROUTER_GROUPS="2", GROUP_TOPK="1", TOPK="2", TP="1", EP="2")
 DEEPSEEK_TOY.update(Q_LORA="16", KV_LORA="16", QK_HEAD="8", QK_POS="8", V_HEAD="8", MTP_LAYERS="1")
 DEEPSEEK_TOY.update(DSA_TOPK="4", DSA_HEADS="4", DSA_HEAD_DIM="8")
+# DeepSeek-V4: HCA, HCA, HCA, CSA (4 tokens per entry, top-3) beside an 8-token window, 2 hyper-connection streams,
+# one hash-routed MoE layer then learned ones, MTP, TP=2 with SP and EP=2.
+DEEPSEEK_V4_TOY = dict(NUM_LAYERS="4", HEAD_DIM="16", ROPE_PERCENT="0.5", Q_LORA="12", O_GROUPS="2", O_LORA="6")
+DEEPSEEK_V4_TOY.update(WINDOW="8", CSA_RATE="4", HCA_RATE="8", INDEX_HEADS="2", INDEX_HEAD_DIM="8", INDEX_TOPK="3")
+DEEPSEEK_V4_TOY.update(HC="2", MOE_FFN="16", TOPK="2", HASH_LAYERS="1", TP="2", EP="2")
 QUICKSTART_ENV = dict(QUICKSTART_DIR="{tmp}/q", CORPUS_MB="0.3", TRAIN_ITERS=str(ITERS))
 CASES = {
     GPT3: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),
@@ -47,6 +52,7 @@ CASES = {
         GPT_FAMILY_ARGS, dict(KV_CHANNELS="8", MOE_FFN="32", TOPK="2", TP="2", PP="1", EP="2", MAX_POSITIONS="32")
     ),
     "examples/deepseek_v3/train_deepseek_v3_distributed.sh": Case(GPT_FAMILY_ARGS, DEEPSEEK_TOY),
+    "examples/deepseek_v4/train_deepseek_v4_distributed.sh": Case(GPT_FAMILY_ARGS, DEEPSEEK_V4_TOY),
     "examples/pretrain_gpt_multinode.sh": Case([], dict(DATA="MOCK", CKPT="{tmp}/ckpt", PRECISION="")),
     # Outside a Slurm job the sbatch script trains with torchrun and has nothing to requeue.
     SBATCH_GPT: Case(["{tmp}/ckpt", "{tmp}/tb", "-", "-", "MOCK"]),

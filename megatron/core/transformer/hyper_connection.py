@@ -13,21 +13,25 @@ projection ``W`` ``[(2 + n) n, n h]`` with a bias ``c`` and three scales ``a``:
 
 ``HyperHead`` collapses the streams once at the end (``sum_i pre_i stream_i`` with its own projection).
 The computation is in fp32, as ``transformers``' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``.
-Parameters are replicated on every TP rank (they act per token on whole hidden vectors).
+Parameters are replicated on every TP rank (they act per token on whole hidden vectors); under
+sequence parallelism each rank sees its own tokens, so they carry ``sequence_parallel`` and their
+gradients are summed over TP like a norm's.
 
-Only the modules exist so far (so no config field or flag names them): the transformer layer, block
-and embedding do not use them yet.
+``HyperConnectionTransformerLayer`` is the layer with ``config.hyper_connection_streams`` > 1: its
+input and output are the packed streams. ``TransformerBlock`` widens the embedding into ``n`` equal
+streams and collapses them with a ``HyperHead`` before the final norm.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,6 +46,14 @@ def sinkhorn(matrix: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
         matrix = matrix / (matrix.sum(dim=-1, keepdim=True) + eps)
         matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
     return matrix
+
+
+def _initialize(module: MegatronModule, config: TransformerConfig) -> None:
+    """Draw the projection; mark every parameter for the TP sum under sequence parallelism."""
+    if config.perform_initialization:
+        config.init_method(module.mapping_proj)
+    for param in module.parameters():
+        param.sequence_parallel = config.sequence_parallel
 
 
 class HyperConnectionModule(MegatronModule):
@@ -61,8 +73,7 @@ class HyperConnectionModule(MegatronModule):
         self.mapping_proj = torch.nn.Parameter(torch.empty((2 + n) * n, n * h))
         self.mapping_bias = torch.nn.Parameter(torch.zeros((2 + n) * n))
         self.mapping_scale = torch.nn.Parameter(torch.ones(3))
-        if config.perform_initialization:
-            config.init_method(self.mapping_proj)
+        _initialize(self, config)
 
     def forward(self, streams: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed streams ``[s, b, n * h]`` -> (the sub-block's input ``[s, b, h]``, ``post`` ``[s, b, n]``,
@@ -103,8 +114,7 @@ class HyperHead(MegatronModule):
         self.mapping_proj = torch.nn.Parameter(torch.empty(n, n * h))
         self.mapping_bias = torch.nn.Parameter(torch.zeros(n))
         self.mapping_scale = torch.nn.Parameter(torch.ones(1))
-        if config.perform_initialization:
-            config.init_method(self.mapping_proj)
+        _initialize(self, config)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """``[s, b, n * h]`` -> ``[s, b, h]``."""
@@ -113,3 +123,49 @@ class HyperHead(MegatronModule):
         pre = torch.sigmoid(mixes * self.mapping_scale.float() + self.mapping_bias.float()) + self.eps
         unpacked = streams.unflatten(-1, (self.n, self.hidden_size))  # [s, b, n, h]
         return (pre.unsqueeze(-1) * unpacked).sum(dim=-2).to(streams.dtype)
+
+
+class HyperConnectionTransformerLayer(TransformerLayer):
+    """A ``TransformerLayer`` over ``n = config.hyper_connection_streams`` packed residual streams
+    ``[s(/tp), b, n * h]``: around attention and MLP a ``HyperConnectionModule`` collapses the streams into
+    the sub-block's input and merges its output back (instead of ``x + f(norm(x))``).
+
+    Parameters beyond the layer's: ``attention_hyper_connection`` and ``mlp_hyper_connection``.
+    Cross-attention and the post-norm variants are refused.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, submodules, *args, **kwargs)
+        if self.cross_attention is not None or self.post_self_attn_layernorm or self.post_mlp_layernorm:
+            raise NotImplementedError("HyperConnectionTransformerLayer: cross-attention or post-norms")
+        if self.self_attention is None or self.mlp is None:
+            raise NotImplementedError("HyperConnectionTransformerLayer: needs both attention and an MLP")
+        n, iters = config.hyper_connection_streams, config.hyper_connection_sinkhorn_iterations
+        eps = config.hyper_connection_eps
+        self.attention_hyper_connection = HyperConnectionModule(config, n, iters, eps)
+        self.mlp_hyper_connection = HyperConnectionModule(config, n, iters, eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        token_ids: Optional[torch.Tensor] = None,
+        **unsupported: Any,
+    ) -> Tuple[torch.Tensor, None]:
+        """Streams ``[s(/tp), b, n * h]`` -> (same shape, None); ``token_ids`` ``[b, s]`` go to the MLP
+        (a hash-routed MoE layer)."""
+        unsupported = {k: v for k, v in unsupported.items() if v is not None}
+        if unsupported:
+            raise NotImplementedError(f"HyperConnectionTransformerLayer: {sorted(unsupported)} are not supported")
+        streams = hidden_states
+        collapsed, post, comb = self.attention_hyper_connection(streams)  # [s, b, h]
+        out, bias = self.self_attention(self.input_layernorm(collapsed), attention_mask, rotary_pos_emb=rotary_pos_emb)
+        streams = self.attention_hyper_connection.merge(streams, self._dropout(out, bias), post, comb)
+        collapsed, post, comb = self.mlp_hyper_connection(streams)
+        out, bias = self.mlp(self.pre_mlp_layernorm(collapsed), **self._token_ids_for_mlp(token_ids))
+        return self.mlp_hyper_connection.merge(streams, self._dropout(out, bias), post, comb), None
+
+    def _dropout(self, out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        out = out if bias is None else out + bias
+        return F.dropout(out, p=self.hidden_dropout, training=self.training)

@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.fp8_utils import attach_mtp_quantizers
+from megatron.core.transformer.hyper_connection import HyperHead
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_aux_loss_tracker
 from megatron.core.transformer.norms import build_norm
@@ -70,6 +71,9 @@ class MultiTokenPredictionLayer(MegatronModule):
         self.transformer_layer = build_module(  # the global number whatever the pipeline stage
             layer_spec, config, layer_number=number, add_layer_offset=False, pg_collection=pg_collection
         )
+        self.hyper_head = None  # hyper-connections: the layer runs on n streams, collapsed before the norm
+        if config.hyper_connection_streams > 1:
+            self.hyper_head = HyperHead(config, config.hyper_connection_streams, config.hyper_connection_eps)
         self.final_layernorm = build_norm(config, h)
         attach_mtp_quantizers(self, config, pg_collection)  # FP8 GEMMs (eh_proj and the layer), as Megatron
 
@@ -79,8 +83,11 @@ class MultiTokenPredictionLayer(MegatronModule):
         embedded: torch.Tensor,
         attention_mask: Optional[torch.Tensor],
         rotary_pos_emb: Optional[torch.Tensor],
+        token_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``hidden``, ``embedded`` ``[s(/tp), b, h]`` -> this module's hidden state, same shape."""
+        """``hidden``, ``embedded`` ``[s(/tp), b, h]`` -> this module's hidden state, same shape.
+
+        ``token_ids`` ``[b, s]``: the shifted input ids, for a layer whose MoE routes by them."""
         c = self.config
         sp = c.sequence_parallel
         dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
@@ -92,7 +99,12 @@ class MultiTokenPredictionLayer(MegatronModule):
             x = gather_from_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h]
             if sp:
                 x = scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
-            x, _ = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb)
+            if self.hyper_head is not None:
+                x = x.repeat(1, 1, c.hyper_connection_streams)  # [s(/tp), b, n * h]: n equal streams
+            by_id = {} if token_ids is None else {"token_ids": token_ids}
+            x, _ = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb, **by_id)
+            if self.hyper_head is not None:
+                x = self.hyper_head(x)  # [s(/tp), b, h]
         return self.final_layernorm(x)
 
 
@@ -128,7 +140,8 @@ class MultiTokenPredictionBlock(MegatronModule):
         for layer in self.layers:
             input_ids = roll_left(input_ids, self.cp_group)
             position_ids = None if position_ids is None else roll_left(position_ids, self.cp_group)
-            hidden = layer(hidden, embedding(input_ids, position_ids), attention_mask, rotary_pos_emb)
+            by_id = {"token_ids": input_ids} if self.config.moe_num_hash_layers else {}
+            hidden = layer(hidden, embedding(input_ids, position_ids), attention_mask, rotary_pos_emb, **by_id)
             outputs.append(hidden)
         return outputs
 

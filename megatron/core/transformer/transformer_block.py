@@ -15,6 +15,7 @@ from megatron.core.transformer.fp8_utils import (
     block_quantization_context,
     layer_quantization_context,
 )
+from megatron.core.transformer.hyper_connection import HyperHead
 from megatron.core.transformer.layer_layout import config_layer_assignment
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, Norm, RMSNorm, build_norm
@@ -100,6 +101,9 @@ class TransformerBlock(MegatronModule):
         if isinstance(spec, TransformerBlockSubmodules):
             spec.check_layer_norm(config)
         final_norm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
+        self.hyper_head = None
+        if post_process and config.hyper_connection_streams > 1:
+            self.hyper_head = HyperHead(config, config.hyper_connection_streams, config.hyper_connection_eps)
         setattr(self, self.final_norm_name, final_norm)
         self.input_tensor: Optional[torch.Tensor] = None
 
@@ -135,6 +139,7 @@ class TransformerBlock(MegatronModule):
         inference_context: Optional[Any] = None,
         reenter_quantization: bool = False,
         packed_seq_params: Optional[Any] = None,
+        token_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Layers ``start:end``. ``reenter_quantization``: enter the block's TE autocast again, for a
         chunk under full recomputation (recomputed during backward, outside the block's region; nested,
@@ -143,7 +148,7 @@ class TransformerBlock(MegatronModule):
             with self._quantization():
                 return self._run_layers(
                     hidden, start, end, attention_mask, rotary_pos_emb, context, context_mask, attention_bias,
-                    inference_context, packed_seq_params=packed_seq_params,
+                    inference_context, packed_seq_params=packed_seq_params, token_ids=token_ids,
                 )  # fmt: skip
         extra = {} if context is None else {"context": context, "context_mask": context_mask}
         if attention_bias is not None:
@@ -152,6 +157,8 @@ class TransformerBlock(MegatronModule):
             extra["inference_context"] = inference_context
         if packed_seq_params is not None:
             extra["packed_seq_params"] = packed_seq_params
+        if token_ids is not None:
+            extra["token_ids"] = token_ids
         for layer in self.layers[start:end]:
             context = getattr(layer, "quantization_context", None)
             with context() if context is not None else contextlib.nullcontext():
@@ -179,8 +186,14 @@ class TransformerBlock(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
         packed_seq_params: Optional[Any] = None,
+        token_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``[s(/tp with SP), b, h]`` -> same shape.
+
+        ``token_ids`` ``[b, s]`` go to every layer (hash-routed MoE layers). With
+        ``config.hyper_connection_streams = n > 1`` the layers carry ``n`` packed streams ``[s, b, n * h]``:
+        the first stage widens its input into ``n`` copies, the last collapses them (``hyper_head``)
+        before the final norm; between pipeline stages the streams travel.
 
         ``context`` / ``context_mask``: the encoder output ``[sk(/tp), b, h]`` and the encoder-decoder
         mask (True = blocked) for layers with cross-attention. ``attention_bias`` ``[1|b, heads/tp, s, s]``
@@ -191,6 +204,8 @@ class TransformerBlock(MegatronModule):
         """
         if not self.pre_process:
             hidden_states = self.input_tensor
+        elif self.config.hyper_connection_streams > 1:
+            hidden_states = hidden_states.repeat(1, 1, self.config.hyper_connection_streams)  # [s, b, n * h]
         # With sequence parallelism each TP rank holds different tokens, so dropout there must
         # draw different masks: run the layers under the model-parallel RNG.
         dropout = self.training and (self.config.hidden_dropout > 0 or self.config.attention_dropout > 0)
@@ -215,6 +230,7 @@ class TransformerBlock(MegatronModule):
                             inference_context,
                             True,
                             packed_seq_params,
+                            token_ids,
                         ),  # fmt: skip
                         bool(self.config.distribute_saved_activations),
                         hidden_states,
@@ -234,8 +250,11 @@ class TransformerBlock(MegatronModule):
                         attention_bias,
                         inference_context,
                         packed_seq_params=packed_seq_params,
+                        token_ids=token_ids,
                     )
                 start = end
+        if getattr(self, "hyper_head", None) is not None:
+            hidden_states = self.hyper_head(hidden_states)  # [s, b, h]
         final_norm = getattr(self, self.final_norm_name)
         if final_norm is not None:
             hidden_states = final_norm(hidden_states)

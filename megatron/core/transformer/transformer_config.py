@@ -15,6 +15,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig, require_div
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
 from megatron.core.transformer import moe_choices
+from megatron.core.transformer.deepseek_v4_checks import check_deepseek_v4
 from megatron.core.transformer.layer_layout import pipeline_layer_assignment
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
@@ -233,6 +234,27 @@ class TransformerConfig(ModelParallelConfig):
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # DeepSeek-V4 (experimental_attention_variant/compressed_attention.py, hyper_connection.py; checks in
+    # deepseek_v4_checks.py). The indexer of CSA layers takes the dsa_indexer_* sizes.
+    compressed_attention_layer_types: Optional[List[str]] = None
+    """One per layer: 'sliding_attention', 'compressed_sparse_attention' (CSA) or
+    'heavily_compressed_attention' (HCA), DeepSeek-V4's attention; None: not used."""
+    csa_compress_rate: int = 4
+    """Tokens pooled into one compressed key/value entry in CSA layers."""
+    hca_compress_rate: int = 128
+    """Tokens pooled into one compressed key/value entry in HCA layers."""
+    compressed_attention_rotary_base: float = 160000.0
+    """RoPE base of CSA/HCA layers (window and compressed entries); sliding layers take the model's angles."""
+    attention_output_groups: Optional[int] = None
+    """Head groups of DeepSeek-V4's grouped low-rank output projection."""
+    attention_output_lora_rank: Optional[int] = None
+    """Each head group's rank in the grouped output projection."""
+    hyper_connection_streams: int = 1
+    """Residual streams of manifold-constrained hyper-connections (DeepSeek-V4's hc_mult); 1: a plain residual."""
+    hyper_connection_sinkhorn_iterations: int = 20
+    hyper_connection_eps: float = 1e-6
+    moe_num_hash_layers: int = 0
+    """The first this many layers' MoE routers pick experts by a frozen table of the token id (hash_moe)."""
 
     # FP8 GEMMs in the transformer layers' linears (see megatron/core/quantization/recipes.py).
     fp8: Optional[str] = None
@@ -299,6 +321,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe()
         self._check_latent_attention()
         self._check_sparse_attention()
+        check_deepseek_v4(self)
         self._check_multi_token_prediction()
         self._check_fp8()
         self._check_mamba()
@@ -553,10 +576,15 @@ class TransformerConfig(ModelParallelConfig):
 
     def _check_sparse_attention(self) -> None:
         variant = self.experimental_attention_variant
+        if variant is None and "compressed_sparse_attention" in (self.compressed_attention_layer_types or ()):
+            return  # DeepSeek-V4's CSA indexer takes these sizes (deepseek_v4_checks.py)
         if variant is None:
             for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa'")
+                    raise ValueError(
+                        f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa' or a "
+                        "'compressed_sparse_attention' layer in compressed_attention_layer_types"
+                    )
             return
         if variant == "gated_delta_net":
             return self._check_gated_delta_net()

@@ -158,8 +158,12 @@ class TransformerLayer(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
         packed_seq_params: Optional[Any] = None,
+        token_ids: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``[s(/tp with SP), b, h]`` -> (same shape, ``context``).
+
+        ``token_ids`` ``[b, s]``: the input ids, handed to an MLP that routes by them (a hash-routed
+        ``MoELayer``); other MLPs do not take them.
 
         ``packed_seq_params`` (``megatron.core.packed_seq_params``): the rows are packed sequences.
 
@@ -177,12 +181,20 @@ class TransformerLayer(MegatronModule):
             hidden_states = self._cross_attention(hidden_states, context, context_mask, inference_context)
         if self.mlp is not None:
             normed = self.pre_mlp_layernorm(hidden_states)
-            mlp_out, mlp_bias = self.mlp(normed)
+            mlp_out, mlp_bias = self.mlp(normed, **self._token_ids_for_mlp(token_ids))
             post_ln_residual = self.config.apply_residual_connection_post_layernorm
             hidden_states = self._bias_dropout_add(mlp_out, mlp_bias, normed if post_ln_residual else hidden_states)
             if self.post_mlp_layernorm is not None:
                 hidden_states = self.post_mlp_layernorm(hidden_states)
         return hidden_states, context
+
+    def _token_ids_for_mlp(self, token_ids: Optional[torch.Tensor]) -> dict:
+        """``{"token_ids": ...}`` for an MLP routing by token id (which then must have them), else ``{}``."""
+        if not getattr(self.mlp, "routes_by_token_id", False):
+            return {}
+        if token_ids is None:
+            raise ValueError(f"layer {self.layer_number}: its hash-routed MoE layer needs token_ids (the input ids)")
+        return {"token_ids": token_ids}
 
     def _attention(
         self,

@@ -101,6 +101,12 @@ def tied_embeddings(args: Args) -> bool:
     return not args.untie_embeddings_and_output_weights
 
 
+def hash_router_vocab_size(args: Args) -> Optional[int]:
+    """With --moe-num-hash-layers: the hash routers' table covers the padded vocabulary (known once the
+    tokenizer is built); None otherwise."""
+    return getattr(args, "padded_vocab_size", None) if args.moe_num_hash_layers else None
+
+
 def num_moe_layers(args: Args) -> int:
     """MoE layers among --num-layers: none without --num-experts, else as --moe-layer-freq picks them."""
     if not args.num_experts:

@@ -29,7 +29,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
-from megatron.training.flags import checkpointing, data, hybrid, logging, model, moe, training
+from megatron.training.flags import checkpointing, data, deepseek_v4, hybrid, logging, model, moe, training
 from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet, SavedArgs
 from megatron.training.flags_table import FlagSpec, megatron_flag_specs
 from megatron.training.theoretical_memory_params import LanguageModelShape
@@ -39,6 +39,7 @@ from megatron.training.training_log import FlopsConfig, LoggingConfig
 _ALL: Tuple[Flag, ...] = (
     model.RECORDS
     + hybrid.RECORDS
+    + deepseek_v4.RECORDS
     + moe.RECORDS
     + training.RECORDS
     + checkpointing.RECORDS
@@ -116,10 +117,6 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         ),
         "beta_fast": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 32.0),
         "beta_slow": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 1.0),
-        "moe_hash_router_vocab_size": NotAFlag(
-            "DeepSeek-V4's HashRouter table size, for library callers: the GPT model does not hand token ids "
-            "to its MoE layers yet, so no flag sets it"
-        ),
     },
     DistributedDataParallelConfig: {
         "use_custom_fsdp": NotAFlag("Megatron's older name of use_megatron_fsdp (--use-megatron-fsdp)"),

@@ -93,3 +93,35 @@ def test_layer_layout_covers_every_layer_once_in_order(layers, pp, vp, first, la
 def test_impossible_layer_layouts_fail_clearly(layers, pp, vp, first, last, word):
     with pytest.raises(ValueError, match=word):
         pipeline_layer_assignment(layers, pp, vp, first, last)
+
+
+V4_ATTENTION = dict(
+    compressed_attention_layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+    q_lora_rank=16, attention_output_groups=2, attention_output_lora_rank=8, window_size=(7, 0),
+    normalization="RMSNorm", dsa_indexer_n_heads=2, dsa_indexer_head_dim=8, dsa_indexer_topk=4,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (
+            dict(compressed_attention_layer_types=["compressed_sparse_attention"]),
+            ["compressed_attention_layer_types", "per layer"],
+        ),
+        (dict(window_size=None), ["window_size=None", "(W - 1, 0)"]),
+        (dict(attention_output_groups=3), ["num_attention_heads=8", "attention_output_groups=3"]),
+        (dict(dsa_indexer_topk=None), ["dsa_indexer_topk=None"]),
+        (dict(context_parallel_size=2), ["context_parallel_size=2", "CP splits"]),
+        (dict(hyper_connection_streams=2, pipeline_model_parallel_size=2), ["hyper_connection_streams=2", "pipeline"]),
+        (dict(multi_latent_attention=True), ["replaces multi-latent attention"]),
+        (dict(moe_num_hash_layers=1), ["moe_num_hash_layers=1", "num_moe_experts"]),
+    ],
+)
+def test_deepseek_v4_settings_are_checked(kw, words):
+    """DeepSeek-V4's fields (deepseek_v4_checks.py): each broken rule names the field, its value and the rule."""
+    _cfg(**V4_ATTENTION)  # the base is valid
+    with pytest.raises(ValueError) as info:
+        _cfg(**dict(V4_ATTENTION, **kw))
+    for word in words:
+        assert word in str(info.value)

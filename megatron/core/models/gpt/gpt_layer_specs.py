@@ -15,8 +15,11 @@ from megatron.core.extensions import transformer_engine as te_ext
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.compressed_attention import CompressedAttention
 from megatron.core.transformer.experimental_attention_variant.dsa import get_dsa_module_spec
+from megatron.core.transformer.hyper_connection import HyperConnectionTransformerLayer
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.hash_router import HashRouter
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import Norm
@@ -180,9 +183,24 @@ def _layer_specs(
             spec.submodules.self_attention = get_dsa_module_spec(spec.submodules.self_attention)
         if config.is_linear_attention_layer(n):  # Qwen3-Next: Gated DeltaNet where linear_attention_freq says
             spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules())
-        return spec
+        return _deepseek_v4_parts(spec, config, n)
 
     return TransformerBlockSubmodules(layer_specs=[layer(n) for n in range(1, config.num_layers + 1)])
+
+
+def _deepseek_v4_parts(spec: ModuleSpec, config: TransformerConfig, n: int) -> ModuleSpec:
+    """Layer ``n``'s spec with DeepSeek-V4's parts the config asks for: compressed attention, the
+    hyper-connection layer, a hash router in the first ``moe_num_hash_layers`` layers."""
+    if config.compressed_attention_layer_types is not None:
+        layer_type = config.compressed_attention_layer_types[n - 1]
+        spec.submodules.self_attention = ModuleSpec(
+            module=CompressedAttention, params={"attn_mask_type": AttnMaskType.causal, "layer_type": layer_type}
+        )
+    if config.hyper_connection_streams > 1:
+        spec.module = HyperConnectionTransformerLayer
+    if n <= config.moe_num_hash_layers:
+        spec.submodules.mlp.submodules = replace(spec.submodules.mlp.submodules, router=HashRouter)
+    return spec
 
 
 def get_gpt_layer_with_transformer_engine_spec(

@@ -260,8 +260,14 @@ class GPTModel(LanguageModule):
             decoder_input = self._embed(input_ids, position_ids)  # [s/cp(/tp), b, h]
         local = input_ids.shape[1] if input_ids is not None else decoder_input.shape[0]
         rotary = self._rotary(local, inference_context, packed_seq_params, position_ids)
+        by_id = {"token_ids": input_ids} if self.config.moe_num_hash_layers else {}  # hash-routed MoE layers
         hidden = self.decoder(
-            decoder_input, attention_mask, rotary_pos_emb=rotary, inference_context=inference_context, **packed
+            decoder_input,
+            attention_mask,
+            rotary_pos_emb=rotary,
+            inference_context=inference_context,
+            **packed,
+            **by_id,
         )  # [s(/tp), b, h]
         if not self.post_process:
             return hidden

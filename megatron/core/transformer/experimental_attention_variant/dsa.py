@@ -61,6 +61,18 @@ class DSAttentionSubmodules:
     indexer: Any = None
 
 
+def lightning_index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's score ``sum_h w_h hi^-1/2 relu(q_h . k / sqrt(di))`` ``[b, sq, sk]`` (fp32)
+    from queries ``[sq, b, hi, di]``, keys ``[sk, b, di]`` (one per token, or one per compressed
+    window in DeepSeek-V4) and head weights ``[sq, b, hi]``."""
+    n_heads, head_dim = q.shape[-2:]
+    q = q.permute(1, 0, 2, 3).float()  # [b, sq, hi, di]
+    k = k.permute(1, 2, 0).float()  # [b, di, sk]
+    per_head = F.relu(torch.matmul(q, k.unsqueeze(1)) * head_dim**-0.5)  # [b, sq, hi, sk]
+    weights = weights.float().transpose(0, 1) * n_heads**-0.5  # [b, sq, hi]
+    return torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [b, sq, sk]
+
+
 class DSAIndexer(MegatronModule):
     """The lightning indexer: top-k key indices per query (see the module docstring)."""
 
@@ -84,12 +96,8 @@ class DSAIndexer(MegatronModule):
         q = apply_rotary_pos_emb(q.view(s, b, self.n_heads, self.head_dim), rotary_pos_emb, mscale=mscale)
         k, _ = self.linear_wk(hidden_states)  # [s, b, di]
         k = apply_rotary_pos_emb(self.k_norm(k).unsqueeze(2), rotary_pos_emb, mscale=mscale)  # [s, b, 1, di]
-        q = q.permute(1, 0, 2, 3).float()  # [b, sq, hi, di]
-        k = k.squeeze(2).permute(1, 2, 0).float()  # [b, di, sk]
-        per_head = F.relu(torch.matmul(q, k.unsqueeze(1)) * self.head_dim**-0.5)  # [b, sq, hi, sk]
         weights, _ = self.linear_weights_proj(hidden_states)  # [s, b, hi]
-        weights = weights.float().transpose(0, 1) * self.n_heads**-0.5  # [b, sq, hi]
-        return torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [b, sq, sk]
+        return lightning_index_scores(q, k.squeeze(2), weights)  # [b, sq, sk]
 
     def forward(
         self,

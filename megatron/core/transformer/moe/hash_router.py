@@ -53,6 +53,8 @@ class HashRouter(TopKRouter):
     """``TopKRouter``'s gate (``weight`` ``[E, h]``, replicated over TP) with the experts taken from
     ``tid2eid[token_ids]``; a router for ``MoESubmodules.router`` in hash-routed layers."""
 
+    needs_token_ids = True  # MoELayer.routes_by_token_id: the layer asks for the input ids
+
     def __init__(
         self,
         config: TransformerConfig,

@@ -94,6 +94,11 @@ class MoELayer(MegatronModule):
         if layer_number is not None:
             self.set_layer_number(layer_number)
 
+    @property
+    def routes_by_token_id(self) -> bool:
+        """Whether the router picks experts by token id (``HashRouter``): the layer then needs ``token_ids``."""
+        return getattr(self.router, "needs_token_ids", False)
+
     def set_layer_number(self, layer_number: int) -> None:
         """Global 1-based number of the layer holding this MLP (the aux-loss tracker's index)."""
         self.layer_number = layer_number
