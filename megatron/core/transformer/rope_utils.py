@@ -1,4 +1,5 @@
-"""Rotating queries and keys by rotary position angles (RoPE); the angles come from ``RotaryEmbedding``.
+"""Rotating queries and keys by rotary position angles (RoPE); the angles come from ``RotaryEmbedding``
+(``rotary_inverse_frequencies`` and ``rotary_angles``, here so that attention can build angles of its own base).
 
 Also YaRN's two scales (they depend only on the config, so attention computes them itself):
 ``yarn_mscale`` and the cos/sin ``yarn_concentration``.
@@ -11,6 +12,18 @@ import math
 import torch
 
 from megatron.core.fusions.jit import jit_fuser
+
+
+def rotary_inverse_frequencies(dim: int, base: float) -> torch.Tensor:
+    """RoPE's inverse frequencies ``[dim/2]`` for ``dim`` rotated channels: ``base^(-2i/dim)``."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def rotary_angles(inv_freq: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Angles ``[s, 1, 1, dim]`` of ``positions`` ``[s]``: pairs (f0 f0 f1 f1 ...) or halves (f0 f1 ... f0 f1 ...)."""
+    freqs = torch.outer(positions, inv_freq)  # [s, dim/2]
+    emb = torch.stack((freqs, freqs), dim=-1).flatten(-2) if interleaved else torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]  # [s, 1, 1, dim]
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

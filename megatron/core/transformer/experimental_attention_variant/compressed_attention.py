@@ -40,7 +40,6 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
@@ -49,7 +48,7 @@ from megatron.core.transformer.hyper_connection import unweighted_rms_norm
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import ReplicatedLinear
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.rope_utils import apply_rotary_pos_emb, rotary_angles, rotary_inverse_frequencies
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -65,8 +64,8 @@ def rotate_tail(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> 
 
 def compressed_freqs(freqs: torch.Tensor, base: float, length: int) -> torch.Tensor:
     """Angles ``[length, 1, 1, r]`` of base ``base`` for positions ``0..length-1``, as wide as ``freqs``."""
-    rotary = RotaryEmbedding(freqs.shape[-1], rotary_interleaved=True, rotary_base=base).to(freqs.device)
-    return rotary(length)
+    inv_freq = rotary_inverse_frequencies(freqs.shape[-1], base).to(freqs.device)
+    return rotary_angles(inv_freq, torch.arange(length, dtype=torch.float32, device=freqs.device), interleaved=True)
 
 
 class KVCompressor(MegatronModule):

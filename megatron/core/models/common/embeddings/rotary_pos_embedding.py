@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.rope_utils import apply_rotary_pos_emb, rotary_angles, rotary_inverse_frequencies
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb", "llama3_scaled_frequencies"]
 
@@ -68,7 +68,7 @@ class RotaryEmbedding(torch.nn.Module):
             raise ValueError(f"rotary dimension kv_channels x rotary_percent = {dim} must be even")
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
-        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim/2]
+        inv_freq = rotary_inverse_frequencies(dim, rotary_base)  # [dim/2]
         if rope_scaling:
             if rope_scaling_factor < 1.0:
                 raise ValueError(f"rope_scaling_factor={rope_scaling_factor}: must be >= 1")
@@ -80,9 +80,4 @@ class RotaryEmbedding(torch.nn.Module):
         pos = torch.arange(max_seq_len, dtype=torch.float32, device=self.inv_freq.device) + offset  # [s]
         if self.seq_len_interpolation_factor is not None:
             pos = pos / self.seq_len_interpolation_factor
-        freqs = torch.outer(pos, self.inv_freq)  # [s, dim/2]
-        if self.rotary_interleaved:
-            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # [s, dim]: f0 f0 f1 f1 ...
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)  # [s, dim]: f0 f1 ... f0 f1 ...
-        return emb[:, None, None, :]  # [s, 1, 1, dim]
+        return rotary_angles(self.inv_freq, pos, self.rotary_interleaved)  # [s, 1, 1, dim]
