@@ -157,8 +157,6 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
                 "exp_avg_sq_dtype",
                 "decoupled_weight_decay",
                 "overlap_param_gather_with_optimizer_step",
-                "optimizer_cpu_offload",
-                "optimizer_offload_fraction",
                 "use_torch_optimizer_for_cpu_offload",
                 "overlap_cpu_optimizer_d2h_h2d",
                 "pin_cpu_grads",
