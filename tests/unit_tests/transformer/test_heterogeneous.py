@@ -3,7 +3,7 @@
 References: the block-config arithmetic written out here (heads per group, Llama's ffn_mult rounding);
 a Hugging Face ``LlamaForCausalLM`` whose decoder layers are rebuilt one by one with each layer's own
 ``num_key_value_heads`` / ``intermediate_size``, with a linear or a zero module where a block replaces or
-drops a part (what Nemotron-NAS's DeciLM does; transformers has no DeciLM class), logits within 1e-4;
+drops a part (what Nemotron-NAS's DeciLM does; transformers has no DeciLM class), logits within 1e-5;
 TP=2 (with and without sequence parallelism) against one rank: loss and gradients within rtol 1e-5.
 """
 
@@ -215,7 +215,8 @@ def _models_body(rank, world_size):
 
 def test_heterogeneous_gpt_matches_the_reference_and_one_rank_at_tp2():
     errors = run_distributed(_models_body, 2)
-    assert max(errors) < 1e-4, errors  # measured: ~1e-6
+    # Measured 0.0 (logits up to 0.66); scaling layer 0's k_proj by 1.01 in the reference moves them by 4e-5.
+    assert max(errors) < 1e-5, errors
 
 
 CLI_BLOCKS = {
