@@ -17,6 +17,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.sft_dataset import SFTDataset, SFTDatasetConfig, packed_batch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,7 +42,8 @@ def model_provider(
     """The GPT model (this rank's pipeline stage / virtual chunk) described by the flags.
 
     With --num-experts the layers are MoE where --moe-layer-freq says (one spec per layer); with
-    --multi-latent-attention their attention is MLA; with --transformer-impl transformer_engine and TE
+    --multi-latent-attention their attention is MLA; with --heterogeneous-layers-config-path each layer
+    follows its block config (get_gpt_heterogeneous_layer_spec); with --transformer-impl transformer_engine and TE
     importable, self-attention and dense MLPs use TE's linears. Global rank 0 prints the theoretical memory per
     rank first (Megatron's report, before building)
     unless ``report_memory`` is False (the server).
@@ -62,7 +64,11 @@ def model_provider(
     # One spec per layer (MoE where --moe-layer-freq says); TE's linears where --transformer-impl
     # transformer_engine (the default) asks for them and TE imports (else the local layers, and
     # model_setup.report_transformer_impl says so once).
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=config.transformer_impl == "transformer_engine")
+    use_te = config.transformer_impl == "transformer_engine"
+    if config.heterogeneous_block_specs:  # --heterogeneous-layers-config-path: each layer's own block config
+        spec = get_gpt_heterogeneous_layer_spec(config, use_te=use_te)
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -89,6 +89,8 @@ MODULES: Tuple[str, ...] = (
     "hyper_comm_grid",
     "inference.contexts.dynamic_context",
     "transformer.heterogeneous.heterogeneous_config",
+    "transformer.heterogeneous.linear_replacements",
+    "models.gpt.heterogeneous.heterogeneous_layer_specs",
 )
 
 # Modules too large to cover whole: only these names of theirs are listed (issue 38's list).
@@ -108,6 +110,8 @@ SELECTED: Dict[str, Tuple[str, ...]] = {
     "dist_checkpointing.strategies.base": ("StrategyAction",),
     "transformer.moe.moe_layer": ("MoELayer",),
     "inference.contexts.dynamic_context": ("DynamicInferenceContext",),
+    "transformer.heterogeneous.linear_replacements": ("ColumnParallelLinearGathered",),
+    "models.gpt.heterogeneous.heterogeneous_layer_specs": ("get_gpt_heterogeneous_layer_spec",),
 }
 
 # Private names that downstream code uses widely enough to be part of the surface.

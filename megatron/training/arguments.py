@@ -21,7 +21,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import validation
 from megatron.training.checkpoint_config import CheckpointConfig
 from megatron.training.data import VocabularyCheck
-from megatron.training.flags.registry import RECORDS, config_from_args, config_kwargs, flag_specs
+from megatron.training.flags.registry import (
+    RECORDS,
+    config_from_args,
+    config_kwargs,
+    flag_specs,
+    transformer_config_class,
+)
 from megatron.training.flags_table import build_parser
 from megatron.training.straggler import StragglerConfig
 from megatron.training.theoretical_memory_params import LanguageModelShape
@@ -102,8 +108,13 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
 def core_transformer_config_from_args(
     args: argparse.Namespace, config_class: type = TransformerConfig, **overrides: Any
 ) -> TransformerConfig:
-    """A ``TransformerConfig`` (or subclass) from validated args; ``overrides`` win over the flags."""
-    return config_class(**{**config_kwargs(TransformerConfig, args), **overrides})
+    """A ``TransformerConfig`` (or subclass) from validated args; ``overrides`` win over the flags.
+
+    The default class becomes ``HeterogeneousTransformerConfig`` with --heterogeneous-layers-config-path
+    or --heterogeneous-layers-config-encoded-json."""
+    if config_class is TransformerConfig:
+        config_class = transformer_config_class(args)
+    return config_class(**{**config_kwargs(config_class, args), **overrides})
 
 
 def optimizer_param_scheduler_kwargs(args: argparse.Namespace) -> Dict[str, Any]:

@@ -37,6 +37,7 @@ from megatron.training.flags.registry import (
     flag_specs,
     flags_with,
     not_supported_yet,
+    transformer_config_class,
 )
 from megatron.training.flags_table import FlagSpec
 from megatron.training.training_config import TrainingConfig
@@ -523,6 +524,8 @@ def check_configs(args: argparse.Namespace) -> None:
     parallelism off under TP 1) is read back into ``args``.
     """
     for target in CHECKED_CONFIGS:
+        if target is TransformerConfig:
+            target = transformer_config_class(args)  # heterogeneous layers: the per-layer config
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -531,9 +534,11 @@ def check_configs(args: argparse.Namespace) -> None:
                 raise ArgumentsError(flag_message(target, str(err))) from err
         for warning in caught:
             warnings.warn(flag_message(target, str(warning.message)), warning.category, stacklevel=2)
-        if target is TransformerConfig:
+        if isinstance(config, TransformerConfig):
             args.kv_channels, args.moe_ffn_hidden_size = config.kv_channels, config.moe_ffn_hidden_size
             args.sequence_parallel = config.sequence_parallel
+        if getattr(config, "heterogeneous_block_specs", False):  # the JSON read from the path: checkpoints keep it
+            args.heterogeneous_layers_config_encoded_json = config.heterogeneous_layers_config_encoded_json
 
 
 def check_sequence_split(args: argparse.Namespace) -> None:

@@ -52,3 +52,13 @@ def test_the_comparison_sees_signature_differences():
     assert wrong_default == ["default of 'b': upstream 1"]
     problems, extended = api_surface.compare_params(up, [("a", "pos", EMPTY), ("b", "pos", 1), ("c", "kw", None)])
     assert (problems, extended) == ([], True)
+
+
+def test_every_covered_module_path_imports():
+    """Issue 38: code written for megatron-core imports the same module paths (no oracle needed)."""
+    import importlib
+
+    extra = ("megatron.training.tokenizer", "megatron.training.initialize", "megatron.training.global_vars")
+    extra += ("megatron.training.argument_utils", "megatron.core.inference.contexts.static_context")
+    for path in [f"megatron.core.{m}" for m in api_surface.MODULES] + list(extra):
+        importlib.import_module(path)

@@ -153,7 +153,10 @@ def get_megatron_optimizer(
     ``optimizer="muon"`` splits each group into its 2-D weights (Muon; not the word embedding or the
     output layer) and the rest (AdamW), one torch optimizer (``muon.MuonWithAdamW``) for both.
     fp32 -> ``FP32Optimizer``; bf16/fp16 -> ``Float16OptimizerWithFloat16Params`` (fp16 with a
-    loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision).
+    loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision). With
+    ``optimizer_cpu_offload`` each of them steps its fp32 main parameters through a
+    ``HybridDeviceOptimizer``: the first ``optimizer_offload_fraction`` of their elements (this
+    rank's shard with the distributed optimizer) and their Adam moments live on the host.
     Gradient statistics are summed over the model-parallel group (plus DP for the distributed
     optimizer, whose ranks hold different slices); those of expert parameters over
     ``tp_ep_pp`` (plus ``expt_dp``), since each expert-parallel rank holds other experts. With several

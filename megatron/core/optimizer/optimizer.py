@@ -55,6 +55,7 @@ from megatron.core.optimizer.clip_grads import (
     get_grad_norm_fp32,
     unscale_and_find_nonfinite,
 )
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.muon import make_muon
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -119,24 +120,41 @@ def _fused_adam_available(groups: List[Dict[str, Any]]) -> bool:
 def make_torch_optimizer(
     config: OptimizerConfig, groups: List[Dict[str, Any]], tp_groups: Optional[Tuple[dist.ProcessGroup, ...]] = None
 ) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay), SGD with momentum, or Muon (``tp_groups``: its TP gathers) over ``groups``."""
+    """AdamW (decoupled weight decay), SGD with momentum, or Muon (``tp_groups``: its TP gathers) over ``groups``;
+    with ``config.optimizer_cpu_offload`` the AdamW / SGD runs inside a ``HybridDeviceOptimizer``."""
     if config.optimizer == "muon":
         return make_muon(config, groups, tp_groups)
+    cls, settings = _torch_optimizer_settings(config, groups)
+    if config.optimizer_cpu_offload:
+        return HybridDeviceOptimizer(
+            groups,
+            offload_fraction=config.optimizer_offload_fraction,
+            cpu_optimizer_cls=cls,
+            gpu_optimizer_cls=cls,
+            param_update_in_fp32=True,
+            pin_cpu_grads=config.pin_cpu_grads,
+            pin_cpu_params=config.pin_cpu_params,
+            overlap_cpu_optimizer_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+            **settings,
+        )
+    return cls(groups, **settings)
+
+
+def _torch_optimizer_settings(config: OptimizerConfig, groups: List[Dict[str, Any]]) -> Tuple[type, Dict[str, Any]]:
+    """The torch class and constructor settings of ``config.optimizer`` (adam or sgd) over ``groups``."""
     if config.optimizer == "adam":
         # Megatron always steps a fused Adam (TE / apex). Torch's fused AdamW makes one pass per
         # tensor: 6-8x faster than its reference loop on GPT-2 small's 124M fp32 parameters on a
         # 2-core CPU; equal to it up to rounding, and elementwise, so
         # bit-identical however the distributed optimizer shards a parameter.
-        fused = _fused_adam_available(groups)
-        return torch.optim.AdamW(
-            groups,
-            lr=config.lr or 0.0,
-            weight_decay=config.weight_decay,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            **({"fused": True} if fused else {}),
+        settings = dict(
+            lr=config.lr or 0.0, weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2)
         )
-    return torch.optim.SGD(groups, lr=config.lr or 0.0, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
+        settings["eps"] = config.adam_eps
+        if _fused_adam_available(groups):
+            settings["fused"] = True
+        return torch.optim.AdamW, settings
+    return torch.optim.SGD, dict(lr=config.lr or 0.0, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
 
 
 GROUP_KIND_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "use_muon", "muon_qkv_split")
@@ -356,7 +374,7 @@ class MegatronOptimizer:
         state = {
             k: v
             for k, v in self.optimizer.state.get(link.main, {}).items()
-            if torch.is_tensor(v) and v.shape == link.main.shape
+            if torch.is_tensor(v) and v.shape == link.main.shape and k != "master_param"  # HDO's host copy
         }
         if link.is_copy and state:
             state["main_param"] = link.main
@@ -407,6 +425,8 @@ class MegatronOptimizer:
                 if name in state and name not in _RESERVED:
                     for link in by_model.get(id(param), []):
                         self._load_link(link, state[name], step)
+            if isinstance(self.optimizer, HybridDeviceOptimizer):
+                self.optimizer._sync_hdo_state_to_sub_optimizers()  # the entries into its inner optimizers
         restore_group_settings(self.optimizer.param_groups, state.get("param_groups", []))
         if self.grad_scaler is not None and state.get("loss_scaler") is not None:
             self.grad_scaler.load_state_dict(state["loss_scaler"])

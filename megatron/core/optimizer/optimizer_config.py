@@ -37,10 +37,16 @@ class OptimizerConfig:
     clipping (the norm is still computed and returned).
 
     Every field of megatron-core 0.16 exists with its default, in its order. Those of features not
-    built here (precision-aware optimizer and its dtypes, CPU offloading, Adam without
+    built here (the precision-aware optimizer's non-fp32 dtypes, Adam without
     decoupled weight decay, weight decay on QK layernorms, overlapping the gather with the step,
-    the config logger) raise ``ValueError`` when set off their default (``_refuse_unbuilt``); the
-    offloading sub-settings only matter once it is on; the ``muon_*`` fields once ``optimizer="muon"``
+    the config logger) raise ``ValueError`` when set off their default (``_refuse_unbuilt``).
+    ``optimizer_cpu_offload`` steps through ``HybridDeviceOptimizer`` (``_check_cpu_offload``: adam or
+    sgd, ``optimizer_offload_fraction`` in [0, 1]); ``use_torch_optimizer_for_cpu_offload``,
+    ``overlap_cpu_optimizer_d2h_h2d`` and the pinning switches change nothing here (both sides are
+    torch optimizers; copies are synchronous). ``use_precision_aware_optimizer`` (adam and the
+    distributed optimizer, as upstream asserts) with the default fp32 ``main_*`` / ``exp_avg*`` dtypes
+    computes what our distributed optimizer computes already (fp32 main parameters and moments);
+    the ``muon_*`` fields matter once ``optimizer="muon"``
     (``_check_muon``: not with the distributed optimizer; ``muon_tp_mode`` blockwise or duplicated); ``fp8_recipe``,
     ``store_param_remainders`` and ``barrier_with_L1_time`` (a timing barrier) have no effect.
     """
@@ -106,19 +112,32 @@ class OptimizerConfig:
         defaults = {
             "apply_wd_to_qk_layernorm": False,
             "reuse_grad_buf_for_mxfp8_param_ag": False,
-            "use_precision_aware_optimizer": False,
             "main_grads_dtype": torch.float32,
             "main_params_dtype": torch.float32,
             "exp_avg_dtype": torch.float32,
             "exp_avg_sq_dtype": torch.float32,
             "decoupled_weight_decay": True,
             "overlap_param_gather_with_optimizer_step": False,
-            "optimizer_cpu_offload": False,
             "config_logger_dir": "",
         }
         off = [f"{name}={getattr(self, name)!r}" for name, value in defaults.items() if getattr(self, name) != value]
         if off:
             raise ValueError(f"{', '.join(off)}: not supported yet (only the default)")
+
+    def _check_cpu_offload(self) -> None:
+        """``optimizer_cpu_offload`` and ``use_precision_aware_optimizer``: what they combine with."""
+        if self.optimizer_cpu_offload:
+            _require_range("optimizer_offload_fraction", self.optimizer_offload_fraction, 0.0, 1.0)
+            if self.optimizer not in ("adam", "sgd"):
+                raise ValueError(
+                    f"optimizer_cpu_offload=True with optimizer={self.optimizer!r}: only adam and sgd "
+                    "are offloaded (HybridDeviceOptimizer)"
+                )
+        if self.use_precision_aware_optimizer and (self.optimizer != "adam" or not self.use_distributed_optimizer):
+            raise ValueError(
+                f"use_precision_aware_optimizer=True with optimizer={self.optimizer!r}, use_distributed_optimizer="
+                f"{self.use_distributed_optimizer}: needs optimizer='adam' and use_distributed_optimizer=True"
+            )
 
     def _check_muon(self) -> None:
         """The ``muon_*`` fields and what Muon does not combine with yet (``optimizer="muon"`` only)."""
@@ -154,6 +173,7 @@ class OptimizerConfig:
         _require_range("sgd_momentum", self.sgd_momentum, 0.0, 1.0)
         if self.optimizer == "muon":
             self._check_muon()
+        self._check_cpu_offload()
         if self.adam_eps <= 0:
             raise ValueError(f"adam_eps={self.adam_eps!r}: must be > 0")
         if self.loss_scale is not None and self.loss_scale <= 0:

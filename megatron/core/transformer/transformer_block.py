@@ -117,8 +117,10 @@ class TransformerBlock(MegatronModule):
                     f"num_layers={self.config.num_layers}"
                 )
             spec = spec.layer_specs[number - 1]
+        # A heterogeneous model (transformer/heterogeneous) builds each layer with its own shapes.
+        config = self.config.get_config_for_layer(number) if self.config.heterogeneous_block_specs else self.config
         with initialization_rng(self.config.initialization_seed, f"{self.name}.layers.{number - 1}"):
-            layer = build_module(spec, self.config, layer_number=number, pg_collection=groups, add_layer_offset=False)
+            layer = build_module(spec, config, layer_number=number, pg_collection=groups, add_layer_offset=False)
         attach_quantizers(layer, self.config, groups, number)  # FP8/FP4 GEMMs, when the config asks
         return layer
 

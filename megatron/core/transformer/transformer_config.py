@@ -285,6 +285,9 @@ class TransformerConfig(ModelParallelConfig):
     transformer_impl: str = "transformer_engine"
     """'transformer_engine' (Megatron's default): the layers' linears are Transformer Engine's where it
     imports (``core/extensions/transformer_engine.py``), else the local ones; 'local': always the local ones."""
+    heterogeneous_block_specs: bool = False
+    """Layers differ in shape: ``TransformerBlock`` builds layer n with ``get_config_for_layer(n)`` (set by
+    ``transformer/heterogeneous``'s ``HeterogeneousTransformerConfig``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

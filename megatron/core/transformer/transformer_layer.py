@@ -205,7 +205,9 @@ class TransformerLayer(MegatronModule):
     ) -> torch.Tensor:
         """``x + attn(norm(x))`` (or the post-LN variants): ``[s(/tp), b, h]`` -> same shape."""
         normed = self.input_layernorm(hidden_states)
-        attn_out, attn_bias = self.self_attention(normed, attention_mask, rotary_pos_emb=rotary_pos_emb, **given)
+        attn_out, attn_bias = self.self_attention(
+            normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, **given
+        )
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, residual)
         if self.post_self_attn_layernorm is not None:

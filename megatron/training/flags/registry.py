@@ -27,9 +27,20 @@ from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_config import CheckpointConfig
-from megatron.training.flags import checkpointing, data, deepseek_v4, hybrid, logging, model, moe, training
+from megatron.training.flags import (
+    checkpointing,
+    data,
+    deepseek_v4,
+    heterogeneous,
+    hybrid,
+    logging,
+    model,
+    moe,
+    training,
+)
 from megatron.training.flags.record import Bounds, Fill, Flag, NoOp, NotSupportedYet, SavedArgs
 from megatron.training.flags_table import FlagSpec, megatron_flag_specs
 from megatron.training.theoretical_memory_params import LanguageModelShape
@@ -40,6 +51,7 @@ _ALL: Tuple[Flag, ...] = (
     model.RECORDS
     + hybrid.RECORDS
     + deepseek_v4.RECORDS
+    + heterogeneous.RECORDS
     + moe.RECORDS
     + training.RECORDS
     + checkpointing.RECORDS
@@ -62,6 +74,7 @@ RECORDS: Dict[str, Flag] = _index(_ALL)
 # The configs built from flags; OptimizerParamScheduler stands for its keyword arguments.
 CONFIG_TARGETS: Tuple[type, ...] = (
     TransformerConfig,
+    HeterogeneousTransformerConfig,
     DistributedDataParallelConfig,
     OptimizerConfig,
     OptimizerParamScheduler,
@@ -117,6 +130,9 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
         ),
         "beta_fast": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 32.0),
         "beta_slow": NotAFlag("YaRN: Megatron has no flag; MLATransformerConfig's default", 1.0),
+        "heterogeneous_block_specs": NotAFlag(
+            "set by HeterogeneousTransformerConfig (--heterogeneous-layers-config-path / -encoded-json)"
+        ),
     },
     DistributedDataParallelConfig: {
         "use_custom_fsdp": NotAFlag("Megatron's older name of use_megatron_fsdp (--use-megatron-fsdp)"),
@@ -154,8 +170,6 @@ NOT_A_FLAG: Dict[type, Dict[str, NotAFlag]] = {
                 "exp_avg_sq_dtype",
                 "decoupled_weight_decay",
                 "overlap_param_gather_with_optimizer_step",
-                "optimizer_cpu_offload",
-                "optimizer_offload_fraction",
                 "use_torch_optimizer_for_cpu_offload",
                 "overlap_cpu_optimizer_d2h_h2d",
                 "pin_cpu_grads",
@@ -251,6 +265,12 @@ def config_kwargs(target: type, args: argparse.Namespace) -> Dict[str, Any]:
         if entry.value is not _UNSET:
             kwargs[name] = entry.value
     return kwargs
+
+
+def transformer_config_class(args: argparse.Namespace) -> type:
+    """``HeterogeneousTransformerConfig`` when a heterogeneous-layers flag is given, else ``TransformerConfig``."""
+    names = ("heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json")
+    return HeterogeneousTransformerConfig if any(getattr(args, n, None) for n in names) else TransformerConfig
 
 
 def config_from_args(target: type, args: argparse.Namespace, **overrides: Any) -> Any:

@@ -125,13 +125,21 @@ RECORDS = (
     ),
     Flag("use_flash_attn", no_op(reasons.KERNEL)),
     Flag("optimizer", not_yet("adam", "sgd", "muon"), fills=same(OPT)),
-    Flag("optimizer_cpu_offload", not_yet(False)),
-    Flag("optimizer_offload_fraction", no_op(reasons.UNDER_REFUSED)),
-    Flag("use_torch_optimizer_for_cpu_offload", no_op(reasons.UNDER_REFUSED)),
-    Flag("overlap_cpu_optimizer_d2h_h2d", no_op(reasons.UNDER_REFUSED)),
+    Flag(
+        "optimizer_cpu_offload",
+        IMPLEMENTED,
+        help="Step the optimizer through HybridDeviceOptimizer: the first --optimizer-offload-fraction of this "
+        "rank's main-parameter elements, and their Adam moments, live and update on the host (adam or sgd).",
+        fills=same(OPT),
+        speed_only=SPEED_BITWISE,
+    ),
+    Flag("optimizer_offload_fraction", IMPLEMENTED, fills=same(OPT), speed_only=SPEED_BITWISE),
+    # Both sides of the hybrid optimizer are torch optimizers here, and its copies are synchronous.
+    Flag("use_torch_optimizer_for_cpu_offload", no_op(reasons.KERNEL)),
+    Flag("overlap_cpu_optimizer_d2h_h2d", no_op(reasons.OVERLAP)),
     Flag("dump_param_to_param_group_map", not_yet(None)),
-    Flag("pin_cpu_grads", no_op(reasons.UNDER_REFUSED)),
-    Flag("pin_cpu_params", no_op(reasons.UNDER_REFUSED)),
+    Flag("pin_cpu_grads", no_op(reasons.MEMORY)),
+    Flag("pin_cpu_params", no_op(reasons.MEMORY)),
     Flag("dataloader_type", not_yet(None, "single", "cyclic"), fills=same(TRAIN)),
     Flag(
         "no_persist_layer_norm",

@@ -1,5 +1,6 @@
 """Multi-rank optimizer checks: gradient-norm counting over TP x PP, the distributed optimizer's
-1/d state and its by-name checkpoint contract, and check_for_nan_in_grad.
+1/d state and its by-name checkpoint contract, CPU offloading (HybridDeviceOptimizer) under it, and
+check_for_nan_in_grad.
 
 References: the norm of the distinct full tensors computed locally on every rank; a plain
 (non-sharded) optimizer loaded from the distributed optimizer's by-name state (tolerance:
@@ -17,6 +18,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, gpt2_style
@@ -67,7 +69,7 @@ def test_grad_norm_over_tp_and_pp_counts_replicas_once():
     run_distributed(_grad_norm_counts_each_tensor_once, 4)
 
 
-def _build(groups, distributed, bf16=False):
+def _build(groups, distributed, bf16=False, **opt_kwargs):
     kw = {"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}
     model = build_gpt(gpt2_style(**kw), groups)
     ddp = DistributedDataParallel(
@@ -76,7 +78,9 @@ def _build(groups, distributed, bf16=False):
         model,
         pg_collection=groups,
     )
-    config = OptimizerConfig(lr=LR, weight_decay=0.1, adam_eps=EPS, use_distributed_optimizer=distributed, **kw)
+    config = OptimizerConfig(
+        lr=LR, weight_decay=0.1, adam_eps=EPS, use_distributed_optimizer=distributed, **kw, **opt_kwargs
+    )
     return model, ddp, get_megatron_optimizer(config, [ddp], pg_collection=groups)
 
 
@@ -120,6 +124,57 @@ def test_distributed_optimizer_state_is_sharded_and_portable(world_size):
 
 def test_distributed_optimizer_bf16_state():
     run_distributed(_distributed_state, 2, True)
+
+
+OFFLOAD = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, use_precision_aware_optimizer=True)
+
+
+def _offloaded_state(rank, world_size):
+    """DP=2 distributed optimizer with half of each rank's shard offloaded: where things live, the same
+    steps as without offloading (bitwise: the same fused AdamW on the same fp32 values), and a by-name
+    checkpoint round trip into a fresh offloaded optimizer that continues bit for bit."""
+    groups = ps.initialize_model_parallel()
+    ref_model, ref_ddp, ref = _build(groups, distributed=True)
+    model, ddp, opt = _build(groups, distributed=True, **OFFLOAD)
+    hdo = opt.optimizer
+    assert isinstance(hdo, HybridDeviceOptimizer)
+    mains = [p for g in opt.param_groups for p in g["params"]]
+    total, sizes = sum(p.numel() for p in mains), [p.numel() for p in hdo.offloaded_params]
+    assert sum(sizes) >= total / 2 > sum(sizes) - sizes[-1]  # the first half of the elements, in group order
+    host = {id(p) for o in hdo.cpu_optimizers for g in o.param_groups for p in g["params"]}
+    in_place = [p for g in hdo.gpu_optimizer.param_groups for p in g["params"]]
+    assert {id(hdo.param_to_inner_param[p]) for p in hdo.offloaded_params} == host  # separate host copies
+    assert all(hdo.param_to_inner_param[p].data_ptr() != p.data_ptr() for p in hdo.offloaded_params)
+    assert {id(p) for p in in_place} == {id(p) for p in mains} - {id(p) for p in hdo.offloaded_params}
+    for it in range(2):
+        assert train_step(ddp, opt, groups, it) == train_step(ref_ddp, ref, groups, it)
+    for p in hdo.offloaded_params:  # the moments of an offloaded shard are the host copy's
+        inner = hdo.param_to_inner_param[p]
+        assert any(inner in o.state for o in hdo.cpu_optimizers) and hdo.state[p]["exp_avg"].shape == p.shape
+    for p in in_place:
+        assert p in hdo.gpu_optimizer.state
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    state = opt.state_dict_by_param_name([ddp], all_ranks=True)
+    assert all("master_param" not in state[name] for name, _ in model.named_parameters())
+    again_model, again_ddp, again = _build(groups, distributed=True, **OFFLOAD)
+    again_model.load_state_dict(model.state_dict())
+    again.load_state_dict_by_param_name([again_ddp], state)
+    for p in again.optimizer.offloaded_params:
+        assert torch.equal(again.optimizer.state[p]["exp_avg"], opt.optimizer.state[_same(opt, again, p)]["exp_avg"])
+    assert train_step(again_ddp, again, groups, 2) == train_step(ddp, opt, groups, 2)
+    for p, q in zip(again_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def _same(opt, again, main):
+    """``opt``'s main parameter at ``again``'s ``main``'s position."""
+    index = [id(link.main) for link in again.links].index(id(main))
+    return opt.links[index].main
+
+
+def test_cpu_offloaded_distributed_optimizer_steps_and_reloads_bitwise():
+    run_distributed(_offloaded_state, 2)
 
 
 def _nan_check(rank, world_size):

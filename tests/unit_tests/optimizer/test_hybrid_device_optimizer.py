@@ -1,4 +1,5 @@
-"""``HybridDeviceOptimizer`` against plain torch optimizers (host parameters; this machine has no accelerator).
+"""``HybridDeviceOptimizer`` against plain torch optimizers (host parameters; this machine has no accelerator,
+so the host plays it: the offloaded fraction is updated through separate host copies).
 
 The reference runs ``torch.optim.AdamW`` itself, on fp32 master copies where the parameters are bf16.
 """
@@ -33,7 +34,11 @@ def test_host_parameters_step_like_the_cpu_optimizer_and_follow_lr_changes():
         _groups(ours_p), cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW
     )
     ref = torch.optim.AdamW(_groups(ref_p))
-    assert len(ours.sub_optimizers) == 1 and ours.gpu_optimizer is None  # nothing lives on an accelerator
+    # offload_fraction=0.5 of 36 elements: the first two 12-element parameters get host copies.
+    assert ours.offloaded_params == ours_p[:2] and len(ours.cpu_optimizers) == 1
+    host = [p for g in ours.cpu_optimizers[0].param_groups for p in g["params"]]
+    assert all(c.data_ptr() != p.data_ptr() for c, p in zip(host, ours_p[:2]))  # copies, not the parameters
+    assert [p for g in ours.gpu_optimizer.param_groups for p in g["params"]] == ours_p[2:]  # in place
     for step in range(3):
         if step == 2:  # a scheduler writes the outer groups; the inner optimizer must see it
             for opt in (ours, ref):
@@ -63,7 +68,9 @@ def _bf16_reference(params, steps):
 
 def test_bf16_parameters_update_through_fp32_masters_and_reload():
     ours_p = _params(torch.bfloat16)
-    ours = HybridDeviceOptimizer(_groups(ours_p), cpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True)
+    ours = HybridDeviceOptimizer(
+        _groups(ours_p), offload_fraction=1.0, cpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True
+    )
     for step in range(2):
         _grads(step, ours_p)
         ours.step()
@@ -74,7 +81,9 @@ def test_bf16_parameters_update_through_fp32_masters_and_reload():
     saved = copy.deepcopy(ours.state_dict())
     # A fresh optimizer over parameters restored from the (bf16) model checkpoint continues exactly.
     restored = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
-    again = HybridDeviceOptimizer(_groups(restored), cpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True)
+    again = HybridDeviceOptimizer(
+        _groups(restored), offload_fraction=1.0, cpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True
+    )
     again.load_state_dict(saved)
     assert again.state[restored[0]]["exp_avg"].dtype == torch.float32  # state kept in fp32
     for params, opt in ((ours_p, ours), (restored, again)):
@@ -87,7 +96,7 @@ def test_bf16_parameters_update_through_fp32_masters_and_reload():
 def test_dummy_step_creates_state_and_leaves_the_parameters():
     params = _params()
     before = [p.detach().clone() for p in params]
-    opt = HybridDeviceOptimizer(_groups(params), cpu_optimizer_cls=torch.optim.AdamW)
+    opt = HybridDeviceOptimizer(_groups(params), offload_fraction=1.0, cpu_optimizer_cls=torch.optim.AdamW)
     opt.dummy_step()
     assert all(torch.equal(p, b) and p.grad is None for p, b in zip(params, before))
     assert set(opt.state) == set(params) and "exp_avg" in opt.state[params[0]]

@@ -25,6 +25,7 @@ from megatron.core.optimizer import (
     SGDOptimizerConfig,
     get_megatron_optimizer,
 )
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from tests.dist_harness import run_distributed
@@ -61,9 +62,15 @@ def test_optimizer_config_fields_and_defaults_are_upstream():
         OptimizerConfig(learning_rate=1.0)
     assert AdamOptimizerConfig(lr=1.0).optimizer == "adam" and SGDOptimizerConfig(lr=1.0).optimizer == "sgd"
     assert [f.name for f in dataclasses.fields(SGDOptimizerConfig)] == [name for name, _ in UPSTREAM_FIELDS]
-    for changes in ({"use_precision_aware_optimizer": True}, {"exp_avg_dtype": torch.bfloat16}):
+    for changes in (
+        {"use_precision_aware_optimizer": True},  # needs adam and the distributed optimizer, as upstream
+        {"exp_avg_dtype": torch.bfloat16},
+        {"optimizer_offload_fraction": 1.5, "optimizer_cpu_offload": True},
+        {"optimizer_cpu_offload": True, "optimizer": "muon"},
+    ):
         with pytest.raises(ValueError, match=next(iter(changes))):
             OptimizerConfig(**changes)
+    OptimizerConfig(use_precision_aware_optimizer=True, use_distributed_optimizer=True, optimizer_cpu_offload=True)
 
 
 def test_signatures_are_upstream():
@@ -135,9 +142,13 @@ def _body(rank: int, world_size: int) -> None:
         torch.manual_seed(9)
         batches = [[torch.randn(5, 4) for _ in range(world_size)] for _ in range(3)]  # [step][rank]
         reference = _reference(batches, 3, lr=0.01, wd=0.1)
-        for distributed in (False, True):
-            config = OptimizerConfig(lr=0.01, weight_decay=0.1, clip_grad=0.0, use_distributed_optimizer=distributed)
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)  # HybridDeviceOptimizer
+        for distributed, extra in ((False, {}), (True, {}), (False, offload)):
+            config = OptimizerConfig(
+                lr=0.01, weight_decay=0.1, clip_grad=0.0, use_distributed_optimizer=distributed, **extra
+            )
             module, opt = _train(rank, batches, config, 3)
+            assert isinstance(opt.optimizer, HybridDeviceOptimizer) == bool(extra)
             for got, want in zip(module.parameters(), reference.parameters()):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             assert opt.get_loss_scale().item() == 1.0

@@ -48,6 +48,11 @@ FACTORS: Tuple[Factor, ...] = (
     _switch("overlap_grad_reduce", "--overlap-grad-reduce", "overlap_grad_reduce"),
     _switch("overlap_param_gather", "--overlap-param-gather", "overlap_param_gather"),
     _switch("distributed_optimizer", "--use-distributed-optimizer", "use_distributed_optimizer"),
+    Factor(  # HybridDeviceOptimizer: half of each rank's main parameters stepped through host copies
+        "optimizer_cpu_offload",
+        ("optimizer_cpu_offload", "optimizer_offload_fraction"),
+        (Level(()), Level(("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"))),
+    ),
     Factor("bucket_size", ("ddp_bucket_size",), (Level(()), Level(("--ddp-bucket-size", "2000")))),
     _switch("average_in_collective", "--ddp-average-in-collective", "ddp_average_in_collective"),
     _switch("grad_accumulation_fusion", "--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),

@@ -4,9 +4,13 @@ Megatron-core's class and signature. Of the parameters on an accelerator, the fi
 param-group order) up to ``offload_fraction`` of their elements get a host copy that
 ``cpu_optimizer_cls`` updates: each ``step`` copies their gradients to the host, steps, and copies
 the new values back. The other accelerator parameters are updated in place by
-``gpu_optimizer_cls``; parameters already on the host go to ``cpu_optimizer_cls`` directly (on a
-machine without an accelerator that is every parameter). With ``param_update_in_fp32`` a non-fp32
-parameter is updated through an fp32 master copy (kept in its state as ``master_param``).
+``gpu_optimizer_cls``; parameters already on the host go to ``cpu_optimizer_cls`` directly. When
+every parameter is on the host (a machine without an accelerator), the host plays the accelerator:
+the first ``offload_fraction`` of the elements get a separate host copy stepped by
+``cpu_optimizer_cls`` and the others are stepped in place by ``gpu_optimizer_cls`` (upstream steps
+them all in place with ``cpu_optimizer_cls``; the values are the same, and the split is observable).
+With ``param_update_in_fp32`` a non-fp32 parameter is updated through an fp32 master copy (kept in
+its state as ``master_param``).
 
 ``state``, ``param_groups``, ``state_dict`` and ``load_state_dict`` speak of the caller's parameters,
 as for any torch optimizer; learning-rate changes to ``param_groups`` reach the inner optimizers at
@@ -23,6 +27,10 @@ import torch
 
 def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
+
+
+def _all_on_host(groups: List[Dict[str, Any]]) -> bool:
+    return all(_on_host(p) for g in groups for p in g["params"])
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -69,19 +77,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _init_sub_optimizers(self) -> None:
         """Split every group into a host part and an accelerator part and build the inner optimizers."""
-        on_device = sum(p.numel() for g in self.param_groups for p in g["params"] if not _on_host(p))
-        budget, offloaded = on_device * self.offload_fraction, 0
+        host_is_device = _all_on_host(self.param_groups)  # no accelerator: the host plays it
+
+        def on_device(param: torch.Tensor) -> bool:
+            return host_is_device or not _on_host(param)
+
+        device_numel = sum(p.numel() for g in self.param_groups for p in g["params"] if on_device(p))
+        budget, offloaded = device_numel * self.offload_fraction, 0
+        self.offloaded_params: List[torch.Tensor] = []  # the caller's parameters updated through a host copy
         self.param_to_inner_param: Dict[torch.Tensor, torch.Tensor] = {}
         host_groups, device_groups = [], []
         self._group_pairs: List[Tuple[int, Dict[str, Any]]] = []  # (index in self.param_groups, inner group)
         for index, group in enumerate(self.param_groups):
             host, device = [], []
             for param in group["params"]:
-                offload = not _on_host(param) and offloaded < budget
+                offload = on_device(param) and offloaded < budget
                 offloaded += param.numel() if offload else 0
                 inner = self._inner_copy(param, offload)
                 self.param_to_inner_param[param] = inner
-                (host if _on_host(inner) else device).append(inner)
+                if offload:
+                    self.offloaded_params.append(param)
+                to_host = offload or (_on_host(param) and not host_is_device)
+                (host if to_host else device).append(inner)
             for inner_params, groups in ((host, host_groups), (device, device_groups)):
                 if inner_params:
                     groups.append((index, {**self._hyper(group), "params": inner_params}))
@@ -174,16 +191,32 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         finally:
             for group, params in zip(self.param_groups, originals):
                 group["params"] = params
-        owner = {p: opt for opt in self.sub_optimizers for group in opt.param_groups for p in group["params"]}
+        self.state = {self.inner_param_to_orig_param[inner]: st for inner, st in self.state.items()}
+        self._sync_hdo_state_to_sub_optimizers()
+
+    @torch.no_grad()
+    def _sync_hdo_state_to_sub_optimizers(self) -> None:
+        """Hand ``self.state`` (keyed by the caller's parameters, e.g. just loaded) to the inner optimizers.
+
+        The host / fp32 copies are refreshed from the parameters first; a ``master_param`` in the
+        state then wins for the fp32 copy. Moment tensors move to their copy's device, Adam's ``step``
+        to where the inner group's kernel reads it (the device for fused / capturable, else the host).
+        """
         self.update_fp32_param_by_new_param()
-        with torch.no_grad():
-            for optimizer in self.sub_optimizers:
-                optimizer.state.clear()
-            for inner, inner_state in self.state.items():
-                master = inner_state.pop("master_param", None)
-                if master is not None:
-                    inner.copy_(master)
-                owner[inner].state[inner] = inner_state
+        owner = {p: (opt, g) for opt in self.sub_optimizers for g in opt.param_groups for p in g["params"]}
+        for optimizer in self.sub_optimizers:
+            optimizer.state.clear()
+        for param, param_state in self.state.items():
+            inner = self.param_to_inner_param[param]
+            optimizer, group = owner[inner]
+            master = param_state.pop("master_param", None)
+            if master is not None:
+                inner.copy_(master)
+            on_device = group.get("fused") or group.get("capturable")
+            optimizer.state[inner] = {
+                k: v.to(inner.device if v.dim() > 0 or on_device else "cpu") if torch.is_tensor(v) else v
+                for k, v in param_state.items()
+            }
         self._sync_state_from_inner()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
