@@ -10,6 +10,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+)
 from megatron.core.extensions.transformer_engine import te_import_error
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -91,6 +95,21 @@ def _report_parameters(chunks: List[torch.nn.Module], groups: ProcessGroupCollec
         )
 
 
+def _wrap(
+    chunks: List[torch.nn.Module], args: argparse.Namespace, config: TransformerConfig, groups: ProcessGroupCollection
+) -> List[torch.nn.Module]:
+    """Each chunk in DistributedDataParallel, or in FSDP2 with ``--use-torch-fsdp2`` (as Megatron does, its
+    config carries only ``reshard_after_forward``, from ``--torch-fsdp2-no-reshard-after-forward``)."""
+    if args.use_torch_fsdp2:
+        fsdp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        return [TorchFullyShardedDataParallel(config, fsdp_config, chunk, pg_collection=groups) for chunk in chunks]
+    ddp_config = ddp_config_from_args(args)
+    return [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
 def setup_model_and_optimizer(
     model_provider: Callable,
     model_type: ModelType,
@@ -106,11 +125,7 @@ def setup_model_and_optimizer(
     chunks = build_model_chunks(model_provider, model_type, args, config, groups)
     _report_parameters(chunks, groups)
     sync_tied_embeddings(chunks, groups)
-    ddp_config = ddp_config_from_args(args)
-    wrapped = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
-        for i, chunk in enumerate(chunks)
-    ]
+    wrapped = _wrap(chunks, args, config, groups)
     for chunk in wrapped:
         chunk.broadcast_params()
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), wrapped, pg_collection=groups)
