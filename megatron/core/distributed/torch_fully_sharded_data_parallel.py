@@ -39,6 +39,7 @@ from megatron.core.distributed.fsdp_units import fsdp_unit_modules
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import is_expert_param
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import dtensor_rows
 
 EMBEDDING, OUTPUT = -1, -2  # unit numbers of the embedding and the output layer in ``events``
 
@@ -60,19 +61,9 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             )
 
 
-def shard_geometry(param: torch.Tensor) -> Tuple[int, int]:
-    """(first row, rows) of this rank's dim-0 shard of ``param`` (a DTensor sharded over one mesh dim)."""
-    rows = param.shape[0] if param.dim() else 1
-    mesh = param.device_mesh
-    size, rank = mesh.size(), mesh.get_local_rank()
-    chunk = -(-rows // size)  # torch.chunk's rows per piece
-    start = min(rank * chunk, rows)
-    return start, min(chunk, rows - start)
-
-
 def flat_range_of(param: DTensor) -> Tuple[int, int]:
     """This rank's shard of ``param`` as a range of the flattened (TP-local) tensor: dim-0 rows are contiguous."""
-    start, rows = shard_geometry(param)
+    start, rows = dtensor_rows(param)
     row = param.numel() // max(param.shape[0], 1) if param.dim() else 1
     return start * row, (start + rows) * row
 
@@ -132,6 +123,11 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         super().__init__()
         if config.fp16:
             raise ValueError("fp16=True: FSDP2 runs fp32 or bf16 (Megatron refuses fp16 with it too)")
+        if getattr(module, "share_embeddings_and_output_weights", False):
+            raise ValueError(
+                "share_embeddings_and_output_weights=True: under FSDP2 the output layer would read the embedding's "
+                "weight outside the embedding's gather (Megatron needs untied embeddings with FSDP2 too)"
+            )
         self.config, self.ddp_config, self.module = config, ddp_config, module
         groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         self.pg_collection = groups
