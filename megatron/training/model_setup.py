@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embeddings
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import (
-    ddp_config_from_args,
+    data_parallel_config_from_args,
     optimizer_config_from_args,
     optimizer_param_scheduler_kwargs,
 )
@@ -98,12 +98,10 @@ def _report_parameters(chunks: List[torch.nn.Module], groups: ProcessGroupCollec
 def _wrap(
     chunks: List[torch.nn.Module], args: argparse.Namespace, config: TransformerConfig, groups: ProcessGroupCollection
 ) -> List[torch.nn.Module]:
-    """Each chunk in DistributedDataParallel, or in FSDP2 with ``--use-torch-fsdp2`` (as Megatron does, its
-    config carries only ``reshard_after_forward``, from ``--torch-fsdp2-no-reshard-after-forward``)."""
-    if args.use_torch_fsdp2:
-        fsdp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
-        return [TorchFullyShardedDataParallel(config, fsdp_config, chunk, pg_collection=groups) for chunk in chunks]
-    ddp_config = ddp_config_from_args(args)
+    """Each chunk in DistributedDataParallel, or in FSDP2 with ``--use-torch-fsdp2``."""
+    ddp_config = data_parallel_config_from_args(args)
+    if isinstance(ddp_config, TorchFullyShardedDataParallelConfig):
+        return [TorchFullyShardedDataParallel(config, ddp_config, chunk, pg_collection=groups) for chunk in chunks]
     return [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
         for i, chunk in enumerate(chunks)

@@ -2,7 +2,7 @@
 
 One spawned pair of gloo ranks runs a training step of each small config of the grid (TP 1/2,
 SP on/off, recompute none/selective/full, PP 2 with 1F1B and interleaved, MoE, distributed
-optimizer, Megatron-FSDP's optim_grads and optim_grads_params, bf16, multi-latent attention with shared
+optimizer, Megatron-FSDP's optim_grads and optim_grads_params, PyTorch FSDP2, bf16, multi-latent attention with shared
 experts and multi-token prediction) and
 measures (``tests/memory_probe.py``): the parameter, gradient-buffer and optimizer bytes as
 distinct storages, and the peak of the bytes autograd keeps for backward over
@@ -57,6 +57,7 @@ GRID = [
         "tp1 dp2 fsdp optim_grads_params bf16", bf16=True, dist_opt=True, sharding="optim_grads_params", num_layers=3
     ),
     MemCase("tp1 dp2 moe fsdp optim_grads", moe=True, dist_opt=True, sharding="optim_grads"),
+    MemCase("tp1 dp2 torch fsdp2 bf16", bf16=True, fsdp2=True, extra=dict(share_embeddings_and_output_weights=False)),
     MemCase("tp2 sp", tp=2, sp=True),
     MemCase("tp2 sp selective", tp=2, sp=True, recompute="selective"),
     MemCase("tp2 sp full uniform", tp=2, sp=True, recompute="full"),
