@@ -179,11 +179,14 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("torch_fsdp2", "dist_opt", "FSDP2 shards the optimizer state itself (Megatron refuses it too)"),
     Refused("torch_fsdp2", "megatron_fsdp", "one fully sharded data parallelism at a time"),
     Refused("torch_fsdp2", "pp", "Megatron refuses FSDP2 with pipeline parallelism"),
-    Refused("torch_fsdp2", "grad_acc_fusion", "FSDP2 owns the gradients: no fused accumulation into main_grad"),
+    Refused(
+        "torch_fsdp2",
+        "grad_acc_fusion",
+        "FSDP2 owns the gradients: no fused accumulation into main_grad (set it False)",
+    ),
     Refused("torch_fsdp2", "ckpt_not_torch_dist", "FSDP2 checkpoints are sharded: use ckpt_format='torch_dist'"),
     Refused("torch_fsdp2", "tied_embeddings", "Megatron needs untie_embeddings_and_output_weights=True with FSDP2"),
     Refused("torch_fsdp2", "fp16", "Megatron runs FSDP2 in fp32 or bf16 only"),
-    Refused("torch_fsdp2", "fp8_param_gather", "not supported yet: FP8 weights stored sharded"),
     Refused("torch_fsdp2", "muon", "not supported yet: Muon orthogonalises whole matrices, FSDP2 holds rows"),
     # recomputation
     Refused("full_recompute", "no_recompute_method", "full recomputation needs recompute_method='uniform' or 'block'"),
