@@ -25,6 +25,9 @@ Measured on the shared 2-core CPU machine (2026-12-02), 4 layers, hidden 256, vo
          optim_grads_params 8.000 / 8.000
     d=4: no_shard 16.000 / 16.000, optim 7.000 / 7.000, optim_grads 5.500 / 5.500,
          optim_grads_params 4.000 / 4.000 (every row +0.00%)
+    torch_fsdp2 (untied: 3.69M parameters), d=4: params 1.000, grads 1.000, main 0.000, adam 2.000,
+         total 4.000 / 4.000 (+0.00%), beside optim 7.000 / 7.000 in the same command
+         (``--dp 4 --strategies optim torch_fsdp2``)
 """
 
 from __future__ import annotations
