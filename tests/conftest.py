@@ -82,6 +82,9 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_pretrain_gpt_fsdp2.py::test_checkpoints_move_between_fsdp2_and_the_distributed_optimizer[fsdp2-dp4-to-distopt-dp2]": (  # noqa: E501
         "[fsdp2-dp2-to-distopt-dp1] (the same save and load paths; any DP size reads the whole tensors)"
     ),
+    "tests/fault/test_crafted_checkpoint.py::test_crafted_fsdp2_checkpoint_refused_on_resume": (
+        "test_refused_by_training_resume_and_converter (the same .metadata read before any layout's load)"
+    ),
     "tests/unit_tests/distributed/test_data_parallel.py::test_dp_training_equals_single_rank[4-1]": "[4-2]",
     "tests/unit_tests/transformer/test_moe_expert_parallel.py::test_ep2_training_with_clipping_equals_single_rank[4-1]": (  # noqa: E501
         "[4-2]"
