@@ -24,6 +24,11 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+    local_shard,
+)
 from megatron.core.models.mamba import MambaModel
 from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -121,6 +126,7 @@ class MemCase:
     sharding: str = "no_shard"  # Megatron-FSDP's data_parallel_sharding_strategy (others need dist_opt)
     instances: int = 1  # num_distributed_optimizer_instances (needs dist_opt)
     hybrid: Optional[str] = None  # a MambaModel of this layer pattern (``M * - E``), num_layers symbols
+    fsdp2: bool = False  # PyTorch FSDP2 (TorchFullyShardedDataParallel; the model untied)
     extra: Dict = field(default_factory=dict)
 
     def model_kwargs(self) -> Dict:
@@ -166,17 +172,11 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
             chunks.append(_build_hybrid(kw, groups, case.hybrid, **ends))
         else:
             chunks.append(build_gpt(kw, groups, vp_stage=c, **ends, **extra))
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        use_distributed_optimizer=case.dist_opt,
-        use_megatron_fsdp=case.sharding != "no_shard",
-        data_parallel_sharding_strategy=case.sharding,
-        num_distributed_optimizer_instances=case.instances,
-    )
-    wrapped = [
-        DistributedDataParallel(chunks[0].config, ddp_config, c, disable_bucketing=i > 0, pg_collection=groups)
-        for i, c in enumerate(chunks)
-    ]
+    if case.fsdp2:
+        ddp_config = TorchFullyShardedDataParallelConfig()
+        wrapped = [TorchFullyShardedDataParallel(c.config, ddp_config, c, pg_collection=groups) for c in chunks]
+    else:
+        ddp_config, wrapped = _ddp_wrapped(case, chunks, groups)
     half = {"params_dtype": torch.bfloat16, "bf16": True} if case.bf16 else {}
     opt_config = OptimizerConfig(lr=1e-4, use_distributed_optimizer=case.dist_opt, **half)
     optimizer = get_megatron_optimizer(opt_config, wrapped, pg_collection=groups)
@@ -191,6 +191,21 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
         hybrid_layer_pattern=case.hybrid,
     )
     return chunks, wrapped, optimizer, ddp_config, opt_config, lm
+
+
+def _ddp_wrapped(case: MemCase, chunks: List[torch.nn.Module], groups: ps.ProcessGroupCollection):
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=case.dist_opt,
+        use_megatron_fsdp=case.sharding != "no_shard",
+        data_parallel_sharding_strategy=case.sharding,
+        num_distributed_optimizer_instances=case.instances,
+    )
+    wrapped = [
+        DistributedDataParallel(chunks[0].config, ddp_config, c, disable_bucketing=i > 0, pg_collection=groups)
+        for i, c in enumerate(chunks)
+    ]
+    return ddp_config, wrapped
 
 
 def _forward_step(data_iterator, model):
@@ -220,7 +235,7 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
     micro = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
     params = [p for c in chunks for p in c.parameters()]
     func = get_forward_backward_func(case.pp, len(chunks))
-    with SavedTensorMeter(params) as meter:
+    with SavedTensorMeter([local_shard(p) for p in params]) as meter:
         func(
             forward_step_func=_forward_step,
             data_iterator=[iter(micro) for _ in chunks],
@@ -232,8 +247,13 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
         )
     optimizer.step()
     measured = {
-        "params": storage_bytes([p.data for p in params] + [b.param_shard for w in wrapped for b in w.all_buffers]),
-        "grads": storage_bytes(t for w in wrapped for b in w.all_buffers for t in (b.grad_data, b.grad_shard)),
+        "params": storage_bytes(
+            [local_shard(p.data) for p in params] + [b.param_shard for w in wrapped for b in _buffers(w)]
+        ),
+        "grads": storage_bytes(
+            [t for w in wrapped for b in _buffers(w) for t in (b.grad_data, b.grad_shard)]
+            + [local_shard(p.grad) for p in params if case.fsdp2 and p.grad is not None]
+        ),
         "main_params": storage_bytes(link.main for link in optimizer.links if link.is_copy),
         "optimizer_states": storage_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0),
         "activations": meter.peak,
@@ -243,6 +263,10 @@ def measure_case(rank: int, world_size: int, case: MemCase) -> Dict[str, object]
     pos = RankPosition(case.tp, case.pp, dp, 1, case.ep, case.vp, groups.rank_in("pp"), groups.rank_in("dp"))
     est = estimate_memory(chunks[0].config, lm, ddp_config, opt_config, pos, mb, case.seq, m, device_type="cpu")
     return {"measured": measured, "accounted": _as_dict(est), "chunks": chunks_named(chunks)}
+
+
+def _buffers(wrapped: torch.nn.Module) -> list:
+    return getattr(wrapped, "all_buffers", [])  # FSDP2 has none
 
 
 def _as_dict(est: MemoryEstimate) -> Dict[str, int]:

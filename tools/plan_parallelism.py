@@ -86,6 +86,7 @@ class Layout:
     micro_batch_size: int = 1
     recompute: Optional[str] = None  # None, "selective", "full"
     dist_opt: bool = True
+    fsdp2: bool = False  # PyTorch FSDP2 (--use-torch-fsdp2; then dist_opt is False)
 
     def flags(self) -> List[str]:
         """The ``pretrain_gpt.py`` flags of this layout."""
@@ -107,6 +108,8 @@ class Layout:
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
         if self.dist_opt:
             out.append("--use-distributed-optimizer")
+        if self.fsdp2:
+            out += ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
         return out
 
 
@@ -162,11 +165,13 @@ def candidate_layouts(base: argparse.Namespace, world: int, gpus_per_node: int) 
             dp = world // (tp * pp * cp)
             vps = [None] + [v for v in (2, 4) if pp > 1 and layers % (pp * v) == 0]
             eps = [e for e in _divisors(experts) if (dp * cp) % e == 0] if experts else [1]
-            for vp, ep, mb, recompute, dist_opt in itertools.product(
-                vps, eps, (1, 2, 4, 8), (None, "selective", "full"), (True, False)
+            # data parallelism: the distributed optimizer, plain DDP, or FSDP2 (no pipeline stages)
+            modes = [(True, False), (False, False)] + ([(False, True)] if pp == 1 else [])
+            for vp, ep, mb, recompute, (dist_opt, fsdp2) in itertools.product(
+                vps, eps, (1, 2, 4, 8), (None, "selective", "full"), modes
             ):
-                if base.global_batch_size % (mb * dp) == 0 and not (dp == 1 and dist_opt):
-                    yield Layout(tp, pp, vp, cp, ep, mb, recompute, dist_opt)
+                if base.global_batch_size % (mb * dp) == 0 and not (dp * cp == 1 and (dist_opt or fsdp2)):
+                    yield Layout(tp, pp, vp, cp, ep, mb, recompute, dist_opt, fsdp2)
 
 
 def validated_args(base: argparse.Namespace, layout: Layout, world: int) -> Optional[argparse.Namespace]:
@@ -189,7 +194,10 @@ def validated_args(base: argparse.Namespace, layout: Layout, world: int) -> Opti
         recompute_method="uniform" if full else None,
         recompute_num_layers=1 if full else None,
         use_distributed_optimizer=layout.dist_opt,
+        use_torch_fsdp2=layout.fsdp2,
     )
+    if layout.fsdp2:
+        values["gradient_accumulation_fusion"] = False
     for dest, value in values.items():
         setattr(args, dest, value)
     try:
@@ -262,7 +270,13 @@ def estimate_step(args: argparse.Namespace, cluster: Cluster, state_grads: int, 
     per_mb = sum(mb.values())
     parts = {k: v * m for k, v in mb.items()}
     parts["bubble"] = per_mb * (pp - 1) / vp
-    parts["dp"] = _ring(state_grads, dp * cp, _bandwidth(cluster.world_size // pp, cluster))
+    span = _bandwidth(cluster.world_size // pp, cluster)
+    if getattr(args, "use_torch_fsdp2", False):  # fp32 gradient shards: reduce-scatter + two parameter gathers
+        full = state_grads * dp * cp
+        e = 2 if args.bf16 else 4
+        parts["dp"] = _ring(full, dp * cp, span) / 2 + _ring(full * e / 4, dp * cp, span)
+    else:
+        parts["dp"] = _ring(state_grads, dp * cp, span)
     parts["optimizer"] = owned_params * ADAM_BYTES_PER_PARAM / (cluster.memory_gbps * GB)
     parts["total"] = sum(parts.values())
     return parts
@@ -293,7 +307,7 @@ def format_plans(plans: Sequence[Plan], top: int) -> str:
     for i, p in enumerate(plans[:top]):
         lay = p.layout
         desc = f"TP{lay.tp} PP{lay.pp} VP{lay.vp or 1} CP{lay.cp} EP{lay.ep} mb{lay.micro_batch_size}"
-        desc += f" rc={lay.recompute or 'none'} distopt={int(lay.dist_opt)}"
+        desc += f" rc={lay.recompute or 'none'} distopt={int(lay.dist_opt)} fsdp2={int(lay.fsdp2)}"
         bubble = p.parts["bubble"] / p.step_s
         lines.append(f"{i + 1:>4} {p.step_s:9.3f} {p.memory_gb:7.1f} {bubble:7.1%}  {desc}")
         lines.append(f"{'':31s}{' '.join(p.flags)}")

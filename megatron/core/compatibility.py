@@ -112,6 +112,18 @@ _FEATURE_LIST = (
         lambda v: v > 1,
         "several distributed-optimizer instances (hybrid sharding)",
     ),
+    _f("megatron_fsdp", "use_megatron_fsdp", bool, "Megatron-FSDP"),
+    _f("torch_fsdp2", "use_torch_fsdp2", bool, "PyTorch FSDP2 (fully_shard)"),
+    _f("fp16", "fp16", bool, "fp16 parameters"),
+    _f("grad_acc_fusion", "gradient_accumulation_fusion", bool, "gradient accumulation fusion"),
+    _f(
+        "tied_embeddings",
+        "untie_embeddings_and_output_weights",
+        lambda v: not v,
+        "an output layer tied to the embedding",
+    ),
+    _f("ckpt_not_torch_dist", "ckpt_format", lambda v: v != "torch_dist", "a checkpoint format other than torch_dist"),
+    _f("muon", "optimizer", lambda v: v == "muon", "the Muon optimizer"),
     _f("async_save", "async_save", bool, "asynchronous checkpoint saves"),
     _f("np_local", "non_persistent_ckpt_type", lambda v: v == "local", "local non-persistent checkpoints"),
     _f("ckpt_torch", "ckpt_format", lambda v: v == "torch", "the legacy torch checkpoint format"),
@@ -124,6 +136,7 @@ _FEATURE_LIST = (
     ),
     _f("vpp", "virtual_pipeline_model_parallel_size", lambda v: v is not None and v > 1, "virtual pipeline stages"),
     _f("pp1", "pipeline_model_parallel_size", lambda v: v == 1, "no pipeline parallelism (PP = 1)"),
+    _f("pp", "pipeline_model_parallel_size", lambda v: v > 1, "pipeline parallelism (PP > 1)"),
 )
 FEATURES: Dict[str, Feature] = {f.name: f for f in _FEATURE_LIST}
 
@@ -174,6 +187,19 @@ REFUSED: Tuple[Refused, ...] = (
         "the instances are the distributed optimizer's (or a Megatron-FSDP sharding strategy's): "
         "gradients are reduce-scattered within one and all-reduced across them",
     ),
+    # PyTorch FSDP2 (Megatron's rules, but for expert parallelism, which shards experts over expert-DP here)
+    Refused("torch_fsdp2", "dist_opt", "FSDP2 shards the optimizer state itself (Megatron refuses it too)"),
+    Refused("torch_fsdp2", "megatron_fsdp", "one fully sharded data parallelism at a time"),
+    Refused("torch_fsdp2", "pp", "Megatron refuses FSDP2 with pipeline parallelism"),
+    Refused(
+        "torch_fsdp2",
+        "grad_acc_fusion",
+        "FSDP2 owns the gradients: no fused accumulation into main_grad (set it False)",
+    ),
+    Refused("torch_fsdp2", "ckpt_not_torch_dist", "FSDP2 checkpoints are sharded: use ckpt_format='torch_dist'"),
+    Refused("torch_fsdp2", "tied_embeddings", "Megatron needs untie_embeddings_and_output_weights=True with FSDP2"),
+    Refused("torch_fsdp2", "fp16", "Megatron runs FSDP2 in fp32 or bf16 only"),
+    Refused("torch_fsdp2", "muon", "not supported yet: Muon orthogonalises whole matrices, FSDP2 holds rows"),
     # recomputation
     Refused("full_recompute", "no_recompute_method", "full recomputation needs recompute_method='uniform' or 'block'"),
     Refused("recompute_method", "not_full_recompute", "a recomputation method applies to full recomputation only"),

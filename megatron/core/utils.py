@@ -204,3 +204,14 @@ def get_tensor_model_parallel_group_if_none(
     if dist.get_rank() == 0:
         warnings.warn("tp_group is None: using the default TP group; pass tp_group", DeprecationWarning, stacklevel=2)
     return process_groups.get_tensor_model_parallel_group_if_none(None, is_expert)
+
+
+def dtensor_rows(param: torch.Tensor) -> Tuple[int, int]:
+    """(first row, rows) of this rank's dim-0 shard of ``param``, a DTensor sharded over one mesh dim as FSDP2
+    shards parameters (torch.chunk's pieces: ceil(rows / size) each, the last ones shorter or empty)."""
+    rows = param.shape[0] if param.dim() else 1
+    mesh = param.device_mesh
+    size, rank = mesh.size(), mesh.get_local_rank()
+    chunk = -(-rows // size)
+    start = min(rank * chunk, rows)
+    return start, min(chunk, rows - start)

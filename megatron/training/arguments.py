@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -129,6 +130,14 @@ def optimizer_param_scheduler_kwargs(args: argparse.Namespace) -> Dict[str, Any]
 def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
     """The data-parallel wrapper's config from validated args."""
     return config_from_args(DistributedDataParallelConfig, args)
+
+
+def data_parallel_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """The data-parallel wrapper's config the run builds: with ``--use-torch-fsdp2`` FSDP2's, which (as
+    Megatron's) carries only ``reshard_after_forward`` (``--torch-fsdp2-no-reshard-after-forward``)."""
+    if getattr(args, "use_torch_fsdp2", False):
+        return TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+    return ddp_config_from_args(args)
 
 
 def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:

@@ -10,6 +10,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+)
 from megatron.core.extensions.transformer_engine import te_import_error
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -19,7 +23,7 @@ from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embeddings
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import (
-    ddp_config_from_args,
+    data_parallel_config_from_args,
     optimizer_config_from_args,
     optimizer_param_scheduler_kwargs,
 )
@@ -91,6 +95,19 @@ def _report_parameters(chunks: List[torch.nn.Module], groups: ProcessGroupCollec
         )
 
 
+def _wrap(
+    chunks: List[torch.nn.Module], args: argparse.Namespace, config: TransformerConfig, groups: ProcessGroupCollection
+) -> List[torch.nn.Module]:
+    """Each chunk in DistributedDataParallel, or in FSDP2 with ``--use-torch-fsdp2``."""
+    ddp_config = data_parallel_config_from_args(args)
+    if isinstance(ddp_config, TorchFullyShardedDataParallelConfig):
+        return [TorchFullyShardedDataParallel(config, ddp_config, chunk, pg_collection=groups) for chunk in chunks]
+    return [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
 def setup_model_and_optimizer(
     model_provider: Callable,
     model_type: ModelType,
@@ -106,11 +123,7 @@ def setup_model_and_optimizer(
     chunks = build_model_chunks(model_provider, model_type, args, config, groups)
     _report_parameters(chunks, groups)
     sync_tied_embeddings(chunks, groups)
-    ddp_config = ddp_config_from_args(args)
-    wrapped = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
-        for i, chunk in enumerate(chunks)
-    ]
+    wrapped = _wrap(chunks, args, config, groups)
     for chunk in wrapped:
         chunk.broadcast_params()
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), wrapped, pg_collection=groups)

@@ -116,12 +116,16 @@ def estimate_from_args(
     pp_ranks: Optional[Sequence[int]] = None,
 ) -> Dict[int, MemoryEstimate]:
     """``estimate_memory`` of DP rank 0 on the given pipeline ranks (all by default), from validated args."""
-    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args, training_config_from_args
+    from megatron.training.arguments import (
+        data_parallel_config_from_args,
+        optimizer_config_from_args,
+        training_config_from_args,
+    )
 
     c, lm, pos = _from_args(args)
     t = training_config_from_args(args)
     m = num_microbatches or _microbatches(t, pos)
-    ddp, opt = ddp_config_from_args(args), optimizer_config_from_args(args)
+    ddp, opt = data_parallel_config_from_args(args), optimizer_config_from_args(args)
     ranks = range(pos.pp) if pp_ranks is None else pp_ranks
     return {
         r: estimate_memory(c, lm, ddp, opt, _at_stage(pos, r), t.micro_batch_size, t.seq_length, m, device_type)

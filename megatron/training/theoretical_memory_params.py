@@ -6,7 +6,9 @@ wrapper's own ``plan_buckets`` lays them out in gradient buffers (padding under 
 optimizer included); the optimizer's fp32 main copies and Adam moments cover all of them, or this
 DP rank's shard of every bucket. Megatron-FSDP's strategies keep only that shard of the gradient
 buffer (``optim_grads``) and of the parameters too (``optim_grads_params``, whose buckets start at
-every transformer layer, ``unit_starts``).
+every transformer layer, ``unit_starts``). FSDP2 (``TorchFullyShardedDataParallelConfig``) keeps 1/d of
+every parameter (rounded up; dim-0 row padding ignored) as fp32 shards, which are also the optimizer's
+main weights, fp32 gradient shards and the moments: 16/d bytes per parameter whatever the precision.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel import default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import plan_buckets
+from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols
 from megatron.core.ssm.mamba_mixer import mamba_dims
@@ -352,8 +355,10 @@ def state_bytes(
     opt: OptimizerConfig,
     pos: RankPosition,
 ) -> StateBytes:
-    """Parameter, gradient-buffer and optimizer bytes on one rank (every chunk, DDP-wrapped); with
+    """Parameter, gradient-buffer and optimizer bytes on one rank (every chunk, DDP- or FSDP2-wrapped); with
     several distributed-optimizer instances the shards are 1/(dp / N)."""
+    if isinstance(ddp, TorchFullyShardedDataParallelConfig):
+        return _fsdp2_state_bytes(c, lm, opt, pos)
     p_size = dtype_bytes(c.params_dtype)
     g_size = FP32 if ddp.grad_reduce_in_fp32 else p_size
     distributed = ddp.use_distributed_optimizer
@@ -383,4 +388,20 @@ def state_bytes(
             out.grads += (numel // dp if ddp.shard_grads else numel) * (FP32 if own_fp32 else g_size)
             out.main_params += owned * FP32 if held_size != FP32 else 0
             out.optimizer_states += owned * FP32 * _optimizer_states_per_param(opt)
+    return out
+
+
+def _fsdp2_state_bytes(
+    c: TransformerConfig, lm: LanguageModelShape, opt: OptimizerConfig, pos: RankPosition
+) -> StateBytes:
+    """FSDP2: each parameter's 1/d shard in fp32 (the main weight), its fp32 gradient shard and moments;
+    experts sharded over expert-DP, the rest over DP x CP (FSDP2 runs without pipeline stages)."""
+    out = StateBytes()
+    for vp_stage in range(pos.vp or 1):
+        for e in chunk_parameters(c, lm, pos, vp_stage):
+            dp = pos.expt_dp if e.is_expert else pos.dp * pos.cp
+            held = -(-e.numel // dp)
+            out.params += held * FP32
+            out.grads += held * FP32
+            out.optimizer_states += held * FP32 * _optimizer_states_per_param(opt)
     return out

@@ -205,3 +205,19 @@ def test_converter_checks_checksums_unless_told_not_to(trained, tmp_path):
         [*cmd, "--no-verify-checkpoint"], capture_output=True, text=True, timeout=120, cwd=str(tmp_path)
     )
     assert converted.returncode == 0, converted.stdout + converted.stderr
+
+
+def test_crafted_fsdp2_checkpoint_refused_on_resume(tmp_path):
+    """A checkpoint saved under --use-torch-fsdp2 (2 ranks), its .metadata replaced by the payload: the FSDP2
+    resume (which reads whole tensors and copies each rank's rows) refuses it before unpickling anything."""
+    fsdp2 = ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"]
+    save = str(tmp_path / "ckpt")
+    save_flags = ["--save", save, "--save-interval", "2", "--exit-interval", "2"]
+    saved = run_gpt(2, [*tiny_gpt_flags(4), *mock_flags(), *fsdp2, *save_flags], str(tmp_path))
+    assert saved.returncode == 0, saved.output[-3000:]
+    marker = tmp_path / "pwned_fsdp2"
+    _plant(os.path.join(save, "iter_0000002"), str(marker))
+    resumed = run_gpt(2, [*tiny_gpt_flags(4), *mock_flags(), *fsdp2, "--load", save], str(tmp_path))
+    assert resumed.returncode != 0
+    assert "refusing to load posix.system" in resumed.output and ".metadata" in resumed.output
+    assert not marker.exists()

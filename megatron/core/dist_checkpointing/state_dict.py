@@ -7,6 +7,10 @@ of the embedding) is read from the first stage's key (``embedding.word_embedding
 ``embedding.position_embeddings.weight``) and never written. An expert is named by its
 global index (``mlp.experts.local_experts.{global}``), sharded over expert-TP and
 replicated over expert-DP, so a checkpoint loads under any expert-parallel size.
+FSDP2's parameters (DTensors holding some rows of their TP-local tensor) are written and read as that
+whole TP-local tensor, gathered over their shard group (``bf16`` runs: in the model's bf16, the fp32
+master values going to the optimizer's ``main_param``), so the checkpoint is the same as any layout's;
+after a load each rank copies its rows back (``load_sharded_parameters``).
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, sharded_tensor_for
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.quantization.fp8_params import is_fp8_param
 from megatron.core.tensor_parallel.layers import is_expert_param
-from megatron.core.utils import named_model_params, unwrap_model
+from megatron.core.utils import dtensor_rows, named_model_params, unwrap_model
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
@@ -89,17 +94,58 @@ def _entries(
     for name, tensor in model.state_dict(keep_vars=True).items():
         if not isinstance(tensor, torch.Tensor) or is_empty_extra_state(name, tensor):
             continue
+        key = _key(prefix, name, tensor, prefixes, experts)
+        data = _gathered(tensor) if isinstance(tensor, DTensor) else tensor
         if is_expert_param(tensor):
-            key = prefix + _global_name(_global_name(name, experts), prefixes)
-            spec = sharded_tensor_for(key, tensor, groups.rank_in("expt_tp"), groups.size_of("expt_tp"), expt_dp_rank)
-        elif getattr(tensor, "shared_embedding", False):
-            key = name if name.startswith("embedding.") else TIED_EMBEDDING_KEY  # MTP's copy, or the output layer
-            spec = sharded_tensor_for(prefix + key, tensor, tp_rank, tp_size, dp_rank)
-            spec.replica_id = 1 + spec.replica_id  # read from the first stage's key, never written here
+            spec = sharded_tensor_for(key, data, groups.rank_in("expt_tp"), groups.size_of("expt_tp"), expt_dp_rank)
         else:
-            spec = sharded_tensor_for(prefix + _global_name(name, prefixes), tensor, tp_rank, tp_size, dp_rank)
+            spec = sharded_tensor_for(key, data, tp_rank, tp_size, dp_rank)
+            if getattr(tensor, "shared_embedding", False):
+                spec.replica_id = 1 + spec.replica_id  # read from the first stage's key, never written here
         entries.append((name, tensor, spec))
     return entries
+
+
+def _key(prefix: str, name: str, tensor: torch.Tensor, prefixes: Mapping[str, str], experts: Mapping[str, str]) -> str:
+    """The layout-free checkpoint key of the state_dict entry ``name``."""
+    if is_expert_param(tensor):
+        return prefix + _global_name(_global_name(name, experts), prefixes)
+    if getattr(tensor, "shared_embedding", False):
+        return prefix + (name if name.startswith("embedding.") else TIED_EMBEDDING_KEY)  # MTP's copy, or the output
+    return prefix + _global_name(name, prefixes)
+
+
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce", "shared_embedding")
+
+
+def _gathered(param: DTensor) -> torch.Tensor:
+    """An FSDP2 parameter's whole TP-local tensor (collective over its shard group), in the dtype a
+    checkpoint holds (``checkpoint_dtype``), with the attributes that place it in the global tensor."""
+    whole = param.full_tensor().detach().to(getattr(param, "checkpoint_dtype", param.dtype))
+    for attribute in _TP_ATTRIBUTES:
+        if hasattr(param, attribute):
+            setattr(whole, attribute, getattr(param, attribute))
+    return whole
+
+
+def load_sharded_parameters(
+    model_chunk: torch.nn.Module, loaded: ShardedStateDict, pg_collection: Optional[ProcessGroupCollection] = None
+) -> int:
+    """Copy this rank's rows of each FSDP2 parameter from the whole tensors ``loaded`` read (keyed as
+    ``sharded_state_dict``); returns how many. Plain parameters were loaded in place already."""
+    model = unwrap_model(model_chunk)
+    prefixes, experts = _layer_prefixes(model), _expert_prefixes(model)
+    count = 0
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            key = _key("", name, tensor, prefixes, experts) if isinstance(tensor, DTensor) else None
+            if key is None or key not in loaded:
+                continue
+            start, rows = dtensor_rows(tensor)
+            whole = loaded[key].data.reshape(tensor.shape)  # [rows of the TP-local tensor, ...]
+            tensor._local_tensor.copy_(whole[start : start + rows])
+            count += 1
+    return count
 
 
 def is_empty_extra_state(name: str, value: object) -> bool:

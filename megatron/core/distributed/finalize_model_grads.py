@@ -22,6 +22,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
@@ -29,8 +30,10 @@ from megatron.core.utils import comm_device, unwrap_model
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
-    # The data-parallel wrapper accumulates into ``main_grad``; plain modules use ``grad``.
-    return getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+    # The data-parallel wrapper accumulates into ``main_grad``; plain modules use ``grad``; FSDP2's
+    # gradients are DTensors whose local shard is what this rank sums (every TP rank holds the same rows).
+    grad = getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], tp_group: dist.ProcessGroup) -> None:

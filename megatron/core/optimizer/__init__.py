@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.fsdp2_optimizer import FullyShardedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.muon import qkv_splits, split_muon_groups
 from megatron.core.optimizer.optimizer import (
@@ -34,6 +36,7 @@ __all__ = [
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer",
+    "FullyShardedOptimizer",
     "ConstantGradScaler",
     "DynamicGradScaler",
     "get_megatron_optimizer",
@@ -163,6 +166,7 @@ def get_megatron_optimizer(
     distributed-optimizer instances (the chunks' ``ddp_config.num_distributed_optimizer_instances``)
     the optimizer shards, and sums statistics, over its instance's part of DP (``intra_dp_cp`` /
     ``intra_expt_dp``): every instance holds the whole all-reduced gradient.
+    Chunks wrapped in FSDP2 (DTensor parameters) get ``FullyShardedOptimizer`` over their shards.
     """
     if config_overrides or dump_param_to_param_group_map is not None:
         raise NotImplementedError(
@@ -180,6 +184,8 @@ def get_megatron_optimizer(
         param_groups = split_muon_groups(param_groups, excluded, splits)
     tp_rank = groups.rank_in("tp")
     scaler = _grad_scaler(config)
+    if _fully_sharded(model_chunks):
+        return _fully_sharded_optimizer(config, param_groups, tp_rank, scaler, groups)
     if config.use_distributed_optimizer:
         # Several instances: each holds the whole reduced gradient, so statistics are summed within one.
         hybrid = _optimizer_instances(model_chunks) > 1
@@ -202,4 +208,35 @@ def get_megatron_optimizer(
         )
     return FP32Optimizer(
         config, param_groups, tp_rank, [groups.mp], None, expert_groups, tp_groups=(groups.tp, groups.expt_tp)
+    )
+
+
+def _fully_sharded(model_chunks: Sequence[torch.nn.Module]) -> bool:
+    """The chunks' parameters are FSDP2's DTensor shards."""
+    return any(isinstance(p, DTensor) for chunk in model_chunks for p in chunk.parameters())
+
+
+def _fully_sharded_optimizer(
+    config: OptimizerConfig,
+    param_groups: List[Dict[str, Any]],
+    tp_rank: int,
+    scaler: Optional[MegatronGradScaler],
+    groups: ProcessGroupCollection,
+) -> FullyShardedOptimizer:
+    """The optimizer over FSDP2 shards; statistics summed like the distributed optimizer's."""
+    refused = [f"{name}={getattr(config, name)!r}" for name in ("use_distributed_optimizer",) if getattr(config, name)]
+    if config.optimizer == "muon":
+        refused.append("optimizer='muon'")
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)}: FSDP2-wrapped chunks shard the optimizer state themselves "
+            "(Muon would need whole matrices; not supported yet)"
+        )
+    return FullyShardedOptimizer(
+        config,
+        param_groups,
+        tp_rank,
+        [groups.dp_cp, groups.mp],
+        scaler,
+        expert_stat_groups=[groups.expt_dp, groups.tp_ep_pp],
     )

@@ -163,6 +163,7 @@ def _restore_after_load(
     load_fp8_checkpoint_values(model_chunks)
     for chunk in model_chunks:  # parameters were read in place; extra states (TE's FP8 state) go back here
         dc.load_extra_states(chunk, sharded, groups)
+        dc.load_sharded_parameters(chunk, sharded, groups)  # FSDP2: each rank's rows of the whole tensors read
     drop_fp8_checkpoint_values(model_chunks)  # the copies that loop's state_dict() made
 
 

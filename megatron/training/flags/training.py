@@ -284,8 +284,14 @@ RECORDS = (
     Flag("keep_fp8_transpose_cache", no_op(reasons.KERNEL)),
     Flag("enable_full_sharding_in_hsdp", no_op(reasons.UNDER_REFUSED)),
     Flag("num_distributed_optimizer_instances", IMPLEMENTED, fills=same(DDP)),
-    Flag("use_torch_fsdp2", not_yet(False)),
-    Flag("torch_fsdp2_reshard_after_forward", no_op(reasons.UNDER_REFUSED)),
+    Flag(
+        "use_torch_fsdp2",
+        IMPLEMENTED,
+        help="PyTorch FSDP2 (fully_shard): each transformer layer, the embedding and the output layer shard "
+        "their parameters, gradients and optimizer state over data parallelism (experts over expert-DP); "
+        "needs --ckpt-format torch_dist and --untie-embeddings-and-output-weights.",
+    ),
+    Flag("torch_fsdp2_reshard_after_forward", IMPLEMENTED),
     Flag(
         "cp_comm_type",
         IMPLEMENTED,

@@ -59,6 +59,16 @@ def test_plans_are_valid_fit_and_are_ranked():
     assert plan(base, Cluster(4, 2, gpu_memory_gb=1e-4)) == []
 
 
+def test_fsdp2_layouts_are_planned_for_an_untied_model():
+    """FSDP2 layouts (no pipeline stages) validate for an untied model; their flags parse to the same run."""
+    untied = MODEL + ["--untie-embeddings-and-output-weights"]
+    plans = [p for p in plan(base_args(untied), CLUSTER) if p.layout.fsdp2]
+    assert plans and all(p.layout.pp == 1 and not p.layout.dist_opt for p in plans)
+    parsed = A.validate_args(A.parse_args(untied + plans[0].flags + ["--lr", "1e-4", "--train-iters", "1"]), 8)
+    assert parsed.use_torch_fsdp2 and not parsed.use_distributed_optimizer
+    assert not [p for p in plan(base_args(MODEL), CLUSTER) if p.layout.fsdp2]  # tied: Megatron's refusal
+
+
 def test_hf_llama_config_gives_the_transformers_parameter_count(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = dict(

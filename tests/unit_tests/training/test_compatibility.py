@@ -25,6 +25,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 DIST = ["--use-distributed-optimizer"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+FSDP2 = ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"]
 FP8_GATHER = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
 
 # (first, second) -> (extra flags, world size): a command line that turns on exactly that refused pair.
@@ -50,6 +51,14 @@ EXAMPLES = {
     ("fsdp_params", "overlap_param_gather"): (FSDP + ["optim_grads_params", "--overlap-param-gather"] + DIST, 2),
     ("fsdp_params", "fp8_param_gather"): (FSDP + ["optim_grads_params"] + FP8_GATHER + DIST, 2),
     ("dist_opt_instances", "no_dist_opt"): (["--num-distributed-optimizer-instances", "2"], 4),
+    ("torch_fsdp2", "dist_opt"): (FSDP2 + DIST, 2),
+    ("torch_fsdp2", "megatron_fsdp"): (FSDP2 + ["--use-megatron-fsdp"], 2),
+    ("torch_fsdp2", "pp"): (FSDP2 + ["--pipeline-model-parallel-size", "2"], 2),
+    ("torch_fsdp2", "grad_acc_fusion"): (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], 2),
+    ("torch_fsdp2", "ckpt_not_torch_dist"): (FSDP2 + ["--ckpt-format", "torch"], 2),
+    ("torch_fsdp2", "tied_embeddings"): (["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], 2),
+    ("torch_fsdp2", "fp16"): (FSDP2 + ["--fp16"], 2),
+    ("torch_fsdp2", "muon"): (FSDP2 + ["--optimizer", "muon"], 2),
     ("full_recompute", "no_recompute_method"): (["--recompute-granularity", "full"], 1),
     ("recompute_method", "not_full_recompute"): (["--recompute-method", "block"], 1),
     ("distribute_saved", "not_full_recompute"): (

@@ -3,8 +3,8 @@
 One spawned pair of gloo ranks runs a training step of each small config of the grid (TP 1/2,
 SP on/off, recompute none/selective/full, PP 2 with 1F1B and interleaved, MoE, distributed
 optimizer, Megatron-FSDP's optim_grads and optim_grads_params, optim_grads with two distributed-optimizer
-instances (hybrid sharding: shards over the instance of one rank), bf16, multi-latent attention with shared
-experts and multi-token prediction) and
+instances (hybrid sharding: shards over the instance of one rank), PyTorch FSDP2, bf16, multi-latent attention
+with shared experts and multi-token prediction) and
 measures (``tests/memory_probe.py``): the parameter, gradient-buffer and optimizer bytes as
 distinct storages, and the peak of the bytes autograd keeps for backward over
 the whole schedule. State must match exactly, activations within 10%, and the parameter list
@@ -64,6 +64,7 @@ GRID = [
     ),
     MemCase("tp1 dp2 moe fsdp optim_grads", moe=True, dist_opt=True, sharding="optim_grads"),
     MemCase("tp1 dp2 fsdp optim_grads 2 instances", dist_opt=True, sharding="optim_grads", instances=2),
+    MemCase("tp1 dp2 torch fsdp2 bf16", bf16=True, fsdp2=True, extra=dict(share_embeddings_and_output_weights=False)),
     MemCase("tp2 sp", tp=2, sp=True),
     MemCase("tp2 sp selective", tp=2, sp=True, recompute="selective"),
     MemCase("tp2 sp full uniform", tp=2, sp=True, recompute="full"),
