@@ -137,6 +137,15 @@ FULL_ONLY = {  # one key per entry, however long
     ),
     "tests/functional_tests/test_pretrain_bert.py::test_layouts_print_the_one_rank_losses[tp2]": "[tp2_sp]",
     "tests/functional_tests/test_pretrain_t5.py::test_layouts_print_the_one_rank_loss[tp2]": "[tp2_sp]",
+    # Megatron's BERT and T5 launch scripts (real torchrun, about 25-30 s each): their entry points' layouts stay.
+    "tests/functional_tests/test_pretrain_bert.py::test_megatron_example_script_scaled_down": (
+        "test_layouts_print_the_one_rank_losses[pp2] (pretrain_bert.py on 2 ranks, PP); fp16 in "
+        "test_pretrain_gpt_precision; a Megatron launch script through torchrun: test_example_scripts[gpt3]"
+    ),
+    "tests/functional_tests/test_pretrain_t5.py::test_megatron_example_script_scaled_down": (
+        "test_layouts_print_the_one_rank_loss[tp2_sp] (pretrain_t5.py on 2 ranks, with evaluation); T5's TE spec"
+        " in test_t5_construction::test_specs; bf16 in test_pretrain_gpt_precision; a launch script: [gpt3]"
+    ),
     "tests/functional_tests/test_pretrain_t5.py::test_layouts_print_the_one_rank_loss[dp2]": (
         "[tp2_sp]; DP is the GPT layouts' and the data-parallel tests'"
     ),
