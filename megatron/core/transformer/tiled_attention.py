@@ -8,12 +8,15 @@ output and its log-sum-exp ``lse`` so that partial results over several key bloc
 (``merge_into``, the online softmax); ``block_backward`` takes the *final* output and ``lse`` (the
 FlashAttention backward), so a block's gradients need no other block.
 
-The kernel walks query tiles of at most ``TILE_ELEMENTS`` scores: no tensor of size ``[s, s]`` (or even
-``[nq, nk]`` for a long block) exists, and the tile's key range is cut to what the mask lets it see,
-so a diagonal block costs half. Grouped-query keys and values stay at their group count (the query
-heads of a group are folded into the tile). Masks within a tile come from global positions
-(``masks.build_attention_mask``); an explicit ``mask`` (True = blocked) aligned to the block may add
-padding or documents. Values may have another head dim than queries (multi-latent attention).
+The kernel walks tiles of at most ``TILE_ROWS`` queries, each against the keys of the block it may see:
+no tensor of size ``[s, s]`` (or even ``[nq, nk]`` for a long block) exists, a diagonal block costs
+half, and a tile's scores (``TILE_ROWS x nk`` per head) grow with the block's keys only: under
+context parallelism the blocks are ``s/(2cp)`` keys (``p2p``) or ``s/2`` keys on ``heads/cp`` heads
+(``a2a``), so the workspace, like everything else a rank holds, falls as 1/cp. Grouped-query keys and
+values stay at their group count (the query heads of a group are folded into the tile). Masks within a
+tile come from global positions (``masks.build_attention_mask``); an explicit ``mask`` (True =
+blocked) aligned to the block may add padding or documents. Values may have another head dim than
+queries (multi-latent attention).
 
 Attention dropout (``dropout = (p, seed)``) drops probabilities after the softmax, as SDPA does; each
 tile's keep-mask is drawn from a generator seeded by ``(seed, first query, first key)`` so that
@@ -29,7 +32,7 @@ import torch
 
 from megatron.core.transformer.masks import build_attention_mask
 
-TILE_ELEMENTS = 1 << 22  # scores per tile and head: rows x visible keys
+TILE_ROWS = 128  # queries per tile: a tile holds TILE_ROWS x (visible keys) scores per head
 SKIP, FULL, PARTIAL = "skip", "full", "partial"
 Dropout = Optional[Tuple[float, int]]  # (probability, seed) or None
 
@@ -75,10 +78,6 @@ class Visibility:
         return PARTIAL
 
 
-def _tile_rows(nq: int, nk: int) -> int:
-    return max(1, min(nq, TILE_ELEMENTS // max(nk, 1)))
-
-
 def _tile_scores(q, k, q_rows, k_rows, pos, vis, mask, scale) -> torch.Tensor:
     """fp32 scores ``[b, g, h/g, tq, tk]`` of query rows ``q_rows`` on key rows ``k_rows``, blocked at -inf."""
     b, h, _, d = q.shape
@@ -107,7 +106,7 @@ def _kept(dropout: Dropout, where: Tuple[int, int], like: torch.Tensor) -> Optio
 
 def _tiles(nq: int, nk: int, q0: int, k0: int, vis: Optional[Visibility]):
     """``(t0, t1, lo, hi)``: query rows and the key rows they may see, tile by tile (empty ones dropped)."""
-    rows = _tile_rows(nq, nk)
+    rows = max(1, min(nq, TILE_ROWS))
     for t0 in range(0, nq, rows):
         t1 = min(nq, t0 + rows)
         lo, hi = vis.key_bounds(q0 + t0, q0 + t1, k0, nk) if vis is not None else (0, nk)

@@ -13,7 +13,7 @@ Attention dropout under ``p2p`` and ``a2a``: the gradient agrees with central di
 output with the same dropout seed (backward redraws forward's masks).
 
 No square tensor: under ``p2p`` and ``a2a`` no op creates, and autograd saves, a tensor of
-``s * s / 4`` elements or more (``tests.tensor_meter``, query tiles of 256 scores), while the
+``s * s / 4`` elements or more (``tests.tensor_meter``, query tiles of 4 rows), while the
 ``all_gather`` scheme's ``[s/cp, s]`` mask is caught by the same check.
 """
 
@@ -123,7 +123,7 @@ def _compare_attention(rank, world_size, schemes, hierarchical=None, cases=CASES
 def _largest_tensors(rank, world_size, schemes=("all_gather", "p2p", "a2a"), hierarchical=None):
     """(largest created, largest saved) elements of one causal attention fwd+bwd at s = 128, per scheme."""
     groups = _cp_groups(world_size, hierarchical)
-    tiled_attention.TILE_ELEMENTS = 256
+    tiled_attention.TILE_ROWS = 4
     s, found = 128, {}
     for scheme in schemes:
         q, k, v = (torch.randn(s // world_size, 1, n, 8, requires_grad=True) for n in (2, 1, 1))  # [s/cp, b, ., d]
@@ -228,7 +228,24 @@ def _hierarchical_checks(rank, world_size, cases):
     assert groups.ranks["hcp1"] == [rank % 2, rank % 2 + 2], groups.ranks
     _compare_attention(rank, world_size, ("a2a+p2p",), (2, 2), cases)
     _dropout_gradients(rank, world_size, ("a2a+p2p",), (2, 2))
+    _peak_halves_from_two_to_four_ranks(groups)
     return _largest_tensors(rank, world_size, ("a2a+p2p",), (2, 2))
+
+
+def _peak_halves_from_two_to_four_ranks(groups):
+    """p2p and a2a at the same s on a 2-rank sub-group and on all 4 ranks: the peak bytes per rank
+    (``tests.tensor_meter``, score tiles included) halve within 10%."""
+    tiled_attention.TILE_ROWS = 16
+    s, peaks = 512, {}
+    for scheme in ("p2p", "a2a"):
+        for cp, group in ((2, groups.hcp[1] if scheme == "p2p" else groups.hcp[0]), (4, groups.cp)):
+            q, k, v = (torch.randn(1, 4, s // cp, 8) for _ in range(3))  # [b, heads, s/cp, d], MHA
+            for t in (q, k, v):
+                t.requires_grad_()
+            with TensorMeter() as meter:
+                context_parallel_attention(q, k, v, scheme, group, Visibility(True, None), 0.3).sum().backward()
+            peaks[scheme, cp] = meter.peak_bytes
+        assert abs(peaks[scheme, 2] / peaks[scheme, 4] / 2 - 1) < 0.1, peaks
 
 
 def test_hierarchical_a2a_p2p_equals_full_attention_on_four_ranks():
