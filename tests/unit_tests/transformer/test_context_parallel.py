@@ -5,7 +5,8 @@ Attention: each CP rank runs ``DotProductAttention`` on its two chunks of q, k, 
 its q, k and v must equal the matching rows of full (CP=1) attention on the whole sequence, for
 grouped-query heads with a plain causal mask, sliding windows (global positions), an explicit
 document mask (not ``a2a``), and values narrower than keys (multi-latent attention), on the SDPA
-and unfused paths. fp32; rtol=1e-5, atol=1e-6.
+and unfused paths, with score tiles of 3 query rows (several per block). ``a2a+p2p`` on 2 x 2 ranks
+(``hierarchical_context_parallel_sizes``), 1 x 4 and 4 x 1 in the full tier. fp32; rtol=1e-5, atol=1e-6.
 
 The ring posts the transfer of step t + 1 before computing step t (a recording of its calls).
 
@@ -94,6 +95,7 @@ def _cp_groups(world_size, hierarchical=None):
 
 def _compare_attention(rank, world_size, schemes, hierarchical=None, cases=CASES):
     groups = _cp_groups(world_size, hierarchical)
+    tiled_attention.TILE_ROWS = 3  # several tiles per block, the last one short
     s, b, d = 4 * world_size * 2, 2, 8
     mask = _document_mask(b, s)
     positions = cp_chunk_positions(s, world_size, groups.rank_in("cp"))  # [s/cp]
