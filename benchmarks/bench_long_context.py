@@ -7,9 +7,10 @@ saved-tensor hook) records per rank the peak of live bytes the step allocates (t
 not counted), the largest tensor any op creates and the largest autograd saves; the largest is
 printed beside s*s. Printed beside the formulas (``n = s/cp`` tokens per rank, fp32, b = 1):
 
-* p2p / a2a / a2a+p2p: ``n * 4 B * (6*h*d + 12*g'*d + 4*h + 3*TILE_ROWS*h)``: outputs, log-sum-exp, ring
-  buffers and gradients, and the score tiles (``TILE_ROWS`` queries against a block's ``n/2`` keys, or
-  ``n*cp/2`` keys on ``h/cp`` heads under a2a; about six tile-sized tensors live at once). ``g'``: the
+* p2p / a2a / a2a+p2p: ``n * 4 B * (6*h*d + 12*g'*d + 4*h + 3*TILE_ROWS*h/A)``: outputs, log-sum-exp,
+  ring buffers and gradients, and the score tiles (``TILE_ROWS`` queries against a block's ``n/2`` keys;
+  after an all-to-all over ``A`` ranks, ``TILE_ROWS/A`` queries against ``A*n/2`` keys on ``h/A`` heads;
+  about six tile-sized tensors live at once). ``g'``: the
   key/value groups a rank holds per local token, ``g`` (p2p), ``lcm(g, a2a size)`` (a2a repeats groups
   up to a multiple of its size). Every term is linear in s/cp: the peak halves from cp = 2 to cp = 4
   (the summary line prints the measured ratio; with ``g < cp`` a2a's repeated groups do not shrink);
@@ -76,7 +77,7 @@ def linear_formula(scheme: str, seq: int, cp: int, shape: Dict[str, int]) -> int
     h, g, d, n = shape["heads"], shape["groups"], shape["dim"], seq // cp
     a2a = {"p2p": 1, "a2a": cp, "a2a+p2p": 2}[scheme]
     held = g * a2a // math.gcd(g, a2a)  # key/value groups per local token after a2a's repetition
-    return n * 4 * (6 * h * d + 12 * held * d + 4 * h + 3 * shape["tile_rows"] * h)
+    return n * 4 * (6 * h * d + 12 * held * d + 4 * h + 3 * shape["tile_rows"] * h // a2a)
 
 
 def all_gather_formula(seq: int, cp: int, shape: Dict[str, int]) -> int:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron.core.context_parallel import cp_chunk_positions, gathered_order
 from megatron.core.tensor_parallel.mappings import all_to_all
+from megatron.core.transformer import tiled_attention
 from megatron.core.transformer.tiled_attention import FULL, SKIP, Visibility, block_backward, block_forward, merge_into
 
 RING_SCHEMES = ("p2p", "a2a", "a2a+p2p")  # cp_comm_type values computed here; "all_gather" is attention.py's own path
@@ -54,6 +55,7 @@ class Ring:
     vis: Visibility
     scale: float
     dropout: Optional[Tuple[float, int]] = None  # (p, seed): tiled_attention's attention dropout
+    tile_rows: Optional[int] = None  # queries per score tile (None: tiled_attention.TILE_ROWS)
 
     def __post_init__(self) -> None:
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -91,8 +93,9 @@ class Ring:
             for rows, keys, pos, vis in self.blocks(src, c):
                 block_mask = _cut(mask, rows, pos[1], c)
                 part = block_forward(
-                    q[:, :, rows], kb[:, :, keys], vb[:, :, keys], pos, vis, self.scale, block_mask, self.dropout
-                )
+                    q[:, :, rows], kb[:, :, keys], vb[:, :, keys], pos, vis, self.scale, block_mask, self.dropout,
+                    self.tile_rows,
+                )  # fmt: skip
                 merge_into(out[:, :, rows], lse[:, :, rows], *part)
             if pending is not None:
                 kv = _wait(pending)
@@ -114,7 +117,7 @@ class Ring:
                 grads = (dout[:, :, rows], delta[:, :, rows])
                 gq, gk, gv = block_backward(
                     grads, q[:, :, rows], kb[:, :, keys], vb[:, :, keys], lse[:, :, rows], pos, vis, self.scale,
-                    _cut(mask, rows, pos[1], c), self.dropout,
+                    _cut(mask, rows, pos[1], c), self.dropout, self.tile_rows,
                 )  # fmt: skip
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
@@ -209,9 +212,14 @@ def ulysses_attention(q, k, v, a2a_group: dist.ProcessGroup, ring: Ring) -> torc
     return _heads_to_seq(ctx, a2a_group)
 
 
-def _per_head_group(dropout: Optional[Tuple[float, int]], a2a_group: dist.ProcessGroup):
-    """The dropout seed of this rank's head group: each a2a rank draws for other heads."""
-    return None if dropout is None else (dropout[0], hash((dropout[1], dist.get_rank(a2a_group))))
+def _after_a2a(group: Optional[dist.ProcessGroup], a2a_group: dist.ProcessGroup, vis, scale, dropout) -> Ring:
+    """The ring (``group`` None: one rank) that attends after the all-to-all over ``a2a_group``: dropout
+    seeded per head group (each a2a rank draws for other heads), and score tiles of ``TILE_ROWS / a2a``
+    queries, since its blocks have ``a2a`` times the keys: a tile holds what a ``p2p`` one does per head,
+    so the workspace falls as 1/cp here too."""
+    a2a = dist.get_world_size(a2a_group)
+    seed = None if dropout is None else (dropout[0], hash((dropout[1], dist.get_rank(a2a_group))))
+    return Ring(group, vis, scale, seed, tile_rows=max(1, tiled_attention.TILE_ROWS // a2a))
 
 
 def context_parallel_attention(
@@ -240,8 +248,8 @@ def context_parallel_attention(
     if mask is not None:
         raise NotImplementedError(f"cp_comm_type={scheme!r} with an explicit attention mask: use 'p2p' or 'all_gather'")
     if scheme == "a2a":
-        return ulysses_attention(q, k, v, group, Ring(None, vis, scale, _per_head_group(dropout, group)))
+        return ulysses_attention(q, k, v, group, _after_a2a(None, group, vis, scale, dropout))
     if hcp is None or len(hcp) != 2:
         raise ValueError("cp_comm_type='a2a+p2p' needs the two hierarchical CP groups [a2a, p2p] (hcp)")
     a2a, p2p = hcp
-    return ulysses_attention(q, k, v, a2a, Ring(p2p, vis, scale, _per_head_group(dropout, a2a)))
+    return ulysses_attention(q, k, v, a2a, _after_a2a(p2p, a2a, vis, scale, dropout))

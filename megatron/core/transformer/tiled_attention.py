@@ -104,9 +104,10 @@ def _kept(dropout: Dropout, where: Tuple[int, int], like: torch.Tensor) -> Optio
     return keep.to(like.dtype) / (1.0 - p)
 
 
-def _tiles(nq: int, nk: int, q0: int, k0: int, vis: Optional[Visibility]):
-    """``(t0, t1, lo, hi)``: query rows and the key rows they may see, tile by tile (empty ones dropped)."""
-    rows = max(1, min(nq, TILE_ROWS))
+def _tiles(nq: int, nk: int, q0: int, k0: int, vis: Optional[Visibility], rows: Optional[int]):
+    """``(t0, t1, lo, hi)``: query rows (``rows`` per tile, None: ``TILE_ROWS``) and the key rows they
+    may see, tile by tile (empty ones dropped)."""
+    rows = max(1, min(nq, rows or TILE_ROWS))
     for t0 in range(0, nq, rows):
         t1 = min(nq, t0 + rows)
         lo, hi = vis.key_bounds(q0 + t0, q0 + t1, k0, nk) if vis is not None else (0, nk)
@@ -123,16 +124,18 @@ def block_forward(
     scale: float,
     mask: Optional[torch.Tensor] = None,
     dropout: Dropout = None,
+    rows: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``q`` ``[b, h, nq, d]``, ``k`` ``[b, g, nk, d]``, ``v`` ``[b, g, nk, dv]``
     with first positions ``pos = (q0, k0)`` -> fp32 output ``[b, h, nq, dv]`` and ``lse`` ``[b, h, nq]``
     (-inf, output 0, where a query sees no key). ``vis`` None: nothing blocked (a FULL block).
-    ``dropout``: ``(p, seed)`` drops probabilities (after the softmax; ``lse`` is the undropped one)."""
+    ``dropout``: ``(p, seed)`` drops probabilities (after the softmax; ``lse`` is the undropped one);
+    ``rows``: queries per tile (None: ``TILE_ROWS``)."""
     b, h, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     out = q.new_zeros(b, h, nq, dv, dtype=torch.float32)
     lse = q.new_full((b, h, nq), float("-inf"), dtype=torch.float32)
-    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis):
+    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis, rows):
         scores = _tile_scores(q, k, (t0, t1), (lo, hi), pos, vis, mask, scale)  # [b, g, h/g, tq, tk]
         tile_lse = torch.logsumexp(scores, dim=-1)  # [b, g, h/g, tq]
         probs = torch.exp(scores - _finite(tile_lse).unsqueeze(-1))
@@ -155,17 +158,18 @@ def block_backward(
     scale: float,
     mask: Optional[torch.Tensor] = None,
     dropout: Dropout = None,
+    rows: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (fp32) of one block's ``q``, ``k``, ``v`` given ``grads = (dout, delta)``: the gradient of
     the *final* output ``[b, h, nq, dv]`` and ``delta = rowsum(dout * out)`` ``[b, h, nq]``, with the final
-    ``lse`` ``[b, h, nq]``. Shapes and ``pos``/``vis``/``mask``/``dropout`` as ``block_forward``."""
+    ``lse`` ``[b, h, nq]``. Shapes and ``pos``/``vis``/``mask``/``dropout``/``rows`` as ``block_forward``."""
     dout, delta = grads
     b, h, nq, d = q.shape
     g, nk = k.shape[1], k.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis):
+    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis, rows):
         scores = _tile_scores(q, k, (t0, t1), (lo, hi), pos, vis, mask, scale)  # [b, g, h/g, tq, tk]
         rows = (b, g, h // g, t1 - t0)
         probs = torch.exp(scores - _finite(lse[:, :, t0:t1]).reshape(rows).unsqueeze(-1))  # final softmax
