@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.process_groups import check_hierarchical_cp_sizes
 
 
 def require_positive(name: str, value: object) -> None:
@@ -41,6 +42,9 @@ class ModelParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    # Sizes of the nested CP groups, [a2a, p2p] for cp_comm_type 'a2a+p2p': the all-to-all inside groups of
+    # consecutive CP ranks, the ring across them; the product is context_parallel_size.
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
 
@@ -89,6 +93,9 @@ class ModelParallelConfig:
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         require_positive("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
+        self.hierarchical_context_parallel_sizes = check_hierarchical_cp_sizes(
+            self.hierarchical_context_parallel_sizes, self.context_parallel_size
+        )
         require_one_precision(self.fp16, self.bf16)
         self.sequence_parallel = parallel_state.warn_sequence_parallel_without_tp(
             self.tensor_model_parallel_size, self.sequence_parallel

@@ -115,7 +115,6 @@ def initialize_model_parallel(
     refuse_unsupported_options(
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
         use_sharp=use_sharp,
-        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         hybrid_context_parallel=hybrid_context_parallel,
         nccl_communicator_config_path=nccl_communicator_config_path,
         high_priority_stream_groups=high_priority_stream_groups,
@@ -136,6 +135,7 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         order=order,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes or None,
     )
     timeout = timedelta(minutes=distributed_timeout_minutes)
     groups = build_process_groups(layout, timeout, None, get_embedding_ranks, get_position_embedding_ranks)
@@ -147,6 +147,7 @@ def initialize_model_parallel(
         else:  # the groups are gloo (or CPU-capable) already
             _GLOO_GROUPS = {name: getattr(groups, name) for name in GLOO_GROUP_NAMES}
     _BUILT.extend(getattr(groups, item.name) for item in fields(groups))
+    _BUILT.extend(groups.hcp or ())
     # Every rank has finished creating every group once it leaves this barrier, so a peer's
     # destroy_model_parallel never closes a group another rank is still connecting.
     dist.barrier()
@@ -256,10 +257,17 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> Optiona
 
 
 def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Optional[List[ProcessGroup]]:
-    """Not supported yet (``hierarchical_context_parallel_sizes`` is refused): raises, or None unchecked."""
-    if check_initialized:
-        raise ParallelStateError("hierarchical context parallel groups are not supported yet")
-    return None
+    """This rank's CP sub-group at each level of ``hierarchical_context_parallel_sizes`` (a2a, then p2p).
+
+    Raises when none were built (no groups, or no hierarchical sizes) unless ``check_initialized`` is
+    False, which returns None then (Megatron's rule)."""
+    hcp = _group("hcp", check_initialized)
+    if hcp is None and check_initialized:
+        raise ParallelStateError(
+            "hierarchical context parallel groups were not built: pass hierarchical_context_parallel_sizes "
+            "to initialize_model_parallel"
+        )
+    return hcp
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: Optional[int] = None):

@@ -15,6 +15,7 @@ import contextlib
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
+from math import prod
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -51,6 +52,20 @@ def _check_positive(layout: ParallelLayout) -> None:
             raise ValueError(f"{name}={value!r}: must be a positive integer")
 
 
+def check_hierarchical_cp_sizes(sizes: Optional[Sequence[int]], context_parallel_size: int) -> Optional[List[int]]:
+    """``hierarchical_context_parallel_sizes`` as a list (None stays None); raises ``LayoutError`` (a
+    ValueError) unless they are positive integers whose product is ``context_parallel_size``."""
+    if sizes is None:
+        return None
+    sizes = list(sizes)
+    if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes) or prod(sizes) != context_parallel_size:
+        raise LayoutError(
+            f"hierarchical_context_parallel_sizes={sizes}: must be positive integers whose product is "
+            f"context_parallel_size={context_parallel_size}"
+        )
+    return sizes
+
+
 def _check_divisible(world: int, what: str, factors: Sequence[Tuple[str, int]]) -> None:
     total = 1
     for _, size in factors:
@@ -73,9 +88,12 @@ class ParallelLayout:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     order: str = "tp-cp-ep-dp-pp"
     num_distributed_optimizer_instances: int = 1
+    hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None  # [a2a, p2p] of cp_comm_type a2a+p2p
 
     def __post_init__(self) -> None:
         _check_positive(self)
+        sizes = check_hierarchical_cp_sizes(self.hierarchical_context_parallel_sizes, self.context_parallel_size)
+        object.__setattr__(self, "hierarchical_context_parallel_sizes", tuple(sizes) if sizes else None)
         if self.expert_tensor_parallel_size is None:
             object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
         vp = self.virtual_pipeline_model_parallel_size
@@ -168,6 +186,9 @@ class ProcessGroupCollection:
     distributed-optimizer instance shards over (the whole group with one instance);
     ``inter_dist_opt`` joins the instances (None with one instance);
     ``intra_dist_opt`` holds all ranks of one instance.
+    ``hcp``: with ``layout.hierarchical_context_parallel_sizes``, this rank's sub-group of ``cp`` at each
+    level (level 0: consecutive CP ranks, the ``a2a`` groups of ``a2a+p2p``; level 1: the ``p2p`` rings
+    across them), else None; their ranks are ``ranks["hcp0"]``, ``ranks["hcp1"]``, ...
     """
 
     layout: ParallelLayout
@@ -191,6 +212,7 @@ class ProcessGroupCollection:
     intra_expt_dp: Optional[ProcessGroup] = None
     inter_dist_opt: Optional[ProcessGroup] = None
     intra_dist_opt: Optional[ProcessGroup] = None
+    hcp: Optional[List[ProcessGroup]] = None
     ranks: Dict[str, List[int]] = field(default_factory=dict)
 
     def rank_in(self, name: str) -> int:
@@ -408,7 +430,24 @@ def build_process_groups(
     groups["pos_embd"], ranks["pos_embd"] = factory.mine([pos_embd(p) for p in pp_lists], rank)
     for name, lists in _instance_rank_lists(layout).items():
         groups[name], ranks[name] = factory.mine(lists, rank)
-    return ProcessGroupCollection(layout=layout, ranks=ranks, **groups)
+    hcp = _hierarchical_cp_groups(layout, factory, rank, ranks)
+    return ProcessGroupCollection(layout=layout, ranks=ranks, hcp=hcp, **groups)
+
+
+def _hierarchical_cp_groups(
+    layout: ParallelLayout, factory: GroupFactory, rank: int, ranks: Dict[str, List[int]]
+) -> Optional[List[ProcessGroup]]:
+    """This rank's group at each level of ``hierarchical_context_parallel_sizes`` inside its CP group
+    (``rank_grid.hierarchical_rank_groups``); records their ranks as ``hcp0``, ``hcp1``, ..."""
+    sizes = layout.hierarchical_context_parallel_sizes
+    if sizes is None:
+        return None
+    per_cp_group = [hierarchical_rank_groups(cp, sizes) for cp in layout.dense_grid().groups("cp")]
+    mine = []
+    for level in range(len(sizes)):
+        group, ranks[f"hcp{level}"] = factory.mine([sub for levels in per_cp_group for sub in levels[level]], rank)
+        mine.append(group)
+    return mine
 
 
 # ----------------------------------------------------------------------------------

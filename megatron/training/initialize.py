@@ -291,6 +291,7 @@ def initialize_distributed(
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",

@@ -8,11 +8,14 @@ loss) equals the straight CP=1 run's to the printed 7 digits but for last-digit 
 (relative 2e-6). The first half runs Megatron's default scheme (``p2p``); ``a2a`` and ``all_gather``
 runs train the first iteration too. Each rank counts its collectives (``count_collectives.py``):
 the ring posts point-to-point batches and nothing else, Ulysses all-to-alls only, all_gather
-all-gathers only.
+all-gathers only. Full tier: ``a2a+p2p`` on CP=4 (``--hierarchical-context-parallel-sizes 2 2``)
+prints the CP=1 loss of its first iteration and calls all-to-alls and point-to-point batches only.
 """
 
 import math
 import os
+
+import pytest
 
 from tests.functional_tests import count_collectives
 from tests.functional_tests.gpt_runs import REPO, assert_ok, mock_flags, run_gpt, tiny_gpt_flags
@@ -24,15 +27,34 @@ USES = {  # the collectives each scheme's attention calls (no other part of this
     "p2p": {"p2p"},
     "a2a": {"all-to-all"},
     "all_gather": {"all-gather"},
+    "a2a+p2p": {"all-to-all", "p2p"},
 }
 
 
-def _check_collectives(result, scheme):
+def _check_collectives(result, scheme, world_size=2):
     counts = count_collectives.parse(result.output)
-    assert sorted(counts) == [0, 1], result.output[-2000:]
+    assert sorted(counts) == list(range(world_size)), result.output[-2000:]
     for rank, calls in counts.items():
         used = {name for name, n in calls.items() if n}
         assert used == USES[scheme], f"{scheme} rank {rank}: called {calls}"
+
+
+def _check_same_losses(result, single, scheme, world_size=2):
+    _check_collectives(result, scheme, world_size)
+    assert result.losses(), f"{scheme}: no loss printed"
+    for i, (x, y) in enumerate(zip(result.losses(), single.losses())):
+        assert math.isclose(x, y, rel_tol=REL_TOL), f"{scheme} iteration {i + 1}: CP={world_size} {x} vs CP=1 {y}"
+
+
+@pytest.mark.full
+def test_cp4_a2a_p2p_prints_the_cp1_loss(tmp_path):
+    base = tiny_gpt_flags(ITERS) + mock_flags() + ["--eod-mask-loss", "--exit-interval", "1"]
+    single = run_gpt(1, base, str(tmp_path))
+    nested = ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes"]
+    result = run_gpt(4, base + nested + ["2", "2"], str(tmp_path), script=COUNTING)
+    assert_ok(single, "CP=1")
+    assert_ok(result, "a2a+p2p")
+    _check_same_losses(result, single, "a2a+p2p", world_size=4)
 
 
 def test_cp2_prints_the_cp1_losses_and_resumes_under_cp1(tmp_path):
@@ -51,10 +73,7 @@ def test_cp2_prints_the_cp1_losses_and_resumes_under_cp1(tmp_path):
     for name, result in (("CP=1", single), ("CP=2 first half", first), ("CP=1 resumed", resumed), *others.items()):
         assert_ok(result, name)
     for scheme, result in (("p2p", first), *others.items()):
-        _check_collectives(result, scheme)
-        assert result.losses(), f"{scheme}: no loss printed"
-        for i, (x, y) in enumerate(zip(result.losses(), single.losses())):
-            assert math.isclose(x, y, rel_tol=REL_TOL), f"{scheme} iteration {i + 1}: CP=2 {x} vs CP=1 {y}"
+        _check_same_losses(result, single, scheme)
     assert [line["iteration"] for line in resumed.lines] == [4, 5, 6]
     expected = single.losses()
     got = first.losses() + resumed.losses()

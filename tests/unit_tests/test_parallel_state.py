@@ -189,10 +189,26 @@ def _check_group_if_none_helper(rank):
     ps.destroy_model_parallel()
 
 
+def _check_hierarchical_cp_getter(rank):
+    """hierarchical_context_parallel_sizes [1, 2]: the getter returns this rank's group per level (levels
+    as rank_grid.hierarchical_rank_groups), raises without them, and destroy_model_parallel frees them."""
+    assert ps.get_hierarchical_context_parallel_groups(check_initialized=False) is None
+    ps.initialize_model_parallel(context_parallel_size=2)
+    with pytest.raises(RuntimeError, match="hierarchical_context_parallel_sizes"):
+        ps.get_hierarchical_context_parallel_groups()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(context_parallel_size=2, hierarchical_context_parallel_sizes=[1, 2])
+    levels = ps.get_hierarchical_context_parallel_groups()
+    assert [dist.get_process_group_ranks(g) for g in levels] == [[rank], [0, 1]]
+    ps.destroy_model_parallel()
+    assert not any(g in dist.distributed_c10d._world.pg_map for g in levels)
+
+
 def _init_destroy_cycles(rank, world_size, cycles):
     import threading
 
     _check_group_if_none_helper(rank)
+    _check_hierarchical_cp_getter(rank)
     counts = []
     for cycle in range(cycles):
         groups = ps.initialize_model_parallel(tensor_model_parallel_size=1 + cycle % 2)

@@ -6,7 +6,7 @@ import contextlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +103,8 @@ class DotProductAttention(MegatronModule):
     With a context-parallel group of size > 1 the inputs are this rank's ``[s/cp, b, ., d]``
     (chunks r and 2cp-1-r, see ``megatron.core.context_parallel``), and ``cp_comm_type`` (else
     ``config.cp_comm_type``, this layer's entry of a list; None: ``p2p`` as Megatron) picks the scheme:
-    ``p2p`` (ring) and ``a2a`` (Ulysses) in ``cp_attention``, without whole-sequence keys or masks;
+    ``p2p`` (ring), ``a2a`` (Ulysses) and ``a2a+p2p`` (Ulysses inside ``hcp_groups[0]``, the ring over
+    ``hcp_groups[1]``) in ``cp_attention``, without whole-sequence keys or masks;
     ``all_gather``: keys and values all-gathered over CP into sequence order, and the causal mask and
     sliding window built from the queries' global positions. A given ``attention_mask`` is then
     ``[b, 1, s/cp, s]`` (this rank's query rows, every key), as ``get_batch_on_this_cp_rank`` slices it.
@@ -121,11 +122,18 @@ class DotProductAttention(MegatronModule):
         cp_group: Optional[torch.distributed.ProcessGroup] = None,
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
+        hcp_groups: Optional[List[torch.distributed.ProcessGroup]] = None,
     ) -> None:
         super().__init__(config)
         self.cp_group = cp_group
         self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
         self.cp_comm_type = layer_cp_comm_type(config, layer_number, cp_comm_type)
+        self.hcp_groups = hcp_groups
+        if self.cp_size > 1 and self.cp_comm_type == "a2a+p2p" and (hcp_groups is None or len(hcp_groups) != 2):
+            raise ValueError(
+                "cp_comm_type='a2a+p2p': needs the hierarchical CP groups [a2a, p2p] (hcp_groups; "
+                "ProcessGroupCollection.hcp, built from hierarchical_context_parallel_sizes)"
+            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -264,7 +272,7 @@ class DotProductAttention(MegatronModule):
         with _dropout_rng(p > 0, self.config.sequence_parallel):
             dropout = (p, int(torch.randint(2**62, (1,)).item())) if p > 0 else None  # the forked RNG's draw
         ctx = context_parallel_attention(
-            q, k, v, self.cp_comm_type, self.cp_group, vis, self.softmax_scale, mask, dropout
+            q, k, v, self.cp_comm_type, self.cp_group, vis, self.softmax_scale, mask, dropout, self.hcp_groups
         )
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * ctx.shape[-1])  # [s/cp, b, heads*dv]
 
@@ -334,6 +342,12 @@ class DotProductAttention(MegatronModule):
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, v)  # [b, heads, s, d]
+
+
+def cp_groups_of(groups: ProcessGroupCollection) -> Dict[str, object]:
+    """``DotProductAttention``'s context-parallel keyword arguments from a collection: ``cp_group`` (None
+    without CP) and ``hcp_groups`` (the hierarchical sub-groups, None unless built)."""
+    return dict(cp_group=groups.cp if groups.size_of("cp") > 1 else None, hcp_groups=groups.hcp)
 
 
 def layer_cp_comm_type(config: TransformerConfig, layer_number: int, given: Optional[str] = None) -> str:
@@ -467,8 +481,8 @@ class SelfAttention(MegatronModule):
             config,
             layer_number,
             attn_mask_type,
-            cp_group=groups.cp if groups.size_of("cp") > 1 else None,
             cp_comm_type=self.cp_comm_type,
+            **cp_groups_of(groups),
         )
         self.linear_proj = (submodules.linear_proj or RowParallelLinear)(
             d * config.num_attention_heads,

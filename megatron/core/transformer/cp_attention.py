@@ -12,6 +12,11 @@ Every CP rank holds chunks ``r`` and ``2cp-1-r`` of the sequence (``megatron.cor
   put in order); attention runs on the whole sequence for ``heads/cp`` heads (the same blockwise
   kernel, no ``[s, s]`` mask); a second all-to-all turns the output back. Grouped-query keys and
   values are sent at their group count (repeated only up to a multiple of ``cp`` where fewer).
+* ``a2a+p2p`` (hierarchical): the all-to-all inside groups of consecutive CP ranks (the first of
+  ``hierarchical_context_parallel_sizes``, ``A``), then the ring over the second level (``P``). CP rank
+  ``pA + a`` holds chunks ``pA + a`` and ``2cp-1-pA-a``; after the all-to-all its group's tokens are the
+  spans ``p`` and ``2P-1-p`` of ``2P`` spans of ``A`` chunks: the load-balanced layout of a ``P``-rank
+  ring, which then runs unchanged on ``h/A`` heads.
 
 Both are exact (log-sum-exp merging), so every scheme equals CP=1 up to float rounding.
 """
@@ -20,16 +25,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.context_parallel import cp_chunk_positions, gathered_order
 from megatron.core.tensor_parallel.mappings import all_to_all
+from megatron.core.transformer import tiled_attention
 from megatron.core.transformer.tiled_attention import FULL, SKIP, Visibility, block_backward, block_forward, merge_into
 
-RING_SCHEMES = ("p2p", "a2a")  # cp_comm_type values computed here; "all_gather" is attention.py's own path
+RING_SCHEMES = ("p2p", "a2a", "a2a+p2p")  # cp_comm_type values computed here; "all_gather" is attention.py's own path
 
 
 def _pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -49,6 +55,7 @@ class Ring:
     vis: Visibility
     scale: float
     dropout: Optional[Tuple[float, int]] = None  # (p, seed): tiled_attention's attention dropout
+    tile_rows: Optional[int] = None  # queries per score tile (None: tiled_attention.TILE_ROWS)
 
     def __post_init__(self) -> None:
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -86,8 +93,9 @@ class Ring:
             for rows, keys, pos, vis in self.blocks(src, c):
                 block_mask = _cut(mask, rows, pos[1], c)
                 part = block_forward(
-                    q[:, :, rows], kb[:, :, keys], vb[:, :, keys], pos, vis, self.scale, block_mask, self.dropout
-                )
+                    q[:, :, rows], kb[:, :, keys], vb[:, :, keys], pos, vis, self.scale, block_mask, self.dropout,
+                    self.tile_rows,
+                )  # fmt: skip
                 merge_into(out[:, :, rows], lse[:, :, rows], *part)
             if pending is not None:
                 kv = _wait(pending)
@@ -109,7 +117,7 @@ class Ring:
                 grads = (dout[:, :, rows], delta[:, :, rows])
                 gq, gk, gv = block_backward(
                     grads, q[:, :, rows], kb[:, :, keys], vb[:, :, keys], lse[:, :, rows], pos, vis, self.scale,
-                    _cut(mask, rows, pos[1], c), self.dropout,
+                    _cut(mask, rows, pos[1], c), self.dropout, self.tile_rows,
                 )  # fmt: skip
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
@@ -165,7 +173,7 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     cp = dist.get_world_size(group)
     b, n, sl, d = x.shape
     if n % cp:
-        raise ValueError(f"cp_comm_type='a2a' needs the heads per rank ({n}) divisible by context_parallel_size={cp}")
+        raise ValueError(f"cp_comm_type a2a: needs the heads per rank ({n}) divisible by the all-to-all size {cp}")
     pieces = x.reshape(b, cp, n // cp, sl, d).transpose(0, 1)  # [cp, b, n/cp, sl, d]: piece j goes to rank j
     got = all_to_all(group, pieces.reshape(cp, -1)).view(cp, b, n // cp, sl, d)  # piece j from rank j
     rank_order = got.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * sl, d)
@@ -188,21 +196,30 @@ def _groups_for(k: torch.Tensor, heads: int, cp: int) -> torch.Tensor:
     wanted = g * cp // math.gcd(g, cp)
     if heads % wanted:
         raise ValueError(
-            f"cp_comm_type='a2a': {heads} heads and {g} query groups per rank cannot be split over "
-            f"context_parallel_size={cp} (heads must be divisible by lcm(groups, cp) = {wanted})"
+            f"cp_comm_type a2a: {heads} heads and {g} query groups per rank cannot be split over the "
+            f"all-to-all group's {cp} ranks (heads must be divisible by lcm(groups, {cp}) = {wanted})"
         )
     return k.repeat_interleave(wanted // g, dim=1) if wanted > g else k
 
 
-def ulysses_attention(q, k, v, ring: Ring) -> torch.Tensor:
-    """All-to-all CP attention over ``ring.group``: ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, .]`` ->
-    ``[b, h, s/cp, dv]``; the whole-sequence attention of this rank's heads runs on a one-rank ring."""
-    group, cp, heads = ring.group, ring.size, q.shape[1]
-    k, v = (_seq_to_heads(_groups_for(t, heads, cp), group) for t in (k, v))  # [b, g'/cp, s, .]
-    dropout = None if ring.dropout is None else (ring.dropout[0], hash((ring.dropout[1], ring.rank)))  # per head group
-    local = Ring(None, ring.vis, ring.scale, dropout)
-    ctx = ring_attention(_seq_to_heads(q, group), k, v, local)  # [b, h/cp, s, dv]
-    return _heads_to_seq(ctx, group)
+def ulysses_attention(q, k, v, a2a_group: dist.ProcessGroup, ring: Ring) -> torch.Tensor:
+    """All-to-all CP attention over ``a2a_group``: ``q`` ``[b, h, n, d]``, ``k``/``v`` ``[b, g, n, .]`` ->
+    ``[b, h, n, dv]``. This rank's ``h/a2a`` heads attend over the ``a2a`` ranks' tokens gathered in order,
+    on ``ring``: one rank (``a2a``, the whole sequence) or the ring of ``a2a+p2p`` (its chunks of it)."""
+    cp, heads = dist.get_world_size(a2a_group), q.shape[1]
+    k, v = (_seq_to_heads(_groups_for(t, heads, cp), a2a_group) for t in (k, v))  # [b, g'/cp, cp*n, .]
+    ctx = ring_attention(_seq_to_heads(q, a2a_group), k, v, ring)  # [b, h/cp, cp*n, dv]
+    return _heads_to_seq(ctx, a2a_group)
+
+
+def _after_a2a(group: Optional[dist.ProcessGroup], a2a_group: dist.ProcessGroup, vis, scale, dropout) -> Ring:
+    """The ring (``group`` None: one rank) that attends after the all-to-all over ``a2a_group``: dropout
+    seeded per head group (each a2a rank draws for other heads), and score tiles of ``TILE_ROWS / a2a``
+    queries, since its blocks have ``a2a`` times the keys: a tile holds what a ``p2p`` one does per head,
+    so the workspace falls as 1/cp here too."""
+    a2a = dist.get_world_size(a2a_group)
+    seed = None if dropout is None else (dropout[0], hash((dropout[1], dist.get_rank(a2a_group))))
+    return Ring(group, vis, scale, seed, tile_rows=max(1, tiled_attention.TILE_ROWS // a2a))
 
 
 def context_parallel_attention(
@@ -215,17 +232,24 @@ def context_parallel_attention(
     scale: float,
     mask: Optional[torch.Tensor] = None,
     dropout: Optional[Tuple[float, int]] = None,
+    hcp: Optional[Sequence[dist.ProcessGroup]] = None,
 ) -> torch.Tensor:
-    """This rank's attention output ``[b, h, s/cp, dv]`` under ``scheme`` (``p2p`` or ``a2a``).
+    """This rank's attention output ``[b, h, s/cp, dv]`` under ``scheme`` (``p2p``, ``a2a`` or ``a2a+p2p``).
 
-    ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, d|dv]`` hold chunks r and 2cp-1-r; ``mask``
-    (``p2p`` only) ``[b|1, 1, s/cp, s]``, True = blocked, in global key order; ``dropout`` ``(p, seed)``.
+    ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, d|dv]`` hold chunks r and 2cp-1-r of ``group``;
+    ``mask`` (``p2p`` only) ``[b|1, 1, s/cp, s]``, True = blocked, in global key order; ``dropout``
+    ``(p, seed)``; ``hcp`` (``a2a+p2p``): the ``[a2a, p2p]`` sub-groups of ``group`` (consecutive ranks, then
+    the ring across them: ``ProcessGroupCollection.hcp``).
     """
-    ring = Ring(group, vis, scale, dropout)
     if scheme == "p2p":
-        return ring_attention(q, k, v, ring, mask)
+        return ring_attention(q, k, v, Ring(group, vis, scale, dropout), mask)
+    if scheme not in RING_SCHEMES:
+        raise ValueError(f"cp_comm_type={scheme!r}: this function computes {RING_SCHEMES}")
+    if mask is not None:
+        raise NotImplementedError(f"cp_comm_type={scheme!r} with an explicit attention mask: use 'p2p' or 'all_gather'")
     if scheme == "a2a":
-        if mask is not None:
-            raise NotImplementedError("cp_comm_type='a2a' with an explicit attention mask: use 'p2p' or 'all_gather'")
-        return ulysses_attention(q, k, v, ring)
-    raise ValueError(f"cp_comm_type={scheme!r}: this function computes {RING_SCHEMES}")
+        return ulysses_attention(q, k, v, group, _after_a2a(None, group, vis, scale, dropout))
+    if hcp is None or len(hcp) != 2:
+        raise ValueError("cp_comm_type='a2a+p2p' needs the two hierarchical CP groups [a2a, p2p] (hcp)")
+    a2a, p2p = hcp
+    return ulysses_attention(q, k, v, a2a, _after_a2a(p2p, a2a, vis, scale, dropout))

@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import _home_device
 from megatron.core.tensor_parallel.linear_function import COMM_NONE, parallel_linear
-from megatron.core.transformer.attention import DotProductAttention, run_core_attention
+from megatron.core.transformer.attention import DotProductAttention, cp_groups_of, run_core_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
@@ -125,7 +125,7 @@ class MLASelfAttention(MegatronModule):
             config,
             layer_number,
             attn_mask_type,
-            cp_group=groups.cp if groups.size_of("cp") > 1 else None,
+            **cp_groups_of(groups),
             softmax_scale=temperature * temperature / math.sqrt(self.q_head_dim),
         )
         self.sparse = hasattr(self.core_attention, "sparse_attention_mask")  # DSAttention

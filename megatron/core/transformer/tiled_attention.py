@@ -8,12 +8,15 @@ output and its log-sum-exp ``lse`` so that partial results over several key bloc
 (``merge_into``, the online softmax); ``block_backward`` takes the *final* output and ``lse`` (the
 FlashAttention backward), so a block's gradients need no other block.
 
-The kernel walks query tiles of at most ``TILE_ELEMENTS`` scores: no tensor of size ``[s, s]`` (or even
-``[nq, nk]`` for a long block) exists, and the tile's key range is cut to what the mask lets it see,
-so a diagonal block costs half. Grouped-query keys and values stay at their group count (the query
-heads of a group are folded into the tile). Masks within a tile come from global positions
-(``masks.build_attention_mask``); an explicit ``mask`` (True = blocked) aligned to the block may add
-padding or documents. Values may have another head dim than queries (multi-latent attention).
+The kernel walks tiles of at most ``TILE_ROWS`` queries, each against the keys of the block it may see:
+no tensor of size ``[s, s]`` (or even ``[nq, nk]`` for a long block) exists, a diagonal block costs
+half, and a tile's scores (``TILE_ROWS x nk`` per head) grow with the block's keys only: under
+context parallelism the blocks are ``s/(2cp)`` keys (``p2p``) or ``s/2`` keys on ``heads/cp`` heads
+(``a2a``), so the workspace, like everything else a rank holds, falls as 1/cp. Grouped-query keys and
+values stay at their group count (the query heads of a group are folded into the tile). Masks within a
+tile come from global positions (``masks.build_attention_mask``); an explicit ``mask`` (True =
+blocked) aligned to the block may add padding or documents. Values may have another head dim than
+queries (multi-latent attention).
 
 Attention dropout (``dropout = (p, seed)``) drops probabilities after the softmax, as SDPA does; each
 tile's keep-mask is drawn from a generator seeded by ``(seed, first query, first key)`` so that
@@ -29,7 +32,7 @@ import torch
 
 from megatron.core.transformer.masks import build_attention_mask
 
-TILE_ELEMENTS = 1 << 22  # scores per tile and head: rows x visible keys
+TILE_ROWS = 128  # queries per tile: a tile holds TILE_ROWS x (visible keys) scores per head
 SKIP, FULL, PARTIAL = "skip", "full", "partial"
 Dropout = Optional[Tuple[float, int]]  # (probability, seed) or None
 
@@ -75,10 +78,6 @@ class Visibility:
         return PARTIAL
 
 
-def _tile_rows(nq: int, nk: int) -> int:
-    return max(1, min(nq, TILE_ELEMENTS // max(nk, 1)))
-
-
 def _tile_scores(q, k, q_rows, k_rows, pos, vis, mask, scale) -> torch.Tensor:
     """fp32 scores ``[b, g, h/g, tq, tk]`` of query rows ``q_rows`` on key rows ``k_rows``, blocked at -inf."""
     b, h, _, d = q.shape
@@ -105,9 +104,10 @@ def _kept(dropout: Dropout, where: Tuple[int, int], like: torch.Tensor) -> Optio
     return keep.to(like.dtype) / (1.0 - p)
 
 
-def _tiles(nq: int, nk: int, q0: int, k0: int, vis: Optional[Visibility]):
-    """``(t0, t1, lo, hi)``: query rows and the key rows they may see, tile by tile (empty ones dropped)."""
-    rows = _tile_rows(nq, nk)
+def _tiles(nq: int, nk: int, q0: int, k0: int, vis: Optional[Visibility], rows: Optional[int]):
+    """``(t0, t1, lo, hi)``: query rows (``rows`` per tile, None: ``TILE_ROWS``) and the key rows they
+    may see, tile by tile (empty ones dropped)."""
+    rows = max(1, min(nq, rows or TILE_ROWS))
     for t0 in range(0, nq, rows):
         t1 = min(nq, t0 + rows)
         lo, hi = vis.key_bounds(q0 + t0, q0 + t1, k0, nk) if vis is not None else (0, nk)
@@ -124,16 +124,18 @@ def block_forward(
     scale: float,
     mask: Optional[torch.Tensor] = None,
     dropout: Dropout = None,
+    rows: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``q`` ``[b, h, nq, d]``, ``k`` ``[b, g, nk, d]``, ``v`` ``[b, g, nk, dv]``
     with first positions ``pos = (q0, k0)`` -> fp32 output ``[b, h, nq, dv]`` and ``lse`` ``[b, h, nq]``
     (-inf, output 0, where a query sees no key). ``vis`` None: nothing blocked (a FULL block).
-    ``dropout``: ``(p, seed)`` drops probabilities (after the softmax; ``lse`` is the undropped one)."""
+    ``dropout``: ``(p, seed)`` drops probabilities (after the softmax; ``lse`` is the undropped one);
+    ``rows``: queries per tile (None: ``TILE_ROWS``)."""
     b, h, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     out = q.new_zeros(b, h, nq, dv, dtype=torch.float32)
     lse = q.new_full((b, h, nq), float("-inf"), dtype=torch.float32)
-    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis):
+    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis, rows):
         scores = _tile_scores(q, k, (t0, t1), (lo, hi), pos, vis, mask, scale)  # [b, g, h/g, tq, tk]
         tile_lse = torch.logsumexp(scores, dim=-1)  # [b, g, h/g, tq]
         probs = torch.exp(scores - _finite(tile_lse).unsqueeze(-1))
@@ -156,17 +158,18 @@ def block_backward(
     scale: float,
     mask: Optional[torch.Tensor] = None,
     dropout: Dropout = None,
+    rows: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (fp32) of one block's ``q``, ``k``, ``v`` given ``grads = (dout, delta)``: the gradient of
     the *final* output ``[b, h, nq, dv]`` and ``delta = rowsum(dout * out)`` ``[b, h, nq]``, with the final
-    ``lse`` ``[b, h, nq]``. Shapes and ``pos``/``vis``/``mask``/``dropout`` as ``block_forward``."""
+    ``lse`` ``[b, h, nq]``. Shapes and ``pos``/``vis``/``mask``/``dropout``/``rows`` as ``block_forward``."""
     dout, delta = grads
     b, h, nq, d = q.shape
     g, nk = k.shape[1], k.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis):
+    for t0, t1, lo, hi in _tiles(nq, nk, pos[0], pos[1], vis, rows):
         scores = _tile_scores(q, k, (t0, t1), (lo, hi), pos, vis, mask, scale)  # [b, g, h/g, tq, tk]
         rows = (b, g, h // g, t1 - t0)
         probs = torch.exp(scores - _finite(lse[:, :, t0:t1]).reshape(rows).unsqueeze(-1))  # final softmax

@@ -82,7 +82,8 @@ class TransformerConfig(ModelParallelConfig):
     window_size: Optional[tuple] = None
     cp_comm_type: Optional[Union[str, List[str]]] = None
     """Context-parallel scheme, one value or one per layer: 'p2p' (ring; None means it), 'a2a' (Ulysses),
-    'all_gather' ('allgather'); 'a2a+p2p' needs hierarchical CP groups, not supported yet."""
+    'all_gather' ('allgather'), 'a2a+p2p' (all-to-all inside the first of hierarchical_context_parallel_sizes,
+    the ring over the second)."""
 
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
@@ -454,10 +455,11 @@ class TransformerConfig(ModelParallelConfig):
         for one in values:
             if one not in CP_COMM_TYPES:
                 raise ValueError(f"cp_comm_type={one!r}: must be one of {CP_COMM_TYPES}")
-            if one == "a2a+p2p" and self.context_parallel_size > 1:
+            sizes = self.hierarchical_context_parallel_sizes
+            if one == "a2a+p2p" and self.context_parallel_size > 1 and (sizes is None or len(sizes) != 2):
                 raise ValueError(
-                    "cp_comm_type='a2a+p2p': needs hierarchical_context_parallel_sizes, the a2a groups inside "
-                    "the p2p rings, which are not supported yet; use 'p2p' or 'a2a'"
+                    f"cp_comm_type='a2a+p2p' with hierarchical_context_parallel_sizes={sizes}: needs two sizes "
+                    f"[a2a, p2p] whose product is context_parallel_size={self.context_parallel_size}"
                 )
         self.cp_comm_type = values[0] if len(values) == 1 else values
 

@@ -295,8 +295,8 @@ RECORDS = (
     Flag(
         "cp_comm_type",
         IMPLEMENTED,
-        help="Context-parallel scheme (one, or one per layer): p2p (ring), a2a (Ulysses), all_gather; "
-        "a2a+p2p needs --hierarchical-context-parallel-sizes (not supported yet).",
+        help="Context-parallel scheme (one, or one per layer): p2p (ring), a2a (Ulysses), all_gather, "
+        "a2a+p2p (a2a inside, ring across --hierarchical-context-parallel-sizes).",
         fills=same(TC),
         speed_only=SPEED_RTOL,
     ),

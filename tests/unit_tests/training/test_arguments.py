@@ -156,10 +156,6 @@ def _validated(extra=(), world_size=1, entry_point="gpt"):
     [
         (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
         (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone"),
-        (
-            ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
-            "--hierarchical-context-parallel-sizes",
-        ),
         (["--optimizer", "dist_muon"], "--optimizer"),
         (["--multi-latent-attention", "--cache-mla-latents"], "--cache-mla-latents"),
         (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe"),
@@ -400,7 +396,14 @@ def test_flags_file_reads_a_pasted_launch_block(tmp_path, capsys):
         (
             ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
             2,
-            r"--cp-comm-type 'a2a\+p2p': needs hierarchical_context_parallel_sizes.*not supported yet",
+            r"--cp-comm-type 'a2a\+p2p' with --hierarchical-context-parallel-sizes None: needs two sizes "
+            r"\[a2a, p2p\] whose product is --context-parallel-size 2",
+        ),
+        (
+            ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "3"],
+            4,
+            r"--hierarchical-context-parallel-sizes \[2, 3\]: must be positive integers whose product is "
+            r"--context-parallel-size 4",
         ),
         (
             ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
@@ -512,6 +515,19 @@ def test_context_parallel_size_is_accepted_and_reaches_the_config():
     )
     assert per_layer.cp_comm_type == ["p2p", "a2a", "all_gather", "p2p"]
     assert A.core_transformer_config_from_args(per_layer).cp_comm_type == ["p2p", "a2a", "all_gather", "p2p"]
+    nested = _validated(
+        [
+            "--context-parallel-size",
+            "4",
+            "--cp-comm-type",
+            "a2a+p2p",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "2",
+        ],
+        world_size=4,
+    )
+    assert A.core_transformer_config_from_args(nested).hierarchical_context_parallel_sizes == [2, 2]
 
 
 def test_expert_model_parallel_size_is_accepted_and_reaches_the_config():

@@ -5,7 +5,8 @@ Attention: each CP rank runs ``DotProductAttention`` on its two chunks of q, k, 
 its q, k and v must equal the matching rows of full (CP=1) attention on the whole sequence, for
 grouped-query heads with a plain causal mask, sliding windows (global positions), an explicit
 document mask (not ``a2a``), and values narrower than keys (multi-latent attention), on the SDPA
-and unfused paths. fp32; rtol=1e-5, atol=1e-6.
+and unfused paths, with score tiles of 3 query rows (several per block). ``a2a+p2p`` on 2 x 2 ranks
+(``hierarchical_context_parallel_sizes``), 1 x 4 and 4 x 1 in the full tier. fp32; rtol=1e-5, atol=1e-6.
 
 The ring posts the transfer of step t + 1 before computing step t (a recording of its calls).
 
@@ -13,7 +14,7 @@ Attention dropout under ``p2p`` and ``a2a``: the gradient agrees with central di
 output with the same dropout seed (backward redraws forward's masks).
 
 No square tensor: under ``p2p`` and ``a2a`` no op creates, and autograd saves, a tensor of
-``s * s / 4`` elements or more (``tests.tensor_meter``, query tiles of 256 scores), while the
+``s * s / 4`` elements or more (``tests.tensor_meter``, query tiles of 4 rows), while the
 ``all_gather`` scheme's ``[s/cp, s]`` mask is caught by the same check.
 """
 
@@ -52,7 +53,7 @@ def test_sequence_not_divisible_by_two_cp_is_refused():
         cp_chunk_positions(12, 4, 0)
 
 
-def _attention(cp_group, window, backend, scheme=None):
+def _attention(cp_group, window, backend, scheme=None, hcp=None):
     config = TransformerConfig(
         cp_comm_type=scheme,
         num_layers=1,
@@ -63,7 +64,7 @@ def _attention(cp_group, window, backend, scheme=None):
         window_size=window,
         attention_backend=backend,
     )
-    return DotProductAttention(config, 1, cp_group=cp_group, softmax_scale=0.3)
+    return DotProductAttention(config, 1, cp_group=cp_group, softmax_scale=0.3, hcp_groups=hcp)
 
 
 def _document_mask(b, s):
@@ -85,14 +86,22 @@ CASES = (  # (window, backend, explicit mask, value head dim)
 )
 
 
-def _compare_attention(rank, world_size, schemes):
-    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+def _cp_groups(world_size, hierarchical=None):
+    layout = ParallelLayout(
+        world_size, context_parallel_size=world_size, hierarchical_context_parallel_sizes=hierarchical
+    )
+    return build_process_groups(layout)
+
+
+def _compare_attention(rank, world_size, schemes, hierarchical=None, cases=CASES):
+    groups = _cp_groups(world_size, hierarchical)
+    tiled_attention.TILE_ROWS = 3  # several tiles per block, the last one short
     s, b, d = 4 * world_size * 2, 2, 8
     mask = _document_mask(b, s)
     positions = cp_chunk_positions(s, world_size, groups.rank_in("cp"))  # [s/cp]
     for scheme in schemes:
-        for window, backend, use_mask, dv in CASES:
-            if use_mask and scheme == "a2a":
+        for window, backend, use_mask, dv in cases:
+            if use_mask and scheme in ("a2a", "a2a+p2p"):
                 continue
             g = torch.Generator().manual_seed(0)
             q, k = (torch.randn(s, b, n, d, generator=g) for n in (4, 2))  # [s, b, heads|groups, d]
@@ -103,7 +112,7 @@ def _compare_attention(rank, world_size, schemes):
             ref.backward(upstream)
             local = [t[positions].clone().requires_grad_() for t in (q, k, v)]  # [s/cp, b, ., d]
             sliced = get_batch_on_this_cp_rank({"attention_mask": mask}, groups.cp)["attention_mask"]
-            out = _attention(groups.cp, window, backend, scheme)(*local, sliced if use_mask else None)
+            out = _attention(groups.cp, window, backend, scheme, groups.hcp)(*local, sliced if use_mask else None)
             out.backward(upstream[positions])
             what = f"{scheme} cp={world_size} window={window} {backend} mask={use_mask} dv={dv}"
             torch.testing.assert_close(out, ref[positions], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} out: {m}")
@@ -113,31 +122,32 @@ def _compare_attention(rank, world_size, schemes):
                 )
 
 
-def _largest_tensors(rank, world_size):
+def _largest_tensors(rank, world_size, schemes=("all_gather", "p2p", "a2a"), hierarchical=None):
     """(largest created, largest saved) elements of one causal attention fwd+bwd at s = 128, per scheme."""
-    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
-    tiled_attention.TILE_ELEMENTS = 256
+    groups = _cp_groups(world_size, hierarchical)
+    tiled_attention.TILE_ROWS = 4
     s, found = 128, {}
-    for scheme in ("all_gather", "p2p", "a2a"):
+    for scheme in schemes:
         q, k, v = (torch.randn(s // world_size, 1, n, 8, requires_grad=True) for n in (2, 1, 1))  # [s/cp, b, ., d]
         with TensorMeter() as meter:
-            _attention(groups.cp, None, "auto", scheme)(q, k, v, None).sum().backward()
+            _attention(groups.cp, None, "auto", scheme, groups.hcp)(q, k, v, None).sum().backward()
         found[scheme] = (meter.largest_created, meter.largest_saved)
     return s, found
 
 
-def _dropout_gradients(rank, world_size):
+def _dropout_gradients(rank, world_size, schemes=("p2p", "a2a"), hierarchical=None):
     """With attention dropout, backward redraws forward's keep-masks: the gradient's directional derivative
     matches central differences of the output (a different mask would miss by about the dropped share)."""
-    groups = build_process_groups(ParallelLayout(world_size=world_size, context_parallel_size=world_size))
+    groups = _cp_groups(world_size, hierarchical)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, n, 16, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))  # [b, ., s/cp, d]
     direction = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v)]
     weights = torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64)
-    for scheme in ("p2p", "a2a"):
+    for scheme in schemes:
 
         def loss(*qkv, dropout=(0.3, 1234)):
-            out = context_parallel_attention(*qkv, scheme, groups.cp, Visibility(True, None), 0.35, dropout=dropout)
+            vis = Visibility(True, None)
+            out = context_parallel_attention(*qkv, scheme, groups.cp, vis, 0.35, dropout=dropout, hcp=groups.hcp)
             total = (out * weights).sum()
             torch.distributed.all_reduce(total, group=groups.cp)
             return total
@@ -210,3 +220,44 @@ def _slice_batch(rank, world_size):
 
 def test_batch_slicing_on_two_ranks():
     run_distributed(_slice_batch, 2)
+
+
+def _hierarchical_checks(rank, world_size, cases):
+    """a2a+p2p on 2 x 2 ranks: the groups (a2a: consecutive CP ranks; p2p: across them), equality with
+    CP=1, dropout's redrawn masks, and the largest tensors."""
+    groups = _cp_groups(world_size, (2, 2))
+    assert groups.ranks["hcp0"] == [rank // 2 * 2, rank // 2 * 2 + 1], groups.ranks
+    assert groups.ranks["hcp1"] == [rank % 2, rank % 2 + 2], groups.ranks
+    _compare_attention(rank, world_size, ("a2a+p2p",), (2, 2), cases)
+    _dropout_gradients(rank, world_size, ("a2a+p2p",), (2, 2))
+    _peak_halves_from_two_to_four_ranks(groups)
+    return _largest_tensors(rank, world_size, ("a2a+p2p",), (2, 2))
+
+
+def _peak_halves_from_two_to_four_ranks(groups):
+    """p2p and a2a at the same s on a 2-rank sub-group and on all 4 ranks: the peak bytes per rank
+    (``tests.tensor_meter``, score tiles included) halve within 10%."""
+    tiled_attention.TILE_ROWS = 16
+    s, peaks = 512, {}
+    for scheme in ("p2p", "a2a"):
+        for cp, group in ((2, groups.hcp[1] if scheme == "p2p" else groups.hcp[0]), (4, groups.cp)):
+            q, k, v = (torch.randn(1, 4, s // cp, 8) for _ in range(3))  # [b, heads, s/cp, d], MHA
+            for t in (q, k, v):
+                t.requires_grad_()
+            with TensorMeter() as meter:
+                context_parallel_attention(q, k, v, scheme, group, Visibility(True, None), 0.3).sum().backward()
+            peaks[scheme, cp] = meter.peak_bytes
+        assert abs(peaks[scheme, 2] / peaks[scheme, 4] / 2 - 1) < 0.1, peaks
+
+
+def test_hierarchical_a2a_p2p_equals_full_attention_on_four_ranks():
+    """Causal grouped-query, sliding window and MLA-shaped values (the other cases: the full tier)."""
+    for s, found in run_distributed(_hierarchical_checks, 4, (CASES[0], CASES[1], CASES[5])):
+        (created, created_shape), (saved, saved_shape) = found["a2a+p2p"]
+        assert max(created, saved) < s * s // 4, (created_shape, saved_shape)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("hierarchical", [(2, 2), (1, 4), (4, 1)])
+def test_hierarchical_a2a_p2p_every_case(hierarchical):
+    run_distributed(_compare_attention, 4, ("a2a+p2p",), hierarchical)

@@ -26,7 +26,7 @@ candidates are all earlier keys, which CP splits over ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -128,8 +128,9 @@ class DSAttention(DotProductAttention):
         cp_group: Optional[torch.distributed.ProcessGroup] = None,
         softmax_scale: Optional[float] = None,
         submodules: Optional[DSAttentionSubmodules] = None,
+        hcp_groups: Optional[List[torch.distributed.ProcessGroup]] = None,
     ) -> None:
-        super().__init__(config, layer_number, attn_mask_type, cp_group, softmax_scale)
+        super().__init__(config, layer_number, attn_mask_type, cp_group, softmax_scale, hcp_groups=hcp_groups)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise NotImplementedError(f"DSAttention: attn_mask_type={attn_mask_type.name} (needs causal)")
         indexer = (submodules or DSAttentionSubmodules()).indexer or DSAIndexer
