@@ -27,7 +27,7 @@ TYPES_KEY = "embedding.tokentype_embeddings.weight"
 POSITIONS_KEY = "embedding.position_embeddings.weight"
 BINARY_HEAD_KEY = "binary_head.weight"  # in a checkpoint: the model has the pooler and binary head
 LM_HEAD_KEY = "lm_head.dense.weight"  # in a checkpoint: a BertModel
-_MODEL_KWARGS = ("position_embedding_type", "rotary_base", "share_embeddings_and_output_weights")
+_MODEL_KWARGS = ("position_embedding_type", "rotary_base", "rotary_percent", "share_embeddings_and_output_weights")
 _MODEL_KWARGS += ("vocab_size", "max_sequence_length")
 
 

@@ -80,8 +80,9 @@ def chunk_gated_delta_rule(
     future = build_attention_mask(chunk_size, chunk_size, device=k.device)  # [Q, Q] True where s > t
     diff = cum[..., :, None] - cum[..., None, :]  # [b, h, c, Q(t), Q(s)] G_t - G_s
     decay = torch.exp(diff.masked_fill(future, float("-inf")) if future is not None else diff)  # 0 above the diagonal
-    strictly = decay * (k @ k.transpose(-1, -2)) * beta  # [b, h, c, Q, Q]; diagonal dropped below
-    system = torch.eye(chunk_size, dtype=k.dtype, device=k.device) + strictly.tril(-1)
+    below = decay * (k @ k.transpose(-1, -2)) * beta  # [b, h, c, Q, Q]; zero above the diagonal
+    strictly = below - torch.diag_embed(torch.diagonal(below, dim1=-2, dim2=-1))  # the diagonal dropped too
+    system = torch.eye(chunk_size, dtype=k.dtype, device=k.device) + strictly
     solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
     w = solve(beta * v)  # [b, h, c, Q, dv]: u = w - kd @ S_0
     kd = solve(beta * torch.exp(cum)[..., None] * k)  # [b, h, c, Q, dk]

@@ -11,6 +11,9 @@ from tests.unit_tests.ssm.mamba_utils import shard_state_dict
 
 SEQ, CHUNK = 40, 16  # SEQ spans three GDN chunks of CHUNK (transformers' 64-token chunks: one)
 GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+# ``qwen3_next_kwargs`` overrides: dense MLPs in place of MoE (no router, no experts).
+DENSE = dict(num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None)
+DENSE.update(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
 
 
 def qwen3_next_kwargs(**overrides):

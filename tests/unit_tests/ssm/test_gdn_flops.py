@@ -12,15 +12,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron.training.flops import FlopsConfig, num_floating_point_operations
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, single_rank_groups
-from tests.unit_tests.ssm.qwen3_next_utils import GDN, SEQ, build_qwen3_next
+from tests.unit_tests.ssm.qwen3_next_utils import DENSE, GDN, SEQ, build_qwen3_next
 
 BATCH = 2
-DENSE = dict(num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None)  # no router: the formula skips it
-DENSE.update(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
 
 
 def _count(rank, world_size):
-    model = build_qwen3_next(single_rank_groups(), **DENSE)
+    model = build_qwen3_next(single_rank_groups(), **DENSE)  # no router: the formula leaves it out
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(torch.randint(0, VOCAB, (BATCH, SEQ)), torch.arange(SEQ).expand(BATCH, SEQ), None)
     totals = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}

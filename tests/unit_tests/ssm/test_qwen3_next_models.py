@@ -21,7 +21,7 @@ from megatron.training.theoretical_memory_params import LanguageModelShape, Rank
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, batch, single_rank_groups
 from tests.unit_tests.inference.hf_models import random_prompts
-from tests.unit_tests.ssm.qwen3_next_utils import SEQ, build_from_hf, build_qwen3_next, hf_qwen3_next, perturb
+from tests.unit_tests.ssm.qwen3_next_utils import DENSE, SEQ, build_from_hf, build_qwen3_next, hf_qwen3_next, perturb
 from tests.unit_tests.ssm.test_mamba_models import _assert_close, _loss_and_grads
 
 HF_MAX_ABS = 1e-4
@@ -81,9 +81,12 @@ def _body(rank, world_size):
     parity = _parity(ref_groups, tokens) if rank == 0 else None
     ref = _loss_and_grads(build_qwen3_next(ref_groups).train(), tokens, labels, ref_groups.tp)
     tp = build_process_groups(ParallelLayout(world_size=world_size, tensor_model_parallel_size=world_size))
-    for sp in (False, True):  # CPU initialization: the same weights at any TP size
-        model = build_qwen3_next(tp, sequence_parallel=sp).train()
-        _assert_close(f"tp={world_size} sp={sp}", _loss_and_grads(model, tokens, labels, tp.tp), ref)
+    # CPU initialization: the same weights at any TP size. MoE layers train under TP only with sequence
+    # parallelism (Megatron's rule), so TP without it runs the model with dense MLPs, against its own reference.
+    dense_ref = _loss_and_grads(build_qwen3_next(ref_groups, **DENSE).train(), tokens, labels, ref_groups.tp)
+    for sp, extra, reference in ((False, DENSE, dense_ref), (True, {}, ref)):
+        model = build_qwen3_next(tp, sequence_parallel=sp, **extra).train()
+        _assert_close(f"tp={world_size} sp={sp}", _loss_and_grads(model, tokens, labels, tp.tp), reference)
     lm = LanguageModelShape(VOCAB, SEQ, "rope", share_embeddings_and_output_weights=False)
     derived = [(e.name, e.numel) for e in chunk_parameters(model.config, lm, RankPosition(tp=world_size))]
     assert derived == [(n, p.numel()) for n, p in model.named_parameters()]  # the memory report's parameter list

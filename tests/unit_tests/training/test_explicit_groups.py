@@ -55,6 +55,8 @@ megatron/core/tensor_parallel/layers.py VocabParallelEmbedding.__init__ get_tens
 megatron/core/models/common/embeddings/language_model_embedding.py LanguageModelEmbedding.__init__ get_tensor_model_parallel_group_if_none
 megatron/core/transformer/moe/moe_layer.py MoELayer.__init__ use_mpu_process_groups
 megatron/core/ssm/mamba_mixer.py MambaMixer.__init__ use_mpu_process_groups
+megatron/core/ssm/gated_delta_net.py GatedDeltaNet.__init__ use_mpu_process_groups
+megatron/core/distributed/torch_fully_sharded_data_parallel.py TorchFullyShardedDataParallel.__init__ use_mpu_process_groups
 megatron/core/tensor_parallel/layers.py param_is_not_tensor_parallel_duplicate get_tensor_model_parallel_group_if_none
 megatron/core/tensor_parallel/linear_function.py _default_tp_group get_tensor_model_parallel_group_if_none
 megatron/core/tensor_parallel/mappings.py resolve_tp_group get_tensor_model_parallel_group_if_none
@@ -84,6 +86,7 @@ def _facade_names() -> Set[str]:
         if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("_")
     }
     names -= {"build_process_groups", "warn_sequence_parallel_without_tp", "forbid_default_process_groups"}
+    names -= {"check_hierarchical_cp_sizes"}  # validates sizes; reads no group
     names -= {"is_initialized"}  # reads no group; its name is torch.distributed.is_initialized's too
     return names | {"use_mpu_process_groups"}
 
