@@ -16,6 +16,7 @@ import hmac
 import json
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -147,5 +148,22 @@ class BoundedThreadedServer(ThreadedWSGIServer):
         try:
             connection.settimeout(1.0)
             connection.sendall(head.encode() + b"Retry-After: 1\r\nConnection: close\r\n\r\n" + body)
+            _linger(connection)
         except OSError:
             pass  # the client is gone or not reading: closing is all that is left
+
+
+LINGER_S, LINGER_BYTES = 0.25, 64 * 1024  # how long / how much of an unread request is drained before closing
+
+
+def _linger(connection: socket.socket) -> None:
+    """Half-close, then read (and drop) what the client is still sending, briefly: closing a socket with unread
+    input resets the connection, and a client still writing its request would get the reset, not the answer."""
+    connection.shutdown(socket.SHUT_WR)
+    deadline, drained = time.monotonic() + LINGER_S, 0
+    while drained < LINGER_BYTES and time.monotonic() < deadline:
+        connection.settimeout(max(deadline - time.monotonic(), 0.001))
+        chunk = connection.recv(4096)  # b"": the client closed after reading the answer
+        if not chunk:
+            return
+        drained += len(chunk)
