@@ -9,8 +9,8 @@ usage: bash scripts/run_tests.sh [--full] [PYTEST ARGS...]
 
 Sets up .venv (scripts/setup_env.sh), lints with ruff, installs the two test oracles outside the repository
 when missing, then runs pytest on what it is given:
-  (nothing)              the default tier of tests/: every feature and layout family (about 1,915 tests;
-                         17 min on 2 quiet cores, measured 2026-12-02, see README)
+  (nothing)              the default tier of tests/: every feature and layout family (about 2,000 tests;
+                         15 min on 2 quiet cores, measured 2026-12-02, see README)
   --full                 every test: the default tier plus the tests tests/conftest.py lists as full-only
                          (bash scripts/run_tests.sh --full -m full runs only those, as .ci/run does after
                          the default tier; 69 tests, about 14 min more)
