@@ -298,14 +298,14 @@ GRID: List[Case] = [
 ]
 
 
-# A hybrid Mamba model through pretrain_mamba.py (Mamba, attention, MLP and MoE layers; its mixers' scans and
-# convolutions under CUDA's rules), with TP+SP, PP and the distributed optimizer.
+# A hybrid Mamba model through pretrain_mamba.py (Mamba, attention and MoE layers, an attention layer on each stage;
+# its mixers' scans and convolutions under CUDA's rules), with TP+SP, PP and the distributed optimizer.
 GRID.append(
     Case(
         "hybrid-mamba-tp2-sp-pp2-distopt-bf16",
         4,
         [
-            *"--hybrid-override-pattern M*-E --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2".split(),
+            *"--hybrid-override-pattern M*E* --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2".split(),
             *"--num-experts 4 --moe-router-topk 2 --position-embedding-type none --normalization RMSNorm".split(),
             *"--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2".split(),
             *"--global-batch-size 8 --bf16 --use-distributed-optimizer --overlap-grad-reduce".split(),
