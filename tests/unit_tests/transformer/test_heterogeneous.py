@@ -24,6 +24,7 @@ from megatron.core.transformer.heterogeneous.heterogeneous_config import Heterog
 from megatron.training import arguments as A
 from tests.dist_harness import run_distributed
 from tests.model_utils import VOCAB, batch, llama_style, single_rank_groups
+from tests.unit_tests.models.test_gpt_hf_parity import _llama_reference
 from tests.unit_tests.models.test_gpt_tp_parity import ATOL, RTOL, _loss_and_grads
 
 # Layer 1: GQA with 2 groups (8 heads / 4 per group), a 48-wide MLP; layer 2: no attention, MLP a linear;
@@ -134,21 +135,8 @@ class _Part(torch.nn.Module):
 
 
 def _hf_reference(config):
-    hf_config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups,
-        max_position_embeddings=16,
-        rms_norm_eps=config.layernorm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    hf = _llama_reference(config, 10000.0)  # the model-wide Llama; each layer is rebuilt in its own shape below
+    hf_config = hf.config
     for i, block in enumerate(config.per_block_parameters):
         layer_config = copy.deepcopy(hf_config)
         layer_config.num_key_value_heads = block.attention.num_query_groups or config.num_query_groups
