@@ -5,9 +5,11 @@
 #   bash scripts/gpu_bench.sh            # one GPU, CUDA build of torch; JSON to ${OUT:-.}/gpu_bench.json
 #   bash scripts/gpu_bench.sh --dry-run  # CPU, tiny model, nothing compiled: proves the script (CI runs it)
 #
-# PYTHON picks the interpreter (default: python3); extra arguments go to benchmarks/gpu_bench.py.
+# PYTHON picks the interpreter (default: the project's .venv/bin/python, which scripts/setup_env.sh makes, else
+# python3); extra arguments go to benchmarks/gpu_bench.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY=${PYTHON:-python3}
 DEST=${OUT:-.}/gpu_bench.json
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -10,9 +10,10 @@
 # bf16 with the legacy checkpoint format), each saving and then resuming, and the dry-run grid
 # with the real CUDA runtime. Each step prints PASS/FAIL with its time; the summary goes to
 # stdout and, when $OUT is set, to $OUT/gpu_smoke_summary.txt (the grid's JSON beside it).
-# PYTHON picks the interpreter (default: python3). Exit status 1 if any step failed.
+# PYTHON picks the interpreter (default: .venv/bin/python where scripts/setup_env.sh made one, else python3). Exit status 1 if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY=${PYTHON:-python3}
 MODE=gpu
 case "${1:-}" in
