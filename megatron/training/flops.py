@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-from megatron.core.transformer.transformer_config import linear_attention_layer
+from megatron.core.transformer.attention_variant_fields import linear_attention_layer
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from megatron.training.flags.derive import global_batch_size
 from megatron.training.host_allocator import retain_freed_host_memory
 from megatron.training.preflight import check_inputs, check_port_free
 from megatron.training.run_report import print_arguments, print_enabled_summary
+from megatron.training.training_validation import validate_training_args
 
 # True once initialize_distributed started torch.distributed itself; only then
 # does shutdown_distributed tear it down (a harness's own group is left alone).
@@ -410,11 +411,13 @@ def initialize_run(
     args_defaults: Optional[Mapping[str, Any]] = None,
     entry_point: str = "gpt",
     environ: Optional[Mapping[str, str]] = None,
+    training: bool = False,
 ) -> Tuple[argparse.Namespace, RunState]:
     """``initialize_megatron``, also returning the run's groups and microbatch calculator.
 
     Flags are validated before torch.distributed starts, what they name (data, tokenizer files,
-    ``--load``, output directories) right after, before anything is built (``preflight``).
+    ``--load``, output directories) right after, before anything is built (``preflight``). ``training``
+    (``pretrain``): also the rules of a training run (``training_validation``), which serving does not need.
     """
     from megatron.training.arguments import parse_args, validate_args
 
@@ -426,6 +429,8 @@ def initialize_run(
         load_args_from_checkpoint(args)  # the model flags come from --load's checkpoint, before validation
     world_size = dist.get_world_size() if dist.is_initialized() else launch_env_for(args, environ).world_size
     validate_args(args, world_size)  # once, before any process group exists
+    if training:
+        validate_training_args(args)  # layouts that serve but do not train
     connections = set_device_max_connections(args)  # before CUDA starts (initialize_distributed picks the GPU)
     if connections and (dist.get_rank() if dist.is_initialized() else launch_env_for(args, environ).rank) == 0:
         print(f" > {connections}", flush=True)

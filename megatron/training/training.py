@@ -413,7 +413,7 @@ def pretrain(
     ``loss_func`` must then accept ``non_loss_data=True``. The writer is None without TensorBoard.
     """
     with reported_once():  # a mistake in the flags or inputs: one message on one rank, no traceback
-        args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point)
+        args, run = initialize_run(argv, extra_args_provider, args_defaults or {}, entry_point, training=True)
         tokenizer = build_tokenizer_from_args(args)  # pads the vocabulary the FLOPs config reads
         set_global_variables(args, tokenizer)
         configs = run_configs_from_args(args, saved_args=args_to_plain_data(args))  # once: the loop reads only these

@@ -84,17 +84,36 @@ def test_load_typo_for_the_server(tmp_path):
     assert_one_clear_message(result, _no_checkpoint(load, "nothing is trained (--skip-train: evaluating or serving)"))
 
 
-def test_busy_rendezvous_port(tmp_path):
-    """Started by srun (or by hand with RANK/WORLD_SIZE/MASTER_*), rank 0 listens on MASTER_PORT itself."""
+def _one_rank_of(world_size: int, flags: list, port: int, cwd: str) -> RunResult:
+    """``pretrain_gpt.py flags`` as rank 0 of ``world_size``, started the way srun starts a rank (its
+    RANK/WORLD_SIZE/MASTER_*): no other rank ever comes, so only a start-up error ends it in time."""
     import subprocess
 
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE=str(world_size))
+    env.update(LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *flags]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return RunResult(proc.returncode, proc.stdout + proc.stderr)
+
+
+def test_busy_rendezvous_port(tmp_path):
+    """Started by srun (or by hand with RANK/WORLD_SIZE/MASTER_*), rank 0 listens on MASTER_PORT itself."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_gpt_flags(2), *mock_flags()]
-        proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
-    result = RunResult(proc.returncode, proc.stdout + proc.stderr)
+        result = _one_rank_of(1, tiny_gpt_flags(2) + mock_flags(), port, str(tmp_path))
     assert_one_clear_message(result, f"the rendezvous port {port} (MASTER_PORT) is already in use on 127.0.0.1")
+
+
+def test_moe_with_tensor_parallelism_and_no_sequence_parallelism(tmp_path):
+    """Refused at start-up, before the ranks meet (Megatron's MoE layer refuses it at the first training step);
+    the text-generation server accepts the layout (tests/unit_tests/training/test_training_validation.py)."""
+    flags = tiny_gpt_flags(2) + mock_flags() + ["--num-experts", "4", "--tensor-model-parallel-size", "2"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = _one_rank_of(2, flags, port, str(tmp_path))
+    assert_one_clear_message(
+        result, "--num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel to train"
+    )

@@ -14,9 +14,11 @@ from megatron.core.context_parallel import CP_COMM_TYPES as CP_SCHEMES
 from megatron.core.model_parallel_config import ModelParallelConfig, require_divisible, require_positive
 from megatron.core.quantization.fp8 import AMAX_COMPUTE_ALGOS
 from megatron.core.quantization.recipes import FP4_FORMATS, FP4_RECIPES, FP8_FORMATS, FP8_RECIPES
-from megatron.core.transformer import moe_choices
+from megatron.core.transformer.attention_variant_fields import AttentionVariantFields
 from megatron.core.transformer.deepseek_v4_checks import check_deepseek_v4
+from megatron.core.transformer.deepseek_v4_fields import DeepSeekV4Fields
 from megatron.core.transformer.layer_layout import pipeline_layer_assignment
+from megatron.core.transformer.moe_fields import MoEFields
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 CP_COMM_TYPES = (None, "allgather") + CP_SCHEMES  # config.cp_comm_type values (Megatron-core's spellings)
@@ -42,17 +44,14 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
-def linear_attention_layer(freq: Union[int, List[int]], layer_number: int) -> bool:
-    """Whether global 1-based ``layer_number`` is a linear-attention (Gated DeltaNet) layer by ``freq``
-    (Megatron's ``linear_attention_freq``: every ``freq``-th layer is full attention, or one 0/1 entry per layer)."""
-    if isinstance(freq, int):
-        return layer_number % freq != 0
-    return bool(freq[layer_number - 1])
-
-
 @dataclass
-class TransformerConfig(ModelParallelConfig):
-    """Transformer hyper-parameters with Megatron Core's field names."""
+class TransformerConfig(DeepSeekV4Fields, AttentionVariantFields, MoEFields, ModelParallelConfig):
+    """Transformer hyper-parameters with Megatron Core's field names.
+
+    The mixture-of-experts, attention-variant (DSA, Gated DeltaNet) and DeepSeek-V4 fields and their
+    rules live in the base classes ``MoEFields``, ``AttentionVariantFields`` and ``DeepSeekV4Fields``
+    (their own modules); ``dataclasses.fields`` lists them after ``ModelParallelConfig``'s, before these.
+    """
 
     num_layers: int = 0
     hidden_size: int = 0
@@ -125,55 +124,6 @@ class TransformerConfig(ModelParallelConfig):
     account_for_loss_in_pipeline_split: bool = False
     """The loss counts as one layer when layers are split over pipeline stages."""
 
-    # Mixture of experts (experts split over EP and expert-TP = TP; see moe/moe_layer.py).
-    num_moe_experts: Optional[int] = None
-    """Experts per MoE layer (--num-experts); None: dense MLPs."""
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    """Each expert's MLP width; default ffn_hidden_size."""
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: Optional[float] = None
-    moe_router_pre_softmax: bool = False
-    """True: softmax over all experts, then top-k. False: top-k logits, softmax over those k."""
-    moe_router_topk_scaling_factor: Optional[float] = None
-    moe_router_score_function: str = "softmax"
-    """'softmax' or 'sigmoid' (top-k sigmoid scores renormalised); see moe/routing.py."""
-    moe_router_num_groups: Optional[int] = None
-    """Group-limited routing: experts in this many equal groups (with moe_router_group_topk)."""
-    moe_router_group_topk: Optional[int] = None
-    """Groups each token may route into: those with the largest sums of their topk/group_topk best scores."""
-    moe_router_enable_expert_bias: bool = False
-    """Aux-loss-free balancing: a per-expert bias (sigmoid routing only) picks the experts, updated each step."""
-    moe_router_bias_update_rate: float = 1e-3
-    """How far each step moves the expert bias (sign of mean count minus the expert's count)."""
-    moe_hash_router_vocab_size: Optional[int] = None
-    """Token ids covered by a HashRouter's frozen token -> experts table (DeepSeek-V4 hash_moe); None: none."""
-    moe_router_dtype: Optional[str] = None
-    """'fp32' or 'fp64': router logits and routing computed in that dtype; None: the model's."""
-    moe_router_force_load_balancing: bool = False
-    """Benchmarking only: route on random logits (balanced on average), gradient straight through."""
-    moe_input_jitter_eps: Optional[float] = None
-    """Multiply router inputs by noise uniform in [1 - eps, 1 + eps] (in eval too, as Megatron does)."""
-    moe_token_dispatcher_type: str = "allgather"
-    """'allgather' or 'alltoall': the same computation here (tokens all-gathered over EP)."""
-    moe_layer_freq: Union[int, List[int]] = 1
-    """N: layers 0, N, 2N... (0-based) are MoE; or one 0/1 entry per layer."""
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    """Width of the shared experts' MLP (all shared experts as one), run on every token; None: none."""
-    moe_shared_expert_gate: bool = False
-    """Scale the shared experts' output by sigmoid(x . w), a learned [1, h] gate (Qwen2-MoE)."""
-    moe_shared_expert_overlap: bool = False
-    """Overlap the shared experts with dispatch on GPU streams; the same result (sequential here)."""
-    moe_expert_capacity_factor: Optional[float] = None
-    """Each expert keeps at most ceil(T * topk / E * factor) of a rank's T routed tokens; None (or < 0): dropless."""
-    moe_token_drop_policy: str = "probs"
-    """Which pairs an expert keeps: 'probs' (largest routing probs) or 'position' (earliest tokens)."""
-    moe_pad_expert_input_to_capacity: bool = False
-    """Pad each expert's tokens to its capacity with weight-0 tokens: the same result, fixed shapes."""
-    moe_grouped_gemm: bool = False
-    """Run the local experts as one grouped GEMM per projection (torch._grouped_mm), else a loop."""
-
     # Multi-token prediction (DeepSeek-V3; see multi_token_prediction.py).
     mtp_num_layers: Optional[int] = None
     """Prediction modules after the decoder (module k predicts the token k+1 ahead); None: none."""
@@ -217,45 +167,6 @@ class TransformerConfig(ModelParallelConfig):
     """YaRN: frequencies turning more than this often over the original context keep their value."""
     beta_slow: float = 1.0
     """YaRN: frequencies turning less than this often are divided by rotary_scaling_factor."""
-
-    # DeepSeek Sparse Attention (DeepSeek-V3.2; see experimental_attention_variant/dsa.py).
-    experimental_attention_variant: Optional[str] = None
-    """'dsa': multi-latent attention where a lightning indexer picks dsa_indexer_topk keys per query."""
-    dsa_indexer_n_heads: Optional[int] = None
-    dsa_indexer_head_dim: Optional[int] = None
-    """The indexer's per-head channels; its first qk_pos_emb_head_dim are rotated (half-split RoPE)."""
-    dsa_indexer_topk: Optional[int] = None
-
-    # Gated DeltaNet layers (experimental_attention_variant='gated_delta_net'; megatron/core/ssm/gated_delta_net.py).
-    linear_attention_freq: Optional[Union[int, List[int]]] = None
-    """Which layers are Gated DeltaNet: an int N makes every N-th layer full attention and the rest GDN;
-    a list gives one entry per layer, 1 = GDN, 0 = full attention (Megatron-core's meaning)."""
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    # DeepSeek-V4 (experimental_attention_variant/compressed_attention.py, hyper_connection.py; checks in
-    # deepseek_v4_checks.py). The indexer of CSA layers takes the dsa_indexer_* sizes.
-    compressed_attention_layer_types: Optional[List[str]] = None
-    """One per layer: 'sliding_attention', 'compressed_sparse_attention' (CSA) or
-    'heavily_compressed_attention' (HCA), DeepSeek-V4's attention; None: not used."""
-    csa_compress_rate: int = 4
-    """Tokens pooled into one compressed key/value entry in CSA layers."""
-    hca_compress_rate: int = 128
-    """Tokens pooled into one compressed key/value entry in HCA layers."""
-    compressed_attention_rotary_base: float = 160000.0
-    """RoPE base of CSA/HCA layers (window and compressed entries); sliding layers take the model's angles."""
-    attention_output_groups: Optional[int] = None
-    """Head groups of DeepSeek-V4's grouped low-rank output projection."""
-    attention_output_lora_rank: Optional[int] = None
-    """Each head group's rank in the grouped output projection."""
-    hyper_connection_streams: int = 1
-    """Residual streams of manifold-constrained hyper-connections (DeepSeek-V4's hc_mult); 1: a plain residual."""
-    hyper_connection_sinkhorn_iterations: int = 20
-    hyper_connection_eps: float = 1e-6
-    moe_num_hash_layers: int = 0
-    """The first this many layers' MoE routers pick experts by a frozen table of the token id (hash_moe)."""
 
     # FP8 GEMMs in the transformer layers' linears (see megatron/core/quantization/recipes.py).
     fp8: Optional[str] = None
@@ -407,25 +318,6 @@ class TransformerConfig(ModelParallelConfig):
         layout.validate_layer_layout(self.num_layers, self.mtp_num_layers)
         self.pipeline_model_parallel_layout = layout
 
-    def _check_sinkhorn(self) -> None:
-        """Sinkhorn routing picks experts itself: the settings of the other routers would be ignored."""
-        if self.moe_router_load_balancing_type != "sinkhorn":
-            return
-        ignored = {
-            "moe_aux_loss_coeff": (self.moe_aux_loss_coeff, 0.0),
-            "moe_router_enable_expert_bias": (self.moe_router_enable_expert_bias, False),
-            "moe_router_num_groups": (self.moe_router_num_groups, None),
-            "moe_router_topk_scaling_factor": (self.moe_router_topk_scaling_factor, None),
-            "moe_router_pre_softmax": (self.moe_router_pre_softmax, False),
-            "moe_router_score_function": (self.moe_router_score_function, "softmax"),
-        }
-        for name, (value, default) in ignored.items():
-            if value != default:
-                raise ValueError(
-                    f"{name}={value!r} does not apply with moe_router_load_balancing_type='sinkhorn' "
-                    f"(Sinkhorn routing has no auxiliary loss and its own scores); leave it at {default!r}"
-                )
-
     def _check_activation_clamp(self) -> None:
         clamp = self.activation_func_clamp_value
         if clamp is None:
@@ -463,91 +355,6 @@ class TransformerConfig(ModelParallelConfig):
                 )
         self.cp_comm_type = values[0] if len(values) == 1 else values
 
-    def _check_moe(self) -> None:
-        if self.num_moe_experts is None:
-            return
-        require_positive("num_moe_experts", self.num_moe_experts)
-        require_positive("moe_router_topk", self.moe_router_topk)
-        if self.moe_router_topk > self.num_moe_experts:
-            raise ValueError(
-                f"moe_router_topk={self.moe_router_topk} must be <= num_moe_experts={self.num_moe_experts}"
-            )
-        if self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
-        require_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
-        require_divisible(
-            "moe_ffn_hidden_size",
-            self.moe_ffn_hidden_size,
-            "expert_tensor_parallel_size",
-            self.expert_tensor_parallel_size,
-        )
-        choices = {
-            "moe_router_load_balancing_type": moe_choices.BALANCE_TYPES,
-            "moe_token_dispatcher_type": moe_choices.DISPATCHER_TYPES,
-            "moe_router_score_function": moe_choices.SCORE_FUNCTIONS,
-            "moe_router_dtype": moe_choices.ROUTER_DTYPES,
-            "moe_token_drop_policy": moe_choices.DROP_POLICIES,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be one of {allowed}")
-        self._check_sinkhorn()
-        if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0):
-            raise ValueError(
-                f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}, moe_z_loss_coeff="
-                f"{self.moe_z_loss_coeff}: coefficients must be >= 0"
-            )
-        factor = self.moe_router_topk_scaling_factor
-        if factor is not None and factor <= 0:
-            raise ValueError(f"moe_router_topk_scaling_factor={factor}: must be > 0")
-        self._check_router()
-        self._check_capacity()
-        self._check_shared_experts()
-        require_divisible(
-            "num_moe_experts", self.num_moe_experts, "expert_model_parallel_size", self.expert_model_parallel_size
-        )
-        self._check_moe_layer_freq()
-
-    def _check_router(self) -> None:
-        if self.moe_hash_router_vocab_size is not None:
-            require_positive("moe_hash_router_vocab_size", self.moe_hash_router_vocab_size)
-        eps = self.moe_input_jitter_eps
-        if eps is not None and not 0 < eps < 1:
-            raise ValueError(f"moe_input_jitter_eps={eps}: must be in (0, 1)")
-        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
-            raise ValueError(
-                f"moe_router_num_groups={self.moe_router_num_groups}, moe_router_group_topk="
-                f"{self.moe_router_group_topk}: group-limited routing needs both"
-            )
-        if self.moe_router_group_topk is None:
-            return
-        groups, picked, k = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk
-        require_positive("moe_router_num_groups", groups)
-        require_positive("moe_router_group_topk", picked)
-        require_divisible("num_moe_experts", self.num_moe_experts, "moe_router_num_groups", groups)
-        require_divisible("moe_router_topk", k, "moe_router_group_topk", picked)
-        if picked > groups or k > picked * (self.num_moe_experts // groups):
-            raise ValueError(
-                f"moe_router_group_topk={picked}, moe_router_num_groups={groups}, moe_router_topk={k}: "
-                "need group_topk <= num_groups and topk <= group_topk * experts per group"
-            )
-
-    def _check_capacity(self) -> None:
-        factor = self.moe_expert_capacity_factor
-        if factor is not None and factor < 0:
-            self.moe_expert_capacity_factor = factor = None  # Megatron: a negative factor means dropless
-        if factor == 0:
-            raise ValueError("moe_expert_capacity_factor=0: must be > 0 (or negative / None for dropless)")
-
-    def _check_shared_experts(self) -> None:
-        size = self.moe_shared_expert_intermediate_size
-        if size is None:
-            return
-        require_positive("moe_shared_expert_intermediate_size", size)
-        require_divisible(
-            "moe_shared_expert_intermediate_size", size, "tensor_model_parallel_size", self.tensor_model_parallel_size
-        )
-
     def _check_multi_token_prediction(self) -> None:
         if self.mtp_num_layers is None:
             return
@@ -578,87 +385,6 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: must be even (RoPE rotates pairs)")
         if self.rotary_scaling_factor < 1.0:
             raise ValueError(f"rotary_scaling_factor={self.rotary_scaling_factor}: must be >= 1")
-
-    def _check_sparse_attention(self) -> None:
-        variant = self.experimental_attention_variant
-        if variant is None and "compressed_sparse_attention" in (self.compressed_attention_layer_types or ()):
-            return  # DeepSeek-V4's CSA indexer takes these sizes (deepseek_v4_checks.py)
-        if variant is None:
-            for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)}: needs experimental_attention_variant='dsa' or a "
-                        "'compressed_sparse_attention' layer in compressed_attention_layer_types"
-                    )
-            return
-        if variant == "gated_delta_net":
-            return self._check_gated_delta_net()
-        if variant != "dsa":
-            raise ValueError(f"experimental_attention_variant={variant!r}: must be 'dsa' or 'gated_delta_net'")
-        if not self.multi_latent_attention or self.q_lora_rank is None:
-            raise ValueError(
-                "experimental_attention_variant='dsa' needs multi_latent_attention=True and q_lora_rank set "
-                f"(the indexer's queries come from the query latent); got {self.multi_latent_attention}, "
-                f"{self.q_lora_rank}"
-            )
-        for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
-            require_positive(name, getattr(self, name))
-        if self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim:
-            raise ValueError(
-                f"dsa_indexer_head_dim={self.dsa_indexer_head_dim}: must be >= qk_pos_emb_head_dim="
-                f"{self.qk_pos_emb_head_dim} (the indexer rotates that many channels)"
-            )
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                f"experimental_attention_variant='dsa' with context_parallel_size={self.context_parallel_size}: "
-                "not supported (the indexer scores every earlier key of a query, which CP splits over ranks)"
-            )
-
-    def _check_gated_delta_net(self) -> None:
-        """GDN sizes positive, value heads a multiple of key heads, both split over TP; the layer pattern set."""
-        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim"):
-            require_positive(name, getattr(self, name))
-        keys, values, tp = self.linear_num_key_heads, self.linear_num_value_heads, self.tensor_model_parallel_size
-        require_divisible("linear_num_value_heads", values, "linear_num_key_heads", keys)
-        require_divisible("linear_num_key_heads", keys, "tensor_model_parallel_size", tp)
-        freq = self.linear_attention_freq
-        if freq is None:
-            raise ValueError("experimental_attention_variant='gated_delta_net' needs linear_attention_freq set")
-        if isinstance(freq, int) and not isinstance(freq, bool):
-            return require_positive("linear_attention_freq", freq)
-        if len(freq) != self.num_layers or any(p not in (0, 1) for p in freq):
-            raise ValueError(f"linear_attention_freq={freq!r}: must be an int or {self.num_layers} entries of 0/1")
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                f"experimental_attention_variant='gated_delta_net' with context_parallel_size="
-                f"{self.context_parallel_size}: not supported (the recurrence would restart on every rank's chunk)"
-            )
-
-    def is_linear_attention_layer(self, layer_number: int) -> bool:
-        """Whether the global 1-based ``layer_number`` is a Gated DeltaNet layer (``linear_attention_freq``)."""
-        if self.experimental_attention_variant != "gated_delta_net":
-            return False
-        return linear_attention_layer(self.linear_attention_freq, layer_number)
-
-    def _check_moe_layer_freq(self) -> None:
-        freq = self.moe_layer_freq
-        if isinstance(freq, int) and not isinstance(freq, bool):
-            require_positive("moe_layer_freq", freq)
-            return
-        pattern = list(freq)
-        if len(pattern) != self.num_layers or any(p not in (0, 1) for p in pattern):
-            raise ValueError(
-                f"moe_layer_freq={freq!r}: a list needs one 0/1 entry per layer (num_layers={self.num_layers})"
-            )
-        self.moe_layer_freq = pattern
-
-    def is_moe_layer(self, layer_number: int) -> bool:
-        """Whether the global 1-based ``layer_number`` holds a MoE layer (``moe_layer_freq``)."""
-        if self.num_moe_experts is None:
-            return False
-        if isinstance(self.moe_layer_freq, int):
-            return (layer_number - 1) % self.moe_layer_freq == 0
-        return bool(self.moe_layer_freq[layer_number - 1])
 
     def _check_recompute(self) -> None:
         if self.recompute_granularity not in (None, "full", "selective"):

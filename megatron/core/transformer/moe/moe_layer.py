@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import build_dispatcher
+from megatron.core.transformer.moe_fields import check_moe_training_layout
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -118,11 +119,8 @@ class MoELayer(MegatronModule):
 
         ``token_ids`` ``[b, s]`` (the TP group's whole sequence, as the model's ``input_ids``): the ids of
         the tokens, for a router that routes by them (``HashRouter``); any other router refuses them."""
-        if self.training and self.tp_size > 1 and not self.sequence_parallel:
-            raise ValueError(
-                f"MoELayer: training with tensor_model_parallel_size={self.tp_size} needs sequence_parallel=True "
-                "(each TP rank routes its own sequence shard; Megatron refuses MoE with TP > 1 and no SP in training)"
-            )
+        if self.training:
+            check_moe_training_layout(self.config.num_moe_experts, self.tp_size, self.sequence_parallel)
         seq, b, h = hidden_states.shape
         tokens = hidden_states.reshape(-1, h)  # [T, h], T = seq*b: this rank's tokens
         by_id = {} if token_ids is None else {"token_ids": self._local_token_ids(token_ids, seq)}  # [T]
