@@ -246,3 +246,32 @@ def run_gpt(
 
 def assert_ok(result: RunResult, what: str) -> None:
     assert result.returncode == 0, f"{what} exited {result.returncode}:\n{result.output[-6000:]}"
+
+
+def tb_losses(tb_dir: str) -> Dict[int, float]:
+    """TensorBoard's ``lm loss`` scalars of a run: {iteration: float32 loss}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir)
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("lm loss")}
+
+
+def check_resume(case: str, base: Sequence[str], save_run: tuple, load_run: tuple, cwd: str) -> None:
+    """Save after 2 of 4 iterations as ``save_run`` = (ranks, flags), load as ``load_run`` and train 2 more: the
+    losses are the uninterrupted run's under the loading layout (to the printed digits), and TensorBoard's
+    float32 losses equal it bitwise when both halves have the same layout. ``base`` trains 4 iterations."""
+    (save_ranks, save_flags), (load_ranks, load_flags) = save_run, load_run
+    base = list(base)
+    ckpt, tb, tb_straight = (os.path.join(cwd, name) for name in ("ckpt", "tb", "tb_straight"))
+    straight = run_gpt(load_ranks, base + load_flags + ["--tensorboard-dir", tb_straight], cwd)
+    assert_ok(straight, f"{case}: uninterrupted")
+    save = ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--tensorboard-dir", tb]
+    first = run_gpt(save_ranks, base + save_flags + save, cwd)
+    assert_ok(first, f"{case}: first half")
+    second = run_gpt(load_ranks, base + load_flags + ["--load", ckpt, "--tensorboard-dir", tb], cwd)
+    assert_ok(second, f"{case}: resumed")
+    assert [line["iteration"] for line in second.lines] == [3, 4]
+    assert first.losses() + second.losses() == straight.losses(), case
+    if (save_ranks, save_flags) == (load_ranks, load_flags):
+        assert tb_losses(tb) == tb_losses(tb_straight), case  # float32 scalars, exactly

@@ -24,6 +24,7 @@ from tests.functional_tests.gpt_runs import (
     tiny_gpt_flags,
     with_flags,
 )
+from tests.functional_tests.gpt_runs import tb_losses as _tb_losses
 
 ITERS = 6
 REL_TOL = 2e-6
@@ -37,14 +38,6 @@ LINE_FIELDS = (
     "number of skipped iterations",
     "number of nan iterations",
 )
-
-
-def _tb_losses(tb_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(tb_dir)
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("lm loss")}
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,15 @@ from typing import Dict, List
 
 import pytest
 
-from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags, with_flags
-from tests.functional_tests.test_pretrain_gpt import _tb_losses
+from tests.functional_tests.gpt_runs import (
+    assert_ok,
+    check_resume,
+    mock_flags,
+    run_gpt,
+    tb_losses,
+    tiny_gpt_flags,
+    with_flags,
+)
 
 ITERS = 4
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
@@ -35,7 +42,7 @@ def _run(flags: List[str], work) -> tuple:
     tb = str(work / "tb")
     result = run_gpt(4, flags + ["--tensorboard-dir", tb], str(work))
     assert_ok(result, " ".join(flags[-6:]))
-    return result, _tb_losses(tb)
+    return result, tb_losses(tb)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -72,17 +79,5 @@ def test_checkpoints_move_between_fsdp_and_the_distributed_optimizer(case, tmp_p
     """torch_dist saved after 2 of 4 iterations, loaded (optimizer state included) and trained on: the
     losses are the uninterrupted run's under the loading layout (bitwise at the same layout; to the
     printed digits when the DP size changes, as any layout change)."""
-    (save_ranks, save_flags), (load_ranks, load_flags) = RESUMES[case]
     base = tiny_gpt_flags(ITERS) + mock_flags() + ["--use-distributed-optimizer", "--clip-grad", "0.0"]
-    ckpt, tb, tb_straight = str(tmp_path / "ckpt"), str(tmp_path / "tb"), str(tmp_path / "tb_straight")
-    straight = run_gpt(load_ranks, base + load_flags + ["--tensorboard-dir", tb_straight], str(tmp_path))
-    assert_ok(straight, f"{case}: uninterrupted")
-    save = ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--tensorboard-dir", tb]
-    first = run_gpt(save_ranks, base + save_flags + save, str(tmp_path))
-    assert_ok(first, f"{case}: first half")
-    second = run_gpt(load_ranks, base + load_flags + ["--load", ckpt, "--tensorboard-dir", tb], str(tmp_path))
-    assert_ok(second, f"{case}: resumed")
-    assert [line["iteration"] for line in second.lines] == [3, 4]
-    assert first.losses() + second.losses() == straight.losses(), case
-    if (save_ranks, save_flags) == (load_ranks, load_flags):
-        assert _tb_losses(tb) == _tb_losses(tb_straight), case  # float32 scalars, exactly
+    check_resume(case, base, *RESUMES[case], str(tmp_path))

@@ -28,8 +28,7 @@ from typing import List
 import pytest
 import torch
 
-from tests.functional_tests.gpt_runs import assert_ok, mock_flags, run_gpt, tiny_gpt_flags
-from tests.functional_tests.test_pretrain_gpt import _tb_losses
+from tests.functional_tests.gpt_runs import assert_ok, check_resume, mock_flags, run_gpt, tb_losses, tiny_gpt_flags
 
 ITERS, RTOL = 4, 1e-5
 BASE = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--clip-grad", "0.0"]
@@ -61,7 +60,7 @@ def test_two_instances_equal_the_distributed_optimizer(case, tmp_path):
         result = run_gpt(4, flags, str(tmp_path))
         assert_ok(result, name)
         assert len(result.lines) == ITERS, result.output[-3000:]
-        runs[name] = (result, _tb_losses(tb))
+        runs[name] = (result, tb_losses(tb))
     ref, ref_tb = runs.pop("reference")
     for name, (got, got_tb) in runs.items():
         _close(got.losses(), ref.losses(), f"{name} losses")
@@ -82,17 +81,5 @@ RESUMES = {
 
 @pytest.mark.parametrize("case", sorted(RESUMES))
 def test_checkpoints_move_between_instance_counts(case, tmp_path):
-    (save_ranks, save_flags), (load_ranks, load_flags) = RESUMES[case]
     base = tiny_gpt_flags(ITERS) + mock_flags() + BASE
-    ckpt, tb, tb_straight = str(tmp_path / "ckpt"), str(tmp_path / "tb"), str(tmp_path / "tb_straight")
-    straight = run_gpt(load_ranks, base + load_flags + ["--tensorboard-dir", tb_straight], str(tmp_path))
-    assert_ok(straight, f"{case}: uninterrupted")
-    save = ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--tensorboard-dir", tb]
-    first = run_gpt(save_ranks, base + save_flags + save, str(tmp_path))
-    assert_ok(first, f"{case}: first half")
-    second = run_gpt(load_ranks, base + load_flags + ["--load", ckpt, "--tensorboard-dir", tb], str(tmp_path))
-    assert_ok(second, f"{case}: resumed")
-    assert [line["iteration"] for line in second.lines] == [3, 4]
-    assert first.losses() + second.losses() == straight.losses(), case
-    if save_ranks == load_ranks and save_flags == load_flags:
-        assert _tb_losses(tb) == _tb_losses(tb_straight), case  # float32 scalars, exactly
+    check_resume(case, base, *RESUMES[case], str(tmp_path))
