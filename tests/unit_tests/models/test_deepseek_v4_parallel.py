@@ -12,10 +12,19 @@ from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, single_rank_groups
 from tests.unit_tests.models.test_deepseek_v4_parity import V4_MODEL, VOCAB, S
 from tests.unit_tests.models.test_mla_parallel_parity import _loss_and_grads
+from tests.unit_tests.pipeline_parallel.pipeline_parity import check_parity
 from tests.unit_tests.transformer.test_moe_expert_parallel import _groups, _one_step
 
 RTOL, ATOL = 1e-5, 1e-6
 MODEL = dict(V4_MODEL, init_method_std=0.05, mtp_num_layers=1)
+# PP=2: four layers so that the second stage holds a hash-routed MoE layer (its token ids reach it there) beside the
+# learned one and the MTP module; one layer per chunk with two virtual stages.
+PP_MODEL = dict(
+    MODEL,
+    num_layers=4,
+    compressed_attention_layer_types=V4_MODEL["compressed_attention_layer_types"] + ["compressed_sparse_attention"],
+    moe_num_hash_layers=3,
+)
 
 
 def _check(where, loss, grads, ref_loss, ref_grads) -> float:
@@ -50,6 +59,9 @@ def _body(rank, world_size):
     ep_loss, ep_grads = _one_step(MODEL, _groups(1, 2), 2 * world_size)
     ref_loss, ref_grads = _one_step(MODEL, one, 2 * world_size)
     worst["ep=2"] = _check("ep=2", ep_loss, ep_grads, ref_loss, {n: ref_grads[n] for n in ep_grads})
+    pp = build_process_groups(ParallelLayout(world_size=world_size, pipeline_model_parallel_size=world_size))
+    for vp in (1, 2):  # the stages exchange the packed streams [s, b, n * h] (pipeline_parity.check_released)
+        check_parity(PP_MODEL, pp, vp, 2, f"pp={world_size} vp={vp}", iterations=1, rtol=RTOL, atol=ATOL)
     return worst
 
 
