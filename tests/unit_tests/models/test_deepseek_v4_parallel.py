@@ -7,6 +7,8 @@ give gradients of order 5, and only the order of float additions differs). The c
 over TP: its gradients are complete on each rank (not summed); the indexer gets none. One spawned pair of ranks.
 """
 
+import pytest
+
 from megatron.core.parallel_state import ParallelLayout, build_process_groups
 from tests.dist_harness import run_distributed
 from tests.model_utils import batch, build_gpt, single_rank_groups
@@ -69,3 +71,17 @@ def test_deepseek_v4_tp_sp_ep_equal_one_rank():
     for worst in run_distributed(_body, 2):
         print(worst)
         assert max(worst.values()) <= 1.0, worst
+
+
+def _tp_sp_pp(rank, world_size):
+    """TP=2 with sequence parallelism inside each of two pipeline stages: the stages exchange [s/tp, b, n * h]."""
+    groups = build_process_groups(
+        ParallelLayout(world_size=world_size, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    )
+    sp = dict(sequence_parallel=True)
+    check_parity(PP_MODEL, groups, 1, 2, "tp=2 sp pp=2", iterations=1, rtol=RTOL, atol=ATOL, chunk_extra=sp)
+
+
+@pytest.mark.full  # default-tier sibling: test_deepseek_v4_tp_sp_ep_equal_one_rank (TP=2+SP and PP=2 apart)
+def test_deepseek_v4_tp_sp_pp_equal_one_rank():
+    run_distributed(_tp_sp_pp, 4)
