@@ -14,6 +14,7 @@
 #     WINDOW=8 CSA_RATE=4 HCA_RATE=8 INDEX_HEADS=2 INDEX_HEAD_DIM=8 INDEX_TOPK=3 HC=2 EXPERTS=4 MOE_FFN=16 TOPK=2 \
 #     HASH_LAYERS=1 SEQ=32 MBS=2 GBS=8 ITERS=3 TP=2 EP=2 WARMUP_ITERS=1 PRECISION= VOCAB_SIZE=600 \
 #     EXTRA="--distributed-backend gloo" bash examples/deepseek_v4/train_deepseek_v4_distributed.sh ckpt tb - MOCK
+# TP=1 PP=2 EP=1 trains the same toy on 2 pipeline stages (they pass the HC hyper-connection streams on).
 set -euo pipefail
 # sbatch runs a copy of this file from Slurm's spool directory; the repository is then where sbatch was called.
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -66,8 +67,8 @@ TRAINING_ARGS=(
   --lr 2.2e-4 --min-lr 2.2e-5 --lr-decay-style cosine --lr-warmup-iters "${WARMUP_ITERS:-2000}"
   --weight-decay 0.1 --clip-grad 1.0 ${PRECISION---bf16} --use-distributed-optimizer --overlap-grad-reduce
 )
-MODEL_PARALLEL_ARGS=(  # pipeline stages do not carry hyper-connection streams yet: PP=1
-  --tensor-model-parallel-size "${TP:-8}" --pipeline-model-parallel-size 1
+MODEL_PARALLEL_ARGS=(  # PP stages pass the hyper-connection streams on; 43 layers split evenly only with PP=1 or 43
+  --tensor-model-parallel-size "${TP:-8}" --pipeline-model-parallel-size "${PP:-1}"
   --expert-model-parallel-size "${EP:-64}" --expert-tensor-parallel-size "${ETP:-1}" --sequence-parallel
 )
 EVAL_AND_LOGGING_ARGS=(

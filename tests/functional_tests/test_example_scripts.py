@@ -138,3 +138,21 @@ def test_quickstart_reruns_reusing_its_data_and_resuming():
         f"successfully loaded checkpoint from {tmp}/q/checkpoints [ t 1/2, p 1/1 ] at iteration {ITERS}" in again.output
     )
     assert [line["iteration"] for line in again.lines] == [ITERS + 1, ITERS + 2], again.output[-6000:]
+
+
+def test_deepseek_v4_script_on_two_pipeline_stages_equals_one_stage():
+    """The V4 toy on 2 pipeline stages (the hyper-connection streams cross the stage boundary; hash-routed layers on
+    both stages; MTP on the last) logs the losses of the same toy on one stage with DP=2: both start from the same
+    weights (``--use-cpu-initialization``: each layer seeded by its global name), rtol 1e-5."""
+    logged = {}
+    for pp in ("2", "1"):
+        toy = dict(DEEPSEEK_V4_TOY, TP="1", PP=pp, EP="1", HASH_LAYERS="3")
+        with tempfile.TemporaryDirectory() as tmp:
+            args = [a.format(tmp=tmp) for a in GPT_FAMILY_ARGS]
+            env = toy_env(ITERS, **toy)
+            env["EXTRA"] += " --use-cpu-initialization"
+            result = run_script("examples/deepseek_v4/train_deepseek_v4_distributed.sh", args, env)
+        assert result.returncode == 0, f"PP={pp} exited {result.returncode}:\n{result.output[-6000:]}"
+        assert [line["iteration"] for line in result.lines] == list(range(1, ITERS + 1)), result.output[-6000:]
+        logged[pp] = [line[key] for line in result.lines for key in ("lm loss", "mtp_1 loss")]
+    assert logged["2"] == pytest.approx(logged["1"], rel=1e-5), logged

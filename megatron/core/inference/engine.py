@@ -25,7 +25,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.sampling import sample_tokens, token_log_probs
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.parallel_state import ProcessGroupCollection
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, stage_hidden_size
 from megatron.core.utils import unwrap_model
 
 
@@ -141,7 +141,7 @@ class InferenceEngine:
         self.p2p = None
         if pg_collection.size_of("pp") > 1:
             dtype = self.config.pipeline_dtype or self.config.params_dtype
-            shape = (1, 1, self.config.hidden_size)
+            shape = (1, 1, stage_hidden_size(self.config))
             self.p2p = P2PCommunicator(pg_collection.pp, pg_collection.ranks["pp"], shape, dtype, self.device)
 
     def generate(self, prompts: List[List[int]], sampling_params: SamplingParams) -> List[GenerationResult]:
@@ -212,7 +212,7 @@ class InferenceEngine:
         last stage, None elsewhere (activations ``[s, b, h]`` go point-to-point to the next stage)."""
         b, s = chunk.shape
         if not self.module.pre_process:
-            received = self.p2p.exchange([], [(self.p2p.prev_rank, (s, b, self.config.hidden_size))])[0]
+            received = self.p2p.exchange([], [(self.p2p.prev_rank, (s, b, stage_hidden_size(self.config)))])[0]
             self.module.set_input_tensor(received)  # [s, b, h]
         output = self.model(chunk, None, None, inference_context=context, runtime_gather_output=True)
         if self.module.post_process:

@@ -24,14 +24,22 @@ from megatron.core.context_parallel import local_sequence_length
 from megatron.core.parallel_state import ProcessGroupCollection
 
 Shape = Tuple[int, ...]
-SHAPE_RANK = 3  # activations between stages are [s, b, h]
+SHAPE_RANK = 3  # activations between stages are [s, b, h] (with hyper-connections [s, b, n * h])
+
+
+def stage_hidden_size(config: Any) -> int:
+    """Width of the activation passed between stages: ``hidden_size``, times ``n = hyper_connection_streams``
+    with DeepSeek-V4's hyper-connections, whose ``n`` residual streams travel packed as ``[s, b, n * h]``
+    (stream-major: ``[..., i * h : (i + 1) * h]`` is stream ``i``), the layout the layers use, as Megatron's
+    mHC keeps the expanded streams across stage boundaries."""
+    return config.hidden_size * getattr(config, "hyper_connection_streams", 1)
 
 
 def activation_shape(seq_length: int, micro_batch_size: int, config: Any, groups: ProcessGroupCollection) -> Shape:
-    """Shape of the tensor passed between stages: ``[s / cp (/ tp with SP), b, h]``."""
+    """Shape of the tensor passed between stages: ``[s / cp (/ tp with SP), b, h (* n streams)]``."""
     sp = getattr(config, "sequence_parallel", False)
     seq = local_sequence_length(seq_length, groups.size_of("cp"), groups.size_of("tp"), sp)
-    return (seq, micro_batch_size, config.hidden_size)
+    return (seq, micro_batch_size, stage_hidden_size(config))
 
 
 def wait_all(works: Sequence[dist.Work]) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.context_parallel import local_sequence_length
+from megatron.core.pipeline_parallel.p2p_communication import stage_hidden_size
 from megatron.core.utils import unwrap_model
 
 Shape = Union[List[int], torch.Size]
@@ -47,14 +48,15 @@ def get_tensor_shapes(
     tp_group: torch.distributed.ProcessGroup,
     cp_group: torch.distributed.ProcessGroup,
 ) -> List[Tuple[int, int, int]]:
-    """The one activation shape sent between stages: ``[(s / cp (/ tp under SP), b, h)]``.
+    """The one activation shape sent between stages: ``[(s / cp (/ tp under SP), b, h (* n streams))]``
+    (``p2p_communication.stage_hidden_size``: DeepSeek-V4's hyper-connection streams travel packed).
 
     ``decoder_seq_length`` replaces ``seq_length`` when given. Unlike upstream, a length that does
     not divide evenly raises ``ValueError`` (``context_parallel.local_sequence_length``).
     """
     seq = decoder_seq_length if decoder_seq_length is not None else seq_length
     local = local_sequence_length(seq, cp_group.size(), tp_group.size(), bool(config.sequence_parallel))
-    return [(local, micro_batch_size, config.hidden_size)]
+    return [(local, micro_batch_size, stage_hidden_size(config))]
 
 
 def _pipeline_sizes(p2p_communicator: Any) -> Tuple[int, int, Optional[int]]:

@@ -27,12 +27,6 @@ def check_deepseek_v4(config: Any) -> None:
 
 def _check_hyper_connections(config: Any) -> None:
     require_positive("hyper_connection_streams", config.hyper_connection_streams)
-    if config.hyper_connection_streams > 1 and config.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            f"hyper_connection_streams={config.hyper_connection_streams} with pipeline_model_parallel_size="
-            f"{config.pipeline_model_parallel_size}: not supported yet (stages would exchange [s, b, n*h] streams; "
-            "the pipeline's tensor shapes are [s, b, h])"
-        )
     require_positive("hyper_connection_sinkhorn_iterations", config.hyper_connection_sinkhorn_iterations)
     if not config.hyper_connection_eps > 0:
         raise ValueError(f"hyper_connection_eps={config.hyper_connection_eps}: must be > 0")

@@ -19,7 +19,8 @@ gradients are summed over TP like a norm's.
 
 ``HyperConnectionTransformerLayer`` is the layer with ``config.hyper_connection_streams`` > 1: its
 input and output are the packed streams. ``TransformerBlock`` widens the embedding into ``n`` equal
-streams and collapses them with a ``HyperHead`` before the final norm.
+streams (on the first pipeline stage) and collapses them with a ``HyperHead`` before the final norm (on the last);
+pipeline stages in between exchange the packed streams (``p2p_communication.stage_hidden_size``).
 """
 
 from __future__ import annotations

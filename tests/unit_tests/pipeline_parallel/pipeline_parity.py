@@ -16,6 +16,7 @@ from megatron.core.distributed.finalize_model_grads import allreduce_sequence_pa
 from megatron.core.models import GPTModel
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import stage_hidden_size
 from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads, sync_tied_embeddings
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from tests.model_utils import SEQ, batch, build_gpt, single_rank_groups
@@ -117,14 +118,15 @@ def _forward_step(data_iterator, model):
 
 
 def check_released(chunks: List[GPTModel], what: str) -> None:
-    """Sent stage outputs hold one element with ``deallocate_pipeline_outputs``, all of [s, b, h] without."""
+    """Sent stage outputs hold one element with ``deallocate_pipeline_outputs``, all of [s, b, h] without
+    (``[s, b, n * h]`` with ``n`` hyper-connection streams)."""
     sizes = {t.numel() for t in _STAGE_OUTPUTS}
     _STAGE_OUTPUTS.clear()
     if not sizes:
         return
     config = chunks[0].config
     seq = SEQ // config.tensor_model_parallel_size if config.sequence_parallel else SEQ
-    expected = {1} if config.deallocate_pipeline_outputs else {seq * MICRO * config.hidden_size}
+    expected = {1} if config.deallocate_pipeline_outputs else {seq * MICRO * stage_hidden_size(config)}
     assert sizes == expected, f"{what}: sent stage outputs have {sorted(sizes)} elements, expected {expected}"
 
 

@@ -113,7 +113,6 @@ V4_ATTENTION = dict(
         (dict(attention_output_groups=3), ["num_attention_heads=8", "attention_output_groups=3"]),
         (dict(dsa_indexer_topk=None), ["dsa_indexer_topk=None"]),
         (dict(context_parallel_size=2), ["context_parallel_size=2", "CP splits"]),
-        (dict(hyper_connection_streams=2, pipeline_model_parallel_size=2), ["hyper_connection_streams=2", "pipeline"]),
         (dict(multi_latent_attention=True), ["replaces multi-latent attention"]),
         (dict(moe_num_hash_layers=1), ["moe_num_hash_layers=1", "num_moe_experts"]),
     ],
