@@ -80,6 +80,9 @@ def _refusals(tmp_path, hf_in, ckpt):
     with pytest.raises(convert.ConversionError, match="--model-type deepseek_v3 needs"):
         convert.megatron_to_hf(ckpt, str(tmp_path / "as_v3"), "deepseek_v3")
     _, args = hf_config.megatron_args_from_hf(config, "config.json", 1, 128)
+    v3_like = dict(args, qk_layernorm=True, multi_latent_attention=True, rotary_interleaved=False, rotary_percent=1.0)
+    with pytest.raises(convert.ConversionError, match="compressed_attention_layer_types"):  # V4's parts named
+        hf_config.hf_config_from_args(v3_like, "deepseek_v3", HF_VOCAB, "ckpt")
     for dest, value in (("moe_router_score_function", "softmax"), ("mtp_num_layers", 1), ("rotary_interleaved", False)):
         with pytest.raises(convert.ConversionError, match=dest):
             hf_config.hf_config_from_args(dict(args, **{dest: value}), "deepseek_v4", HF_VOCAB, "ckpt")

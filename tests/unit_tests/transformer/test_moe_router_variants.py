@@ -146,7 +146,8 @@ def _switch_ref(scores, chosen, k, num_tokens=None):
 
 
 def _aux_scores(logits, k, score):
-    s = torch.softmax(logits.double(), -1) if score == "softmax" else torch.sigmoid(logits.double())
+    per_expert = {"sigmoid": torch.sigmoid, "sqrtsoftplus": lambda x: F.softplus(x).sqrt()}
+    s = torch.softmax(logits.double(), -1) if score == "softmax" else per_expert[score](logits.double())
     s = s / s.sum(-1, keepdim=True)
     top = torch.zeros_like(s, dtype=torch.bool).scatter(1, s.topk(k, -1).indices, True)
     return s, top
@@ -192,7 +193,7 @@ def _loss_body(rank, world_size):
         return torch.randn(s * b, H, generator=torch.Generator().manual_seed(10 * r + mb))
 
     out = {}
-    for score in ("softmax", "sigmoid"):
+    for score in ("softmax", "sigmoid", "sqrtsoftplus"):
         for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
             kw = dict(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=0.1, moe_router_score_function=score)
             router = _router(groups, tp_dp_cp_group=groups.tp_dp_cp, **kw).train()
