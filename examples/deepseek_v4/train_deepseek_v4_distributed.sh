@@ -8,7 +8,7 @@
 #   bash examples/deepseek_v4/train_deepseek_v4_distributed.sh CKPT TENSORBOARD TOKENIZER_DIR DATA_PREFIX
 # TOKENIZER_DIR is a Hugging Face tokenizer directory; DATA_PREFIX MOCK trains on mock data (NullTokenizer, VOCAB_SIZE
 # tokens). Once per node with torchrun, or from a Slurm job (srun, one task per GPU). MTP_LAYERS prediction modules
-# (default 1; 0 turns them off). Router scores are sigmoid (V4's sqrtsoftplus is not a choice yet). Sizes come from
+# (default 1; 0 turns them off). Router scores are V4's sqrtsoftplus. Sizes come from
 # the environment, so the same script runs at toy scale on CPU:
 #   GPUS_PER_NODE=2 NUM_LAYERS=4 HIDDEN=32 HEADS=4 HEAD_DIM=16 ROPE_PERCENT=0.5 Q_LORA=12 O_GROUPS=2 O_LORA=6 \
 #     WINDOW=8 CSA_RATE=4 HCA_RATE=8 INDEX_HEADS=2 INDEX_HEAD_DIM=8 INDEX_TOPK=3 HC=2 EXPERTS=4 MOE_FFN=16 TOPK=2 \
@@ -54,7 +54,7 @@ ATTENTION_ARGS=(
 MOE_ARGS=(
   --num-experts "${EXPERTS:-256}" --moe-ffn-hidden-size "${MOE_FFN:-2048}"
   --moe-shared-expert-intermediate-size "${MOE_FFN:-2048}" --moe-num-hash-layers "${HASH_LAYERS:-3}"
-  --moe-router-topk "${TOPK:-6}" --moe-router-score-function sigmoid --moe-router-topk-scaling-factor 1.5
+  --moe-router-topk "${TOPK:-6}" --moe-router-score-function sqrtsoftplus --moe-router-topk-scaling-factor 1.5
   --moe-router-dtype fp32 --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
   --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
   --moe-grouped-gemm --moe-token-dispatcher-type alltoall

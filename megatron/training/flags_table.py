@@ -162,15 +162,26 @@ def value_type(spec: FlagSpec, record: Flag) -> Callable[[str], Any]:
     return type(sample) if isinstance(sample, (int, float)) else str
 
 
+def flag_choices(spec: FlagSpec, record: Flag) -> Optional[Tuple[str, ...]]:
+    """The choices the parser accepts: the record's (a superset of the table's), else the table's."""
+    if record.choices is None:
+        return spec.choices
+    missing = [c for c in spec.choices or () if c not in record.choices]
+    if spec.choices is None or missing:
+        raise ValueError(f"{spec.name}: the record's choices {record.choices} must extend the table's {spec.choices}")
+    return record.choices
+
+
 def typed_choices(spec: FlagSpec, record: Flag) -> Optional[List[Any]]:
     """Choices converted to the flag's type, so that argparse compares like with like."""
-    if spec.choices is None:
+    choices = flag_choices(spec, record)
+    if choices is None:
         return None
     if spec.dest == "attention_backend":
         return list(AttnBackend)
     # Signals compare equal to their numbers, and the table prints the numbers.
     convert = int if spec.dest == "exit_signal" else value_type(spec, record)
-    return [convert(c) if convert in (int, float) else c for c in spec.choices]
+    return [convert(c) if convert in (int, float) else c for c in choices]
 
 
 NO_OP_NOTE = "[accepted; no effect here: {reason}]"
@@ -192,8 +203,9 @@ def help_text(spec: FlagSpec, record: Flag) -> str:
 
 def metavar(spec: FlagSpec, record: Flag) -> str:
     """Short value placeholder for --help: the choices as typed, or the kind of value."""
-    if spec.choices:
-        return "{" + ",".join(c.split(".")[-1] for c in spec.choices) + "}"
+    choices = flag_choices(spec, record)
+    if choices:
+        return "{" + ",".join(c.split(".")[-1] for c in choices) + "}"
     kind = value_type(spec, record)
     return {int: "N", float: "X", str_to_bool: "BOOL"}.get(kind, "STR")
 

@@ -11,7 +11,8 @@ the file and the field, flag or tensor.
 - ``shard_paths``: shard files named by ``model.safetensors.index.json`` stay inside the model directory.
 - ``check_hf_tensors``: dtypes and values. Cast rule: float32, float16, bfloat16 and float64 tensors are
   cast to our float32 parameters (exact for the 16-bit types, float64 rounded to nearest); integer, bool,
-  complex and 8-bit float tensors (quantized weights need their scales) are refused. NaN or infinite
+  complex and 8-bit float tensors (quantized weights need their scales) are refused, except the integer
+  index tables ``INDEX_TABLES``. NaN or infinite
   values are refused unless ``--allow-nonfinite``.
 - ``ReadTracker`` + ``check_all_read``: a tensor the family's mapping never reads (a layer beyond the
   config's count, a stray name) is refused by name; a tensor the mapping needs and the file lacks is named
@@ -30,7 +31,7 @@ import torch
 from megatron.training.flags.registry import bounded_flags
 from tools.checkpoint.errors import ConversionError
 
-# Size fields of the supported config classes (GPT2Config, LlamaConfig and its relatives, DeepseekV3Config/V32,
+# Size fields of the supported config classes (GPT2Config, LlamaConfig and its relatives, DeepseekV3Config/V32/V4,
 # BertConfig, T5Config): integers >= 1 where present; None only for the optional ones.
 HF_SIZE_FIELDS = (
     "vocab_size",
@@ -70,11 +71,18 @@ HF_OPTIONAL_SIZE_FIELDS = (
     "index_n_heads",
     "index_head_dim",
     "index_topk",
+    "o_groups",  # DeepSeek-V4
+    "o_lora_rank",
+    "hc_mult",
+    "hc_sinkhorn_iters",
 )
 HF_POSITIVE_FLOATS = ("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta")
+HF_POSITIVE_FLOATS += ("compress_rope_theta", "hc_eps")  # DeepSeek-V4
 # Model flags every family needs as integers >= 1 (the rest are checked by their records' bounds if present).
 REQUIRED_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INDEX_TABLES = (".tid2eid",)  # DeepSeek-V4's hash routing: token id -> experts (range checked by deepseek_v4.py)
+INDEX_DTYPES = (torch.int64, torch.int32)
 BYTES_PER_PARAMETER = 4  # the converter builds the model in float32
 
 
@@ -180,6 +188,8 @@ def check_hf_tensors(sd: Mapping[str, Any], where: str, allow_nonfinite: bool = 
     for name, tensor in sd.items():
         if not isinstance(tensor, torch.Tensor):
             raise ConversionError(f"{where}: entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        if name.endswith(INDEX_TABLES) and tensor.dtype in INDEX_DTYPES:
+            continue  # integer tables, copied as they are
         if tensor.dtype not in FLOAT_DTYPES:
             allowed = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
             raise ConversionError(

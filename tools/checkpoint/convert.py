@@ -4,8 +4,8 @@
         [--target-tensor-parallel-size N] [--target-pipeline-model-parallel-size P] \
         [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert.py --direction megatron-to-hf --load CKPT --hf-dir-out HF \
-        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|qwen3_next|mistral|mixtral|deepseek_v3|deepseek_v32|bert|t5 \
-        |mamba2|nemotron_h [--vocab-size V]
+        --model-type gpt2|llama|qwen2|qwen3|qwen3_moe|qwen3_next|mistral|mixtral|deepseek_v3|deepseek_v32|deepseek_v4 \
+        |bert|t5|mamba2|nemotron_h [--vocab-size V]
 
 Llama family (``tools/checkpoint/llama_family.py``): LlamaForCausalLM (``llama``), Qwen2ForCausalLM
 (``qwen2``: ``--add-qkv-bias``), Qwen3ForCausalLM (``qwen3``: ``--qk-layernorm``), Qwen3MoeForCausalLM
@@ -16,6 +16,9 @@ shorter than the positions is ``--window-size W-1,0``), MixtralForCausalLM (``mi
 MLPs in every layer, experts of ``intermediate_size``), DeepseekV3ForCausalLM (``deepseek_v3``) and
 DeepseekV32ForCausalLM (``deepseek_v32``: that and ``--experimental-attention-variant dsa``) and
 Qwen3NextForCausalLM (``qwen3_next``: Qwen3-MoE with Gated DeltaNet layers, ``tools/checkpoint/qwen3_next.py``).
+DeepseekV4ForCausalLM (``deepseek_v4``: compressed sparse / heavily compressed attention, hyper-connections,
+hash-routed and learned MoE; its config fields and refusals in ``tools/checkpoint/deepseek_v4.py``, the weight
+names in ``megatron/core/models/gpt/hf_deepseek_v4.py``).
 
 hf-to-megatron writes ``CKPT/release`` (model weights only) and a tracker saying
 ``release``, and prints the ``pretrain_gpt.py`` flags that build the same model; load it
@@ -73,6 +76,7 @@ from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.dist_checkpointing.serialization import read_json, saved_tensor, write_json_atomic
 from megatron.core.models.bert import BertModel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.hf_deepseek_v4 import from_hf_deepseek_v4, to_hf_deepseek_v4
 from megatron.core.models.gpt.hf_qwen3_next import from_hf_qwen3_next, to_hf_qwen3_next
 from megatron.core.models.gpt.hf_state_dict import (
     StateDict,
@@ -112,6 +116,8 @@ from tools.checkpoint.checks import (
     meta_copy,
     shard_paths,
 )
+from tools.checkpoint.deepseek_v4 import KIND as DEEPSEEK_V4
+from tools.checkpoint.deepseek_v4 import read_weights as read_v4_weights
 from tools.checkpoint.hf_config import (
     Args,
     ConversionError,
@@ -211,14 +217,17 @@ def _load_weights_file(load_file: Any, path: str) -> StateDict:
     return sd
 
 
-def write_hf(sd: StateDict, args: Args, kind: str, vocab_size: int, out_dir: str, where: str) -> None:
-    """Build the HF model of ``kind``, load ``sd`` strictly (buffers aside) and ``save_pretrained``."""
+def hf_config_of(args: Args, kind: str, vocab_size: int, where: str) -> Any:
+    """The ``transformers`` config of ``kind`` for ``args``; refuses what the class cannot express."""
+    if kind in MAMBA_KINDS:
+        return mamba_hf_config(args, kind, vocab_size)
+    return t5_hf_config(args, vocab_size) if kind == "t5" else hf_config_from_args(args, kind, vocab_size, where)
+
+
+def write_hf(sd: StateDict, config: Any, kind: str, out_dir: str) -> None:
+    """Build the HF model of ``config``, load ``sd`` strictly (buffers aside) and ``save_pretrained``."""
     import transformers
 
-    if kind in MAMBA_KINDS:
-        config = mamba_hf_config(args, kind, vocab_size)
-    else:
-        config = t5_hf_config(args, vocab_size) if kind == "t5" else hf_config_from_args(args, kind, vocab_size, where)
     cls = getattr(transformers, config.architectures[0])
     model = cls(config)
     if kind == "t5":
@@ -353,6 +362,7 @@ _FROM_HF = {
     **{kind: mamba_from_hf for kind in MAMBA_KINDS},
     **{kind: lambda hf_sd, model: from_hf_llama(hf_sd, model.config) for kind in DECODER_FAMILIES},
     "qwen3_next": lambda hf_sd, model: from_hf_qwen3_next(hf_sd, model.config),
+    DEEPSEEK_V4: lambda hf_sd, model: from_hf_deepseek_v4(hf_sd, model.config),
 }
 
 
@@ -376,7 +386,7 @@ def hf_to_megatron(
         raise ConversionError(
             f"--target-pipeline-model-parallel-size {pp} does not divide the {args['num_layers']} layers of {where}"
         )
-    hf_sd = in_memory_names(read_hf_weights(hf_dir), kind)
+    hf_sd = read_v4_weights(hf_dir) if kind == DEEPSEEK_V4 else in_memory_names(read_hf_weights(hf_dir), kind)
     check_hf_tensors(hf_sd, hf_dir, allow_nonfinite)
     with single_process_group() as groups:
         model = build_model(args, groups, kind)
@@ -429,7 +439,8 @@ def megatron_to_hf(load: str, out_dir: str, kind: str, vocab_size: Optional[int]
     if vocab > args["padded_vocab_size"]:
         raise ConversionError(f"--vocab-size {vocab} exceeds the checkpoint's {args['padded_vocab_size']} rows")
     sd = resize_vocab(sd, vocab)
-    write_hf(_to_hf_names(sd, args, kind), args, kind, vocab, out_dir, os.path.join(load, COMMON_FILE))
+    config = hf_config_of(args, kind, vocab, os.path.join(load, COMMON_FILE))  # refusals before any name
+    write_hf(_to_hf_names(sd, args, kind), config, kind, out_dir)
     return vocab
 
 
@@ -454,6 +465,8 @@ def _to_hf_names(sd: StateDict, args: Args, kind: str) -> StateDict:
         num_moe_experts=config.get("num_moe_experts"),
         multi_latent_attention=bool(config.get("multi_latent_attention")),
     )
+    if kind == DEEPSEEK_V4:
+        return to_hf_deepseek_v4(sd, model_config)
     if kind == "bert":
         return bert_to_hf(sd, model_config, args["bert_binary_head"])
     return (to_hf_gpt2 if kind == "gpt2" else to_hf_llama)(sd, model_config)
@@ -472,8 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
     p.add_argument(
         "--hf-dir",
-        help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, Qwen2/Qwen3/Qwen3-MoE, BERT, T5 v1.1, "
-        "Mamba2, Nemotron-H)",
+        help="hf-to-megatron: a save_pretrained directory (GPT-2, Llama/Mistral, Qwen2/Qwen3/Qwen3-MoE, "
+        "DeepSeek-V3/V4, BERT, T5 v1.1, Mamba2, Nemotron-H)",
     )
     p.add_argument("--save", help="hf-to-megatron: checkpoint root to write (release/ and the tracker)")
     p.add_argument(
@@ -496,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--load", help="megatron-to-hf: checkpoint root (its tracker picks the iteration)")
     p.add_argument("--hf-dir-out", help="megatron-to-hf: directory to save_pretrained into")
-    families = ["gpt2", *DECODER_FAMILIES, "bert", "t5", *MAMBA_KINDS]
+    families = ["gpt2", *DECODER_FAMILIES, DEEPSEEK_V4, "bert", "t5", *MAMBA_KINDS]
     p.add_argument("--model-type", choices=families, help="megatron-to-hf: the HF family to write")
     p.add_argument("--vocab-size", type=int, help="megatron-to-hf: rows to keep (strips the vocabulary padding)")
     p.add_argument(

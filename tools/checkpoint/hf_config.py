@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` <-> Megatron flags (as argparse destinations) for GPT-2, the Llama family
-(Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: ``tools/checkpoint/llama_family.py``), BERT and T5.
+(Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: ``tools/checkpoint/llama_family.py``), DeepSeek-V4
+(``tools/checkpoint/deepseek_v4.py``), BERT and T5.
 
 The Megatron side is a plain dict keyed by flag destination (``num_layers``,
 ``untie_embeddings_and_output_weights``, ...): the same keys ``pretrain_gpt.py`` stores
@@ -18,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron.core.activations import activation, activation_name
 from megatron.core.tokenizers.gpt2_bpe import EOD_TOKEN
 from megatron.training.validation import vocab_size_with_padding
-from tools.checkpoint import deepseek, llama_family, mamba, qwen3_next
+from tools.checkpoint import deepseek, deepseek_v4, llama_family, mamba, qwen3_next
 from tools.checkpoint.checks import check_hf_config, check_model_args, head_size
 from tools.checkpoint.errors import Args, ConversionError, require_field
 from tools.checkpoint.llama_family import DECODER_FAMILIES
@@ -27,6 +28,7 @@ from tools.checkpoint.t5 import t5_args
 ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
     **llama_family.ARCHITECTURES,
+    deepseek_v4.HF_CLASS: deepseek_v4.KIND,
     "BertForPreTraining": "bert",
     "BertForMaskedLM": "bert",
     "T5ForConditionalGeneration": "t5",
@@ -158,7 +160,7 @@ def _bert_args(hf: Dict[str, Any], where: str) -> Args:
     return args
 
 
-_ARGS_OF = {"gpt2": _gpt2_args, "bert": _bert_args, "t5": t5_args}  # T5 v1.1: tools/checkpoint/t5.py
+_ARGS_OF = {"gpt2": _gpt2_args, "bert": _bert_args, "t5": t5_args, deepseek_v4.KIND: deepseek_v4.args_from_hf}
 _ARGS_OF.update({kind: functools.partial(_llama_args, kind=kind) for kind in DECODER_FAMILIES})
 _ARGS_OF.update({kind: functools.partial(mamba.mamba_args, kind=kind) for kind in mamba.MAMBA_KINDS})
 
@@ -227,7 +229,7 @@ def megatron_flags(args: Args) -> List[str]:
             flags.append(flag)
     if not args["add_bias_linear"]:
         flags.append("--disable-bias-linear")
-    flags += llama_family.family_flags(args)
+    flags += llama_family.family_flags(args) + deepseek_v4.flags(args)
     if args.get("bert_post_layernorm"):
         flags += _bert_flags(args)
     return [str(f) for f in flags]
@@ -251,6 +253,7 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
         rotary_percent=1.0,
         multi_latent_attention=False,
         mtp_num_layers=None,  # transformers' models hold no multi-token prediction modules
+        **deepseek_v4.NOT_V4_ARGS,
     )
     if kind in DECODER_FAMILIES:
         shared.update(llama_family.expected_args(kind))
@@ -258,6 +261,10 @@ def _check_supported(args: Args, kind: str, where: str) -> None:
             del shared["rotary_percent"]
         if DECODER_FAMILIES[kind].moe and not args.get("num_experts"):
             raise ConversionError(f"{where}: flag num_experts is not set; --model-type {kind} needs MoE layers")
+    elif kind == deepseek_v4.KIND:
+        shared.update(deepseek_v4.EXPECTED_ARGS)
+        for dest in ("rotary_percent", *deepseek_v4.NOT_V4_ARGS):
+            del shared[dest]
     else:
         shared.update(num_experts=None, window_size=None)
     expected = {
@@ -317,6 +324,8 @@ def hf_config_from_args(args: Args, kind: str, vocab_size: int, where: str) -> A
     _check_supported(args, kind, where)
     if kind == "bert":
         return _bert_config(args, vocab_size)
+    if kind == deepseek_v4.KIND:
+        return deepseek_v4.hf_config(args, vocab_size, where)
     if kind == "gpt2":
         return transformers.GPT2Config(
             vocab_size=vocab_size,
@@ -396,6 +405,7 @@ def gpt_model_kwargs(args: Args) -> Dict[str, Any]:
         **deepseek.moe_model_kwargs(args),
         **deepseek.mla_model_kwargs(args),
         **qwen3_next.model_kwargs(args),
+        **deepseek_v4.model_kwargs(args),
         layernorm_epsilon=args["layernorm_epsilon"],
         hidden_dropout=0.0,
         attention_dropout=0.0,

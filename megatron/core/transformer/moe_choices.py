@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-# moe_router_score_function: how logits become routing scores.
-SCORE_FUNCTIONS: Tuple[str, ...] = ("softmax", "sigmoid")
+# moe_router_score_function: how logits become routing scores. Megatron-LM 0.16's table lists softmax and
+# sigmoid; "sqrtsoftplus" (sqrt(softplus(logits)), DeepSeek-V4's router) is this project's extension, the
+# parser's choices come from here (megatron/training/flags/moe.py).
+SCORE_FUNCTIONS: Tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus")
 # moe_token_drop_policy: which tokens an expert over capacity keeps.
 DROP_POLICIES: Tuple[str, ...] = ("probs", "position")
 # moe_token_dispatcher_type: how tokens reach their experts (the same result; Megatron's 'flex' is GPU-only).

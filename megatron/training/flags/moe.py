@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron.core.transformer.moe_choices import BALANCE_TYPES, DISPATCHER_TYPES
+from megatron.core.transformer.moe_choices import BALANCE_TYPES, DISPATCHER_TYPES, SCORE_FUNCTIONS
 from megatron.core.transformer.transformer_config import TransformerConfig as TC
 from megatron.training.flags import reasons
 from megatron.training.flags.derive import num_moe_layers, zero_if_none
@@ -57,7 +57,15 @@ RECORDS = (
     Flag("moe_router_group_topk", IMPLEMENTED, type=int, fills=same(TC), architecture=with_moe),
     Flag("moe_router_pre_softmax", IMPLEMENTED, fills=same(TC), architecture=with_moe),
     Flag("moe_router_topk_scaling_factor", IMPLEMENTED, type=float, fills=same(TC), architecture=with_moe),
-    Flag("moe_router_score_function", IMPLEMENTED, fills=same(TC), architecture=with_moe),
+    Flag(
+        "moe_router_score_function",
+        IMPLEMENTED,
+        help="How router logits become expert scores: softmax over the experts, or per expert sigmoid or "
+        "sqrtsoftplus (sqrt(softplus(x)), DeepSeek-V4's; this project's extension of Megatron-LM's choices).",
+        fills=same(TC),
+        architecture=with_moe,
+        choices=SCORE_FUNCTIONS,
+    ),
     Flag("moe_router_dtype", IMPLEMENTED, fills=same(TC)),
     Flag("moe_router_enable_expert_bias", IMPLEMENTED, fills=same(TC), architecture=with_moe),
     Flag("moe_router_bias_update_rate", IMPLEMENTED, type=float, fills=same(TC)),

@@ -224,6 +224,9 @@ class Flag:
     stands_for: Optional[str] = None  # another name of the flag with this destination; give one of the two
     one_value: bool = False  # Megatron takes a list; one value is supported here
     data_prefixes: bool = False  # a --data-path style list whose prefixes' .bin/.idx must exist
+    # This project's choices where it accepts more than the table lists (a superset of the table's; the
+    # extras are its own extensions, named in the help); None: the table's.
+    choices: Optional[Tuple[str, ...]] = None
 
     def checkpoint_use(self) -> Optional[str]:
         """What ``--use-checkpoint-args`` does with this flag (TAKEN, FILLED, CHECKED or None: nothing)."""

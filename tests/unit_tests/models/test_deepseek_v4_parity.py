@@ -1,13 +1,13 @@
 """GPTModel as DeepSeek-V4 against transformers' ``DeepseekV4ForCausalLM`` (tiny, random, fp32).
 
-Three layers (CSA, HCA, sliding window), three hyper-connection streams, a hash-routed MoE layer then
-two learned ones (sigmoid scores, expert bias), shared experts, clamped SwiGLU; 40 tokens, so the
-window (6), CSA's top-3 of up to 10 entries and HCA's 5 entries all shape the logits. Our weights
-exported load strictly (nothing missing or left over) and the logits agree within 1e-4; the import
-is the exact inverse. The hash table, the Sinkhorn normalisation and the hyper head each move the
-logits far more than that when changed, so the test fails without them. In the same spawn each attention
-type alone equals ``DeepseekV4Attention`` at 1e-5 and depends on each of its parts
-(``tests/unit_tests/transformer/compressed_attention_checks.py``).
+Three layers (CSA, HCA, sliding window), three hyper-connection streams, a hash-routed MoE layer then two
+learned ones (sqrtsoftplus scores, V4's default, with the expert bias), shared experts, clamped SwiGLU; 40
+tokens, so the window (6), CSA's top-3 of up to 10 entries and HCA's 5 entries all shape the logits. Our
+weights exported load strictly (nothing missing or left over) and the logits agree within 1e-4; the import is
+the exact inverse. The hash table, the Sinkhorn normalisation and the hyper head each move the logits far more
+than that when changed (as do sigmoid router scores in place of sqrtsoftplus), so the test fails without them.
+In the same spawn each attention type alone equals ``DeepseekV4Attention`` at 1e-5 and depends on each of its
+parts (``tests/unit_tests/transformer/compressed_attention_checks.py``).
 """
 
 import torch
@@ -32,7 +32,7 @@ V4_MODEL = dict(
     q_lora_rank=12, window_size=(5, 0), compressed_attention_layer_types=TYPES, csa_compress_rate=4,
     hca_compress_rate=8, attention_output_groups=2, attention_output_lora_rank=6,
     dsa_indexer_n_heads=2, dsa_indexer_head_dim=8, dsa_indexer_topk=3, hyper_connection_streams=3,
-    num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, moe_router_score_function="sigmoid",
+    num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, moe_router_score_function="sqrtsoftplus",
     moe_router_topk_scaling_factor=1.5, moe_router_enable_expert_bias=True,
     moe_router_load_balancing_type="none", moe_shared_expert_intermediate_size=16,
     activation_func_clamp_value=3.0, moe_num_hash_layers=1, moe_hash_router_vocab_size=VOCAB, init_method_std=0.2,
@@ -46,7 +46,8 @@ def hf_deepseek_v4(config):
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
         head_dim=config.kv_channels, q_lora_rank=config.q_lora_rank, partial_rotary_factor=0.5,
         num_experts_per_tok=config.moe_router_topk, n_routed_experts=config.num_moe_experts, n_shared_experts=1,
-        scoring_func="sigmoid", routed_scaling_factor=config.moe_router_topk_scaling_factor, rope_theta=10000.0,
+        scoring_func=config.moe_router_score_function, routed_scaling_factor=config.moe_router_topk_scaling_factor,
+        rope_theta=10000.0,
         layer_types=TYPES, compress_rope_theta=config.compressed_attention_rotary_base,
         compress_rates={TYPES[0]: config.csa_compress_rate, TYPES[1]: config.hca_compress_rate},
         hc_mult=config.hyper_connection_streams, hc_sinkhorn_iters=config.hyper_connection_sinkhorn_iterations,
@@ -113,6 +114,9 @@ def _changes(ours, tokens, reference):
     moved["sinkhorn"] = (ours(tokens) - reference).abs().max().item()
     for hc in connections:
         hc.sinkhorn_iterations = ours.config.hyper_connection_sinkhorn_iterations
+    ours.config.moe_router_score_function = "sigmoid"  # the routers read the model's config
+    moved["score_function"] = (ours(tokens) - reference).abs().max().item()
+    ours.config.moe_router_score_function = "sqrtsoftplus"
     head = ours.decoder.hyper_head.mapping_bias
     head.add_(1.0)
     moved["hyper_head"] = (ours(tokens) - reference).abs().max().item()

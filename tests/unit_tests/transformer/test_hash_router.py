@@ -2,8 +2,8 @@
 
 One spawn of 2 gloo ranks. On each rank, a one-rank ``MoELayer`` with ``MoESubmodules(router=
 HashRouter)``, shared experts and the clamped SwiGLU equals ``DeepseekV4SparseMoeBlock`` (a
-``hash_moe`` layer) on the same weights, table and token ids at 1e-5 (fp32), with sigmoid scores
-(softmax scores, which transformers' V4 lacks, against the softmax of the chosen logits); the
+``hash_moe`` layer) on the same weights, table and token ids at 1e-5 (fp32), with sigmoid and
+sqrtsoftplus scores (softmax scores, which transformers' V4 lacks, against the softmax of the chosen logits); the
 same weights under the learned ``TopKRouter`` do not (the table decides).
 Under EP=2 (alltoall) the layer's output and input gradient equal the one-rank layer's (rtol 1e-5).
 The config refuses a non-positive table size, and the router refuses a call without token ids.
@@ -75,7 +75,7 @@ def _check_softmax_scores(ids, x):
 
 
 def _check_transformers(ids, x):
-    for score in ("sigmoid",):  # transformers' V4 scores elementwise (sigmoid, sqrtsoftplus), no softmax
+    for score in ("sigmoid", "sqrtsoftplus"):  # transformers' V4 scores elementwise, no softmax
         ours = _layer(_config(score), single_rank_groups())
         hf = _hf_block(ours, score)
         with torch.no_grad():

@@ -32,6 +32,8 @@ def _ref_route(logits, k, score="softmax", pre=False, groups=None, group_k=None,
             top = max(row)
             s = [math.exp(x - top) for x in row]
             s = [x / sum(s) for x in s]
+        elif score == "sqrtsoftplus":
+            s = [math.sqrt(math.log1p(math.exp(x))) for x in row]
         else:
             s = [1.0 / (1.0 + math.exp(-x)) for x in row]
         # What the top-k compares: logits (softmax after top-k), probabilities, or biased sigmoid scores.
@@ -65,6 +67,7 @@ VARIANTS = {
     "sigmoid_groups": dict(score="sigmoid", groups=4, group_k=1),
     "sigmoid_bias": dict(score="sigmoid", bias=torch.linspace(-0.3, 0.3, E, dtype=torch.float64)),
     "sigmoid_groups_bias": dict(score="sigmoid", groups=2, group_k=1, bias=torch.linspace(0.3, -0.3, E)),
+    "sqrtsoftplus_bias": dict(score="sqrtsoftplus", scale=1.5, bias=torch.linspace(-0.3, 0.3, E, dtype=torch.float64)),
 }
 
 
@@ -82,6 +85,32 @@ def test_routing_matches_token_by_token_reference(name):
     torch.testing.assert_close(probs, ref_probs, rtol=1e-6, atol=1e-7)  # softmax runs in fp32
     plain, plain_map = _ours(logits, 4 if kw.get("groups") == 2 else 2)
     assert not torch.equal(probs, plain) or name == "softmax_topk_then_softmax"  # the variant is not ignored
+
+
+def test_sqrtsoftplus_matches_transformers_deepseek_v4_router():
+    """``sqrtsoftplus`` with the expert bias and scaling equals ``transformers``' ``DeepseekV4TopKRouter``
+    (its default scoring); sigmoid scores on the same logits do not."""
+    import transformers
+
+    config = transformers.DeepseekV4Config(
+        hidden_size=H, n_routed_experts=E, num_experts_per_tok=3, num_hidden_layers=1
+    )
+    assert config.scoring_func == "sqrtsoftplus"
+    hf = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4TopKRouter(config)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(E, H, generator=generator))
+        hf.e_score_correction_bias.copy_(0.3 * torch.randn(E, generator=generator))
+    tokens = torch.randn(64, H, generator=generator)  # [T, h]
+    with torch.no_grad():
+        logits, weights, chosen = hf(tokens)
+        expected = torch.zeros_like(logits).scatter(1, chosen, weights)  # [T, E]
+        scale, bias = config.routed_scaling_factor, hf.e_score_correction_bias
+        probs, routing_map = route(logits, 3, "sqrtsoftplus", scaling_factor=scale, expert_bias=bias)
+        sigmoid, _ = route(logits, 3, "sigmoid", scaling_factor=scale, expert_bias=bias)
+    assert torch.equal(routing_map, expected != 0)
+    torch.testing.assert_close(probs, expected, rtol=1e-6, atol=1e-7)
+    assert (sigmoid - expected).abs().max() > 1e-2
 
 
 def _config(**kw):
@@ -117,7 +146,8 @@ def _switch_ref(scores, chosen, k, num_tokens=None):
 
 
 def _aux_scores(logits, k, score):
-    s = torch.softmax(logits.double(), -1) if score == "softmax" else torch.sigmoid(logits.double())
+    per_expert = {"sigmoid": torch.sigmoid, "sqrtsoftplus": lambda x: F.softplus(x).sqrt()}
+    s = torch.softmax(logits.double(), -1) if score == "softmax" else per_expert[score](logits.double())
     s = s / s.sum(-1, keepdim=True)
     top = torch.zeros_like(s, dtype=torch.bool).scatter(1, s.topk(k, -1).indices, True)
     return s, top
@@ -163,7 +193,7 @@ def _loss_body(rank, world_size):
         return torch.randn(s * b, H, generator=torch.Generator().manual_seed(10 * r + mb))
 
     out = {}
-    for score in ("softmax", "sigmoid"):
+    for score in ("softmax", "sigmoid", "sqrtsoftplus"):
         for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
             kw = dict(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=0.1, moe_router_score_function=score)
             router = _router(groups, tp_dp_cp_group=groups.tp_dp_cp, **kw).train()

@@ -321,22 +321,25 @@ def from_hf_gpt2(hf: StateDict, config: TransformerConfig) -> StateDict:
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")  # bias: BERT
 VOCAB_KEYS += ("lm_head.output_layer.weight",)  # T5Model's untied output layer
+HASH_TABLE_SUFFIX = ".router.tid2eid"  # DeepSeek-V4's hash routers: one row of k experts per token id
 
 
 def resize_vocab(sd: StateDict, rows: int) -> StateDict:
-    """Pad (with zero rows) or strip the vocabulary dimension of our embedding and output layer.
+    """Pad (with zero rows) or strip the vocabulary dimension of our embedding and output layer, and of
+    DeepSeek-V4's hash-routing tables (``[V, k]``; a padded id's row: experts ``0..k-1``).
 
     Our model pads the vocabulary to a multiple of ``make_vocab_size_divisible_by x TP``;
     Hugging Face models hold exactly ``config.vocab_size`` rows. Zero rows give padded
     ids a logit of 0, and they are never produced by the tokenizer.
     """
     out = dict(sd)
-    for key in VOCAB_KEYS:
-        if key not in sd:
-            continue
+    for key in [k for k in sd if k in VOCAB_KEYS or k.endswith(HASH_TABLE_SUFFIX)]:
         weight = sd[key]
         if rows <= weight.shape[0]:
             out[key] = weight[:rows].contiguous()
+        elif key.endswith(HASH_TABLE_SUFFIX):
+            experts = torch.arange(weight.shape[1], dtype=weight.dtype, device=weight.device)  # [k]
+            out[key] = torch.cat([weight, experts.expand(rows - weight.shape[0], -1)])
         else:
             pad = weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])
             out[key] = torch.cat([weight, pad])

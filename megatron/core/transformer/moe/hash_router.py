@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.routing import per_expert_scores
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 TABLE_SEED = 0  # the same table on every rank and every run
@@ -35,11 +36,11 @@ def hash_route(
     logits: torch.Tensor, chosen: torch.Tensor, score_function: str, scaling_factor: Optional[float]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Probs ``[T, E]`` (zero off ``chosen`` ``[T, k]``) and bool map ``[T, E]``: the chosen experts'
-    scores over all E (softmax or sigmoid of ``logits`` ``[T, E]``), renormalised, times the factor."""
+    scores over all E (softmax, sigmoid or sqrtsoftplus of ``logits`` ``[T, E]``), renormalised, times the factor."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)  # [T, E]
     else:
-        scores = torch.sigmoid(logits.float()).type_as(logits)  # [T, E]
+        scores = per_expert_scores(logits, score_function)  # [T, E]
     weights = scores.gather(1, chosen)  # [T, k]
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:

@@ -8,6 +8,8 @@ Everything here maps ``logits`` ``[T, E]`` (T tokens, E experts) to tensors; the
 * ``sigmoid``: per-expert sigmoid scores; the top k are renormalised to sum to 1 (k > 1). An
   ``expert_bias`` ``[E]`` is added to the scores only to choose the experts (aux-loss-free
   balancing); the weights stay the unbiased scores.
+* ``sqrtsoftplus`` (DeepSeek-V4's router, ``transformers``' ``DeepseekV4TopKRouter``): per-expert
+  scores ``sqrt(softplus(logits))``, otherwise as ``sigmoid`` (expert bias, renormalised top k).
 * group-limited: the E experts form ``num_groups`` equal groups; each token first keeps the
   ``group_topk`` groups with the largest sum of their ``topk / group_topk`` best scores, then
   picks its k experts inside them.
@@ -52,6 +54,16 @@ def _select(
     return torch.topk(scores, k=topk, dim=-1)
 
 
+PER_EXPERT_SCORES = ("sigmoid", "sqrtsoftplus")  # each expert scored alone (no softmax over experts)
+
+
+def per_expert_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """``sigmoid(logits)`` or ``sqrt(softplus(logits))`` ``[T, E]``, computed in fp32, in ``logits``' dtype."""
+    x = logits.float()
+    scores = torch.sigmoid(x) if score_function == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
+    return scores.type_as(logits)
+
+
 def route(
     logits: torch.Tensor,
     topk: int,
@@ -70,8 +82,8 @@ def route(
         else:
             top_logits, chosen = _select(logits, topk, num_groups, group_topk)  # [T, k]
             weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float()).type_as(logits)  # [T, E]
+    elif score_function in PER_EXPERT_SCORES:
+        scores = per_expert_scores(logits, score_function)  # [T, E]
         if expert_bias is not None:
             _, chosen = _select(scores + expert_bias, topk, num_groups, group_topk)  # the bias only picks
             weights = scores.gather(1, chosen)  # [T, k]
@@ -89,12 +101,12 @@ def route(
 
 
 def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """What the balance losses see: scores ``[T, E]`` over all experts (softmax, or sigmoid normalised per
-    token) and the top-k map ``[T, E]`` of those scores (no groups, no expert bias), in fp32."""
+    """What the balance losses see: scores ``[T, E]`` over all experts (softmax, or the per-expert scores
+    normalised per token) and the top-k map ``[T, E]`` of those scores (no groups, no expert bias), in fp32."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     else:
-        scores = torch.sigmoid(logits.float())
+        scores = per_expert_scores(logits.float(), score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     chosen = torch.topk(scores, k=topk, dim=-1).indices  # [T, k]
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, chosen, True)
