@@ -182,14 +182,14 @@ def make_muon(
 
 
 def split_muon_groups(
-    param_groups: List[Dict[str, Any]], excluded: set, qkv_splits: Dict[int, Tuple[int, ...]]
+    param_groups: List[Dict[str, Any]], muon_ids: set, qkv_splits: Dict[int, Tuple[int, ...]]
 ) -> List[Dict[str, Any]]:
-    """Each group split into Muon parts (2-D weights whose id is not in ``excluded``; the fused QKV weights of
+    """Each group split into Muon parts (the parameters whose id is in ``muon_ids``; the fused QKV weights of
     ``qkv_splits``, id -> rows of q, k, v per query group, in groups of their own) and the rest (AdamW)."""
     out = []
     for group in param_groups:
-        muon = [p for p in group["params"] if p.dim() == 2 and id(p) not in excluded]
-        rest = [p for p in group["params"] if not (p.dim() == 2 and id(p) not in excluded)]
+        muon = [p for p in group["params"] if id(p) in muon_ids]
+        rest = [p for p in group["params"] if id(p) not in muon_ids]
         by_split: Dict[Optional[Tuple[int, ...]], List[torch.Tensor]] = {}
         for param in muon:
             by_split.setdefault(qkv_splits.get(id(param)), []).append(param)
