@@ -47,7 +47,7 @@ class OptimizerConfig:
     distributed optimizer, as upstream asserts) with the default fp32 ``main_*`` / ``exp_avg*`` dtypes
     computes what our distributed optimizer computes already (fp32 main parameters and moments);
     the ``muon_*`` fields matter once ``optimizer="muon"``
-    (``_check_muon``: ``muon_tp_mode`` blockwise or duplicated); ``fp8_recipe``,
+    (``_check_muon``: ``muon_tp_mode`` blockwise, duplicated or distributed); ``fp8_recipe``,
     ``store_param_remainders`` and ``barrier_with_L1_time`` (a timing barrier) have no effect.
     """
 

@@ -45,6 +45,8 @@ def _muon_tp_body(rank, world_size):
         ),
         (dict(muon_tp_mode="blockwise"), reference(2, False, "spectral", blockwise_tp=tp)),
         (dict(muon_tp_mode="duplicated", muon_split_qkv=True), reference(2, False, "spectral", split_qkv=True)),
+        # distributed: the whole matrix's iteration on the shards (Gram matrices summed over TP)
+        (dict(muon_tp_mode="distributed", muon_split_qkv=True), reference(2, False, "spectral", split_qkv=True)),
         (
             dict(muon_tp_mode="blockwise", muon_split_qkv=True),
             reference(2, False, "spectral", blockwise_tp=tp, split_qkv=True),
@@ -112,7 +114,7 @@ def test_muon_step_equals_reference_tp1_and_tp2():
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(muon_tp_mode="distributed", muon_split_qkv=False), ["muon_tp_mode", "distributed"]),
+        (dict(muon_tp_mode="sharded", muon_split_qkv=False), ["muon_tp_mode", "sharded"]),
         (dict(muon_num_ns_steps=3, muon_split_qkv=False), ["muon_num_ns_steps=3"]),
     ],
 )

@@ -1,11 +1,12 @@
 """``optimizer="muon"`` with the distributed optimizer and TP, against the single-process reference of
-``test_muon`` (plain torch on the full matrices), and resumed from a torch_dist checkpoint bit for bit.
+``muon_reference`` (plain torch on the full matrices), and resumed from a torch_dist checkpoint bit for bit.
 
-Gradients come from a loss linear in the parameters (``test_muon.Toy.forward``), different on each DP
+Gradients come from a loss linear in the parameters (``muon_reference.Toy.forward``), different on each DP
 rank, reduced by ``DistributedDataParallel``; the reference averages them. Under DP=2 each Muon matrix lies
 whole in one rank's slice (``keep_muon_matrices_whole``), so that rank orthogonalises the whole matrix;
-under TP=2 ``duplicated`` gathers the shards first. The resume check trains a tiny Llama-style GPT (fused
-GQA QKV split into Q, K, V; a stride-2 SwiGLU fc1) 4 steps straight and 2 + save + load + 2.
+under TP=2 ``duplicated`` gathers the shards first, ``distributed`` sums the Gram matrices over TP. The
+resume check trains a tiny Llama-style GPT (fused GQA QKV split into Q, K, V; a stride-2 SwiGLU fc1)
+4 steps straight and 2 + save + load + 2.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def _toy_cases(groups):
             dict(nesterov=True, scale_mode="unit_rms_norm", split_qkv=True),
         ),
     ]
-    if tp > 1:  # blockwise is honoured: each shard on its own
+    if tp > 1:  # blockwise is honoured (each shard on its own); distributed sums Gram matrices over TP instead
         cases.append((dict(muon_tp_mode="blockwise", muon_split_qkv=False), dict(blockwise_tp=tp)))
+        cases.append((dict(muon_tp_mode="distributed", muon_split_qkv=False), dict()))
     for kw, ref in cases:
         module, ddp, opt = _wrapped_toy(groups, **kw)
         _train_toy(groups, module, ddp, opt, 2)
