@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed.param_and_grad_buffer import plan_buckets, plan_whole_buckets
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, keep_muon_matrices_whole
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
@@ -157,14 +158,41 @@ def _resume_body(rank, world_size, tmp, tp):
     resumed = _params(ddp)
     for name, value in straight.items():
         assert torch.equal(resumed[name], value), name
-    # The same steps on the non-distributed optimizer (every rank orthogonalises every matrix).
+    # The same steps on the non-distributed optimizer (every rank orthogonalises every matrix): the same
+    # parameters and the same by-name state (momentum_buffer for the matrices, Adam's moments for the rest).
+    by_name = opt.state_dict_by_param_name([ddp], all_ranks=True)
     ddp, opt = _gpt(groups, seed=1, distributed=False)
     _train_gpt(groups, ddp, opt, 4)
     for name, value in _params(ddp).items():
         torch.testing.assert_close(value, straight[name], **TOL, msg=name)
+    reference_state = opt.state_dict_by_param_name([ddp])
+    assert {key for name in straight for key in reference_state[name]} == {"momentum_buffer", "exp_avg", "exp_avg_sq"}
+    for name in straight:
+        assert sorted(by_name[name]) == sorted(reference_state[name]), name
+        for key, value in reference_state[name].items():
+            torch.testing.assert_close(by_name[name][key], value, **TOL, msg=f"{name} {key}")
     ps.destroy_model_parallel()
 
 
 def test_muon_distributed_optimizer_resumes_bitwise(tmp_path):
     """DP=2: 4 steps straight equal 2 + torch_dist save + load into a fresh model + 2, bit for bit."""
     run_distributed(_resume_body, 2, os.fspath(tmp_path), 1)
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+@pytest.mark.parametrize("bucket_size", [None, 40])
+def test_plan_whole_buckets_keeps_every_parameter_in_one_slice(dp, bucket_size):
+    """The buckets of ``plan_buckets``, each parameter inside one of the dp equal slices, none overlapping."""
+    numels = [12, 7, 30, 1, 16, 16, 5, 24, 9]
+    ranges, plans = plan_whole_buckets(numels, bucket_size, dp)
+    _, ordinary = plan_buckets(numels, bucket_size, 1)
+    assert [p.param_indices for p in plans] == [p.param_indices for p in ordinary]
+    for plan in plans:
+        size = (plan.end - plan.start) // dp
+        assert plan.end - plan.start == dp * size
+        spans = sorted(ranges[i] for i in plan.param_indices)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+        slices = {(start - plan.start) // size for start, _ in spans}
+        for start, end in spans:
+            assert (start - plan.start) // size == (end - 1 - plan.start) // size  # whole in one slice
+        assert len(slices) == min(dp, len(spans))  # every rank gets work when there is enough of it
