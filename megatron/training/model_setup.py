@@ -15,7 +15,7 @@ from megatron.core.distributed.torch_fully_sharded_data_parallel import (
     TorchFullyShardedDataParallelConfig,
 )
 from megatron.core.extensions.transformer_engine import te_import_error
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer, keep_muon_matrices_whole
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.pipeline_parallel.microbatch import get_model_config
@@ -98,10 +98,13 @@ def _report_parameters(chunks: List[torch.nn.Module], groups: ProcessGroupCollec
 def _wrap(
     chunks: List[torch.nn.Module], args: argparse.Namespace, config: TransformerConfig, groups: ProcessGroupCollection
 ) -> List[torch.nn.Module]:
-    """Each chunk in DistributedDataParallel, or in FSDP2 with ``--use-torch-fsdp2``."""
+    """Each chunk in DistributedDataParallel, or in FSDP2 with ``--use-torch-fsdp2``; with ``--optimizer muon``
+    and the distributed optimizer each Muon matrix is laid out whole in one DP rank's slice."""
     ddp_config = data_parallel_config_from_args(args)
     if isinstance(ddp_config, TorchFullyShardedDataParallelConfig):
         return [TorchFullyShardedDataParallel(config, ddp_config, chunk, pg_collection=groups) for chunk in chunks]
+    if args.optimizer == "muon" and ddp_config.use_distributed_optimizer:
+        keep_muon_matrices_whole(chunks)
     return [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=groups)
         for i, chunk in enumerate(chunks)

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp_units import ROOT, ShardedParamUnits, fsdp_unit_modules, unit_of_params, unit_starts
-from megatron.core.distributed.param_and_grad_buffer import Bucket, BucketGroup, ParamAndGradBuffer
+from megatron.core.distributed.param_and_grad_buffer import KEEP_WHOLE_ATTR, Bucket, BucketGroup, ParamAndGradBuffer
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.quantization.fp8_params import is_fp8_param
 from megatron.core.tensor_parallel.layers import is_expert_param
@@ -152,7 +152,10 @@ class DistributedDataParallel(torch.nn.Module):
         return self.buffers + self.expert_parallel_buffers
 
     def _build_buffers(self, bucket_size: Optional[int], unit_of: Dict[int, int]) -> List[ParamAndGradBuffer]:
-        """One buffer per (param dtype, grad dtype, expert or not); dense buffers first.
+        """One buffer per (param dtype, grad dtype, expert or not, kept whole or not); dense buffers first.
+
+        Parameters marked ``KEEP_WHOLE_ATTR`` (Muon's matrices, by ``muon.keep_muon_params_whole``) get
+        buffers of their own under the distributed optimizer, each lying whole in one DP rank's slice.
 
         ``unit_of`` (parameter id -> Megatron-FSDP unit, ``optim_grads_params``): no bucket spans two units.
         """
@@ -163,9 +166,10 @@ class DistributedDataParallel(torch.nn.Module):
             # An FP8 weight's gradient has the dtype the weight had before it was stored in FP8.
             hp_dtype = param.fp8_meta.hp_dtype if is_fp8_param(param) else param.dtype
             grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else hp_dtype
-            by_kind.setdefault((is_expert_param(param), param.dtype, grad_dtype), []).append(param)
+            whole = self.ddp_config.use_distributed_optimizer and getattr(param, KEEP_WHOLE_ATTR, False)
+            by_kind.setdefault((is_expert_param(param), param.dtype, grad_dtype, whole), []).append(param)
         buffers = []
-        for (expert, _, grad_dtype), group in sorted(by_kind.items(), key=lambda item: item[0][0]):
+        for (expert, _, grad_dtype, whole), group in sorted(by_kind.items(), key=lambda item: item[0][0]):
             own = {i for i, p in enumerate(group) if id(p) in shared}
             buffers.append(
                 ParamAndGradBuffer(
@@ -179,6 +183,7 @@ class DistributedDataParallel(torch.nn.Module):
                     starts=unit_starts(group, unit_of) if unit_of else frozenset(),
                     shard_grads=self.ddp_config.shard_grads,
                     shard_params=self.ddp_config.shard_params,
+                    whole=whole,
                 )
             )
         return buffers

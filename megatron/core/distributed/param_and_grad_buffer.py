@@ -7,7 +7,9 @@ allocates the storage and rebinds parameters to views of it.
 Parameters are laid out in reverse registration order, because backward produces the
 last layers' gradients first: the first bucket fills first and its reduction can start
 while backward continues. With the distributed optimizer every bucket is padded to a
-multiple of the data-parallel size and DP rank r owns the r-th equal slice of each bucket.
+multiple of the data-parallel size and DP rank r owns the r-th equal slice of each bucket. A buffer of
+parameters marked ``keep_whole_in_dp_shard`` (Muon's matrices, whose update needs the whole matrix) is
+laid out by ``plan_whole_buckets`` instead: each parameter lies inside one rank's slice.
 
 Megatron-FSDP's sharded strategies keep persistent shards beside the buffers: with ``shard_grads``
 ``grad_shard`` (``[numel / dp]``, bucket b's slice at ``b.offset / dp``) receives the reduced slices
@@ -28,6 +30,8 @@ import torch.distributed as dist
 from megatron.core.utils import all_gather_into_tensor
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# A parameter attribute: with the distributed optimizer the parameter must lie whole in one DP rank's slice.
+KEEP_WHOLE_ATTR = "keep_whole_in_dp_shard"
 
 
 @dataclass
@@ -82,6 +86,38 @@ def plan_buckets(
         if i in own_bucket or (bucket_size is not None and offset - bucket_start >= bucket_size):
             close()
     close()
+    return ranges, buckets
+
+
+def plan_whole_buckets(
+    numels: Sequence[int], bucket_size: Optional[int], dp_size: int
+) -> Tuple[List[Tuple[int, int]], List[BucketPlan]]:
+    """Like ``plan_buckets`` (same buckets of consecutive parameters), but every parameter lies whole inside
+    one of its bucket's ``dp_size`` equal slices, so DP rank r's reduce-scatter slice holds r's parameters
+    entirely and its all-gather hands them to the others.
+
+    Within a bucket the parameters are dealt largest first (ties: layout order) to the least-filled slice
+    (ties: lowest rank), each slice is packed from its start in that order, and every slice is padded to
+    the fullest one (the bucket is ``dp_size`` times that long).
+    """
+    _, chunks = plan_buckets(numels, bucket_size, 1)
+    ranges: List[Tuple[int, int]] = [(0, 0)] * len(numels)
+    buckets: List[BucketPlan] = []
+    offset = 0
+    for chunk in chunks:
+        loads, members = [0] * dp_size, [[] for _ in range(dp_size)]
+        for i in sorted(chunk.param_indices, key=lambda j: (-numels[j], j)):
+            rank = min(range(dp_size), key=lambda r: (loads[r], r))
+            members[rank].append(i)
+            loads[rank] += numels[i]
+        size = max(loads)
+        for rank, indices in enumerate(members):
+            at = offset + rank * size
+            for i in indices:
+                ranges[i] = (at, at + numels[i])
+                at += numels[i]
+        buckets.append(BucketPlan(chunk.param_indices, offset, offset + dp_size * size))
+        offset += dp_size * size
     return ranges, buckets
 
 
@@ -163,7 +199,8 @@ class ParamAndGradBuffer:
     distributed optimizer can all-gather updated parameters bucket by bucket. ``dp_group`` is
     the group its gradients are reduced (and sharded) over: ``dp_cp``, or ``expt_dp`` for an
     expert buffer (``is_expert``). ``starts``, ``shard_grads``, ``shard_params``: Megatron-FSDP
-    (module docstring); both shardings need ``with_param_data``.
+    (module docstring); both shardings need ``with_param_data``. ``whole``: every parameter lies whole in
+    one DP rank's slice (``plan_whole_buckets``; with ``with_param_data``, not with ``starts``).
     """
 
     def __init__(
@@ -178,6 +215,7 @@ class ParamAndGradBuffer:
         starts: Set[int] = frozenset(),
         shard_grads: bool = False,
         shard_params: bool = False,
+        whole: bool = False,
     ) -> None:
         self.params = params
         self.is_expert = is_expert
@@ -188,7 +226,11 @@ class ParamAndGradBuffer:
         self.dp_rank = dist.get_rank(dp_group)
         self.shard_grads, self.shard_params = shard_grads, shard_params
         pad_to = self.dp_size if with_param_data else 1
-        ranges, plans = plan_buckets([p.numel() for p in params], bucket_size, pad_to, own_bucket, starts)
+        numels = [p.numel() for p in params]
+        if whole and with_param_data and not starts:
+            ranges, plans = plan_whole_buckets(numels, bucket_size, self.dp_size)
+        else:
+            ranges, plans = plan_buckets(numels, bucket_size, pad_to, own_bucket, starts)
         numel = plans[-1].end if plans else 0
         device = params[0].device
         self.grad_data = torch.zeros(numel, dtype=grad_dtype, device=device)

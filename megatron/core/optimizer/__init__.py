@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from megatron.core.distributed.param_and_grad_buffer import KEEP_WHOLE_ATTR
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.fsdp2_optimizer import FullyShardedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -41,6 +42,8 @@ __all__ = [
     "DynamicGradScaler",
     "get_megatron_optimizer",
     "get_param_groups",
+    "keep_muon_matrices_whole",
+    "muon_matrices",
 ]
 
 
@@ -60,6 +63,21 @@ def _embedding_or_output_params(chunk: torch.nn.Module) -> set:
         if isinstance(weight, torch.nn.Parameter):
             ids.add(id(weight))
     return ids
+
+
+def muon_matrices(model_chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Parameter]:
+    """The parameters ``optimizer="muon"`` orthogonalises: trainable 2-D weights other than the word
+    embedding and the output layer (those, norms and biases take AdamW)."""
+    excluded = set().union(*(_embedding_or_output_params(chunk) for chunk in model_chunks))
+    params = [p for chunk in model_chunks for p in unwrap_model(chunk).parameters()]
+    return [p for p in params if p.requires_grad and p.dim() == 2 and id(p) not in excluded]
+
+
+def keep_muon_matrices_whole(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Mark the Muon matrices so that ``DistributedDataParallel`` with the distributed optimizer lays each
+    one out whole inside one DP rank's slice (call before wrapping; Muon orthogonalises whole matrices)."""
+    for param in muon_matrices(model_chunks):
+        setattr(param, KEEP_WHOLE_ATTR, True)
 
 
 def get_param_groups(
@@ -153,8 +171,10 @@ def get_megatron_optimizer(
     (``NotImplementedError``); the keyword-only ``no_weight_decay_cond`` / ``scale_lr_cond`` /
     ``lr_mult`` are Megatron's earlier way to vary weight decay and learning rate per parameter.
 
-    ``optimizer="muon"`` splits each group into its 2-D weights (Muon; not the word embedding or the
-    output layer) and the rest (AdamW), one torch optimizer (``muon.MuonWithAdamW``) for both.
+    ``optimizer="muon"`` splits each group into its 2-D weights (``muon_matrices``: Muon) and the rest
+    (AdamW), one torch optimizer (``muon.MuonWithAdamW``) for both; with the distributed optimizer each
+    matrix lies whole in one DP rank's slice (the chunks were marked by ``keep_muon_matrices_whole`` before
+    wrapping), which alone orthogonalises it, and the parameter all-gather hands the result to the others.
     fp32 -> ``FP32Optimizer``; bf16/fp16 -> ``Float16OptimizerWithFloat16Params`` (fp16 with a
     loss scaler); ``use_distributed_optimizer`` -> ``DistributedOptimizer`` (any precision). With
     ``optimizer_cpu_offload`` each of them steps its fp32 main parameters through a
@@ -176,12 +196,11 @@ def get_megatron_optimizer(
     groups = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if config.optimizer == "muon":  # Muon for 2-D linear weights; embeddings and the output layer take AdamW
-        excluded = set().union(*(_embedding_or_output_params(chunk) for chunk in model_chunks))
         splits = {}
         if config.muon_split_qkv:
             for chunk in model_chunks:
                 splits.update(qkv_splits(unwrap_model(chunk)))
-        param_groups = split_muon_groups(param_groups, excluded, splits)
+        param_groups = split_muon_groups(param_groups, {id(p) for p in muon_matrices(model_chunks)}, splits)
     tp_rank = groups.rank_in("tp")
     scaler = _grad_scaler(config)
     if _fully_sharded(model_chunks):
@@ -200,6 +219,7 @@ def get_megatron_optimizer(
             dp_group=dp_cp,
             expert_stat_groups=[expt_dp, groups.tp_ep_pp],
             instance_id=groups.rank_in("inter_dist_opt") if hybrid else 0,
+            tp_groups=(groups.tp, groups.expt_tp),
         )
     expert_groups = [groups.tp_ep_pp]
     if config.fp16 or config.bf16:

@@ -28,6 +28,7 @@ from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MainLink, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.quantization.fp8_params import cast_shards, is_fp8_param
+from megatron.core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
 from megatron.core.utils import all_gather_into_tensor, comm_device, named_model_params
 
 # Elements per rank in one all-gather of a checkpoint save: bounds the device memory it takes
@@ -40,7 +41,11 @@ class DistributedOptimizer(MegatronOptimizer):
 
     ``dp_group``: the ranks the state is sharded over (one instance's with several distributed-optimizer
     instances); ``instance_id``: this rank's instance (0 with one), whose copies of the state only
-    instance 0 writes to a checkpoint.
+    instance 0 writes to a checkpoint. ``tp_groups``: Muon's TP gathers (``MegatronOptimizer``).
+
+    Muon (groups with ``use_muon``): each matrix must lie whole in one DP rank's slice (the chunks were
+    marked by ``keep_muon_matrices_whole`` before wrapping); the owning rank's main tensor is the whole
+    matrix, shaped and TP-attributed like it, and the others hold nothing of it.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class DistributedOptimizer(MegatronOptimizer):
         dp_group: dist.ProcessGroup,
         expert_stat_groups: Optional[Sequence[dist.ProcessGroup]] = None,
         instance_id: int = 0,
+        tp_groups: Optional[Tuple[dist.ProcessGroup, ...]] = None,
     ) -> None:
         self.model_chunks = list(model_chunks)
         self.dp_group = dp_group
@@ -67,7 +73,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 )
             self.buffers.extend(chunk.all_buffers)
         self._buffer_of = {id(p): b for b in self.buffers for p in b.params}
-        super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler, expert_stat_groups)
+        self._muon_ids = {id(p) for group in param_groups if group.get("use_muon") for p in group["params"]}
+        super().__init__(config, param_groups, tp_rank, stat_groups, grad_scaler, expert_stat_groups, tp_groups)
 
     def _links_for(self, param: torch.nn.Parameter) -> List[MainLink]:
         buffer = self._buffer_of.get(id(param))
@@ -76,12 +83,24 @@ class DistributedOptimizer(MegatronOptimizer):
         flat_range = buffer.local_range(param)
         if flat_range is None:
             return []  # none of this parameter lies in this rank's shard
+        whole = id(param) in self._muon_ids
+        if whole and flat_range != (0, param.numel()):
+            raise ValueError(
+                f"optimizer='muon' with use_distributed_optimizer=True: a Muon matrix of shape {tuple(param.shape)} "
+                f"is split over DP ranks (this rank holds its flat elements {flat_range}); mark the chunks with "
+                "keep_muon_matrices_whole before wrapping them in DistributedDataParallel"
+            )
         sources = self._shard_sources(buffer, param, flat_range)
         piece = sources.get("data_source", param.detach().view(-1)[flat_range[0] : flat_range[1]])
+        shape = param.shape if whole else piece.shape  # a Muon matrix stays a matrix
         if param.dtype == torch.float32:
-            return [MainLink(main=torch.nn.Parameter(piece), model=param, flat_range=flat_range, **sources)]
-        link = MainLink(main=None, model=param, flat_range=flat_range, is_copy=True, **sources)
-        link.main = torch.nn.Parameter(link.model_values().clone())  # an FP8 weight: dequantized
+            link = MainLink(main=torch.nn.Parameter(piece.view(shape)), model=param, flat_range=flat_range, **sources)
+        else:
+            link = MainLink(main=None, model=param, flat_range=flat_range, is_copy=True, **sources)
+            link.main = torch.nn.Parameter(link.model_values().clone().view(shape))  # an FP8 weight: dequantized
+        if whole:  # Muon's TP gather reads partition_dim and expertness (its TP group)
+            copy_tensor_model_parallel_attributes(link.main, param)
+            link.main.allreduce = getattr(param, "allreduce", True)
         return [link]
 
     @staticmethod
@@ -242,9 +261,14 @@ class DistributedOptimizer(MegatronOptimizer):
                     out[f"{key}@{first}"] = ShardedTensor.from_global(key, data, spec.global_shape, at, replica)
         return out, self._scalars()
 
-    def _state_keys(self) -> List[str]:
+    def _state_keys(self, param: Optional[torch.nn.Parameter] = None) -> List[str]:
+        """The state tensors of ``param`` (None: of any parameter) under ``config.optimizer``."""
+        adam = ["exp_avg", "exp_avg_sq"]
+        if self.config.optimizer == "muon":
+            muon = ["momentum_buffer"]
+            return adam + muon if param is None else (muon if id(param) in self._muon_ids else adam)
         if self.config.optimizer == "adam":
-            return ["exp_avg", "exp_avg_sq"]
+            return adam
         return ["momentum_buffer"] if self.config.sgd_momentum > 0 else []
 
     def _full_param_states(self, all_ranks: bool) -> Dict[int, Dict[str, torch.Tensor]]:
@@ -265,7 +289,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 for key in keys:
                     full = self._gather_bucket(buffer, bucket, key, links_of, keep)  # [bucket numel] CPU
                     for param in bucket.params if keep else ():
-                        out.setdefault(id(param), {})[key] = _param_view(full, buffer, bucket, param)
+                        if key == "main_param" or key in self._state_keys(param):
+                            out.setdefault(id(param), {})[key] = _param_view(full, buffer, bucket, param)
         # The same collectives run before the first step (every rank gathers the same keys); a
         # rank holding no parameter's slice has no state of its own but still takes part.
         return out if self.optimizer.state else {}

@@ -9,7 +9,10 @@ Parameters of groups without ``use_muon`` (embeddings, output layer, norms, bias
 
 Tensor parallelism (``tp_mode``): ``blockwise`` orthogonalises each rank's shard on its own (its shape
 sets the scale); ``duplicated`` all-gathers the shards along the parameter's ``partition_dim``,
-orthogonalises the whole matrix on every rank and keeps this rank's slice.
+orthogonalises the whole matrix on every rank and keeps this rank's slice; ``distributed`` keeps the
+shards and runs the iteration on the whole matrix oriented so that they are column blocks (transposed
+when ``partition_dim`` is 0): the Frobenius norm and each step's Gram matrix are summed over TP, the rest
+is local, and each rank ends with its own slice of the whole matrix's orthogonal factor.
 """
 
 from __future__ import annotations
@@ -31,27 +34,46 @@ QUINTIC_COEFFICIENTS = (
     (2.8366, -3.0525, 1.2012),
 )
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
-TP_MODES = ("blockwise", "duplicated")
+TP_MODES = ("blockwise", "duplicated", "distributed")
 MATMUL_PRECISIONS = ("low", "medium", "high")
 
 
-def newton_schulz(x: torch.Tensor, steps: int, bf16: bool, eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz(
+    x: torch.Tensor,
+    steps: int,
+    bf16: bool,
+    eps: float = 1e-7,
+    group: Optional[dist.ProcessGroup] = None,
+    transpose: Optional[bool] = None,
+) -> torch.Tensor:
     """The approximate orthogonal factor of ``x`` [rows, cols] (fp32 in, fp32 out).
 
-    Works on the wide orientation (transposed when rows > cols), normalised to unit Frobenius norm;
-    ``bf16`` runs the iterations in bfloat16 (Megatron's ``medium`` / ``low`` fp32 matmul precision).
+    Works on the wide orientation (transposed when rows > cols; ``transpose`` forces it), normalised to
+    unit Frobenius norm; ``bf16`` runs the iterations in bfloat16 (Megatron's ``medium`` / ``low`` fp32
+    matmul precision). ``group``: the working matrix is split into column blocks over this group, ``x``
+    (after the orientation) being this rank's; the norm and the Gram matrices are summed over it (fp32).
     """
-    wide = x.mT if x.size(0) > x.size(1) else x  # [short, long]
-    y = torch.nn.functional.normalize(wide.float(), p=2, dim=(-2, -1), eps=eps)
+    transpose = x.size(0) > x.size(1) if transpose is None else transpose
+    work = (x.mT if transpose else x).float()  # [m, n (this rank's columns)]
+    if group is None:
+        y = torch.nn.functional.normalize(work, p=2, dim=(-2, -1), eps=eps)
+    else:
+        square_sum = work.square().sum()
+        dist.all_reduce(square_sum, group=group)
+        y = work / square_sum.sqrt().clamp_min(eps)
     if bf16:
         y = y.to(torch.bfloat16)
     for i in range(steps):
         a, b, c = QUINTIC_COEFFICIENTS[i % len(QUINTIC_COEFFICIENTS)]
-        gram = y @ y.mT  # [short, short]
-        poly = b * gram + c * (gram @ gram)  # [short, short]
-        y = a * y + poly @ y  # [short, long]
+        gram = y @ y.mT  # [m, m]
+        if group is not None:  # the whole matrix's Gram: the column blocks' summed
+            gram = gram.float()
+            dist.all_reduce(gram, group=group)
+            gram = gram.to(y.dtype)
+        poly = b * gram + c * (gram @ gram)  # [m, m]
+        y = a * y + poly @ y  # [m, n]
     y = y.float()
-    return y.mT if x.size(0) > x.size(1) else y
+    return y.mT if transpose else y
 
 
 def muon_scale(rows: int, cols: int, mode: str) -> float:
@@ -138,6 +160,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self.tp_mode == "blockwise" or dim < 0 or world == 1:
             orth = newton_schulz(update, self.num_ns_steps, self.bf16_newton_schulz)
             return orth * muon_scale(update.size(0), update.size(1), self.scale_mode) * self.extra_scale_factor
+        if self.tp_mode == "distributed":  # the shards as column blocks of the whole matrix (or of its transpose)
+            orth = newton_schulz(update, self.num_ns_steps, self.bf16_newton_schulz, group=group, transpose=dim == 0)
+            full_shape = [update.size(0), update.size(1)]
+            full_shape[dim] *= world
+            return orth * muon_scale(*full_shape, self.scale_mode) * self.extra_scale_factor
         shards = [torch.empty_like(update) for _ in range(world)]
         dist.all_gather(shards, update.contiguous(), group=group)
         full = torch.cat(shards, dim=dim)  # the whole matrix
@@ -182,14 +209,14 @@ def make_muon(
 
 
 def split_muon_groups(
-    param_groups: List[Dict[str, Any]], excluded: set, qkv_splits: Dict[int, Tuple[int, ...]]
+    param_groups: List[Dict[str, Any]], muon_ids: set, qkv_splits: Dict[int, Tuple[int, ...]]
 ) -> List[Dict[str, Any]]:
-    """Each group split into Muon parts (2-D weights whose id is not in ``excluded``; the fused QKV weights of
+    """Each group split into Muon parts (the parameters whose id is in ``muon_ids``; the fused QKV weights of
     ``qkv_splits``, id -> rows of q, k, v per query group, in groups of their own) and the rest (AdamW)."""
     out = []
     for group in param_groups:
-        muon = [p for p in group["params"] if p.dim() == 2 and id(p) not in excluded]
-        rest = [p for p in group["params"] if not (p.dim() == 2 and id(p) not in excluded)]
+        muon = [p for p in group["params"] if id(p) in muon_ids]
+        rest = [p for p in group["params"] if id(p) not in muon_ids]
         by_split: Dict[Optional[Tuple[int, ...]], List[torch.Tensor]] = {}
         for param in muon:
             by_split.setdefault(qkv_splits.get(id(param)), []).append(param)

@@ -86,29 +86,30 @@ class MainLink:
     grad_source: Optional[torch.Tensor] = None
     data_source: Optional[torch.Tensor] = None
 
+    def _covered(self, tensor: torch.Tensor, source: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The covered elements of ``tensor`` (shaped like the model; ``source``: them, already cut out),
+        shaped like ``main`` once it exists (a slice is flat, a whole Muon matrix keeps its shape)."""
+        if source is None:
+            source = tensor if self.flat_range is None else tensor.view(-1)[self.flat_range[0] : self.flat_range[1]]
+        return source if self.main is None else source.view(self.main.shape)
+
     def model_grad(self) -> Optional[torch.Tensor]:
         """The model's gradient for the covered elements (``main_grad`` preferred)."""
-        if self.grad_source is not None:
-            return self.grad_source
         grad = getattr(self.model, "main_grad", None)
         if grad is None:
             grad = self.model.grad
-        if grad is None or self.flat_range is None:
-            return grad
-        return grad.view(-1)[self.flat_range[0] : self.flat_range[1]]
+        if grad is None and self.grad_source is None:
+            return None
+        return self._covered(grad, self.grad_source)
 
     def model_data(self) -> torch.Tensor:
-        if self.data_source is not None:
-            return self.data_source
-        data = self.model.data
-        return data if self.flat_range is None else data.view(-1)[self.flat_range[0] : self.flat_range[1]]
+        return self._covered(self.model.data, self.data_source)
 
     def model_values(self) -> torch.Tensor:
         """The covered elements' real values in fp32 (an FP8 weight's bytes times its scale)."""
         if not is_fp8_param(self.model):
             return self.model_data().float()
-        values = self.model.data.float() * self.model.fp8_meta.scale_inv  # [out, in]
-        return values if self.flat_range is None else values.view(-1)[self.flat_range[0] : self.flat_range[1]]
+        return self._covered(self.model.data.float() * self.model.fp8_meta.scale_inv)  # [out, in] -> covered
 
 
 def _fused_adam_available(groups: List[Dict[str, Any]]) -> bool:

@@ -47,7 +47,7 @@ class OptimizerConfig:
     distributed optimizer, as upstream asserts) with the default fp32 ``main_*`` / ``exp_avg*`` dtypes
     computes what our distributed optimizer computes already (fp32 main parameters and moments);
     the ``muon_*`` fields matter once ``optimizer="muon"``
-    (``_check_muon``: not with the distributed optimizer; ``muon_tp_mode`` blockwise or duplicated); ``fp8_recipe``,
+    (``_check_muon``: ``muon_tp_mode`` blockwise, duplicated or distributed); ``fp8_recipe``,
     ``store_param_remainders`` and ``barrier_with_L1_time`` (a timing barrier) have no effect.
     """
 
@@ -149,11 +149,6 @@ class OptimizerConfig:
         steps = len(QUINTIC_COEFFICIENTS)
         if self.muon_num_ns_steps < 1 or self.muon_num_ns_steps % steps:
             raise ValueError(f"muon_num_ns_steps={self.muon_num_ns_steps}: must be a positive multiple of {steps}")
-        if self.use_distributed_optimizer:
-            raise ValueError(
-                "optimizer='muon' with use_distributed_optimizer=True: "
-                "not supported yet (Muon runs on the non-distributed optimizer)"
-            )
 
     def __post_init__(self) -> None:
         self._refuse_unbuilt()

@@ -124,7 +124,14 @@ RECORDS = (
         fills=same(TC),
     ),
     Flag("use_flash_attn", no_op(reasons.KERNEL)),
-    Flag("optimizer", not_yet("adam", "sgd", "muon"), fills=same(OPT)),
+    Flag(
+        "optimizer",
+        not_yet("adam", "sgd", "muon"),
+        help="adam, sgd or muon (Muon on 2-D weights, AdamW on the rest). Megatron's dist_muon (its layer-wise "
+        "distributed Muon) is refused: --optimizer muon --use-distributed-optimizer gives each Muon matrix whole "
+        "to one DP rank, which orthogonalises it, as dist_muon does.",
+        fills=same(OPT),
+    ),
     Flag(
         "optimizer_cpu_offload",
         IMPLEMENTED,
