@@ -185,8 +185,10 @@ def test_muon_flags_fill_the_optimizer_config():
     )
     assert (config.muon_num_ns_steps, config.muon_extra_scale_factor, config.muon_momentum) == (10, 0.2, 0.9)
     assert config_from_args(OptimizerConfig, _validated(["--optimizer", "muon"])).muon_split_qkv
-    with pytest.raises(A.ArgumentsError, match="--optimizer 'muon' with --use-distributed-optimizer"):
-        _validated(["--optimizer", "muon", "--use-distributed-optimizer"])
+    # The distributed optimizer keeps each Muon matrix whole on one DP rank (no refusal); dist_muon is refused.
+    assert _validated(["--optimizer", "muon", "--use-distributed-optimizer"]).use_distributed_optimizer
+    with pytest.raises(A.ArgumentsError, match="dist_muon"):
+        _validated(["--optimizer", "dist_muon"])
 
 
 def test_fp8_flags_fill_the_config_and_need_bf16():
