@@ -206,8 +206,11 @@ def _hyper_head(c: TransformerConfig, n: _Tokens) -> float:
 
 
 def _mlp_intermediates(c: TransformerConfig, tokens: float, ffn_local: int, e: int) -> float:
-    """fc1 output (gate and up) and the activation's output (gated: also act(gate))."""
-    return tokens * ffn_local * e * (4 if c.gated_linear_unit else 2)
+    """fc1 output (gate and up) and the activation's output (gated: also act(gate); clamped, DeepSeek-V4's SwiGLU:
+    also the clamped gate and up)."""
+    if not c.gated_linear_unit:
+        return tokens * ffn_local * e * 2
+    return tokens * ffn_local * e * (4 if c.activation_func_clamp_value is None else 6)
 
 
 def _routed_pairs(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
