@@ -11,7 +11,9 @@ expert keeps at most its capacity per rank's tokens (balanced routing assumed), 
 ``min(capacity, tokens)`` with ``moe_pad_expert_input_to_capacity``.
 Shared experts are a dense MLP beside them; multi-latent attention keeps its latents, their norms and
 the up projections' outputs; multi-token prediction adds per module an embedding, a layer, a head
-and a loss on the last stage.
+and a loss on the last stage. DeepSeek-V4's compressed attention is replicated over TP and keeps what it saves for
+the whole (gathered) sequence; its hyper-connections keep their fp32 mixes and Sinkhorn divisions for this rank's
+tokens.
 """
 
 from __future__ import annotations
