@@ -234,6 +234,10 @@ FULL_ONLY = {  # one key per entry, however long
         "test_dry_run_rules.py::test_quantizers_run_on_the_gpu_without_host_syncs_or_uploads (every recipe on"
         " fake CUDA); every recipe's _scaled_mm layouts in test_fp8_cuda_layout; TP+SP in [tp2-sp-pp2-dp2-distopt-bf16]"
     ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[deepseek-v4-tp2-sp-ep2-bf16]": (
+        "[ep2-moe-tp2-dp4-distopt-bf16] (TP+SP, EP and MoE on fake CUDA); DeepSeek-V4 under TP=2+SP and EP=2 on CPU"
+        " ranks in tests/unit_tests/models/test_deepseek_v4_parallel.py"
+    ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[hybrid-mamba-tp2-sp-pp2-distopt-bf16]": (
         "[tp2-sp-pp2-dp2-distopt-bf16] (TP+SP, PP and the distributed optimizer on fake CUDA); hybrid Mamba"
         " under TP+SP and PP on CPU ranks in tests/unit_tests/ssm/test_mamba_models.py"

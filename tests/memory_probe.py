@@ -188,6 +188,7 @@ def build_case(case: MemCase, groups: ps.ProcessGroupCollection):
         case.seq,
         kw["position_embedding_type"],
         kw["share_embeddings_and_output_weights"],
+        kw.get("rotary_percent", 1.0),
         hybrid_layer_pattern=case.hybrid,
     )
     return chunks, wrapped, optimizer, ddp_config, opt_config, lm

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from megatron.core.transformer.attention_variant_fields import linear_attention_layer
 
@@ -51,6 +51,16 @@ class FlopsConfig:
     mamba_head_dim: int = 0
     mamba_num_groups: int = 0
     mamba_num_heads: Optional[int] = None  # None: 2 * hidden_size / mamba_head_dim
+    # DeepSeek-V4: one attention type per layer (``compressed_attention_flops``; CSA keeps ``dsa_indexer_topk``
+    # entries), the sliding window ``(W - 1, 0)``, and ``hyper_connection_streams`` residual streams.
+    compressed_attention_layer_types: Optional[Sequence[str]] = None
+    window_size: Optional[Tuple[int, int]] = None
+    csa_compress_rate: int = 4
+    hca_compress_rate: int = 128
+    attention_output_groups: Optional[int] = None
+    attention_output_lora_rank: Optional[int] = None
+    dsa_indexer_topk: Optional[int] = None
+    hyper_connection_streams: int = 1
 
 
 def mla_attention_flops(cfg: FlopsConfig) -> float:
@@ -76,6 +86,47 @@ def dsa_indexer_flops(cfg: FlopsConfig) -> float:
         return 0.0
     h, s, heads, d = cfg.hidden_size, cfg.seq_length, cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim
     return 2 * ((cfg.q_lora_rank or 0) * heads * d + h * d + h * heads) + 2 * s * heads * (d + 1)
+
+
+def compressed_attention_flops(cfg: FlopsConfig, layer_type: str) -> Tuple[float, float]:
+    """Forward FLOPs per token of one DeepSeek-V4 attention layer of ``layer_type``: (trained, no-backward).
+
+    With n heads of d channels, query rank ql, g output groups of rank r, window W = ``window_size[0] + 1``
+    (at most s): projections ``h -> ql -> n d``, the shared key/value ``h -> d``, the grouped output
+    ``n d -> g r`` (each group ``n d / g -> r``) and ``g r -> h``; the window's scores and weighted values
+    (``4 n d W``). HCA adds its compressor (key/value and gate ``h -> d`` on the ``(s // m) m`` pooled tokens)
+    and attention over all ``s // m`` entries (future ones masked, counted as computed). CSA's compressor is
+    twice as wide (overlapping windows) and attention covers ``min(k, s // m)`` chosen entries; its
+    ``CompressedIndexer`` (no gradient: the second term) has an overlapping compressor at ``di``, queries
+    ``ql -> hi di``, head weights ``h -> hi`` and ``hi (di + 1)`` per scored entry, as DSA's.
+    """
+    h, s, n = cfg.hidden_size, cfg.seq_length, cfg.num_attention_heads
+    d = cfg.kv_channels or h // n
+    ql, groups, rank = cfg.q_lora_rank, cfg.attention_output_groups, cfg.attention_output_lora_rank
+    trained = 2 * (h * ql + ql * n * d + h * d + n * d * rank + groups * rank * h)
+    trained += 4 * n * d * min(cfg.window_size[0] + 1, s)
+    if layer_type == "sliding_attention":
+        return trained, 0.0
+    rate = cfg.csa_compress_rate if layer_type == "compressed_sparse_attention" else cfg.hca_compress_rate
+    entries, pooled = s // rate, (s // rate) * rate / s  # compressed entries; share of tokens pooled
+    if layer_type == "heavily_compressed_attention":
+        return trained + 4 * h * d * pooled + 4 * n * d * entries, 0.0
+    trained += 8 * h * d * pooled + 4 * n * d * min(cfg.dsa_indexer_topk, entries)
+    heads, di = cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim
+    indexer = 8 * h * di * pooled + 2 * (ql * heads * di + h * heads) + 2 * entries * heads * (di + 1)
+    return trained, indexer
+
+
+def hyper_connection_flops(cfg: FlopsConfig) -> Tuple[float, float]:
+    """Forward FLOPs per token of hyper-connections over n streams (0 when n = 1): (per layer, per head).
+
+    Each of a layer's two ``HyperConnectionModule``s projects the n h flattened streams to ``(2 + n) n`` mixing
+    weights and mixes the streams (``comb^T streams``: ``n^2 h``); a ``HyperHead`` projects them to n weights.
+    The Sinkhorn iterations, the weighted collapses and the merge's ``post * output`` are elementwise."""
+    n, h = cfg.hyper_connection_streams, cfg.hidden_size
+    if n <= 1:
+        return 0.0, 0.0
+    return 2 * 2 * (n * h * (2 + n) * n + n * n * h), 2 * n * h * n
 
 
 def gdn_layer_flops(cfg: FlopsConfig) -> float:
@@ -169,29 +220,45 @@ def num_floating_point_operations(cfg: FlopsConfig, batch_size: int) -> float:
     norms, softmax, activations, embeddings lookup, loss, optimizer, and the extra
     forward of activation recomputation (model FLOPs, not hardware FLOPs). Gated DeltaNet layers
     (``experimental_attention_variant='gated_delta_net'``) count ``gdn_layer_flops`` instead of attention;
-    a hybrid Mamba model (``hybrid_layer_pattern``) is counted by ``hybrid_flops``.
+    a hybrid Mamba model (``hybrid_layer_pattern``) is counted by ``hybrid_flops``. DeepSeek-V4
+    (``compressed_attention_layer_types``) counts ``compressed_attention_flops`` per layer (its CSA indexer, like
+    DSA's, once) and, with hyper-connections, ``hyper_connection_flops`` per layer and per output (the model's and
+    each MTP module's hyper head). A hash-routed MoE layer runs its experts as a learned one does (the hash
+    replaces only the choice of experts; its gate is uncounted like the router's).
     """
     if cfg.hybrid_layer_pattern is not None:
         return hybrid_flops(cfg, batch_size)
     h, s = cfg.hidden_size, cfg.seq_length
-    d = cfg.kv_channels or h // cfg.num_attention_heads
-    q = cfg.num_attention_heads * d
-    k = (cfg.num_query_groups or cfg.num_attention_heads) * d
     gated = 1.5 if cfg.swiglu else 1.0
-    gate = 2 * h * q if cfg.attention_output_gate else 0
-    attention = mla_attention_flops(cfg) if cfg.multi_latent_attention else 4 * h * q * (1 + k / q) + gate + 4 * s * q
+    decoder_attention, mtp_attention, forward_only = _attention_terms(cfg)
     dense_ffn = (cfg.num_layers - cfg.num_moe_layers) * cfg.ffn_hidden_size
     per_moe_layer = cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0)
     moe_ffn = cfg.num_moe_layers * per_moe_layer
     last_ffn = per_moe_layer if cfg.num_moe_layers else cfg.ffn_hidden_size  # an MTP layer repeats the last kind
-    mtp = cfg.mtp_num_layers * (4 * h * h + attention + 4 * h * last_ffn * gated + 2 * h * cfg.padded_vocab_size)
-    linear = _linear_attention_layers(cfg)  # their attention term is the Gated DeltaNet's
+    per_layer_streams, head_streams = hyper_connection_flops(cfg)
+    logits = 2 * h * cfg.padded_vocab_size + head_streams  # each output: its hyper head, its logits
+    mtp = cfg.mtp_num_layers * (4 * h * h + mtp_attention + 4 * h * last_ffn * gated + per_layer_streams + logits)
     forward_per_token = (
-        (cfg.num_layers - linear) * attention
-        + linear * gdn_layer_flops(cfg)
-        + 4 * h * (dense_ffn + moe_ffn) * gated
-        + 2 * h * cfg.padded_vocab_size
-        + mtp
+        decoder_attention + 4 * h * (dense_ffn + moe_ffn) * gated + cfg.num_layers * per_layer_streams + logits + mtp
     )
-    indexer = (cfg.num_layers + cfg.mtp_num_layers) * dsa_indexer_flops(cfg)
-    return batch_size * s * (3.0 * forward_per_token + indexer)
+    return batch_size * s * (3.0 * forward_per_token + forward_only)
+
+
+def _attention_terms(cfg: FlopsConfig) -> Tuple[float, float, float]:
+    """Forward FLOPs per token of attention: (all decoder layers', one MTP layer's, the no-backward part of
+    the decoder and MTP layers: DSA's or CSA's indexer)."""
+    if cfg.compressed_attention_layer_types is not None:
+        types = list(cfg.compressed_attention_layer_types)
+        terms = {t: compressed_attention_flops(cfg, t) for t in set(types)}
+        last = terms[types[-1]]  # an MTP layer has the last layer's attention type
+        decoder = sum(terms[t][0] for t in types)
+        return decoder, last[0], sum(terms[t][1] for t in types) + cfg.mtp_num_layers * last[1]
+    h, s = cfg.hidden_size, cfg.seq_length
+    d = cfg.kv_channels or h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * d
+    k = (cfg.num_query_groups or cfg.num_attention_heads) * d
+    gate = 2 * h * q if cfg.attention_output_gate else 0
+    attention = mla_attention_flops(cfg) if cfg.multi_latent_attention else 4 * h * q * (1 + k / q) + gate + 4 * s * q
+    linear = _linear_attention_layers(cfg)  # their attention term is the Gated DeltaNet's
+    decoder = (cfg.num_layers - linear) * attention + linear * gdn_layer_flops(cfg)
+    return decoder, attention, (cfg.num_layers + cfg.mtp_num_layers) * dsa_indexer_flops(cfg)

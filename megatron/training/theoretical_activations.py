@@ -11,7 +11,9 @@ expert keeps at most its capacity per rank's tokens (balanced routing assumed), 
 ``min(capacity, tokens)`` with ``moe_pad_expert_input_to_capacity``.
 Shared experts are a dense MLP beside them; multi-latent attention keeps its latents, their norms and
 the up projections' outputs; multi-token prediction adds per module an embedding, a layer, a head
-and a loss on the last stage.
+and a loss on the last stage. DeepSeek-V4's compressed attention is replicated over TP and keeps what it saves for
+the whole (gathered) sequence; its hyper-connections keep their fp32 mixes and Sinkhorn divisions for this rank's
+tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron.training.theoretical_memory_params import (
     INDEX_BYTES,
     LanguageModelShape,
     RankPosition,
+    attention_type,
     chunk_ends,
     chunk_layers,
     dtype_bytes,
@@ -129,9 +132,87 @@ def _attention(c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: Ra
     return total + n.t * heads * d * n.e  # context: linear_proj's input
 
 
+def _kv_compressor(
+    c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, dim: int, rate: int, overlap: bool
+) -> float:
+    """DeepSeek-V4's ``KVCompressor`` over ``s // rate`` entries of ``rate`` (``2 rate`` with ``overlap``) slots: the
+    slots' values, their fp32 softmax weights (and the weights' cast), RoPE tables at the entries, the entries' norm."""
+    entries = n.s // rate
+    slots = entries * n.b * (2 if overlap else 1) * rate * dim
+    total = slots * n.e + slots * FP32 + (slots * n.e if n.e != FP32 else 0)
+    return total + 2 * entries * _rotary_dim(c, lm) * FP32 + _norm_activations(c, entries * n.b, n.e, dim)
+
+
+def _rotary_dim(c: TransformerConfig, lm: LanguageModelShape) -> int:
+    return int(c.kv_channels * lm.rotary_percent)
+
+
+def _compressed_attention(c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, layer_type: str) -> float:
+    """DeepSeek-V4's ``CompressedAttention`` on the whole sequence of every TP rank (replicated; gathered under SP).
+
+    The projections' input, the query latent's norm and the up projection's input, the key/value norm, the per-head
+    unweighted norm of the queries (its input, 1/rms; in half precision also their fp32 copy and its cast), the cos
+    and sin of three rotations (queries, key/value, output), the rotated queries and the heads' output (copied for
+    the window's and the grouped projection's batched matmuls), the window's gathered keys, the padded keys and the
+    window's validity, the softmax's max indices and probabilities over window, compressed entries and sink, the
+    window's probabilities (copied), the low-rank output. HCA: the entries, the queries again, the future mask and
+    the entries' probabilities; CSA: per batched matmul the gathered chosen entries and their indices, the queries
+    again, the unchosen mask and the chosen entries' probabilities; each with its ``_kv_compressor`` (the indexer
+    keeps nothing: no gradient).
+    """
+    t, e, heads, d, h = n.t, n.e, c.num_attention_heads, c.kv_channels, c.hidden_size
+    ql, window = c.q_lora_rank, min(c.window_size[0] + 1, n.s)
+    q = t * heads * d
+    total = t * h * e + _norm_activations(c, t, e, ql) + t * ql * e + _norm_activations(c, t, e, d)
+    total += q * e + t * heads * FP32 + (q * FP32 + t * heads * e if e != FP32 else 0)
+    total += 6 * n.s * _rotary_dim(c, lm) * FP32 + 2 * q * e
+    total += t * d * window * e + (n.s + window - 1) * n.b * d * e + n.s * window
+    compressed = 0
+    if layer_type == "heavily_compressed_attention":
+        compressed = n.s // c.hca_compress_rate
+        total += n.b * compressed * d * e + q * e + n.s * compressed
+        total += _kv_compressor(c, lm, n, d, c.hca_compress_rate, overlap=False)
+    elif layer_type == "compressed_sparse_attention":
+        compressed = min(c.dsa_indexer_topk, n.s // c.csa_compress_rate)
+        total += 2 * (n.b * INDEX_BYTES + t * compressed * (INDEX_BYTES + d * e)) + q * e + t * compressed
+        total += _kv_compressor(c, lm, n, d, c.csa_compress_rate, overlap=True)
+    total += t * heads * compressed * e  # the compressed entries' probabilities (copied)
+    total += t * heads * INDEX_BYTES + t * heads * (window + compressed + 1) * e + t * heads * window * e
+    return total + t * c.attention_output_groups * c.attention_output_lora_rank * e
+
+
+def _stream_mix(c: TransformerConfig, n: _Tokens, mixes: int) -> float:
+    """What a hyper-connection module or head keeps of its input streams (this rank's tokens): the streams
+    (and their fp32 copy in half precision), 1/rms, the fp32 normalised streams and the ``mixes`` projections."""
+    streams = n.local * c.hyper_connection_streams * c.hidden_size
+    total = streams * n.e + (streams * FP32 if n.e != FP32 else 0)
+    return total + n.local * FP32 + streams * FP32 + n.local * mixes * FP32
+
+
+def _hyper_connections(c: TransformerConfig, n: _Tokens) -> float:
+    """A layer's two ``HyperConnectionModule``s and merges: the stream mix of ``(2 + n) n`` weights, the fp32 sigmoids
+    of pre and post and the pre weights (+eps), the softmax and the Sinkhorn iterations' ``2 I - 1`` divisions (each
+    keeps its matrix and its sums); the merge keeps the mixing matrix and post (cast to the activations' dtype)
+    and the sub-block's output."""
+    k, iters, tokens = c.hyper_connection_streams, c.hyper_connection_sinkhorn_iterations, n.local
+    module = _stream_mix(c, n, (2 + k) * k) + 3 * tokens * k * FP32
+    module += 2 * iters * tokens * k * k * FP32 + (2 * iters - 1) * tokens * k * FP32
+    merge = tokens * (k * k + k) * n.e + tokens * c.hidden_size * n.e
+    return 2 * (module + merge)
+
+
+def _hyper_head(c: TransformerConfig, n: _Tokens) -> float:
+    """A ``HyperHead``: its stream mix of n weights, the fp32 sigmoid and the pre weights (0 without streams)."""
+    k = c.hyper_connection_streams
+    return _stream_mix(c, n, k) + 2 * n.local * k * FP32 if k > 1 else 0
+
+
 def _mlp_intermediates(c: TransformerConfig, tokens: float, ffn_local: int, e: int) -> float:
-    """fc1 output (gate and up) and the activation's output (gated: also act(gate))."""
-    return tokens * ffn_local * e * (4 if c.gated_linear_unit else 2)
+    """fc1 output (gate and up) and the activation's output (gated: also act(gate); clamped, DeepSeek-V4's SwiGLU:
+    also the clamped gate and up)."""
+    if not c.gated_linear_unit:
+        return tokens * ffn_local * e * 2
+    return tokens * ffn_local * e * (4 if c.activation_func_clamp_value is None else 6)
 
 
 def _routed_pairs(c: TransformerConfig, n: _Tokens, pos: RankPosition) -> float:
@@ -176,7 +257,10 @@ def layer_activations(
     without full recompute, by kind."""
     out = ActivationBytes()
     out.add("norms", 2 * _norm_activations(c, n.local, n.e))
-    out.add("attention", _attention(c, lm, n, pos))
+    v4_type = attention_type(c, number)
+    out.add("attention", _attention(c, lm, n, pos) if v4_type is None else _compressed_attention(c, lm, n, v4_type))
+    if c.hyper_connection_streams > 1:
+        out.add("hyper_connections", _hyper_connections(c, n))
     if is_moe_layer(c, number) if moe is None else moe:
         out.add("moe", _moe(c, n, pos))
     else:
@@ -222,6 +306,7 @@ def _mtp(c: TransformerConfig, lm: LanguageModelShape, n: _Tokens, pos: RankPosi
     per_module += 2 * _norm_activations(c, n.local, n.e) + 2 * n.local * h * n.e
     per_module += layer_activations(c, lm, n, pos, c.num_layers, moe).total
     per_module += _norm_activations(c, n.local, n.e) + n.local * h * n.e + _cross_entropy(lm, n, pos)  # head
+    per_module += _hyper_head(c, n)
     return (c.mtp_num_layers or 0) * per_module
 
 
@@ -234,6 +319,8 @@ def _embedding_and_head(
         out.add("embedding", _ids(lm, n) + mask)
     if post:
         out.add("norms", _norm_activations(c, n.local, n.e))
+        if c.hyper_connection_streams > 1:
+            out.add("hyper_connections", _hyper_head(c, n))
         out.add("output_layer", n.local * c.hidden_size * n.e)
         out.add("loss", _cross_entropy(lm, n, pos) + n.t * FP32 + FP32)  # masked_token_loss: fp32 mask; 1/tokens
         if c.mtp_num_layers:

@@ -162,6 +162,63 @@ def _sparse_attention_indexer(c: TransformerConfig, p: str) -> List[ParamEntry]:
     return entries + _linear(f"{p}.linear_weights_proj", heads, c.hidden_size, None)
 
 
+def _kv_compressor(c: TransformerConfig, p: str, dim: int, rate: int, overlap: bool) -> List[ParamEntry]:
+    """DeepSeek-V4's ``KVCompressor``: per-slot ``position_bias``, key/value and gate projections (two series
+    when ``overlap``), the pooled entries' norm."""
+    width = (2 if overlap else 1) * dim
+    entries = [ParamEntry(f"{p}.position_bias", rate * width)]
+    entries += _linear(f"{p}.linear_kv", width, c.hidden_size, None) + _linear(
+        f"{p}.linear_gate", width, c.hidden_size, None
+    )
+    return entries + _norm(c, f"{p}.kv_layernorm", dim)
+
+
+def _compressed_attention(c: TransformerConfig, p: str, layer_type: str) -> List[ParamEntry]:
+    """DeepSeek-V4's ``CompressedAttention`` (replicated over TP): sink logits, query (down, norm, up), the shared
+    key/value and its norm, the grouped low-rank output; HCA/CSA a compressor, CSA also its indexer."""
+    h, n, d, ql = c.hidden_size, c.num_attention_heads, c.kv_channels, c.q_lora_rank
+    g, rank = c.attention_output_groups, c.attention_output_lora_rank
+    entries = [ParamEntry(f"{p}.attention_sinks", n)] + _linear(f"{p}.linear_q_down_proj", ql, h, None)
+    entries += _norm(c, f"{p}.q_layernorm", ql) + _linear(f"{p}.linear_q_up_proj", n * d, ql, None)
+    entries += _linear(f"{p}.linear_kv_proj", d, h, None) + _norm(c, f"{p}.kv_layernorm", d)
+    entries += _linear(f"{p}.linear_o_group_proj", g * rank, n * d // g, None) + _linear(
+        f"{p}.linear_proj", h, g * rank, None
+    )
+    if layer_type == "heavily_compressed_attention":
+        return entries + _kv_compressor(c, f"{p}.compressor", d, c.hca_compress_rate, overlap=False)
+    if layer_type == "compressed_sparse_attention":
+        heads, di = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
+        entries += _kv_compressor(c, f"{p}.compressor", d, c.csa_compress_rate, overlap=True)
+        entries += _kv_compressor(c, f"{p}.indexer.compressor", di, c.csa_compress_rate, overlap=True)
+        entries += _linear(f"{p}.indexer.linear_wq_b", heads * di, ql, None)
+        entries += _linear(f"{p}.indexer.linear_weights_proj", heads, h, None)
+    return entries
+
+
+def _hyper_connection(c: TransformerConfig, p: str, mixes: int) -> List[ParamEntry]:
+    """A ``HyperConnectionModule`` (``mixes = (2 + n) n``, 3 scales) or ``HyperHead`` (``mixes = n``, 1 scale) over
+    n streams: fp32 whatever the parameters' dtype (built so), replicated over TP."""
+    n, h = c.hyper_connection_streams, c.hidden_size
+    scales = 1 if mixes == n else 3
+    return [
+        ParamEntry(f"{p}.mapping_proj", mixes * n * h, fp32=True),
+        ParamEntry(f"{p}.mapping_bias", mixes, fp32=True),
+        ParamEntry(f"{p}.mapping_scale", scales, fp32=True),
+    ]
+
+
+def _hyper_head(c: TransformerConfig, p: str) -> List[ParamEntry]:
+    """The ``HyperHead`` collapsing the streams before a final norm (none without hyper-connections)."""
+    return _hyper_connection(c, p, c.hyper_connection_streams) if c.hyper_connection_streams > 1 else []
+
+
+def attention_type(c: TransformerConfig, layer_number: int) -> Optional[str]:
+    """DeepSeek-V4's attention type of global layer ``layer_number`` (1-based; an MTP layer: ``num_layers``), or
+    None for other models."""
+    types = c.compressed_attention_layer_types
+    return None if types is None else types[layer_number - 1]
+
+
 def _attention(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
     """``SelfAttention`` (fused QKV, output, query/key norms) or multi-latent attention."""
     if c.multi_latent_attention:
@@ -202,16 +259,27 @@ def _moe_mlp(c: TransformerConfig, p: str, pos: RankPosition) -> List[ParamEntry
     return entries
 
 
-def _layer(c: TransformerConfig, p: str, moe: bool, pos: RankPosition, gdn: bool = False) -> List[ParamEntry]:
+def _layer(
+    c: TransformerConfig, p: str, moe: bool, pos: RankPosition, gdn: bool = False, v4_type: Optional[str] = None
+) -> List[ParamEntry]:
     """``TransformerLayer`` under prefix ``p`` (local spec; ``moe``: its MLP is a ``MoELayer``; ``gdn``: a
-    ``GatedDeltaNet`` in place of self-attention)."""
+    ``GatedDeltaNet`` in place of self-attention; ``v4_type``: DeepSeek-V4's attention of that type). With
+    hyper-connections its two ``HyperConnectionModule``s follow the MLP."""
     h = c.hidden_size
-    mixer = _gated_delta_net if gdn else _attention
-    entries = _norm(c, f"{p}.input_layernorm", h) + mixer(c, f"{p}.self_attention", pos.tp)
-    entries += _norm(c, f"{p}.pre_mlp_layernorm", h)
+    if v4_type is not None:
+        mixer = _compressed_attention(c, f"{p}.self_attention", v4_type)
+    else:
+        mixer = (_gated_delta_net if gdn else _attention)(c, f"{p}.self_attention", pos.tp)
+    entries = _norm(c, f"{p}.input_layernorm", h) + mixer + _norm(c, f"{p}.pre_mlp_layernorm", h)
     if moe:
-        return entries + _moe_mlp(c, f"{p}.mlp", pos)
-    return entries + _mlp(c, f"{p}.mlp", c.ffn_hidden_size, pos.tp, expert=False)
+        entries += _moe_mlp(c, f"{p}.mlp", pos)
+    else:
+        entries += _mlp(c, f"{p}.mlp", c.ffn_hidden_size, pos.tp, expert=False)
+    if c.hyper_connection_streams > 1:
+        n = c.hyper_connection_streams
+        for part in ("attention", "mlp"):
+            entries += _hyper_connection(c, f"{p}.{part}_hyper_connection", (2 + n) * n)
+    return entries
 
 
 def _mamba_layer(c: TransformerConfig, p: str, tp: int) -> List[ParamEntry]:
@@ -249,8 +317,9 @@ def _mtp(c: TransformerConfig, pos: RankPosition) -> List[ParamEntry]:
         p = f"mtp.layers.{k}"
         entries += _norm(c, f"{p}.enorm", h) + _norm(c, f"{p}.hnorm", h)
         entries += _linear(f"{p}.eh_proj", h // pos.tp, 2 * h, None)
-        entries += _layer(c, f"{p}.transformer_layer", is_moe_layer(c, c.num_layers), pos)
-        entries += _norm(c, f"{p}.final_layernorm", h)
+        last = c.num_layers  # the module's layer repeats the last layer's kind
+        entries += _layer(c, f"{p}.transformer_layer", is_moe_layer(c, last), pos, v4_type=attention_type(c, last))
+        entries += _hyper_head(c, f"{p}.hyper_head") + _norm(c, f"{p}.final_layernorm", h)
     return entries
 
 
@@ -283,8 +352,10 @@ def chunk_parameters(c: TransformerConfig, lm: LanguageModelShape, pos: RankPosi
         if pattern:
             entries += _hybrid_layer(c, p, pattern[number - 1], pos)
         else:
-            entries += _layer(c, p, is_moe_layer(c, number), pos, c.is_linear_attention_layer(number))
+            moe, gdn = is_moe_layer(c, number), c.is_linear_attention_layer(number)
+            entries += _layer(c, p, moe, pos, gdn, attention_type(c, number))
     if post:
+        entries += [] if pattern else _hyper_head(c, "decoder.hyper_head")
         entries += _norm(c, "decoder.final_norm" if pattern else "decoder.final_layernorm", h)
         if not (lm.share_embeddings_and_output_weights and (pre or mtp)):
             entries.append(ParamEntry("output_layer.weight", lm.vocab_size // pos.tp * h))

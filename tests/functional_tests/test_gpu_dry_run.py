@@ -3,12 +3,13 @@
 Every case of ``tools/dry_run/grid.py`` (TP/SP, PP 1F1B and interleaved, DP with the distributed optimizer and
 both overlaps, CP, EP/MoE, bf16, fp16, per-token loss, recompute full/selective, grouped-query attention,
 torch_dist and legacy checkpoints, a 64-rank layout, each FP8 recipe and NVFP4, a hybrid Mamba model through
-pretrain_mamba.py, every ``torch._scaled_mm`` call meeting CUDA's layout checks on fake CUDA tensors) trains,
-saves, resumes and trains again as its first, a middle and its last rank: no device mismatch, no CPU tensor in
-an NCCL call, at most the case's bound of host syncs per steady-state iteration (6 for dense models, see
-grid.py), and every bf16/fp16 attention call outside context parallelism is flash-eligible. The default tier
-plays its cases as their first and last rank; the full tier adds each middle rank (``DRY_RUN_RANKS`` tells the
-script which).
+pretrain_mamba.py, DeepSeek-V4's compressed attention, hyper-connections and hash MoE, every ``torch._scaled_mm``
+call meeting CUDA's layout checks on fake CUDA tensors) trains, saves, resumes and trains again as its first, a
+middle and its last rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs
+per steady-state iteration (6 for dense models, see grid.py), and every bf16/fp16 attention call outside context
+parallelism is flash-eligible (DeepSeek-V4's attention makes none: batched matmuls over gathered keys,
+``Case.sdpa``). The default tier plays its cases as their first and last rank; the full tier adds each middle rank
+(``DRY_RUN_RANKS`` tells the script which).
 """
 
 import json
@@ -92,7 +93,7 @@ def _assert_gpu_safe(entries, case, rank):
     assert 0 < entry["steady_max_syncs"] <= case.max_syncs, (rank, entry["syncs_per_iteration"])
     attention = entry["attention"]
     half = "--bf16" in case.flags or "--fp16" in case.flags
-    if half and "--context-parallel-size" not in case.flags:
+    if half and case.sdpa and "--context-parallel-size" not in case.flags:
         assert attention["calls"] > 0 and attention["flash"] == attention["calls"], (rank, attention)
 
 

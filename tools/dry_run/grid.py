@@ -84,6 +84,7 @@ class Case:
     covers: List[str] = field(default_factory=list)
     python_path: List[str] = field(default_factory=list)  # e.g. the fake Transformer Engine's folder
     entry_point: str = "gpt"  # "mamba": pretrain_mamba.py (a hybrid model)
+    sdpa: bool = True  # its attention calls SDPA (DeepSeek-V4's compressed attention does not: batched matmuls)
 
 
 def moe_bound(moe_layers: int, microbatches: int) -> int:
@@ -315,6 +316,35 @@ GRID.append(
         max_syncs=moe_bound(moe_layers=1, microbatches=4) + 1,
         covers=["hybrid Mamba (pretrain_mamba.py)", "MoE in a hybrid stack", "TP", "SP", "PP", "bf16"],
         entry_point="mamba",
+    )
+)
+
+# DeepSeek-V4 (the compressed attention's gathers, top-k and Sinkhorn-mixed streams under CUDA's rules): a CSA and an
+# HCA layer, two hyper-connection streams (2 Sinkhorn iterations: each is a handful of small ops, slow under fake
+# tensors), a hash-routed then a learned MoE layer with a shared expert, the clamped SwiGLU; TP+SP (the attention
+# replicated, its input gathered) and EP over the same two ranks. MTP under TP+SP and EP: test_deepseek_v4_parallel.
+GRID.append(
+    Case(
+        "deepseek-v4-tp2-sp-ep2-bf16",
+        2,
+        [
+            *"--num-layers 2 --compressed-attention-layer-types compressed_sparse_attention".split(),
+            *"heavily_compressed_attention --kv-channels 16 --q-lora-rank 16 --window-size 7,0".split(),
+            *"--csa-compress-rate 4 --hca-compress-rate 8 --attention-output-groups 2".split(),
+            *"--attention-output-lora-rank 8 --dsa-indexer-n-heads 2 --dsa-indexer-head-dim 8".split(),
+            *"--dsa-indexer-topk 4 --hyper-connection-streams 2 --hyper-connection-sinkhorn-iterations 2".split(),
+            *"--position-embedding-type rope --rotary-interleaved --rotary-percent 0.5 --normalization RMSNorm".split(),
+            *"--swiglu --activation-func-clamp-value 10 --disable-bias-linear".split(),
+            *"--untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2".split(),
+            *"--moe-ffn-hidden-size 32 --moe-num-hash-layers 1".split(),
+            *"--moe-shared-expert-intermediate-size 32 --moe-router-score-function sigmoid".split(),
+            *"--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2".split(),
+            *"--expert-tensor-parallel-size 1 --global-batch-size 4 --bf16 --use-distributed-optimizer".split(),
+        ],
+        # One more NaN check than a dense case: the hyper-connections' fp32 parameters have their own gradient buffer.
+        max_syncs=moe_bound(moe_layers=2, microbatches=2) + 1,
+        covers=["DeepSeek-V4 (CSA, HCA, hyper-connections, hash and learned MoE)", "TP", "SP", "EP", "bf16"],
+        sdpa=False,
     )
 )
 

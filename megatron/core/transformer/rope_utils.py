@@ -8,15 +8,17 @@ Also YaRN's two scales (they depend only on the config, so attention computes th
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from megatron.core.fusions.jit import jit_fuser
 
 
-def rotary_inverse_frequencies(dim: int, base: float) -> torch.Tensor:
-    """RoPE's inverse frequencies ``[dim/2]`` for ``dim`` rotated channels: ``base^(-2i/dim)``."""
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+def rotary_inverse_frequencies(dim: int, base: float, device: Optional[torch.device] = None) -> torch.Tensor:
+    """RoPE's inverse frequencies ``[dim/2]`` for ``dim`` rotated channels: ``base^(-2i/dim)`` (made on ``device``:
+    no host-to-device copy in a forward pass)."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
 
 
 def rotary_angles(inv_freq: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:

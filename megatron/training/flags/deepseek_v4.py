@@ -12,6 +12,7 @@ from __future__ import annotations
 from megatron.core.transformer.transformer_config import TransformerConfig as TC
 from megatron.training.flags.derive import hash_router_vocab_size
 from megatron.training.flags.record import IMPLEMENTED, Flag, ProjectFlag, always, positive, same, to
+from megatron.training.training_log import FlopsConfig as FL
 
 GROUP = "transformer configuration"
 
@@ -27,7 +28,7 @@ RECORDS = (
         type=str,
         help="DeepSeek-V4's attention, one type per layer: sliding_attention, compressed_sparse_attention "
         "(CSA) or heavily_compressed_attention (HCA).",
-        fills=same(TC),
+        fills=same(TC, FL),
         architecture=always,
         project=_project("--compressed-attention-layer-types", None, nargs="+"),
     ),
@@ -36,7 +37,7 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="DeepSeek-V4 CSA: tokens pooled into one compressed entry.",
-        fills=same(TC),
+        fills=same(TC, FL),
         bounds=positive(),
         architecture=always,
         project=_project("--csa-compress-rate", 4),
@@ -46,7 +47,7 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="DeepSeek-V4 HCA: tokens pooled into one compressed entry.",
-        fills=same(TC),
+        fills=same(TC, FL),
         bounds=positive(),
         architecture=always,
         project=_project("--hca-compress-rate", 128),
@@ -66,7 +67,7 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="DeepSeek-V4: head groups of the grouped low-rank attention output projection.",
-        fills=same(TC),
+        fills=same(TC, FL),
         architecture=always,
         project=_project("--attention-output-groups", None),
     ),
@@ -75,7 +76,7 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="DeepSeek-V4: each head group's rank in the grouped attention output projection.",
-        fills=same(TC),
+        fills=same(TC, FL),
         architecture=always,
         project=_project("--attention-output-lora-rank", None),
     ),
@@ -84,7 +85,7 @@ RECORDS = (
         IMPLEMENTED,
         type=int,
         help="Manifold-constrained hyper-connections: residual streams (DeepSeek-V4's hc_mult); 1: a plain residual.",
-        fills=same(TC),
+        fills=same(TC, FL),
         bounds=positive(),
         architecture=always,
         project=_project("--hyper-connection-streams", 1),

@@ -300,7 +300,7 @@ RECORDS = (
     Flag(
         "dsa_indexer_head_dim", IMPLEMENTED, type=int, help="DSA: the indexer's channels per head.", fills=same(TC, FL)
     ),
-    Flag("dsa_indexer_topk", IMPLEMENTED, type=int, help="DSA: keys each query attends to.", fills=same(TC)),
+    Flag("dsa_indexer_topk", IMPLEMENTED, type=int, help="DSA: keys each query attends to.", fills=same(TC, FL)),
     Flag("dsa_indexer_loss_coeff", not_yet(None, 0.0), type=float),
     Flag("dsa_indexer_use_sparse_loss", not_yet(False)),
     Flag("linear_conv_kernel_dim", IMPLEMENTED, help="GDN: width of the short causal convolution.", **_GDN),
@@ -420,7 +420,9 @@ RECORDS = (
         help="Use grouped-query attention with --num-query-groups key/value heads.",
         from_checkpoint=TAKEN,
     ),
-    Flag("window_size", IMPLEMENTED, type=int_tuple, fills=same(TC), architecture=always, from_plain=tuple_from_plain),
+    Flag(
+        "window_size", IMPLEMENTED, type=int_tuple, fills=same(TC, FL), architecture=always, from_plain=tuple_from_plain
+    ),
     Flag("window_attn_skip_freq", not_yet(None), type=int),
     Flag(
         "max_position_embeddings",

@@ -4,7 +4,7 @@ One spawned pair of gloo ranks runs a training step of each small config of the 
 SP on/off, recompute none/selective/full, PP 2 with 1F1B and interleaved, MoE, distributed
 optimizer, Megatron-FSDP's optim_grads and optim_grads_params, optim_grads with two distributed-optimizer
 instances (hybrid sharding: shards over the instance of one rank), PyTorch FSDP2, bf16, multi-latent attention
-with shared experts and multi-token prediction) and
+with shared experts and multi-token prediction, DeepSeek-V4) and
 measures (``tests/memory_probe.py``): the parameter, gradient-buffer and optimizer bytes as
 distinct storages, and the peak of the bytes autograd keeps for backward over
 the whole schedule. State must match exactly, activations within 10%, and the parameter list
@@ -28,6 +28,7 @@ from megatron.training.theoretical_memory import LanguageModelShape, RankPositio
 from megatron.training.theoretical_memory_params import chunk_parameters
 from tests.dist_harness import run_distributed
 from tests.memory_probe import MemCase, measure_cases
+from tests.unit_tests.models.test_deepseek_v4_parity import V4_MODEL
 
 ACTIVATION_TOLERANCE = 0.10
 STATE = ("params", "grads", "main_params", "optimizer_states", "num_parameters")
@@ -48,6 +49,11 @@ DEEPSEEK = dict(
     moe_shared_expert_gate=True,
     mtp_num_layers=1,
 )
+# DeepSeek-V4 (the parity test's model on 24 tokens: CSA, HCA and sliding layers, three hyper-connection streams
+# whose fp32 parameters get their own buffer under bf16, hash-routed and learned MoE, one MTP module); its attention is
+# replicated over TP and sees the gathered sequence under SP, the hyper-connections this rank's tokens.
+DEEPSEEK_V4 = {k: v for k, v in V4_MODEL.items() if k not in ("max_sequence_length", "init_method_std")}
+DEEPSEEK_V4.update(mtp_num_layers=1)
 # Qwen3-Next's Gated DeltaNet layers (every 2nd layer full attention).
 GATED_DELTA_NET = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2)
 GATED_DELTA_NET.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
@@ -91,6 +97,9 @@ GRID = [
     MemCase("tp2 sp gated delta net", llama=True, tp=2, sp=True, num_layers=4, extra=GATED_DELTA_NET),
     MemCase(
         "pp2 mla shared mtp dist-opt", llama=True, moe=True, pp=2, dist_opt=True, num_microbatches=2, extra=DEEPSEEK
+    ),
+    MemCase(
+        "tp2 sp v4 bf16 dist-opt", tp=2, sp=True, bf16=True, dist_opt=True, num_layers=3, seq=24, extra=DEEPSEEK_V4
     ),
 ]
 

@@ -64,7 +64,7 @@ def rotate_tail(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> 
 
 def compressed_freqs(freqs: torch.Tensor, base: float, length: int) -> torch.Tensor:
     """Angles ``[length, 1, 1, r]`` of base ``base`` for positions ``0..length-1``, as wide as ``freqs``."""
-    inv_freq = rotary_inverse_frequencies(freqs.shape[-1], base).to(freqs.device)
+    inv_freq = rotary_inverse_frequencies(freqs.shape[-1], base, device=freqs.device)
     return rotary_angles(inv_freq, torch.arange(length, dtype=torch.float32, device=freqs.device), interleaved=True)
 
 
