@@ -21,6 +21,7 @@ import tempfile
 
 import numpy
 import torch
+from bare_import import import_bare
 
 
 class SpecTokenizer:
@@ -77,6 +78,7 @@ def run(argv, load_classes, fields):
     """The scripts' main: ``load_classes()`` gives (dataset class, config class) once checked."""
     if len(argv) != 2:
         sys.exit(f"usage: {os.path.basename(argv[0])} CASES.json")
+    import_bare("megatron.core.datasets")  # the datasets without megatron-core's package __init__
     check_is_megatron_core()
     dataset_class, config_class = load_classes()
     with open(argv[1]) as f:

@@ -11,7 +11,9 @@ built as upstream's ``initialize_model_parallel`` builds them: the dense one wit
 import json
 import sys
 
-from megatron.core.parallel_state import RankGenerator
+from bare_import import import_bare
+
+RankGenerator = import_bare("megatron.core.parallel_state").RankGenerator
 
 DENSE_TOKENS = ("tp", "pp", "dp", "cp", "dp-cp", "tp-pp", "tp-cp", "tp-dp", "tp-dp-cp")
 EXPERT_TOKENS = ("ep", "tp", "tp-ep", "tp-ep-pp", "dp", "pp")

@@ -5,8 +5,9 @@
 import sys
 
 import torch
+from bare_import import import_bare
 
-from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+apply_router_token_dropping = import_bare("megatron.core.transformer.moe.moe_utils").apply_router_token_dropping
 
 
 def main(cases_path: str, out_path: str) -> None:

@@ -61,7 +61,12 @@ def _assert_same(results, expected, what):
     assert any(e.finish_reason == "stop" for e in expected) or "stop_token_ids=()" in what, what
 
 
-@pytest.mark.parametrize("layouts", [[(1, 1)], [(2, 1), (1, 2)]], ids=["one-rank", "tp2-and-pp2"])
+# Both in the full tier: test_engine_tp2_pp2.py runs this body under TP=2 x PP=2 (greedy equals HF, and
+# sampling and the stop token equal a one-rank engine, which [one-rank] alone checked against HF).
+@pytest.mark.parametrize(
+    "layouts",
+    [pytest.param([(1, 1)], id="one-rank", marks=pytest.mark.full), pytest.param([(2, 1), (1, 2)], id="tp2-and-pp2")],
+)
 def test_greedy_equals_hugging_face(layouts):
     world_size = layouts[0][0] * layouts[0][1]
     reports = run_distributed(_greedy_body, world_size, layouts)

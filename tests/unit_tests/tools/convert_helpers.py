@@ -2,11 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 from typing import List, Tuple
 
-from tests.functional_tests.gpt_runs import REPO
+from tests.entry_launcher import launch
+from tests.functional_tests.gpt_runs import REPO, free_port
 
 CONVERT = os.path.join(REPO, "tools", "checkpoint", "convert.py")
 
@@ -24,8 +23,11 @@ def write_config(path: str, drop: Tuple[str, ...] = (), **changes) -> None:
 
 
 def convert_to_megatron(hf_dir: str, save: str) -> Tuple[str, List[str]]:
-    """``convert.py --direction hf-to-megatron`` in a subprocess: (stdout, the printed training flags)."""
-    cmd = [sys.executable, CONVERT, "--direction", "hf-to-megatron", "--hf-dir", hf_dir, "--save", save]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout, proc.stdout.splitlines()[-1].split()
+    """``convert.py --direction hf-to-megatron`` run as a script, as ``python convert.py`` runs it (by the
+    tests' entry-point launcher, which skips the interpreter's and torch's start-up): (stdout, the printed
+    training flags)."""
+    argv = [CONVERT, "--direction", "hf-to-megatron", "--hf-dir", hf_dir, "--save", save]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    code, stdout, stderr = launch(1, argv, os.path.dirname(save), env, free_port(), 120)
+    assert code == 0, stderr
+    return stdout, stdout.splitlines()[-1].split()

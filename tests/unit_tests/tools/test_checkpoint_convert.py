@@ -120,6 +120,8 @@ def test_round_trip_is_exact(hf_dirs, tmp_path, kind):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.full  # default sibling: test_checkpoint_convert_t5.py::test_convert_train_export[tp2] runs
+# convert.py as a script and trains with the flags it prints; GPT-2's printed flags in test_hf_to_megatron_logits
 def test_cli_as_script(hf_dirs, tmp_path):
     cmd = [
         sys.executable,

@@ -219,6 +219,8 @@ def _trained_body(rank, world_size, save, out_dir, original_dir, vocab):
     return max(mlm, nsp), (got.prediction_logits - before).abs().max().item()
 
 
+@pytest.mark.full  # default siblings: test_checkpoint_convert_t5.py::test_convert_train_export[tp2] (the same
+# convert.py script -> printed flags -> entry point -> export path) and the BERT tests above (its loaded model)
 def test_convert_train_export(tmp_path):
     """HF -> release checkpoint -> pretrain_bert.py (printed flags, 2 iterations, --finetune) -> HF."""
     vocab_file = make_tokenizer_files(str(tmp_path / "tok"))["BertWordPieceLowerCase"]["vocab_file"]

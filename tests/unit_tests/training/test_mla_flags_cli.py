@@ -1,6 +1,6 @@
 """Multi-latent attention and shared-expert flags: they fill the config, bad combinations are refused
 naming the flags, and a scaled-down DeepSeek-V3 flag set (with multi-token prediction) trains through
-pretrain_gpt.py with the same losses on one rank, on TP=2 with sequence parallelism, PP=2 and CP=2."""
+pretrain_gpt.py with the same losses on one rank, on TP=2 with sequence parallelism (full tier), PP=2 and CP=2."""
 
 import pytest
 
@@ -61,36 +61,56 @@ def test_bad_combinations_are_refused_naming_the_flags(extra, named):
         _config_of(extra, world_size=2)
 
 
-def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_pp_and_cp(tmp_path):
-    """CPU initialization, dropout 0, no balance loss: TP=2 with SP, PP=2 (multi-token prediction and
-    its embedding copy on the last stage) and CP=2 (the MTP shift across the CP chunks) print the
-    one-rank ``lm loss`` and ``mtp_1 loss`` (relative 2e-6: the printed digits but for float noise),
-    expert bias updates and the MTP gradient included. Checkpoints saved at iteration 2 by the one-rank
-    and the PP=2 run resume under the other layout with the one-rank third iteration (the last stage's
-    embedding copy is read from the first stage's key)."""
-    flags = tiny_gpt_flags(3) + mock_flags() + MLA_FLAGS + MOE_FLAGS + ["--lr-warmup-iters", "1"]
-    flags += ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3", "--save-interval", "2"]
-    pp2 = ["--pipeline-model-parallel-size", "2"]
-    one, two = (["--save", str(tmp_path / name)] for name in ("ckpt_one", "ckpt_pp2"))
+FLAGS = tiny_gpt_flags(3) + mock_flags() + MLA_FLAGS + MOE_FLAGS + ["--lr-warmup-iters", "1"]
+FLAGS += ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3", "--save-interval", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """The one-rank reference and the PP=2 run, each saving iterations 2 and 3: (runs, checkpoint dirs, cwd)."""
+    cwd = tmp_path_factory.mktemp("deepseek_v3_flags")
+    saves = {name: str(cwd / f"ckpt_{name}") for name in ("one", "pp2")}
     runs = {
-        "one rank": run_gpt(1, flags + one, cwd=str(tmp_path)),
-        "tp2 sp": run_gpt(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], str(tmp_path)),
-        "pp2": run_gpt(2, flags + pp2 + two, cwd=str(tmp_path)),
-        "cp2": run_gpt(2, flags + ["--context-parallel-size", "2"], cwd=str(tmp_path)),
+        "one rank": run_gpt(1, FLAGS + ["--save", saves["one"]], cwd=str(cwd)),
+        "pp2": run_gpt(2, FLAGS + PP2 + ["--save", saves["pp2"]], cwd=str(cwd)),
     }
-    resumed = {  # from iteration 2 (the runs also saved their last iteration)
-        "pp2 from one rank": run_gpt(2, flags + pp2 + ["--load", one[1], "--ckpt-step", "2"], cwd=str(tmp_path)),
-        "one rank from pp2": run_gpt(1, flags + ["--load", two[1], "--ckpt-step", "2"], cwd=str(tmp_path)),
-    }
-    for name, result in {**runs, **resumed}.items():
+    return runs, saves, str(cwd)
+
+
+def _check_against_one_rank(saved, runs, resumed):
+    """Every run prints the one-rank ``lm loss`` and ``mtp_1 loss`` (resumed runs: its third iteration)."""
+    for name, result in {"one rank": saved["one rank"], **runs, **resumed}.items():
         assert_ok(result, f"pretrain_gpt.py with DeepSeek-V3's flags ({name})")
-        assert len(result.losses()) == (3 if name in runs else 1), result.output[-3000:]
-    reference = runs["one rank"]
+        assert len(result.losses()) == (1 if name in resumed else 3), result.output[-3000:]
+    reference = saved["one rank"]
     mtp_losses = [line["mtp_1 loss"] for line in reference.lines]
     assert all(loss > 1.0 for loss in mtp_losses), reference.output[-3000:]
     for name, result in {**runs, **resumed}.items():
-        if name == "one rank":
-            continue
         first = 0 if name in runs else 2
         assert result.losses() == pytest.approx(reference.losses()[first:], rel=2e-6), name
         assert [line["mtp_1 loss"] for line in result.lines] == pytest.approx(mtp_losses[first:], rel=2e-6), name
+
+
+def test_deepseek_v3_flags_print_the_one_rank_losses_under_pp_and_cp(saved_runs):
+    """CPU initialization, dropout 0, no balance loss: PP=2 (multi-token prediction and its embedding
+    copy on the last stage) and CP=2 (the MTP shift across the CP chunks) print the one-rank ``lm loss``
+    and ``mtp_1 loss`` (relative 2e-6: the printed digits but for float noise), expert bias updates and
+    the MTP gradient included. The one-rank checkpoint of iteration 2 resumes under PP=2 with the
+    one-rank third iteration (the last stage's embedding copy is read from the first stage's key).
+    TP=2 with SP, and the PP=2 checkpoint resumed on one rank: the full-tier test below."""
+    saved, saves, cwd = saved_runs
+    runs = {"pp2": saved["pp2"], "cp2": run_gpt(2, FLAGS + ["--context-parallel-size", "2"], cwd=cwd)}
+    resumed = {"pp2 from one rank": run_gpt(2, FLAGS + PP2 + ["--load", saves["one"], "--ckpt-step", "2"], cwd=cwd)}
+    _check_against_one_rank(saved, runs, resumed)
+
+
+@pytest.mark.full  # default sibling: the test above (the same flags and checks; MLA+MTP under TP+SP in
+# tests/unit_tests/models/test_mla_parallel_parity.py)
+def test_deepseek_v3_flags_print_the_one_rank_losses_under_tp_sp_and_resume_pp2_on_one_rank(saved_runs):
+    """As above under TP=2 with SP; the PP=2 checkpoint of iteration 2 resumes on one rank."""
+    saved, saves, cwd = saved_runs
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    runs = {"tp2 sp": run_gpt(2, FLAGS + tp2, cwd=cwd)}
+    resumed = {"one rank from pp2": run_gpt(1, FLAGS + ["--load", saves["pp2"], "--ckpt-step", "2"], cwd=cwd)}
+    _check_against_one_rank(saved, runs, resumed)
