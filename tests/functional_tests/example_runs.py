@@ -47,7 +47,8 @@ SBATCH_GPT = os.path.join("examples", "slurm", "pretrain_gpt.sbatch")
 # imported torch and the entry points once, instead of torchrun's agent and one interpreter per rank): a test about
 # a script's flags uses the stand-in, a test of the launch through torchrun sets TORCHRUN=REAL_TORCHRUN.
 REAL_TORCHRUN = f"{sys.executable} -m torch.distributed.run"
-STANDIN_TORCHRUN = f"{sys.executable} -m tests.torchrun_standin"
+STANDIN_TORCHRUN_ARGV = [sys.executable, "-m", "tests.torchrun_standin"]
+STANDIN_TORCHRUN = " ".join(STANDIN_TORCHRUN_ARGV)
 # Variables of an enclosing job that would change how a script launches: Slurm's (srun) and torchrun's.
 LAUNCH_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NODELIST", "LAUNCHER")
 LAUNCH_VARS += ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "EXTRA")
