@@ -51,7 +51,9 @@ else
   say "training from scratch: checkpoints in $DIR/checkpoints, TensorBoard logs in $DIR/tensorboard"
 fi
 
-OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 pretrain_gpt.py \
+# TORCHRUN replaces the launcher (default torchrun; the tests give a one-node stand-in).
+# shellcheck disable=SC2086  # TORCHRUN is a command with its arguments
+OMP_NUM_THREADS=1 ${TORCHRUN:-torchrun} --standalone --nproc-per-node 2 pretrain_gpt.py \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
   --seq-length 128 --max-position-embeddings 128 \

@@ -186,10 +186,15 @@ FULL_ONLY = {  # one key per entry, however long
     ),
     # The fake-CUDA dry-run grid: the default tier runs 6 of its 14 cases, one per layout family (the script
     # runs only those): TP+SP+PP+DP, interleaved PP (fp16), CP, EP/MoE, DP with the legacy checkpoint and the
-    # TE spec. The quantized recipes' GPU rules are test_dry_run_rules.py's (every recipe, fake CUDA, no host
-    # sync) and test_fp8_cuda_layout.py's (every _scaled_mm call).
+    # TE spec; each as its first rank, the two PP cases as their last rank too. The quantized recipes' GPU
+    # rules are test_dry_run_rules.py's (every recipe, fake CUDA, no host sync) and test_fp8_cuda_layout.py's
+    # (every _scaled_mm call).
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-pp4-dp8-distopt-bf16]": (
         "[tp2-sp-pp2-dp2-distopt-bf16] (the same TP, PP, DP and distributed-optimizer layout on 8 ranks)"
+    ),
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe_as_its_last_rank": (
+        "test_case_is_gpu_safe[the same case] as its first rank: without pipeline stages every rank runs the same"
+        " code on its own TP/CP/EP/DP coordinates; the PP cases' last ranks in test_case_is_gpu_safe"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe_as_its_middle_rank": (
         "test_case_is_gpu_safe[the same case] as its first and last rank: a middle rank's TP, PP, CP and EP"

@@ -64,7 +64,8 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
         "--dry-run-grid",
         default=None,
         metavar="CASES",
-        help="run the built-in grid (all, or comma-separated case names) instead of given flags",
+        help="run the built-in grid (all, or comma-separated case names, each optionally NAME:RANKS with ranks "
+        "joined by +, e.g. cp2-tp2-dp2-bf16:first) instead of given flags",
     )
     parser.add_argument("--dry-run-verbose", action="store_true", help="per-iteration report of every job")
     args, rest = parser.parse_known_args(list(argv))
@@ -85,7 +86,11 @@ def build_jobs(args: argparse.Namespace, flags: List[str], workdir: str) -> list
 
     if args.dry_run_grid is not None:
         return grid.grid_jobs(
-            grid.select_cases(args.dry_run_grid), args.dry_run_rank, workdir, resume_iters=args.dry_run_resume_iters
+            grid.select_cases(args.dry_run_grid),
+            args.dry_run_rank,
+            workdir,
+            resume_iters=args.dry_run_resume_iters,
+            case_ranks=grid.case_ranks(args.dry_run_grid),
         )
     world = args.dry_run_world_size or (
         _int_flag(flags, "--tensor-model-parallel-size", 1)

@@ -22,7 +22,8 @@ from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import CheckpointingError, ShardedTensor
 from megatron.core.dist_checkpointing.checksums import file_digest
 from megatron.core.dist_checkpointing.safe_metadata import load_metadata_file
-from tests.functional_tests.gpt_runs import REPO, mock_flags, run_gpt, tiny_gpt_flags
+from tests.functional_tests.gpt_runs import mock_flags, run_gpt, tiny_gpt_flags
+from tools.checkpoint import convert
 
 
 class _Payload:
@@ -92,28 +93,26 @@ def test_refused_by_reader_and_api(trained, tmp_path):
     assert not marker.exists()
 
 
-def test_refused_by_training_resume_and_converter(trained, tmp_path):
+def test_refused_by_training_resume_and_converter(trained, tmp_path, capsys):
     marker = tmp_path / "pwned_cli"
     save, _ = _crafted_copy(trained, tmp_path, str(marker))
     resumed = run_gpt(1, [*tiny_gpt_flags(6), *mock_flags(), "--load", save], str(tmp_path))
     assert resumed.returncode != 0
     assert "refusing to load posix.system" in resumed.output and ".metadata" in resumed.output
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "tools", "checkpoint", "convert.py"),
-        "--direction",
-        "megatron-to-hf",
-        "--load",
-        save,
-        "--hf-dir-out",
-        str(tmp_path / "hf"),
-        "--model-type",
-        "gpt2",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "refusing to load posix.system" in proc.stdout + proc.stderr
+    code, output = _convert_to_hf(save, tmp_path, capsys)
+    assert code != 0, output
+    assert "refusing to load posix.system" in output
     assert not marker.exists()
+
+
+def _convert_to_hf(save: str, tmp_path, capsys, *extra: str):
+    """``tools/checkpoint/convert.py --direction megatron-to-hf`` on ``save`` (its ``main``, in this process: the
+    same code without another interpreter's start-up); (exit status, what it printed)."""
+    argv = ["--direction", "megatron-to-hf", "--load", save, "--hf-dir-out", str(tmp_path / "hf")]
+    capsys.readouterr()
+    code = convert.main([*argv, "--model-type", "gpt2", *extra])
+    out, err = capsys.readouterr()
+    return code, out + err
 
 
 def test_structure_checked_after_unpickling(tmp_path):
@@ -181,30 +180,16 @@ def test_crafted_legacy_file_refused_on_resume(tmp_path):
     assert not marker.exists()
 
 
-def test_converter_checks_checksums_unless_told_not_to(trained, tmp_path):
+def test_converter_checks_checksums_unless_told_not_to(trained, tmp_path, capsys):
     save = str(tmp_path / "ckpt")
     shutil.copytree(trained[0], save)
     common = os.path.join(save, os.path.basename(trained[1]), "common.json")
     with open(common, "a") as f:
         f.write(" ")  # still valid JSON, no longer the recorded bytes
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "tools", "checkpoint", "convert.py"),
-        "--direction",
-        "megatron-to-hf",
-        "--load",
-        save,
-        "--hf-dir-out",
-        str(tmp_path / "hf"),
-        "--model-type",
-        "gpt2",
-    ]
-    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-    assert refused.returncode == 2 and "common.json" in refused.stderr, refused.stdout + refused.stderr
-    converted = subprocess.run(
-        [*cmd, "--no-verify-checkpoint"], capture_output=True, text=True, timeout=120, cwd=str(tmp_path)
-    )
-    assert converted.returncode == 0, converted.stdout + converted.stderr
+    code, output = _convert_to_hf(save, tmp_path, capsys)
+    assert code == 2 and "common.json" in output, output
+    code, output = _convert_to_hf(save, tmp_path, capsys, "--no-verify-checkpoint")
+    assert code == 0, output
 
 
 def test_crafted_fsdp2_checkpoint_refused_on_resume(tmp_path):

@@ -1,8 +1,9 @@
 """Run the launch scripts under ``examples/`` at toy size on CPU and read back what they printed.
 
 The scripts read every size from the environment (see their headers); ``toy_env`` sets the sizes of a 2-layer,
-hidden-32 GPT on 2 gloo ranks, mock data, and the launcher: torchrun (``sys.executable -m torch.distributed.run``),
-or, with ``launcher=None``, whatever the script picks (srun inside a Slurm job). Shared by the loop over all
+hidden-32 GPT on 2 gloo ranks, mock data, and the launcher: torchrun (``TORCHRUN``: the one-node stand-in
+``tests/torchrun_standin.py`` unless a test sets ``REAL_TORCHRUN``), or, with ``launcher=None``, whatever the script
+picks (srun inside a Slurm job). Shared by the loop over all
 example scripts and the tests under a real Slurm cluster.
 """
 
@@ -42,6 +43,12 @@ TOY_GPT = dict(
 )
 GPT3 = os.path.join("examples", "gpt3", "train_gpt3_175b_distributed.sh")
 SBATCH_GPT = os.path.join("examples", "slurm", "pretrain_gpt.sbatch")
+# torchrun itself, and the one-node stand-in (tests/torchrun_standin.py: the ranks forked from one interpreter that
+# imported torch and the entry points once, instead of torchrun's agent and one interpreter per rank): a test about
+# a script's flags uses the stand-in, a test of the launch through torchrun sets TORCHRUN=REAL_TORCHRUN.
+REAL_TORCHRUN = f"{sys.executable} -m torch.distributed.run"
+STANDIN_TORCHRUN_ARGV = [sys.executable, "-m", "tests.torchrun_standin"]
+STANDIN_TORCHRUN = " ".join(STANDIN_TORCHRUN_ARGV)
 # Variables of an enclosing job that would change how a script launches: Slurm's (srun) and torchrun's.
 LAUNCH_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NODELIST", "LAUNCHER")
 LAUNCH_VARS += ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "EXTRA")
@@ -52,7 +59,7 @@ def toy_env(iters: int, launcher: Optional[str] = "torchrun", **changes: str) ->
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(TOY_GPT, ITERS=str(iters), DECAY_ITERS=str(iters), GPUS_PER_NODE="2")
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHON=sys.executable, MASTER_PORT=str(free_port()))
-    env.update(TORCHRUN=f"{sys.executable} -m torch.distributed.run", TOKENIZERS_PARALLELISM="false")
+    env.update(TORCHRUN=STANDIN_TORCHRUN, TOKENIZERS_PARALLELISM="false")
     env.update(EXTRA="--distributed-backend gloo --num-workers 0")
     if launcher is not None:
         env["LAUNCHER"] = launcher

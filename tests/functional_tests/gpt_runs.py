@@ -39,16 +39,18 @@ class RunResult:
         return [line["lm loss"] for line in self.lines]
 
 
-_BUILT: Dict[str, str] = {}  # corpus kind -> the private folder this process preprocessed it into
+_BUILT: Dict[str, str] = {}  # kind (a corpus, the served checkpoint) -> the private folder this process built it in
 
 
-def _built_once(kind: str, build: Callable[[str], Dict[str, str]], tmp_dir: str) -> Dict[str, str]:
+def built_once(kind: str, build: Callable[[str], Dict[str, str]], tmp_dir: str) -> Dict[str, str]:
     """``build(folder)``'s files, built once per process and copied into ``tmp_dir`` (paths moved along)."""
     if kind not in _BUILT:
-        _BUILT[kind] = tempfile.mkdtemp(prefix=f"{kind}-")
-        atexit.register(shutil.rmtree, _BUILT[kind], True)
-        with open(os.path.join(_BUILT[kind], "paths.json"), "w") as f:
-            json.dump(build(_BUILT[kind]), f)
+        folder = tempfile.mkdtemp(prefix=f"{kind}-")
+        atexit.register(shutil.rmtree, folder, True)
+        built = build(folder)  # a failed build leaves nothing cached: the next test builds again
+        with open(os.path.join(folder, "paths.json"), "w") as f:
+            json.dump(built, f)
+        _BUILT[kind] = folder
     shutil.copytree(_BUILT[kind], tmp_dir, dirs_exist_ok=True)
     with open(os.path.join(tmp_dir, "paths.json")) as f:
         paths = json.load(f)
@@ -57,7 +59,7 @@ def _built_once(kind: str, build: Callable[[str], Dict[str, str]], tmp_dir: str)
 
 def build_corpus(tmp_dir: str) -> Dict[str, str]:
     """Tokenizer files and a preprocessed dataset prefix under ``tmp_dir`` (preprocessed once per process)."""
-    return _built_once("gpt_corpus", _build_corpus, tmp_dir)
+    return built_once("gpt_corpus", _build_corpus, tmp_dir)
 
 
 def _build_corpus(tmp_dir: str) -> Dict[str, str]:
@@ -88,7 +90,7 @@ def _build_corpus(tmp_dir: str) -> Dict[str, str]:
 def build_sentence_corpus(tmp_dir: str) -> Dict[str, str]:
     """A WordPiece vocabulary and the sample corpus preprocessed with ``--split-sentences`` (BERT, T5), once per
     process."""
-    return _built_once("sentence_corpus", _build_sentence_corpus, tmp_dir)
+    return built_once("sentence_corpus", _build_sentence_corpus, tmp_dir)
 
 
 def _build_sentence_corpus(tmp_dir: str) -> Dict[str, str]:

@@ -8,8 +8,9 @@ call meeting CUDA's layout checks on fake CUDA tensors) trains, saves, resumes a
 middle and its last rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs
 per steady-state iteration (6 for dense models, see grid.py), and every bf16/fp16 attention call outside context
 parallelism is flash-eligible (DeepSeek-V4's attention makes none: batched matmuls over gathered keys,
-``Case.sdpa``). The default tier plays its cases as their first and last rank; the full tier adds each middle rank
-(``DRY_RUN_RANKS`` tells the script which).
+``Case.sdpa``). The default tier plays its cases as their first rank, and those with pipeline stages as their last
+rank too; the full tier adds the other cases' last ranks and each middle rank (``DRY_RUN_GRID``'s ``NAME:RANKS``
+tells the script which).
 """
 
 import json
@@ -29,29 +30,44 @@ MIDDLE_RANK_CASES = [
 ]
 
 
-def cases_to_run(items) -> str:
-    """``all`` when this session checks the whole grid, else the cases whose test runs (comma-separated).
+def has_pipeline(case) -> bool:
+    """Whether the case splits the model into pipeline stages (its first and last ranks then run different code)."""
+    flags = case.flags
+    return "--pipeline-model-parallel-size" in flags and flags[flags.index("--pipeline-model-parallel-size") + 1] != "1"
 
-    The default tier runs a subset of the cases (tests/conftest.py FULL_ONLY lists the others), so the
-    script runs only those; a test that needs every case asks for ``all``.
+
+def default_ranks(case) -> str:
+    """The ranks ``test_case_is_gpu_safe`` plays: first and last with pipeline stages, else the first only (every
+    rank of a case without PP runs the same code on its own coordinates; the last rank is the full tier's)."""
+    return "first,last" if has_pipeline(case) else "first"
+
+
+LAST_RANK_CASES = [c for c in GRID if not has_pipeline(c)]
+_RANKS_OF_TEST = {
+    "test_case_is_gpu_safe": default_ranks,
+    "test_case_is_gpu_safe_as_its_last_rank": lambda case: "last",
+    "test_case_is_gpu_safe_as_its_middle_rank": lambda case: "middle",
+}
+
+
+def cases_to_run(items) -> str:
+    """``all`` when this session checks the whole grid, else the cases whose tests run, each as
+    ``NAME:RANKS`` (the ranks those tests read, joined by ``+``).
+
+    The default tier runs a subset of the cases (tests/conftest.py FULL_ONLY lists the others) at
+    ``default_ranks``, so the script plays only those; a test that needs every case asks for ``all``.
     """
-    names = []
+    wanted = {}
     for item in _selected(items):
         if item.originalname == "test_every_case_runs_as_first_middle_and_last_rank":
             return "all"
-        if item.originalname in ("test_case_is_gpu_safe", "test_case_is_gpu_safe_as_its_middle_rank"):
-            names.append(item.callspec.params["case"].name)
-    return ",".join(dict.fromkeys(names)) or GRID[0].name
-
-
-def ranks_to_play(items) -> str:
-    """``first,middle,last`` when a test of this session checks a middle rank, else ``first,last``.
-
-    The default tier plays each case as its first and last rank; the middle ranks are the full tier's
-    (``test_case_is_gpu_safe_as_its_middle_rank``, ``test_every_case_runs_as_first_middle_and_last_rank``).
-    """
-    middle = ("test_case_is_gpu_safe_as_its_middle_rank", "test_every_case_runs_as_first_middle_and_last_rank")
-    return "first,middle,last" if any(item.originalname in middle for item in _selected(items)) else "first,last"
+        if item.originalname in _RANKS_OF_TEST:
+            case = item.callspec.params["case"]
+            wanted.setdefault(case.name, set()).update(_RANKS_OF_TEST[item.originalname](case).split(","))
+    if not wanted:
+        return f"{GRID[0].name}:first"
+    order = ("first", "middle", "last")
+    return ",".join(f"{name}:{'+'.join(r for r in order if r in ranks)}" for name, ranks in wanted.items())
 
 
 def _selected(items):
@@ -63,7 +79,7 @@ def _selected(items):
 def grid(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_smoke")
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "DRY_RUN_GRID": cases_to_run(request.session.items)}
-    env["DRY_RUN_RANKS"] = ranks_to_play(request.session.items)
+    env["DRY_RUN_RANKS"] = "first,middle,last"  # the cases given without ranks: all of them (``all``)
     env["STEP_TIMEOUT_S"] = "1100"  # the script's 300 s per step is for a GPU; 2 busy CPU cores need longer
     run = subprocess.run(
         ["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
@@ -99,10 +115,16 @@ def _assert_gpu_safe(entries, case, rank):
 
 @pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
 def test_case_is_gpu_safe(grid, case):
-    """The case played as its first and its last rank."""
+    """The case played as its first rank, and as its last rank when it has pipeline stages."""
     _, entries = grid
-    for rank in pick_ranks("first,last", case.world_size):
+    for rank in pick_ranks(default_ranks(case), case.world_size):
         _assert_gpu_safe(entries, case, rank)
+
+
+@pytest.mark.parametrize("case", LAST_RANK_CASES, ids=[c.name for c in LAST_RANK_CASES])
+def test_case_is_gpu_safe_as_its_last_rank(grid, case):
+    _, entries = grid
+    _assert_gpu_safe(entries, case, pick_ranks("last", case.world_size)[0])
 
 
 @pytest.mark.parametrize("case", MIDDLE_RANK_CASES, ids=[c.name for c in MIDDLE_RANK_CASES])

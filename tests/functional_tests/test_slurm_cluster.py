@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from megatron.training.initialize import expand_nodelist
-from tests.functional_tests.example_runs import GPT3, SBATCH_GPT, parse_output, run_script, toy_env
+from tests.functional_tests.example_runs import GPT3, REAL_TORCHRUN, SBATCH_GPT, parse_output, run_script, toy_env
 from tests.functional_tests.gpt_runs import REPO, RunResult
 
 pytestmark = pytest.mark.slurm
@@ -143,7 +143,8 @@ def assert_job(job: Dict[str, str], state: str, restarts: int, job_id: str, log)
 def torchrun_losses(tmp_path_factory) -> Dict[int, float]:
     """The GPT script at toy size under torchrun, outside Slurm: iteration -> lm loss."""
     tmp = tmp_path_factory.mktemp("torchrun")
-    result = run_script(GPT3, [str(tmp / "ckpt"), str(tmp / "tb"), "-", "-", "MOCK"], toy_env(ITERS))
+    env = toy_env(ITERS, TORCHRUN=REAL_TORCHRUN)
+    result = run_script(GPT3, [str(tmp / "ckpt"), str(tmp / "tb"), "-", "-", "MOCK"], env)
     assert result.returncode == 0, result.output[-6000:]
     assert len(result.lines) == ITERS, result.output[-6000:]
     return {line["iteration"]: line["lm loss"] for line in result.lines}

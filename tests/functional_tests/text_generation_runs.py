@@ -21,6 +21,7 @@ from tests.functional_tests.gpt_runs import (
     REPO,
     assert_ok,
     build_corpus,
+    built_once,
     data_flags,
     free_port,
     run_gpt,
@@ -43,12 +44,18 @@ def model_flags(corpus: Dict[str, str]) -> List[str]:
 
 
 def train_checkpoint(tmp_dir: str) -> Tuple[List[str], str]:
-    """Trains the tiny GPT for ``TRAIN_ITERS`` iterations; returns its flags and the checkpoint directory."""
+    """The tiny GPT trained for ``TRAIN_ITERS`` iterations (once per process, copied into ``tmp_dir``: the server
+    tests of every module serve the same checkpoint); its flags and the checkpoint directory."""
+    paths = built_once("served_checkpoint", _train_checkpoint, tmp_dir)
+    return model_flags(paths), paths["ckpt"]
+
+
+def _train_checkpoint(tmp_dir: str) -> Dict[str, str]:
     corpus = build_corpus(tmp_dir)
     ckpt = os.path.join(tmp_dir, "ckpt")
     result = run_gpt(1, model_flags(corpus) + ["--save", ckpt, "--save-interval", str(TRAIN_ITERS)], tmp_dir)
     assert_ok(result, "training the checkpoint to serve")
-    return model_flags(corpus), ckpt
+    return {**corpus, "ckpt": ckpt}
 
 
 def rank_env(rank: int, world: int, port: int) -> Dict[str, str]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from tools.dry_run.scheduler import Job
 
@@ -405,8 +405,17 @@ def pick_ranks(spec: str, world_size: int) -> List[int]:
     return ranks
 
 
-def grid_jobs(cases: Sequence[Case], ranks: str, workdir: str, iters: int = 3, resume_iters: int = 2) -> List[Job]:
-    """One job per case and rank, each with its own directory under ``workdir``."""
+def grid_jobs(
+    cases: Sequence[Case],
+    ranks: str,
+    workdir: str,
+    iters: int = 3,
+    resume_iters: int = 2,
+    case_ranks: Optional[Mapping[str, str]] = None,
+) -> List[Job]:
+    """One job per case and rank (``ranks``, or the case's own entry in ``case_ranks``), each with its own
+    directory under ``workdir``."""
+    case_ranks = case_ranks or {}
     return [
         Job(
             name=case.name,
@@ -421,16 +430,16 @@ def grid_jobs(cases: Sequence[Case], ranks: str, workdir: str, iters: int = 3, r
             entry_point=case.entry_point,
         )
         for case in cases
-        for rank in pick_ranks(ranks, case.world_size)
+        for rank in pick_ranks(case_ranks.get(case.name, ranks), case.world_size)
     ]
 
 
 def select_cases(names: str) -> List[Case]:
-    """``all`` or comma-separated case names (or unique prefixes)."""
+    """``all`` or comma-separated case names (or unique prefixes), each optionally ``NAME:RANKS`` (``case_ranks``)."""
     if names in ("", "all"):
         return list(GRID)
     chosen = []
-    for name in names.split(","):
+    for name in (item.partition(":")[0] for item in names.split(",")):
         matches = [c for c in GRID if c.name == name] or [c for c in GRID if c.name.startswith(name)]
         if len(matches) != 1:
             raise ValueError(
@@ -439,3 +448,13 @@ def select_cases(names: str) -> List[Case]:
             )
         chosen.append(matches[0])
     return chosen
+
+
+def case_ranks(names: str) -> Dict[str, str]:
+    """The ranks given to single cases in ``names`` (``NAME:first``, ranks joined by ``+``: ``NAME:first+last``),
+    by case name; the other cases play the ranks of ``--dry-run-rank``."""
+    if names in ("", "all"):
+        return {}
+    given = [item.partition(":") for item in names.split(",")]
+    cases = select_cases(names)
+    return {case.name: ranks.replace("+", ",") for case, (_, colon, ranks) in zip(cases, given) if colon}
