@@ -277,6 +277,19 @@ class _SingleRankBlockwiseCrossEntropy(torch.autograd.Function):
         return grad.view_as(logits), None, None, None
 
 
+def check_cross_entropy_inputs(
+    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, group: dist.ProcessGroup
+) -> None:
+    """Raise ValueError unless ``0 <= label_smoothing < (V-1)/V`` and ``target`` has the logits' leading shape."""
+    vocab_size = logits.size(-1) * dist.get_world_size(group)
+    if not 0.0 <= label_smoothing < (vocab_size - 1) / vocab_size:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, (V-1)/V) for vocab size V={vocab_size}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"target shape {tuple(target.shape)} does not match the logits' leading shape {tuple(logits.shape[:-1])}"
+        )
+
+
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -296,14 +309,7 @@ def vocab_parallel_cross_entropy(
         (computed in fp32, rounded once).
     """
     group = resolve_tp_group(tp_group)
-    vocab_size = vocab_parallel_logits.size(-1) * dist.get_world_size(group)
-    if not 0.0 <= label_smoothing < (vocab_size - 1) / vocab_size:
-        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, (V-1)/V) for vocab size V={vocab_size}")
-    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
-        raise ValueError(
-            f"target shape {tuple(target.shape)} does not match the logits' leading shape "
-            f"{tuple(vocab_parallel_logits.shape[:-1])}"
-        )
+    check_cross_entropy_inputs(vocab_parallel_logits, target, label_smoothing, group)
     low_precision = vocab_parallel_logits.dtype in (torch.bfloat16, torch.float16)
     if dist.get_world_size(group) == 1:
         function = _SingleRankBlockwiseCrossEntropy if low_precision else _SingleRankCrossEntropy

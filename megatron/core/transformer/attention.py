@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.context_parallel import cp_chunk_positions, gather_kv_over_cp, packed_cp_indices
 from megatron.core.extensions.transformer_engine import is_te_linear
+from megatron.core.fusions.fused_softmax import fused_scale_mask_softmax, scale_mask_softmax
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_cuda_rng_tracker
@@ -325,21 +326,16 @@ class DotProductAttention(MegatronModule):
         causal: bool,
         dropout_p: float,
     ) -> torch.Tensor:
+        """Explicit scores: ``softmax(q k^T * scale + mask) v``, the softmax fused or not (``fused_softmax.py``)."""
         # Query-key layer scaling divides by the layer number before the matmul and
         # multiplies back inside the fp32 softmax: the same result, smaller fp16 scores.
         coeff = float(self.layer_number) if self.config.apply_query_key_layer_scaling else 1.0
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (self.softmax_scale / coeff)  # [b, heads, s, s]
-        if self.config.attention_softmax_in_fp32:
-            scores = scores.float()
-        scores = scores * coeff
+        scores = torch.matmul(q, k.transpose(-1, -2))  # [b, heads, sq, sk]
         if causal:
-            sq, sk = scores.shape[-2:]
-            mask = build_attention_mask(sq, sk, device=scores.device)  # [sq, sk]
-        if mask is not None and mask.is_floating_point():  # relative position bias and blocked positions
-            scores = scores + mask
-        elif mask is not None:
-            scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+            mask = build_attention_mask(*scores.shape[-2:], device=scores.device)  # [sq, sk]
+        softmax = fused_scale_mask_softmax if self.config.masked_softmax_fusion else scale_mask_softmax
+        in_fp32 = self.config.attention_softmax_in_fp32
+        probs = softmax(scores, mask, self.softmax_scale, coeff, in_fp32, v.dtype)  # [b, heads, sq, sk]
         probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, v)  # [b, heads, s, d]
 

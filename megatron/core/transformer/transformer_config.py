@@ -99,7 +99,8 @@ class TransformerConfig(DeepSeekV4Fields, AttentionVariantFields, MoEFields, Mod
     attention_backend: str = "auto"
     calculate_per_token_loss: bool = False
 
-    # Kernel-selection switches: accepted, mathematically identical either way.
+    # Kernel-selection switches (megatron/core/fusions): the fused forms or the unfused references, the same
+    # math up to rounding order; memory_efficient_layer_norm is accepted only.
     bias_activation_fusion: bool = False
     masked_softmax_fusion: bool = False
     persist_layer_norm: bool = False

@@ -1,5 +1,8 @@
 """Each fused op (megatron/core/fusions, the fused RoPE) against its unfused reference, forward and backward.
 
+The masked softmax (explicit-score attention) runs causal with query-key layer scaling, with an additive
+bias, and unmasked in the scores' dtype.
+
 Tolerances: fp32 within 1e-6 relative (the same math in another order; bias-dropout-add and RoPE are the
 reference's own operations, so eager they are bitwise); bf16 within 2e-2 (one bf16 rounding, 2^-8, of
 values a few units large; the fused forms compute in fp32 inside and round once). The default tier runs
@@ -20,6 +23,7 @@ from megatron.core.fusions import jit
 from megatron.core.fusions.fused_activations import fused_activation, fused_swiglu
 from megatron.core.fusions.fused_bias_dropout import fused_bias_dropout_add
 from megatron.core.fusions.fused_norm import fused_rms_norm
+from megatron.core.fusions.fused_softmax import fused_scale_mask_softmax, scale_mask_softmax
 from megatron.core.transformer.norms import RMSNorm
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
 
@@ -69,7 +73,18 @@ def _cases(dtype):
     bias = torch.randn(16, dtype=dtype)
     t = torch.randn(6, 2, 4, 8, dtype=dtype)  # [s, b, n, d]
     freqs = torch.randn(6, 1, 1, 6)  # [s, 1, 1, r]: a partial rotation
+    scores = 4 * torch.randn(2, 3, 6, 6, dtype=dtype)  # [b, heads, sq, sk]
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # [sq, sk], True: blocked
+    position_bias = torch.randn(1, 3, 6, 6).masked_fill(causal, torch.finfo(torch.float32).min)  # additive, fp32
+
+    def softmax_case(mask, coeff, in_fp32):
+        args = (mask, 0.3, coeff, in_fp32, dtype)
+        return (lambda a: fused_scale_mask_softmax(a, *args), lambda a: scale_mask_softmax(a, *args), (scores,))
+
     return {
+        "masked_softmax_causal_qk_layer_scaling": softmax_case(causal, 3.0, True),
+        "masked_softmax_additive_bias": softmax_case(position_bias, 1.0, True),
+        "softmax_unmasked_in_dtype": softmax_case(None, 1.0, False),
         "rmsnorm": (lambda a, g: fused_rms_norm(a, g, 1e-5), _rms_reference, (x, gamma)),
         "swiglu": (fused_swiglu, _swiglu_reference, (x,)),
         "gelu": (lambda a: fused_activation(a, F.gelu), F.gelu, (x,)),

@@ -68,7 +68,7 @@ FACTORS: Tuple[Factor, ...] = (
             Level(_FULL + ("uniform", "--distribute-saved-activations"), ("tp",)),
         ),
     ),
-    _switch("masked_softmax_fusion", "--no-masked-softmax-fusion", "masked_softmax_fusion"),
+    _switch("masked_softmax_fusion", "--no-masked-softmax-fusion", "masked_softmax_fusion", ("explicit_scores",)),
     _switch("bias_gelu_fusion", "--no-bias-gelu-fusion", "bias_gelu_fusion"),
     _switch("bias_swiglu_fusion", "--no-bias-swiglu-fusion", "bias_swiglu_fusion", ("swiglu",)),
     _switch("persist_layer_norm", "--no-persist-layer-norm", "no_persist_layer_norm", ("rmsnorm",)),
@@ -104,7 +104,7 @@ _MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", 
 @dataclass(frozen=True)
 class Layout:
     """A tiny model on 2 ranks: its extra flags and what it has ('tp': TP > 1 without SP, 'sp': TP > 1 with SP,
-    'moe', 'cp', 'swiglu', 'rmsnorm')."""
+    'moe', 'cp', 'swiglu', 'rmsnorm', 'explicit_scores': attention through explicit scores, not SDPA)."""
 
     argv: Tuple[str, ...]
     has: Tuple[str, ...] = ()
@@ -112,11 +112,12 @@ class Layout:
 
 LAYOUTS: Dict[str, Layout] = {
     "dense-dp2": Layout(()),
-    # Llama-style (SwiGLU, RMSNorm, RoPE): the fused forms of those run under TP + SP and recomputation.
+    # Llama-style (SwiGLU, RMSNorm, RoPE): the fused forms of those run under TP + SP and recomputation, and the
+    # attention takes the explicit-score path, whose masked softmax is the one fused outside SDPA.
     "dense-tp2-sp": Layout(
         ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--swiglu", "--normalization", "RMSNorm")
-        + ("--position-embedding-type", "rope"),
-        ("sp", "swiglu", "rmsnorm"),
+        + ("--position-embedding-type", "rope", "--attention-backend", "unfused"),
+        ("sp", "swiglu", "rmsnorm", "explicit_scores"),
     ),
     "dense-tp2": Layout(("--tensor-model-parallel-size", "2"), ("tp",)),  # TP without SP: distributed saves
     "dense-pp2-vpp2": Layout(

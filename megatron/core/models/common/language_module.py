@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.parallel_state import ProcessGroupCollection
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.module import MegatronModule
@@ -58,9 +59,10 @@ class LanguageModule(MegatronModule):
 
         The logits go in their own dtype: the cross entropy computes in fp32 either way (bf16/fp16
         logits block by block), so ``fp16_lm_cross_entropy`` changes no number, and an fp32 copy of
-        the whole ``[s, b, vocab/tp]`` tensor would only cost time and memory.
+        the whole ``[s, b, vocab/tp]`` tensor would only cost time and memory. ``config.cross_entropy_loss_fusion``
+        picks the fused form (``fusions/fused_cross_entropy.py``: one region each way) over the reference.
         """
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp
-        )  # [s, b]
+        fused = self.config.cross_entropy_loss_fusion
+        cross_entropy = fused_vocab_parallel_cross_entropy if fused else vocab_parallel_cross_entropy
+        loss = cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
