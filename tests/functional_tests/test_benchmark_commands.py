@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300
 
@@ -29,3 +31,11 @@ def test_long_context_benchmark_reports_every_scheme():
 def test_step_benchmark_reports_ours_beside_plain_pytorch():
     out = _run("bench_step_vs_plain.py", "--config", "tiny", "--iters", "1", "--warmup", "1", "--columns", "ours,plain")
     assert "ours/plain" in out and "fp32:" in out, out
+
+
+@pytest.mark.full  # compiles two regions per dtype (~20 s); the long-context benchmark is the default-tier sibling
+def test_cross_entropy_benchmark_reports_each_loss_and_its_saved_bytes():
+    out = _run("bench_cross_entropy.py", "--seq", "64", "--batch", "2", "--vocab", "8192", "--rounds", "3")
+    for dtype in ("float32", "bfloat16"):
+        line = next(line for line in out.splitlines() if line.startswith(dtype))
+        assert all(word in line for word in ("reference", "fused", "torch", "saves")), out

@@ -39,6 +39,7 @@ COVERED: Dict[str, Optional[str]] = {
     "tools/plan_parallelism.py": "tests/unit_tests/tools/test_plan_parallelism.py",
     "benchmarks/bench_long_context.py": "tests/functional_tests/test_benchmark_commands.py",
     "benchmarks/bench_step_vs_plain.py": "tests/functional_tests/test_benchmark_commands.py",
+    "benchmarks/bench_cross_entropy.py": "tests/functional_tests/test_benchmark_commands.py",
     "tools/gpu_dry_run.py": "scripts/gpu_smoke.sh",  # its --dry-run part: tests/functional_tests/test_gpu_dry_run.py
     "lm_eval": "tests/functional_tests/test_text_generation_server.py",
     "curl": "tests/functional_tests/test_text_generation_server.py",
