@@ -270,7 +270,9 @@ def pytest_collection_modifyitems(config, items):
     whole_suite = config.args_source == Config.ArgsSource.TESTPATHS  # no path given: tests/, before -k/-m
     # The default tier applies to the whole suite; paths or node ids given by name run all their tests.
     run_full = os.environ.get("RUN_FULL") == "1" or os.environ.get("RUN_SLOW") == "1" or not whole_suite
-    stale = stale_entries((item.nodeid for item in items), FULL_ONLY)
+    # Node ids given by name collect only those tests of their files: the other entries are not stale then.
+    by_node_id = any("::" in str(arg) for arg in config.args)
+    stale = [] if by_node_id else stale_entries((item.nodeid for item in items), FULL_ONLY)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py FULL_ONLY names tests that do not exist: {stale}")
     reasons = {item.nodeid: _in_full_tier(item) for item in items}
