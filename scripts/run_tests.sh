@@ -10,10 +10,10 @@ usage: bash scripts/run_tests.sh [--full] [PYTEST ARGS...]
 Sets up .venv (scripts/setup_env.sh), lints with ruff, installs the two test oracles outside the repository
 when missing, then runs pytest on what it is given:
   (nothing)              the default tier of tests/: every feature and layout family (about 2,000 tests;
-                         15 min on 2 quiet cores, measured 2026-12-02, see README)
+                         11 min of pytest on 2 quiet cores, measured 2026-12-02, see README)
   --full                 every test: the default tier plus the tests tests/conftest.py lists as full-only
                          (bash scripts/run_tests.sh --full -m full runs only those, as .ci/run does after
-                         the default tier; 94 tests, about 18 min more)
+                         the default tier; 124 tests, about 18 min more)
   PATHS / NODE IDS       only those, every test in them (full-only ones too), e.g. tests/fault
   -k EXPR, -x, ...       any other pytest option, applied to the default tier (or to the given paths)
   -h, --help             this help; installs and downloads nothing
