@@ -8,6 +8,7 @@ it ends, prints one line ``collective counts <rank> <json>``.
 import collections
 import json
 import os
+import re
 import runpy
 import sys
 
@@ -21,6 +22,8 @@ COUNTED = {
     "all_gather_single": "all-gather",
 }
 PREFIX = "collective counts"
+# found anywhere in the output: ranks share one pipe, so a rank's line can be glued to another's
+_REPORT = re.compile(re.escape(PREFIX) + r" (\d+) (\{[^{}]*\})")
 
 
 def _wrap(name: str, counts: collections.Counter) -> None:
@@ -36,13 +39,11 @@ def _wrap(name: str, counts: collections.Counter) -> None:
 def parse(output: str) -> dict:
     """``{rank: {kind of collective: calls}}`` from a run's output."""
     found = {}
-    for line in output.splitlines():
-        if line.startswith(PREFIX):
-            rank, counts = line[len(PREFIX) :].split(maxsplit=1)
-            by_kind = collections.Counter({kind: 0 for kind in COUNTED.values()})
-            for name, calls in json.loads(counts).items():
-                by_kind[COUNTED[name]] += calls
-            found[int(rank)] = dict(by_kind)
+    for rank, counts in _REPORT.findall(output):
+        by_kind = collections.Counter({kind: 0 for kind in COUNTED.values()})
+        for name, calls in json.loads(counts).items():
+            by_kind[COUNTED[name]] += calls
+        found[int(rank)] = dict(by_kind)
     return found
 
 
@@ -55,4 +56,6 @@ if __name__ == "__main__":
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     finally:
-        print(f"{PREFIX} {os.environ.get('RANK', '0')} {json.dumps(calls)}", flush=True)
+        # one write, newline included, so the report is not split from its own line end
+        sys.stdout.write(f"\n{PREFIX} {os.environ.get('RANK', '0')} {json.dumps(calls)}\n")
+        sys.stdout.flush()
