@@ -111,8 +111,11 @@ def _as_main(script: str) -> int:
 
 
 def _text_stream(fd: int) -> io.TextIOWrapper:
-    """An unbuffered text stream on ``fd`` (torchrun starts its workers with ``python -u``)."""
-    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True)
+    """A line-buffered text stream on ``fd``: each printed line reaches the shared file in one ``write``, so
+    ranks' lines never interleave mid-line (an unbuffered stream writes a line and its newline apart, and CI saw
+    one rank's report glued into another's line)."""
+    raw = io.BufferedWriter(io.FileIO(fd, "w", closefd=False))
+    return io.TextIOWrapper(raw, encoding="utf-8", line_buffering=True)
 
 
 def _run_rank(request: Dict, rank: int, protocol_fds: Tuple[int, ...]) -> int:

@@ -29,6 +29,9 @@ if mode == "report":
         json.dump({"env": {k: os.environ[k] for k in names}, "argv": sys.argv, "cwd": os.getcwd(),
                    "path0": sys.path[0], "total": total.item(), "main": __name__}, f)
     print(f"rank {rank} of {os.environ['WORLD_SIZE']} reduced {total.item()}")
+elif mode == "lines":
+    for i in range(2000):
+        print(f"rank {rank} line {i} " + "x" * 40)
 elif mode == "fail" and rank == 1:
     raise ValueError("boom on rank 1")
 else:
@@ -75,3 +78,25 @@ def test_a_failing_rank_fails_the_run_and_stops_the_others(tmp_path):
     assert "Traceback (most recent call last)" in output and "ValueError: boom on rank 1" in output
     with pytest.raises(LaunchTimeout, match="did not finish in 3s"):
         launch(1, [str(script), "sleep"], str(tmp_path), env, free_port(), timeout=3)
+
+
+def test_ranks_lines_reach_the_shared_output_whole(tmp_path):
+    """Two ranks printing at once: every line arrives whole (an unbuffered stream wrote a line and its newline
+    apart, and CI parsed one rank's report glued into another's line)."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    code, output, _ = launch(2, [str(script), "lines"], str(tmp_path), env, free_port(), timeout=120)
+    assert code == 0
+    expected = {f"rank {r} line {i} " + "x" * 40 for r in range(2) for i in range(2000)}
+    lines = output.splitlines()
+    assert len(lines) == len(expected) and set(lines) == expected
+
+
+def test_a_run_whose_import_time_variables_differ_is_refused(tmp_path):
+    """The fork server imported torch under its own environment; a run asking for another one must go to torchrun."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, TORCHDYNAMO_PROBE_ONLY="1")
+    code, _, err = launch(1, [str(script), "lines"], str(tmp_path), env, free_port(), timeout=120)
+    assert code != 0 and "['TORCHDYNAMO_PROBE_ONLY'] differ from the launcher's" in err
