@@ -9,6 +9,8 @@ their groups, and public functions whose Megatron signature keeps ``pg_collectio
 
 As in Megatron, the ``set_*`` functions override what the matching size/rank getters return
 (a layer run "as if" on a given TP rank without groups); ``destroy_model_parallel`` clears them.
+This module holds the start-up, the tear-down and the group getters; the sizes, ranks, overrides and
+pipeline-stage predicates live in ``megatron.core.parallel_ranks`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,56 @@ from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
+from megatron.core import parallel_ranks
 from megatron.core.memory_buffer import destroy_global_memory_buffer, get_global_memory_buffer
+from megatron.core.parallel_ranks import (  # noqa: F401 - Megatron's sizes, ranks and stage predicates, re-exported
+    _data_name,
+    _reset_rank_state,
+    get_all_ranks,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
+    get_data_parallel_rank,
+    get_data_parallel_src_rank,
+    get_data_parallel_world_size,
+    get_expert_data_parallel_rank,
+    get_expert_data_parallel_world_size,
+    get_expert_model_parallel_rank,
+    get_expert_model_parallel_src_rank,
+    get_expert_model_parallel_world_size,
+    get_expert_tensor_and_model_parallel_rank,
+    get_expert_tensor_and_model_parallel_world_size,
+    get_expert_tensor_parallel_rank,
+    get_expert_tensor_parallel_world_size,
+    get_model_parallel_src_rank,
+    get_pipeline_model_parallel_first_rank,
+    get_pipeline_model_parallel_last_rank,
+    get_pipeline_model_parallel_next_rank,
+    get_pipeline_model_parallel_prev_rank,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_tensor_and_context_parallel_rank,
+    get_tensor_and_context_parallel_world_size,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_src_rank,
+    get_tensor_model_parallel_world_size,
+    get_virtual_pipeline_model_parallel_rank,
+    get_virtual_pipeline_model_parallel_world_size,
+    is_pipeline_first_stage,
+    is_pipeline_last_stage,
+    is_rank_in_embedding_group,
+    is_rank_in_position_embedding_group,
+    set_data_parallel_rank,
+    set_expert_model_parallel_rank,
+    set_expert_model_parallel_world_size,
+    set_expert_tensor_parallel_rank,
+    set_expert_tensor_parallel_world_size,
+    set_pipeline_model_parallel_rank,
+    set_pipeline_model_parallel_world_size,
+    set_tensor_model_parallel_rank,
+    set_tensor_model_parallel_world_size,
+    set_virtual_pipeline_model_parallel_rank,
+    set_virtual_pipeline_model_parallel_world_size,
+)
 from megatron.core.process_groups import (
     GLOO_GROUP_NAMES,
     LayoutError,
@@ -72,10 +123,6 @@ __all__ = [  # the re-exports; the facade functions are added at the end
 ]
 
 
-# Overrides set by the set_* functions: key -> value (absent: read the groups).
-_OVERRIDES: Dict[str, int] = {}
-_VIRTUAL_PIPELINE_RANK: Optional[int] = None
-_VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
 _GLOO_GROUPS: Optional[Dict[str, ProcessGroup]] = None  # data-parallel groups over gloo
 _BUILT: List[Optional[ProcessGroup]] = []  # the groups initialize_model_parallel created (gloo copies too)
 
@@ -111,7 +158,7 @@ def initialize_model_parallel(
         LayoutError: (a ``RuntimeError`` and ``ValueError``) the sizes do not fit the world.
         ValueError: an argument we do not support yet has a non-default value.
     """
-    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
+    global _GLOO_GROUPS
     refuse_unsupported_options(
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
         use_sharp=use_sharp,
@@ -152,8 +199,8 @@ def initialize_model_parallel(
     # destroy_model_parallel never closes a group another rank is still connecting.
     dist.barrier()
     set_default_process_groups(groups)
-    _VIRTUAL_PIPELINE_RANK = 0 if virtual_pipeline_model_parallel_size is not None else None
-    _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
+    set_virtual_pipeline_model_parallel_rank(0 if virtual_pipeline_model_parallel_size is not None else None)
+    set_virtual_pipeline_model_parallel_world_size(virtual_pipeline_model_parallel_size)
     return groups
 
 
@@ -179,13 +226,13 @@ def destroy_model_parallel() -> None:
     Groups installed or created otherwise are left alone; a collection returned by
     ``initialize_model_parallel`` must not be used after this call.
     """
-    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _GLOO_GROUPS
+    global _GLOO_GROUPS
     set_default_process_groups(None)
     destroy_groups(_BUILT)
     _BUILT.clear()
     destroy_global_memory_buffer()
-    _OVERRIDES.clear()
-    _VIRTUAL_PIPELINE_RANK = _VIRTUAL_PIPELINE_WORLD_SIZE = _GLOO_GROUPS = None
+    _reset_rank_state()
+    _GLOO_GROUPS = None
 
 
 # ----------------------------------------------------------------------------------
@@ -195,12 +242,6 @@ def _group(name: str, check_initialized: bool = True) -> Optional[ProcessGroup]:
     if not check_initialized and not has_default_process_groups():
         return None
     return getattr(default_process_groups(), name)
-
-
-def _data_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
-    if partial_data_parallel and not with_context_parallel:
-        raise AssertionError("partial_data_parallel=True needs with_context_parallel=True (as in Megatron)")
-    return ("intra_dp_cp" if partial_data_parallel else "dp_cp") if with_context_parallel else "dp"
 
 
 def get_model_parallel_group(check_initialized: bool = True) -> Optional[ProcessGroup]:
@@ -349,271 +390,7 @@ def get_inter_distributed_optimizer_instance_group(check_initialized: bool = Tru
     return group
 
 
-# ----------------------------------------------------------------------------------
-# Sizes and ranks. A value given to a set_* function wins over the groups, as in Megatron.
-# ----------------------------------------------------------------------------------
-def _size(name: str, override: Optional[str] = None, zero_without_dist: bool = False) -> int:
-    if override in _OVERRIDES:
-        return _OVERRIDES[override]
-    if zero_without_dist and not dist.is_initialized():
-        return 0  # Megatron's answer when torch.distributed is not running
-    return default_process_groups().size_of(name)
-
-
-def _rank(name: str, override: Optional[str] = None, zero_without_dist: bool = False) -> int:
-    if override in _OVERRIDES:
-        return _OVERRIDES[override]
-    if zero_without_dist and not dist.is_initialized():
-        return 0
-    return default_process_groups().rank_in(name)
-
-
-def _override(key: str, value: Optional[int]) -> None:
-    if value is None:
-        _OVERRIDES.pop(key, None)
-    else:
-        _OVERRIDES[key] = value
-
-
-def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
-    """Make ``get_tensor_model_parallel_world_size()`` return ``world_size`` (None: read the group)."""
-    _override("tp_size", world_size)
-
-
-def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
-    """Make ``get_tensor_model_parallel_rank()`` return ``rank`` (None: read the group)."""
-    _override("tp_rank", rank)
-
-
-def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
-    """Make ``get_pipeline_model_parallel_world_size()`` return ``world_size`` (None: read the group)."""
-    _override("pp_size", world_size)
-
-
-def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
-    """Make ``get_pipeline_model_parallel_rank()`` return ``rank`` (None: read the group)."""
-    _override("pp_rank", rank)
-
-
-def set_data_parallel_rank(rank: Optional[int]) -> None:
-    """Make ``get_data_parallel_rank()`` return ``rank`` (None: read the group)."""
-    _override("dp_rank", rank)
-
-
-def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
-    _override("ep_size", world_size)
-
-
-def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
-    _override("ep_rank", rank)
-
-
-def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
-    _override("etp_size", world_size)
-
-
-def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
-    _override("etp_rank", rank)
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    return _size("tp", "tp_size")
-
-
-def get_tensor_model_parallel_rank() -> int:
-    return _rank("tp", "tp_rank")
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    return _size("pp", "pp_size")
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    return _rank("pp", "pp_rank")
-
-
-def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-    return _size(_data_name(with_context_parallel, partial_data_parallel), zero_without_dist=True)
-
-
-def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-    return _rank(_data_name(with_context_parallel, partial_data_parallel), "dp_rank", zero_without_dist=True)
-
-
-def get_context_parallel_world_size() -> int:
-    return _size("cp", zero_without_dist=True)
-
-
-def get_context_parallel_rank() -> int:
-    return _rank("cp", zero_without_dist=True)
-
-
-def get_tensor_and_context_parallel_world_size() -> int:
-    return _size("tp_cp", zero_without_dist=True)
-
-
-def get_tensor_and_context_parallel_rank() -> int:
-    return _rank("tp_cp", zero_without_dist=True)
-
-
-def get_expert_model_parallel_world_size() -> int:
-    return _size("ep", "ep_size", zero_without_dist=True)
-
-
-def get_expert_model_parallel_rank() -> int:
-    return _rank("ep", "ep_rank", zero_without_dist=True)
-
-
-def get_expert_tensor_parallel_world_size() -> int:
-    """Expert-TP size; without groups, the TP size override (Megatron's fallback)."""
-    if "etp_size" not in _OVERRIDES and not has_default_process_groups() and "tp_size" in _OVERRIDES:
-        return _OVERRIDES["tp_size"]
-    return _size("expt_tp", "etp_size")
-
-
-def get_expert_tensor_parallel_rank() -> int:
-    """Expert-TP rank; without groups, the TP rank override (Megatron's fallback)."""
-    if "etp_rank" not in _OVERRIDES and not has_default_process_groups() and "tp_rank" in _OVERRIDES:
-        return _OVERRIDES["tp_rank"]
-    return _rank("expt_tp", "etp_rank")
-
-
-def get_expert_tensor_and_model_parallel_world_size() -> int:
-    return _size("tp_ep", zero_without_dist=True)
-
-
-def get_expert_tensor_and_model_parallel_rank() -> int:
-    return _rank("tp_ep", zero_without_dist=True)
-
-
-def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
-    return _size("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", zero_without_dist=True)
-
-
-def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
-    return _rank("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", zero_without_dist=True)
-
-
-def _first_rank_of(name: str) -> int:
-    return default_process_groups().ranks[name][0]
-
-
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of TP rank 0 in this rank's TP group."""
-    return _first_rank_of("tp")
-
-
-def get_model_parallel_src_rank() -> int:
-    """Global rank of the first rank of this rank's model-parallel group."""
-    return _first_rank_of("mp")
-
-
-def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of DP rank 0 in this rank's DP group."""
-    return _first_rank_of("dp_cp" if with_context_parallel else "dp")
-
-
-def get_expert_model_parallel_src_rank() -> int:
-    return _first_rank_of("ep")
-
-
-def get_pipeline_model_parallel_first_rank() -> int:
-    return _first_rank_of("pp")
-
-
-def get_pipeline_model_parallel_last_rank() -> int:
-    return default_process_groups().ranks["pp"][get_pipeline_model_parallel_world_size() - 1]
-
-
-def _pipeline_neighbour(step: int) -> int:
-    ranks = default_process_groups().ranks["pp"]
-    size = get_pipeline_model_parallel_world_size()
-    return ranks[(get_pipeline_model_parallel_rank() + step) % size]
-
-
-def get_pipeline_model_parallel_next_rank() -> int:
-    return _pipeline_neighbour(1)
-
-
-def get_pipeline_model_parallel_prev_rank() -> int:
-    return _pipeline_neighbour(-1)
-
-
-def get_all_ranks() -> str:
-    """``"tp_dp_cp_pp_ep"`` ranks of this process, joined by underscores."""
-    ranks = [
-        get_tensor_model_parallel_rank(),
-        get_data_parallel_rank(),
-        get_context_parallel_rank(),
-        get_pipeline_model_parallel_rank(),
-        get_expert_model_parallel_rank(),
-    ]
-    return "_".join(str(r or 0) for r in ranks)
-
-
-# ----------------------------------------------------------------------------------
-# Virtual pipeline and stage predicates.
-# ----------------------------------------------------------------------------------
-def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
-    return _VIRTUAL_PIPELINE_WORLD_SIZE
-
-
-def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
-    global _VIRTUAL_PIPELINE_WORLD_SIZE
-    _VIRTUAL_PIPELINE_WORLD_SIZE = world_size
-
-
-def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
-    return _VIRTUAL_PIPELINE_RANK
-
-
-def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
-    """Deprecated upstream: pass ``vp_stage`` to the stage predicates instead."""
-    global _VIRTUAL_PIPELINE_RANK
-    _VIRTUAL_PIPELINE_RANK = rank
-
-
-def _virtual_stage(ignore_virtual: bool, vp_stage: Optional[int]) -> Optional[int]:
-    """The virtual stage to judge first/last with, or None to judge by the pipeline rank only."""
-    if ignore_virtual or _VIRTUAL_PIPELINE_WORLD_SIZE is None:
-        return None
-    return vp_stage if vp_stage is not None else _VIRTUAL_PIPELINE_RANK
-
-
-def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
-    """True on the first pipeline stage (and, unless ignored, the first virtual chunk)."""
-    stage = _virtual_stage(ignore_virtual, vp_stage)
-    if stage is not None and stage != 0:
-        return False
-    return get_pipeline_model_parallel_rank() == 0
-
-
-def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
-    """True on the last pipeline stage (and, unless ignored, the last virtual chunk)."""
-    stage = _virtual_stage(ignore_virtual, vp_stage)
-    if stage is not None and stage != _VIRTUAL_PIPELINE_WORLD_SIZE - 1:
-        return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
-
-
-def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
-    """Whether this rank holds a copy of the word embeddings (for the given chunk)."""
-    if not has_default_process_groups():
-        return False
-    ranks = default_process_groups().ranks["embd"]
-    rank = dist.get_rank()
-    if rank not in ranks or ignore_virtual:
-        return rank in ranks
-    if rank == ranks[0] and is_pipeline_first_stage(False, vp_stage):
-        return True
-    return rank == ranks[-1] and is_pipeline_last_stage(False, vp_stage)
-
-
-def is_rank_in_position_embedding_group() -> bool:
-    """Whether this rank holds the learned position embeddings."""
-    return has_default_process_groups() and dist.get_rank() in default_process_groups().ranks["pos_embd"]
-
-
+__all__ += parallel_ranks.__all__
 __all__ += [
     n for n, o in list(globals().items()) if callable(o) and getattr(o, "__module__", "") == __name__ and n[0] != "_"
 ]

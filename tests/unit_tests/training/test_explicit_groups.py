@@ -21,7 +21,7 @@ from typing import Set, Tuple
 import pytest
 import torch.distributed as dist
 
-from megatron.core import parallel_state, process_groups
+from megatron.core import parallel_ranks, parallel_state, process_groups
 from tests.dist_harness import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -73,15 +73,15 @@ megatron/training/initialize.py initialize_distributed initialize_model_parallel
 megatron/training/initialize.py shutdown_distributed destroy_model_parallel
 megatron/training/initialize.py _set_random_seed use_mpu_process_groups
 """  # noqa: E501 (one call site per line)
-FACADE_MODULES = {"megatron/core/parallel_state.py", "megatron/core/process_groups.py"}
+FACADE_MODULES = {f"megatron/core/{name}.py" for name in ("parallel_state", "parallel_ranks", "process_groups")}
 ALLOWED_FACADE_CALLS = {tuple(line.split()) for line in _ALLOWED_TABLE.strip().splitlines()}
 
 
 def _facade_names() -> Set[str]:
-    """Public functions of parallel_state that read or change the default collection."""
+    """Public functions of parallel_state (and its parallel_ranks half) that read or change the default collection."""
     names = {
         name
-        for module in (parallel_state, process_groups)
+        for module in (parallel_state, parallel_ranks, process_groups)
         for name, obj in vars(module).items()
         if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("_")
     }
