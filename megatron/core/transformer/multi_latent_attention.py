@@ -38,7 +38,8 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import _home_device
 from megatron.core.tensor_parallel.linear_function import COMM_NONE, parallel_linear
-from megatron.core.transformer.attention import DotProductAttention, cp_groups_of, run_core_attention
+from megatron.core.transformer.attention import cp_groups_of, run_core_attention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer import attention
-from megatron.core.transformer.attention import DotProductAttention
+from megatron.core.transformer import dot_product_attention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.gpu.fake_cuda import FakeCuda
 
@@ -68,7 +68,9 @@ def test_grouped_query_attention_equals_repeated_heads(monkeypatch, masked):
 
 def test_flash_backend_pins_flash_only_where_it_can_run(monkeypatch):
     pinned: List[Any] = []
-    monkeypatch.setattr(attention, "sdpa_kernel", lambda backends: pinned.append(backends) or contextlib.nullcontext())
+    monkeypatch.setattr(
+        dot_product_attention, "sdpa_kernel", lambda backends: pinned.append(backends) or contextlib.nullcontext()
+    )
     with FakeCuda():
         cuda_bf16 = torch.zeros(B, HEADS, S, D, device="cuda", dtype=torch.bfloat16)
         cuda_fp32 = torch.zeros(B, HEADS, S, D, device="cuda")
@@ -107,14 +109,14 @@ def _flash_warnings(run) -> List[str]:
 
 def test_flash_backend_checks_the_value_head_size_on_the_attention_path(monkeypatch):
     """MLA's values are narrower than its queries and keys: flash is not pinned, and the reason says so."""
-    monkeypatch.setattr(attention, "_flash_warnings", set())
+    monkeypatch.setattr(dot_product_attention, "_flash_warnings", set())
     q, k, v = (t.transpose(1, 2) for t in _qkv())  # [b, heads, s, d]
     got = _flash_warnings(lambda: _attention("flash")._sdpa(q, k[..., :D], v[..., : D - 2], None, True, 0.0))
     assert len(got) == 1 and f"value head dim {D - 2} != query/key head dim {D}" in got[0], got
 
 
 def test_flash_backend_warns_once_on_cpu_and_auto_stays_silent(monkeypatch):
-    monkeypatch.setattr(attention, "_flash_warnings", set())
+    monkeypatch.setattr(dot_product_attention, "_flash_warnings", set())
     q, k, v = _qkv()
     mask = torch.ones(S, S, dtype=torch.bool).triu(1)
     flash, auto = _attention("flash"), _attention("auto")
@@ -125,8 +127,8 @@ def test_flash_backend_warns_once_on_cpu_and_auto_stays_silent(monkeypatch):
 
 
 def test_flash_backend_names_why_flash_cannot_run(monkeypatch):
-    monkeypatch.setattr(attention, "sdpa_kernel", lambda backends: contextlib.nullcontext())
-    monkeypatch.setattr(attention, "_flash_warnings", set())
+    monkeypatch.setattr(dot_product_attention, "sdpa_kernel", lambda backends: contextlib.nullcontext())
+    monkeypatch.setattr(dot_product_attention, "_flash_warnings", set())
     with FakeCuda():
         bf16, fp32 = (torch.zeros(B, HEADS, S, D, device="cuda", dtype=t) for t in (torch.bfloat16, torch.float32))
         wide = torch.zeros(B, HEADS, S, 264, device="cuda", dtype=torch.bfloat16)

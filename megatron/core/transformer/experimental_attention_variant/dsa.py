@@ -31,7 +31,7 @@ from typing import Any, List, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.attention import DotProductAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.masks import build_attention_mask
 from megatron.core.transformer.module import MegatronModule
