@@ -12,12 +12,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.param_and_grad_buffer import KEEP_WHOLE_ATTR
+from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.fsdp2_optimizer import FullyShardedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.muon import qkv_splits, split_muon_groups
 from megatron.core.optimizer.optimizer import (
-    ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
