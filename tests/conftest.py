@@ -13,7 +13,7 @@ import os
 import pytest
 from _pytest.config import Config
 
-from tests.tiers import full_only_reason, stale_entries, tier_problems
+from tests.tiers import full_only_reason, stale_entries_of_run, tier_problems
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -270,9 +270,7 @@ def pytest_collection_modifyitems(config, items):
     whole_suite = config.args_source == Config.ArgsSource.TESTPATHS  # no path given: tests/, before -k/-m
     # The default tier applies to the whole suite; paths or node ids given by name run all their tests.
     run_full = os.environ.get("RUN_FULL") == "1" or os.environ.get("RUN_SLOW") == "1" or not whole_suite
-    # Node ids given by name collect only those tests of their files: the other entries are not stale then.
-    by_node_id = any("::" in str(arg) for arg in config.args)
-    stale = [] if by_node_id else stale_entries((item.nodeid for item in items), FULL_ONLY)
+    stale = stale_entries_of_run(config.args, (item.nodeid for item in items), FULL_ONLY)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py FULL_ONLY names tests that do not exist: {stale}")
     reasons = {item.nodeid: _in_full_tier(item) for item in items}

@@ -34,6 +34,17 @@ def stale_entries(nodeids: Iterable[str], full_only: Mapping[str, str]) -> List[
     return [key for key in full_only if key.partition("::")[0] in files and key not in matched]
 
 
+def stale_entries_of_run(args: Iterable[str], nodeids: Iterable[str], full_only: Mapping[str, str]) -> List[str]:
+    """``stale_entries`` for a run given ``args`` (pytest's command-line paths), none when one is a node id.
+
+    A node id collects only that test of its file, so the file's other ``full_only`` entries match nothing
+    then without being stale: a run of one test beside full-only siblings would otherwise fail at collection.
+    """
+    if any("::" in str(arg) for arg in args):
+        return []
+    return stale_entries(nodeids, full_only)
+
+
 def tier_problems(default: Mapping[str, bool], full_only: Mapping[str, str]) -> List[str]:
     """Files with no default-tier test that ``full_only`` does not list whole.
 
