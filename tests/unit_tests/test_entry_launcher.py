@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -72,9 +71,10 @@ def test_a_failing_rank_fails_the_run_and_stops_the_others(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    start = time.monotonic()
+    # Rank 0 sleeps 600 s: the run ends within its 120 s (else LaunchTimeout) only if rank 0 was terminated. (No
+    # wall-clock bound of our own: the launcher's start, minutes on a loaded machine, would count in it.)
     code, _, output = launch(2, [str(script), "fail"], str(tmp_path), env, free_port(), timeout=120)
-    assert code == 1 and time.monotonic() - start < 60  # rank 0 (asleep for 600 s) was terminated
+    assert code == 1
     assert "Traceback (most recent call last)" in output and "ValueError: boom on rank 1" in output
     with pytest.raises(LaunchTimeout, match="did not finish in 3s"):
         launch(1, [str(script), "sleep"], str(tmp_path), env, free_port(), timeout=3)
