@@ -96,8 +96,8 @@ def _child(
             pass
 
 
-def _collect(procs: List[mp.Process], results: mp.Queue, deadline: float) -> Dict[int, tuple]:
-    """Gather (status, payload) per rank until all report, one fails, or time runs out."""
+def _collect(procs: List[mp.Process], results: mp.Queue, deadline: float, grace: float) -> Dict[int, tuple]:
+    """Gather (status, payload) per rank until all report, ``grace`` seconds after one fails, or time runs out."""
     reports: Dict[int, tuple] = {}
     first_error_at = None
     while len(reports) < len(procs) and time.monotonic() < deadline:
@@ -112,7 +112,7 @@ def _collect(procs: List[mp.Process], results: mp.Queue, deadline: float) -> Dic
             if rank not in reports and not proc.is_alive() and proc.exitcode not in (None, 0):
                 reports[rank] = ("error", f"process exited with code {proc.exitcode} before reporting")
         # Peers of a failed rank usually block on a collective: give them a grace period.
-        if first_error_at is not None and time.monotonic() - first_error_at > 10:
+        if first_error_at is not None and time.monotonic() - first_error_at > grace:
             break
     return reports
 
@@ -144,9 +144,16 @@ def _context() -> mp.context.BaseContext:
 
 
 def run_distributed(
-    body: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+    body: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    peer_grace: float = 10.0,
 ) -> List[Any]:
     """Run ``body(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    After a rank fails, the others have ``peer_grace`` seconds to report (a test whose peers stop only after a
+    timeout of their own gives room for it); then they count as hung.
 
     Returns:
         ``body``'s return value per rank.
@@ -170,7 +177,7 @@ def run_distributed(
         ]
         for p in procs:
             p.start()
-        reports = _collect(procs, results, time.monotonic() + timeout)
+        reports = _collect(procs, results, time.monotonic() + timeout, peer_grace)
         problems = []
         for rank, proc in enumerate(procs):
             if rank not in reports:
