@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 from typing import List, Optional, Sequence
 
 from tests.entry_launcher import fork_rank, preload, wait_ranks
+from tests.ports import free_port
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
 
@@ -46,9 +46,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.master_port is None:
         if not args.standalone:
             parser.error("--master_port is required without --standalone")
-        with socket.socket() as sock:  # a port nothing listens on now, as torchrun --standalone picks one
-            sock.bind(("127.0.0.1", 0))
-            args.master_port = sock.getsockname()[1]
+        args.master_port = free_port()  # a port nothing listens on now, as torchrun --standalone picks one
     return args
 
 

@@ -14,6 +14,7 @@ import socket
 import sys
 
 from tests.functional_tests.gpt_runs import REPO, RunResult, mock_flags, run_gpt, tiny_gpt_flags, with_flags
+from tests.ports import free_port
 
 SERVER = os.path.join(REPO, "tools", "run_text_generation_server.py")
 VENV = os.path.join(REPO, ".venv")
@@ -110,9 +111,7 @@ def test_moe_with_tensor_parallelism_and_no_sequence_parallelism(tmp_path):
     """Refused at start-up, before the ranks meet (Megatron's MoE layer refuses it at the first training step);
     the text-generation server accepts the layout (tests/unit_tests/training/test_training_validation.py)."""
     flags = tiny_gpt_flags(2) + mock_flags() + ["--num-experts", "4", "--tensor-model-parallel-size", "2"]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     result = _one_rank_of(2, flags, port, str(tmp_path))
     assert_one_clear_message(
         result, "--num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel to train"

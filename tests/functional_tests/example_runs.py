@@ -14,8 +14,7 @@ import subprocess
 import sys
 from typing import Dict, Optional, Sequence
 
-from megatron.training.training_log import parse_log_line
-from tests.functional_tests.gpt_runs import REPO, RUN_TIMEOUT_S, RunResult, free_port
+from tests.functional_tests.gpt_runs import REPO, RUN_TIMEOUT_S, RunResult, free_port, parse_run
 
 # The GPT family scripts (gpt3, llama, mixtral) at toy size: DECAY_ITERS and warm-up short enough that the
 # learning rate moves, evaluation only at the end, one checkpoint at the end.
@@ -67,11 +66,6 @@ def toy_env(iters: int, launcher: Optional[str] = "torchrun", **changes: str) ->
     return env
 
 
-def parse_output(returncode: int, output: str) -> RunResult:
-    lines = [p for p in map(parse_log_line, output.splitlines()) if p is not None]
-    return RunResult(returncode, output, lines)
-
-
 def run_script(script: str, args: Sequence[str], env: Dict[str, str], timeout: float = RUN_TIMEOUT_S) -> RunResult:
     """``bash script args`` from the repository root with a hard timeout; its output parsed."""
     cmd = ["bash", os.path.join(REPO, script), *args]
@@ -81,4 +75,4 @@ def run_script(script: str, args: Sequence[str], env: Dict[str, str], timeout: f
         raise AssertionError(
             f"{script} did not finish in {timeout}s:\n{(err.stdout or b'')[-4000:]!r}\n{(err.stderr or b'')[-4000:]!r}"
         ) from err
-    return parse_output(proc.returncode, proc.stdout + proc.stderr)
+    return parse_run(proc.returncode, proc.stdout + proc.stderr)

@@ -13,8 +13,8 @@ The same with expert parallelism (EP=2: expert buffers split expert-DP 2 into in
 Checkpoints (torch_dist, and the legacy torch format one way; optimizer state included): saved after 2
 of 4 iterations with two instances and loaded by the plain distributed optimizer at DP=2, and the
 reverse; the resumed losses are the uninterrupted run's under the loading layout, to the printed
-digits (as any change of DP size); saved and loaded with two instances, TensorBoard's float32 losses
-equal the uninterrupted run's bitwise.
+digits but for last-digit float noise (as any change of DP size); saved and loaded with two instances,
+TensorBoard's float32 losses equal the uninterrupted run's bitwise.
 
 All full tier (``FULL_ONLY``): ``tests/unit_tests/distributed/test_hybrid_sharding.py`` is the default-tier sibling
 (the same reduction at DP=4 in one spawn, the state split, the reduction order, the replica ids a

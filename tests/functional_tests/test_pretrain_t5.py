@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from megatron.training.training_log import parse_evaluation_line, parse_log_line
 from tests.functional_tests.gpt_runs import (
     REPO,
     RUN_TIMEOUT_S,
     assert_ok,
     build_sentence_corpus,
     free_port,
+    parse_run,
     run_gpt,
     tiny_gpt_flags,
 )
@@ -100,7 +100,8 @@ def test_megatron_example_script_scaled_down(bert_corpus, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    assert len([p for p in map(parse_log_line, output.splitlines()) if p is not None]) == 3
-    evaluations = [p for p in map(parse_evaluation_line, output.splitlines()) if p is not None]
+    parsed = parse_run(proc.returncode, output)
+    assert len(parsed.lines) == 3
+    evaluations = parsed.evaluations
     assert [e for e in evaluations if e.get("iteration") == 2], output[-6000:]  # EVAL_INTERVAL=2
     assert os.path.exists(os.path.join(ckpt, "iter_0000003", "metadata.json"))

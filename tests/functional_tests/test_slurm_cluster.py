@@ -29,8 +29,8 @@ from typing import Dict, List, Optional
 import pytest
 
 from megatron.training.initialize import expand_nodelist
-from tests.functional_tests.example_runs import GPT3, REAL_TORCHRUN, SBATCH_GPT, parse_output, run_script, toy_env
-from tests.functional_tests.gpt_runs import REPO, RunResult
+from tests.functional_tests.example_runs import GPT3, REAL_TORCHRUN, SBATCH_GPT, run_script, toy_env
+from tests.functional_tests.gpt_runs import REPO, RunResult, parse_run
 
 pytestmark = pytest.mark.slurm
 
@@ -128,7 +128,7 @@ def wait_for_end(job_id: str, log) -> Dict[str, str]:
 
 
 def logged(log) -> RunResult:
-    return parse_output(0, log.read_text() if log.exists() else "")
+    return parse_run(0, log.read_text() if log.exists() else "")
 
 
 def assert_job(job: Dict[str, str], state: str, restarts: int, job_id: str, log) -> None:
@@ -170,8 +170,8 @@ def test_signal_saves_exits_zero_requeues_and_resumes(tmp_path, torchrun_losses)
     first_start, resumed = text.split("requeue_if_unfinished: requeueing job", 1)
     saved = [int(x) for x in re.findall(r"iteration (\d+) of \d+ \(unfinished\)", first_start)]
     assert len(saved) == 1 and 3 <= saved[0] < ITERS, job_report(job_id, log)
-    before = [line["iteration"] for line in parse_output(0, first_start).lines]
-    after = [line["iteration"] for line in parse_output(0, resumed).lines]
+    before = [line["iteration"] for line in parse_run(0, first_start).lines]
+    after = [line["iteration"] for line in parse_run(0, resumed).lines]
     assert before == list(range(1, saved[0] + 1)) and after == list(range(saved[0] + 1, ITERS + 1)), text[-6000:]
     losses = {line["iteration"]: line["lm loss"] for line in logged(log).lines}
     assert losses == torchrun_losses, job_report(job_id, log)

@@ -8,21 +8,15 @@ exit 0, and the tracker names the last logged iteration.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from megatron.training.training_log import parse_log_line
 from tests.functional_tests.gpt_runs import REPO, mock_flags, tiny_gpt_flags
+from tests.ports import free_port
 
 DEADLINE_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(rank: int, port: int, flags, log_path: str) -> subprocess.Popen:
@@ -53,7 +47,7 @@ def _logged_iterations(path: str):
 def test_sigterm_saves_and_exits_zero(tmp_path):
     ckpt = tmp_path / "ckpt"
     flags = tiny_gpt_flags(100000) + mock_flags() + ["--exit-signal-handler", "--save", str(ckpt)]
-    port = _free_port()
+    port = free_port()
     logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
     procs = [_launch(r, port, flags, logs[r]) for r in range(2)]
     try:

@@ -31,7 +31,7 @@ from tests.functional_tests.gpt_runs import (
 
 SERVER = os.path.join(REPO, "tools", "run_text_generation_server.py")
 REFERENCE = os.path.join(REPO, "tests", "functional_tests", "text_generation_reference.py")
-START_TIMEOUT_S = 120
+START_TIMEOUT_S = 300  # a hang detector: fresh interpreters import torch, load the checkpoint (slow when loaded)
 REQUEST_TIMEOUT_S = 120
 SEQ_LENGTH = 64
 TRAIN_ITERS = 30  # enough for greedy continuations that are not all one token

@@ -42,7 +42,8 @@ def test_hung_rank_is_killed_and_named():
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_rank_one_sleeps, 2, timeout=8)
-    assert time.monotonic() - start < 40
+    # Far below the 600 s sleep; room for the fork server's start (its imports), slow on a loaded machine.
+    assert time.monotonic() - start < 120
     text = str(info.value)
     assert "rank 1 hung" in text and "_rank_one_sleeps" in text  # the stack dump names where it hung
     assert "rank 0" not in text

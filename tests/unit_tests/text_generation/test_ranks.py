@@ -69,7 +69,10 @@ def test_engine_loop_broadcasts_before_stepping_answers_failures_and_stops_last(
     engine.step = lambda step=engine.step: sent.append("engine") or step()
     loop = engine_loop.EngineLoop(engine, heartbeat_s=0.05, max_queued_requests=3)
     loop.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while ranks.NOOP not in sent:  # idle: the loop sends heartbeats (waited for; a fixed pause can be too short)
+        assert time.monotonic() < deadline, sent
+        time.sleep(0.01)
     assert loop.generate([[1], [2]], {"seed": 7}) == ["done", "done"]
     assert [c for c in engine.calls if c[0] == "add"] == [("add", 0, 7), ("add", 1, 8)]  # seed + k
     with pytest.raises(ValueError, match="empty"):

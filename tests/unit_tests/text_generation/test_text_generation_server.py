@@ -329,19 +329,26 @@ def test_threaded_server_bounds_connections_and_times_out_stalled_ones(engine):
         except urllib.error.HTTPError as err:
             return err.code
 
+    def wait_for_free_slots(count: int) -> None:
+        """A connection's slot comes back when its thread ends, just after its client has the answer: wait for
+        it (no sleep: a loaded machine may take longer than any fixed pause)."""
+        deadline = time.monotonic() + 60
+        while server.slots._value != count:  # threading.BoundedSemaphore's count
+            assert time.monotonic() < deadline, f"{server.slots._value} of 2 slots free, want {count}"
+            time.sleep(0.01)
+
     try:
         first = stalled()
-        start = time.monotonic()
-        assert post() == 200 and time.monotonic() - start < limits.read_timeout_s
-        time.sleep(0.5)  # the answered connection's thread closes it (after the client has its answer)
+        stalled_at = time.monotonic()
+        assert post() == 200 and time.monotonic() - stalled_at < limits.read_timeout_s
+        wait_for_free_slots(1)  # the answered connection's thread has ended; the stalled one holds a slot
         second = stalled()
-        time.sleep(0.3)
+        # The accepting thread takes slots in connection order: the second stalled client has the last one.
         assert post() == 503
-        start = time.monotonic()
         assert first.recv(1024).startswith(b"HTTP/1.1 408 ")
-        assert time.monotonic() - start < limits.read_timeout_s + 1
+        assert time.monotonic() - stalled_at < limits.read_timeout_s + 5  # given up at the read timeout
         second.recv(1024)
-        time.sleep(0.2)
+        wait_for_free_slots(2)
         assert post() == 200  # the slots came back
         chunked = socket.create_connection(("127.0.0.1", server.port), timeout=10)  # no Content-Length to check
         chunked.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")

@@ -5,7 +5,7 @@ import os
 from typing import List, Tuple
 
 from tests.entry_launcher import launch
-from tests.functional_tests.gpt_runs import REPO, free_port
+from tests.functional_tests.gpt_runs import REPO, RUN_TIMEOUT_S, free_port
 
 CONVERT = os.path.join(REPO, "tools", "checkpoint", "convert.py")
 
@@ -28,6 +28,6 @@ def convert_to_megatron(hf_dir: str, save: str) -> Tuple[str, List[str]]:
     training flags)."""
     argv = [CONVERT, "--direction", "hf-to-megatron", "--hf-dir", hf_dir, "--save", save]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    code, stdout, stderr = launch(1, argv, os.path.dirname(save), env, free_port(), 120)
+    code, stdout, stderr = launch(1, argv, os.path.dirname(save), env, free_port(), RUN_TIMEOUT_S)
     assert code == 0, stderr
     return stdout, stdout.splitlines()[-1].split()

@@ -2,7 +2,6 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import torch
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from megatron.training import initialize as init
 from tests.dist_harness import run_distributed
+from tests.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -177,9 +177,7 @@ def test_initialize_on_two_ranks():
 
 
 def test_initialize_megatron_creates_process_group_from_torchrun_env():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = (
         "import torch.distributed as dist\n"
         "from megatron.core import parallel_state\n"

@@ -384,7 +384,10 @@ def test_wandb_offline_run_directory(tmp_path, monkeypatch, capsys):
         "WANDB_MODE",
         "WANDB_API_KEY",
     ):
-        monkeypatch.delenv(var, raising=False)
+        # setenv first, so that the undo removes what the writer sets (delenv of an unset variable records
+        # nothing, and the writer's defaults would outlive the test, reaching later tests and their ranks).
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     before = _service_children()
     cfg = LoggingConfig(log_interval=1, wandb_project="proj", wandb_exp_name="exp", wandb_save_dir=str(tmp_path / "wb"))
     logger = TrainingLogger(cfg, rank=0, world_size=1, run_config={"lr": 1e-3})
