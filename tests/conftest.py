@@ -192,12 +192,14 @@ FULL_ONLY = {  # one key per entry, however long
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe[tp2-pp4-dp8-distopt-bf16]": (
         "[tp2-sp-pp2-dp2-distopt-bf16] (the same TP, PP, DP and distributed-optimizer layout on 8 ranks)"
     ),
-    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe_as_its_last_rank": (
-        "test_case_is_gpu_safe[the same case] as its first rank: without pipeline stages every rank runs the same"
-        " code on its own TP/CP/EP/DP coordinates; the PP cases' last ranks in test_case_is_gpu_safe"
+    "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe_at_its_other_end": (
+        "test_case_is_gpu_safe[the same case] at its one end: without pipeline stages every rank runs the same code"
+        " on its own TP/CP/EP/DP coordinates; of the pipeline stages, [tp2-sp-pp2-dp2-distopt-bf16]'s last (loss,"
+        " activations received, gradients sent) and [pp2-vpp2-dp2-distopt-fp16]'s first (activations sent,"
+        " gradients received)"
     ),
     "tests/functional_tests/test_gpu_dry_run.py::test_case_is_gpu_safe_as_its_middle_rank": (
-        "test_case_is_gpu_safe[the same case] as its first and last rank: a middle rank's TP, PP, CP and EP"
+        "test_case_is_gpu_safe[the same case] and at its other end: a middle rank's TP, PP, CP and EP"
         " coordinates are each 0 or the last; its one interior DP shard (ep2-moe-tp2-dp4's DP rank 1 of 4) is"
         " test_distributed_optimizer_state_is_sharded_and_portable[4]'s"
     ),

@@ -8,9 +8,8 @@ call meeting CUDA's layout checks on fake CUDA tensors) trains, saves, resumes a
 middle and its last rank: no device mismatch, no CPU tensor in an NCCL call, at most the case's bound of host syncs
 per steady-state iteration (6 for dense models, see grid.py), and every bf16/fp16 attention call outside context
 parallelism is flash-eligible (DeepSeek-V4's attention makes none: batched matmuls over gathered keys,
-``Case.sdpa``). The default tier plays its cases as their first rank, and those with pipeline stages as their last
-rank too; the full tier adds the other cases' last ranks and each middle rank (``DRY_RUN_GRID``'s ``NAME:RANKS``
-tells the script which).
+``Case.sdpa``). The default tier plays each of its cases as one rank (``default_rank``); the full tier adds the
+rank at the other end and each middle rank (``DRY_RUN_GRID``'s ``NAME:RANKS`` tells the script which).
 """
 
 import json
@@ -30,22 +29,26 @@ MIDDLE_RANK_CASES = [
 ]
 
 
-def has_pipeline(case) -> bool:
-    """Whether the case splits the model into pipeline stages (its first and last ranks then run different code)."""
-    flags = case.flags
-    return "--pipeline-model-parallel-size" in flags and flags[flags.index("--pipeline-model-parallel-size") + 1] != "1"
+# The 1F1B pipeline case played as its last stage (it receives activations, computes the loss under PP and sends
+# gradients back); the interleaved pipeline case as its first (it sends activations and receives gradients): between
+# them the default tier covers both stages and both p2p directions.
+LAST_STAGE_CASE = "tp2-sp-pp2-dp2-distopt-bf16"
 
 
-def default_ranks(case) -> str:
-    """The ranks ``test_case_is_gpu_safe`` plays: first and last with pipeline stages, else the first only (every
-    rank of a case without PP runs the same code on its own coordinates; the last rank is the full tier's)."""
-    return "first,last" if has_pipeline(case) else "first"
+def default_rank(case) -> str:
+    """The rank ``test_case_is_gpu_safe`` plays: the first, but the 1F1B pipeline case's last (a case without
+    pipeline stages runs the same code on every rank, on its own TP/CP/EP/DP coordinates)."""
+    return "last" if case.name == LAST_STAGE_CASE else "first"
 
 
-LAST_RANK_CASES = [c for c in GRID if not has_pipeline(c)]
+def other_end(case) -> str:
+    """The end rank ``default_rank`` does not play (the full tier's)."""
+    return "first" if default_rank(case) == "last" else "last"
+
+
 _RANKS_OF_TEST = {
-    "test_case_is_gpu_safe": default_ranks,
-    "test_case_is_gpu_safe_as_its_last_rank": lambda case: "last",
+    "test_case_is_gpu_safe": default_rank,
+    "test_case_is_gpu_safe_at_its_other_end": other_end,
     "test_case_is_gpu_safe_as_its_middle_rank": lambda case: "middle",
 }
 
@@ -55,7 +58,7 @@ def cases_to_run(items) -> str:
     ``NAME:RANKS`` (the ranks those tests read, joined by ``+``).
 
     The default tier runs a subset of the cases (tests/conftest.py FULL_ONLY lists the others) at
-    ``default_ranks``, so the script plays only those; a test that needs every case asks for ``all``.
+    ``default_rank``, so the script plays only those; a test that needs every case asks for ``all``.
     """
     wanted = {}
     for item in _selected(items):
@@ -117,16 +120,15 @@ def _assert_gpu_safe(entries, case, rank):
 
 @pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
 def test_case_is_gpu_safe(grid, case):
-    """The case played as its first rank, and as its last rank when it has pipeline stages."""
+    """The case played as ``default_rank``."""
     _, entries = grid
-    for rank in pick_ranks(default_ranks(case), case.world_size):
-        _assert_gpu_safe(entries, case, rank)
+    _assert_gpu_safe(entries, case, pick_ranks(default_rank(case), case.world_size)[0])
 
 
-@pytest.mark.parametrize("case", LAST_RANK_CASES, ids=[c.name for c in LAST_RANK_CASES])
-def test_case_is_gpu_safe_as_its_last_rank(grid, case):
+@pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
+def test_case_is_gpu_safe_at_its_other_end(grid, case):
     _, entries = grid
-    _assert_gpu_safe(entries, case, pick_ranks("last", case.world_size)[0])
+    _assert_gpu_safe(entries, case, pick_ranks(other_end(case), case.world_size)[0])
 
 
 @pytest.mark.parametrize("case", MIDDLE_RANK_CASES, ids=[c.name for c in MIDDLE_RANK_CASES])
