@@ -184,6 +184,9 @@ def _fusion_run(groups, fused, sequence_parallel):
     assert all(b.dispatched for buf in ddp.buffers for b in buf.buckets), "a DDP hook did not fire"
     # [s, b, h] contiguous: a [b, s, h] view would make every proj / fc2 GEMM copy its gradient operand
     assert layouts == [True, True], layouts
+    dummy = lf._wgrad_dummy(model.embedding.word_embeddings.weight)  # tied: summed with the lookup's gradient
+    assert dummy.stride() == (0, 0) and not dummy.any(), "the tied weight's dummy fills a [V, h] tensor"
+    model.embedding.word_embeddings.weight.grad_added_to_main_grad = False
     ddp.finish_grad_sync()
     assert not any(getattr(p, "grad_added_to_main_grad", False) for p in model.parameters())
     return {n: p.main_grad.clone() for n, p in model.named_parameters()}, flagged
