@@ -13,7 +13,8 @@ weight-gradient GEMMs, the output layer's, and attention's batched products at t
 the step's dtype; the ratios ours / each column are printed.
 
 Ours: ``GPTModel`` with ``gradient_accumulation_fusion`` and the fusions (on by default in ``pretrain_gpt.py``,
-as in Megatron) wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32 gradient
+as in Megatron), plus ``--cross-entropy-loss-fusion`` (off by default, as in Megatron: a user after speed turns it
+on; ``OURS_FLAGS`` is printed), wrapped in our ``DistributedDataParallel`` (one gloo rank, contiguous fp32 gradient
 buffer) and ``get_megatron_optimizer`` (AdamW, clip_grad 1.0), the step the training loop runs: zero
 the buffer, forward, mean loss, backward, ``finish_grad_sync``, ``optimizer.step()``.
 
@@ -88,8 +89,22 @@ from tests.model_utils import batch, build_gpt, gpt2_style  # noqa: E402
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, max_sequence_length=64)
 CONFIGS = {"tiny": (TINY, 2, 64), "gpt2-small": (GPT2_SMALL, 4, 512)}  # model kwargs, micro batch, seq
 LR, WEIGHT_DECAY, CLIP, STD = 1e-4, 0.01, 1.0, 0.02
-# pretrain_gpt.py's defaults (Megatron's): each --no-*-fusion flag turns one off
-FUSIONS = ("bias_dropout_fusion", "bias_activation_fusion", "apply_rope_fusion", "persist_layer_norm")
+# pretrain_gpt.py's defaults (Megatron's): each --no-*-fusion flag turns one off; plus the cross-entropy
+# fusion, off by default in Megatron, that a user after speed passes (--cross-entropy-loss-fusion)
+FUSIONS = (
+    "bias_dropout_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+)
+# the pretrain_gpt.py command line "ours" stands for (the fusions above are its defaults, but the cross entropy's)
+OURS_FLAGS = (
+    "--cross-entropy-loss-fusion --gradient-accumulation-fusion (default) --attention-backend auto (SDPA) "
+    "--hidden-dropout 0 --attention-dropout 0 --clip-grad 1.0 --weight-decay 0.01 [--bf16], "
+    "fusions on (Megatron's defaults: bias-dropout, bias-gelu, masked-softmax, rope, persist-layer-norm)"
+)
 COLUMNS = ("ours", "ours-unfused", "plain", "plain-compiled", "gemm-floor")
 
 
@@ -217,12 +232,14 @@ def gemm_floor_fn(kwargs: Dict, bf16: bool, b: int, s: int) -> Callable[[], None
     any implementation of the step. Attention's products run over half the (batch x head) pairs: the
     work a causal kernel does, which skips the masked half."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    operands = [
-        (torch.randn(max(bt // 2, 1), m, k, dtype=dtype), torch.randn(max(bt // 2, 1), k, n, dtype=dtype))
-        if bt > 1
-        else (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype))
-        for bt, m, k, n in gemm_shapes(kwargs, b, s)
-    ]
+    by_shape = {}  # one operand pair per distinct shape (the layers repeat theirs): GBs less host memory
+    for bt, m, k, n in set(gemm_shapes(kwargs, b, s)):
+        batch_dims = (max(bt // 2, 1),) if bt > 1 else ()
+        by_shape[bt, m, k, n] = (
+            torch.randn(*batch_dims, m, k, dtype=dtype),
+            torch.randn(*batch_dims, k, n, dtype=dtype),
+        )
+    operands = [by_shape[shape] for shape in gemm_shapes(kwargs, b, s)]
 
     def step() -> None:
         for a, w in operands:
@@ -326,6 +343,8 @@ def main() -> None:
             f"{args.config}: median of {args.iters} steps after {args.warmup} warm-up, alternating, {how}, "
             f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}"
         )
+        print(f"ours: {OURS_FLAGS}; ours-unfused: every --no-*-fusion, no --cross-entropy-loss-fusion")
+        print("plain: fused torch.optim.AdamW, clip_grad_norm_ 1.0, same shapes and batch; bf16 = autocast")
         for dtype in dtypes:
             if args.isolated:
                 t = compare_isolated(
@@ -335,7 +354,8 @@ def main() -> None:
                 t = compare(args.config, dtype == "bf16", args.iters, args.warmup, columns)
             cells = [f"{name} {t[name] * 1e3:9.1f} ms" for name in columns]
             ratios = [f"ours/{name} {t['ours'] / t[name]:.3f}" for name in columns if name != "ours" and "ours" in t]
-            print(f"{dtype}: " + "  ".join(cells) + ("  |  " + "  ".join(ratios) if ratios else ""), flush=True)
+            load = f"  (load {os.getloadavg()[0]:.2f})"
+            print(f"{dtype}: " + "  ".join(cells) + ("  |  " + "  ".join(ratios) if ratios else "") + load, flush=True)
         dist.destroy_process_group()
 
 

@@ -20,8 +20,8 @@ With ``fuse_wgrad_accumulation`` (``gradient_accumulation_fusion``) and a weight
 ``main_grad`` (the data-parallel buffer's view), ``dW`` is accumulated straight into ``main_grad``
 by the GEMM itself, in ``main_grad``'s precision (fp32 for bf16/fp16 models; ``_wgrad_gemm_accumulate_``)
 and ``weight.grad_added_to_main_grad`` is set; the gradient returned to autograd is a dummy
-(uninitialised; zeros for a weight marked ``zero_out_wgrad``, whose other users' gradients are
-summed with it) so that AccumulateGrad still runs and DDP's hook fires, which then skips adding it.
+(uninitialised; zeros, a scalar expanded, for a weight marked ``zero_out_wgrad``, whose other users'
+gradients are summed with it) so that AccumulateGrad still runs and DDP's hook fires, which then skips adding it.
 
 With a ``quantizer`` (``quantization.recipes.LinearQuantizer``, FP8/FP4 training) the three GEMMs
 run on quantized operands (``quantization.fp8_gemm.quantized_matmul``): X and W forward, dY and W for
@@ -159,7 +159,9 @@ def _wgrad_dummy(weight: torch.Tensor) -> torch.Tensor:
     """What autograd receives for a gradient already added to ``main_grad``."""
     weight.grad_added_to_main_grad = True
     if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros_like(weight)
+        # Zeros without a full-size fill: one scalar seen through zero strides. Autograd sums it into the
+        # other user's dense gradient (the tied embedding's); alone, AccumulateGrad makes it dense itself.
+        return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
     return torch.empty_like(weight)
 
 

@@ -174,12 +174,19 @@ def _fusion_run(groups, fused, sequence_parallel):
     assert sum(len(b.buckets) for b in ddp.buffers) > 1
     ddp.zero_grad_buffer()
     tokens, labels = batch(seed=3, b=4)
+    layouts = []  # the embedding's output: the residual stream's memory layout, which its gradients inherit
+    model.embedding.register_forward_hook(lambda module, args, out: layouts.append(out.is_contiguous()))
     for m in range(2):
         ctx = ddp.no_sync() if m == 0 else contextlib.nullcontext()
         with ctx:
             ddp(tokens[2 * m : 2 * m + 2], None, None, labels=labels[2 * m : 2 * m + 2]).mean().backward()
         assert all(p.grad is None for p in model.parameters())
     assert all(b.dispatched for buf in ddp.buffers for b in buf.buckets), "a DDP hook did not fire"
+    # [s, b, h] contiguous: a [b, s, h] view would make every proj / fc2 GEMM copy its gradient operand
+    assert layouts == [True, True], layouts
+    dummy = lf._wgrad_dummy(model.embedding.word_embeddings.weight)  # tied: summed with the lookup's gradient
+    assert dummy.stride() == (0, 0) and not dummy.any(), "the tied weight's dummy fills a [V, h] tensor"
+    model.embedding.word_embeddings.weight.grad_added_to_main_grad = False
     ddp.finish_grad_sync()
     assert not any(getattr(p, "grad_added_to_main_grad", False) for p in model.parameters())
     return {n: p.main_grad.clone() for n, p in model.named_parameters()}, flagged

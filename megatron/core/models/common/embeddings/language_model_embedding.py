@@ -113,9 +113,13 @@ class LanguageModelEmbedding(MegatronModule):
             raise ValueError(
                 f"tokentype_ids must be given exactly when num_tokentypes > 0 (num_tokentypes={self.num_tokentypes})"
             )
-        words = self.word_embeddings(input_ids)  # [s/tp, b, h] with SP, else [b, s, h]
-        if not self.sequence_parallel:
-            words = words.transpose(0, 1)  # [s, b, h]
+        if self.sequence_parallel:
+            words = self.word_embeddings(input_ids)  # [s/tp, b, h]: transposed before the reduce-scatter
+        else:
+            # Looked up in [s, b] order, so the rows land contiguous as [s, b, h]: a transposed [b, s, h]
+            # view would give the whole residual stream, and every gradient flowing back along it, a
+            # [b, s, h] memory layout, which the GEMMs on those gradients (proj, fc2) would then copy.
+            words = self.word_embeddings(input_ids.t())  # [s, b, h], contiguous
         replicated = self._replicated_sum(input_ids, position_ids, tokentype_ids)  # [s, b, h] or None
         if replicated is not None:
             if self.sequence_parallel:
