@@ -13,7 +13,7 @@ when missing, then runs pytest on what it is given:
                          11 min of pytest on 2 quiet cores, measured 2026-12-02, see README)
   --full                 every test: the default tier plus the tests tests/conftest.py lists as full-only
                          (bash scripts/run_tests.sh --full -m full runs only those, as .ci/run does after
-                         the default tier; 124 tests, about 18 min more)
+                         the default tier; 128 tests, about 15 min more)
   PATHS / NODE IDS       only those, every test in them (full-only ones too), e.g. tests/fault
   -k EXPR, -x, ...       any other pytest option, applied to the default tier (or to the given paths)
   -h, --help             this help; installs and downloads nothing
