@@ -22,9 +22,10 @@ if [[ ! -f $stamp ]]; then
   # larger half of this set-up). Skipping it would move that cost into every test process wherever
   # PYTHONDONTWRITEBYTECODE is set (measured: the default tier 11 -> 17 min). The files that do not
   # compile are ones pip skips too (torch's Python 3.12-only test helper); they are listed, not fatal. The
-  # packages' own test folders (about 3,300 files) are left out: nothing here imports them.
+  # packages' own test folders (about 3,300 files) are left out: nothing here imports them (matched below
+  # site-packages only, so a clone inside a folder named tests still compiles everything).
   echo "setup: byte-compiling .venv"
-  python -m compileall -q -j 0 -x '/tests?/|/py312_intrinsics\.py$' \
+  python -m compileall -q -j 0 -x 'site-packages/(.+/)?tests?/|/py312_intrinsics\.py$' \
     "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" ||
     echo "setup: the files above did not compile; Python reads them from source (as after pip's own compile)"
   touch "$stamp"
